@@ -1,0 +1,36 @@
+# Two commands: `make demo` and `make test`. Both set up .venv from scratch on a fresh machine.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# Per-run scratch: torchrun and matplotlib leave files in TMPDIR and HOME.
+RUNDIR  := $(CURDIR)/.run
+export TMPDIR := $(RUNDIR)/tmp
+export HOME   := $(RUNDIR)/home
+export MPLCONFIGDIR := $(RUNDIR)/mpl
+
+.PHONY: setup demo test test-unit test-multiproc bench lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@mkdir -p $(TMPDIR) $(HOME) $(MPLCONFIGDIR)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	@touch $@
+
+setup: $(STAMP)
+	@mkdir -p $(TMPDIR) $(HOME) $(MPLCONFIGDIR)
+
+demo: setup
+	$(BIN)/phalanx demo
+
+test: setup
+	$(BIN)/python -m pytest tests
+
+bench: setup
+	$(BIN)/phalanx bench --quick --out results/
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) $(RUNDIR) results build src/*.egg-info

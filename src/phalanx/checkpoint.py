@@ -1,0 +1,186 @@
+"""Checkpoints that are written atomically and verified on load.
+
+Two kinds:
+
+* ``px.save(model, path)``: the plain ``state_dict`` of the user's module (no
+  ``module.`` prefixes), a normal ``torch.save`` file that ``Net().load_state_dict``
+  takes as it is.
+* ``px.save_checkpoint(path, model, optimizer, ...)``: everything a run needs to
+  continue exactly: model, optimizer, strategy state, sampler position, RNG states
+  and step. The file carries a SHA-256 of its body and is loaded with
+  ``weights_only=True``, so a truncated or tampered file is refused and nothing in
+  it can run code.
+
+Example:
+    >>> import torch, phalanx as px, tempfile, os
+    >>> net = torch.nn.Linear(2, 2)
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.pt")
+    >>> px.save(net, path); net.load_state_dict(torch.load(path, weights_only=True))
+    <All keys matched successfully>
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import group
+from .errors import CheckpointError
+from .wrap import strategy_of, unwrap
+
+MAGIC = b"PHALANX-CKPT-1\n"
+
+
+def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temporary file beside ``path``, fsync, then rename over it."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def save(model: nn.Module, path: str | os.PathLike) -> None:
+    """Save the plain model's weights from the main worker only (others return at once).
+
+    Example:
+        >>> import torch, phalanx as px, tempfile, os
+        >>> px.save(torch.nn.Linear(1, 1), os.path.join(tempfile.mkdtemp(), "m.pt"))
+    """
+    if group.is_main():
+        state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+        _atomic_write(path, _to_bytes(state))
+
+
+def rng_state() -> dict[str, Any]:
+    """This worker's RNG states as tensors and plain values (loadable with weights_only)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
+                             "numpy": _numpy_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _numpy_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "gauss": float(gauss)}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    np.random.set_state((np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    loader: Any = None, step: int = 0, extra: dict[str, Any] | None = None) -> None:
+    """Write a resumable checkpoint (main worker only; call it on every worker).
+
+    RNG states are this worker's; the strategy's state is rank 0's, which is what
+    every synchronous strategy shares. ``extra`` holds the caller's own plain values.
+
+    Example:
+        >>> import torch, phalanx as px, tempfile, os
+        >>> net = torch.nn.Linear(2, 1); opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> px.save_checkpoint(p, net, opt, step=3); px.load_checkpoint(p, net, opt)["step"]
+        3
+    """
+    from .comm import Comm
+    # Each worker's torch generator differs (dropout, augmentation); keep them all.
+    torch_rngs = Comm().all_gather(torch.get_rng_state())
+    if not group.is_main():
+        return
+    strategy = strategy_of(optimizer) if optimizer is not None else None
+    body = {
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "strategy": strategy.state_dict() if strategy is not None else None,
+        "loader": loader.state_dict() if loader is not None else None,
+        "rng": rng_state(),
+        "torch_rng_per_rank": torch_rngs,
+        "step": int(step),
+        "world_size": group.world_size(),
+        "extra": extra or {},
+    }
+    payload = _to_bytes(body)
+    _atomic_write(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and verify a checkpoint file without applying it."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path!r}; expected a file written by px.save_checkpoint. "
+                              "Check the path, or start without resuming.") from None
+    if not data.startswith(MAGIC):
+        raise CheckpointError(f"{path!r} is not a phalanx checkpoint (bad header); expected a file from "
+                              "px.save_checkpoint. For px.save files use torch.load(path, weights_only=True).")
+    digest, _, payload = data[len(MAGIC):].partition(b"\n")
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise CheckpointError(f"{path!r} is truncated or corrupted (SHA-256 mismatch over {len(payload)} bytes); "
+                              "expected an intact checkpoint. Resume from an earlier checkpoint.")
+    try:
+        return torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+    except Exception as err:
+        raise CheckpointError(f"{path!r} could not be loaded safely ({err}); expected tensors and plain values "
+                              "only. Do not load checkpoints from untrusted sources.") from err
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    loader: Any = None, restore_rng: bool = True) -> dict[str, Any]:
+    """Restore what :func:`save_checkpoint` wrote; returns the body (``step``, ``extra``...).
+
+    Every worker reads the file, so it must be on a filesystem they share.
+    """
+    body = read_checkpoint(path)
+    try:
+        unwrap(model).load_state_dict(body["model"])
+    except RuntimeError as err:
+        raise CheckpointError(f"{path!r} holds weights for another model: {str(err).splitlines()[0]}. "
+                              "Build the same architecture before loading.") from err
+    if optimizer is not None and body["optimizer"] is not None:
+        optimizer.load_state_dict(body["optimizer"])
+        strategy = strategy_of(optimizer)
+        if strategy is not None and body["strategy"] is not None:
+            strategy.load_state_dict(body["strategy"])
+    if loader is not None and body["loader"] is not None:
+        loader.load_state_dict(body["loader"])
+    if restore_rng:
+        set_rng_state(body["rng"])
+        per_rank = body.get("torch_rng_per_rank") or []
+        if group.rank() < len(per_rank):
+            torch.set_rng_state(per_rank[group.rank()])
+    return body

@@ -1,0 +1,152 @@
+"""Collectives over the worker group, with byte and time accounting.
+
+Every strategy talks through a :class:`Comm`, so bytes sent per step and the
+time spent blocked in communication are measured in one place. In a group of
+one every collective is a no-op that costs nothing and sends nothing.
+
+Example:
+    >>> import torch, phalanx as px
+    >>> comm = px.Comm()
+    >>> t = torch.ones(3); comm.all_reduce_([t]); t
+    tensor([1., 1., 1.])
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import group
+from .errors import WorkerLostError
+
+
+@dataclass
+class CommStats:
+    """Running totals; read them, diff them, never reset them behind a user's back."""
+
+    bytes_sent: int = 0  # payload bytes this worker put into collectives
+    calls: int = 0
+    seconds: float = 0.0  # wall time blocked in collectives (exposed communication)
+
+    def snapshot(self) -> "CommStats":
+        return CommStats(self.bytes_sent, self.calls, self.seconds)
+
+
+def lost_ranks(timeout_s: float = 3.0) -> list[int] | None:
+    """After a failed collective, ask the store which peers are still there.
+
+    Survivors all see the failure within moments (gloo resets the connection), so
+    each one checks in under ``failed/<rank>``; whoever never checks in is gone.
+    Returns None when the store itself is unreachable.
+    """
+    store, me, world = group.store(), group.rank(), group.world_size()
+    if store is None:
+        return None
+    try:
+        store.set(f"failed/{me}", "1")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [r for r in range(world) if not store.check([f"failed/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:  # the store's host itself is gone
+        return None
+
+
+@contextlib.contextmanager
+def guarded(what: str) -> Iterator[None]:
+    """Turn a peer's disappearance during a collective into one clear error."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as err:
+        if isinstance(err, WorkerLostError):
+            raise
+        lost = lost_ranks()
+        who = ("rank(s) " + ", ".join(map(str, lost))) if lost else "the rank hosting the store (rank 0)"
+        raise WorkerLostError(
+            f"rank {group.rank()} lost contact with {who} during {what} "
+            f"(timeout {group.timeout_s():.0f}s): {str(err).splitlines()[0][:200]}. "
+            "The lost worker probably crashed; see its own log above. "
+            "Raise the bound with PHALANX_TIMEOUT or px.init(timeout=...) if it was only slow."
+        ) from err
+
+
+def _coalesced(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Group by dtype/device and flatten, so one collective moves many small tensors."""
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    for ts in buckets.values():
+        yield torch.cat([t.reshape(-1) for t in ts]), ts
+
+
+def _scatter_back(flat: torch.Tensor, ts: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in ts:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+class Comm:
+    """All-reduce, broadcast and all-gather over the default group, accounted.
+
+    Example:
+        >>> comm = Comm(); x = torch.arange(4.); comm.broadcast_([x]); x.tolist()
+        [0.0, 1.0, 2.0, 3.0]
+    """
+
+    def __init__(self) -> None:
+        self.stats = CommStats()
+
+    @property
+    def world_size(self) -> int:
+        return group.world_size()
+
+    @property
+    def rank(self) -> int:
+        return group.rank()
+
+    @contextlib.contextmanager
+    def _timed(self, what: str, nbytes: int) -> Iterator[None]:
+        start = time.perf_counter()
+        with guarded(what):
+            yield
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.bytes_sent += nbytes
+        self.stats.calls += 1
+
+    def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
+        """Reduce in place across workers; ``op`` is "mean" or "sum"."""
+        if self.world_size == 1:
+            return
+        for flat, ts in _coalesced(tensors):
+            with self._timed("all_reduce", flat.numel() * flat.element_size()):
+                dist.all_reduce(flat)  # gloo has no AVG, so sum then scale
+            if op == "mean":
+                flat.div_(self.world_size)
+            _scatter_back(flat, ts)
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` on every worker with rank ``src``'s values."""
+        if self.world_size == 1:
+            return
+        for flat, ts in _coalesced(tensors):
+            sent = flat.numel() * flat.element_size() if self.rank == src else 0
+            with self._timed("broadcast", sent):
+                dist.broadcast(flat, src)
+            _scatter_back(flat, ts)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every worker's ``tensor`` (same shape on all), in rank order."""
+        if self.world_size == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        with self._timed("all_gather", tensor.numel() * tensor.element_size()):
+            dist.all_gather(out, tensor.contiguous())
+        return out

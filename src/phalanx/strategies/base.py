@@ -1,0 +1,141 @@
+"""The strategy template: how replicas agree.
+
+phalanx follows the five-part template of the Platoon design:
+
+1. sampler: :func:`phalanx.shard`;
+2. local dynamics: the user's own ``torch.optim`` optimizer;
+3. sync condition: a :class:`SyncCondition` such as ``px.every(k)``;
+4. exchange rule: an :class:`Exchange`, or a whole :class:`Strategy`;
+5. finish condition: the user's loop, or ``Trainer.fit(epochs=...)``.
+
+A :class:`Strategy` sees the training step through three methods, all optional:
+``attach`` once, then ``before_step`` and ``after_step`` around every
+``optimizer.step()``. Mutable state goes in ``state_dict`` so checkpoints hold it.
+
+Example (a complete custom rule: average parameters every 4 steps):
+    >>> import torch, phalanx as px
+    >>> class Average(px.Exchange):
+    ...     def exchange(self, params, comm):
+    ...         comm.all_reduce_([p.data for p in params])
+    >>> strategy = px.Periodic(px.every(4), Average())
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from ..comm import Comm
+
+
+@runtime_checkable
+class SyncCondition(Protocol):
+    """When replicas talk: called with the 1-based count of local steps taken."""
+
+    def __call__(self, step: int) -> bool: ...
+
+
+class Exchange:
+    """How replicas reconcile at a sync point. Override :meth:`exchange`."""
+
+    def setup(self, params: list[nn.Parameter], comm: Comm) -> None:
+        """Called once after the initial broadcast; allocate state here."""
+
+    def exchange(self, params: list[nn.Parameter], comm: Comm) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Strategy:
+    """Base of every strategy: attach, then hook around ``optimizer.step()``.
+
+    The base class broadcasts rank 0's parameters and buffers on attach, so
+    replicas start identical even when the workers' seeds differ.
+    """
+
+    #: Name used by ``px.wrap(..., strategy="name")`` and the benchmark.
+    name = "custom"
+
+    def __init__(self) -> None:
+        self.comm = Comm()
+        self.steps = 0  # optimizer steps taken on this worker
+
+    # -- the template ---------------------------------------------------------
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        """Called once by ``px.wrap``; returns the module the user trains."""
+        self.model, self.optimizer = model, optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
+        return model
+
+    def before_step(self) -> None:
+        """Runs before ``optimizer.step()``: exchange gradients here."""
+
+    def after_step(self) -> None:
+        """Runs after ``optimizer.step()``: exchange parameters here."""
+        self.steps += 1
+
+    # -- state ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (tensors and plain values only)."""
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this worker has sent so far."""
+        return self.comm.stats.bytes_sent
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Periodic(Strategy):
+    """Local steps, then an exchange whenever the sync condition says so.
+
+    Example:
+        >>> import phalanx as px
+        >>> px.Periodic(px.every(8), px.ParameterAverage())
+        Periodic(every(8), ParameterAverage)
+    """
+
+    name = "periodic"
+
+    def __init__(self, sync: SyncCondition, exchange: Exchange) -> None:
+        super().__init__()
+        self.sync, self.exchange = sync, exchange
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        module = super().attach(model, optimizer)
+        self.exchange.setup(self.params, self.comm)
+        return module
+
+    def after_step(self) -> None:
+        super().after_step()
+        if self.sync(self.steps):
+            self.exchange.exchange(self.params, self.comm)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "exchange": self.exchange.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.exchange.load_state_dict(state["exchange"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.sync!r}, {type(self.exchange).__name__})"
+
+
+class ParameterAverage(Exchange):
+    """Replace every replica's parameters by their mean (model averaging)."""
+
+    def exchange(self, params: list[nn.Parameter], comm: Comm) -> None:
+        comm.all_reduce_([p.data for p in params])
