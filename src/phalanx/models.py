@@ -1,0 +1,145 @@
+"""Reference models, written here because torchvision is not available.
+
+* :func:`mlp`: the 784-5x1024-10 MLP, the communication-heavy case (5.0M parameters).
+* :func:`resnet_cifar`: ResNet-20/32/56/110 for 3x32x32 inputs (He et al. 2016, section 4.2).
+* :func:`resnet50`: the ImageNet bottleneck ResNet-50 (25.6M parameters).
+* :func:`digits_cnn`: a small CNN for scikit-learn's 8x8 digits.
+
+Example:
+    >>> import torch, phalanx.models as M
+    >>> M.resnet_cifar(20)(torch.randn(2, 3, 32, 32)).shape
+    torch.Size([2, 10])
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import ConfigError, usage
+
+
+def mlp(in_features: int = 784, hidden: int = 1024, depth: int = 5, classes: int = 10) -> nn.Sequential:
+    """``depth`` hidden layers of ``hidden`` units with ReLU."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = in_features
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+class _Basic(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.short(x))
+
+
+class ResNetCifar(nn.Module):
+    """ResNet for CIFAR: depth = 6n + 2, three stages of 16/32/64 channels."""
+
+    def __init__(self, depth: int = 20, classes: int = 10) -> None:
+        super().__init__()
+        if depth < 8 or (depth - 2) % 6:
+            raise ConfigError(usage(f"resnet_cifar depth={depth}", "6n+2 (20, 32, 44, 56, 110)",
+                                    "Pick one of the standard depths."))
+        n = (depth - 2) // 6
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        blocks, cin = [], 16
+        for cout, stride in ((16, 1), (32, 2), (64, 2)):
+            for i in range(n):
+                blocks.append(_Basic(cin, cout, stride if i == 0 else 1))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(64, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.stem(x))
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet_cifar(depth: int = 20, classes: int = 10) -> ResNetCifar:
+    return ResNetCifar(depth, classes)
+
+
+class _Bottleneck(nn.Module):
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * 4
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout))
+        self.short = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.short(x))
+
+
+def resnet50(classes: int = 1000) -> nn.Sequential:
+    """ResNet-50 (He et al. 2016) for 3x224x224 inputs."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                               nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for width, count, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for i in range(count):
+            layers.append(_Bottleneck(cin, width, stride if i == 0 else 1))
+            cin = width * 4
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
+def digits_cnn(classes: int = 10) -> nn.Sequential:
+    """A small CNN for 1x8x8 digits; no BatchNorm, so data-parallel equals one process exactly."""
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, classes))
+
+
+# name -> (builder, per-sample input shape, classes): what the benchmark runs on synthetic data
+ZOO: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
+    "mlp": (mlp, (784,), 10),
+    "resnet20": (lambda: resnet_cifar(20), (3, 32, 32), 10),
+    "resnet32": (lambda: resnet_cifar(32), (3, 32, 32), 10),
+    "resnet56": (lambda: resnet_cifar(56), (3, 32, 32), 10),
+    "resnet110": (lambda: resnet_cifar(110), (3, 32, 32), 10),
+    "resnet50": (resnet50, (3, 224, 224), 1000),
+    "digits_cnn": (digits_cnn, (1, 8, 8), 10),
+}
+
+
+def build(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
+    """A fresh model by name, with its input shape and class count."""
+    if name not in ZOO:
+        raise ConfigError(usage(f"unknown model {name!r}", "one of " + ", ".join(ZOO), "Pick a listed model."))
+    builder, shape, classes = ZOO[name]
+    return builder(), shape, classes
+
+
+def load_digits_split(test_fraction: float = 0.25, seed: int = 0):
+    """scikit-learn's bundled 8x8 digits (no download) as train/test TensorDatasets, scaled to [0, 1]."""
+    from sklearn.datasets import load_digits
+    from torch.utils.data import TensorDataset
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_test = int(len(x) * test_fraction)
+    test, train = perm[:n_test], perm[n_test:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])

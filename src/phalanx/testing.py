@@ -1,0 +1,116 @@
+"""Test utilities: start real worker processes, inject failures in one line.
+
+``run_workers("mypkg.mod:fn", world_size=2)`` starts one Python process per rank
+with the same variables ``phalanx run`` and torchrun set (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``...), calls ``fn(**kwargs)`` in each, and returns
+what each rank's call returned (tensors and plain values, moved with
+``torch.save``/``weights_only`` loads). Nothing is mocked: the workers talk gloo.
+
+Example:
+    >>> from phalanx.testing import run_workers
+    >>> run_workers("phalanx.testing:_echo_rank", world_size=2).results
+    [0, 1]
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class WorkerRun:
+    returncodes: list[int]
+    results: list[Any]
+    logs: list[str] = field(default_factory=list)
+
+    def log(self, rank: int) -> str:
+        return self.logs[rank]
+
+
+def run_workers(target: str, world_size: int = 2, *, timeout: float = 120.0, env: dict[str, str] | None = None,
+                check: bool = True, **kwargs: Any) -> WorkerRun:
+    """Run ``target`` ("module:function") on ``world_size`` real processes and collect results.
+
+    ``kwargs`` must be JSON-serialisable. With ``check`` a non-zero exit raises with the logs.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="phalanx-workers-") as out:
+        procs, logs = [], []
+        for rank in range(world_size):
+            worker_env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                          "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                          "OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1", **(env or {})}
+            log = open(os.path.join(out, f"rank{rank}.log"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "phalanx.testing", target, json.dumps(kwargs), os.path.join(out, f"rank{rank}.pt")],
+                env=worker_env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        codes: list[int] = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                codes.append(-9)
+        codes = [p.wait() for p in procs]
+        texts = []
+        for log in logs:
+            log.seek(0)
+            texts.append(log.read())
+            log.close()
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out, f"rank{rank}.pt")
+            results.append(torch.load(path, weights_only=True) if os.path.exists(path) else None)
+    run = WorkerRun(codes, results, texts)
+    if check and any(codes):
+        detail = "\n".join(f"--- rank {r} exited {c} ---\n{t[-3000:]}" for r, (c, t) in enumerate(zip(codes, texts)))
+        raise RuntimeError(f"workers failed: {codes}\n{detail}")
+    return run
+
+
+def kill_at(step: int, *, rank: int, now: int, my_rank: int | None = None, code: int = 1) -> None:
+    """Failure injection in one line: ``kill_at(5, rank=1, now=step)`` exits rank 1 at step 5."""
+    from . import group
+    me = group.rank() if my_rank is None else my_rank
+    if me == rank and now == step:
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def _echo_rank() -> int:
+    from . import group
+    group.init()
+    return group.rank()
+
+
+def _main(argv: list[str]) -> None:
+    target, kwargs, out = argv[0], json.loads(argv[1]), argv[2]
+    module, _, name = target.partition(":")
+    result = getattr(importlib.import_module(module), name)(**kwargs)
+    torch.save(result, out)
+    from . import group
+    group.shutdown()
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -1,0 +1,30 @@
+"""Shared test setup.
+
+Worker functions for multi-process tests live in ``tests/workers/*.py`` and are
+named as "workers.module:function"; this puts ``tests/`` on the workers' path.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+
+@pytest.fixture(autouse=True)
+def _plain_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit tests run as a plain process: a group of one, whatever the shell exported."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def needs_root_netns() -> pytest.MarkDecorator:
+    """Skip unless we are root with `ip netns` and `tc` available (CI runs as root)."""
+    import shutil
+    ok = hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+    return pytest.mark.skipif(not ok, reason="needs root, `ip netns` and `tc` to build a rate-limited veth link")
