@@ -25,6 +25,7 @@ import io
 import os
 import random
 import tempfile
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from . import group
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError, usage
 from .wrap import strategy_of, unwrap
 
 MAGIC = b"PHALANX-CKPT-1\n"
@@ -46,6 +47,7 @@ def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # what open() would give, not mkstemp's 0600
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -54,6 +56,17 @@ def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _to_bytes(obj: Any) -> bytes:
@@ -132,8 +145,29 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         "world_size": group.world_size(),
         "extra": extra or {},
     }
+    _check_plain(body, "checkpoint")
     payload = _to_bytes(body)
     _atomic_write(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+
+
+_PLAIN = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Refuse, before writing, anything that ``weights_only=True`` would refuse to load back."""
+    if isinstance(value, _PLAIN) or isinstance(value, torch.dtype):
+        return
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            _check_plain(key, f"{where} key {key!r}")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    else:
+        raise ConfigError(usage(f"{where} holds a value of type {type(value).__name__}",
+                                "tensors, numbers, strings, None, and dicts/lists/tuples of them",
+                                "Convert it (e.g. to a tensor or a dict of numbers) before saving."))
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -166,6 +200,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     Every worker reads the file, so it must be on a filesystem they share.
     """
     body = read_checkpoint(path)
+    if loader is not None and body["loader"] is not None and body["world_size"] != group.world_size():
+        raise CheckpointError(f"{path!r} holds a data position for {body['world_size']} workers but this run has "
+                              f"{group.world_size()}; expected the same number of workers, since the global "
+                              "batches depend on it. Resume with the same -n, or pass loader=None to restart "
+                              "the interrupted epoch.")
     try:
         unwrap(model).load_state_dict(body["model"])
     except RuntimeError as err:

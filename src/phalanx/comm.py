@@ -67,7 +67,12 @@ def guarded(what: str) -> Iterator[None]:
         if isinstance(err, WorkerLostError):
             raise
         lost = lost_ranks()
-        who = ("rank(s) " + ", ".join(map(str, lost))) if lost else "the rank hosting the store (rank 0)"
+        if lost is None:
+            who = "the rank hosting the store (rank 0)"
+        elif lost:
+            who = "rank(s) " + ", ".join(map(str, lost))
+        else:  # everyone checked in: nobody died, the collective itself failed (mismatch, or too slow)
+            who = "a peer (all ranks still answer; they may have called different collectives)"
         raise WorkerLostError(
             f"rank {group.rank()} lost contact with {who} during {what} "
             f"(timeout {group.timeout_s():.0f}s): {str(err).splitlines()[0][:200]}. "

@@ -96,6 +96,13 @@ class ShardedLoader:
 
     def __init__(self, dataset: Dataset, sampler: ShardSampler, **loader_kwargs: Any) -> None:
         self.dataset, self.sampler = dataset, sampler
+        # DataLoader draws a seed for its worker processes each time it is iterated. From the global
+        # RNG that would shift the training stream (dropout) by one draw per epoch and per resume, so
+        # a resumed run would drift from the uninterrupted one; it draws from this generator instead.
+        self._own_generator = loader_kwargs.get("generator") is None
+        if self._own_generator:
+            loader_kwargs["generator"] = torch.Generator()
+        self._generator = loader_kwargs["generator"]
         self._loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
 
     def set_epoch(self, epoch: int) -> None:
@@ -103,6 +110,9 @@ class ShardedLoader:
         self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._own_generator:  # deterministic per (seed, epoch, rank), whatever happened before
+            s = self.sampler
+            self._generator.manual_seed(hash((s.seed, s.epoch, s.rank)) & (2**63 - 1))
         for batch in self._loader:
             self.sampler.position += 1
             yield batch

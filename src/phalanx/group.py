@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Mapping
 
@@ -36,6 +36,7 @@ class WorkerEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     agent_store: bool = False  # torchrun's agent hosts the TCPStore; workers connect as clients
+    attempt: int = 0  # the agent's restart count: its store outlives a failed attempt, so keys are per attempt
     timeout_s: float = DEFAULT_TIMEOUT_S
     threads: int | None = None
 
@@ -70,6 +71,7 @@ class WorkerEnv:
         return cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+                   attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
                    timeout_s=_float(env, "PHALANX_TIMEOUT", DEFAULT_TIMEOUT_S),
                    threads=_opt_int(env, "PHALANX_THREADS"))
 
@@ -127,12 +129,17 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     if _group is not None:
         return
     env = WorkerEnv.from_environ()
-    timeout_s = env.timeout_s if timeout is None else float(timeout)
-    if timeout_s <= 0:
-        raise ConfigError(usage(f"timeout={timeout}", "a positive number of seconds", "Pass e.g. timeout=60."))
-    n_threads = threads if threads is not None else env.threads
-    if n_threads is not None:
-        torch.set_num_threads(int(n_threads))
+    if timeout is not None:
+        if not float(timeout) > 0:
+            raise ConfigError(usage(f"timeout={timeout}", "a positive number of seconds", "Pass e.g. timeout=60."))
+        env = replace(env, timeout_s=float(timeout))
+    if threads is not None:
+        if int(threads) < 1:
+            raise ConfigError(usage(f"threads={threads}", "an integer >= 1", "Pass e.g. threads=1."))
+        env = replace(env, threads=int(threads))
+    timeout_s = env.timeout_s
+    if env.threads is not None:
+        torch.set_num_threads(env.threads)
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", env.local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -144,7 +151,7 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                               is_master=env.rank == 0 and not env.agent_store,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        store = dist.PrefixStore("phalanx", store)
+        store = dist.PrefixStore(f"phalanx/{env.attempt}", store)
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), store=store,
                                 rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
     _group = _Group(env=env, device=device, store=store)

@@ -25,7 +25,8 @@ def scale_lr(lr: float, *, base_batch: int, batch: int) -> float:
     return lr * batch / base_batch
 
 
-def warmup(optimizer: torch.optim.Optimizer, steps: int, start_factor: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+def warmup(optimizer: torch.optim.Optimizer, steps: int,
+           start_factor: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
     """Gradual warm-up: ramp the LR linearly from ``start_factor * lr`` to ``lr`` over ``steps``.
 
     Goyal et al. ramp over 5 epochs; call ``scheduler.step()`` once per optimizer step.

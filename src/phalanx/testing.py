@@ -59,9 +59,9 @@ def run_workers(target: str, world_size: int = 2, *, timeout: float = 120.0, env
                           "OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1", **(env or {})}
             log = open(os.path.join(out, f"rank{rank}.log"), "w+")
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "phalanx.testing", target, json.dumps(kwargs), os.path.join(out, f"rank{rank}.pt")],
-                env=worker_env, stdout=log, stderr=subprocess.STDOUT))
+            argv = [sys.executable, "-m", "phalanx.testing", target, json.dumps(kwargs),
+                    os.path.join(out, f"rank{rank}.pt")]
+            procs.append(subprocess.Popen(argv, env=worker_env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
         codes: list[int] = []
         for p in procs:
@@ -83,7 +83,8 @@ def run_workers(target: str, world_size: int = 2, *, timeout: float = 120.0, env
             results.append(torch.load(path, weights_only=True) if os.path.exists(path) else None)
     run = WorkerRun(codes, results, texts)
     if check and any(codes):
-        detail = "\n".join(f"--- rank {r} exited {c} ---\n{t[-3000:]}" for r, (c, t) in enumerate(zip(codes, texts)))
+        detail = "\n".join(f"--- rank {r} exited {c} ---\n{t[-3000:]}"
+                           for r, (c, t) in enumerate(zip(codes, texts, strict=True)))
         raise RuntimeError(f"workers failed: {codes}\n{detail}")
     return run
 

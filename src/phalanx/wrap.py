@@ -45,7 +45,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
                                 "Unfreeze some layers or check that the model was built."))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(usage(f"optimizer of type {type(optimizer).__name__}", "a torch.optim.Optimizer",
-                                "Build it from the model's parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.1)."))
+                                "Build it from the model's parameters, "
+                                "e.g. torch.optim.SGD(model.parameters(), lr=0.1)."))
     if optimizer in _strategies:
         raise ConfigError(usage("an optimizer that px.wrap already wrapped", "a fresh optimizer",
                                 "Call px.wrap once per model/optimizer pair."))

@@ -1,0 +1,65 @@
+"""The ``phalanx`` command: ``run``, ``demo`` and ``bench``.
+
+Each subcommand's module is imported only when it is used, so ``phalanx --help``
+is quick. A usage error (:class:`phalanx.ConfigError`) is printed as one line and
+exits with status 2; any other phalanx error exits with status 1, also in one line.
+
+Example:
+    >>> main(["--version"])
+    phalanx 0.1.0
+    0
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Callable, Sequence
+
+from .errors import ConfigError, PhalanxError, usage
+
+COMMANDS = {
+    "run": ("phalanx.launch", "start N workers running a script (like torchrun); see `phalanx run --help`"),
+    "demo": ("phalanx.demo", "train a small CNN on bundled digits with 1, then 2 workers, and compare"),
+    "bench": ("phalanx.bench.cli", "measure throughput and scaling of the strategies"),
+}
+
+HELP = "usage: phalanx [--help] [--version] COMMAND [args]\n\n" \
+       "Data-parallel training for any PyTorch model.\n\ncommands:\n" + \
+       "".join(f"  {name:<7}{text}\n" for name, (_, text) in COMMANDS.items()) + \
+       "\nexamples:\n  phalanx demo\n  phalanx run -n 2 train.py --epochs 3\n  phalanx bench --help\n"
+
+
+def _entry(command: str) -> Callable[[list[str]], int | None]:
+    """``main`` of the command's module, imported now; a module this installation lacks is a usage error."""
+    module = COMMANDS[command][0]
+    try:
+        return importlib.import_module(module).main
+    except ImportError as err:
+        if err.name is None or not module.startswith(err.name):  # a missing dependency inside: show it
+            raise
+        raise ConfigError(usage(f"`phalanx {command}`", f"the module {module}, which this installation lacks",
+                                "Reinstall phalanx (`make setup`) or update your checkout.")) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``phalanx`` script; returns the exit status."""
+    from . import __version__
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if not args or args[0] in ("-h", "--help", "help"):
+            print(HELP, end="", file=sys.stdout if args else sys.stderr)
+            return 0 if args else 2
+        if args[0] in ("-V", "--version"):
+            print(f"phalanx {__version__}")
+            return 0
+        if args[0] not in COMMANDS:
+            raise ConfigError(usage(f"`phalanx {args[0]}`", "one of " + ", ".join(COMMANDS),
+                                    "See `phalanx --help`."))
+        return int(_entry(args[0])(args[1:]) or 0)
+    except PhalanxError as err:
+        print(f"phalanx: error: {err}", file=sys.stderr, flush=True)
+        return 2 if isinstance(err, ConfigError) else 1
+    except KeyboardInterrupt:
+        print("phalanx: interrupted", file=sys.stderr)
+        return 130

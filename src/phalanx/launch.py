@@ -1,0 +1,301 @@
+"""``phalanx run``: start N workers on this machine (or on several), like torchrun.
+
+The arguments are parsed into one frozen :class:`RunConfig`, which is where every
+check lives; then torch's public elastic launcher starts the workers, so the
+multi-host options mean exactly what torchrun's mean. Workers see only the
+standard variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``) plus ``PHALANX_THREADS`` / ``OMP_NUM_THREADS`` and, when set,
+``PHALANX_TIMEOUT``, which :func:`phalanx.init` reads.
+
+On one machine with no rendezvous options we use torchrun's ``--standalone``
+mode: the store listens on a free port, so two jobs never collide on 29500.
+
+When a worker fails, the launcher stops the others and exits with the status of
+the first one that failed, naming its rank in one line. Ctrl-C or SIGTERM stops
+every worker.
+
+Example:
+    >>> cfg = RunConfig.from_argv(["-n", "2", "--threads", "2", __file__])
+    >>> cfg.nproc, cfg.standalone, cfg.worker_env()["OMP_NUM_THREADS"]
+    (2, True, '2')
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Iterator, NoReturn, Sequence
+
+from .errors import ConfigError, usage
+
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500  # torchrun's default, used only when several hosts meet
+EPILOG = """\
+examples:
+  phalanx run -n 2 train.py --epochs 3          2 workers on this machine
+  phalanx run -n 4 --threads 2 train.py         4 workers, 2 intra-op threads each
+  phalanx run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -n 2 train.py
+                                                host 0 of 2 (run the same with --node-rank 1 on host 1)
+  phalanx run --nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job7 -n 2 train.py
+                                                elastic: 1 to 4 hosts meet at an endpoint
+
+The same script also runs under `torchrun --nproc-per-node N train.py` or as a plain `python train.py`.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises one ConfigError line instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(usage(f"`{self.prog}`: {message}", "`phalanx run [options] script.py [args]`",
+                                "See `phalanx run --help`."))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="phalanx run", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+                description="Start N data-parallel workers running script.py; "
+                            "exits with the first failing worker's status.")
+    # Everything is read as text and checked in RunConfig.from_args, so each error is one clear line.
+    p.add_argument("-n", "--nproc-per-node", dest="nproc", default="1", metavar="N",
+                   help="workers on this machine (default 1)")
+    p.add_argument("--threads", default="1", metavar="T", help="intra-op threads per CPU worker (default 1)")
+    p.add_argument("--timeout", default=None, metavar="S",
+                   help="seconds a collective may wait for a lost peer before failing (default 60)")
+    p.add_argument("--servers", default="0", metavar="S", help="parameter-server processes to start (default 0)")
+    hosts = p.add_argument_group("several hosts (same meaning as torchrun's)")
+    hosts.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of hosts (default 1)")
+    hosts.add_argument("--node-rank", default="0", metavar="R", help="this host's rank for --rdzv-backend static")
+    hosts.add_argument("--master-addr", default=None, metavar="HOST",
+                       help=f"address of host 0 (default {DEFAULT_MASTER_ADDR})")
+    hosts.add_argument("--master-port", default=None, metavar="PORT",
+                       help=f"port on host 0 (default: a free port on one host, {DEFAULT_MASTER_PORT} on several)")
+    hosts.add_argument("--rdzv-backend", default=None, metavar="NAME",
+                       help="rendezvous backend: " + ", ".join(RDZV_BACKENDS) + " (default static)")
+    hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST[:PORT]", help="rendezvous endpoint")
+    hosts.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all hosts (c10d/etcd)")
+    hosts.add_argument("--max-restarts", default="0", metavar="K",
+                       help="restart the whole group up to K times after a failure (default 0)")
+    p.add_argument("script", nargs="?", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
+    return p
+
+
+def _int(flag: str, raw: str, minimum: int, fix: str, maximum: int | None = None) -> int:
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bound = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
+        raise ConfigError(usage(f"{flag} {raw}", bound, fix))
+    return value
+
+
+def _port(flag: str, raw: str) -> int:
+    return _int(flag, raw, 1, f"Pass a free TCP port, e.g. {flag} {DEFAULT_MASTER_PORT}.", maximum=65535)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything ``phalanx run`` was asked to do, checked once."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc: int = 1
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int | None = None  # None: standalone picks a free port
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    max_restarts: int = 0
+    threads: int = 1
+    timeout_s: float | None = None
+    servers: int = 0
+    standalone: bool = False  # one host, no rendezvous options: torchrun --standalone
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> "RunConfig":
+        return cls.from_args(build_parser().parse_args(list(argv)))
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> "RunConfig":
+        """The one place where ``phalanx run``'s input is validated."""
+        nproc = _int("-n", a.nproc, 1, "Pass the number of workers, e.g. -n 2.")
+        threads = _int("--threads", a.threads, 1, "Pass e.g. --threads 1 (one per worker fits one core each).")
+        servers = _int("--servers", a.servers, 0, "Pass e.g. --servers 2, or leave it out.")
+        max_restarts = _int("--max-restarts", a.max_restarts, 0, "Pass e.g. --max-restarts 0.")
+        timeout_s = None
+        if a.timeout is not None:
+            try:
+                timeout_s = float(a.timeout)
+            except ValueError:
+                timeout_s = -1.0
+            if not timeout_s > 0:
+                raise ConfigError(usage(f"--timeout {a.timeout}", "a positive number of seconds",
+                                        "Pass e.g. --timeout 60."))
+        fix = "Pass e.g. --nnodes 2 or --nnodes 1:4."
+        parts = a.nnodes.split(":")
+        if len(parts) > 2:
+            raise ConfigError(usage(f"--nnodes {a.nnodes}", "N or MIN:MAX", fix))
+        min_nodes = _int("--nnodes", parts[0], 1, fix)
+        max_nodes = _int("--nnodes", parts[-1], 1, fix)
+        if max_nodes < min_nodes:
+            raise ConfigError(usage(f"--nnodes {a.nnodes}", "MIN <= MAX", fix))
+        backend = a.rdzv_backend or "static"
+        if backend not in RDZV_BACKENDS:
+            raise ConfigError(usage(f"--rdzv-backend {backend}", "one of " + ", ".join(RDZV_BACKENDS),
+                                    "Use static with --master-addr, or c10d with --rdzv-endpoint."))
+        node_rank = _int("--node-rank", a.node_rank, 0, "Number hosts 0..nnodes-1.", maximum=max_nodes - 1)
+        master_addr = a.master_addr if a.master_addr is not None else DEFAULT_MASTER_ADDR
+        if not master_addr.strip():
+            raise ConfigError(usage("--master-addr ''", "a host name or IP address of host 0",
+                                    "Pass e.g. --master-addr 10.0.0.1."))
+        master_port = None if a.master_port is None else _port("--master-port", a.master_port)
+        endpoint = a.rdzv_endpoint or ""
+        if endpoint:
+            host, sep, port = endpoint.rpartition(":")
+            if not (host if sep else endpoint).strip():
+                raise ConfigError(usage(f"--rdzv-endpoint {endpoint}", "HOST[:PORT]",
+                                        "Pass e.g. --rdzv-endpoint 10.0.0.1:29400."))
+            if sep:
+                _int(f"--rdzv-endpoint {endpoint}: port", port, 1, "Pass e.g. --rdzv-endpoint 10.0.0.1:29400.",
+                     maximum=65535)
+        elif backend != "static":
+            raise ConfigError(usage(f"--rdzv-backend {backend} without --rdzv-endpoint", "HOST[:PORT] to meet at",
+                                    "Pass e.g. --rdzv-endpoint 10.0.0.1:29400."))
+        if not a.script:
+            raise ConfigError(usage("no script", "`phalanx run -n N script.py [args]`",
+                                    "Name the training script after the options."))
+        if a.script.startswith("-"):
+            raise ConfigError(usage(f"unknown option {a.script}", "an option listed by `phalanx run --help`",
+                                    "Check the spelling; options go before the script."))
+        if not os.path.isfile(a.script):
+            what = "a directory" if os.path.isdir(a.script) else "not found"
+            raise ConfigError(usage(f"script {a.script!r} ({what}, cwd {os.getcwd()})", "an existing Python file",
+                                    "Check the path, e.g. `phalanx run -n 2 train.py`."))
+        standalone = max_nodes == 1 and all(
+            v is None for v in (a.master_addr, a.master_port, a.rdzv_backend, a.rdzv_endpoint))
+        if servers and max_nodes > 1:
+            raise ConfigError(usage(f"--servers {servers} with --nnodes {a.nnodes}",
+                                    "parameter servers in a one-host run", "Run on one host, or drop --servers."))
+        return cls(script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
+                   max_nodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                   rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=a.rdzv_id or "none",
+                   max_restarts=max_restarts, threads=threads, timeout_s=timeout_s, servers=servers,
+                   standalone=standalone)
+
+    def worker_env(self) -> dict[str, str]:
+        """Variables every worker gets on top of the launcher's environment."""
+        env = {"OMP_NUM_THREADS": str(self.threads), "PHALANX_THREADS": str(self.threads)}
+        if self.timeout_s is not None:
+            env["PHALANX_TIMEOUT"] = repr(self.timeout_s)
+        return env
+
+    def launch_config(self):  # -> torch.distributed.launcher.api.LaunchConfig (imported lazily: torch is slow)
+        from torch.distributed.launcher.api import LaunchConfig
+
+        if self.standalone:
+            backend, endpoint, run_id, configs = "c10d", "localhost:0", str(uuid.uuid4()), {}
+            local_addr = DEFAULT_MASTER_ADDR  # workers reach the store over loopback, whatever the hostname
+        else:
+            backend, run_id, local_addr = self.rdzv_backend, self.rdzv_id, None
+            endpoint = self.rdzv_endpoint
+            configs = {}
+            if backend == "static":
+                configs["rank"] = self.node_rank
+                endpoint = endpoint or f"{self.master_addr}:{self.master_port or DEFAULT_MASTER_PORT}"
+        return LaunchConfig(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=self.nproc,
+                            run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
+                            max_restarts=self.max_restarts, local_addr=local_addr)
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """Set variables for the workers (the agent copies os.environ into them), then restore."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _quiet_torch_elastic() -> None:
+    """The agent logs every stop; we print one line of our own instead (LOGLEVEL=INFO shows them)."""
+    if "LOGLEVEL" in os.environ:
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _status(exitcode: int) -> tuple[str, int]:
+    """How a worker ended, in words, and the exit status the launcher passes on (shell convention)."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}", 128 - exitcode
+    return f"exited with status {exitcode}", exitcode
+
+
+def _start_servers(cfg: RunConfig):
+    try:
+        from .ps.launcher import start_servers
+    except ImportError as err:
+        if err.name and err.name.startswith("phalanx.ps"):
+            raise ConfigError(usage(f"--servers {cfg.servers}", "parameter servers (phalanx.ps), which this "
+                                    "installation does not have", "Run without --servers.")) from None
+        raise
+    host = cfg.master_addr if not cfg.standalone else DEFAULT_MASTER_ADDR
+    return start_servers(cfg.servers, host=host, token=None)
+
+
+def run(cfg: RunConfig) -> int:
+    """Start the workers and wait; returns the exit status ``phalanx run`` should end with."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    _quiet_torch_elastic()
+    env = cfg.worker_env()
+    servers = None
+    try:
+        if cfg.servers:
+            servers = _start_servers(cfg)
+            env.update(servers.env())
+        with _environ(env):
+            # sys.executable -u: the same interpreter as ours, unbuffered so workers' lines interleave promptly.
+            elastic_launch(cfg.launch_config(), sys.executable)("-u", cfg.script, *cfg.script_args)
+        return 0
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        how, status = _status(failure.exitcode)
+        others = "; stopped the others" if cfg.nproc * cfg.max_nodes > 1 else ""
+        print(f"phalanx: worker rank {rank} {how} (first failure){others}", file=sys.stderr, flush=True)
+        return status
+    except SignalException as err:
+        print(f"phalanx: received {err.sigval.name}; stopped all workers", file=sys.stderr, flush=True)
+        return 128 + int(err.sigval)
+    finally:
+        if servers is not None:
+            servers.stop()
+
+
+def main(argv: Sequence[str]) -> int:
+    """``phalanx run [options] script.py [args]``; usage errors raise ConfigError (the CLI prints one line)."""
+    return run(RunConfig.from_argv(argv))

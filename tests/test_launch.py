@@ -1,0 +1,196 @@
+"""`phalanx run` and the `phalanx` command: argument checks in-process, real launches in subprocesses."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from phalanx import ConfigError
+from phalanx.cli import main
+from phalanx.launch import RunConfig
+from phalanx.testing import free_port
+
+SCRIPT = """\
+import json, os, sys, time
+import torch, phalanx as px
+from phalanx.testing import kill_at
+
+def say(obj):  # one write per line: print() writes the newline separately, and workers share stdout
+    sys.stdout.write(json.dumps(obj) + "\\n")
+    sys.stdout.flush()
+
+
+px.init()
+mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
+total = torch.zeros(1)
+for step in range(4):
+    if mode == "fail":
+        kill_at(2, rank=1, now=step, code=3)
+    t = torch.tensor([float(px.rank() + 1)])
+    px.Comm().all_reduce_([t], op="sum")
+    total += t
+if mode == "sleep":
+    say({"ready": px.rank(), "pid": os.getpid()})
+    time.sleep(120)
+say({"rank": px.rank(), "world": px.world_size(), "total": total.item(), "args": sys.argv[1:],
+     "threads": torch.get_num_threads(), "timeout": os.environ.get("PHALANX_TIMEOUT"),
+     "ps": os.environ.get("PHALANX_PS_ADDRS")})
+"""
+
+
+def phalanx_command() -> list[str]:
+    """The installed `phalanx` script beside this interpreter (what users type), else the same entry point."""
+    script = os.path.join(os.path.dirname(sys.executable), "phalanx")
+    if os.path.exists(script):
+        return [script]
+    return [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+def reports(stdout: str) -> dict[int, dict]:
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return {r["rank"]: r for r in lines if "rank" in r}
+
+
+# -- the frozen config: every check in one place ------------------------------------------------------------------
+
+def test_config_defaults_to_a_standalone_local_run(script):
+    cfg = RunConfig.from_argv(["-n", "2", script, "--lr", "0.1"])
+    assert (cfg.nproc, cfg.threads, cfg.standalone, cfg.script_args) == (2, 1, True, ("--lr", "0.1"))
+    assert cfg.worker_env() == {"OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1"}
+    launch = cfg.launch_config()
+    assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.max_restarts) == ("c10d", "localhost:0", 0)
+
+
+def test_config_for_several_hosts_means_what_torchrun_means(script):
+    cfg = RunConfig.from_argv(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                               "--master-port", "29501", "-n", "2", "--threads", "3", "--timeout", "30", script])
+    launch = cfg.launch_config()
+    assert (launch.min_nodes, launch.max_nodes, launch.nproc_per_node) == (2, 2, 2)
+    assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.rdzv_configs["rank"]) == ("static", "10.0.0.1:29501", 1)
+    assert cfg.worker_env() == {"OMP_NUM_THREADS": "3", "PHALANX_THREADS": "3", "PHALANX_TIMEOUT": "30.0"}
+    elastic = RunConfig.from_argv(["--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
+                                   "--rdzv-id", "job7", "--max-restarts", "2", script]).launch_config()
+    assert (elastic.min_nodes, elastic.max_nodes, elastic.rdzv_endpoint, elastic.run_id, elastic.max_restarts) == \
+        (1, 4, "h:29400", "job7", 2)
+
+
+@pytest.mark.parametrize("argv,given", [
+    (["-n", "0", "S"], "-n 0"),
+    (["-n", "two", "S"], "-n two"),
+    (["-n", "2"], "no script"),
+    (["-n", "2", "missing.py"], "'missing.py' (not found"),
+    (["-n", "2", "DIR"], "(a directory"),
+    (["--bogus", "S"], "unrecognized arguments: --bogus"),
+    (["--master-port", "70000", "S"], "--master-port 70000"),
+    (["--master-port", "x", "S"], "--master-port x"),
+    (["--nnodes", "2:1", "S"], "--nnodes 2:1"),
+    (["--nnodes", "2", "--node-rank", "2", "S"], "--node-rank 2"),
+    (["--rdzv-backend", "zk", "S"], "--rdzv-backend zk"),
+    (["--rdzv-backend", "c10d", "S"], "without --rdzv-endpoint"),
+    (["--rdzv-endpoint", "h:99999", "S"], "port"),
+    (["--threads", "0", "S"], "--threads 0"),
+    (["--timeout", "-1", "S"], "--timeout -1"),
+    (["--servers", "-1", "S"], "--servers -1"),
+    (["--servers", "2", "--nnodes", "2", "S"], "--servers 2 with --nnodes 2"),
+])
+def test_bad_input_is_one_line_saying_given_expected_and_what_to_do(argv, given, script, tmp_path):
+    argv = [script if a == "S" else str(tmp_path) if a == "DIR" else a for a in argv]
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_argv(argv)
+    msg = str(err.value)
+    assert given in msg and "expected" in msg and "\n" not in msg, msg
+
+
+def test_cli_prints_usage_errors_as_one_line_with_status_2(capsys, script):
+    assert main(["run", "-n", "0", script]) == 2
+    assert main(["frobnicate"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("phalanx: error: ") for line in err), err
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("phalanx ")
+    assert main(["--help"]) == 0
+    assert "run" in capsys.readouterr().out
+
+
+def test_servers_start_before_the_workers_or_say_clearly_they_are_unavailable(capsys, script):
+    try:
+        import phalanx.ps.launcher  # noqa: F401
+    except ImportError:
+        assert main(["run", "--servers", "2", script]) == 2
+        assert "parameter servers" in capsys.readouterr().err
+        return
+    proc = subprocess.run([*phalanx_command(), "run", "-n", "1", "--servers", "1", script], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert reports(proc.stdout)[0]["ps"], proc.stdout  # the servers' addresses reached the worker
+
+
+# -- real launches ----------------------------------------------------------------------------------------------
+
+def test_phalanx_run_starts_workers_with_their_threads_timeout_and_arguments(script):
+    proc = subprocess.run([*phalanx_command(), "run", "-n", "2", "--threads", "2", "--timeout", "7", script,
+                           "ok", "--flag"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = reports(proc.stdout)
+    assert sorted(seen) == [0, 1]
+    for r in seen.values():
+        assert (r["world"], r["total"], r["threads"], r["timeout"], r["args"]) == (2, 12.0, 2, "7.0", ["ok", "--flag"])
+
+
+def test_phalanx_run_exits_with_the_first_failing_workers_status(script):
+    started = time.monotonic()
+    proc = subprocess.run([*phalanx_command(), "run", "-n", "2", "--timeout", "10", script, "fail"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "phalanx: worker rank 1 exited with status 3 (first failure); stopped the others" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_phalanx_run_bad_input_is_one_line_and_status_2(tmp_path):
+    for args in (["-n", "0", "train.py"], ["-n", "2", str(tmp_path / "missing.py")]):
+        proc = subprocess.run([*phalanx_command(), "run", *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_sigterm_stops_every_worker(script):
+    proc = subprocess.Popen([*phalanx_command(), "run", "-n", "2", script, "sleep"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = []
+        while len(pids) < 2:
+            line = proc.stdout.readline()
+            assert line, f"launcher ended early: {proc.wait()} {proc.stderr.read()}"
+            if line.startswith('{"ready"'):
+                pids.append(json.loads(line)["pid"])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert "received SIGTERM; stopped all workers" in proc.stderr.read()
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_same_script_runs_under_torchrun(script):
+    # --master-port keeps parallel jobs off torchrun's fixed default port.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = reports(proc.stdout)
+    assert sorted(seen) == [0, 1] and all(r["world"] == 2 and r["total"] == 12.0 for r in seen.values())
