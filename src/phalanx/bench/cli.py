@@ -1,0 +1,181 @@
+"""``phalanx bench``: the scaling benchmark.
+
+Example:
+    phalanx bench --models mlp,resnet20,resnet56 --workers 1,2 \\
+        --strategies allreduce,ddp,local-sgd,powersgd --link loopback,100mbit --out results/
+    phalanx bench --quick --out results/
+
+Writes ``bench.md`` (tables), ``bench.json`` (every raw step time and the environment)
+and ``throughput.png``, ``efficiency.png``, ``breakdown.png`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import sys
+from typing import Any, Sequence
+
+from ..errors import ConfigError, usage
+from . import plots, projection, report, targets, tta
+from .netns import LinkError, parse_rate, why_not
+from .runner import Options, sweep
+from .spec import check_setup, parse_setup, plan, split_list
+
+QUICK = {"models": "mlp,resnet20", "workers": "1,2", "strategies": "allreduce,ddp", "warmup": 3, "steps": 8}
+FULL = {"models": "mlp,resnet20", "workers": "1,2", "strategies": "allreduce,ddp", "warmup": 5, "steps": 30}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="phalanx bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Measure samples/s, speedup, efficiency and where the step time goes, for each model, "
+                    "setup, worker count and link. Setups: plain (added automatically), ddp, ddp-fp16, "
+                    "ddp-powersgd (torch's own), and any registered phalanx strategy; arguments in brackets, "
+                    "e.g. 'allreduce[bucket_mb=2]'.",
+        epilog="examples:\n  phalanx bench --quick --out results/\n"
+               "  phalanx bench --models mlp,resnet20 --workers 1,2 --strategies allreduce,ddp,local-sgd,powersgd "
+               "--link loopback,100mbit --out results/\n"
+               "  phalanx bench --time-to-accuracy --strategies ddp,ddp-powersgd,allreduce,local-sgd,powersgd "
+               "--link 100mbit --models mlp --out results/link")
+    p.add_argument("--models", help=f"comma list from phalanx.models.ZOO (default {FULL['models']})")
+    p.add_argument("--workers", help="comma list of worker process counts (default 1,2)")
+    p.add_argument("--strategies", help="comma list of setups (default allreduce,ddp)")
+    p.add_argument("--threads", help="plain loop in 1 process x T threads, comma list (default: the worker counts)")
+    p.add_argument("--link", default="loopback", help="comma list: loopback and/or rates such as 100mbit (needs root)")
+    p.add_argument("--batch", type=int, default=64, help="samples per worker per step (default 64)")
+    p.add_argument("--warmup", type=int, help="steps left out before timing (default 5)")
+    p.add_argument("--steps", type=int, help="timed steps per configuration (default 30)")
+    p.add_argument("--repeats", type=int, default=1, help="run the whole list this many times, alternating order")
+    p.add_argument("--quick", action="store_true", help="a small sweep that finishes in under 3 minutes on 2 cores")
+    p.add_argument("--time-to-accuracy", action="store_true",
+                   help="also train the digits CNN to --target-acc with each setup on max(--workers) workers per link")
+    p.add_argument("--target-acc", type=float, default=tta.DEFAULTS["target"])
+    p.add_argument("--tta-max-epochs", type=int, default=tta.DEFAULTS["max_epochs"])
+    p.add_argument("--alpha-us", type=float, default=25.0, help="per-message latency for the projection (µs)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration before it is killed")
+    p.add_argument("--out", default="results", help="output directory (default results/)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in split_list(text)]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(usage(f"--{what} {text!r}", "a comma list of integers >= 1", f"E.g. --{what} 1,2."))
+    return values
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate everything before the first process starts."""
+    from ..models import ZOO
+
+    preset = QUICK if args.quick else FULL
+    models = split_list(args.models or preset["models"])
+    unknown = [m for m in models if m not in ZOO]
+    if unknown:
+        raise ConfigError(usage(f"--models {','.join(unknown)}", "names from " + ", ".join(ZOO), "Fix the list."))
+    workers = _ints(args.workers or preset["workers"], "workers")
+    threads = _ints(args.threads, "threads") if args.threads else [n for n in workers if n > 1]
+    setups = [parse_setup(s) for s in split_list(args.strategies or preset["strategies"])]
+    for s in setups:
+        check_setup(s)
+    links = ["loopback" if x.strip().lower() == "loopback" else parse_rate(x) for x in split_list(args.link)]
+    if any(link != "loopback" for link in links):
+        reason = why_not()
+        if reason:
+            raise LinkError(f"cannot build the {', '.join(x for x in links if x != 'loopback')} link: {reason}")
+    warmup = preset["warmup"] if args.warmup is None else args.warmup
+    steps = preset["steps"] if args.steps is None else args.steps
+    if warmup < 0 or steps < 1 or args.batch < 1 or args.repeats < 1:
+        raise ConfigError(usage(f"--warmup {warmup} --steps {steps} --batch {args.batch} --repeats {args.repeats}",
+                                "warmup >= 0 and steps, batch, repeats >= 1", "Fix the numbers."))
+    if warmup < 2 and any(s.name == "ddp-powersgd" for s in setups):
+        raise ConfigError(usage(f"--warmup {warmup} with ddp-powersgd", "--warmup >= 2",
+                                "DDP's PowerSGD hook runs plain all-reduce for its first 2 steps."))
+    return {"models": models, "workers": workers, "threads": threads, "setups": setups, "links": links,
+            "opts": Options(warmup=warmup, steps=steps, repeats=args.repeats, timeout=args.timeout,
+                            progress=not args.no_progress)}
+
+
+def _describe(record: dict[str, Any]) -> str:
+    rows = report.aggregate([record])
+    s = rows[0]["samples_per_s"]
+    return f"{s['median']:,.0f} samples/s (median of {s['n']})"
+
+
+def _describe_tta(record: dict[str, Any]) -> str:
+    reached = record["ranks"][0].get("reached")
+    return f"target reached after {reached['seconds']:.2f} s of training" if reached else "target not reached"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = resolve(args)
+    os.makedirs(args.out, exist_ok=True)
+    opts: Options = cfg["opts"]
+    started = datetime.datetime.now(datetime.timezone.utc)
+    runs = plan(cfg["models"], cfg["setups"], cfg["workers"], cfg["threads"], cfg["links"], batch=args.batch)
+    records = sweep(runs, opts, describe=_describe)
+    rows = report.aggregate(records)
+    tta_records: list[dict[str, Any]] = []
+    if args.time_to_accuracy:
+        n = max(cfg["workers"])
+        tta_runs = plan(["digits_cnn"], cfg["setups"], [n], [], cfg["links"], batch=tta.DEFAULTS["batch"],
+                        plain=False)
+        tta_records = sweep(tta_runs, opts, module="phalanx.bench.tta", desc="time to accuracy",
+                            make_config=lambda run, o: tta.config(run, o, target=args.target_acc,
+                                                                  max_epochs=args.tta_max_epochs),
+                            describe=_describe_tta)
+    tta_rows = tta.rows(tta_records)
+    proj = projection.project(rows, alpha=args.alpha_us * 1e-6)
+    met = targets.check(rows, tta_rows)
+    command = "phalanx bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    payload = {"command": command, "started": started.isoformat(timespec="seconds"),
+               "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "environment": report.environment(cfg["links"]),
+               "options": {**vars(opts), "batch": args.batch, "alpha_us": args.alpha_us},
+               "rows": rows, "targets": met, "time_to_accuracy": tta_rows, "projection": proj,
+               "raw": records, "raw_time_to_accuracy": tta_records}
+    pngs = [] if args.no_plots else plots.all_plots(rows, args.out)
+    md = render(payload, [os.path.basename(p) for p in pngs])
+    report.write_json(os.path.join(args.out, "bench.json"), payload)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(md)
+    print(md)
+    print(f"wrote {os.path.join(args.out, 'bench.md')}, bench.json" + "".join(f", {os.path.basename(p)}" for p in pngs))
+    failed = sum(1 for r in records + tta_records if r["error"])
+    if failed:
+        print(f"phalanx bench: {failed} configuration(s) failed; see the tables", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def render(payload: dict[str, Any], pngs: list[str]) -> str:
+    env, rows = payload["environment"], payload["rows"]
+    o = payload["options"]
+    parts = [f"# phalanx bench: {payload['started']}\n\n",
+             f"Command: `{payload['command']}`\n\n",
+             f"Machine: {env['cpu']}, {env['cpu_count']} cores, torch {env['torch']}, GPU: {env['gpu'] or 'none'}; "
+             f"load average at the end {tuple(round(x, 2) for x in env['loadavg_at_end'] or ())}. "
+             f"Warm-up {o['warmup']} steps left out, then {o['steps']} timed steps, {o['repeats']} repeat(s); "
+             f"batch {o['batch']} per worker; synthetic data; one intra-op thread per worker process.\n\n",
+             "## Throughput (measured)\n\n", report.throughput_table(rows),
+             "\nSpeedup is thpt(N)/thpt(1) of the same setup (thread rows: against the plain loop 1×1); "
+             "efficiency is speedup/N.\n\n## Targets\n\n", targets.markdown(payload["targets"]),
+             "\n## Where the time goes (measured, median per step and worker)\n\n", report.breakdown_table(rows),
+             "\n*phases / step*: the four phases, timed by hooks, over the loop's own step time (median ratio).\n"]
+    wire = report.wire_table(rows)
+    if wire:
+        parts += ["\n## Bytes on the shaped link\n\n", wire]
+    if payload["time_to_accuracy"]:
+        parts += ["\n## Time to target accuracy (measured; digits CNN, training time without evaluation)\n\n",
+                  tta.table(payload["time_to_accuracy"])]
+    parts += ["\n## PROJECTION (not a measurement)\n\n", projection.markdown(payload["projection"])]
+    if pngs:
+        parts += ["\n## Plots\n\n"] + [f"![{p}]({p})\n" for p in pngs]
+    return "".join(parts)

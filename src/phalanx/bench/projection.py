@@ -1,0 +1,135 @@
+"""PROJECTION, not measurement: efficiency at more workers on faster links, from measured inputs.
+
+For each model and setup the inputs are measured on this machine: the compute
+time of one step on one worker, t_c (the 1-worker step time), and the bytes the
+setup puts into collectives per step, S, and its number of collectives per step, c
+(for DDP-based setups, the number of gradient buckets). A ring all-reduce of S
+bytes among N workers with bandwidth B and per-message latency α takes
+
+    T(N) = 2(N−1)/N · S/B + 2(N−1)·α·c
+
+(a parameter server sharded over all N workers moves the same bytes, as BytePS
+notes). The projection assumes **no overlap** of communication with compute, so
+efficiency E(N) = t_c / (t_c + T(N)) is a lower bound for DDP-style overlap, and the
+projected throughput is N·batch / (t_c + T(N)). It says nothing about convergence:
+local SGD and compression take more steps to a given accuracy than exact
+all-reduce, which the time-to-accuracy measurement shows.
+
+Example:
+    >>> round(ring_seconds(n=2, nbytes=1e6, bandwidth=1e9 / 8, alpha=0.0), 4)
+    0.008
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+WORKERS = (2, 4, 8, 16, 64)
+LINKS_GBIT = (1.0, 10.0, 100.0)
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def ring_seconds(n: int, nbytes: float, bandwidth: float, alpha: float, calls: float = 1.0) -> float:
+    """Ring all-reduce time of ``nbytes`` over ``n`` workers: bandwidth in bytes/s, alpha in seconds."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * alpha * calls
+
+
+def _calls(row: dict[str, Any], nbytes: float) -> float:
+    measured = row.get("calls_per_step") or 0.0
+    if measured > 0:
+        return measured
+    if nbytes <= 0:
+        return 1.0
+    if row["kind"] == "ddp":  # DDP's reducer: one collective per bucket
+        return float(max(1, math.ceil(nbytes / DDP_BUCKET_BYTES)))
+    if row["setup"].startswith("allreduce"):  # phalanx fits the bucket to about a quarter of the gradients
+        mb = nbytes / 2**20
+        return float(math.ceil(mb / min(25.0, max(1.0, mb / 4))))
+    return 1.0
+
+
+def inputs(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per model: the 1-worker compute time and, per setup measured on N >= 2 workers, bytes and calls."""
+    out: dict[str, dict[str, Any]] = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model and r["samples_per_s"]["n"]]
+        one = {r["setup"]: r for r in mine if r["workers"] == 1 and r["threads"] == 1}
+        base = one.get("allreduce") or one.get("plain") or next(iter(one.values()), None)
+        if base is None:
+            continue
+        compute = base["batch"] / base["samples_per_s"]["median"]
+        setups: dict[str, dict[str, float]] = {}
+        for r in mine:
+            if r["workers"] >= 2 and r["kind"] != "plain" and r["setup"] not in setups:
+                nbytes = float(r.get("bytes_per_step") or 0.0)
+                t1 = one.get(r["setup"])  # its own 1-worker step time when measured (compression costs compute)
+                setups[r["setup"]] = {"bytes": nbytes, "calls": _calls(r, nbytes),
+                                      "compute_s": t1["batch"] / t1["samples_per_s"]["median"] if t1 else compute}
+        if "allreduce" not in setups and base.get("grad_bytes"):
+            nbytes = float(base["grad_bytes"])
+            setups["allreduce"] = {"bytes": nbytes, "calls": _calls({"kind": "phalanx", "setup": "allreduce"}, nbytes),
+                                   "compute_s": compute}
+        out[model] = {"compute_s": compute, "batch": base["batch"], "setups": setups}
+    return out
+
+
+def project(rows: list[dict[str, Any]], alpha: float = 25e-6, threshold: float = 0.8) -> dict[str, Any]:
+    """Efficiency and throughput per model, setup, link and N; and a recommendation per model and link."""
+    result: dict[str, Any] = {"label": "PROJECTION (not a measurement)", "alpha_s": alpha, "threshold": threshold,
+                              "workers": list(WORKERS), "links_gbit": list(LINKS_GBIT), "models": {}}
+    for model, inp in inputs(rows).items():
+        table: dict[str, Any] = {}
+        for setup, s in inp["setups"].items():
+            table[setup] = {"bytes": s["bytes"], "calls": s["calls"], "compute_s": s["compute_s"], "links": {}}
+            for gbit in LINKS_GBIT:
+                per_n = {}
+                for n in WORKERS:
+                    t = ring_seconds(n, s["bytes"], gbit * 1e9 / 8, alpha, s["calls"])
+                    per_n[n] = {"efficiency": inp["compute_s"] / (s["compute_s"] + t),
+                                "samples_per_s": n * inp["batch"] / (s["compute_s"] + t)}
+                table[setup]["links"][gbit] = per_n
+        result["models"][model] = {"compute_s": inp["compute_s"], "batch": inp["batch"], "setups": table,
+                                   "recommendation": {g: recommend(table, g, threshold) for g in LINKS_GBIT}}
+    return result
+
+
+def recommend(table: dict[str, Any], gbit: float, threshold: float) -> str:
+    """The setup and worker count with the highest projected throughput at efficiency >= threshold.
+
+    Exact gradient averaging (allreduce, ddp) wins ties within 10%, since it converges per step as one big batch.
+    """
+    best: tuple[float, str, int, float] | None = None
+    for setup, t in table.items():
+        for n, p in t["links"][gbit].items():
+            if p["efficiency"] >= threshold:
+                score = p["samples_per_s"] * (1.1 if setup in ("allreduce", "ddp") else 1.0)
+                if best is None or score > best[0]:
+                    best = (score, setup, n, p["efficiency"])
+    if best is None:
+        top = max(((p["efficiency"], s) for s, t in table.items() for p in [t["links"][gbit][WORKERS[0]]]),
+                  default=(math.nan, "?"))
+        return (f"no setup keeps efficiency >= {threshold:.2f} even at 2 workers (best: {top[1]} at "
+                f"{top[0]:.2f}); data parallelism over this link does not pay for this model")
+    _, setup, n, eff = best
+    return f"{setup} on {n} workers (projected efficiency {eff:.2f})"
+
+
+def markdown(proj: dict[str, Any]) -> str:
+    ns = proj["workers"]
+    out = [f"**{proj['label']}.** Ring all-reduce model T(N) = 2(N−1)/N·S/B + 2(N−1)·α·c with "
+           f"α = {proj['alpha_s'] * 1e6:.0f} µs, no overlap of communication with compute (a lower bound for "
+           "overlapping setups); compute time and bytes per step S are measured above. Efficiency per worker "
+           "count N:\n"]
+    for model, m in proj["models"].items():
+        out.append(f"\n*{model}* (measured compute {m['compute_s'] * 1e3:.1f} ms/step at batch {m['batch']})\n")
+        out.append("| setup | bytes/step | link | " + " | ".join(f"N={n}" for n in ns) + " |\n|---|---|---|" +
+                   "---|" * len(ns) + "\n")
+        for setup, t in m["setups"].items():
+            for gbit, per_n in t["links"].items():
+                cells = " | ".join(f"{per_n[n]['efficiency']:.2f}" for n in ns)
+                out.append(f"| {setup} | {t['bytes'] / 1e6:.2f} MB | {gbit:g} Gbit/s | {cells} |\n")
+        out.append("\nRecommendation (projected): " + "; ".join(
+            f"{g:g} Gbit/s: {text}" for g, text in m["recommendation"].items()) + ".\n")
+    return "".join(out)

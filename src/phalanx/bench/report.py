@@ -1,0 +1,186 @@
+"""Turn raw worker records into rows, a markdown report and a JSON file.
+
+A *row* is one configuration (model, setup, processes x threads, link) with its
+windows pooled over repeats: median samples/s with spread (mean ± 1.96·std),
+speedup and efficiency against the same setup on one worker (the plain loop in
+1 process x 1 thread for the plain loop's thread rows), ratios to the plain loop
+and to DDP on the same worker count and link, bytes per step, and the per-worker
+breakdown of the step time.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from . import stats
+from .breakdown import LABELS, PHASES
+
+PLAIN = "plain"
+
+
+def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per configuration, in first-seen order."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        r = rec["run"]
+        groups[(r["model"], r["setup"]["label"], r["workers"], r["threads"], r["link"])].append(rec)
+    rows = [_row(key, recs) for key, recs in groups.items()]
+    by_key = {(r["model"], r["setup"], r["workers"], r["threads"], r["link"]): r for r in rows}
+    for row in rows:
+        med = row["samples_per_s"]["median"]
+        plain = by_key.get((row["model"], PLAIN, 1, 1, "loopback"))
+        if row["setup"] == PLAIN:
+            base, n = plain, row["threads"]
+        else:
+            base, n = by_key.get((row["model"], row["setup"], 1, 1, "loopback")) or plain, row["workers"]
+        base_med = base["samples_per_s"]["median"] if base else math.nan
+        row["speedup"], row["efficiency"] = stats.speedup(med, base_med, n)
+        row["speedup_base"] = f"{base['setup']} 1x1" if base else None
+        row["vs_plain"] = med / plain["samples_per_s"]["median"] if plain else math.nan
+        ddp = by_key.get((row["model"], "ddp", row["workers"], 1, row["link"]))
+        row["vs_ddp"] = med / ddp["samples_per_s"]["median"] if ddp and row["kind"] == "phalanx" else math.nan
+    return rows
+
+
+def _row(key: tuple, recs: list[dict[str, Any]]) -> dict[str, Any]:
+    model, label, workers, threads, link = key
+    run = recs[0]["run"]
+    ok = [r for r in recs if not r["error"] and r["ranks"]]
+    row: dict[str, Any] = {"model": model, "setup": label, "kind": _kind(run["setup"]["name"]),
+                           "workers": workers, "threads": threads, "link": link, "batch": run["batch"],
+                           "repeats": len(recs), "errors": [r["error"] for r in recs if r["error"]]}
+    thpt: list[float] = []
+    phases: dict[int, list[dict[str, float]]] = defaultdict(list)
+    check: list[float] = []
+    for rec in ok:
+        ranks = rec["ranks"]
+        w, period = ranks[0]["warmup"], max(r["period"] for r in ranks)
+        thpt += stats.window_throughput([stats.timed(r["step_s"], w) for r in ranks], run["batch"], period)
+        for r in ranks:
+            timed_phases = r["phases"][w:]
+            phases[r["rank"]] += timed_phases
+            # the probe's phases against the loop's own clock, step by step
+            pairs = zip(timed_phases, r["step_s"][w:], strict=True)
+            check += [sum(p[k] for k in PHASES) / s for p, s in pairs if s > 0]
+    row["samples_per_s"] = stats.summary(thpt)
+    row["windows"] = thpt
+    row["breakdown"] = {rank: {k: statistics.median(p[k] for p in ps) for k in (*PHASES, "step_s")}
+                        for rank, ps in sorted(phases.items()) if ps}
+    row["breakdown_sum_ratio"] = statistics.median(check) if check else math.nan
+    first = [r["ranks"] for r in ok]
+    if first:
+        ranks = first[0]
+        row["params"], row["grad_bytes"], row["period"] = ranks[0]["params"], ranks[0]["grad_bytes"], ranks[0]["period"]
+        row["bytes_per_step"] = statistics.median(r["bytes_per_step"] for rs in first for r in rs)
+        row["calls_per_step"] = statistics.median(r["calls_per_step"] for rs in first for r in rs)
+        wire = [r["wire_bytes_per_step"] for rs in first for r in rs if r.get("wire_bytes_per_step") is not None]
+        row["wire_bytes_per_step"] = statistics.median(wire) if wire else None
+        row["extra"] = [r.get("extra") or {} for r in ranks]
+    return row
+
+
+def _kind(name: str) -> str:
+    from .spec import Setup
+    return Setup(name).kind
+
+
+# -- formatting ---------------------------------------------------------------------------------
+def _f(x: float | None, fmt: str, empty: str = "") -> str:
+    return empty if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _bytes(n: float | None) -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return ""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _setup_name(row: dict[str, Any]) -> str:
+    if row["kind"] == "plain":
+        return "plain PyTorch loop"
+    return ("phalanx " if row["kind"] == "phalanx" else "") + row["setup"].replace("ddp", "torch DDP", 1)
+
+
+def throughput_table(rows: list[dict[str, Any]]) -> str:
+    head = ("| model | setup | link | processes × threads | samples/s (median) | mean ± 1.96·std | speedup | "
+            "efficiency | × plain 1×1 | × DDP same N | bytes/step |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        s = r["samples_per_s"]
+        if r["errors"] and not s["n"]:
+            lines.append(f"| {r['model']} | {_setup_name(r)} | {r['link']} | {r['workers']}×{r['threads']} | "
+                         f"failed: {r['errors'][0][:120]} | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['model']} | {_setup_name(r)} | {r['link'] if r['workers'] > 1 else '–'} | "
+            f"{r['workers']}×{r['threads']} | {s['median']:,.0f} | {s['mean']:,.0f} ± {1.96 * s['std']:,.0f} | "
+            f"{_f(r['speedup'], '.2f')}x | {_f(100 * r['efficiency'], '.1f')}% | {_f(r['vs_plain'], '.3f')} | "
+            f"{_f(r['vs_ddp'], '.3f')} | {_bytes(r.get('bytes_per_step')) if r['workers'] > 1 else ''} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def breakdown_table(rows: list[dict[str, Any]]) -> str:
+    head = ("| model | setup | link | N | worker | step ms | " + " | ".join(LABELS[k] for k in PHASES) +
+            " | phases / step |\n|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|\n")
+    lines = []
+    for r in rows:
+        for rank, b in r.get("breakdown", {}).items():
+            step = b["step_s"]
+            parts = " | ".join(f"{1e3 * b[k]:.1f} ({100 * b[k] / step:.0f}%)" for k in PHASES)
+            lines.append(f"| {r['model']} | {_setup_name(r)} | {r['link'] if r['workers'] > 1 else '–'} | "
+                         f"{r['workers']}×{r['threads']} | {rank} | {1e3 * step:.1f} | {parts} | "
+                         f"{_f(r['breakdown_sum_ratio'], '.2f')} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def wire_table(rows: list[dict[str, Any]]) -> str:
+    shaped = [r for r in rows if r.get("wire_bytes_per_step") is not None]
+    if not shaped:
+        return ""
+    lines = [f"| {r['model']} | {_setup_name(r)} | {r['link']} | {_bytes(r['bytes_per_step'])} | "
+             f"{_bytes(r['wire_bytes_per_step'])} |" for r in shaped]
+    return ("| model | setup | link | payload bytes/step (reported) | bytes/step on the wire (veth tx) |\n"
+            "|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+
+
+def environment(links: list[str]) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "gpu": gpu, "torch_threads_default": torch.get_num_threads(),
+            "platform": platform.platform(), "links": links, "loadavg_at_end": load}
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Strict JSON (nan becomes null), written atomically."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_clean(payload), f, indent=1, default=str, allow_nan=False)
+    os.replace(tmp, path)
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float):
+        return None if math.isnan(x) or math.isinf(x) else x
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x

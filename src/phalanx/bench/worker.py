@@ -1,0 +1,214 @@
+"""One benchmark worker process: ``python -m phalanx.bench.worker CONFIG.json OUT.json``.
+
+The runner starts one of these per rank with the standard variables (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``...). It builds the model from :data:`phalanx.models.ZOO`,
+trains it on synthetic data with the configured setup (plain loop, raw DDP, or a
+phalanx strategy), times every step, warm-up included, and writes the raw numbers.
+
+The loop is the same for every setup, the probe's hooks included, so ratios
+between setups compare like with like.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import models
+from .breakdown import StepProbe
+from .spec import Setup, build_strategy
+
+POOL = 4  # distinct synthetic batches, cycled: data wait stays near zero, as with a fast loader
+
+
+def setup_training(setup: Setup, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[nn.Module, Any]:
+    """Make ``model``/``opt`` train under ``setup``; returns (module to call, accountant).
+
+    The accountant answers ``bytes_sent()`` and ``calls()`` so far (payload bytes this
+    worker put into collectives, and how many), and ``extra()``, strategy-specific figures.
+    """
+    if setup.kind == "plain":
+        return model, _Accountant()
+    if setup.kind == "phalanx":
+        import phalanx as px
+        px.init()
+        strategy = build_strategy(setup)
+        module, _ = px.wrap(model, opt, strategy=strategy)
+        return module, _StrategyAccountant(strategy)
+    return _ddp(setup, model)
+
+
+def _ddp(setup: Setup, model: nn.Module) -> tuple[nn.Module, Any]:
+    """The peer: torch DDP with its defaults unless the setup's arguments say otherwise."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    kw = setup.kwargs
+    ddp = DDP(model, bucket_cap_mb=kw.get("bucket_mb"), static_graph=bool(kw.get("static_graph", False)),
+              broadcast_buffers=bool(kw.get("broadcast_buffers", True)),
+              gradient_as_bucket_view=bool(kw.get("gradient_as_bucket_view", False)))
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    acc = _PeerAccountant(grad_bytes)
+    if setup.name == "ddp-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        acc.factor = 0.5
+    elif setup.name == "ddp-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+        # start_powerSGD_iter defaults to 1000 (plain all-reduce until then); 2 is the smallest it takes.
+        state = P.PowerSGDState(None, matrix_approximation_rank=int(kw.get("rank", 4)),
+                                start_powerSGD_iter=int(kw.get("start_iter", 2)), warm_start=True,
+                                use_error_feedback=True)
+        ddp.register_comm_hook(state, P.powerSGD_hook)
+        acc.powersgd = state
+    return ddp, acc
+
+
+class _Accountant:
+    def bytes_sent(self) -> float:
+        return 0.0
+
+    def calls(self) -> int:
+        return 0
+
+    def period(self) -> int:
+        return 1
+
+    def extra(self) -> dict[str, Any]:
+        return {}
+
+
+class _StrategyAccountant(_Accountant):
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def bytes_sent(self) -> float:
+        return float(self.strategy.bytes_sent)
+
+    def calls(self) -> int:
+        stats = getattr(getattr(self.strategy, "comm", None), "stats", None)
+        return int(stats.calls) if stats is not None else 0
+
+    def period(self) -> int:
+        """Steps between syncs when the strategy says (``sync=px.every(k)`` or ``every=k``), else 1."""
+        for holder in (getattr(self.strategy, "sync", None), self.strategy):
+            for name in ("k", "every"):
+                value = getattr(holder, name, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+                    return value
+        return 1
+
+    def extra(self) -> dict[str, Any]:
+        """Whatever the strategy reports about itself (per-server load for parameter servers)."""
+        for name in ("report", "stats", "load"):
+            fn = getattr(self.strategy, name, None)
+            if callable(fn):
+                try:
+                    out = fn()
+                except Exception as err:  # a report is a nicety; never lose the measurement to it
+                    return {"report_error": repr(err)}
+                return json.loads(json.dumps(out, default=str))
+        return {}
+
+
+class _PeerAccountant(_Accountant):
+    def __init__(self, grad_bytes: int) -> None:
+        self.grad_bytes, self.factor, self.powersgd, self.steps = grad_bytes, 1.0, None, 0
+
+    def bytes_sent(self) -> float:
+        if self.powersgd is not None:  # counts elements itself (after the vanilla first iterations)
+            return float(self.powersgd.total_numel_after_compression * 4)
+        return self.grad_bytes * self.factor * self.steps
+
+    def calls(self) -> int:
+        return 0
+
+
+def wire_bytes() -> int | None:
+    """Bytes sent on this namespace's link interface so far (link runs only)."""
+    iface = os.environ.get("PHALANX_BENCH_IFACE")
+    if not iface:
+        return None
+    try:
+        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+def synthetic(shape: tuple[int, ...], classes: int, batch: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, *shape, generator=gen), torch.randint(classes, (batch,), generator=gen))
+            for _ in range(POOL)]
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train ``cfg["warmup"] + cfg["steps"]`` steps and return every raw timing."""
+    threads = int(cfg.get("threads", 1))
+    torch.set_num_threads(threads)
+    rank = int(os.environ.get("RANK", 0))
+    setup = Setup(cfg["setup"]["name"], cfg["setup"].get("kwargs", {}))
+    torch.manual_seed(cfg.get("seed", 0))
+    model, shape, classes = models.build(cfg["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.get("lr", 0.01), momentum=0.9)
+    module, acc = setup_training(setup, model, opt)
+    data = synthetic(shape, classes, int(cfg["batch"]), seed=1000 + rank)
+    warmup, steps = int(cfg["warmup"]), int(cfg["steps"])
+    if dist.is_initialized():
+        dist.barrier()  # start the clocks together
+    probe = StepProbe(module, opt)
+    step_s: list[float] = []
+    marks: dict[str, Any] = {}
+    probe.mark()
+    top = time.perf_counter()
+    for i in range(warmup + steps):
+        if i == warmup:
+            marks = {"bytes": acc.bytes_sent(), "calls": acc.calls(), "wire": wire_bytes()}
+        x, y = data[i % POOL]
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(module(x), y).backward()
+        opt.step()
+        if isinstance(acc, _PeerAccountant):
+            acc.steps += 1
+        now = time.perf_counter()
+        step_s.append(now - top)
+        top = now
+    probe.close()
+    wire_end = wire_bytes()
+    result = {
+        "rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", 1)), "threads": threads,
+        "warmup": warmup, "steps": steps, "batch": int(cfg["batch"]), "step_s": step_s, "phases": probe.records,
+        "bytes_per_step": (acc.bytes_sent() - marks["bytes"]) / steps if steps else 0.0,
+        "calls_per_step": (acc.calls() - marks["calls"]) / steps if steps else 0.0,
+        "wire_bytes_per_step": (wire_end - marks["wire"]) / steps if steps and wire_end is not None else None,
+        "period": acc.period(), "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "params": sum(p.numel() for p in model.parameters()), "extra": acc.extra(),
+    }
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    with open(argv[0]) as f:
+        cfg = json.load(f)
+    result = run(cfg)
+    tmp = argv[1] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, argv[1])
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
