@@ -60,6 +60,11 @@ def test_wrap_before_init_in_a_two_worker_run_is_refused_clearly(equivalence_run
     assert "2-worker run before px.init()" in msg and "expected" in msg and "\n" not in msg
 
 
+def test_sync_batchnorm_on_cpu_workers_is_refused_clearly(equivalence_run):
+    results, _ = equivalence_run
+    assert results[0]["sync_bn_on_cpu"].startswith("nn.SyncBatchNorm on CPU workers; expected GPU workers")
+
+
 def test_resume_in_new_processes_equals_the_uninterrupted_run(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")
     # 3 epochs of 6 steps with shuffling and dropout; the checkpoint is taken at step 7, inside epoch 1.

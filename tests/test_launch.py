@@ -12,7 +12,7 @@ import pytest
 
 from phalanx import ConfigError
 from phalanx.cli import main
-from phalanx.launch import RunConfig
+from phalanx.launch import RunConfig, _status
 from phalanx.testing import free_port
 
 SCRIPT = """\
@@ -111,6 +111,11 @@ def test_bad_input_is_one_line_saying_given_expected_and_what_to_do(argv, given,
         RunConfig.from_argv(argv)
     msg = str(err.value)
     assert given in msg and "expected" in msg and "\n" not in msg, msg
+
+
+def test_exit_status_passed_on_is_the_workers_or_128_plus_its_signal():
+    assert _status(3) == ("exited with status 3", 3)
+    assert _status(-signal.SIGKILL) == ("was killed by SIGKILL", 137)
 
 
 def test_cli_prints_usage_errors_as_one_line_with_status_2(capsys, script):

@@ -21,17 +21,22 @@ from __future__ import annotations
 
 from .checkpoint import load_checkpoint, read_checkpoint, save, save_checkpoint
 from .comm import Comm, CommStats
+from .compression import FP16, Compressor, PowerSGD, Threshold, TopK
 from .data import ShardedLoader, shard
 from .errors import CheckpointError, ConfigError, PhalanxError, WorkerLostError
 from .group import barrier, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from .lr import scale_lr, warmup
+from .ps import AsyncEASGD, Downpour, ParameterServer
 from .strategies import AllReduce, Exchange, ParameterAverage, Periodic, Strategy, SyncCondition
-from .sync import every
+from .strategies import EASGD, DiLoCo, LocalSGD
+from .sync import every, schedule
 from .wrap import strategy_of, unwrap, wrap
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Compressor", "DiLoCo", "EASGD", "FP16", "LocalSGD", "PowerSGD", "Threshold", "TopK", "schedule",
+    "AsyncEASGD", "Downpour", "ParameterServer",
     "AllReduce", "CheckpointError", "Comm", "CommStats", "ConfigError", "Exchange", "ParameterAverage", "Periodic",
     "PhalanxError", "ShardedLoader", "Strategy", "SyncCondition", "WorkerLostError", "barrier", "device", "every",
     "init", "is_initialized", "is_main", "load_checkpoint", "local_rank", "rank", "read_checkpoint", "save",

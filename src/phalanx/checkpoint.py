@@ -118,8 +118,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
                     loader: Any = None, step: int = 0, extra: dict[str, Any] | None = None) -> None:
     """Write a resumable checkpoint (main worker only; call it on every worker).
 
-    RNG states are this worker's; the strategy's state is rank 0's, which is what
-    every synchronous strategy shares. ``extra`` holds the caller's own plain values.
+    Every worker's torch RNG state is kept, and the strategy's shared state plus each
+    worker's own part of it (``Strategy.gather_state_dict``). ``extra`` holds the
+    caller's own plain values.
 
     Example:
         >>> import torch, phalanx as px, tempfile, os
@@ -131,13 +132,16 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     from .comm import Comm
     # Each worker's torch generator differs (dropout, augmentation); keep them all.
     torch_rngs = Comm().all_gather(torch.get_rng_state())
+    strategy = strategy_of(optimizer) if optimizer is not None else None
+    strategy_state = None
+    if strategy is not None:  # collective: rank 0's shared state plus each replica's own (residuals...)
+        strategy_state = getattr(strategy, "gather_state_dict", strategy.state_dict)()
     if not group.is_main():
         return
-    strategy = strategy_of(optimizer) if optimizer is not None else None
     body = {
         "model": unwrap(model).state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "strategy": strategy.state_dict() if strategy is not None else None,
+        "strategy": strategy_state,
         "loader": loader.state_dict() if loader is not None else None,
         "rng": rng_state(),
         "torch_rng_per_rank": torch_rngs,

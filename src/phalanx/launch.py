@@ -267,20 +267,21 @@ def _start_servers(cfg: RunConfig):
 
 def run(cfg: RunConfig) -> int:
     """Start the workers and wait; returns the exit status ``phalanx run`` should end with."""
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
     _quiet_torch_elastic()
-    env = cfg.worker_env()
-    servers = None
+    launch, env, servers = cfg.launch_config(), cfg.worker_env(), None
     try:
         if cfg.servers:
             servers = _start_servers(cfg)
             env.update(servers.env())
         with _environ(env):
             # sys.executable -u: the same interpreter as ours, unbuffered so workers' lines interleave promptly.
-            elastic_launch(cfg.launch_config(), sys.executable)("-u", cfg.script, *cfg.script_args)
+            elastic_launch(launch, sys.executable)("-u", cfg.script, *cfg.script_args)
         return 0
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
@@ -288,6 +289,11 @@ def run(cfg: RunConfig) -> int:
         others = "; stopped the others" if cfg.nproc * cfg.max_nodes > 1 else ""
         print(f"phalanx: worker rank {rank} {how} (first failure){others}", file=sys.stderr, flush=True)
         return status
+    except (RendezvousError, DistNetworkError) as err:
+        print(f"phalanx: the hosts could not meet at {launch.rdzv_endpoint} ({type(err).__name__}: "
+              f"{str(err).splitlines()[0]}); check --master-addr/--master-port or --rdzv-endpoint, and that "
+              "host 0 is up and reachable", file=sys.stderr, flush=True)
+        return 1
     except SignalException as err:
         print(f"phalanx: received {err.sigval.name}; stopped all workers", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)

@@ -43,6 +43,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage(f"{type(model).__name__} with no trainable parameters",
                                 "at least one parameter with requires_grad=True",
                                 "Unfreeze some layers or check that the model was built."))
+    if group.world_size() > 1 and group.device().type == "cpu" and \
+            any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+        raise ConfigError(usage("nn.SyncBatchNorm on CPU workers", "GPU workers (torch's SyncBatchNorm needs them)",
+                                "Keep plain BatchNorm: each worker then normalises with its own batch statistics."))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(usage(f"optimizer of type {type(optimizer).__name__}", "a torch.optim.Optimizer",
                                 "Build it from the model's parameters, "

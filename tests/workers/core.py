@@ -68,6 +68,12 @@ def equivalence(batch: int, epochs: int, save_path: str) -> dict[str, Any]:
         wrap_before_init = str(err)
     px.init()
     out: dict[str, Any] = {"wrap_before_init": wrap_before_init}
+    try:
+        sync_bn = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(IN, 4), nn.BatchNorm1d(4)))
+        px.wrap(sync_bn, OPTIMIZERS["sgd"](sync_bn.parameters()))
+        out["sync_bn_on_cpu"] = "no error"
+    except px.ConfigError as err:
+        out["sync_bn_on_cpu"] = str(err)
     for name, make_opt in OPTIMIZERS.items():
         model = net(seed=100 + px.rank())  # seeds differ: px.wrap must broadcast rank 0's weights
         before = flat(model)

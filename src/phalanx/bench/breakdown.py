@@ -132,10 +132,10 @@ class StepProbe:
 
 
 def summarize(records: list[dict[str, float]]) -> dict[str, float]:
-    """Median of each phase and of the step time over ``records``."""
+    """Mean of each phase and of the step time over ``records`` (means add up; medians do not)."""
     if not records:
         return {}
-    return {key: statistics.median(r[key] for r in records) for key in (*PHASES, "step_s")}
+    return {key: statistics.fmean(r[key] for r in records) for key in (*PHASES, "step_s")}
 
 
 class StepBreakdown(Callback):
@@ -143,7 +143,7 @@ class StepBreakdown(Callback):
 
     ``records`` holds, per step, ``data_s`` (the Trainer's own data timing),
     ``compute_s``, ``comm_s``, ``optimizer_s`` and ``step_s`` (the Trainer's step
-    time). ``summary()`` gives medians after ``warmup_steps``.
+    time). ``summary()`` gives means per step after ``warmup_steps``.
 
     Example:
         >>> import phalanx as px
@@ -174,5 +174,5 @@ class StepBreakdown(Callback):
             self.probe = None
 
     def summary(self) -> dict[str, float]:
-        """Median phase times (seconds) over the steps after warm-up."""
+        """Mean phase times (seconds) per step after warm-up."""
         return summarize(self.records[self.warmup_steps:])

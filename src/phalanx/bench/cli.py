@@ -24,7 +24,7 @@ from .runner import Options, sweep
 from .spec import check_setup, parse_setup, plan, split_list
 
 QUICK = {"models": "mlp,resnet20", "workers": "1,2", "strategies": "allreduce,ddp", "warmup": 3, "steps": 8}
-FULL = {"models": "mlp,resnet20", "workers": "1,2", "strategies": "allreduce,ddp", "warmup": 5, "steps": 30}
+FULL = {"models": "mlp,resnet20", "workers": "1,2", "strategies": "allreduce,ddp", "warmup": 5, "steps": 32}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--link", default="loopback", help="comma list: loopback and/or rates such as 100mbit (needs root)")
     p.add_argument("--batch", type=int, default=64, help="samples per worker per step (default 64)")
     p.add_argument("--warmup", type=int, help="steps left out before timing (default 5)")
-    p.add_argument("--steps", type=int, help="timed steps per configuration (default 30)")
+    p.add_argument("--steps", type=int, help="timed steps per configuration (default 32; a multiple of a periodic rule's k)")
     p.add_argument("--repeats", type=int, default=1, help="run the whole list this many times, alternating order")
     p.add_argument("--quick", action="store_true", help="a small sweep that finishes in under 3 minutes on 2 cores")
     p.add_argument("--time-to-accuracy", action="store_true",
@@ -167,11 +167,16 @@ def render(payload: dict[str, Any], pngs: list[str]) -> str:
              "## Throughput (measured)\n\n", report.throughput_table(rows),
              "\nSpeedup is thpt(N)/thpt(1) of the same setup (thread rows: against the plain loop 1×1); "
              "efficiency is speedup/N.\n\n## Targets\n\n", targets.markdown(payload["targets"]),
-             "\n## Where the time goes (measured, median per step and worker)\n\n", report.breakdown_table(rows),
-             "\n*phases / step*: the four phases, timed by hooks, over the loop's own step time (median ratio).\n"]
+             "\n## Where the time goes (measured, mean per timed step and worker)\n\n", report.breakdown_table(rows),
+             "\n*optimizer step* includes the strategy's own work around `optimizer.step()` other than collectives "
+             "(e.g. compression); *phases / step*: the four phases, timed by hooks, over the loop's own step time "
+             "(median ratio over steps).\n"]
     wire = report.wire_table(rows)
     if wire:
         parts += ["\n## Bytes on the shaped link\n\n", wire]
+    servers = report.server_table(rows)
+    if servers:
+        parts += ["\n## Parameter-server load (counted by the servers, warm-up and timed steps together)\n\n", servers]
     if payload["time_to_accuracy"]:
         parts += ["\n## Time to target accuracy (measured; digits CNN, training time without evaluation)\n\n",
                   tta.table(payload["time_to_accuracy"])]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -106,6 +107,7 @@ class Link:
         self.namespaces = (f"{PREFIX}{tag}a", f"{PREFIX}{tag}b")
         self.interfaces = (f"phxv{tag}a", f"phxv{tag}b")
         self.addresses = (f"{SUBNET}.1", f"{SUBNET}.2")
+        self.token = secrets.token_hex(16)  # parameter servers off loopback demand one
         self.is_up = False
         self._old_handlers: dict[int, Any] = {}
 
@@ -155,9 +157,11 @@ class Link:
 
     def env(self, rank: int) -> dict[str, str]:
         """Variables for a worker of ``rank``: rank 0's address as master, this side's veth for gloo."""
-        iface = self.interfaces[self.side(rank)]
+        side = self.side(rank)
+        iface = self.interfaces[side]
         return {"MASTER_ADDR": self.addresses[0], "GLOO_SOCKET_IFNAME": iface, "TP_SOCKET_IFNAME": iface,
-                "PHALANX_BENCH_IFACE": iface}
+                "PHALANX_BENCH_IFACE": iface, "PHALANX_PS_HOST": self.addresses[side],  # colocated PS servers
+                "PHALANX_PS_TOKEN": self.token}
 
     # -- context manager: teardown on every way out -----------------------------------
     def __enter__(self) -> "Link":

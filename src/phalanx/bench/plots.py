@@ -72,7 +72,8 @@ def efficiency(rows: list[dict[str, Any]], path: str) -> str | None:
     labels = [f"{r['model']}\n{r['setup']} {r['workers']}×{r['threads']}\n{r['link'] if r['workers'] > 1 else ''}"
               for r in pts]
     colors = [f"C{list(dict.fromkeys(p['model'] for p in pts)).index(r['model'])}" for r in pts]
-    ax.bar(range(len(pts)), [100 * r["efficiency"] for r in pts], color=colors)
+    bars = ax.bar(range(len(pts)), [100 * r["efficiency"] for r in pts], color=colors)
+    ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.axhline(100, ls="--", color="grey", lw=0.8)
     ax.axhline(90, ls=":", color="grey", lw=0.8)
     ax.set_xticks(range(len(pts)), labels, fontsize=6, rotation=90)
@@ -85,7 +86,7 @@ def efficiency(rows: list[dict[str, Any]], path: str) -> str | None:
 
 
 def breakdown(rows: list[dict[str, Any]], path: str) -> str | None:
-    """Stacked bars of the step time per worker, as a share of the step; the label gives the step in ms."""
+    """Stacked bars of the mean step time per worker, as shares; the label gives the mean step in ms."""
     plt = _plt()
     bars = [(r, rank, b) for r in rows if _ok(r) for rank, b in r.get("breakdown", {}).items()]
     if not bars:
@@ -102,8 +103,8 @@ def breakdown(rows: list[dict[str, Any]], path: str) -> str | None:
                                      f"w{rank} ({1e3 * b['step_s']:.0f} ms)" for r, rank, b in bars], fontsize=6)
     ax.invert_yaxis()
     ax.set_xlabel("share of the step time (%)")
-    ax.set_title("Where the time goes (median step, per worker)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("Where the time goes (mean step, per worker)")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(PHASES))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -69,7 +69,9 @@ def _row(key: tuple, recs: list[dict[str, Any]]) -> dict[str, Any]:
             check += [sum(p[k] for k in PHASES) / s for p, s in pairs if s > 0]
     row["samples_per_s"] = stats.summary(thpt)
     row["windows"] = thpt
-    row["breakdown"] = {rank: {k: statistics.median(p[k] for p in ps) for k in (*PHASES, "step_s")}
+    # means, not medians: means of the phases add up to the mean step, and a periodic rule's
+    # sync steps (one in k) count in full instead of vanishing under the median
+    row["breakdown"] = {rank: {k: statistics.fmean(p[k] for p in ps) for k in (*PHASES, "step_s")}
                         for rank, ps in sorted(phases.items()) if ps}
     row["breakdown_sum_ratio"] = statistics.median(check) if check else math.nan
     first = [r["ranks"] for r in ok]
@@ -128,7 +130,7 @@ def throughput_table(rows: list[dict[str, Any]]) -> str:
 
 
 def breakdown_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | setup | link | N | worker | step ms | " + " | ".join(LABELS[k] for k in PHASES) +
+    head = ("| model | setup | link | N | worker | step ms (mean) | " + " | ".join(LABELS[k] for k in PHASES) +
             " | phases / step |\n|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|\n")
     lines = []
     for r in rows:
@@ -149,6 +151,24 @@ def wire_table(rows: list[dict[str, Any]]) -> str:
              f"{_bytes(r['wire_bytes_per_step'])} |" for r in shaped]
     return ("| model | setup | link | payload bytes/step (reported) | bytes/step on the wire (veth tx) |\n"
             "|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+
+
+def server_table(rows: list[dict[str, Any]]) -> str:
+    """Per-server load of parameter-server setups (rank 0's view; counters since the servers started)."""
+    lines = []
+    for r in rows:
+        load = next((e["servers"] for e in r.get("extra") or [] if e.get("servers")), None)
+        if not load:
+            continue
+        for i in range(len(load["addrs"])):
+            lines.append(f"| {r['model']} | {_setup_name(r)} | {r['link']} | {r['workers']} | {i} | "
+                         f"{load['bytes_in'][i] / 1e6:.1f} | {load['bytes_out'][i] / 1e6:.1f} | "
+                         f"{load['requests'][i]} | {load['bytes_held'][i] / 1e6:.2f} | "
+                         f"{load['bytes_imbalance']:.2f} | {load['requests_imbalance']:.2f} |")
+    if not lines:
+        return ""
+    return ("| model | setup | link | workers | server | MB in | MB out | requests | MB held | bytes max/mean | "
+            "requests max/mean |\n|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
 
 
 def environment(links: list[str]) -> dict[str, Any]:

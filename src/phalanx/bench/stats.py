@@ -40,7 +40,9 @@ def window_throughput(ranks_step_s: Sequence[Sequence[float]], batch: int, size:
     """Global samples/s of each window: the sum over workers of batch*size / window time.
 
     ``ranks_step_s`` holds each worker's timed step times (warm-up already removed).
+    Fewer timed steps than ``size`` make one window of all of them.
     """
+    size = max(1, min([size, *(len(s) for s in ranks_step_s)]))
     per_rank = [windows(s, size) for s in ranks_step_s]
     count = min((len(w) for w in per_rank), default=0)
     return [sum(batch * size / w[i] for w in per_rank) for i in range(count)]

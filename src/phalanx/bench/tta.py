@@ -63,6 +63,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         if reached:
             break
     wire_end = wire_bytes()
+    acc.finish()
     result = {"rank": rank, "world_size": world, "target": cfg["target"], "reached": reached, "curve": curve,
               "steps": steps, "train_seconds": clock, "batch": cfg["batch"],
               "bytes_per_step": (acc.bytes_sent() - bytes0) / max(steps, 1),

@@ -85,6 +85,9 @@ class _Accountant:
     def extra(self) -> dict[str, Any]:
         return {}
 
+    def finish(self) -> None:
+        pass
+
 
 class _StrategyAccountant(_Accountant):
     def __init__(self, strategy: Any) -> None:
@@ -107,16 +110,20 @@ class _StrategyAccountant(_Accountant):
         return 1
 
     def extra(self) -> dict[str, Any]:
-        """Whatever the strategy reports about itself (per-server load for parameter servers)."""
-        for name in ("report", "stats", "load"):
-            fn = getattr(self.strategy, name, None)
-            if callable(fn):
-                try:
-                    out = fn()
-                except Exception as err:  # a report is a nicety; never lose the measurement to it
-                    return {"report_error": repr(err)}
-                return json.loads(json.dumps(out, default=str))
-        return {}
+        """Per-server load (bytes, requests, imbalance) of a parameter-server strategy, as its servers count it."""
+        if not hasattr(self.strategy, "table"):
+            return {}
+        try:
+            from ..ps.report import load_report
+            return {"servers": load_report(self.strategy).as_dict()}
+        except Exception as err:  # a report is a nicety; never lose the measurement to it
+            return {"servers_error": repr(err)}
+
+    def finish(self) -> None:
+        """Leave the servers (a colocated one keeps serving until every worker is done)."""
+        finish = getattr(self.strategy, "finish", None)
+        if callable(finish):
+            finish()
 
 
 class _PeerAccountant(_Accountant):
@@ -192,6 +199,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "period": acc.period(), "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "params": sum(p.numel() for p in model.parameters()), "extra": acc.extra(),
     }
+    acc.finish()
     if dist.is_initialized():
         dist.barrier()
     return result

@@ -3,13 +3,25 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..compression import FP16, PowerSGD, Threshold, TopK
 from ..errors import ConfigError, usage
 from .allreduce import AllReduce
 from .base import Exchange, ParameterAverage, Periodic, Strategy, SyncCondition
+from .diloco import DiLoCo, OuterStep
+from .easgd import EASGD, Elastic
+from .local_sgd import LocalSGD
 
 # name -> factory with the literature's defaults; the benchmark and CLI use these names.
 REGISTRY: dict[str, Callable[[], Strategy]] = {
     "allreduce": AllReduce,
+    "local-sgd": LocalSGD,                                              # every=8
+    "post-local-sgd": lambda: LocalSGD(every=16, warmup_steps=500),      # Lin et al. 2020
+    "diloco": DiLoCo,                                                   # every=50, Nesterov 0.7 / 0.9
+    "easgd": EASGD,                                                     # every=4, beta = 0.9
+    "fp16": lambda: AllReduce(compression=FP16()),
+    "topk": lambda: AllReduce(compression=TopK(0.01)),
+    "threshold": lambda: AllReduce(compression=Threshold(1e-3)),
+    "powersgd": lambda: AllReduce(compression=PowerSGD(rank=4)),
 }
 
 
@@ -27,5 +39,5 @@ def by_name(name: str) -> Strategy:
     return REGISTRY[key]()
 
 
-__all__ = ["AllReduce", "Exchange", "ParameterAverage", "Periodic", "Strategy", "SyncCondition",
-           "REGISTRY", "by_name", "register"]
+__all__ = ["AllReduce", "DiLoCo", "EASGD", "Elastic", "Exchange", "LocalSGD", "OuterStep", "ParameterAverage",
+           "Periodic", "Strategy", "SyncCondition", "REGISTRY", "by_name", "register"]

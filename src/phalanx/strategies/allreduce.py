@@ -6,6 +6,15 @@ We reuse PyTorch's C++ DDP reducer, which overlaps bucketed all-reduce with the
 backward pass (Li et al. 2020), and choose its bucket size from the model instead
 of DDP's fixed 25 MB.
 
+With a compressor the gradients are averaged once per step, just before
+``optimizer.step()``, in one batched exchange over the whole model
+(``compressor.average_``) rather than through a DDP comm hook per bucket: PowerSGD
+then costs two collectives per step instead of two per bucket, the residuals and
+warm-start matrices are keyed by parameter (DDP rebuilds its buckets after the
+first step, which would scramble bucket-keyed state), and gradient accumulation
+works unchanged. The price is no overlap with backward, which matters little on
+the slow links compression is for.
+
 Example:
     >>> import torch, phalanx as px
     >>> model, opt = px.wrap(torch.nn.Linear(2, 1), torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), 0.1),
@@ -19,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..compression import check_compressor
 from ..errors import ConfigError, usage
 from .base import Strategy
 
@@ -49,23 +59,23 @@ class AllReduce(Strategy):
         if bucket_mb is not None and not bucket_mb > 0:
             raise ConfigError(usage(f"bucket_mb={bucket_mb!r}", "a positive size in MiB",
                                     "Leave it unset to fit it to the model."))
-        self.compression = compression
+        self.compression = check_compressor(compression, "AllReduce")
         self.bucket_mb = bucket_mb
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         super().attach(model, optimizer)
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
-        if self.comm.world_size == 1:
-            return model  # a group of one is plain PyTorch, bit for bit
+        if self.comm.world_size == 1 or self.compression is not None:
+            return model  # a group of one is plain PyTorch, bit for bit; compression runs in before_step
         device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids,
-                                      bucket_cap_mb=self.bucket_mb or fitted_bucket_mb(model),
-                                      forward_sync_buffers=False,  # BatchNorm statistics stay per worker
-                                      gradient_as_bucket_view=True)
+        return DistributedDataParallel(model, device_ids=device_ids,
+                                       bucket_cap_mb=self.bucket_mb or fitted_bucket_mb(model),
+                                       forward_sync_buffers=False,  # BatchNorm statistics stay per worker
+                                       gradient_as_bucket_view=True)
+
+    def before_step(self) -> None:
         if self.compression is not None:
-            from ..compression import ddp_hook
-            ddp.register_comm_hook(*ddp_hook(self.compression, self.comm))
-        return ddp
+            self.compression.average_(gradients(self.params), self.comm, key="grad")
 
     def after_step(self) -> None:
         super().after_step()
@@ -74,14 +84,15 @@ class AllReduce(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        if self.compression is not None and hasattr(self.compression, "state_dict"):
-            state["compression"] = self.compression.state_dict()
+        if self.compression is not None:
+            state["compression"] = self.compression.state_dict()  # rank 0's; see gather_state_dict
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if "compression" in state:
             self.compression.load_state_dict(state["compression"])
+        self._load_replicas(state)  # each rank's own residuals, when the checkpoint has them
 
     def __repr__(self) -> str:
         return f"AllReduce(compression={self.compression!r})"
@@ -89,3 +100,11 @@ class AllReduce(Strategy):
 
 def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def gradients(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """Every parameter's gradient; a parameter that got none gets zeros, so all workers send the same shapes."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]

@@ -21,12 +21,14 @@ Example (a complete custom rule: average parameters every 4 steps):
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ..comm import Comm
+from ..comm import Comm, guarded
 
 
 @runtime_checkable
@@ -72,6 +74,7 @@ class Strategy:
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
+        self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # for bytes_per_step
         return model
 
     def before_step(self) -> None:
@@ -93,6 +96,59 @@ class Strategy:
     def bytes_sent(self) -> int:
         """Payload bytes this worker has sent so far."""
         return self.comm.stats.bytes_sent
+
+    @property
+    def bytes_per_step(self) -> float:
+        """Mean payload bytes sent per optimizer step since attach (the initial broadcast excluded)."""
+        bytes0, steps0 = getattr(self, "_attach_mark", (0, 0))
+        return (self.comm.stats.bytes_sent - bytes0) / max(1, self.steps - steps0)
+
+    def finish(self) -> None:
+        """Collective, once when training ends: leave every replica holding the model to keep.
+
+        Strategies whose replicas drift apart between syncs reconcile here (a last
+        average, or EASGD's centre variable); synchronous ones have nothing to do.
+        """
+
+    # -- per-replica state (exact resume when replicas differ) ------------------------
+    def replica_state_dict(self) -> dict[str, Any]:
+        """This worker's own state that the other replicas do not share.
+
+        By default: the compressor's residuals, when the strategy has a ``compression``.
+        """
+        compression = getattr(self, "compression", None)
+        return {"compression": compression.state_dict()} if hasattr(compression, "state_dict") else {}
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        if "compression" in state:
+            self.compression.load_state_dict(state["compression"])
+
+    def gather_state_dict(self) -> dict[str, Any]:
+        """Collective (call on every rank): ``state_dict()`` plus every rank's replica state.
+
+        A checkpoint written by rank 0 from this resumes each rank with its own
+        residuals, parameters and optimizer state; see :meth:`load_state_dict`.
+        """
+        state = self.state_dict()
+        mine = self.replica_state_dict()
+        if self.comm.world_size > 1 and mine:
+            gathered: list[Any] = [None] * self.comm.world_size
+            with guarded("gather_state_dict"):
+                dist.all_gather_object(gathered, _to_cpu(mine))
+            state["replicas"] = gathered
+        return state
+
+    def _load_replicas(self, state: dict[str, Any]) -> None:
+        """Apply this rank's entry of ``state["replicas"]`` (written by :meth:`gather_state_dict`)."""
+        replicas = state.get("replicas")
+        if not replicas:
+            return
+        if len(replicas) != self.comm.world_size:
+            warnings.warn(f"the checkpoint holds {len(replicas)} replicas but this run has {self.comm.world_size} "
+                          "workers; every worker resumes from rank 0's shared state only, so the run will not "
+                          "continue bit for bit.", stacklevel=3)
+            return
+        self.load_replica_state_dict(replicas[self.comm.rank])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -129,9 +185,37 @@ class Periodic(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.exchange.load_state_dict(state["exchange"])
+        self._load_replicas(state)
+
+    def finish(self) -> None:
+        """Exchange once more if local steps were taken since the last sync."""
+        if self.steps and not self.sync(self.steps):
+            self.exchange.exchange(self.params, self.comm)
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        """Replicas differ between syncs, and so do their optimizers' states (momentum, Adam moments)."""
+        return {**super().replica_state_dict(), "params": [p.detach().clone() for p in self.params],
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_replica_state_dict(state)
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"], strict=True):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.sync!r}, {type(self.exchange).__name__})"
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 class ParameterAverage(Exchange):

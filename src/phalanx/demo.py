@@ -1,0 +1,203 @@
+"""``phalanx demo``: the same training on 1 worker and on 2, side by side.
+
+A small CNN learns scikit-learn's bundled 8x8 handwritten digits (no download)
+with :class:`phalanx.Trainer`, first as one process, then as two worker
+processes that average gradients every step. Each worker keeps the batch size,
+so two workers take half the steps per epoch on twice the samples per step. The
+demo ends with a table of test accuracy, samples/s, speedup and efficiency.
+
+Workers run on CPU, one intra-op thread each, and only rank 0 prints. Run
+``phalanx demo --help`` for the knobs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+MIN_ACCURACY = 0.95
+
+
+def train(*, epochs: int = 8, batch_size: int = 32, lr: float = 2e-3, seed: int = 0, progress: bool = True,
+          limit: int | None = None) -> dict[str, Any]:
+    """One worker's part of a demo run (call it on every worker); returns the run's summary.
+
+    ``limit`` keeps only the first ``limit`` training samples (for quick tests).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    import phalanx as px
+    from phalanx.models import digits_cnn, load_digits_split
+    from phalanx.trainer import Trainer
+
+    px.init()
+    torch.manual_seed(seed)
+    train_set, test_set = load_digits_split()
+    if limit is not None:
+        train_set = torch.utils.data.Subset(train_set, range(min(limit, len(train_set))))
+    model = digits_cnn()
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=lr), F.cross_entropy, metrics=["accuracy"])
+    history = trainer.fit(train_set, epochs=epochs, batch_size=batch_size, val_data=test_set, seed=seed,
+                          progress=progress)
+    last = history[-1]
+    return {"workers": px.world_size(), "test_accuracy": last["val_accuracy"], "test_samples": last["val_samples"],
+            "samples_per_s": history.samples_per_s, "train_samples": len(train_set), "epochs": epochs,
+            "seconds": sum(history["time_s"])}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(workers: int, worker_args: list[str], threads: int) -> int:
+    """Start ``workers`` local worker processes of this module; the first failure's code, else 0.
+
+    The variables are the ones ``phalanx run`` and torchrun set, so the workers are
+    ordinary phalanx scripts. A single worker gets none: it is a plain process.
+    """
+    base = {**os.environ, "OMP_NUM_THREADS": str(threads), "PHALANX_THREADS": str(threads),
+            "CUDA_VISIBLE_DEVICES": ""}  # the demo is about CPU workers
+    port = _free_port()
+    procs = []
+    for rank in range(workers):
+        env = dict(base)
+        if workers > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(workers), LOCAL_WORLD_SIZE=str(workers),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "phalanx.demo", "--worker", *worker_args], env=env))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        failed = [130]
+    for p in procs:  # after a failure, stop the rest rather than let them wait on a dead peer
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return failed[0] if failed else 0
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The summary as a Markdown table (it reads well in a terminal and pastes into docs).
+
+    Example:
+        >>> print(table([{"workers": 1, "test_accuracy": 0.98, "samples_per_s": 1000.0},
+        ...              {"workers": 2, "test_accuracy": 0.97, "samples_per_s": 1800.0}]))
+        | workers | test accuracy | samples/s | speedup | efficiency |
+        |--------:|--------------:|----------:|--------:|-----------:|
+        |       1 |         0.980 |     1,000 |   1.00x |       100% |
+        |       2 |         0.970 |     1,800 |   1.80x |        90% |
+    """
+    head = ["workers", "test accuracy", "samples/s", "speedup", "efficiency"]
+    base = next((r["samples_per_s"] for r in rows if r["workers"] == 1), rows[0]["samples_per_s"])
+    body = []
+    for r in rows:
+        speedup = r["samples_per_s"] / base
+        body.append([str(r["workers"]), f"{r['test_accuracy']:.3f}", f"{r['samples_per_s']:,.0f}",
+                     f"{speedup:.2f}x", f"{speedup / r['workers']:.0%}"])
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    lines = ["| " + " | ".join(h.rjust(w) for h, w in zip(head, widths)) + " |",
+             "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(b, widths)) + " |" for b in body]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="phalanx demo", description="Train a small CNN on scikit-learn's digits on "
+                                "1 worker, then on 2, and compare accuracy and speed.")
+    p.add_argument("--epochs", type=int, default=8, help="epochs per run (default 8)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default 32)")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to run (default: 1 2)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: run as one worker
+    p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)  # internal: fewer training samples
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)  # internal: where rank 0 writes its summary
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo (or, with the internal ``--worker``, one of its workers); returns the exit status."""
+    args = _parser().parse_args(argv)
+    for name in ("epochs", "batch_size", "threads"):
+        if getattr(args, name) < 1:
+            print(f"phalanx demo: --{name.replace('_', '-')}={getattr(args, name)}; expected an integer >= 1.",
+                  file=sys.stderr)
+            return 2
+    if any(n < 1 for n in args.workers):
+        print(f"phalanx demo: --workers {args.workers}; expected counts >= 1.", file=sys.stderr)
+        return 2
+    if args.worker:
+        return _worker(args)
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="phalanx-demo-") as tmp:
+        for n in args.workers:
+            out = os.path.join(tmp, f"{n}.json")
+            print(f"\n== {n} worker{'s' if n > 1 else ''} ==", flush=True)
+            worker_args = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+                           "--seed", str(args.seed), "--out", out]
+            if args.no_progress:
+                worker_args.append("--no-progress")
+            if args.limit is not None:
+                worker_args += ["--limit", str(args.limit)]
+            code = _launch(n, worker_args, args.threads)
+            if code != 0:
+                print(f"phalanx demo: the {n}-worker run failed (exit status {code}); see the messages above.",
+                      file=sys.stderr)
+                return code if code > 0 else 1
+            with open(out) as f:
+                rows.append(json.load(f))
+    first = rows[0]
+    print(f"\nphalanx demo: small CNN on scikit-learn digits ({first['train_samples']} train / "
+          f"{first['test_samples']} test images), {args.epochs} epochs, batch {args.batch_size} per worker, "
+          f"CPU, {args.threads} thread(s) per worker\n")
+    print(table(rows), flush=True)
+    low = [r for r in rows if r["test_accuracy"] < MIN_ACCURACY]
+    if low and args.limit is None:
+        print(f"\nphalanx demo: test accuracy below {MIN_ACCURACY} for "
+              f"{', '.join(str(r['workers']) for r in low)} worker(s); expected at least {MIN_ACCURACY}.",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import phalanx as px
+    try:
+        summary = train(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                        progress=not args.no_progress, limit=args.limit)
+        if px.is_main() and args.out:
+            with open(args.out, "w") as f:
+                json.dump(summary, f)
+    except px.PhalanxError as err:
+        print(f"phalanx demo (rank {px.rank() if px.is_initialized() else '?'}): {err}", file=sys.stderr)
+        return 1
+    finally:
+        px.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Metrics that are exact across workers, and a throughput meter that skips warm-up.
+
+A metric keeps *sums* (a small float64 tensor), never averages. Each worker
+updates its own sums over its own samples; one all-reduce adds them up; the
+value is computed from the totals. So a validation set that does not divide by
+the number of workers still counts every sample exactly once, and the result
+equals what one process computes over the whole set (float64 sums of float32
+values do not depend on the order of addition in practice).
+
+Example:
+    >>> import torch
+    >>> acc = Accuracy()
+    >>> acc.update(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))
+    >>> acc.reduce().compute()  # a group of one: reduce is a no-op
+    0.5
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .errors import ConfigError, usage
+
+
+class Metric:
+    """Base class: float64 ``sums`` that add across workers, and ``compute`` from them.
+
+    Subclasses set ``size`` (the number of sums) and implement :meth:`update`
+    and :meth:`compute`.
+    """
+
+    name = "metric"
+    size = 2
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(self.size, dtype=torch.float64)
+
+    def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def compute(self) -> float:
+        raise NotImplementedError
+
+    def _add(self, *values: torch.Tensor | float) -> None:
+        """Add one contribution per sum; tensors stay on their device until the end."""
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                v = v.detach().to(torch.float64)
+                if self.sums.device != v.device:
+                    self.sums = self.sums.to(v.device)
+            self.sums[i] += v
+
+    def reduce(self, comm: Any = None) -> "Metric":
+        """Add up every worker's sums (one all-reduce); returns self."""
+        reduce_all([self], comm)
+        return self
+
+    def fresh(self) -> "Metric":
+        """An independent, zeroed copy (the trainer keeps one per use)."""
+        clone = copy.deepcopy(self)
+        clone.reset()
+        return clone
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Accuracy(Metric):
+    """Fraction of samples whose top-``top_k`` predictions contain the target.
+
+    Logits of shape (n, classes) use argmax / top-k; a single output column
+    (n,) or (n, 1) is read as a binary logit (positive means class 1).
+    """
+
+    name = "accuracy"
+
+    def __init__(self, top_k: int = 1) -> None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ConfigError(usage(f"Accuracy(top_k={top_k!r})", "an integer >= 1", "Use e.g. Accuracy(top_k=5)."))
+        self.top_k = top_k
+        if top_k != 1:
+            self.name = f"top{top_k}_accuracy"
+        super().__init__()
+
+    def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        target = target.view(-1)
+        if output.dim() == 1 or output.shape[-1] == 1:
+            correct = ((output.reshape(-1) > 0).long() == target).sum()
+        elif self.top_k == 1:
+            correct = (output.argmax(dim=-1).view(-1) == target).sum()
+        else:
+            top = output.topk(self.top_k, dim=-1).indices.view(len(target), -1)
+            correct = (top == target.unsqueeze(1)).any(dim=1).sum()
+        self._add(correct, float(len(target)))
+
+    def compute(self) -> float:
+        correct, count = self.sums.tolist()
+        return correct / count if count else math.nan
+
+    def __repr__(self) -> str:
+        return f"Accuracy(top_k={self.top_k})"
+
+
+class MeanLoss(Metric):
+    """The mean of per-sample losses over every sample seen.
+
+    ``loss_fn`` is evaluated per sample (``reduction="none"``) when it allows it,
+    so the result does not depend on how samples were batched; otherwise the
+    batch mean is weighted by the batch size.
+    """
+
+    name = "loss"
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
+        self.loss_fn = loss_fn or nn.functional.cross_entropy
+        super().__init__()
+
+    def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        self._add(per_sample_loss_sum(self.loss_fn, output, target), float(len(target)))
+
+    def compute(self) -> float:
+        total, count = self.sums.tolist()
+        return total / count if count else math.nan
+
+    def __repr__(self) -> str:
+        return f"MeanLoss({getattr(self.loss_fn, '__name__', type(self.loss_fn).__name__)})"
+
+
+def per_sample_loss_sum(loss_fn: Callable[..., torch.Tensor], output: torch.Tensor,
+                        target: torch.Tensor) -> torch.Tensor:
+    """Sum over the batch of each sample's loss, in float64."""
+    n = len(target)
+    losses = None
+    if isinstance(loss_fn, nn.Module) and isinstance(getattr(loss_fn, "reduction", None), str):
+        unreduced = copy.copy(loss_fn)  # shallow: shares weights, owns its reduction flag
+        unreduced.reduction = "none"
+        losses = unreduced(output, target)
+    elif not isinstance(loss_fn, nn.Module):
+        try:
+            losses = loss_fn(output, target, reduction="none")
+        except TypeError:  # a custom function without a reduction argument
+            losses = None
+    if losses is None or losses.dim() == 0 or losses.shape[0] != n:
+        return loss_fn(output, target).detach().to(torch.float64) * n
+    return losses.detach().reshape(n, -1).to(torch.float64).mean(dim=1).sum()
+
+
+def reduce_all(metrics: Sequence[Metric], comm: Any = None, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Sum every metric's sums (and ``extra``) across workers in ONE all-reduce.
+
+    Returns the reduced ``extra`` (or None). ``comm`` defaults to a fresh
+    :class:`phalanx.Comm`; in a group of one nothing is sent.
+    """
+    from . import group
+    from .comm import Comm
+
+    comm = comm or Comm()
+    parts = [m.sums.to(torch.float64).cpu() for m in metrics]
+    if extra is not None:
+        parts.append(extra.to(torch.float64).cpu())
+    if not parts:
+        return None
+    flat = torch.cat(parts)
+    if comm.world_size > 1:
+        flat = flat.to(group.device())  # NCCL wants device tensors; gloo takes either
+        comm.all_reduce_([flat], op="sum")
+        flat = flat.cpu()
+    offset = 0
+    for m in metrics:
+        m.sums = flat[offset:offset + m.size].clone()
+        offset += m.size
+    return flat[offset:].clone() if extra is not None else None
+
+
+def resolve(metric: Metric | str) -> Metric:
+    """A metric object from an object or a name ("accuracy", "acc", "loss")."""
+    if isinstance(metric, Metric):
+        return metric
+    if isinstance(metric, str):
+        key = metric.strip().lower()
+        if key in ("accuracy", "acc"):
+            return Accuracy()
+        if key in ("loss", "mean_loss"):
+            return MeanLoss()
+    raise ConfigError(usage(f"metric {metric!r}", "a phalanx.metrics.Metric or one of 'accuracy', 'loss'",
+                            "Pass e.g. metrics=['accuracy'] or metrics=[Accuracy(top_k=5)]."))
+
+
+class ThroughputMeter:
+    """Samples per second over the steps after the first ``warmup_steps``.
+
+    The first steps pay for allocator growth, thread-pool start and lazy
+    initialisation, so they are timed but not counted. Call :meth:`start` when a
+    stretch of training begins (each epoch: time between epochs, such as
+    validation, is not counted) and :meth:`step` after every step.
+
+    Example (a fake clock: two warm-up steps are slow, then 10 samples per second):
+        >>> ticks = iter([0.0, 5.0, 9.0, 10.0, 11.0])
+        >>> meter = ThroughputMeter(warmup_steps=2, clock=lambda: next(ticks))
+        >>> meter.start()
+        >>> for _ in range(4): meter.step(10)
+        >>> meter.rate
+        10.0
+    """
+
+    def __init__(self, warmup_steps: int = 5, clock: Callable[[], float] = time.perf_counter) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigError(usage(f"warmup_steps={warmup_steps!r}", "an integer >= 0",
+                                    "Pass e.g. warmup_steps=5."))
+        self.warmup_steps, self.clock = warmup_steps, clock
+        self.steps = 0          # every step seen, warm-up included
+        self.samples = 0        # samples in counted (post-warm-up) steps
+        self.seconds = 0.0      # wall time of counted steps
+        self._mark: float | None = None
+
+    def start(self) -> None:
+        """Begin (or resume) timing from now."""
+        self._mark = self.clock()
+
+    def step(self, samples: int) -> None:
+        """Record one finished step of ``samples`` samples."""
+        now = self.clock()
+        if self._mark is None:
+            self._mark = now  # never started: the first step cannot be timed
+        self.steps += 1
+        if self.steps > self.warmup_steps:
+            self.samples += samples
+            self.seconds += now - self._mark
+        self._mark = now
+
+    @property
+    def rate(self) -> float:
+        """This worker's samples/s after warm-up (nan before any counted step)."""
+        return self.samples / self.seconds if self.seconds > 0 else math.nan
+
+    def global_rate(self, comm: Any = None) -> float:
+        """All workers' samples per second of wall time (call it on every worker).
+
+        Synchronous workers share one wall clock, so the global rate is the sum of
+        samples over the mean of the workers' counted seconds.
+        """
+        from . import group
+        totals = reduce_all([], comm, extra=torch.tensor([float(self.samples), self.seconds]))
+        samples, seconds = totals.tolist() if totals is not None else (self.samples, self.seconds)
+        seconds /= group.world_size()
+        return samples / seconds if seconds > 0 else math.nan

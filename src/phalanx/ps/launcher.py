@@ -1,0 +1,126 @@
+"""Start and stop a job's parameter-server processes.
+
+``phalanx run -n 4 --servers 2 train.py`` calls :func:`start_servers` and passes
+``servers.env()`` to every worker.
+
+Example:
+    >>> servers = start_servers(1)
+    >>> sorted(servers.env())
+    ['PHALANX_PS_ADDRS']
+    >>> servers.stop()
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, PhalanxError, usage
+from .config import ADDRS, TOKEN, is_loopback
+
+
+class ServerStartError(PhalanxError, RuntimeError):
+    """A parameter-server process failed to start, or did not start in time."""
+
+
+@dataclass
+class ServerGroup:
+    """Running server processes; ``env()`` tells workers where they are."""
+
+    addrs: list[str]
+    token: str | None
+    procs: list[subprocess.Popen] = field(repr=False)
+    log_dir: str = field(repr=False, default="")
+
+    def env(self) -> dict[str, str]:
+        """The variables a worker needs: ``PHALANX_PS_ADDRS`` (and ``PHALANX_PS_TOKEN`` if there is one)."""
+        env = {ADDRS: ",".join(self.addrs)}
+        if self.token:
+            env[TOKEN] = self.token
+        return env
+
+    def log(self, index: int) -> str:
+        """What server ``index`` printed (its start line, and any traceback)."""
+        path = os.path.join(self.log_dir, f"ps{index}.log")
+        return open(path, errors="replace").read() if os.path.exists(path) else ""
+
+    def alive(self) -> list[bool]:
+        return [p.poll() is None for p in self.procs]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM every server (each writes its checkpoint, if it has one), then SIGKILL stragglers."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> "ServerGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_servers(n: int, host: str = "127.0.0.1", token: str | None = None, *, checkpoint_dir: str | None = None,
+                  threads: int = 2, timeout: float = 60.0) -> ServerGroup:
+    """Start ``n`` server processes on ``host`` and wait (at most ``timeout`` s) until all serve.
+
+    On any interface other than loopback a token is required: pass one, or one is made
+    (``secrets.token_urlsafe``) and handed to workers through ``env()``. With
+    ``checkpoint_dir``, server i keeps its shards in ``checkpoint_dir/ps-shard-i.pt``. It
+    resumes from that file when it exists, and writes it when stopped.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(usage(f"--servers {n!r}", "an integer >= 1", "Pass the number of parameter servers."))
+    if token is None and not is_loopback(host):
+        token = secrets.token_urlsafe(24)
+    log_dir = tempfile.mkdtemp(prefix="phalanx-ps-")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(TOKEN, None)
+    if token:
+        env[TOKEN] = token  # through the environment, not argv, which other users can read in `ps`
+    procs = []
+    for i in range(n):
+        cmd = [sys.executable, "-m", "phalanx.ps.server", "--host", host, "--index", str(i), "--threads", str(threads),
+               "--port-file", os.path.join(log_dir, f"ps{i}.addr")]
+        if checkpoint_dir:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+            cmd += ["--checkpoint", os.path.join(checkpoint_dir, f"ps-shard-{i}.pt")]
+        with open(os.path.join(log_dir, f"ps{i}.log"), "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL))
+    group = ServerGroup([""] * n, token, procs, log_dir)
+    deadline = time.monotonic() + timeout
+    pending = set(range(n))
+    while pending:
+        for i in sorted(pending):
+            path = os.path.join(log_dir, f"ps{i}.addr")
+            if os.path.exists(path):
+                group.addrs[i] = open(path).read().strip()
+                pending.discard(i)
+            elif procs[i].poll() is not None:
+                text = group.log(i).strip()[-2000:]
+                group.stop()
+                raise ServerStartError(f"parameter server {i} exited with status {procs[i].returncode} while "
+                                       f"starting on {host}:\n{text}")
+        if pending and time.monotonic() > deadline:
+            group.stop()
+            raise ServerStartError(f"parameter server(s) {sorted(pending)} did not start within {timeout:g} s; "
+                                   "is the machine overloaded?")
+        if pending:
+            time.sleep(0.05)
+    return group

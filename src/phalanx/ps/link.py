@@ -1,0 +1,84 @@
+"""How a worker reaches its servers: the job's server processes, or colocated ones.
+
+* ``PHALANX_PS_ADDRS`` is set (``phalanx run --servers S``): connect to those servers.
+* It is not set: colocated mode. Every worker starts one shard server in a thread of its
+  own process, and the workers swap addresses once through the group's rendezvous
+  store. As in BytePS, each worker then holds 1/N of the model, and the bytes moved
+  equal a ring all-reduce's. A colocated server lives as long as its worker. At
+  :meth:`Link.release` each worker says it is done and keeps serving until every
+  worker has said so (bounded by the PS timeout), so no one loses a shard mid-step.
+
+The rendezvous store is used at attach and at release only, never per step.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+from .. import group
+from ..errors import ConfigError, usage
+from .client import Client
+from .config import PSConfig
+from .server import Server
+
+_generation = itertools.count()  # every worker attaches its PS strategies in the same order
+
+
+@dataclass
+class Link:
+    client: Client
+    hosted: Server | None = None  # this worker's colocated server
+    store: Any = None  # kept alive until release: rank 0's process hosts the rendezvous store
+    key: str = ""
+    released: bool = False
+
+    def release(self) -> None:
+        """Close the client; a colocated server first waits (bounded) until every worker is done."""
+        if self.released:
+            return
+        self.released = True
+        self.client.close()
+        if self.hosted is None:
+            return
+        if self.store is not None:
+            rank, world = group.rank(), group.world_size()
+            try:
+                self.store.set(f"{self.key}/done/{rank}", "1")
+                self.store.wait([f"{self.key}/done/{r}" for r in range(world)],
+                                timedelta(seconds=self.client.timeout))
+            except Exception:  # a peer is gone or the store is; nobody is left to serve
+                pass
+        self.hosted.stop(save=False)
+
+
+def connect(servers: str | Sequence[str] | None = None, *, timeout: float | None = None) -> Link:
+    """A :class:`Link` to ``servers``: addresses, "colocated", or None (the environment decides)."""
+    cfg = PSConfig.from_environ()
+    timeout = cfg.timeout_s if timeout is None else timeout
+    if servers is None:
+        servers = list(cfg.addrs) or "colocated"
+    if isinstance(servers, str) and servers != "colocated":
+        servers = [a for a in servers.split(",") if a]
+    if servers == "colocated":
+        return _colocated(cfg, timeout)
+    if not isinstance(servers, (list, tuple)) or not servers:
+        raise ConfigError(usage(f"servers={servers!r}", "None, 'colocated' or a list of tcp://HOST:PORT",
+                                "Leave it unset to use PHALANX_PS_ADDRS or colocated servers."))
+    return Link(Client(servers, token=cfg.token, timeout=timeout))
+
+
+def _colocated(cfg: PSConfig, timeout: float) -> Link:
+    server = Server(cfg.host, token=cfg.token, index=group.rank()).start()
+    store, key = group.store(), f"ps/colocated/{next(_generation)}"
+    if store is None:  # a group of one
+        addrs = [server.address]
+    else:
+        store.set(f"{key}/addr/{group.rank()}", server.address)
+        store.wait([f"{key}/addr/{r}" for r in range(group.world_size())], timedelta(seconds=timeout))
+        addrs = [store.get(f"{key}/addr/{r}").decode() for r in range(group.world_size())]
+    link = Link(Client(addrs, token=cfg.token, timeout=timeout), hosted=server, store=store, key=key)
+    atexit.register(link.release)  # if the script never calls strategy.finish()
+    return link

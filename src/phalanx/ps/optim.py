@@ -1,0 +1,90 @@
+"""Server-side optimizers: what a server does with a pushed gradient.
+
+Dean et al. (2012) found Downpour worked best with Adagrad on the servers, each
+parameter getting its own step size. Rules travel to the servers as a small JSON spec
+(``{"kind": "adagrad", "lr": 0.05, ...}``), never as code.
+
+Example:
+    >>> import torch
+    >>> rule = Adagrad(lr=0.5); p = torch.ones(2); state = rule.init_state(p)
+    >>> rule.apply_(p, torch.tensor([1.0, -1.0]), state); p
+    tensor([0.5000, 1.5000])
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, usage
+
+
+def _positive(name: str, value: Any, hint: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(usage(f"{name}={value!r}", "a positive finite number", hint))
+    return float(value)
+
+
+class SGD:
+    """``p ← p − lr·g``: plain asynchronous SGD."""
+
+    kind = "sgd"
+
+    def __init__(self, lr: float) -> None:
+        self.lr = _positive("lr", lr, "Pass the server's step size, e.g. SGD(lr=0.05).")
+
+    def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
+    def apply_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        param.add_(grad, alpha=-self.lr)
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "lr": self.lr}
+
+    def __repr__(self) -> str:
+        return f"SGD(lr={self.lr})"
+
+
+class Adagrad:
+    """``a ← a + g²; p ← p − lr·g / (√a + eps)``: per-coordinate step sizes (Duchi et al. 2011)."""
+
+    kind = "adagrad"
+
+    def __init__(self, lr: float, *, eps: float = 1e-10, initial_accumulator: float = 0.0) -> None:
+        self.lr = _positive("lr", lr, "Pass the server's step size, e.g. Adagrad(lr=0.05).")
+        self.eps = _positive("eps", eps, "Keep the default 1e-10 unless you have a reason.")
+        if not isinstance(initial_accumulator, (int, float)) or not initial_accumulator >= 0:
+            raise ConfigError(usage(f"initial_accumulator={initial_accumulator!r}", "a number >= 0",
+                                    "Keep the default 0."))
+        self.initial_accumulator = float(initial_accumulator)
+
+    def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"sum": torch.full_like(param, self.initial_accumulator)}
+
+    def apply_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        acc = state["sum"]
+        acc.addcmul_(grad, grad)
+        param.addcdiv_(grad, acc.sqrt().add_(self.eps), value=-self.lr)
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "lr": self.lr, "eps": self.eps, "initial_accumulator": self.initial_accumulator}
+
+    def __repr__(self) -> str:
+        return f"Adagrad(lr={self.lr})"
+
+
+RULES = {SGD.kind: SGD, Adagrad.kind: Adagrad}
+
+
+def from_spec(spec: Any) -> "SGD | Adagrad":
+    """Rebuild a rule from its JSON spec; anything unexpected is a :class:`ConfigError`."""
+    if not isinstance(spec, dict) or spec.get("kind") not in RULES:
+        raise ConfigError(usage(f"server optimizer spec {spec!r}", "kind one of " + ", ".join(RULES),
+                                "Use phalanx.ps.SGD(lr) or phalanx.ps.Adagrad(lr)."))
+    kwargs = {k: v for k, v in spec.items() if k != "kind"}
+    try:
+        return RULES[spec["kind"]](**kwargs)
+    except TypeError as err:
+        raise ConfigError(usage(f"server optimizer spec {spec!r}", "only the rule's own fields", str(err))) from None

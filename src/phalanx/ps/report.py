@@ -1,0 +1,119 @@
+"""Load per server: bytes, requests and imbalance, measured by the servers themselves.
+
+``load_report(strategy)`` (or a :class:`~phalanx.ps.launcher.ServerGroup`, or a list of
+addresses) asks every server for its counters. ``python -m phalanx.ps.report`` prints
+how round-robin and greedy placement spread the reference models over 2 to 4 servers.
+
+Example:
+    >>> from phalanx.ps.server import Server
+    >>> server = Server().start()
+    >>> load_report([server.address]).requests
+    [0]
+    >>> server.stop()
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .client import Client
+from .config import PSConfig
+from .placement import GreedyBytes, RoundRobin, imbalance, server_bytes, specs
+
+
+@dataclass
+class LoadReport:
+    """Counters per server (index = server), as the servers counted them, over all workers."""
+
+    addrs: list[str]
+    bytes_in: list[int]
+    bytes_out: list[int]
+    requests: list[int]
+    bytes_held: list[int]
+    applied: list[int]
+    dropped_stale: list[int]
+    rejected: list[int]
+
+    @property
+    def bytes_imbalance(self) -> float:
+        """max / mean of the bytes each server received and sent."""
+        return imbalance([i + o for i, o in zip(self.bytes_in, self.bytes_out)])
+
+    @property
+    def requests_imbalance(self) -> float:
+        return imbalance(self.requests)
+
+    @property
+    def held_imbalance(self) -> float:
+        """max / mean of the parameter bytes each server holds (what placement decided)."""
+        return imbalance(self.bytes_held)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"addrs": self.addrs, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "requests": self.requests, "bytes_held": self.bytes_held, "applied": self.applied,
+                "dropped_stale": self.dropped_stale, "rejected": self.rejected,
+                "bytes_imbalance": self.bytes_imbalance, "requests_imbalance": self.requests_imbalance,
+                "held_imbalance": self.held_imbalance}
+
+    def markdown(self) -> str:
+        rows = ["| server | MB in | MB out | requests | MB held | applied | dropped stale |",
+                "|---|---|---|---|---|---|---|"]
+        for i, addr in enumerate(self.addrs):
+            rows.append(f"| {i} | {self.bytes_in[i] / 1e6:.1f} | {self.bytes_out[i] / 1e6:.1f} | {self.requests[i]} "
+                        f"| {self.bytes_held[i] / 1e6:.2f} | {self.applied[i]} | {self.dropped_stale[i]} |")
+        rows.append(f"\nimbalance (max/mean): bytes {self.bytes_imbalance:.3f}, requests "
+                    f"{self.requests_imbalance:.3f}, held {self.held_imbalance:.3f}")
+        return "\n".join(rows)
+
+
+def load_report(source: Any, *, token: str | None = None, timeout: float | None = None) -> LoadReport:
+    """Ask every server of ``source`` for its counters.
+
+    ``source``: a PS strategy after ``px.wrap`` (and before ``finish()``), a ServerGroup,
+    or a list of addresses (``token`` defaults to ``PHALANX_PS_TOKEN``).
+    """
+    link = getattr(source, "link", None)
+    if link is not None and not link.released:
+        client, own = link.client, False
+    else:
+        cfg = PSConfig.from_environ()
+        addrs = list(getattr(source, "addrs", source))
+        client = Client(addrs, token=token or getattr(source, "token", None) or cfg.token,
+                        timeout=timeout or cfg.timeout_s)
+        own = True
+    try:
+        replies = client.broadcast({"op": "stats"})
+    finally:
+        if own:
+            client.close()
+    stats = [replies[s].control for s in range(len(client.addrs))]
+    pick = lambda key: [int(st.get(key, 0)) for st in stats]  # noqa: E731
+    return LoadReport(list(client.addrs), pick("bytes_in"), pick("bytes_out"), pick("requests"), pick("bytes_held"),
+                      pick("applied"), pick("dropped_stale"), pick("rejected"))
+
+
+def placement_table(models: Sequence[str] = ("resnet50", "mlp"), servers: Sequence[int] = (2, 3, 4)) -> str:
+    """Bytes imbalance (max/mean) of round-robin and greedy placement on the reference models."""
+    from ..models import build
+    rows = ["| model | tensors | servers | round_robin | greedy_bytes | greedy pieces |", "|---|---|---|---|---|---|"]
+    for name in models:
+        tensors = specs([(n, p) for n, p in build(name)[0].named_parameters() if p.requires_grad])
+        for s in servers:
+            rr, gb = RoundRobin().place(tensors, s), GreedyBytes().place(tensors, s)
+            rows.append(f"| {name} | {len(tensors)} | {s} | {imbalance(server_bytes(rr, s)):.3f} "
+                        f"| {imbalance(server_bytes(gb, s)):.3f} | {len(gb)} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m phalanx.ps.report",
+                                     description="Placement imbalance (max/mean bytes per server) per policy.")
+    parser.add_argument("--models", default="resnet50,mlp")
+    parser.add_argument("--servers", default="2,3,4")
+    args = parser.parse_args(argv)
+    print(placement_table(args.models.split(","), [int(s) for s in args.servers.split(",")]))
+
+
+if __name__ == "__main__":
+    main()

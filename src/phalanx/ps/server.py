@@ -1,0 +1,269 @@
+"""A parameter server: shards behind a ZeroMQ ROUTER socket, served by a few handler threads.
+
+Run one per process with ``python -m phalanx.ps.server --port-file F`` (what
+:func:`phalanx.ps.launcher.start_servers` does), or inside a worker as a thread
+(colocated mode, :class:`Server` ``.start()``).
+
+Requests arrive on a ROUTER socket. A C-level proxy forwards them to ``threads`` handler
+threads, so pushes to different shards run in parallel. torch releases the GIL during
+the math. The per-shard lock of each shard's :class:`~phalanx.ps.shards.Policy` decides
+whether two pushes to one shard may interleave.
+
+Security: the server binds to loopback unless told otherwise. On any other interface it
+refuses to start without a token. When it has a token, every request must carry it; the
+token is compared in constant time before anything else in the request is parsed.
+
+Example:
+    >>> server = Server().start()
+    >>> server.address.startswith("tcp://127.0.0.1:")
+    True
+    >>> server.stop()
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from ..errors import ConfigError, PhalanxError, usage
+from .config import PSConfig, is_loopback
+from .shards import Policy, Reducer, RejectError, ShardStore, Tensors
+from .wire import Header, WireError, recv_message, send_message
+
+PROTOCOL = 1
+Reply = tuple[dict[str, Any], list[tuple[Header, torch.Tensor]]]
+
+
+class AuthError(PhalanxError, PermissionError):
+    """A request without the job's token."""
+
+
+class Server:
+    """Shards, a reducer for synchronous mode, and the sockets that serve them.
+
+    Args:
+        host: interface to bind; loopback by default. Anything else needs ``token``.
+        port: 0 picks a free port (read it back from ``.address``).
+        token: the per-job secret every request must carry (None: none required, loopback only).
+        threads: handler threads.
+        checkpoint: a file for this server's shards: loaded at start if it exists, written on
+            ``stop()`` and on a client's ``save`` request.
+        index: this server's position in the job's address list (for logs and checkpoints).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None, threads: int = 2,
+                 checkpoint: str | None = None, index: int = 0, max_message_mb: int = 2048) -> None:
+        if not is_loopback(host) and not token:
+            raise ConfigError(usage(f"a parameter server on {host!r} without a token",
+                                    "a per-job token on any interface other than loopback",
+                                    "Set PHALANX_PS_TOKEN (start_servers makes one), or bind to 127.0.0.1."))
+        if threads < 1:
+            raise ConfigError(usage(f"threads={threads!r}", "an integer >= 1", "Use 2."))
+        self.host, self.port, self.index = host, port, index
+        self._token = token.encode() if token else None
+        self.threads, self.checkpoint, self.max_message_mb = threads, checkpoint, max_message_mb
+        self.store, self.reducer = ShardStore(), Reducer()
+        self.stats: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._ops: dict[str, Callable[[bytes, dict[str, Any], Tensors], Any]] = {
+            "info": self._info, "init": self._init, "pull": self._pull, "push": self._push,
+            "elastic": self._elastic, "reduce": self._reduce, "stats": self._stats, "save": self._save}
+        if checkpoint and os.path.exists(checkpoint):
+            self.store.load(checkpoint)  # a job resuming from its servers' shards
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    # -- life cycle -------------------------------------------------------------------------
+    def start(self) -> "Server":
+        self._ctx = zmq.Context()
+        frontend = self._ctx.socket(zmq.ROUTER)
+        frontend.setsockopt(zmq.LINGER, 0)
+        frontend.setsockopt(zmq.MAXMSGSIZE, self.max_message_mb * 2**20)  # bound what a peer can make us hold
+        url = f"tcp://{self.host}"
+        if self.port == 0:
+            self.port = frontend.bind_to_random_port(url)
+        else:
+            frontend.bind(f"{url}:{self.port}")
+        inproc = f"inproc://ps-{id(self)}"
+        backend = self._ctx.socket(zmq.DEALER)
+        backend.bind(inproc)
+        control = self._ctx.socket(zmq.PAIR)
+        control.bind(inproc + "-control")
+        self._control = self._ctx.socket(zmq.PAIR)
+        self._control.connect(inproc + "-control")
+        self._threads.append(threading.Thread(target=self._proxy, args=(frontend, backend, control),
+                                              name=f"ps{self.index}-proxy", daemon=True))
+        for i in range(self.threads):
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(inproc)
+            self._threads.append(threading.Thread(target=self._handle_loop, args=(sock,),
+                                                  name=f"ps{self.index}-handler{i}", daemon=True))
+        for t in self._threads:
+            t.start()
+        return self
+
+    @staticmethod
+    def _proxy(frontend: zmq.Socket, backend: zmq.Socket, control: zmq.Socket) -> None:
+        try:
+            zmq.proxy_steerable(frontend, backend, None, control)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            for s in (frontend, backend, control):
+                s.close(linger=0)
+
+    def stop(self, *, save: bool = True) -> None:
+        """Stop serving; write the checkpoint (when configured) once no handler can change a shard."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._control.send(b"TERMINATE")
+        for t in self._threads:
+            t.join(timeout=10)
+        self._control.close(linger=0)
+        self._ctx.term()
+        if save and self.checkpoint:
+            self.store.save(self.checkpoint)
+
+    def serve_forever(self) -> None:
+        """Block until SIGTERM or SIGINT, then stop (saving the checkpoint)."""
+        done = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: done.set())
+        while not done.wait(0.5):
+            pass
+        self.stop()
+
+    # -- one request --------------------------------------------------------------------------
+    def _handle_loop(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(100):
+                    self._serve_one(sock)
+        finally:
+            sock.close(linger=0)
+
+    def _authorize(self, prefix: list[bytes]) -> None:
+        if self._token is not None and not hmac.compare_digest(prefix[1], self._token):
+            self._count(unauthorized=1)
+            raise AuthError("rejected: this server requires the job's token (PHALANX_PS_TOKEN) and the request "
+                            "did not carry it")
+
+    def _serve_one(self, sock: zmq.Socket) -> None:
+        try:
+            msg = recv_message(sock, prefix_frames=2, authorize=self._authorize)
+        except PhalanxError as err:
+            prefix = getattr(err, "prefix", [])
+            if prefix:
+                self._count(rejected=1)
+                send_message(sock, {"ok": False, "error": str(err)}, prefix=prefix[:1])
+            return
+        identity, control = msg.prefix[0], msg.control
+        self._count(requests=1, bytes_in=msg.nbytes)
+        rid = control.get("id")
+        try:
+            op = self._ops.get(control.get("op"))  # type: ignore[arg-type]
+            if op is None:
+                raise RejectError(f"unknown op {control.get('op')!r}; expected one of {sorted(self._ops)}")
+            replies = op(identity, control, msg.tensors)
+            if replies is None:  # deferred: a synchronous round still waits for other workers
+                return
+            if not isinstance(replies, list):
+                replies = [(identity, rid, replies)]
+        except (RejectError, ConfigError, WireError) as err:
+            self._count(rejected=1)
+            replies = [(identity, rid, ({"ok": False, "error": str(err)}, []))]
+        except Exception as err:  # a bug here must not kill the server for every other worker
+            traceback.print_exc()
+            replies = [(identity, rid, ({"ok": False, "error": f"internal error: {type(err).__name__}: {err}"}, []))]
+        for who, req_id, (reply, tensors) in replies:
+            sent = send_message(sock, {"ok": True, **reply, "id": req_id}, tensors, prefix=[who])
+            self._count(bytes_out=sent)
+
+    def _count(self, **amounts: int) -> None:
+        with self._stats_lock:
+            self.stats.update(amounts)
+
+    # -- the operations --------------------------------------------------------------------------
+    def _info(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
+        return {"index": self.index, "protocol": PROTOCOL, "shards": len(self.store.shards)}, []
+
+    def _init(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
+        return self.store.init(tensors, Policy.from_spec(control.get("policy"))), []
+
+    def _pull(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
+        return {}, self.store.pull(control.get("names"))
+
+    def _push(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
+        dropped, applied = self.store.push(tensors)
+        values = self.store.pull([h.name for h, _ in tensors]) if control.get("pull") else []
+        return {"dropped": dropped, "applied": applied}, values
+
+    def _elastic(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
+        return {}, self.store.elastic(tensors, control.get("alpha"))  # type: ignore[arg-type]
+
+    def _reduce(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> list[Any] | None:
+        done = self.reducer.contribute(control.get("step"), control.get("workers"), (who, control.get("id")), tensors)
+        if done is None:
+            return None
+        everyone, means = done
+        return [(identity, rid, ({}, means)) for identity, rid in everyone]
+
+    def _stats(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
+        with self._stats_lock:
+            stats = dict(self.stats)
+        held = sum(s.value.numel() * s.value.element_size() for s in list(self.store.shards.values()))
+        return {"index": self.index, "shards": len(self.store.shards), "bytes_held": held,
+                **{k: stats.get(k, 0) for k in ("requests", "bytes_in", "bytes_out", "rejected", "unauthorized")},
+                **{k: self.store.counts.get(k, 0) for k in ("applied", "dropped_stale", "elastic")}}, []
+
+    def _save(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
+        if not self.checkpoint:
+            raise RejectError("this server was started without a checkpoint file (--checkpoint PATH)")
+        self.store.save(self.checkpoint)
+        return {"saved": True}, []
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m phalanx.ps.server", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (non-loopback needs PHALANX_PS_TOKEN)")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--index", type=int, default=0, help="this server's index in the job")
+    parser.add_argument("--threads", type=int, default=2, help="handler threads")
+    parser.add_argument("--checkpoint", default=None, help="shard file: resumed from if present, written on exit")
+    parser.add_argument("--port-file", default=None, help="write the bound address here once serving")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # the server's math is small element-wise work; leave the cores to the workers
+    try:
+        server = Server(args.host, args.port, token=PSConfig.from_environ().token, threads=args.threads,
+                        checkpoint=args.checkpoint, index=args.index).start()
+    except (ConfigError, zmq.ZMQError, PhalanxError) as err:
+        sys.exit(f"phalanx ps server {args.index}: {err}")
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(server.address)
+        os.replace(tmp, args.port_file)  # readers see the whole address or nothing
+    print(f"phalanx ps server {args.index} serving on {server.address} ({len(server.store.shards)} shards)",
+          file=sys.stderr, flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

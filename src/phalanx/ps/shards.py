@@ -1,0 +1,266 @@
+"""What a server holds: shards with versions, their update policy, and the sync reducer.
+
+A shard is one variable, or one piece of a variable that placement split. It carries:
+
+* a ``version``, bumped by every applied update. A push names the version it was
+  computed from, and the gap between the two is the update's staleness;
+* a :class:`Policy`: the server-side optimizer, ``max_staleness`` (staler pushes are
+  dropped and counted), and a lock policy. The first worker to register the shard sets
+  the policy.
+
+Every request is checked whole before anything changes. An unknown name, a wrong dtype
+or a wrong shape rejects the request, and no shard moves.
+
+Example:
+    >>> import torch
+    >>> from phalanx.ps.wire import Header
+    >>> store = ShardStore()
+    >>> _ = store.init([(Header("w", torch.float32, (2,)), torch.zeros(2))], Policy(SGD(lr=1.0)))
+    >>> store.push([(Header("w", torch.float32, (2,), version=0), torch.ones(2))])
+    ([], 1)
+    >>> store.shards["w"].value, store.shards["w"].version
+    (tensor([-1., -1.]), 1)
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, ContextManager, Sequence
+
+import torch
+
+from ..checkpoint import MAGIC, _atomic_write, _to_bytes, read_checkpoint
+from ..errors import ConfigError, PhalanxError, usage
+from .optim import SGD, Adagrad, from_spec
+from .wire import Header
+
+Tensors = Sequence[tuple[Header, torch.Tensor]]
+
+
+class RejectError(PhalanxError, ValueError):
+    """A request the server refused as a whole; its state is unchanged."""
+
+
+class ShardLock:
+    """Serialise updates of each shard: no update is lost, concurrent pushes queue."""
+
+    def new(self) -> ContextManager[Any]:
+        return threading.Lock()
+
+
+class NoLock:
+    """Hogwild: concurrent updates of one shard may interleave; faster, and some updates may be lost."""
+
+    def new(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The rules of a shard, fixed when the first worker registers it."""
+
+    rule: "SGD | Adagrad | None"  # None: the shard takes no gradients (an EASGD centre)
+    lock: bool = True
+    max_staleness: int | None = None
+
+    def spec(self) -> dict[str, Any]:
+        return {"rule": self.rule.spec() if self.rule else None, "lock": self.lock, "max_staleness": self.max_staleness}
+
+    def json(self) -> str:
+        return json.dumps(self.spec(), sort_keys=True)
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> "Policy":
+        if not isinstance(spec, dict):
+            raise ConfigError(usage(f"policy {spec!r}", "a JSON object", "Send rule, lock and max_staleness."))
+        stale = spec.get("max_staleness")
+        if stale is not None and (isinstance(stale, bool) or not isinstance(stale, int) or stale < 0):
+            raise ConfigError(usage(f"max_staleness={stale!r}", "None or an integer >= 0",
+                                    "0 applies only pushes computed from the current version."))
+        rule = spec.get("rule")
+        return cls(None if rule is None else from_spec(rule), bool(spec.get("lock", True)), stale)
+
+
+class Shard:
+    def __init__(self, value: torch.Tensor, policy: Policy, version: int = 0,
+                 state: dict[str, torch.Tensor] | None = None) -> None:
+        self.value, self.policy, self.version = value, policy, version
+        self.state = (policy.rule.init_state(value) if policy.rule else {}) if state is None else state
+        self.guard = (ShardLock() if policy.lock else NoLock()).new()
+
+    def push(self, grad: torch.Tensor, computed_from: int) -> bool:
+        """Apply ``grad`` unless it is staler than the policy allows; True if applied."""
+        with self.guard:
+            stale = self.policy.max_staleness
+            if stale is not None and self.version - computed_from > stale:
+                return False
+            self.policy.rule.apply_(self.value, grad, self.state)
+            self.version += 1
+            return True
+
+    def elastic(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        """EASGD's elastic move: ``d = α(x − c); c ← c + d``. The worker then subtracts ``d``."""
+        with self.guard:
+            d = (x - self.value).mul_(alpha)
+            self.value.add_(d)
+            self.version += 1
+            return d
+
+    def snapshot(self) -> tuple[torch.Tensor, int]:
+        with self.guard:
+            return self.value.clone(), self.version
+
+
+def _mismatch(header: Header, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
+    if header.dtype != dtype or header.shape != shape:
+        return (f"{header.name!r} sent as {header.dtype} {list(header.shape)}; "
+                f"the server holds {dtype} {list(shape)}")
+    return None
+
+
+class ShardStore:
+    """All shards of one server. Thread-safe: handler threads share it."""
+
+    def __init__(self) -> None:
+        self.shards: dict[str, Shard] = {}
+        self.counts: Counter[str] = Counter()
+        self._registry = threading.Lock()
+
+    def check(self, tensors: Tensors) -> list[Shard]:
+        """The shards ``tensors`` address; raises :class:`RejectError` if any is unknown or mismatched."""
+        names = [h.name for h, _ in tensors]
+        if len(set(names)) != len(names):
+            raise RejectError("a shard appears twice in one request")
+        found = []
+        for header, _ in tensors:
+            shard = self.shards.get(header.name)
+            if shard is None:
+                raise RejectError(f"unknown variable {header.name!r}; this server holds {len(self.shards)} shards. "
+                                  "Register it first (the strategy's attach does), or check the placement.")
+            problem = _mismatch(header, shard.value.dtype, tuple(shard.value.shape))
+            if problem:
+                raise RejectError(problem)
+            found.append(shard)
+        return found
+
+    def init(self, tensors: Tensors, policy: Policy) -> dict[str, Any]:
+        """Register shards that do not exist yet; existing ones keep their value (a late joiner pulls them)."""
+        with self._registry:
+            for header, tensor in tensors:
+                shard = self.shards.get(header.name)
+                problem = shard and _mismatch(header, shard.value.dtype, tuple(shard.value.shape))
+                if problem:
+                    raise RejectError(f"cannot register {problem}. Is this the same model?")
+            created = [h.name for h, t in tensors if h.name not in self.shards]
+            for header, tensor in tensors:
+                if header.name not in self.shards:
+                    self.shards[header.name] = Shard(tensor.clone(), policy)
+            policies = {self.shards[h.name].policy.json() for h, _ in tensors}
+        return {"created": len(created), "existing": len(tensors) - len(created),
+                "same_policy": policies <= {policy.json()}}
+
+    def push(self, tensors: Tensors) -> tuple[list[str], int]:
+        """Apply gradients; returns (names dropped as too stale, applied count)."""
+        shards = self.check(tensors)
+        for (header, _), shard in zip(tensors, shards):
+            if shard.policy.rule is None:
+                raise RejectError(f"{header.name!r} takes no gradients (it was registered without a server "
+                                  "optimizer, e.g. as an EASGD centre)")
+            if header.version > shard.version:
+                raise RejectError(f"{header.name!r} pushed from version {header.version} but the server is at "
+                                  f"{shard.version}; pull before pushing (did the server restart from a checkpoint?)")
+        dropped = [h.name for (h, g), shard in zip(tensors, shards) if not shard.push(g, h.version)]
+        self.counts["applied"] += len(tensors) - len(dropped)
+        self.counts["dropped_stale"] += len(dropped)
+        return dropped, len(tensors) - len(dropped)
+
+    def elastic(self, tensors: Tensors, alpha: float) -> list[tuple[Header, torch.Tensor]]:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+            raise RejectError(f"elastic alpha={alpha!r}; expected 0 < alpha < 1")
+        shards = self.check(tensors)
+        out = []
+        for (header, x), shard in zip(tensors, shards):
+            d = shard.elastic(x, float(alpha))
+            out.append((Header(header.name, d.dtype, tuple(d.shape), shard.version), d))
+        self.counts["elastic"] += len(tensors)
+        return out
+
+    def pull(self, names: Any) -> list[tuple[Header, torch.Tensor]]:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise RejectError("pull expects a list of shard names")
+        missing = [n for n in names if n not in self.shards]
+        if missing:
+            raise RejectError(f"unknown variable {missing[0]!r} ({len(missing)} unknown); register it first")
+        out = []
+        for name in names:
+            value, version = self.shards[name].snapshot()
+            out.append((Header(name, value.dtype, tuple(value.shape), version), value))
+        return out
+
+    # -- checkpoints: atomic, verified, weights_only (the format of px.save_checkpoint) ----------
+    def save(self, path: str | os.PathLike) -> None:
+        body: dict[str, Any] = {"format": "phalanx-ps-shards-1", "counts": dict(self.counts), "shards": {}}
+        for name, shard in list(self.shards.items()):
+            with shard.guard:
+                body["shards"][name] = {"value": shard.value.clone(), "version": shard.version,
+                                        "state": {k: v.clone() for k, v in shard.state.items()},
+                                        "policy": shard.policy.json()}
+        payload = _to_bytes(body)
+        _atomic_write(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+
+    def load(self, path: str | os.PathLike) -> None:
+        body = read_checkpoint(path)
+        if body.get("format") != "phalanx-ps-shards-1":
+            raise RejectError(f"{os.fspath(path)!r} is a phalanx checkpoint but not a parameter-server shard file")
+        with self._registry:
+            self.shards = {name: Shard(s["value"], Policy.from_spec(json.loads(s["policy"])),
+                                       int(s["version"]), dict(s["state"])) for name, s in body["shards"].items()}
+            self.counts = Counter(body.get("counts", {}))
+
+
+class Reducer:
+    """Synchronous mode: average each step's gradients over all workers, then answer them all."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rounds: dict[int, dict[str, Any]] = {}
+
+    def contribute(self, step: Any, workers: Any, who: bytes,
+                   tensors: Tensors) -> tuple[list[bytes], list[tuple[Header, torch.Tensor]]] | None:
+        """Add one worker's gradients; when the last arrives, return (everyone waiting, the means)."""
+        if isinstance(step, bool) or not isinstance(step, int) or isinstance(workers, bool) \
+                or not isinstance(workers, int) or workers < 1:
+            raise RejectError(f"reduce needs an integer step and workers >= 1; got step={step!r}, workers={workers!r}")
+        with self._lock:
+            rnd = self._rounds.get(step)
+            if rnd is None:
+                rnd = self._rounds[step] = {"workers": workers, "who": [], "sums": [(h, t) for h, t in tensors]}
+            else:
+                self._check_round(rnd, step, workers, who, tensors)
+                for (_, acc), (_, t) in zip(rnd["sums"], tensors):
+                    acc.add_(t)
+            rnd["who"].append(who)
+            if len(rnd["who"]) < workers:
+                return None
+            del self._rounds[step]
+        means = [(Header(h.name, h.dtype, h.shape, step), acc.div_(workers)) for h, acc in rnd["sums"]]
+        return rnd["who"], means
+
+    @staticmethod
+    def _check_round(rnd: dict[str, Any], step: int, workers: int, who: bytes, tensors: Tensors) -> None:
+        if rnd["workers"] != workers:
+            raise RejectError(f"step {step}: this worker counts {workers} workers, the first counted {rnd['workers']}")
+        if who in rnd["who"]:
+            raise RejectError(f"step {step}: this worker already contributed")
+        first = [h for h, _ in rnd["sums"]]
+        if [h.name for h, _ in tensors] != [h.name for h in first]:
+            raise RejectError(f"step {step}: the shard names differ from the first worker's; is it the same model?")
+        for (header, _), ref in zip(tensors, first):
+            problem = _mismatch(header, ref.dtype, ref.shape)
+            if problem:
+                raise RejectError(f"step {step}: {problem} (as the first worker sent it)")

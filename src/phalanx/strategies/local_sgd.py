@@ -1,0 +1,68 @@
+"""Local SGD: take local steps, average the parameters every k of them.
+
+Stich 2019 ("Local SGD converges fast and communicates little") shows that the
+number of communication rounds can fall by up to sqrt(T) at the same rate. Lin
+et al. 2020 ("Don't use large mini-batches, use local SGD") add a synchronous
+warm-up, *post-local SGD*: average gradients every step while the loss falls fast,
+then switch to local steps (they use H = 16).
+
+Example:
+    >>> import phalanx as px
+    >>> px.LocalSGD(every=8, warmup_steps=100)
+    LocalSGD(schedule(sync_steps=100, then=every(8)))
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ..errors import ConfigError, usage
+from ..sync import as_condition, is_synchronous, schedule
+from .allreduce import gradients
+from .base import ParameterAverage, Periodic, Strategy
+
+
+class LocalSGD(Periodic):
+    """Local steps with the user's optimizer, then parameter averaging.
+
+    Args:
+        every: local steps between averages (an int), or any sync condition,
+            e.g. ``px.schedule(sync_steps=500, then=px.every(8))``.
+        warmup_steps: synchronous gradient averaging for this many steps first
+            (post-local SGD); the same as ``every=px.schedule(warmup_steps, then=every)``.
+
+    Optimizer state (momentum, Adam moments) stays local to each worker, as in the papers.
+    """
+
+    name = "local-sgd"
+
+    def __init__(self, every: Any = 8, warmup_steps: int = 0, *, compression: Any = None) -> None:
+        if compression is not None:
+            raise ConfigError(usage(
+                f"LocalSGD(compression={compression!r})", "no compressor: LocalSGD averages parameters, and the "
+                "compressors with error feedback are made for updates (gradients, pseudo-gradients)",
+                "Use px.DiLoCo(every=k, outer_lr=1.0, outer_momentum=0.0, compression=...), which is local SGD "
+                "sending the compressed parameter change, or px.AllReduce(compression=...)."))
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigError(usage(f"LocalSGD(warmup_steps={warmup_steps!r})", "an integer >= 0",
+                                    "Pass the number of synchronous steps before local SGD starts, or 0."))
+        sync = as_condition(every)
+        if warmup_steps:
+            sync = schedule(warmup_steps, then=sync)
+        if every == 1 and not isinstance(every, bool):
+            warnings.warn("LocalSGD(every=1) averages parameters after every step: with plain SGD that is "
+                          "px.AllReduce() without AllReduce's overlap of communication and backward. Use "
+                          "px.AllReduce(), or every > 1 to communicate less.", UserWarning, stacklevel=2)
+        super().__init__(sync, ParameterAverage())
+
+    def before_step(self) -> None:
+        if is_synchronous(self.sync, self.steps + 1):
+            self.comm.all_reduce_(gradients(self.params))  # the warm-up: plain synchronous SGD
+
+    def after_step(self) -> None:
+        Strategy.after_step(self)
+        if not is_synchronous(self.sync, self.steps) and self.sync(self.steps):
+            self.exchange.exchange(self.params, self.comm)
+
+    def __repr__(self) -> str:
+        return f"LocalSGD({self.sync!r})"

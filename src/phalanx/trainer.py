@@ -1,0 +1,327 @@
+"""The high-level loop: ``px.Trainer(...).fit(...)``.
+
+The Trainer does what the four-line loop does (``px.init``, ``px.wrap``,
+``px.shard`` with ``set_epoch``) and adds the things that are easy to get wrong
+by hand: validation whose metrics are exact across workers, a throughput meter
+that skips warm-up, a progress bar on the main worker only, callbacks, and
+resumable checkpoints.
+
+Example:
+    >>> import torch, torch.nn.functional as F, phalanx as px
+    >>> from phalanx.trainer import Trainer
+    >>> data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    >>> net = torch.nn.Linear(4, 2)
+    >>> trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy, metrics=["accuracy"])
+    >>> history = trainer.fit(data, epochs=2, batch_size=16, val_data=data, progress=False)
+    >>> sorted(history[-1])[:4]
+    ['accuracy', 'bytes_sent', 'epoch', 'loss']
+
+Batches are ``(inputs..., target)`` tuples: the model is called as
+``model(*inputs)`` and the loss as ``loss_fn(output, target)``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable, Sequence, Sized
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from . import group
+from .callbacks import Callback
+from .checkpoint import load_checkpoint, save_checkpoint
+from .comm import Comm
+from .data import ShardedLoader, shard
+from .errors import ConfigError, usage
+from .metrics import MeanLoss, Metric, ThroughputMeter, reduce_all, resolve
+from .strategies import Strategy
+from .wrap import strategy_of, unwrap, wrap
+
+
+class History(list):
+    """One dict per epoch; ``history["val_accuracy"]`` gives that column as a list.
+
+    ``samples_per_s`` is the global rate over the whole fit, warm-up excluded.
+    """
+
+    samples_per_s: float = math.nan
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            return [row.get(key) for row in self]
+        return super().__getitem__(key)
+
+
+class Trainer:
+    """Train ``model`` data-parallel with ``optimizer`` on ``loss_fn(output, target)``.
+
+    Args:
+        model, optimizer: the user's own objects; the Trainer wraps them with
+            ``px.wrap`` (or uses them as they are if ``px.wrap`` already did).
+        loss_fn: returns the batch's mean loss, e.g. ``F.cross_entropy``.
+        strategy: a strategy object or name; default ``px.AllReduce()``.
+        metrics: ``Metric`` objects or names ("accuracy"); computed on training
+            batches (as they pass) and on the validation set (``val_`` prefix).
+        callbacks: :class:`phalanx.callbacks.Callback` objects.
+        warmup_steps: steps at the start of a fit left out of samples/s.
+
+    Attributes useful to callbacks: ``model`` (what trains, maybe a DDP wrapper),
+    ``module`` (the user's module), ``optimizer``, ``strategy``, ``loader``,
+    ``epoch``, ``step`` (optimizer steps taken), ``history``, ``meter``, ``stop_training``.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor], *,
+                 strategy: Strategy | str | None = None, metrics: Sequence[Metric | str] | None = None,
+                 callbacks: Sequence[Callback] | None = None, warmup_steps: int = 5) -> None:
+        if not group.is_initialized():
+            group.init()
+        if not callable(loss_fn):
+            raise ConfigError(usage(f"loss_fn={loss_fn!r}", "a callable loss_fn(output, target) -> scalar tensor",
+                                    "Pass e.g. torch.nn.functional.cross_entropy."))
+        attached = strategy_of(optimizer)
+        if attached is None:
+            self.model, self.optimizer = wrap(model, optimizer, strategy)
+        elif strategy is not None and strategy is not attached:
+            raise ConfigError(usage("strategy= for an optimizer that px.wrap already wrapped",
+                                    "one strategy per optimizer", "Drop strategy= or pass the unwrapped objects."))
+        else:
+            self.model, self.optimizer = model, optimizer
+        self.strategy = strategy_of(self.optimizer)
+        self.module = unwrap(self.model)
+        self.loss_fn = loss_fn
+        self.metrics = [resolve(m) for m in (metrics or [])]
+        names = [m.name for m in self.metrics]
+        if len(set(names)) != len(names) or "loss" in names:
+            raise ConfigError(usage(f"metrics named {names}", "distinct names other than 'loss' (always reported)",
+                                    "Drop the duplicates."))
+        self.callbacks = list(callbacks or [])
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise ConfigError(usage(f"callback of type {type(cb).__name__}", "a phalanx.callbacks.Callback",
+                                        "Subclass Callback, or use LambdaCallback(on_epoch_end=...)."))
+        self.warmup_steps = warmup_steps
+        self.meter = ThroughputMeter(warmup_steps)
+        self.comm = Comm()  # the trainer's own reductions, kept apart from the strategy's byte count
+        self.device = group.device()
+        self.loader: ShardedLoader | None = None
+        self.history = History()
+        self.epoch = 0
+        self.step = 0
+        self.stop_training = False
+        self._in_epoch = False
+
+    # -- training -----------------------------------------------------------------
+    def fit(self, train_data: Dataset | ShardedLoader, *, epochs: int = 1, batch_size: int = 32,
+            val_data: Dataset | None = None, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
+            val_batch_size: int = 256, resume_from: str | os.PathLike | None = None, progress: bool = True,
+            loader_kwargs: dict[str, Any] | None = None) -> History:
+        """Train for ``epochs`` epochs; returns the history, one dict per epoch.
+
+        ``batch_size`` is per worker: a step trains on ``world_size * batch_size``
+        samples, exactly the batches one process sees with that batch and ``seed``.
+        ``resume_from`` continues from a checkpoint (``ModelCheckpoint`` or
+        :meth:`save_checkpoint`) as the uninterrupted run would; ``epochs`` is then
+        the total, counting the epochs done before the checkpoint.
+
+        Each history row holds ``epoch``, ``loss``, each metric, ``val_loss`` and
+        ``val_<metric>`` (with ``val_samples``), ``samples_per_s`` (global, warm-up
+        excluded), ``bytes_sent`` (by this worker's strategy), ``steps`` (this epoch),
+        ``step`` (total) and ``time_s``; every value is the same on every worker.
+        """
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise ConfigError(usage(f"epochs={epochs!r}", "an integer >= 0", "Pass e.g. epochs=10."))
+        if isinstance(val_batch_size, bool) or not isinstance(val_batch_size, int) or val_batch_size < 1:
+            raise ConfigError(usage(f"val_batch_size={val_batch_size!r}", "an integer >= 1", "Pass e.g. 256."))
+        if val_data is not None and not isinstance(val_data, Sized):
+            raise ConfigError(usage(f"val_data of type {type(val_data).__name__} without len()",
+                                    "a map-style dataset", "Wrap tensors in torch.utils.data.TensorDataset."))
+        if isinstance(train_data, ShardedLoader):
+            self.loader = train_data
+        else:
+            self.loader = shard(train_data, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                **(loader_kwargs or {}))
+        self.history, self.step, start = History(), 0, 0
+        if resume_from is not None:
+            start = self._resume(resume_from)
+        self.meter = ThroughputMeter(self.warmup_steps)
+        self.stop_training = False
+        show = progress and group.is_main()
+        self._call("on_train_begin")
+        for epoch in range(start, epochs):
+            self.epoch = epoch
+            self._call("on_epoch_begin", epoch)
+            row = self._epoch(epoch, epochs, val_data, val_batch_size, show)
+            self.history.append(row)
+            self._call("on_epoch_end", epoch, row)
+            if self.stop_training:
+                break
+        self.history.samples_per_s = self.meter.global_rate(self.comm)
+        self._call("on_train_end")
+        return self.history
+
+    def _epoch(self, epoch: int, epochs: int, val_data: Dataset | None, val_batch_size: int,
+               show: bool) -> dict[str, Any]:
+        loader, model, opt = self.loader, self.model, self.optimizer
+        assert loader is not None
+        loader.set_epoch(epoch)
+        model.train()
+        train_metrics = [m.fresh() for m in self.metrics]
+        loss_sum, count, steps = 0.0, 0, 0
+        bytes0 = self.strategy.bytes_sent if self.strategy is not None else 0
+        samples0, seconds0 = self.meter.samples, self.meter.seconds
+        bar = _bar(len(loader) - loader.sampler.position, f"epoch {epoch + 1}/{epochs}") if show else None
+        t_epoch = time.perf_counter()
+        self._in_epoch = True
+        self.meter.start()
+        mark = self._now()
+        for batch in loader:
+            inputs, target = self._to_device(batch)
+            t_data = self._now()
+            self._call("on_step_begin", self.step)
+            t0 = self._now()
+            opt.zero_grad(set_to_none=True)
+            output = model(*inputs)
+            loss = self.loss_fn(output, target)
+            loss.backward()
+            t1 = self._now()
+            opt.step()
+            t2 = self._now()
+            n, value = len(target), loss.item()
+            loss_sum += value * n
+            count += n
+            with torch.no_grad():
+                for m in train_metrics:
+                    m.update(output.detach(), target)
+            self.meter.step(n)
+            step, self.step, steps = self.step, self.step + 1, steps + 1
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_sum / count:.4f}", refresh=False)
+                bar.update(1)
+            self._call("on_step_end", step, {
+                "loss": value, "batch_size": n, "data_s": t_data - mark, "forward_backward_s": t1 - t0,
+                "optimizer_s": t2 - t1, "step_s": (t_data - mark) + (t2 - t0)})
+            if self.stop_training:
+                break
+            mark = self._now()
+        self._in_epoch = False
+        val_metrics = self._evaluate_local(val_data, val_batch_size) if val_data is not None else []
+        bytes_sent = (self.strategy.bytes_sent if self.strategy is not None else 0) - bytes0
+        local = torch.tensor([loss_sum, count, self.meter.samples - samples0, self.meter.seconds - seconds0,
+                              time.perf_counter() - t_epoch, bytes_sent], dtype=torch.float64)
+        # One all-reduce per epoch carries the training sums, every metric and the timings.
+        totals = reduce_all(train_metrics + val_metrics, self.comm, extra=local)
+        world = group.world_size()
+        loss_sum, count, samples, seconds, wall, sent = totals.tolist()
+        row: dict[str, Any] = {"epoch": epoch, "loss": loss_sum / count if count else math.nan}
+        row.update({m.name: m.compute() for m in train_metrics})
+        if val_metrics:
+            row.update({f"val_{m.name}": m.compute() for m in val_metrics})
+            row["val_samples"] = int(val_metrics[0].sums[1].item())
+        row.update({"samples_per_s": samples / (seconds / world) if seconds > 0 else math.nan,
+                    "bytes_sent": int(round(sent / world)), "steps": steps, "step": self.step,
+                    "time_s": wall / world})
+        if bar is not None:
+            bar.set_postfix(_postfix(row), refresh=False)
+            bar.close()
+        return row
+
+    # -- validation -----------------------------------------------------------------
+    def evaluate(self, data: Dataset, *, batch_size: int = 256) -> dict[str, float]:
+        """Loss and metrics over ``data``, split across workers, each sample counted once.
+
+        Call it on every worker; they share one all-reduce. Returns ``loss``,
+        each metric and ``samples`` (the number of samples evaluated, ``len(data)``).
+        """
+        metrics = self._evaluate_local(data, batch_size)
+        reduce_all(metrics, self.comm)
+        out = {m.name: m.compute() for m in metrics}
+        out["samples"] = int(metrics[0].sums[1].item())
+        return out
+
+    def _evaluate_local(self, data: Dataset, batch_size: int) -> list[Metric]:
+        """This worker's contiguous slice of ``data`` (no padding), metrics not yet reduced.
+
+        The user's module runs directly (not the DDP wrapper), so workers with
+        different numbers of validation batches never meet in a collective, and no
+        DataLoader is created, so validation draws nothing from the RNG: training
+        with or without ``val_data`` gives the same weights.
+        """
+        metrics: list[Metric] = [MeanLoss(self.loss_fn)] + [m.fresh() for m in self.metrics]
+        n, rank, world = len(data), group.rank(), group.world_size()
+        lo, hi = n * rank // world, n * (rank + 1) // world
+        module, was_training = self.module, self.module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                for start in range(lo, hi, batch_size):
+                    inputs, target = self._to_device(_fetch(data, range(start, min(start + batch_size, hi))))
+                    output = module(*inputs)
+                    for m in metrics:
+                        m.update(output, target)
+        finally:
+            module.train(was_training)
+        return metrics
+
+    # -- checkpoints -----------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """A resumable checkpoint of the run so far; call it on every worker (rank 0 writes).
+
+        From ``on_epoch_end`` it resumes at the next epoch; from ``on_step_end``
+        at the next step (the resumed epoch's training loss then covers only the
+        steps after the checkpoint; weights are unaffected).
+        """
+        next_epoch = self.epoch if self._in_epoch else self.epoch + 1
+        save_checkpoint(path, self.model, self.optimizer, loader=self.loader, step=self.step,
+                        extra={"trainer": {"epoch": next_epoch, "history": [dict(row) for row in self.history]}})
+
+    def _resume(self, path: str | os.PathLike) -> int:
+        body = load_checkpoint(path, self.model, self.optimizer, loader=self.loader)
+        state = (body.get("extra") or {}).get("trainer")
+        self.step = int(body["step"])
+        if state is None:  # written by px.save_checkpoint directly: trust the loader's epoch
+            return int(self.loader.sampler.epoch) if self.loader is not None else 0
+        self.history = History(state["history"])
+        return int(state["epoch"])
+
+    # -- helpers -----------------------------------------------------------------------
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, *args)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # phase times must include the queued kernels
+        return time.perf_counter()
+
+    def _to_device(self, batch: Any) -> tuple[list[Any], torch.Tensor]:
+        if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+            raise ConfigError(usage(f"a batch of type {type(batch).__name__}", "a tuple (inputs..., target)",
+                                    "Make the dataset return (x, y), e.g. TensorDataset(x, y)."))
+        moved = [t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch]
+        return moved[:-1], moved[-1]
+
+
+def _fetch(data: Dataset, indices: range) -> Any:
+    """One batch of ``data`` at ``indices``; tensors are sliced directly when possible."""
+    if isinstance(data, TensorDataset):
+        return tuple(t[indices.start:indices.stop] for t in data.tensors)
+    return default_collate([data[i] for i in indices])
+
+
+def _bar(total: int, desc: str) -> Any:
+    from tqdm.auto import tqdm  # imported here: `import phalanx` stays cheap
+    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True, mininterval=0.25)
+
+
+def _postfix(row: dict[str, Any]) -> dict[str, str]:
+    keep = {k: v for k, v in row.items() if k in ("loss", "val_loss") or k.startswith("val_") and k != "val_samples"}
+    out = {k: f"{v:.4f}" for k, v in keep.items()}
+    if not math.isnan(row["samples_per_s"]):
+        out["samples/s"] = f"{row['samples_per_s']:,.0f}"
+    return out
+
+
+__all__ = ["History", "Trainer"]
