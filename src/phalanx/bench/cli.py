@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--link", default="loopback", help="comma list: loopback and/or rates such as 100mbit (needs root)")
     p.add_argument("--batch", type=int, default=64, help="samples per worker per step (default 64)")
     p.add_argument("--warmup", type=int, help="steps left out before timing (default 5)")
-    p.add_argument("--steps", type=int, help="timed steps per configuration (default 32; a multiple of a periodic rule's k)")
+    p.add_argument("--steps", type=int, help="timed steps per configuration (default 32, a multiple of local SGD's k)")
     p.add_argument("--repeats", type=int, default=1, help="run the whole list this many times, alternating order")
     p.add_argument("--quick", action="store_true", help="a small sweep that finishes in under 3 minutes on 2 cores")
     p.add_argument("--time-to-accuracy", action="store_true",
