@@ -35,7 +35,7 @@ from .errors import ConfigError, usage
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 DEFAULT_MASTER_ADDR = "127.0.0.1"
-DEFAULT_MASTER_PORT = 29500  # torchrun's default, used only when several hosts meet
+DEFAULT_MASTER_PORT = 29500  # torchrun's default for the static rendezvous
 EPILOG = """\
 examples:
   phalanx run -n 2 train.py --epochs 3          2 workers on this machine
@@ -59,8 +59,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="phalanx run", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-                description="Start N data-parallel workers running script.py; "
-                            "exits with the first failing worker's status.")
+                description="Start N data-parallel workers running script.py. Ctrl-C or SIGTERM stops them;\n"
+                            "if one fails, the others are stopped and its exit status is returned.")
     # Everything is read as text and checked in RunConfig.from_args, so each error is one clear line.
     p.add_argument("-n", "--nproc-per-node", dest="nproc", default="1", metavar="N",
                    help="workers on this machine (default 1)")
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--master-addr", default=None, metavar="HOST",
                        help=f"address of host 0 (default {DEFAULT_MASTER_ADDR})")
     hosts.add_argument("--master-port", default=None, metavar="PORT",
-                       help=f"port on host 0 (default: a free port on one host, {DEFAULT_MASTER_PORT} on several)")
+                       help=f"port on host 0 (default {DEFAULT_MASTER_PORT}; a free one when no host option is given)")
     hosts.add_argument("--rdzv-backend", default=None, metavar="NAME",
                        help="rendezvous backend: " + ", ".join(RDZV_BACKENDS) + " (default static)")
     hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST[:PORT]", help="rendezvous endpoint")
@@ -261,8 +261,7 @@ def _start_servers(cfg: RunConfig):
             raise ConfigError(usage(f"--servers {cfg.servers}", "parameter servers (phalanx.ps), which this "
                                     "installation does not have", "Run without --servers.")) from None
         raise
-    host = cfg.master_addr if not cfg.standalone else DEFAULT_MASTER_ADDR
-    return start_servers(cfg.servers, host=host, token=None)
+    return start_servers(cfg.servers, host=cfg.master_addr, token=None)  # a token is made off loopback
 
 
 def run(cfg: RunConfig) -> int:

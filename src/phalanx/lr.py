@@ -34,7 +34,10 @@ def warmup(optimizer: torch.optim.Optimizer, steps: int,
     Example:
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         >>> sched = warmup(opt, steps=4)
-        >>> [round(opt.param_groups[0]["lr"], 2) for _ in range(5) if not sched.step()]
+        >>> lrs = []
+        >>> for _ in range(5):
+        ...     opt.step(); sched.step(); lrs.append(round(opt.param_groups[0]["lr"], 2))
+        >>> lrs
         [0.25, 0.5, 0.75, 1.0, 1.0]
     """
     if steps < 1:
