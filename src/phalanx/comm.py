@@ -13,9 +13,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import io
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -146,6 +147,25 @@ class Comm:
             with self._timed("broadcast", sent):
                 dist.broadcast(flat, src)
             _scatter_back(flat, ts)
+
+    def all_gather_state(self, state: Any) -> list[Any]:
+        """Every worker's state dict (tensors and plain values), in rank order.
+
+        Unlike ``dist.all_gather_object`` nothing is unpickled freely: each state travels as
+        ``torch.save`` bytes and is read back with ``weights_only=True``, which only builds
+        tensors and plain containers.
+        """
+        if self.world_size == 1:
+            return [state]
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        mine = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        sizes = self.all_gather(torch.tensor([mine.numel()], dtype=torch.int64))
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:mine.numel()] = mine
+        return [torch.load(io.BytesIO(blob[:int(n.item())].numpy().tobytes()), weights_only=True)
+                for blob, n in zip(self.all_gather(padded), sizes, strict=True)]
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's ``tensor`` (same shape on all), in rank order."""

@@ -25,10 +25,9 @@ import warnings
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..comm import Comm, guarded
+from ..comm import Comm
 
 
 @runtime_checkable
@@ -132,10 +131,7 @@ class Strategy:
         state = self.state_dict()
         mine = self.replica_state_dict()
         if self.comm.world_size > 1 and mine:
-            gathered: list[Any] = [None] * self.comm.world_size
-            with guarded("gather_state_dict"):
-                dist.all_gather_object(gathered, _to_cpu(mine))
-            state["replicas"] = gathered
+            state["replicas"] = self.comm.all_gather_state(_to_cpu(mine))
         return state
 
     def _load_replicas(self, state: dict[str, Any]) -> None:
