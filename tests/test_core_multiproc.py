@@ -82,8 +82,11 @@ def test_a_dead_worker_makes_the_survivor_fail_fast_naming_it():
     assert run.returncodes[1] == 3  # killed by kill_at(3, rank=1, ...)
     assert run.returncodes[0] == 0, run.log(0)
     seen = run.results[0]
-    # Inside training (the default strategy's backward pass), the survivor fails at once instead of hanging.
+    # Inside training (the default strategy's backward pass), the survivor fails at once instead of hanging,
+    # with an error that names the lost rank.
     assert seen["train"]["seconds"] < timeout, seen
+    assert seen["train"]["type"] == "WorkerLostError", seen
+    assert "lost contact with rank(s) 1" in seen["train"]["message"]
     # A phalanx collective raises WorkerLostError that names the lost rank, within the bound.
     assert seen["barrier"]["type"] == "WorkerLostError", seen
     assert "lost contact with rank(s) 1" in seen["barrier"]["message"]

@@ -118,7 +118,8 @@ def lost_worker(kill_step: int = 3) -> dict[str, Any]:
     """Rank 1 dies at ``kill_step`` of the user's loop; rank 0 reports what it saw and how fast."""
     px.init()
     out: dict[str, Any] = {}
-    model, opt = px.wrap(net(0), OPTIMIZERS["sgd"](net(0).parameters()))
+    module = net(0)
+    model, opt = px.wrap(module, OPTIMIZERS["sgd"](module.parameters()))
     loader = px.shard(dataset(), batch_size=4)
     started = time.monotonic()
     try:

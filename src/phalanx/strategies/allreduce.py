@@ -25,9 +25,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..comm import guarded
 from ..compression import check_compressor
 from ..errors import ConfigError, usage
 from .base import Strategy
@@ -68,12 +70,20 @@ class AllReduce(Strategy):
         if self.comm.world_size == 1 or self.compression is not None:
             return model  # a group of one is plain PyTorch, bit for bit; compression runs in before_step
         device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids,
-                                       bucket_cap_mb=self.bucket_mb or fitted_bucket_mb(model),
-                                       forward_sync_buffers=False,  # BatchNorm statistics stay per worker
-                                       gradient_as_bucket_view=True)
+        ddp = DistributedDataParallel(model, device_ids=device_ids,
+                                      bucket_cap_mb=self.bucket_mb or fitted_bucket_mb(model),
+                                      forward_sync_buffers=False,  # BatchNorm statistics stay per worker
+                                      gradient_as_bucket_view=True)
+        self._hook = _GuardedMean(self.comm.world_size)
+        ddp.register_comm_hook(None, self._hook.hook)
+        return ddp
 
     def before_step(self) -> None:
+        hook = getattr(self, "_hook", None)
+        if hook is not None and hook.error is not None:
+            err, hook.error = hook.error, None
+            with guarded("the gradient all-reduce in backward"):
+                raise err  # guarded names the lost rank
         if self.compression is not None:
             self.compression.average_(gradients(self.params), self.comm, key="grad")
 
@@ -96,6 +106,42 @@ class AllReduce(Strategy):
 
     def __repr__(self) -> str:
         return f"AllReduce(compression={self.compression!r})"
+
+
+class _GuardedMean:
+    """DDP comm hook: the plain bucket all-reduce and mean, keeping a failure for ``before_step``.
+
+    A peer that dies mid-backward makes gloo fail the bucket's future; raised inside
+    the reducer, that error would surface from ``loss.backward()`` as a bare RuntimeError.
+    Kept here, ``opt.step()`` raises it as a WorkerLostError that names the lost rank.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.error: BaseException | None = None
+
+    # No annotations: DDP checks them by identity, and this module's are strings (PEP 563).
+    def hook(self, state, bucket):  # noqa: ANN001, ANN201
+        buffer = bucket.buffer()
+        try:
+            future = dist.all_reduce(buffer, async_op=True).get_future()
+        except RuntimeError as err:
+            return self._failed(err, buffer)
+
+        def mean(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            try:
+                return done.value()[0].div_(self.world_size)
+            except RuntimeError as err:
+                self.error = self.error or err
+                return buffer
+
+        return future.then(mean)
+
+    def _failed(self, err: BaseException, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        self.error = self.error or err
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(buffer)
+        return future
 
 
 def model_device(model: nn.Module) -> torch.device:
