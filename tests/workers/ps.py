@@ -86,8 +86,8 @@ def late_join(after_versions: int, seed: int = 123) -> dict[str, Any]:
     px.init()
     while True:  # wait for the job to make progress; the test bounds how long with its timeout
         load = px.ps.load_report(PSConfig.from_environ().addrs)
-        if min(load.applied) >= after_versions:
-            break
+        if min(load.shards) and min(a // s for a, s in zip(load.applied, load.shards, strict=True)) >= after_versions:
+            break  # every push updates each of a server's shards once: applied / shards = pushes so far
         time.sleep(0.05)
     torch.manual_seed(seed)
     net = digits_cnn()
@@ -110,6 +110,6 @@ def late_join(after_versions: int, seed: int = 123) -> dict[str, Any]:
 def _accuracy_of(params: list[torch.Tensor], test_set) -> float:
     net = digits_cnn()
     with torch.no_grad():
-        for p, v in zip(net.parameters(), params):
+        for p, v in zip(net.parameters(), params, strict=True):
             p.copy_(v)
     return accuracy(net, test_set)

@@ -48,7 +48,10 @@ class ServerGroup:
     def log(self, index: int) -> str:
         """What server ``index`` printed (its start line, and any traceback)."""
         path = os.path.join(self.log_dir, f"ps{index}.log")
-        return open(path, errors="replace").read() if os.path.exists(path) else ""
+        if not os.path.exists(path):
+            return ""
+        with open(path, errors="replace") as f:
+            return f.read()
 
     def alive(self) -> list[bool]:
         return [p.poll() is None for p in self.procs]
@@ -76,13 +79,14 @@ class ServerGroup:
 
 
 def start_servers(n: int, host: str = "127.0.0.1", token: str | None = None, *, checkpoint_dir: str | None = None,
-                  threads: int = 2, timeout: float = 60.0) -> ServerGroup:
+                  checkpoint_every: float | None = None, threads: int = 2, timeout: float = 60.0) -> ServerGroup:
     """Start ``n`` server processes on ``host`` and wait (at most ``timeout`` s) until all serve.
 
     On any interface other than loopback a token is required: pass one, or one is made
     (``secrets.token_urlsafe``) and handed to workers through ``env()``. With
     ``checkpoint_dir``, server i keeps its shards in ``checkpoint_dir/ps-shard-i.pt``. It
-    resumes from that file when it exists, and writes it when stopped.
+    resumes from that file when it exists, and writes it when stopped and every
+    ``checkpoint_every`` seconds.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(usage(f"--servers {n!r}", "an integer >= 1", "Pass the number of parameter servers."))
@@ -95,11 +99,13 @@ def start_servers(n: int, host: str = "127.0.0.1", token: str | None = None, *, 
         env[TOKEN] = token  # through the environment, not argv, which other users can read in `ps`
     procs = []
     for i in range(n):
-        cmd = [sys.executable, "-m", "phalanx.ps.server", "--host", host, "--index", str(i), "--threads", str(threads),
-               "--port-file", os.path.join(log_dir, f"ps{i}.addr")]
+        cmd = [sys.executable, "-m", "phalanx.ps", "serve", "--host", host, "--index", str(i),
+               "--threads", str(threads), "--port-file", os.path.join(log_dir, f"ps{i}.addr")]
         if checkpoint_dir:
             os.makedirs(checkpoint_dir, exist_ok=True)
             cmd += ["--checkpoint", os.path.join(checkpoint_dir, f"ps-shard-{i}.pt")]
+            if checkpoint_every:
+                cmd += ["--checkpoint-every", str(checkpoint_every)]
         with open(os.path.join(log_dir, f"ps{i}.log"), "w") as log:
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL))

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from .. import group
 from ..errors import ConfigError, usage
 from .client import Client
-from .config import PSConfig
+from .config import HOST, TOKEN, PSConfig, is_loopback
 from .server import Server
 
 _generation = itertools.count()  # every worker attaches its PS strategies in the same order
@@ -71,6 +71,11 @@ def connect(servers: str | Sequence[str] | None = None, *, timeout: float | None
 
 
 def _colocated(cfg: PSConfig, timeout: float) -> Link:
+    if is_loopback(cfg.host) and group._current().env.local_world_size < group.world_size():
+        raise ConfigError(usage(f"colocated parameter servers on {cfg.host} in a multi-host run",
+                                "an address the other hosts can reach",
+                                f"Set {HOST}=<this host's IP> and {TOKEN} on every worker, or start servers "
+                                "with `python -m phalanx.ps serve` and set PHALANX_PS_ADDRS."))
     server = Server(cfg.host, token=cfg.token, index=group.rank()).start()
     store, key = group.store(), f"ps/colocated/{next(_generation)}"
     if store is None:  # a group of one

@@ -1,6 +1,6 @@
 """A parameter server: shards behind a ZeroMQ ROUTER socket, served by a few handler threads.
 
-Run one per process with ``python -m phalanx.ps.server --port-file F`` (what
+Run one per process with ``python -m phalanx.ps serve --port-file F`` (what
 :func:`phalanx.ps.launcher.start_servers` does), or inside a worker as a thread
 (colocated mode, :class:`Server` ``.start()``).
 
@@ -21,11 +21,9 @@ Example:
 """
 from __future__ import annotations
 
-import argparse
 import hmac
 import os
 import signal
-import sys
 import threading
 import traceback
 from collections import Counter
@@ -35,7 +33,7 @@ import torch
 import zmq
 
 from ..errors import ConfigError, PhalanxError, usage
-from .config import PSConfig, is_loopback
+from .config import is_loopback
 from .shards import Policy, Reducer, RejectError, ShardStore, Tensors
 from .wire import Header, WireError, recv_message, send_message
 
@@ -61,7 +59,8 @@ class Server:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None, threads: int = 2,
-                 checkpoint: str | None = None, index: int = 0, max_message_mb: int = 2048) -> None:
+                 checkpoint: str | None = None, checkpoint_every: float | None = None, index: int = 0,
+                 max_message_mb: int = 2048) -> None:
         if not is_loopback(host) and not token:
             raise ConfigError(usage(f"a parameter server on {host!r} without a token",
                                     "a per-job token on any interface other than loopback",
@@ -70,7 +69,12 @@ class Server:
             raise ConfigError(usage(f"threads={threads!r}", "an integer >= 1", "Use 2."))
         self.host, self.port, self.index = host, port, index
         self._token = token.encode() if token else None
+        if checkpoint_every is not None and not (checkpoint and checkpoint_every > 0):
+            raise ConfigError(usage(f"checkpoint_every={checkpoint_every!r}",
+                                    "a positive period with a checkpoint file",
+                                    "Pass --checkpoint PATH too, or leave the period out."))
         self.threads, self.checkpoint, self.max_message_mb = threads, checkpoint, max_message_mb
+        self.checkpoint_every = checkpoint_every
         self.store, self.reducer = ShardStore(), Reducer()
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
@@ -106,6 +110,9 @@ class Server:
         self._control.connect(inproc + "-control")
         self._threads.append(threading.Thread(target=self._proxy, args=(frontend, backend, control),
                                               name=f"ps{self.index}-proxy", daemon=True))
+        if self.checkpoint_every:
+            self._threads.append(threading.Thread(target=self._save_periodically, name=f"ps{self.index}-checkpoint",
+                                                  daemon=True))
         for i in range(self.threads):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -126,6 +133,10 @@ class Server:
             for s in (frontend, backend, control):
                 s.close(linger=0)
 
+    def _save_periodically(self) -> None:
+        while not self._stop.wait(self.checkpoint_every):
+            self.store.save(self.checkpoint)  # type: ignore[arg-type]
+
     def stop(self, *, save: bool = True) -> None:
         """Stop serving; write the checkpoint (when configured) once no handler can change a shard."""
         if self._stop.is_set():
@@ -144,7 +155,7 @@ class Server:
         done = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: done.set())
-        while not done.wait(0.5):
+        while not done.wait(0.1):
             pass
         self.stop()
 
@@ -238,32 +249,3 @@ class Server:
             raise RejectError("this server was started without a checkpoint file (--checkpoint PATH)")
         self.store.save(self.checkpoint)
         return {"saved": True}, []
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m phalanx.ps.server", description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (non-loopback needs PHALANX_PS_TOKEN)")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--index", type=int, default=0, help="this server's index in the job")
-    parser.add_argument("--threads", type=int, default=2, help="handler threads")
-    parser.add_argument("--checkpoint", default=None, help="shard file: resumed from if present, written on exit")
-    parser.add_argument("--port-file", default=None, help="write the bound address here once serving")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # the server's math is small element-wise work; leave the cores to the workers
-    try:
-        server = Server(args.host, args.port, token=PSConfig.from_environ().token, threads=args.threads,
-                        checkpoint=args.checkpoint, index=args.index).start()
-    except (ConfigError, zmq.ZMQError, PhalanxError) as err:
-        sys.exit(f"phalanx ps server {args.index}: {err}")
-    if args.port_file:
-        tmp = args.port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(server.address)
-        os.replace(tmp, args.port_file)  # readers see the whole address or nothing
-    print(f"phalanx ps server {args.index} serving on {server.address} ({len(server.store.shards)} shards)",
-          file=sys.stderr, flush=True)
-    server.serve_forever()
-
-
-if __name__ == "__main__":
-    main()

@@ -128,7 +128,8 @@ class ShardStore:
 
     def __init__(self) -> None:
         self.shards: dict[str, Shard] = {}
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()  # applied, dropped_stale, elastic: shard updates
+        self._counts_lock = threading.Lock()  # handler threads update counts concurrently
         self._registry = threading.Lock()
 
     def check(self, tensors: Tensors) -> list[Shard]:
@@ -151,7 +152,7 @@ class ShardStore:
     def init(self, tensors: Tensors, policy: Policy) -> dict[str, Any]:
         """Register shards that do not exist yet; existing ones keep their value (a late joiner pulls them)."""
         with self._registry:
-            for header, tensor in tensors:
+            for header, _ in tensors:
                 shard = self.shards.get(header.name)
                 problem = shard and _mismatch(header, shard.value.dtype, tuple(shard.value.shape))
                 if problem:
@@ -167,16 +168,16 @@ class ShardStore:
     def push(self, tensors: Tensors) -> tuple[list[str], int]:
         """Apply gradients; returns (names dropped as too stale, applied count)."""
         shards = self.check(tensors)
-        for (header, _), shard in zip(tensors, shards):
+        for (header, _), shard in zip(tensors, shards, strict=True):
             if shard.policy.rule is None:
                 raise RejectError(f"{header.name!r} takes no gradients (it was registered without a server "
                                   "optimizer, e.g. as an EASGD centre)")
             if header.version > shard.version:
                 raise RejectError(f"{header.name!r} pushed from version {header.version} but the server is at "
                                   f"{shard.version}; pull before pushing (did the server restart from a checkpoint?)")
-        dropped = [h.name for (h, g), shard in zip(tensors, shards) if not shard.push(g, h.version)]
-        self.counts["applied"] += len(tensors) - len(dropped)
-        self.counts["dropped_stale"] += len(dropped)
+        dropped = [h.name for (h, g), shard in zip(tensors, shards, strict=True) if not shard.push(g, h.version)]
+        with self._counts_lock:
+            self.counts.update(applied=len(tensors) - len(dropped), dropped_stale=len(dropped))
         return dropped, len(tensors) - len(dropped)
 
     def elastic(self, tensors: Tensors, alpha: float) -> list[tuple[Header, torch.Tensor]]:
@@ -184,10 +185,11 @@ class ShardStore:
             raise RejectError(f"elastic alpha={alpha!r}; expected 0 < alpha < 1")
         shards = self.check(tensors)
         out = []
-        for (header, x), shard in zip(tensors, shards):
+        for (header, x), shard in zip(tensors, shards, strict=True):
             d = shard.elastic(x, float(alpha))
             out.append((Header(header.name, d.dtype, tuple(d.shape), shard.version), d))
-        self.counts["elastic"] += len(tensors)
+        with self._counts_lock:
+            self.counts.update(elastic=len(tensors))
         return out
 
     def pull(self, names: Any) -> list[tuple[Header, torch.Tensor]]:
@@ -242,7 +244,7 @@ class Reducer:
                 rnd = self._rounds[step] = {"workers": workers, "who": [], "sums": [(h, t) for h, t in tensors]}
             else:
                 self._check_round(rnd, step, workers, who, tensors)
-                for (_, acc), (_, t) in zip(rnd["sums"], tensors):
+                for (_, acc), (_, t) in zip(rnd["sums"], tensors, strict=True):
                     acc.add_(t)
             rnd["who"].append(who)
             if len(rnd["who"]) < workers:
@@ -260,7 +262,7 @@ class Reducer:
         first = [h for h, _ in rnd["sums"]]
         if [h.name for h, _ in tensors] != [h.name for h in first]:
             raise RejectError(f"step {step}: the shard names differ from the first worker's; is it the same model?")
-        for (header, _), ref in zip(tensors, first):
+        for (header, _), ref in zip(tensors, first, strict=True):
             problem = _mismatch(header, ref.dtype, ref.shape)
             if problem:
                 raise RejectError(f"step {step}: {problem} (as the first worker sent it)")

@@ -59,15 +59,25 @@ class PSStrategy(Strategy):
         self.link = connect(self.servers, timeout=self.timeout)
         self.table = ParamTable(named, self.link.client, self.placement)
         self._exchange(self.join)
+        self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # bytes_per_step leaves out the join
         return model
 
     def join(self) -> None:
         """Agree on the starting parameters (runs inside attach)."""
 
+    #: The servers hold the trained model (Downpour's parameters, EASGD's centre): finish() pulls it.
+    servers_hold_the_model = True
+
     def finish(self) -> None:
-        """End of training: leave the servers (a colocated one keeps serving until all workers are done)."""
-        if self.link is not None:
-            self.link.release()
+        """End of training: pull the servers' model into the local one, then leave the servers.
+
+        A colocated server keeps serving until every worker has called this (or exited).
+        """
+        if self.link is None or self.link.released:
+            return
+        if self.servers_hold_the_model:
+            self._exchange(self.table.pull)  # type: ignore[union-attr]
+        self.link.release()
 
     def _exchange(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one exchange with the servers and add its bytes and time to ``self.comm.stats``."""
@@ -89,7 +99,8 @@ class PSStrategy(Strategy):
 
 def _rule(server_optimizer: Any) -> "SGD | Adagrad | None":
     if server_optimizer is not None and not isinstance(server_optimizer, (SGD, Adagrad)):
-        raise ConfigError(usage(f"server_optimizer={server_optimizer!r}", "phalanx.ps.SGD(lr) or phalanx.ps.Adagrad(lr)",
+        raise ConfigError(usage(f"server_optimizer={server_optimizer!r}",
+                                "phalanx.ps.SGD(lr) or phalanx.ps.Adagrad(lr)",
                                 "Leave it unset to apply your optimizer's lr with plain SGD on the servers."))
     return server_optimizer
 
@@ -138,7 +149,7 @@ class Downpour(PSStrategy):
         super().after_step()
         grads = self._grads()
         if self._acc is not None:
-            for acc, g in zip(self._acc, grads):
+            for acc, g in zip(self._acc, grads, strict=True):
                 acc.add_(g)
             grads = self._acc
         push, pull = self.push_when(self.steps), self.pull_when(self.steps)
@@ -150,12 +161,6 @@ class Downpour(PSStrategy):
         elif pull:
             self._exchange(self.table.pull)  # type: ignore[union-attr]
 
-    def finish(self) -> None:
-        """Load the servers' parameters (the model Downpour trained) into the local model, then leave."""
-        if self.link is not None and not self.link.released:
-            self._exchange(self.table.pull)  # type: ignore[union-attr]
-        super().finish()
-
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "dropped": self.dropped, "acc": self._acc}
 
@@ -163,7 +168,7 @@ class Downpour(PSStrategy):
         super().load_state_dict(state)
         self.dropped = int(state.get("dropped", 0))
         if state.get("acc") is not None and self._acc is not None:
-            for acc, saved in zip(self._acc, state["acc"]):
+            for acc, saved in zip(self._acc, state["acc"], strict=True):
                 acc.copy_(saved)
         if self.table is not None:  # the servers hold the truth; resync versions with them
             self._exchange(self.table.pull)
@@ -207,12 +212,6 @@ class AsyncEASGD(PSStrategy):
         if self.when(self.steps):
             self._exchange(self.table.elastic, self.alpha)  # type: ignore[union-attr]
 
-    def finish(self) -> None:
-        """Load the centre variable into the local model, then leave."""
-        if self.link is not None and not self.link.released:
-            self._exchange(self.table.pull)  # type: ignore[union-attr]
-        super().finish()
-
     def __repr__(self) -> str:
         return f"AsyncEASGD(every={self.when.k}, alpha={self.alpha})"
 
@@ -228,6 +227,7 @@ class SyncParameterServer(PSStrategy):
     """
 
     name = "ps-sync"
+    servers_hold_the_model = False  # the servers only reduce; the weights live on the workers
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         # Replicas start identical, as under AllReduce: a one-off collective at attach, never per step.
