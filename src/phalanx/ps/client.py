@@ -189,7 +189,7 @@ class ParamTable:
         self._load(self.client.call(replies), self.params, versions=True)
 
     def push(self, grads: Sequence[torch.Tensor], *, pull: bool) -> int:
-        """Send gradients (stamped with the versions they were computed from); returns how many were dropped."""
+        """Send gradients (stamped with the versions they were computed from); returns how many shards dropped it."""
         replies = self._call({"op": "push", "pull": pull}, grads)
         if pull:
             self._load(replies, self.params, versions=True)

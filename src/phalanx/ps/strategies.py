@@ -117,7 +117,7 @@ class Downpour(PSStrategy):
     Args:
         push_every, pull_every: steps between pushes / pulls (n_push and n_fetch in the paper).
         server_optimizer: ``phalanx.ps.SGD(lr)`` or ``phalanx.ps.Adagrad(lr)``.
-        max_staleness: drop (and count in ``self.dropped``) a push computed from parameters more
+        max_staleness: drop (and count in ``self.dropped``, per shard) a push computed from parameters more
             than this many versions behind the shard's; None applies every push.
         lock: serialise updates of each shard (True), or let them interleave, Hogwild style (False).
     """
@@ -134,7 +134,7 @@ class Downpour(PSStrategy):
             raise ConfigError(usage(f"max_staleness={max_staleness!r}", "None or an integer >= 0",
                                     "0 applies only pushes computed from the shard's current version."))
         self.max_staleness, self.lock = max_staleness, bool(lock)
-        self.dropped = 0  # pushes the servers refused as too stale
+        self.dropped = 0  # shard updates the servers refused as too stale
         self._acc: list[torch.Tensor] | None = None
 
     def join(self) -> None:
