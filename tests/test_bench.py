@@ -68,6 +68,13 @@ def _ratios(result: dict) -> list[float]:
     return [sum(p[k] for k in PHASES) / s for p, s in zip(result["phases"][w:], result["step_s"][w:], strict=True)]
 
 
+def _total_ratio(result: dict) -> float:
+    """All timed steps' phases over the loop's own time for them. A single step can be off under load: a worker
+    descheduled between the probe's last hook and the loop's clock moves time into the next step, not out of the sum."""
+    w = result["warmup"]
+    return sum(p[k] for p in result["phases"][w:] for k in PHASES) / sum(result["step_s"][w:])
+
+
 @pytest.mark.multiproc
 def test_breakdown_sums_to_the_measured_step_time():
     # local SGD talks through phalanx.Comm inside optimizer.step(); DDP-based all-reduce is in the smoke test below
@@ -75,7 +82,7 @@ def test_breakdown_sums_to_the_measured_step_time():
     for res in results:
         ratios = _ratios(res)
         assert abs(statistics.median(ratios) - 1) < 0.10, ratios
-        assert all(abs(r - 1) < 0.10 for r in ratios), ratios
+        assert abs(_total_ratio(res) - 1) < 0.10, ratios
         assert res["bytes_per_step"] > 0
     comm = [p["comm_s"] for res in results for p in res["phases"][2:]]
     assert max(comm) > 0  # two processes talked, and the probe saw the exposed part
@@ -108,7 +115,8 @@ def test_trainer_callback_in_a_group_of_one():
     assert len(out["records"]) == len(out["logged_step_s"]) == 16
     for r, logged in zip(out["records"], out["logged_step_s"], strict=True):
         assert r["step_s"] == logged
-        assert abs(sum(r[k] for k in PHASES) / logged - 1) < 0.10
+    ratios = [sum(r[k] for k in PHASES) / r["step_s"] for r in out["records"]]
+    assert abs(statistics.median(ratios) - 1) < 0.10, ratios
     assert set(out["summary"]) == {*PHASES, "step_s"}
 
 
@@ -209,7 +217,7 @@ def test_quick_bench_smoke(tmp_path, capsys):
         assert rec["error"] is None
         assert all(len(r["step_s"]) == 5 for r in rec["ranks"])  # every raw step, warm-up included
         for r in rec["ranks"]:  # the breakdown of DDP-based all-reduce sums to the loop's step time
-            assert all(abs(x - 1) < 0.10 for x in _ratios(r)), _ratios(r)
+            assert abs(_total_ratio(r) - 1) < 0.10 and abs(statistics.median(_ratios(r)) - 1) < 0.10, _ratios(r)
     two = data["rows"][3]
     assert two["samples_per_s"]["median"] > 0 and two["speedup"] > 0 and set(two["breakdown"]) == {"0", "1"}
     md = (out / "bench.md").read_text()

@@ -50,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="run the whole list this many times, alternating order")
     p.add_argument("--quick", action="store_true", help="a small sweep that finishes in under 3 minutes on 2 cores")
     p.add_argument("--time-to-accuracy", action="store_true",
-                   help="also train the digits CNN to --target-acc with each setup on max(--workers) workers per link")
+                   help="also train the digits CNN to --target-acc with each setup on max(--workers) workers, "
+                        "on each shaped link (on loopback when --link has none)")
     p.add_argument("--target-acc", type=float, default=tta.DEFAULTS["target"])
     p.add_argument("--tta-max-epochs", type=int, default=tta.DEFAULTS["max_epochs"])
     p.add_argument("--alpha-us", type=float, default=25.0, help="per-message latency for the projection (µs)")
@@ -126,8 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tta_records: list[dict[str, Any]] = []
     if args.time_to_accuracy:
         n = max(cfg["workers"])
-        tta_runs = plan(["digits_cnn"], cfg["setups"], [n], [], cfg["links"], batch=tta.DEFAULTS["batch"],
-                        plain=False)
+        shaped = [link for link in cfg["links"] if link != "loopback"] or cfg["links"]
+        tta_runs = plan(["digits_cnn"], cfg["setups"], [n], [], shaped, batch=tta.DEFAULTS["batch"], plain=False)
         tta_records = sweep(tta_runs, opts, module="phalanx.bench.tta", desc="time to accuracy",
                             make_config=lambda run, o: tta.config(run, o, target=args.target_acc,
                                                                   max_epochs=args.tta_max_epochs),

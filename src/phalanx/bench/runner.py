@@ -134,8 +134,7 @@ def sweep(runs: list[Run], opts: Options, *, make_config: Callable[[Run, Options
                 record["error"] = str(err)
             record["wall_s"] = time.perf_counter() - start
             records.append(record)
-            if opts.progress:
-                bar.write(f"  {run.title}: " + (f"FAILED ({record['error'][:200]})" if record["error"]
-                                                  else (describe(record) if describe else "done")))
+            bar.write(f"  {run.title}: " + (f"FAILED ({record['error'][:200]})" if record["error"]
+                                              else (describe(record) if describe else "done")), file=sys.stderr)
             bar.update(1)
     return records
