@@ -21,6 +21,9 @@ def _plain_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit tests run as a plain process: a group of one, whatever the shell exported."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
+    for name in list(os.environ):  # nor pick up servers, timeouts or threads from an outer `phalanx run`
+        if name.startswith("PHALANX_"):
+            monkeypatch.delenv(name, raising=False)
 
 
 def needs_root_netns() -> pytest.MarkDecorator:

@@ -149,6 +149,11 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         "world_size": group.world_size(),
         "extra": extra or {},
     }
+    write_verified(path, body)
+
+
+def write_verified(path: str | os.PathLike, body: dict[str, Any]) -> None:
+    """Atomically write ``body`` (tensors and plain values) framed with its SHA-256; see :func:`read_checkpoint`."""
     _check_plain(body, "checkpoint")
     payload = _to_bytes(body)
     _atomic_write(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)

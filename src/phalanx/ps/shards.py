@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import threading
@@ -34,7 +33,7 @@ from typing import Any, ContextManager, Sequence
 
 import torch
 
-from ..checkpoint import MAGIC, _atomic_write, _to_bytes, read_checkpoint
+from ..checkpoint import read_checkpoint, write_verified
 from ..errors import ConfigError, PhalanxError, usage
 from .optim import SGD, Adagrad, from_spec
 from .wire import Header
@@ -212,8 +211,7 @@ class ShardStore:
                 body["shards"][name] = {"value": shard.value.clone(), "version": shard.version,
                                         "state": {k: v.clone() for k, v in shard.state.items()},
                                         "policy": shard.policy.json()}
-        payload = _to_bytes(body)
-        _atomic_write(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+        write_verified(path, body)
 
     def load(self, path: str | os.PathLike) -> None:
         body = read_checkpoint(path)
