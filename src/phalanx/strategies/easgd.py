@@ -14,8 +14,8 @@ elastic differences then contract by ``1 - alpha`` and ``1 - (p+1) alpha`` per s
 both inside (-1, 1); from ``alpha >= 2/(p+1)`` on they grow and the run diverges.)
 
 The centre is held, identical, on every worker (one all-reduce of the model per
-sync), so no parameter server is needed. The asynchronous EASGD of the paper does
-need one; it comes with phalanx's parameter server.
+sync), so no parameter server is needed. ``EASGD(asynchronous=True)`` gives the
+paper's asynchronous variant, ``px.AsyncEASGD``, with the centre on parameter servers.
 
 Example:
     >>> import phalanx as px
@@ -73,17 +73,6 @@ class Elastic(Exchange):
             mine.copy_(saved)
 
 
-def _async_fix(every: Any, alpha: Any) -> str:
-    """Point to the parameter server's asynchronous EASGD when this install has it."""
-    try:
-        from ..ps import AsyncEASGD  # noqa: F401 - only to know whether it exists
-    except ImportError:
-        return ("Asynchronous EASGD needs a parameter server to hold the centre (phalanx.ps); "
-                "use the synchronous px.EASGD(every=tau) meanwhile.")
-    return (f"Use px.AsyncEASGD(every={every!r}, alpha={alpha!r}), which keeps the centre on parameter servers "
-            "(see phalanx.ps).")
-
-
 class EASGD(Periodic):
     """Synchronous elastic averaging SGD: local steps, an elastic pull toward the centre every ``every`` steps.
 
@@ -91,12 +80,24 @@ class EASGD(Periodic):
         every: the communication period tau (the paper tries 1 to 64), or any sync condition.
         alpha: the elastic coefficient (the paper's eta * rho), in ``(0, 1/p]`` for ``p`` workers;
             by default ``0.9 / p`` (the paper's beta = p * alpha = 0.9).
-        asynchronous: the asynchronous variant runs through the parameter server, not here.
+        asynchronous: True returns ``px.AsyncEASGD(every, alpha)``, whose centre lives on parameter servers.
 
     :meth:`finish` copies the centre into every worker's model: the centre is the result.
     """
 
     name = "easgd"
+
+    def __new__(cls, every: Any = 4, alpha: float | None = None, *, asynchronous: bool = False,
+                compression: Any = None) -> Any:
+        # The asynchronous variant keeps its centre on parameter servers: it is another class,
+        # built here so that the paper's single name covers both (Zhang et al. 2015, sections 3-4).
+        if asynchronous:
+            if compression is not None:
+                raise ConfigError(usage(f"EASGD(asynchronous=True, compression={compression!r})", "no compressor",
+                                        "Drop compression=; the servers need exact elastic differences."))
+            from ..ps import AsyncEASGD
+            return AsyncEASGD(every=every, alpha=alpha)
+        return super().__new__(cls)
 
     def __init__(self, every: Any = 4, alpha: float | None = None, *, asynchronous: bool = False,
                  compression: Any = None) -> None:
@@ -104,9 +105,6 @@ class EASGD(Periodic):
             raise ConfigError(usage(f"EASGD(compression={compression!r})", "no compressor: the elastic force needs "
                                     "the exact distance of every worker to the centre",
                                     "Use px.DiLoCo(compression=...) or px.AllReduce(compression=...) to compress."))
-        if asynchronous:
-            raise ConfigError(usage("EASGD(asynchronous=True)", "asynchronous=False: px.EASGD is the synchronous "
-                                    "variant, with the centre variable kept on every worker", _async_fix(every, alpha)))
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
                                   or not 0 < alpha <= 1):
             raise ConfigError(usage(f"EASGD(alpha={alpha!r})", "0 < alpha <= 1/p for p workers (beta = p*alpha "
