@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,25 @@ def config_for(run: Run, opts: Options) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """SIGTERM/SIGHUP unwind like Ctrl-C while the sweep runs, so its workers are killed and links torn down."""
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            old[sig] = signal.signal(sig, interrupt)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
 def links_for(runs: list[Run]) -> Iterator[dict[str, Link]]:
     """Build every shaped link the runs need, and tear all of them down on the way out."""
     names = sorted({r.link for r in runs if r.link != "loopback"})
@@ -121,8 +141,8 @@ def sweep(runs: list[Run], opts: Options, *, make_config: Callable[[Run, Options
 
     records: list[dict[str, Any]] = []
     order = [(k, run) for k in range(opts.repeats) for run in (runs if k % 2 == 0 else runs[::-1])]
-    with links_for(runs) as links, tqdm(total=len(order), desc=desc, unit="run", disable=not opts.progress,
-                                        file=sys.stderr, dynamic_ncols=True) as bar:
+    bar = tqdm(total=len(order), desc=desc, unit="run", disable=not opts.progress, file=sys.stderr, dynamic_ncols=True)
+    with _terminate_unwinds(), links_for(runs) as links, bar:
         for k, run in order:
             bar.set_postfix_str(run.title)
             start = time.perf_counter()

@@ -25,7 +25,7 @@ from ..data import global_batches
 from ..models import digits_cnn, load_digits_split
 from .report import _bytes, _f, _setup_name
 from .spec import Setup
-from .worker import _PeerAccountant, setup_training, wire_bytes
+from .worker import setup_training, wire_bytes
 
 DEFAULTS = {"target": 0.95, "max_epochs": 30, "batch": 32, "lr": 0.05, "eval_every": 10}
 
@@ -51,8 +51,6 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             opt.step()
             clock += time.perf_counter() - start
             steps += 1
-            if isinstance(acc, _PeerAccountant):
-                acc.steps += 1
             if steps % cfg["eval_every"] == 0:
                 accuracy = _evaluate(model, vx, vy) if rank == 0 else math.nan
                 if rank == 0:

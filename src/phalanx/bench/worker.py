@@ -42,10 +42,10 @@ def setup_training(setup: Setup, model: nn.Module, opt: torch.optim.Optimizer) -
         strategy = build_strategy(setup)
         module, _ = px.wrap(model, opt, strategy=strategy)
         return module, _StrategyAccountant(strategy)
-    return _ddp(setup, model)
+    return _ddp(setup, model, opt)
 
 
-def _ddp(setup: Setup, model: nn.Module) -> tuple[nn.Module, Any]:
+def _ddp(setup: Setup, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[nn.Module, Any]:
     """The peer: torch DDP with its defaults unless the setup's arguments say otherwise."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -57,6 +57,7 @@ def _ddp(setup: Setup, model: nn.Module) -> tuple[nn.Module, Any]:
               gradient_as_bucket_view=bool(kw.get("gradient_as_bucket_view", False)))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     acc = _PeerAccountant(grad_bytes)
+    opt.register_step_post_hook(acc.count_step)
     if setup.name == "ddp-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -130,6 +131,9 @@ class _PeerAccountant(_Accountant):
     def __init__(self, grad_bytes: int) -> None:
         self.grad_bytes, self.factor, self.powersgd, self.steps = grad_bytes, 1.0, None, 0
 
+    def count_step(self, *_: Any) -> None:
+        self.steps += 1
+
     def bytes_sent(self) -> float:
         if self.powersgd is not None:  # counts elements itself (after the vanilla first iterations)
             return float(self.powersgd.total_numel_after_compression * 4)
@@ -183,8 +187,6 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(module(x), y).backward()
         opt.step()
-        if isinstance(acc, _PeerAccountant):
-            acc.steps += 1
         now = time.perf_counter()
         step_s.append(now - top)
         top = now
