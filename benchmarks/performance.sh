@@ -18,3 +18,12 @@ $BENCH --models mlp,resnet20,resnet56 --workers 1,2 --strategies allreduce,ddp,l
 $BENCH --models mlp --workers 2 --warmup 3 --steps 16 --link loopback,100mbit --time-to-accuracy \
        --strategies 'allreduce,ddp,ddp-fp16,ddp-powersgd,fp16,topk,powersgd,local-sgd,diloco[every=8],easgd,downpour,ps-sync' \
        --out "$OUT/link"
+
+# 4. Tuning phalanx AllReduce against torch DDP (2 workers): the same DDP reducer with phalanx's settings (fitted
+#    bucket, gradient_as_bucket_view, no buffer broadcast) but without phalanx's Python comm hook; static_graph;
+#    DDP's 25 MB bucket.
+PXDDP='gradient_as_bucket_view=True,broadcast_buffers=False'
+$BENCH --models resnet20 --workers 2 --repeats 3 --out "$OUT/tuning-resnet20" \
+       --strategies "allreduce,ddp,ddp[bucket_mb=1,$PXDDP],ddp[bucket_mb=1,$PXDDP,static_graph=True],allreduce[bucket_mb=25]"
+$BENCH --models mlp --workers 2 --repeats 3 --out "$OUT/tuning-mlp" \
+       --strategies "allreduce,ddp,ddp[bucket_mb=4.78,$PXDDP],ddp[bucket_mb=25,$PXDDP],allreduce[bucket_mb=25],allreduce[bucket_mb=1]"

@@ -43,7 +43,8 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["speedup_base"] = f"{base['setup']} 1x1" if base else None
         row["vs_plain"] = med / plain["samples_per_s"]["median"] if plain else math.nan
         ddp = by_key.get((row["model"], "ddp", row["workers"], 1, row["link"]))
-        row["vs_ddp"] = med / ddp["samples_per_s"]["median"] if ddp and row["kind"] == "phalanx" else math.nan
+        other = row["kind"] != "plain" and row["setup"] != "ddp"
+        row["vs_ddp"] = med / ddp["samples_per_s"]["median"] if ddp and other else math.nan
     return rows
 
 
