@@ -120,8 +120,9 @@ def markdown(proj: dict[str, Any]) -> str:
     ns = proj["workers"]
     out = [f"**{proj['label']}.** Ring all-reduce model T(N) = 2(N−1)/N·S/B + 2(N−1)·α·c with "
            f"α = {proj['alpha_s'] * 1e6:.0f} µs, no overlap of communication with compute (a lower bound for "
-           "overlapping setups); compute time and bytes per step S are measured above. Efficiency per worker "
-           "count N:\n"]
+           "overlapping setups); compute time and bytes per step S are measured above. Sparse compressors (topk, "
+           "threshold) exchange by all-gather, whose bytes grow with N, so their rows are optimistic. Efficiency "
+           "per worker count N:\n"]
     for model, m in proj["models"].items():
         out.append(f"\n*{model}* (measured compute {m['compute_s'] * 1e3:.1f} ms/step at batch {m['batch']})\n")
         out.append("| setup | bytes/step | link | " + " | ".join(f"N={n}" for n in ns) + " |\n|---|---|---|" +
