@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models", help=f"comma list from phalanx.models.ZOO (default {FULL['models']})")
     p.add_argument("--workers", help="comma list of worker process counts (default 1,2)")
     p.add_argument("--strategies", help="comma list of setups (default allreduce,ddp)")
-    p.add_argument("--threads", help="plain loop in 1 process x T threads, comma list (default: the worker counts)")
+    p.add_argument("--threads", help="plain loop in 1 process x T threads, comma list (default: worker counts above 1)")
     p.add_argument("--link", default="loopback", help="comma list: loopback and/or rates such as 100mbit (needs root)")
     p.add_argument("--batch", type=int, default=64, help="samples per worker per step (default 64)")
     p.add_argument("--warmup", type=int, help="steps left out before timing (default 5)")
@@ -52,13 +52,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--time-to-accuracy", action="store_true",
                    help="also train the digits CNN to --target-acc with each setup on max(--workers) workers, "
                         "on each shaped link (on loopback when --link has none)")
-    p.add_argument("--target-acc", type=float, default=tta.DEFAULTS["target"])
-    p.add_argument("--tta-max-epochs", type=int, default=tta.DEFAULTS["max_epochs"])
+    p.add_argument("--target-acc", type=float, default=tta.DEFAULTS["target"], help="test accuracy to reach (0.95)")
+    p.add_argument("--tta-max-epochs", type=int, default=tta.DEFAULTS["max_epochs"], help="give up after (30)")
     p.add_argument("--alpha-us", type=float, default=25.0, help="per-message latency for the projection (µs)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration before it is killed")
     p.add_argument("--out", default="results", help="output directory (default results/)")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per run still)")
     return p
 
 
