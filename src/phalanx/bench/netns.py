@@ -53,13 +53,6 @@ def parse_rate(text: str) -> str:
     return f"{m.group(1)}{m.group(2)}"
 
 
-def rate_bits(rate: str) -> float:
-    """Bits per second of a tc rate string."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)", parse_rate(rate))
-    assert m  # parse_rate validated it
-    return float(m.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m.group(2)]
-
-
 def why_not() -> str | None:
     """None when a link can be built here, else the reason in words."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import ConfigError, usage
 
-PEERS = {"ddp": "torch DDP", "ddp-fp16": "torch DDP + fp16 hook", "ddp-powersgd": "torch DDP + PowerSGD hook"}
+PEERS = ("ddp", "ddp-fp16", "ddp-powersgd")  # torch DDP: no hook, its fp16 hook, its PowerSGD hook
 PEER_KWARGS = {"bucket_mb", "static_graph", "broadcast_buffers", "gradient_as_bucket_view", "rank", "start_iter"}
 
 
@@ -118,10 +118,6 @@ class Run:
     threads: int = 1
     link: str = "loopback"
     batch: int = 64
-
-    @property
-    def key(self) -> tuple[str, str, int, int, str]:
-        return (self.model, self.setup.label, self.workers, self.threads, self.link)
 
     @property
     def title(self) -> str:
