@@ -249,6 +249,6 @@ class ThroughputMeter:
         """
         from . import group
         totals = reduce_all([], comm, extra=torch.tensor([float(self.samples), self.seconds]))
-        samples, seconds = totals.tolist() if totals is not None else (self.samples, self.seconds)
+        samples, seconds = totals.tolist()
         seconds /= group.world_size()
         return samples / seconds if seconds > 0 else math.nan

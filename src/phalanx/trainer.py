@@ -76,21 +76,9 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor], *,
                  strategy: Strategy | str | None = None, metrics: Sequence[Metric | str] | None = None,
                  callbacks: Sequence[Callback] | None = None, warmup_steps: int = 5) -> None:
-        if not group.is_initialized():
-            group.init()
         if not callable(loss_fn):
             raise ConfigError(usage(f"loss_fn={loss_fn!r}", "a callable loss_fn(output, target) -> scalar tensor",
                                     "Pass e.g. torch.nn.functional.cross_entropy."))
-        attached = strategy_of(optimizer)
-        if attached is None:
-            self.model, self.optimizer = wrap(model, optimizer, strategy)
-        elif strategy is not None and strategy is not attached:
-            raise ConfigError(usage("strategy= for an optimizer that px.wrap already wrapped",
-                                    "one strategy per optimizer", "Drop strategy= or pass the unwrapped objects."))
-        else:
-            self.model, self.optimizer = model, optimizer
-        self.strategy = strategy_of(self.optimizer)
-        self.module = unwrap(self.model)
         self.loss_fn = loss_fn
         self.metrics = [resolve(m) for m in (metrics or [])]
         names = [m.name for m in self.metrics]
@@ -103,7 +91,19 @@ class Trainer:
                 raise ConfigError(usage(f"callback of type {type(cb).__name__}", "a phalanx.callbacks.Callback",
                                         "Subclass Callback, or use LambdaCallback(on_epoch_end=...)."))
         self.warmup_steps = warmup_steps
-        self.meter = ThroughputMeter(warmup_steps)
+        self.meter = ThroughputMeter(warmup_steps)  # checks warmup_steps
+        if not group.is_initialized():
+            group.init()
+        attached = strategy_of(optimizer)
+        if attached is None:
+            self.model, self.optimizer = wrap(model, optimizer, strategy)
+        elif strategy is not None and strategy is not attached:
+            raise ConfigError(usage("strategy= for an optimizer that px.wrap already wrapped",
+                                    "one strategy per optimizer", "Drop strategy= or pass the unwrapped objects."))
+        else:
+            self.model, self.optimizer = model, optimizer
+        self.strategy = strategy_of(self.optimizer)
+        self.module = unwrap(self.model)
         self.comm = Comm()  # the trainer's own reductions, kept apart from the strategy's byte count
         self.device = group.device()
         self.loader: ShardedLoader | None = None
@@ -111,7 +111,7 @@ class Trainer:
         self.epoch = 0
         self.step = 0
         self.stop_training = False
-        self._in_epoch = False
+        self._in_epoch = self._finished = False
 
     # -- training -----------------------------------------------------------------
     def fit(self, train_data: Dataset | ShardedLoader, *, epochs: int = 1, batch_size: int = 32,
@@ -122,6 +122,8 @@ class Trainer:
 
         ``batch_size`` is per worker: a step trains on ``world_size * batch_size``
         samples, exactly the batches one process sees with that batch and ``seed``.
+        A ``px.shard`` loader may be passed instead of a dataset; its own batch
+        size and seed then apply.
         ``resume_from`` continues from a checkpoint (``ModelCheckpoint`` or
         :meth:`save_checkpoint`) as the uninterrupted run would; ``epochs`` is then
         the total, counting the epochs done before the checkpoint.
@@ -133,11 +135,8 @@ class Trainer:
         """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ConfigError(usage(f"epochs={epochs!r}", "an integer >= 0", "Pass e.g. epochs=10."))
-        if isinstance(val_batch_size, bool) or not isinstance(val_batch_size, int) or val_batch_size < 1:
-            raise ConfigError(usage(f"val_batch_size={val_batch_size!r}", "an integer >= 1", "Pass e.g. 256."))
-        if val_data is not None and not isinstance(val_data, Sized):
-            raise ConfigError(usage(f"val_data of type {type(val_data).__name__} without len()",
-                                    "a map-style dataset", "Wrap tensors in torch.utils.data.TensorDataset."))
+        if val_data is not None:
+            _check_eval(val_data, val_batch_size, "val_data", "val_batch_size")
         if isinstance(train_data, ShardedLoader):
             self.loader = train_data
         else:
@@ -147,7 +146,7 @@ class Trainer:
         if resume_from is not None:
             start = self._resume(resume_from)
         self.meter = ThroughputMeter(self.warmup_steps)
-        self.stop_training = False
+        self.stop_training = self._finished = False
         show = progress and group.is_main()
         self._call("on_train_begin")
         for epoch in range(start, epochs):
@@ -158,6 +157,7 @@ class Trainer:
             self._call("on_epoch_end", epoch, row)
             if self.stop_training:
                 break
+        self._finish()
         self.history.samples_per_s = self.meter.global_rate(self.comm)
         self._call("on_train_end")
         return self.history
@@ -207,6 +207,8 @@ class Trainer:
                 break
             mark = self._now()
         self._in_epoch = False
+        if epoch == epochs - 1 or self.stop_training:
+            self._finish()  # validate the model training ends with, not replicas mid-drift
         val_metrics = self._evaluate_local(val_data, val_batch_size) if val_data is not None else []
         bytes_sent = (self.strategy.bytes_sent if self.strategy is not None else 0) - bytes0
         local = torch.tensor([loss_sum, count, self.meter.samples - samples0, self.meter.seconds - seconds0,
@@ -235,6 +237,7 @@ class Trainer:
         Call it on every worker; they share one all-reduce. Returns ``loss``,
         each metric and ``samples`` (the number of samples evaluated, ``len(data)``).
         """
+        _check_eval(data, batch_size, "data", "batch_size")
         metrics = self._evaluate_local(data, batch_size)
         reduce_all(metrics, self.comm)
         out = {m.name: m.compute() for m in metrics}
@@ -242,7 +245,13 @@ class Trainer:
         return out
 
     def _evaluate_local(self, data: Dataset, batch_size: int) -> list[Metric]:
-        """This worker's contiguous slice of ``data`` (no padding), metrics not yet reduced.
+        """This worker's share of ``data``, metrics not yet reduced.
+
+        ``data`` is cut into batches of ``batch_size`` exactly as one process would
+        cut it, and each worker takes a contiguous block of whole batches (no
+        padding, no duplicates). Every sample's output is then computed in the same
+        batch as in one process, bit for bit, so the float64 sums, and the metrics,
+        equal the single-process ones exactly.
 
         The user's module runs directly (not the DDP wrapper), so workers with
         different numbers of validation batches never meet in a collective, and no
@@ -251,13 +260,15 @@ class Trainer:
         """
         metrics: list[Metric] = [MeanLoss(self.loss_fn)] + [m.fresh() for m in self.metrics]
         n, rank, world = len(data), group.rank(), group.world_size()
-        lo, hi = n * rank // world, n * (rank + 1) // world
+        batches = -(-n // batch_size)
+        first, last = batches * rank // world, batches * (rank + 1) // world
         module, was_training = self.module, self.module.training
         module.eval()
         try:
             with torch.no_grad():
-                for start in range(lo, hi, batch_size):
-                    inputs, target = self._to_device(_fetch(data, range(start, min(start + batch_size, hi))))
+                for b in range(first, last):
+                    indices = range(b * batch_size, min((b + 1) * batch_size, n))
+                    inputs, target = self._to_device(_fetch(data, indices))
                     output = module(*inputs)
                     for m in metrics:
                         m.update(output, target)
@@ -287,6 +298,12 @@ class Trainer:
         return int(state["epoch"])
 
     # -- helpers -----------------------------------------------------------------------
+    def _finish(self) -> None:
+        """The strategy's finish condition, once per fit: replicas that drift reconcile (collective)."""
+        if not self._finished and self.strategy is not None and hasattr(self.strategy, "finish"):
+            self.strategy.finish()
+        self._finished = True
+
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self, *args)
@@ -302,6 +319,14 @@ class Trainer:
                                     "Make the dataset return (x, y), e.g. TensorDataset(x, y)."))
         moved = [t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch]
         return moved[:-1], moved[-1]
+
+
+def _check_eval(data: Any, batch_size: Any, data_name: str, batch_name: str) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(usage(f"{batch_name}={batch_size!r}", "an integer >= 1", f"Pass e.g. {batch_name}=256."))
+    if not isinstance(data, Sized):
+        raise ConfigError(usage(f"{data_name} of type {type(data).__name__} without len()", "a map-style dataset",
+                                "Wrap tensors in torch.utils.data.TensorDataset."))
 
 
 def _fetch(data: Dataset, indices: range) -> Any:
