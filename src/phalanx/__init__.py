@@ -19,6 +19,7 @@ Launch with ``phalanx run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train
 """
 from __future__ import annotations
 
+from .callbacks import Callback, LambdaCallback, ModelCheckpoint
 from .checkpoint import load_checkpoint, read_checkpoint, save, save_checkpoint
 from .comm import Comm, CommStats
 from .compression import FP16, Compressor, PowerSGD, Threshold, TopK
@@ -26,19 +27,28 @@ from .data import ShardedLoader, shard
 from .errors import CheckpointError, ConfigError, PhalanxError, WorkerLostError
 from .group import barrier, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from .lr import scale_lr, warmup
+from .metrics import Accuracy, MeanLoss, Metric, ThroughputMeter
 from .ps import AsyncEASGD, Downpour, ParameterServer
-from .strategies import AllReduce, Exchange, ParameterAverage, Periodic, Strategy, SyncCondition
-from .strategies import EASGD, DiLoCo, LocalSGD
+from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, ParameterAverage, Periodic, Strategy,
+                         SyncCondition)
 from .sync import every, schedule
+from .trainer import History, Trainer
 from .wrap import strategy_of, unwrap, wrap
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Compressor", "DiLoCo", "EASGD", "FP16", "LocalSGD", "PowerSGD", "Threshold", "TopK", "schedule",
-    "AsyncEASGD", "Downpour", "ParameterServer",
-    "AllReduce", "CheckpointError", "Comm", "CommStats", "ConfigError", "Exchange", "ParameterAverage", "Periodic",
-    "PhalanxError", "ShardedLoader", "Strategy", "SyncCondition", "WorkerLostError", "barrier", "device", "every",
-    "init", "is_initialized", "is_main", "load_checkpoint", "local_rank", "rank", "read_checkpoint", "save",
-    "save_checkpoint", "scale_lr", "shard", "shutdown", "strategy_of", "unwrap", "warmup", "world_size", "wrap",
+    # the loop
+    "init", "wrap", "unwrap", "shard", "save", "rank", "world_size", "local_rank", "is_main", "is_initialized",
+    "barrier", "device", "shutdown", "scale_lr", "warmup", "strategy_of", "ShardedLoader",
+    # strategies, sync conditions and compressors
+    "Strategy", "Periodic", "Exchange", "ParameterAverage", "SyncCondition", "every", "schedule",
+    "AllReduce", "LocalSGD", "DiLoCo", "EASGD", "AsyncEASGD", "Downpour", "ParameterServer",
+    "Compressor", "FP16", "TopK", "Threshold", "PowerSGD", "Comm", "CommStats",
+    # the Trainer
+    "Trainer", "History", "Callback", "LambdaCallback", "ModelCheckpoint", "Metric", "Accuracy", "MeanLoss",
+    "ThroughputMeter",
+    # checkpoints and errors
+    "save_checkpoint", "load_checkpoint", "read_checkpoint",
+    "PhalanxError", "ConfigError", "WorkerLostError", "CheckpointError",
 ]
