@@ -26,6 +26,16 @@ def _plain_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: extra intra-op threads only contend (and crawl on a loaded machine)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def needs_root_netns() -> pytest.MarkDecorator:
     """Skip unless we are root with `ip netns` and `tc` available (CI runs as root)."""
     import shutil

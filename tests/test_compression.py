@@ -8,6 +8,9 @@ import torch
 
 import phalanx as px
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 EF = {"topk": lambda: px.TopK(0.05), "threshold": lambda: px.Threshold(0.5), "powersgd": lambda: px.PowerSGD(rank=2)}
 
 

@@ -23,13 +23,7 @@ EPOCHS = 8  # the budget AllReduce is given, and every other strategy must live 
 BAR = 0.93
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: extra intra-op threads only contend (and crawl on a loaded machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 1e-5) -> float:

@@ -91,7 +91,8 @@ def _coalesced(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, 
         yield torch.cat([t.reshape(-1) for t in ts]), ts
 
 
-def _scatter_back(flat: torch.Tensor, ts: list[torch.Tensor]) -> None:
+def scatter_back(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` back into ``ts`` (the inverse of concatenating them)."""
     offset = 0
     for t in ts:
         n = t.numel()
@@ -136,7 +137,7 @@ class Comm:
                 dist.all_reduce(flat)  # gloo has no AVG, so sum then scale
             if op == "mean":
                 flat.div_(self.world_size)
-            _scatter_back(flat, ts)
+            scatter_back(flat, ts)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` on every worker with rank ``src``'s values."""
@@ -146,7 +147,7 @@ class Comm:
             sent = flat.numel() * flat.element_size() if self.rank == src else 0
             with self._timed("broadcast", sent):
                 dist.broadcast(flat, src)
-            _scatter_back(flat, ts)
+            scatter_back(flat, ts)
 
     def all_gather_state(self, state: Any) -> list[Any]:
         """Every worker's state dict (tensors and plain values), in rank order.

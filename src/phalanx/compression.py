@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .comm import Comm
+from .comm import Comm, scatter_back
 from .errors import ConfigError, usage
 
 Payload = Any
@@ -58,7 +58,7 @@ class Compressor:
         flat = _flatten(tensors)
         payload, ctx = self.compress(flat, key)
         comm.all_reduce_([payload], op="mean")
-        _unflatten(self.decompress(payload, ctx), tensors)
+        scatter_back(self.decompress(payload, ctx), tensors)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -86,14 +86,6 @@ def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) != 1 else tensors[0].reshape(-1).clone()
 
 
-def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset:offset + n].view_as(t))
-        offset += n
-
-
 class FP16(Compressor):
     """Half-precision transport: 2 bytes per value instead of 4.
 
@@ -113,7 +105,7 @@ class FP16(Compressor):
         flat = _flatten(tensors)
         payload, ctx = self.compress(flat.div_(comm.world_size), key)
         comm.all_reduce_([payload], op="sum")
-        _unflatten(self.decompress(payload, ctx), tensors)
+        scatter_back(self.decompress(payload, ctx), tensors)
 
 
 class _ErrorFeedback(Compressor):
@@ -176,7 +168,7 @@ class _Sparse(_ErrorFeedback):
         flat = _flatten(tensors)
         (values, idx), ctx = self.compress(flat, key)
         if comm.world_size == 1:
-            _unflatten(self.decompress((values, idx), ctx), tensors)
+            scatter_back(self.decompress((values, idx), ctx), tensors)
             return
         # One message per worker: values then indices, as raw bytes, padded to the longest.
         # Padding is (value 0, index 0), which adds nothing.
@@ -190,7 +182,7 @@ class _Sparse(_ErrorFeedback):
         total = torch.zeros_like(flat, dtype=values.dtype)
         for message in gathered:  # rank order: every worker adds in the same order, replicas stay identical
             total.index_add_(0, message[split:].view(idx.dtype).long(), message[:split].view(values.dtype))
-        _unflatten(total.div_(comm.world_size).to(flat.dtype), tensors)
+        scatter_back(total.div_(comm.world_size).to(flat.dtype), tensors)
 
 
 class TopK(_Sparse):
