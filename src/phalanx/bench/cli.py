@@ -121,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     opts: Options = cfg["opts"]
     started = datetime.datetime.now(datetime.timezone.utc)
+    load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     runs = plan(cfg["models"], cfg["setups"], cfg["workers"], cfg["threads"], cfg["links"], batch=args.batch)
     records = sweep(runs, opts, describe=_describe)
     rows = report.aggregate(records)
@@ -139,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "phalanx bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     payload = {"command": command, "started": started.isoformat(timespec="seconds"),
                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "environment": report.environment(cfg["links"]),
+               "environment": {**report.environment(cfg["links"]), "loadavg_at_start": load_at_start},
                "options": {**vars(opts), "batch": args.batch, "alpha_us": args.alpha_us},
                "rows": rows, "targets": met, "time_to_accuracy": tta_rows, "projection": proj,
                "raw": records, "raw_time_to_accuracy": tta_records}
@@ -156,13 +157,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def _load(values: Any) -> str:
+    return "(" + ", ".join(f"{x:.2f}" for x in values) + ")" if values else "n/a"
+
+
 def render(payload: dict[str, Any], pngs: list[str]) -> str:
     env, rows = payload["environment"], payload["rows"]
     o = payload["options"]
     parts = [f"# phalanx bench: {payload['started']}\n\n",
              f"Command: `{payload['command']}`\n\n",
              f"Machine: {env['cpu']}, {env['cpu_count']} cores, torch {env['torch']}, GPU: {env['gpu'] or 'none'}; "
-             f"load average at the end {tuple(round(x, 2) for x in env['loadavg_at_end'] or ())}. "
+             f"load average (1, 5, 15 min) at the start {_load(env['loadavg_at_start'])}, at the end "
+             f"{_load(env['loadavg_at_end'])} (the benchmark's own workers add up to 2). "
              f"Warm-up {o['warmup']} steps left out, then {o['steps']} timed steps, {o['repeats']} repeat(s); "
              f"batch {o['batch']} per worker; synthetic data; one intra-op thread per worker process.\n\n",
              "## Throughput (measured)\n\n", report.throughput_table(rows),
