@@ -52,9 +52,16 @@ def _ddp(setup: Setup, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[nn
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     kw = setup.kwargs
-    ddp = DDP(model, bucket_cap_mb=kw.get("bucket_mb"), static_graph=bool(kw.get("static_graph", False)),
-              broadcast_buffers=bool(kw.get("broadcast_buffers", True)),
-              gradient_as_bucket_view=bool(kw.get("gradient_as_bucket_view", False)))
+    options: dict[str, Any] = {"bucket_cap_mb": kw.get("bucket_mb")}
+    if setup.name == "ddp-powersgd" and options["bucket_cap_mb"] is None:
+        # torch's PowerSGD hook on gloo with two or more buckets can issue its collectives in a different order
+        # on different ranks (gloo: "Received data size doesn't match expected size"); DDP's default makes a
+        # 1 MB first bucket, an explicit 25 MB cap makes one bucket for models up to 25 MB.
+        options["bucket_cap_mb"] = 25
+    for name in ("static_graph", "broadcast_buffers", "gradient_as_bucket_view"):
+        if name in kw:
+            options[name] = bool(kw[name])
+    ddp = DDP(model, **options)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     acc = _PeerAccountant(grad_bytes)
     opt.register_step_post_hook(acc.count_step)
