@@ -51,11 +51,13 @@ def throughput(rows: list[dict[str, Any]], path: str) -> str | None:
         plain = [r for r in rows if r["model"] == model and r["kind"] == "plain" and _ok(r)]
         for r in plain:
             ax.axhline(r["samples_per_s"]["median"], ls=":", lw=0.8, color="black")
-            ax.annotate(f"plain 1 proc × {r['threads']} thr", (1, r["samples_per_s"]["median"]), fontsize=7)
+            ax.annotate(f"plain 1 proc × {r['threads']} thr", (1, r["samples_per_s"]["median"]), fontsize=7,
+                        xytext=(0, 2), textcoords="offset points", ha="left", va="bottom")
+        ax.set_xticks(sorted({r["workers"] for r in mine}))
         ax.set_title(f"{model} (dashed: ideal N·thpt(1))")
         ax.set_xlabel("workers (processes)")
         ax.set_ylabel("samples/s (median, ±1.96·std)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
