@@ -22,6 +22,13 @@ def _plt() -> Any:
     return plt
 
 
+def _save(fig: Any, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def _ok(row: dict[str, Any]) -> bool:
     return bool(row["samples_per_s"]["n"]) and not math.isnan(row["samples_per_s"]["median"])
 
@@ -58,10 +65,7 @@ def throughput(rows: list[dict[str, Any]], path: str) -> str | None:
         ax.set_xlabel("workers (processes)")
         ax.set_ylabel("samples/s (median, ±1.96·std)")
         ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def efficiency(rows: list[dict[str, Any]], path: str) -> str | None:
@@ -81,10 +85,7 @@ def efficiency(rows: list[dict[str, Any]], path: str) -> str | None:
     ax.set_xticks(range(len(pts)), labels, fontsize=6, rotation=90)
     ax.set_ylabel("efficiency = speedup / N (%)")
     ax.set_title("Scaling efficiency (processes × threads)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def breakdown(rows: list[dict[str, Any]], path: str) -> str | None:
@@ -107,10 +108,7 @@ def breakdown(rows: list[dict[str, Any]], path: str) -> str | None:
     ax.set_xlabel("share of the step time (%)")
     ax.set_title("Where the time goes (mean step, per worker)")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(PHASES))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def all_plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:

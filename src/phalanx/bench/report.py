@@ -93,11 +93,11 @@ def _kind(name: str) -> str:
 
 
 # -- formatting ---------------------------------------------------------------------------------
-def _f(x: float | None, fmt: str, empty: str = "") -> str:
-    return empty if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+def fmt(x: float | None, spec: str, empty: str = "") -> str:
+    return empty if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def _bytes(n: float | None) -> str:
+def fmt_bytes(n: float | None) -> str:
     if n is None or (isinstance(n, float) and math.isnan(n)):
         return ""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -106,7 +106,7 @@ def _bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
-def _setup_name(row: dict[str, Any]) -> str:
+def setup_name(row: dict[str, Any]) -> str:
     if row["kind"] == "plain":
         return "plain PyTorch loop"
     return ("phalanx " if row["kind"] == "phalanx" else "") + row["setup"].replace("ddp", "torch DDP", 1)
@@ -119,14 +119,14 @@ def throughput_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         s = r["samples_per_s"]
         if r["errors"] and not s["n"]:
-            lines.append(f"| {r['model']} | {_setup_name(r)} | {r['link']} | {r['workers']}×{r['threads']} | "
+            lines.append(f"| {r['model']} | {setup_name(r)} | {r['link']} | {r['workers']}×{r['threads']} | "
                          f"failed: {r['errors'][0][:120]} | | | | | | |")
             continue
         lines.append(
-            f"| {r['model']} | {_setup_name(r)} | {r['link'] if r['workers'] > 1 else '–'} | "
+            f"| {r['model']} | {setup_name(r)} | {r['link'] if r['workers'] > 1 else '–'} | "
             f"{r['workers']}×{r['threads']} | {s['median']:,.0f} | {s['mean']:,.0f} ± {1.96 * s['std']:,.0f} | "
-            f"{_f(r['speedup'], '.2f')}x | {_f(100 * r['efficiency'], '.1f')}% | {_f(r['vs_plain'], '.3f')} | "
-            f"{_f(r['vs_ddp'], '.3f')} | {_bytes(r.get('bytes_per_step')) if r['workers'] > 1 else ''} |")
+            f"{fmt(r['speedup'], '.2f')}x | {fmt(100 * r['efficiency'], '.1f')}% | {fmt(r['vs_plain'], '.3f')} | "
+            f"{fmt(r['vs_ddp'], '.3f')} | {fmt_bytes(r.get('bytes_per_step')) if r['workers'] > 1 else ''} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -138,9 +138,9 @@ def breakdown_table(rows: list[dict[str, Any]]) -> str:
         for rank, b in r.get("breakdown", {}).items():
             step = b["step_s"]
             parts = " | ".join(f"{1e3 * b[k]:.1f} ({100 * b[k] / step:.0f}%)" for k in PHASES)
-            lines.append(f"| {r['model']} | {_setup_name(r)} | {r['link'] if r['workers'] > 1 else '–'} | "
+            lines.append(f"| {r['model']} | {setup_name(r)} | {r['link'] if r['workers'] > 1 else '–'} | "
                          f"{r['workers']}×{r['threads']} | {rank} | {1e3 * step:.1f} | {parts} | "
-                         f"{_f(r['breakdown_sum_ratio'], '.2f')} |")
+                         f"{fmt(r['breakdown_sum_ratio'], '.2f')} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -148,8 +148,8 @@ def wire_table(rows: list[dict[str, Any]]) -> str:
     shaped = [r for r in rows if r.get("wire_bytes_per_step") is not None]
     if not shaped:
         return ""
-    lines = [f"| {r['model']} | {_setup_name(r)} | {r['link']} | {_bytes(r['bytes_per_step'])} | "
-             f"{_bytes(r['wire_bytes_per_step'])} |" for r in shaped]
+    lines = [f"| {r['model']} | {setup_name(r)} | {r['link']} | {fmt_bytes(r['bytes_per_step'])} | "
+             f"{fmt_bytes(r['wire_bytes_per_step'])} |" for r in shaped]
     return ("| model | setup | link | payload bytes/step (reported) | bytes/step on the wire (veth tx) |\n"
             "|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
 
@@ -162,7 +162,7 @@ def server_table(rows: list[dict[str, Any]]) -> str:
         if not load:
             continue
         for i in range(len(load["addrs"])):
-            lines.append(f"| {r['model']} | {_setup_name(r)} | {r['link']} | {r['workers']} | {i} | "
+            lines.append(f"| {r['model']} | {setup_name(r)} | {r['link']} | {r['workers']} | {i} | "
                          f"{load['bytes_in'][i] / 1e6:.1f} | {load['bytes_out'][i] / 1e6:.1f} | "
                          f"{load['requests'][i]} | {load['bytes_held'][i] / 1e6:.2f} | "
                          f"{load['bytes_imbalance']:.2f} | {load['requests_imbalance']:.2f} |")

@@ -147,11 +147,16 @@ def sweep(runs: list[Run], opts: Options, *, make_config: Callable[[Run, Options
             bar.set_postfix_str(run.title)
             start = time.perf_counter()
             record: dict[str, Any] = {"run": run.to_json(), "repeat": k, "ranks": [], "error": None}
-            try:
-                record["ranks"] = launch(run, make_config(run, opts), module=module,
-                                         link=links.get(run.link), timeout=opts.timeout)
-            except RunFailed as err:
-                record["error"] = str(err)
+            for _ in range(2):
+                try:
+                    record["ranks"] = launch(run, make_config(run, opts), module=module,
+                                             link=links.get(run.link), timeout=opts.timeout)
+                    record["error"] = None
+                    break
+                except RunFailed as err:
+                    record["error"] = str(err)
+                    if "EADDRINUSE" not in record["error"]:
+                        break  # only a lost race for the free port is worth a second try
             record["wall_s"] = time.perf_counter() - start
             records.append(record)
             bar.write(f"  {run.title}: " + (f"FAILED ({record['error'][:200]})" if record["error"]

@@ -10,7 +10,6 @@ Run as ``python -m phalanx.bench.tta CONFIG.json OUT.json``, one process per ran
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -23,9 +22,9 @@ import torch.nn.functional as F
 
 from ..data import global_batches
 from ..models import digits_cnn, load_digits_split
-from .report import _bytes, _f, _setup_name
+from .report import fmt, fmt_bytes, setup_name
 from .spec import Setup
-from .worker import setup_training, wire_bytes
+from .worker import main, setup_training, wire_bytes
 
 DEFAULTS = {"target": 0.95, "max_epochs": 30, "batch": 32, "lr": 0.05, "eval_every": 10}
 
@@ -129,27 +128,15 @@ def table(tta_rows: list[dict[str, Any]]) -> str:
     lines = []
     for r in tta_rows:
         if r["errors"] and not r["reached"]:
-            lines.append(f"| {_setup_name(r)} | {r['link']} | {r['workers']} | failed: {r['errors'][0][:100]} "
+            lines.append(f"| {setup_name(r)} | {r['link']} | {r['workers']} | failed: {r['errors'][0][:100]} "
                          "| | | | | | |")
             continue
-        lines.append(f"| {_setup_name(r)} | {r['link']} | {r['workers']} | {_f(r['seconds'], '.2f', 'not reached')} | "
-                     f"{_f(r['steps'], '.0f')} | {_f(r['epochs'], '.0f')} | {r['reached']}/{r['runs']} | "
-                     f"{_bytes(r['bytes_per_step'])} | {_bytes(r['wire_bytes_per_step'])} | "
-                     f"{_f(r['vs_ddp'], '.2f')} |")
+        lines.append(f"| {setup_name(r)} | {r['link']} | {r['workers']} | {fmt(r['seconds'], '.2f', 'not reached')} | "
+                     f"{fmt(r['steps'], '.0f')} | {fmt(r['epochs'], '.0f')} | {r['reached']}/{r['runs']} | "
+                     f"{fmt_bytes(r['bytes_per_step'])} | {fmt_bytes(r['wire_bytes_per_step'])} | "
+                     f"{fmt(r['vs_ddp'], '.2f')} |")
     return head + "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    with open(argv[0]) as f:
-        cfg = json.load(f)
-    result = run(cfg)
-    with open(argv[1] + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(argv[1] + ".tmp", argv[1])
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], run))

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -214,10 +214,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], fn: Callable[[dict[str, Any]], dict[str, Any]] = run) -> int:
+    """``CONFIG.json OUT.json``: run ``fn`` on the config and write its result atomically."""
     with open(argv[0]) as f:
         cfg = json.load(f)
-    result = run(cfg)
+    result = fn(cfg)
     tmp = argv[1] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)
