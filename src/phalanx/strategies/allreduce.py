@@ -84,7 +84,7 @@ class AllReduce(Strategy):
             err, hook.error = hook.error, None
             with guarded("the gradient all-reduce in backward"):
                 raise err  # guarded names the lost rank
-        if self.compression is not None:
+        if self.compression is not None and self.comm.world_size > 1:  # alone, nothing to send: plain torch
             self.compression.average_(gradients(self.params), self.comm, key="grad")
 
     def after_step(self) -> None:
