@@ -46,10 +46,9 @@ def same_everywhere(t: torch.Tensor) -> bool:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, loader: Any, epochs: int,
-          on_step: Callable[[int], None] = lambda step: None) -> None:
-    """The user's own loop, as the README shows it."""
-    step = 0
-    for epoch in range(epochs):
+          on_step: Callable[[int], None] = lambda step: None, *, start_epoch: int = 0, step: int = 0) -> int:
+    """The user's own loop, as the README shows it; returns the step count."""
+    for epoch in range(start_epoch, epochs):
         loader.set_epoch(epoch)
         for x, y in loader:
             opt.zero_grad()
@@ -57,6 +56,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, loader: Any, epochs: int
             opt.step()
             step += 1
             on_step(step)
+    return step
 
 
 def equivalence(batch: int, epochs: int, save_path: str) -> dict[str, Any]:
@@ -102,15 +102,12 @@ def resume(ckpt: str, phase: str, epochs: int = 3, save_at: int = 7) -> dict[str
     if phase == "second":
         step = px.load_checkpoint(ckpt, model, opt, loader=loader)["step"]
         start_epoch = loader.state_dict()["epoch"]
-    for epoch in range(start_epoch, epochs):
-        loader.set_epoch(epoch)
-        for x, y in loader:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            step += 1
-            if phase == "first" and step == save_at:
-                px.save_checkpoint(ckpt, model, opt, loader=loader, step=step)
+
+    def checkpoint(now: int) -> None:
+        if phase == "first" and now == save_at:
+            px.save_checkpoint(ckpt, model, opt, loader=loader, step=now)
+
+    step = train(model, opt, loader, epochs, checkpoint, start_epoch=start_epoch, step=step)
     return {"weights": flat(model), "step": torch.tensor(step)}
 
 

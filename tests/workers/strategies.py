@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
+
+from workers.core import train as train_epochs
 from phalanx.models import digits_cnn, load_digits_split
 
 BATCH = 32  # per worker
@@ -200,12 +202,7 @@ def convergence(epochs: int, batch: int = BATCH, lr: float = 0.05) -> dict[str, 
     for name, (factory, opt) in candidates(lr).items():
         model, optimizer, strategy = build(factory(), opt)
         loader = px.shard(train_set, batch_size=batch, seed=0)
-        for epoch in range(epochs):
-            loader.set_epoch(epoch)
-            for x, y in loader:
-                optimizer.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                optimizer.step()
+        train_epochs(model, optimizer, loader, epochs)
         strategy.finish()  # the template's finish: replicas agree on the model to keep
         with torch.no_grad():
             accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
