@@ -112,7 +112,7 @@ def test_throughput_meter_rejects_a_negative_warmup():
 @pytest.mark.multiproc
 def test_history_has_the_expected_keys_and_is_the_same_on_every_worker(two_workers):
     history = two_workers[0]["history"]
-    assert [row["epoch"] for row in history] == [0, 1, 2]
+    assert [row["epoch"] for row in history] == [1, 2, 3]
     for row in history:
         assert set(row) == HISTORY_KEYS
         assert row["val_samples"] == W.VAL_N
@@ -176,7 +176,7 @@ def test_trainer_stops_when_a_callback_asks_and_history_reads_by_column():
     t = W.trainer(W.net(seed=0), callbacks=[stop])
     history = t.fit(W.train_set(), epochs=5, batch_size=16, progress=False)
     assert isinstance(history, History) and len(history) == 2
-    assert history["epoch"] == [0, 1] and history["steps"] == [7, 7]
+    assert history["epoch"] == [1, 2] and history["steps"] == [7, 7]  # counted from 1, as the progress bar
 
 
 def test_trainer_refuses_bad_arguments_clearly():

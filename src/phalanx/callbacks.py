@@ -10,6 +10,10 @@ Every hook runs on every worker, in this order::
       on_epoch_end(trainer, epoch, logs)     # logs: the epoch's history row, same on every worker
     on_train_end(trainer)
 
+The ``epoch`` argument is the 0-based index of the epoch (as ``range(epochs)``
+gives it); ``logs["epoch"]`` in the history row counts from 1, as the progress
+bar does.
+
 ``on_step_end`` logs hold this worker's values for the step:
 
 * ``loss``: the step's loss on this worker's part of the global batch;
