@@ -122,19 +122,22 @@ class RedisStream:
             self._call("acknowledging", self._redis.xack, self.stream, self.group, *done)
             self._claimed = self._claimed[len(done):]
 
-    def check(self, position: str) -> int:
+    def check(self, position: str, offset: int | None = None) -> int:
         info = self._call("reading the stream's info", self._redis.xinfo_stream, self.stream)
-        deleted = _text(info.get("max-deleted-entry-id") or START)
-        if parse_id(deleted) > parse_id(position):
+        added, length = int(info.get("entries-added") or 0), int(info.get("length") or 0)
+        deleted = _text(info.get("max-deleted-entry-id") or START)  # set by XDEL
+        # Trimming (XTRIM, MAXLEN) leaves no mark, but it deletes from the head: more deleted entries
+        # than the `offset` entries up to the position means some after it are gone too.
+        if parse_id(deleted) > parse_id(position) or (offset is not None and added - length > offset):
             first = info.get("first-entry")
             now = _text(first[0]) if first else "(empty)"
-            raise StreamError(f"stream {self.stream!r} at {self.url} lost entries that were never trained: entries "
-                              f"up to {deleted} were deleted (trimmed) but training had committed only up to "
-                              f"{position}; the stream now starts at {now}. Expected retention to keep every "
-                              "entry after the committed position: trim with XTRIM MINID at the acknowledged "
-                              "position or raise MAXLEN, then restart from an earlier checkpoint or accept the "
-                              "loss by starting a new group.")
-        return int(info.get("entries-added") or info.get("length") or 0)
+            raise StreamError(f"stream {self.stream!r} at {self.url} lost entries that were never trained: "
+                              f"{added - length} of its {added} entries were deleted or trimmed, but training had "
+                              f"committed only {offset if offset is not None else '?'} (up to {position}); it now "
+                              f"starts at {now}. Expected retention to keep every entry after the committed "
+                              "position: trim with XTRIM MINID up to the acknowledged position, or raise MAXLEN. "
+                              "Restart from an earlier checkpoint, or accept the loss by starting a new group.")
+        return added
 
     def dead_letter(self, event: Event, reason: str) -> None:
         fields = {b"phalanx-id": event.id.encode(), b"phalanx-reason": reason[:500].encode(), **event.fields}

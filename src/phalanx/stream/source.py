@@ -82,8 +82,9 @@ class StreamSource(Protocol):
     def acknowledge(self, position: str) -> None:
         """Tell the broker every claimed entry up to ``position`` is trained and committed."""
 
-    def check(self, position: str) -> int:
-        """Raise if entries after ``position`` were deleted; return how many entries were ever added."""
+    def check(self, position: str, offset: int | None = None) -> int:
+        """Raise if entries after ``position`` (the ``offset``-th entry) were deleted; return how many
+        entries were ever added."""
 
     def dead_letter(self, event: Event, reason: str) -> None:
         """Set aside an event that could not be decoded, with its id and the reason."""
