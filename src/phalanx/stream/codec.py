@@ -1,0 +1,40 @@
+"""Events that carry one labelled sample: a float32 tensor and an integer class.
+
+The bytes are the tensor's raw float32 values, little-endian, plus its shape, so
+decoding never unpickles anything a producer sent.
+
+Example:
+    >>> import torch
+    >>> from phalanx.stream.codec import encode_sample, decode_sample
+    >>> x, y = decode_sample(encode_sample(torch.arange(4.).reshape(2, 2), 3, index=7))
+    >>> x.tolist(), int(y)
+    ([[0.0, 1.0], [2.0, 3.0]], 3)
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, usage
+
+
+def encode_sample(x: torch.Tensor, y: int, *, index: int | None = None) -> dict[bytes, bytes]:
+    """The fields of one event (``index`` is the producer's own count, kept for bookkeeping)."""
+    fields = {b"x": np.ascontiguousarray(x.detach().cpu().numpy(), dtype="<f4").tobytes(),
+              b"shape": ",".join(str(d) for d in x.shape).encode(), b"y": str(int(y)).encode()}
+    if index is not None:
+        fields[b"i"] = str(index).encode()
+    return fields
+
+
+def decode_sample(fields: dict[bytes, bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` from :func:`encode_sample`'s fields; raises ConfigError on anything else."""
+    try:
+        shape = tuple(int(d) for d in fields[b"shape"].split(b",") if d)
+        x = torch.from_numpy(np.frombuffer(fields[b"x"], dtype="<f4").copy()).reshape(shape)
+        y = torch.tensor(int(fields[b"y"]))
+    except (KeyError, ValueError, RuntimeError) as err:
+        raise ConfigError(usage(f"an event with fields {sorted(k.decode(errors='replace') for k in fields)} "
+                                f"({type(err).__name__}: {err})", "fields x (float32 bytes), shape and y",
+                                "Publish events with encode_sample().")) from None
+    return x, y

@@ -1,0 +1,311 @@
+"""Per-worker batches from a live stream, every event trained exactly once.
+
+Each step the main worker claims the next events from the source (in stream
+order, through the consumer group), sets aside the ones that cannot be decoded,
+and cuts the good ones into ``world_size`` contiguous parts: the step's global
+batch is exactly the one a single process would take with ``world_size *
+batch_size``. It broadcasts that plan (id ranges, one small tensor); every
+worker fetches and decodes its own part. Uneven parts set
+:func:`phalanx.batchweight.set_batch_weight`, so the averaged gradient equals
+one process's on the same events.
+
+The loader's position (the last entry id a step covered) is its whole state:
+``state_dict()`` is plain strings and ints that a checkpoint carries and that do
+not depend on the number of workers. Entries are acknowledged to the broker
+only after a commit covers them: the position a ``state_dict()`` returned is
+acknowledged on the next step, once the checkpoint that asked for it was
+written, and by :meth:`StreamLoader.close`. Restoring a state rewinds the group
+to that position, so events trained after the last commit are trained again,
+once.
+
+Example (``source`` is a :class:`phalanx.stream.RedisStream`)::
+
+    loader = px.stream.StreamLoader(source, batch_size=32, policy=px.stream.Deadline(0.5),
+                                    stop=px.stream.Stop(idle_s=5))
+    for x, y in loader:
+        opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+        if loader.steps % 50 == 0:
+            px.save_checkpoint("ckpt.pt", model, opt, loader=loader, step=loader.steps)
+    loader.close()
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import default_collate
+
+from .. import group
+from ..batchweight import set_batch_weight
+from ..errors import ConfigError, usage
+from .policy import Stop, WaitFull
+from .source import END_FIELD, START, Event, StreamError, StreamSource, format_id, parse_id
+
+WAIT, STEP, END, ERROR = 0, 1, 2, 3
+_HEAD, _PER_RANK = 8, 5
+_KEEPALIVE_S = 1.0  # while waiting for events, tell the other workers at least this often (no collective timeout)
+
+
+@dataclass
+class Plan:
+    """One step, as the main worker decided it: ``parts[rank] = (first_id, last_id, count)``."""
+    status: int
+    total: int = 0
+    final: bool = False
+    consumed: int = 0  # entries the step moved past: good, dead-lettered and the end marker
+    lag: int = -1
+    dead: int = 0
+    position: str = START
+    parts: tuple[tuple[str, str, int], ...] = ()
+
+    def pack(self, world_size: int) -> torch.Tensor:
+        t = torch.zeros(_HEAD + _PER_RANK * world_size, dtype=torch.int64)
+        t[:6] = torch.tensor([self.status, self.total, int(self.final), self.consumed, self.lag, self.dead])
+        t[6:8] = torch.tensor(_ints(self.position))
+        for r, (first, last, count) in enumerate(self.parts):
+            t[_HEAD + _PER_RANK * r:_HEAD + _PER_RANK * (r + 1)] = torch.tensor([*_ints(first), *_ints(last), count])
+        return t
+
+    @classmethod
+    def unpack(cls, t: torch.Tensor, world_size: int) -> "Plan":
+        v = t.tolist()
+        parts = tuple((_id(*v[i:i + 2]), _id(*v[i + 2:i + 4]), v[i + 4])
+                      for i in range(_HEAD, _HEAD + _PER_RANK * world_size, _PER_RANK))
+        return cls(v[0], v[1], bool(v[2]), v[3], v[4], v[5], _id(v[6], v[7]), parts)
+
+
+def split(ids: list[str], world_size: int) -> tuple[tuple[str, str, int], ...]:
+    """Contiguous, near-equal parts of a global batch, as ``(first, last, count)`` per rank.
+
+    A rank left without an event (fewer events than workers, only at the end of a
+    run) gets the batch's first event as a stand-in with count 0: weight 0, so it
+    adds nothing to the gradient but still joins the step's collectives.
+
+    Example:
+        >>> split(["1-0", "2-0", "3-0"], 2)
+        (('1-0', '2-0', 2), ('3-0', '3-0', 1))
+    """
+    q, r = divmod(len(ids), world_size)
+    parts, start = [], 0
+    for rank in range(world_size):
+        stop = start + q + (1 if rank < r else 0)
+        parts.append((ids[start], ids[stop - 1], stop - start) if stop > start else (ids[0], ids[0], 0))
+        start = stop
+    return tuple(parts)
+
+
+class StreamLoader:
+    """An iterable of this worker's batches from ``source``; see the module doc.
+
+    Args:
+        source: a :class:`phalanx.stream.source.StreamSource` such as ``RedisStream``.
+        batch_size: events per worker per step (a full global batch is ``world_size * batch_size``).
+        policy: :class:`WaitFull` (default) or :class:`Deadline`.
+        stop: when the run ends besides an end-of-stream marker; :class:`Stop`.
+        block_s: how long one read from the broker may wait.
+
+    After each step: ``ids`` (the entry ids this worker trained on), ``steps``,
+    ``position`` and :meth:`stats` (events/s, lag, acknowledged position, dead letters).
+    """
+
+    def __init__(self, source: StreamSource, batch_size: int, *, policy: Any = None, stop: Stop | None = None,
+                 block_s: float = 0.2, rank: int | None = None, world_size: int | None = None) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(usage(f"batch_size={batch_size!r}", "an integer >= 1 (events per worker per step)",
+                                    "Pass e.g. batch_size=32."))
+        if not (isinstance(block_s, (int, float)) and 0 < block_s <= 30):
+            raise ConfigError(usage(f"block_s={block_s!r}", "seconds in (0, 30]", "Pass e.g. block_s=0.2."))
+        self.source, self.batch_size = source, batch_size
+        self.policy, self.stop = policy or WaitFull(), stop or Stop()
+        self.block_s = float(block_s)
+        self.rank = group.rank() if rank is None else rank
+        self.world_size = group.world_size() if world_size is None else world_size
+        # state (checkpointed)
+        self.position: str | None = None  # None: start after what the group acknowledged
+        self.offset = -1  # entries up to the position, -1 when unknown
+        self.steps = self.events = self.dead = 0
+        # progress (not checkpointed)
+        self.ids: list[str] = []
+        self.lag = -1
+        self.acknowledged: str | None = None
+        self._commit: tuple[str, int] | None = None
+        self._held: list[tuple[str, Any]] = []  # claimed, decoded, not yet in a step (main worker)
+        self._mine: list[tuple[str, Any]] = []  # the main worker's own part of the current step
+        self._claimed_to: str | None = None
+        self._consumed = self._dead = 0
+        self._first_wait: float | None = None
+        self._ended = False
+        self._t0 = self._last_event = time.monotonic()
+        self._events0 = 0
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The committed position: plain values, the same on every worker, for any world size."""
+        if self.position is not None:
+            self._commit = (self.position, self.offset)  # acknowledged on the next step, once saved
+        return {"position": self.position or "", "offset": self.offset, "steps": self.steps,
+                "events": self.events, "dead": self.dead}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = str(state["position"]) or None
+        self.offset, self.steps = int(state["offset"]), int(state["steps"])
+        self.events, self.dead = int(state["events"]), int(state["dead"])
+        self._held, self._ended, self._commit = [], False, None
+
+    def stats(self) -> dict[str, Any]:
+        """Progress for the bar and history: events trained, events/s this run, lag, acknowledged position."""
+        elapsed = time.monotonic() - self._t0
+        return {"events": self.events, "events_per_s": (self.events - self._events0) / elapsed if elapsed else 0.0,
+                "lag": self.lag, "acknowledged": self.acknowledged, "dead_letters": self.dead, "steps": self.steps}
+
+    # -- iteration -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        self._t0 = self._last_event = time.monotonic()
+        self._events0 = self.events
+        if self.rank == 0:
+            self._start()
+        try:
+            while True:
+                plan = self._next_plan()
+                if plan.status == WAIT:
+                    continue
+                self.position, self.dead = plan.position, self.dead + plan.dead
+                self.offset = self.offset + plan.consumed if self.offset >= 0 else -1
+                self.lag = plan.lag
+                if plan.status == END:
+                    return
+                first, last, count = plan.parts[self.rank]
+                self.ids, batch = self._my_part(first, last, count)
+                self.steps, self.events = self.steps + 1, self.events + plan.total
+                set_batch_weight(count * self.world_size / plan.total)
+                yield batch
+                if plan.final:
+                    return
+        finally:
+            set_batch_weight(1.0)
+
+    def close(self) -> None:
+        """Acknowledge the last committed position and leave nothing pending (call it on every worker)."""
+        if self.rank == 0 and self._commit is not None:
+            position, offset = self._commit
+            self.source.acknowledge(position)
+            self.source.rewind(position, offset if offset >= 0 else None)  # un-claim what no commit covers
+            self.acknowledged, self._commit = position, None
+
+    # -- the main worker's side -----------------------------------------------------------
+    def _start(self) -> None:
+        position, offset = self.source.rewind(self.position, self.offset if self.offset >= 0 else None)
+        self.position, self.offset = position, -1 if offset is None else offset
+        self._held, self._claimed_to, self._consumed, self._dead, self._ended = [], None, 0, 0, False
+
+    def _next_plan(self) -> Plan:
+        if self.world_size == 1:
+            return self._decide()
+        import torch.distributed as dist
+
+        from ..comm import guarded
+        if self.rank == 0:
+            try:
+                plan = self._decide()
+            except StreamError:
+                with guarded("telling the workers the stream failed"):
+                    dist.broadcast(Plan(ERROR).pack(self.world_size), src=0)
+                raise
+            with guarded("sharing the stream plan"):
+                dist.broadcast(plan.pack(self.world_size), src=0)
+            return plan
+        t = torch.zeros(_HEAD + _PER_RANK * self.world_size, dtype=torch.int64)
+        with guarded("receiving the stream plan"):
+            dist.broadcast(t, src=0)
+        plan = Plan.unpack(t, self.world_size)
+        if plan.status == ERROR:
+            raise StreamError(f"the main worker lost the stream {self.source.stream!r} at {self.source.url}; "
+                              "its log says why. Training resumes from the last checkpoint.")
+        return plan
+
+    def _decide(self) -> Plan:
+        """Claim events until the policy or the stop rule says step (main worker only)."""
+        src = self.source
+        if self._commit is not None:  # the checkpoint that asked for this position has been written
+            src.acknowledge(self._commit[0])
+            self.acknowledged, self._commit = self._commit[0], None
+        base = self.position or START
+        added = src.check(base, self.offset if self.offset >= 0 else None)  # raises if entries after the position were trimmed away
+        if self.stop.steps is not None and self.steps >= self.stop.steps:
+            self._held, self._claimed_to, self._consumed, self._dead = [], None, 0, 0  # close() un-claims them
+            return Plan(END, position=base, lag=self._lag(added, 0))
+        want = self.world_size * self.batch_size
+        keepalive = time.monotonic() + _KEEPALIVE_S
+        while True:
+            now = time.monotonic()
+            if self._held and self._first_wait is None:
+                self._first_wait = now
+            ended = self._ended or self.stop.reached(steps=self.steps, elapsed_s=now - self._t0,
+                                                     idle_s=now - self._last_event)
+            if ended or self.policy.ready(have=len(self._held), want=want, world_size=self.world_size,
+                                          waited_s=now - (self._first_wait or now)):
+                break
+            if now >= keepalive and self.world_size > 1:
+                return Plan(WAIT)  # what is held stays held; the other workers just hear we are alive
+            events = src.claim(want - len(self._held), self.block_s)
+            if events:
+                self._last_event = time.monotonic()
+            for event in events:
+                self._claimed_to, self._consumed = event.id, self._consumed + 1
+                if END_FIELD in event.fields:
+                    self._ended = True  # entries after the marker were claimed too: close() un-claims them
+                    break
+                sample, reason = _decode(src, event)
+                if reason is None:
+                    self._held.append((event.id, sample))
+                else:
+                    src.dead_letter(event, reason)
+                    self._dead += 1
+        position, consumed, dead = self._claimed_to or base, self._consumed, self._dead
+        take = self._held
+        self._held, self._claimed_to, self._consumed, self._dead, self._first_wait = [], None, 0, 0, None
+        if not take:
+            return Plan(END, consumed=consumed, lag=self._lag(added, consumed), dead=dead, position=position)
+        parts = split([i for i, _ in take], self.world_size)
+        self._mine = take[:parts[0][2]]
+        return Plan(STEP, total=len(take), final=ended, consumed=consumed, lag=self._lag(added, consumed),
+                    dead=dead, position=position, parts=parts)
+
+    def _lag(self, added: int, consumed: int) -> int:
+        """Entries the producer has added that no step has reached yet (-1 when the offset is unknown)."""
+        return max(0, added - self.offset - consumed) if self.offset >= 0 else -1
+
+    # -- every worker's side ------------------------------------------------------------
+    def _my_part(self, first: str, last: str, count: int) -> tuple[list[str], Any]:
+        if self.rank == 0 and count > 0:  # the main worker decoded its part while claiming
+            return [i for i, _ in self._mine], default_collate([s for _, s in self._mine])
+        good: list[tuple[str, Any]] = []
+        for event in self.source.fetch(first, last):
+            sample, reason = _decode(self.source, event)
+            if reason is None:
+                good.append((event.id, sample))
+        if count == 0:  # a stand-in with weight 0 (see split)
+            return [], default_collate([s for _, s in good[:1]])
+        if len(good) != count:
+            raise StreamError(f"worker {self.rank} decoded {len(good)} of the events {first}..{last} but the main "
+                              f"worker decoded {count}; expected decode to give the same result everywhere. "
+                              "Make decode deterministic.")
+        return [i for i, _ in good], default_collate([s for _, s in good])
+
+
+def _decode(source: StreamSource, event: Event) -> tuple[Any, str | None]:
+    try:
+        return source.decode(event.fields), None
+    except Exception as err:  # a bad event must not stop training: it is dead-lettered with the reason
+        return None, f"{type(err).__name__}: {err}"
+
+
+def _ints(entry_id: str) -> tuple[int, int]:
+    ms, seq = parse_id(entry_id)
+    return ms, seq - 2**64 if seq >= 2**63 else seq  # int64 carries the full unsigned sequence
+
+
+def _id(ms: int, seq: int) -> str:
+    return format_id(ms, seq + 2**64 if seq < 0 else seq)

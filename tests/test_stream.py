@@ -1,0 +1,205 @@
+"""Streaming input in one process: a real redis-server (unix socket, temporary directory), no fakes.
+
+Multi-worker runs, crashes and restarts are in test_stream_multiproc.py.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from phalanx.errors import ConfigError
+from phalanx.stream import Deadline, RedisStream, Stop, StreamError, StreamLoader, WaitFull, decode_sample
+from phalanx.stream.loader import END, STEP, Plan, split
+from phalanx.stream.source import MAX_SEQ, before
+
+needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                 reason="redis-server is not installed (make setup installs it as root: "
+                                        "apt-get install -y redis-server)")
+
+
+# -- units: no broker -----------------------------------------------------------------------------
+def test_split_is_contiguous_and_gives_a_worker_without_events_a_weightless_stand_in():
+    ids = [f"{i}-0" for i in range(1, 8)]
+    assert split(ids, 3) == (("1-0", "3-0", 3), ("4-0", "5-0", 2), ("6-0", "7-0", 2))
+    assert split(ids[:1], 2) == (("1-0", "1-0", 1), ("1-0", "1-0", 0))
+
+
+def test_plan_survives_the_broadcast_tensor_including_the_largest_sequence():
+    plan = Plan(STEP, total=3, final=True, consumed=4, lag=9, dead=1, position=f"7-{MAX_SEQ}",
+                parts=(("1-0", "2-5", 2), ("3-0", "3-0", 1)))
+    assert Plan.unpack(plan.pack(2), 2) == plan
+    assert before("7-0") == f"6-{MAX_SEQ}"
+
+
+def test_policies_never_step_on_nothing():
+    assert not WaitFull().ready(have=0, want=8, waited_s=99, world_size=2)
+    assert not Deadline(0.1).ready(have=1, want=8, waited_s=99, world_size=2)  # one worker would have no event
+    assert Deadline(0.1).ready(have=2, want=8, waited_s=0.2, world_size=2)
+    with pytest.raises(ConfigError, match="Deadline"):
+        Deadline(0)
+    with pytest.raises(ConfigError, match="steps"):
+        Stop(steps=-1)
+
+
+def test_import_phalanx_does_not_import_redis():
+    code = "import sys, phalanx, phalanx.stream; print('redis' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_redis_absent_at_start_is_one_line_naming_the_url(tmp_path):
+    url = f"unix://{tmp_path}/no-such.sock"
+    with pytest.raises(StreamError) as err:
+        RedisStream(url, stream="events", decode=decode_sample, timeout_s=1)
+    assert url in str(err.value) and "\n" not in str(err.value) and "expected a running redis-server" in str(err.value)
+
+
+def test_a_malformed_url_is_a_usage_error():
+    with pytest.raises(ConfigError, match="Redis URL 'http://x'"):
+        RedisStream("http://x", stream="events", decode=decode_sample)
+
+
+# -- with a real redis-server -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (make setup installs it as root)")
+    from phalanx.stream.broker import RedisServer
+    s = RedisServer()
+    yield s
+    s.stop()
+
+
+def publish(server, stream, count, **kwargs):
+    from phalanx.stream.producer import publish as _publish
+    return _publish(server.url, stream, count=count, **kwargs)
+
+
+def loader_for(server, stream, batch_size=10, group="g", **kwargs):
+    source = RedisStream(server.url, stream=stream, group=group, decode=decode_sample, create=True)
+    return StreamLoader(source, batch_size, block_s=0.05, **kwargs)
+
+
+def stream_ids(server, stream):
+    import redis
+    r = redis.Redis.from_url(server.url)
+    return [i.decode() for i, f in r.xrange(stream) if b"phalanx-end" not in f]
+
+
+def test_every_event_once_and_nothing_pending_after_the_final_commit(server):
+    publish(server, "once", 95, end=True)
+    loader = loader_for(server, "once")
+    seen, sizes = [], []
+    for x, y in loader:
+        seen += loader.ids
+        sizes.append(len(x))
+    loader.state_dict()
+    loader.close()
+    assert seen == stream_ids(server, "once") and sizes == [10] * 9 + [5]
+    assert loader.source.pending() == 0
+
+
+def test_events_after_the_commit_are_trained_again_once_after_a_crash(server):
+    publish(server, "crash", 60, end=True)
+    first = loader_for(server, "crash")
+    history, committed = [], None
+    for step, _ in enumerate(first, 1):
+        if step <= 2:
+            history += first.ids
+            committed = first.state_dict()  # the commit after step 2 ...
+        if step == 4:
+            break  # ... then a crash after step 4: steps 3 and 4 were never committed
+    assert first.source.pending() == 20  # steps 3-4: claimed, never committed, so never acknowledged
+    second = loader_for(server, "crash")
+    second.load_state_dict(committed)
+    for _ in second:
+        history += second.ids
+    second.state_dict()
+    second.close()
+    assert history == stream_ids(server, "crash") and second.source.pending() == 0
+
+
+def test_a_restart_without_a_checkpoint_resumes_after_what_was_acknowledged(server):
+    publish(server, "ack", 40, end=True)
+    first = loader_for(server, "ack")
+    for step, _ in enumerate(first, 1):
+        if step == 1:
+            first.state_dict()
+        if step == 3:
+            break  # step 1's commit is acknowledged when step 2 is claimed; steps 2-3 are not
+    second = loader_for(server, "ack")
+    assert [i for _ in second for i in second.ids] == stream_ids(server, "ack")[10:]
+
+
+def test_undecodable_events_go_to_the_dead_letter_stream_and_training_goes_on(server):
+    import redis
+    publish(server, "bad", 50, bad_every=10, end=True)
+    loader = loader_for(server, "bad")
+    seen = [i for _ in loader for i in loader.ids]
+    assert len(seen) == 45 and loader.dead == 5
+    dead = redis.Redis.from_url(server.url).xrange("bad:dead")
+    bad_ids = sorted(set(stream_ids(server, "bad")) - set(seen))
+    assert sorted(f[b"phalanx-id"].decode() for _, f in dead) == bad_ids
+    assert all(b"expected fields x" in f[b"phalanx-reason"] for _, f in dead)
+
+
+def test_progress_shows_lag_events_per_second_and_the_acknowledged_position(server):
+    publish(server, "lag", 100, end=True)
+    loader = loader_for(server, "lag")
+    it = iter(loader)
+    next(it)
+    assert loader.stats()["lag"] == 91  # 100 events and the marker, 10 trained
+    committed = loader.state_dict()["position"]
+    next(it)
+    stats = loader.stats()
+    assert stats["acknowledged"] == committed and stats["lag"] == 81 and stats["events"] == 20
+    assert stats["events_per_s"] > 0
+
+
+def test_stop_by_steps_by_idle_time_and_by_time_budget(server):
+    publish(server, "live", 100, end=False)  # no marker: a live stream that just goes quiet
+    assert sum(1 for _ in loader_for(server, "live", group="a", stop=Stop(steps=3))) == 3
+    idle = loader_for(server, "live", group="b", policy=Deadline(0.05), stop=Stop(idle_s=0.3), batch_size=30)
+    assert sum(len(idle.ids) for _ in idle) == 100  # the short tail is trained before the idle stop
+    budget = loader_for(server, "live", group="c", stop=Stop(seconds=0.5), batch_size=30)
+    assert [len(budget.ids) for _ in budget] == [30, 30, 30, 10]  # the tail waited, then ended the run
+
+
+def test_wrong_stream_name_and_a_group_used_by_someone_else_are_clear_errors(server):
+    import redis
+    with pytest.raises(ConfigError, match="no stream 'nosuch' at unix://.*create=True"):
+        RedisStream(server.url, stream="nosuch", decode=decode_sample)
+    publish(server, "shared", 5)
+    r = redis.Redis.from_url(server.url)
+    r.xgroup_create("shared", "billing", id="0")
+    r.xreadgroup("billing", "invoice-service", {"shared": ">"}, count=1)
+    with pytest.raises(ConfigError, match="'billing' on 'shared' .* also read by invoice-service"):
+        RedisStream(server.url, stream="shared", group="billing", decode=decode_sample)
+
+
+def test_a_stream_trimmed_past_the_committed_position_is_reported_not_skipped(server):
+    import redis
+    publish(server, "trim", 100, end=True)
+    loader = loader_for(server, "trim")
+    it = iter(loader)
+    next(it)
+    committed = loader.state_dict()
+    redis.Redis.from_url(server.url).xtrim("trim", maxlen=50, approximate=False)  # deletes 40 events never trained
+    again = loader_for(server, "trim")
+    again.load_state_dict(committed)
+    with pytest.raises(StreamError, match="lost entries that were never trained: 51 of its 101 entries were deleted or trimmed, but training had committed only 10"):
+        next(iter(again))
+    assert again.steps == 1
+
+
+def test_weights_of_an_uneven_step_give_one_process_gradient():
+    # n_i * N / total per worker: the plain mean of the weighted local means is the global mean
+    parts = split([f"{i}-0" for i in range(1, 6)], 2)
+    local_means = [torch.tensor([1.0, 2.0, 3.0]).mean(), torch.tensor([4.0, 5.0]).mean()]
+    weights = [count * 2 / 5 for _, _, count in parts]
+    assert torch.allclose(sum(w * m for w, m in zip(weights, local_means)) / 2, torch.tensor(3.0))
+    assert Plan(END).status == END
