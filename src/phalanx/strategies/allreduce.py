@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import Comm, guarded
 from ..compression import check_compressor
-from ..errors import ConfigError, usage
+from .. import check
 from .base import Strategy
 from .gradients import average_gradients_, weigh_
 
@@ -63,9 +63,8 @@ class AllReduce(Strategy):
 
     def __init__(self, compression: Any = None, *, bucket_mb: float | None = None) -> None:
         super().__init__()
-        if bucket_mb is not None and not bucket_mb > 0:
-            raise ConfigError(usage(f"bucket_mb={bucket_mb!r}", "a positive size in MiB",
-                                    "Leave it unset to fit it to the model."))
+        if bucket_mb is not None:
+            check.positive_float("bucket_mb", bucket_mb, "Pass a size in MiB, or leave it unset to fit it to the model.")
         self.compression = check_compressor(compression, "AllReduce")
         self.bucket_mb = bucket_mb
         self._hook: _GuardedMean | None = None
