@@ -159,3 +159,17 @@ def test_wrapping_twice_or_a_ddp_module_is_one_clear_error():
     model, _ = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(px.ConfigError, match="a Linear that px.wrap already wrapped; expected a model px.wrap"):
         px.wrap(model, torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+def test_diloco_keeps_its_anchor_and_outer_momentum_in_fp32_for_a_bf16_model():
+    net = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=1e-3), strategy=px.DiLoCo(every=2))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+    strategy = px.strategy_of(opt)
+    state = strategy.state_dict()
+    assert {a.dtype for a in strategy.anchor} == {torch.float32}
+    assert {t.dtype for t in state["exchange"]["anchor"] + state["exchange"]["momentum"]} == {torch.float32}
+    assert {p.dtype for p in net.parameters()} == {torch.bfloat16} and state["step"] == 2

@@ -64,7 +64,7 @@ class AllReduce(Strategy):
     def __init__(self, compression: Any = None, *, bucket_mb: float | None = None) -> None:
         super().__init__()
         if bucket_mb is not None:
-            check.positive_float("bucket_mb", bucket_mb, "Pass a size in MiB, or leave it unset to fit it to the model.")
+            check.positive_float("bucket_mb", bucket_mb, "Pass a size in MiB, or leave it unset to fit the model.")
         self.compression = check_compressor(compression, "AllReduce")
         self.bucket_mb = bucket_mb
         self._hook: _GuardedMean | None = None

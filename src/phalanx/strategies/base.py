@@ -106,7 +106,8 @@ def _with_step(method: Callable[..., Any], kind: str) -> Callable[..., Any]:
     @functools.wraps(method)
     def load_state_dict(self: "Strategy", state: dict[str, Any]) -> None:
         method(self, state)
-        self.clock.step, self.clock.pending = int(state["step"]), False
+        step = state["step"] if "step" in state else state.get("steps", 0)  # "steps": files from older versions
+        self.clock.step, self.clock.pending = int(step), False
 
     @functools.wraps(method)
     def finish(self: "Strategy") -> None:

@@ -77,7 +77,8 @@ class DiLoCo(Periodic):
         compression: a compressor for the pseudo-gradient, e.g. ``px.FP16()`` or ``px.PowerSGD(rank=4)``.
 
     The anchor and the outer momentum are identical on every worker, live in
-    ``state_dict``, and are kept in fp32 for fp16/bf16 models. ``DiLoCo(every=k, outer_lr=1, outer_momentum=0)`` is ``LocalSGD(every=k)``.
+    ``state_dict``, and are kept in fp32 for fp16/bf16 models.
+    ``DiLoCo(every=k, outer_lr=1, outer_momentum=0)`` is ``LocalSGD(every=k)``.
     """
 
     name = "diloco"
