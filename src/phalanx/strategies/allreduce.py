@@ -91,7 +91,7 @@ class AllReduce(Strategy):
             return
         if self.compression is not None and self.comm.world_size > 1:  # alone, nothing to send: plain torch
             average_gradients_(self.params, self.comm, self.compression)
-            if not all(bool(torch.isfinite(p.grad).all()) for p in self.params):
+            if not bool(torch.stack([torch.isfinite(p.grad).all() for p in self.params]).all()):  # one sync
                 # inf/nan reached the average (AMP overflow on some rank): the same on every rank, so every
                 # GradScaler skips this step; the residuals and warm starts hold it too, and are dropped.
                 self.compression.reset()
