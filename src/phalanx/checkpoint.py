@@ -181,7 +181,6 @@ def _all_enter(what: str) -> None:
                             "Call it on every worker, not under `if rank == 0:`; px.save is the main-worker-only "
                             "call for plain weights.")
             store.set(f"{key}/gave-up", message)
-            store.set(f"phalanx-error/{me}", message)  # for the peers' diagnosis of why this worker left
             raise ConfigError(message)
         time.sleep(0.02)
         count = store.add(f"{key}/count", 0)
