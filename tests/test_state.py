@@ -111,7 +111,6 @@ def test_short_last_batch_takes_one_process_step_count_and_an_empty_part_survive
 
 
 @pytest.mark.multiproc
-@pytest.mark.xfail(reason="needs core branch (the gradient exchange scales by phalanx.batchweight)", strict=False)
 @pytest.mark.parametrize("n", [21, 17])
 def test_short_last_batch_gradient_equals_one_process_on_the_same_samples(runs, n):
     _, second = runs
