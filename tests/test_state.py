@@ -26,8 +26,13 @@ from phalanx.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[dict]]:
-    tmp = str(tmp_path_factory.mktemp("state"))
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("state"))
+
+
+@pytest.fixture(scope="module")
+def runs(state_dir: str) -> tuple[list[dict], list[dict]]:
+    tmp = state_dir
     first = run_workers("workers.state:first", world_size=2, timeout=180, tmp=tmp).results
     second = run_workers("workers.state:second", world_size=2, timeout=180, tmp=tmp).results
     return first, second
@@ -52,6 +57,21 @@ def test_every_ranks_python_numpy_and_torch_rng_streams_continue_after_resume(ru
         assert draws[0] != draws[1]  # the ranks' streams really differ, so rank 0's on both would be caught
         for rank in (0, 1):
             assert second[rank]["resume"][strategy]["rng"] == draws[rank], (strategy, rank)
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_2_workers_resumes_1_from_rank_0_with_the_epoch_re_split(runs, state_dir):
+    path = os.path.join(state_dir, "allreduce.pt")
+    saved = read_verified(path)["ranks"][0]
+    model = W.net(seed=77)
+    model, opt = px.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), strategy=px.AllReduce())
+    loader = px.shard(W.dataset(), batch_size=W.BATCH, seed=11)  # now 1 worker x 4 per step
+    with pytest.warns(UserWarning, match="taken with 2 workers and this run has 1"):
+        assert px.load_checkpoint(path, model, opt, loader=loader)["step"] == W.SAVE_AT
+    assert all(torch.equal(v, saved["model"][k]) for k, v in model.state_dict().items())
+    assert loader.state_dict() == {"epoch": 1, "seed": 11, "samples": 8, "n": W.N_TRAIN}  # 1 step of 2 x 4 done
+    assert loader.steps_left() == 10
+    assert sum(len(y) for _, y in loader) == W.N_TRAIN - 8  # the other 40 samples of the epoch, 4 per step
 
 
 # -- validation -----------------------------------------------------------------------------------------------------
