@@ -238,7 +238,7 @@ def test_progress_is_plain_lines_when_stdout_is_not_a_terminal(capsys):
 
 
 def test_plain_progress_prints_every_so_often_and_at_the_end(capsys):
-    from phalanx.trainer import PlainProgress
+    from phalanx.progress import PlainProgress
     clock = FakeClock()
     bar = PlainProgress(total=10, desc="epoch 1/1", every_s=30.0, clock=clock)
     for _ in range(10):

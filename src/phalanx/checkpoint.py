@@ -175,11 +175,11 @@ def _all_enter(what: str) -> None:
         if time.monotonic() > deadline:
             came = [r for r in range(world) if store.check([f"{key}/{r}"])]
             missing = [r for r in range(world) if r not in came]
-            message = usage(f"px.{what} called on rank(s) {_ranks(came)} while rank(s) {_ranks(missing)} did not "
-                            f"call it within {ENTRY_WAIT_S:g} s", f"a call on every worker ({what} is collective: "
-                            "it gathers every worker's state)",
-                            "Call it on every worker, not under `if rank == 0:`; px.save is the main-worker-only "
-                            "call for plain weights.")
+            # Short, cause first: a peer stuck in its next collective quotes this line from our exit note.
+            message = usage(f"px.{what} is collective but rank(s) {_ranks(missing)} did not call it within "
+                            f"{ENTRY_WAIT_S:g} s of rank(s) {_ranks(came)}", "a call on every worker",
+                            "Call it on every worker, not under `if rank == 0:` "
+                            "(px.save is the main-worker-only save).")
             store.set(f"{key}/gave-up", message)
             raise ConfigError(message)
         time.sleep(0.02)
