@@ -88,7 +88,8 @@ class ModelCheckpoint(Callback):
 
     ``path`` may contain ``{epoch}``, the number of epochs completed, to keep one
     file per save; otherwise each save replaces the last (atomically). Every
-    worker takes part (the RNG states of all ranks are gathered); rank 0 writes.
+    worker takes part (every worker's state is gathered, see ``px.save_checkpoint``);
+    rank 0 writes.
 
     Example:
         >>> from phalanx.callbacks import ModelCheckpoint

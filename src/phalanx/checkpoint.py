@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
 from typing import Any
 
 import torch
@@ -42,6 +41,8 @@ from .wrap import unwrap
 
 FORMAT = "phalanx-checkpoint-2"
 #: Seconds the first worker to enter ``save_checkpoint`` waits for the others before saying it is not collective.
+#: Synchronous strategies bring workers there within moments of each other; under local strategies (LocalSGD,
+#: DiLoCo) a slow worker can trail by up to one round of local steps: raise this if yours trail by more.
 ENTRY_WAIT_S = 10.0
 SAME_AS_RANK0 = "=rank0"  # a part of a worker's snapshot that equals rank 0's is stored once
 
@@ -131,7 +132,8 @@ def load_state(path: str | os.PathLike, state: TrainingState, *, restore_rng: bo
                               "checkpoint written by this version, or start afresh.")
     ranks, me, world = body["ranks"], group.rank(), group.world_size()
     if len(ranks) == world:
-        snapshot = {k: (ranks[0][k] if v == SAME_AS_RANK0 else v) for k, v in ranks[me].items()}
+        snapshot = {k: (ranks[0][k] if isinstance(v, str) and v == SAME_AS_RANK0 else v)
+                    for k, v in ranks[me].items()}
     else:
         resize_warning(len(ranks), world, f"the checkpoint {path!r}")
         snapshot = shared(ranks[0])
@@ -148,8 +150,6 @@ def load_state(path: str | os.PathLike, state: TrainingState, *, restore_rng: bo
 
 # -- the collective entry check ------------------------------------------------------------------------------------
 
-_entries: Counter[str] = Counter()
-
 
 def _all_enter(what: str) -> None:
     """Every worker announces entry on the group's store; fail fast if some never come.
@@ -164,8 +164,8 @@ def _all_enter(what: str) -> None:
     store, world, me = group.store(), group.world_size(), group.rank()
     if store is None or world == 1:
         return
-    _entries[what] += 1
-    key = f"phalanx-entry/{what}/{_entries[what]}"
+    # This rank's call count, kept in the store: a regrouped job (elastic: a new store prefix) counts afresh.
+    key = f"phalanx-entry/{what}/{store.add(f'phalanx-entry/{what}/calls/{me}', 1)}"
     store.set(f"{key}/{me}", "1")
     count = store.add(f"{key}/count", 1)
     deadline = time.monotonic() + ENTRY_WAIT_S
@@ -175,13 +175,12 @@ def _all_enter(what: str) -> None:
         if time.monotonic() > deadline:
             came = [r for r in range(world) if store.check([f"{key}/{r}"])]
             missing = [r for r in range(world) if r not in came]
-            message = usage(f"px.{what} called on rank(s) {_ranks(came)} while rank(s) {_ranks(missing)} did not "
-                            f"call it within {ENTRY_WAIT_S:g} s", f"a call on every worker ({what} is collective: "
-                            "it gathers every worker's state)",
-                            "Call it on every worker, not under `if rank == 0:`; px.save is the main-worker-only "
-                            "call for plain weights.")
+            # Short, cause first: a peer stuck in its next collective quotes this line from our exit note.
+            message = usage(f"px.{what} is collective but rank(s) {_ranks(missing)} did not call it within "
+                            f"{ENTRY_WAIT_S:g} s of rank(s) {_ranks(came)}", "a call on every worker",
+                            "Call it on every worker, not under `if rank == 0:` "
+                            "(px.save is the main-worker-only save).")
             store.set(f"{key}/gave-up", message)
-            store.set(f"phalanx-error/{me}", message)  # for the peers' diagnosis of why this worker left
             raise ConfigError(message)
         time.sleep(0.02)
         count = store.add(f"{key}/count", 0)

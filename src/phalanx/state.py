@@ -24,7 +24,7 @@ Example:
     >>> net = torch.nn.Linear(2, 1); opt = torch.optim.SGD(net.parameters(), lr=0.1)
     >>> state = TrainingState(net, opt, step=5)
     >>> snapshot = state.capture()
-    >>> with torch.no_grad(): net.weight.zero_()
+    >>> with torch.no_grad(): _ = net.weight.zero_()
     >>> state.restore(snapshot); bool(net.weight.abs().sum() > 0), state.step
     (True, 5)
 """

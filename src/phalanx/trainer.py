@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
 from typing import Any, Callable, Iterator, Sequence, Sized
 
@@ -44,7 +43,9 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Comm
 from .data import ShardedLoader, shard
 from .errors import ConfigError, usage
-from .metrics import MeanLoss, Metric, ThroughputMeter, check_loss, reduce_all, resolve
+from .metrics import MeanLoss, Metric, ThroughputMeter, batch_denominator, check_loss, reduce_all, resolve
+from .progress import bar as _bar
+from .progress import postfix as _postfix
 from .strategies import Strategy
 from .wrap import strategy_of, unwrap, wrap
 
@@ -200,15 +201,16 @@ class Trainer:
             t2 = self._now()
             n, value = len(target), loss.item()
             if n:  # an empty part of the short last step (its loss is nan, its gradient zero) adds nothing
-                loss_sum += value * n
-                count += n
+                weight = batch_denominator(self.loss_fn, output, target)  # padding and class weights, exactly
+                loss_sum += value * weight
+                count += weight
             with torch.no_grad():
                 for m in train_metrics:
                     m.update(output.detach(), target)
             self.meter.step(n)
             step, self.step, steps = self.step, self.step + 1, steps + 1
             if bar is not None:
-                bar.set_postfix(loss=f"{loss_sum / count:.4f}", refresh=False)
+                bar.set_postfix(loss=f"{loss_sum / count if count else math.nan:.4f}", refresh=False)
                 bar.update(1)
             self._call("on_step_end", step, {
                 "loss": value, "batch_size": n, "data_s": t_data - mark, "forward_backward_s": t1 - t0,
@@ -364,53 +366,6 @@ def _fetch(data: Dataset, indices: range) -> Any:
     if isinstance(data, TensorDataset):
         return tuple(t[indices.start:indices.stop] for t in data.tensors)
     return default_collate([data[i] for i in indices])
-
-
-def _bar(total: int, desc: str) -> Any:
-    """A progress bar on a terminal; periodic plain lines otherwise (CI logs, files: no carriage returns)."""
-    if not sys.stdout.isatty():
-        return PlainProgress(total, desc)
-    from tqdm.auto import tqdm  # imported here: `import phalanx` stays cheap
-    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True, mininterval=0.25,
-                file=sys.stdout)
-
-
-class PlainProgress:
-    """What a progress bar says, as whole lines: one every ``every_s`` seconds and one when the epoch ends.
-
-    Example:
-        >>> bar = PlainProgress(total=4, desc="epoch 1/2")
-        >>> bar.update(4); bar.set_postfix({"loss": "0.5000"}); bar.close()
-        epoch 1/2: 4/4 steps, loss=0.5000
-    """
-
-    def __init__(self, total: int, desc: str, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
-        self.total, self.desc, self.every_s, self.clock = total, desc, every_s, clock
-        self.n, self.postfix = 0, ""
-        self._last = clock()
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if self.clock() - self._last >= self.every_s:
-            self._print()
-
-    def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = False, **kwargs: Any) -> None:
-        self.postfix = ", ".join(f"{k}={v}" for k, v in {**(values or {}), **kwargs}.items())
-
-    def close(self) -> None:
-        self._print()
-
-    def _print(self) -> None:
-        self._last = self.clock()
-        print(f"{self.desc}: {self.n}/{self.total} steps" + (f", {self.postfix}" if self.postfix else ""), flush=True)
-
-
-def _postfix(row: dict[str, Any]) -> dict[str, str]:
-    keep = {k: v for k, v in row.items() if k in ("loss", "val_loss") or k.startswith("val_") and k != "val_samples"}
-    out = {k: f"{v:.4f}" for k, v in keep.items()}
-    if not math.isnan(row["samples_per_s"]):
-        out["samples/s"] = f"{row['samples_per_s']:,.0f}"
-    return out
 
 
 __all__ = ["History", "Trainer"]
