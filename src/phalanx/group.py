@@ -173,17 +173,21 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
                                 rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
     _group = _Group(env=env, device=device, store=store, probe=probe, heartbeat=heartbeat)
     if store is not None:
-        atexit.register(shutdown)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
-        _install_excepthook()
+        atexit.register(_at_exit)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
+        _install_excepthook(env)
 
 
-def _install_excepthook() -> None:
+_uncaught: BaseException | None = None  # what ends this worker, once the interpreter is exiting because of it
+
+
+def _install_excepthook(env: WorkerEnv) -> None:
     """Record an uncaught exception at once, so peers and the launcher learn who failed and why."""
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb) -> None:  # type: ignore[no-untyped-def]
+        global _uncaught
+        _uncaught = exc
         _fail(exc)
-        env = _group.env if _group is not None else WorkerEnv()
         # Under `phalanx run` the launcher prints a usage error (or a Ctrl-C) in one line, once.
         quiet = env.launched_by_phalanx and not env.debug and isinstance(exc, (PhalanxError, KeyboardInterrupt))
         if not quiet:
@@ -191,6 +195,23 @@ def _install_excepthook() -> None:
         sys.stderr.flush()
 
     sys.excepthook = hook
+
+
+def _at_exit() -> None:
+    """Leave the group at interpreter exit; after an uncaught exception, end the process at once.
+
+    Tearing down an interpreter that holds a process group takes from half a second to
+    several on a busy machine, and the launcher only stops the others once this
+    process is gone. Exit handlers registered after ``px.init()`` have already run by
+    now (they run last-in, first-out); logging is flushed here.
+    """
+    shutdown()
+    if _uncaught is not None:
+        import logging
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if isinstance(_uncaught, KeyboardInterrupt) else 1)
 
 
 def _reason(exc: BaseException) -> str:
@@ -216,6 +237,7 @@ def _fail(exc: BaseException) -> None:
         # "phalanx" carries what our launcher needs for its one line.
         data = {"message": _reason(exc), "timestamp": int(time.time()),
                 "phalanx": {"rank": _group.env.rank, "type": type(exc).__name__, "time": time.time(),
+                            "text": " ".join(str(exc).split())[:2000],
                             "usage": isinstance(exc, PhalanxError) and not isinstance(exc, _consequences()),
                             "consequence": isinstance(exc, _consequences()),
                             "traceback": "".join(traceback.format_exception(exc))[-20000:]}}
