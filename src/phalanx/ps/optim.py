@@ -37,8 +37,10 @@ class SGD:
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         return {}
 
-    def apply_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-        param.add_(grad, alpha=-self.lr)
+    def apply_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+               lr: float | None = None) -> None:
+        """``lr``: the worker's current learning rate, when it sends one (its schedule); else ``self.lr``."""
+        param.add_(grad, alpha=-(self.lr if lr is None else lr))
 
     def spec(self) -> dict[str, Any]:
         return {"kind": self.kind, "lr": self.lr}
@@ -63,7 +65,8 @@ class Adagrad:
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"sum": torch.full_like(param, self.initial_accumulator)}
 
-    def apply_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+    def apply_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+               lr: float | None = None) -> None:
         acc = state["sum"]
         acc.addcmul_(grad, grad)
         param.addcdiv_(grad, acc.sqrt().add_(self.eps), value=-self.lr)

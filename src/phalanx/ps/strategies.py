@@ -31,6 +31,7 @@ from .link import Link, connect
 from .optim import SGD, Adagrad
 from .placement import policy as placement_policy
 from .shards import Policy
+from .wire import require_zmq
 
 
 class PSStrategy(Strategy):
@@ -42,14 +43,19 @@ class PSStrategy(Strategy):
         timeout: seconds to wait for a server (default ``PHALANX_PS_TIMEOUT`` or 30).
     """
 
+    #: ``phalanx run --servers N`` starts servers only strategies with this flag use.
+    uses_servers = True
+
     def __init__(self, *, servers: str | Sequence[str] | None = None, placement: Any = "greedy_bytes",
                  timeout: float | None = None) -> None:
+        require_zmq()  # fail here, with what to install, rather than deep inside attach
         super().__init__()
         self.servers, self.placement, self.timeout = servers, placement_policy(placement), timeout
         if timeout is not None and not timeout > 0:
             raise ConfigError(usage(f"timeout={timeout!r}", "a positive number of seconds", "Leave it unset for 30."))
         self.link: Link | None = None
         self.table: ParamTable | None = None
+        self._pending_servers: dict[str, Any] | None = None  # a checkpoint loaded before attach
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         # No broadcast here (unlike the base class): the servers are where replicas agree.
@@ -59,6 +65,9 @@ class PSStrategy(Strategy):
         self.link = connect(self.servers, timeout=self.timeout)
         self.table = ParamTable(named, self.link.client, self.placement)
         self._exchange(self.join)
+        if self._pending_servers is not None:
+            self._restore_servers(self._pending_servers)
+            self._pending_servers = None
         self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # bytes_per_step leaves out the join
         return model
 
@@ -69,15 +78,54 @@ class PSStrategy(Strategy):
     servers_hold_the_model = True
 
     def finish(self) -> None:
-        """End of training: pull the servers' model into the local one, then leave the servers.
+        """End of training, on every worker: leave each one holding the same final model.
 
+        Each worker sends what it has not pushed yet, then waits (through the rendezvous
+        store, at most the PS timeout) until every worker has done so, then pulls. So every
+        worker ends with the servers' model including everyone's last updates. A worker that
+        never arrives is named in a warning, and the others pull without its last updates.
         A colocated server keeps serving until every worker has called this (or exited).
         """
         if self.link is None or self.link.released:
             return
         if self.servers_hold_the_model:
+            self._flush()
+            self.link.barrier("finish() waited for every worker's last pushes", strict=False)
             self._exchange(self.table.pull)  # type: ignore[union-attr]
         self.link.release()
+
+    def _flush(self) -> None:
+        """Send what this worker has not pushed yet (Downpour's partial gradient sum)."""
+
+    # -- state: the servers' shards are part of the shared state ------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The step count and, when the servers hold the model, their shards (values, versions, rule state)."""
+        state = super().state_dict()
+        if self.servers_hold_the_model and self.table is not None and not self.link.released:  # type: ignore
+            state["servers"] = self._exchange(self.table.snapshot)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the step count and make the servers hold the saved shards.
+
+        Rank 0 sends them (one ``set`` request per server); every worker then waits at a
+        store barrier, so no one pushes to the servers before they hold the checkpoint.
+        """
+        super().load_state_dict(state)
+        servers = state.get("servers")
+        if servers is None or not self.servers_hold_the_model:
+            return
+        if self.table is None:
+            self._pending_servers = servers  # applied at attach
+            return
+        self._restore_servers(servers)
+
+    def _restore_servers(self, servers: dict[str, Any]) -> None:
+        if group.rank() == 0:
+            self._exchange(self.table.set, servers)  # type: ignore[union-attr]
+        else:
+            self.table.versions = {n: int(e["version"]) for n, e in servers.items()}  # type: ignore[union-attr]
+        self.link.barrier("restoring the parameter servers from a checkpoint")  # type: ignore[union-attr]
 
     def _exchange(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one exchange with the servers and add its bytes and time to ``self.comm.stats``."""
@@ -95,6 +143,23 @@ class PSStrategy(Strategy):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.params]  # type: ignore[misc]
+
+
+def _check_follows_sgd(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what a server-side SGD cannot apply, instead of silently dropping it."""
+    todo = ("Use torch.optim.SGD(params, lr) (an LR scheduler is fine: each push carries the current lr), "
+            "or choose the servers' rule yourself with server_optimizer=px.ps.Adagrad(lr=...) or px.ps.SGD(lr=...); "
+            "your optimizer then only moves the local copy between pulls.")
+    if type(optimizer) is not torch.optim.SGD:
+        raise ConfigError(usage(f"Downpour with a {type(optimizer).__name__} optimizer and no server_optimizer",
+                                "torch.optim.SGD, whose rule the servers apply", todo))
+    for i, g in enumerate(optimizer.param_groups):
+        bad = {k: g.get(k) for k in ("momentum", "weight_decay", "dampening") if g.get(k)}
+        bad.update({k: True for k in ("nesterov", "maximize") if g.get(k)})
+        if bad:
+            given = ", ".join(f"{k}={v}" for k, v in bad.items())
+            raise ConfigError(usage(f"Downpour with SGD({given}) in param group {i} and no server_optimizer",
+                                    "plain SGD (the servers apply lr only)", todo))
 
 
 def _rule(server_optimizer: Any) -> "SGD | Adagrad | None":
@@ -116,7 +181,11 @@ class Downpour(PSStrategy):
 
     Args:
         push_every, pull_every: steps between pushes / pulls (n_push and n_fetch in the paper).
-        server_optimizer: ``phalanx.ps.SGD(lr)`` or ``phalanx.ps.Adagrad(lr)``.
+        server_optimizer: ``phalanx.ps.SGD(lr)`` or ``phalanx.ps.Adagrad(lr)``. Left unset, the
+            servers apply plain SGD with the current lr of each parameter's group, sent with
+            every push, so LR schedules and per-group lrs are followed. Your optimizer must
+            then be ``torch.optim.SGD`` without momentum, weight decay or nesterov: the servers
+            cannot apply those, and ``px.wrap`` refuses them rather than drop them.
         max_staleness: drop (and count in ``self.dropped``, per shard) a push computed from parameters more
             than this many versions behind the shard's; None applies every push.
         lock: serialise updates of each shard (True), or let them interleave, Hogwild style (False).
@@ -138,12 +207,22 @@ class Downpour(PSStrategy):
         self._acc: list[torch.Tensor] | None = None
 
     def join(self) -> None:
-        rule = self.server_optimizer or SGD(lr=self.optimizer.param_groups[0]["lr"])
+        if self.server_optimizer is None:
+            _check_follows_sgd(self.optimizer)
+        rule = self.server_optimizer or SGD(lr=max(g["lr"] for g in self.optimizer.param_groups) or 1.0)
         if not self.table.register(Policy(rule, self.lock, self.max_staleness)):  # type: ignore[union-attr]
             warnings.warn("the servers already hold these parameters under another policy (server optimizer, lock "
                           "or max_staleness); theirs stays in force", stacklevel=3)
         if self.push_when.k > 1:
             self._acc = [torch.zeros_like(p) for p in self.params]
+        self._unpushed = False
+
+    def _lrs(self) -> list[float] | None:
+        """Each parameter's current lr (its group's), when the servers follow the user's optimizer."""
+        if self.server_optimizer is not None:
+            return None
+        by_param = {id(p): float(g["lr"]) for g in self.optimizer.param_groups for p in g["params"]}
+        return [by_param[id(p)] for p in self.params]
 
     def after_step(self) -> None:
         super().after_step()
@@ -153,25 +232,39 @@ class Downpour(PSStrategy):
                 acc.add_(g)
             grads = self._acc
         push, pull = self.push_when(self.steps), self.pull_when(self.steps)
+        self._unpushed = not push
         if push:
-            self.dropped += self._exchange(self.table.push, grads, pull=pull)  # type: ignore[union-attr]
-            if self._acc is not None:
-                for acc in self._acc:
-                    acc.zero_()
+            self._push(grads, pull=pull)
         elif pull:
             self._exchange(self.table.pull)  # type: ignore[union-attr]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "dropped": self.dropped, "acc": self._acc}
+    def _push(self, grads: list[torch.Tensor], *, pull: bool) -> None:
+        self.dropped += self._exchange(self.table.push, grads, pull=pull, lrs=self._lrs())  # type: ignore
+        if self._acc is not None:
+            for acc in self._acc:
+                acc.zero_()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _flush(self) -> None:
+        if self._acc is not None and getattr(self, "_unpushed", False):
+            self._push(self._acc, pull=False)
+            self._unpushed = False
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        """This worker's own: the gradient sum it has not pushed yet, the versions it last pulled, its drop count."""
+        return {**super().replica_state_dict(), "dropped": self.dropped,
+                "acc": [a.clone() for a in self._acc] if self._acc is not None else None,
+                "unpushed": getattr(self, "_unpushed", False),
+                "versions": dict(self.table.versions) if self.table is not None else None}
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_replica_state_dict(state)
         self.dropped = int(state.get("dropped", 0))
+        self._unpushed = bool(state.get("unpushed", False))
         if state.get("acc") is not None and self._acc is not None:
             for acc, saved in zip(self._acc, state["acc"], strict=True):
                 acc.copy_(saved)
-        if self.table is not None:  # the servers hold the truth; resync versions with them
-            self._exchange(self.table.pull)
+        if state.get("versions") is not None and self.table is not None:
+            self.table.versions.update({k: int(v) for k, v in state["versions"].items() if k in self.table.versions})
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(push_every={self.push_when.k}, pull_every={self.pull_when.k}, "
@@ -233,6 +326,10 @@ class SyncParameterServer(PSStrategy):
         # Replicas start identical, as under AllReduce: a one-off collective at attach, never per step.
         self.comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
         return super().attach(model, optimizer)
+
+    def join(self) -> None:
+        # The servers only average, but they accept a tensor only under a registered name and shape.
+        self.table.register(Policy(None))  # type: ignore[union-attr]
 
     def before_step(self) -> None:
         self._exchange(self.table.reduce, self._grads(), step=self.steps,  # type: ignore[union-attr]
