@@ -30,7 +30,7 @@ def serve(args: argparse.Namespace) -> None:
         server = Server(args.host, args.port, token=cfg.token, threads=args.threads, checkpoint=args.checkpoint,
                         checkpoint_every=args.checkpoint_every, index=args.index,
                         max_bytes=None if args.max_mb is None else int(args.max_mb * 2**20),
-                        round_timeout=args.round_timeout or cfg.timeout_s).start()
+                        round_timeout=args.round_timeout or cfg.timeout_s, max_message_mb=args.max_message_mb).start()
     except (PhalanxError, require_zmq().ZMQError) as err:  # a bad interface, a port taken
         sys.exit(f"phalanx ps server {args.index}: {err}")
     if args.port_file:
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--checkpoint", default=None, help="shard file: resumed from if present, written on exit")
     s.add_argument("--checkpoint-every", type=float, default=None, help="also write it every this many seconds")
     s.add_argument("--port-file", default=None, help="write the bound address here once serving")
+    s.add_argument("--max-message-mb", type=int, default=1024, help="drop a peer that sends a larger frame (MiB)")
     s.add_argument("--max-mb", type=float, default=None, help="bound what registrations may allocate (MiB)")
     s.add_argument("--round-timeout", type=float, default=None,
                    help="abandon a synchronous round after this many seconds (default PHALANX_PS_TIMEOUT)")

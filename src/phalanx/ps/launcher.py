@@ -95,7 +95,7 @@ class ServerGroup:
 
 def start_servers(n: int, host: str = "127.0.0.1", token: str | None = None, *, checkpoint_dir: str | None = None,
                   checkpoint_every: float | None = None, threads: int = 2, timeout: float = 60.0,
-                  round_timeout: float | None = None) -> ServerGroup:
+                  round_timeout: float | None = None, max_message_mb: int | None = None) -> ServerGroup:
     """Start ``n`` server processes on ``host`` and wait (at most ``timeout`` s) until all serve.
 
     Unless you pass one, a token is made (``secrets.token_urlsafe``) and handed to the
@@ -120,6 +120,8 @@ def start_servers(n: int, host: str = "127.0.0.1", token: str | None = None, *, 
                "--threads", str(threads), "--port-file", os.path.join(log_dir, f"ps{i}.addr")]
         if round_timeout is not None:
             cmd += ["--round-timeout", str(round_timeout)]
+        if max_message_mb is not None:
+            cmd += ["--max-message-mb", str(max_message_mb)]
         if checkpoint_dir:
             os.makedirs(checkpoint_dir, exist_ok=True)
             cmd += ["--checkpoint", os.path.join(checkpoint_dir, f"ps-shard-{i}.pt")]

@@ -99,10 +99,8 @@ def _finite(tensors: Tensors, what: str) -> None:
                               "Check the loss for overflow (or skip the step, as GradScaler does).")
 
 
-def _lr(value: Any) -> float | None:
-    """A learning rate sent with a push: None, or a finite number >= 0 (a schedule may reach 0)."""
-    if value is None:
-        return None
+def _lr(value: Any) -> float:
+    """A learning rate sent with a push: a finite number >= 0 (a schedule may reach 0)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise RejectError(f"lr={value!r} sent with a push; expected a finite number >= 0")
     return float(value)
@@ -249,7 +247,7 @@ class ShardStore:
         shards = self.check(tensors)
         if lrs is not None and (not isinstance(lrs, list) or len(lrs) != len(tensors)):
             raise RejectError(f"push with lr={str(lrs)[:80]}; expected a list of {len(tensors)} learning rates")
-        rates = [_lr(v) for v in lrs] if lrs is not None else [None] * len(tensors)
+        rates: list[float | None] = [_lr(v) for v in lrs] if lrs is not None else [None] * len(tensors)
         _finite(tensors, "the gradient")
         for (header, _), shard, rate in zip(tensors, shards, rates, strict=True):
             if shard.policy.rule is None:
