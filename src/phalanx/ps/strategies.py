@@ -60,6 +60,7 @@ class PSStrategy(Strategy):
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         # No broadcast here (unlike the base class): the servers are where replicas agree.
         self.model, self.optimizer = model, optimizer
+        self.check_optimizer(optimizer)  # before anything starts: a refusal leaves no server behind
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.link = connect(self.servers, timeout=self.timeout)
@@ -70,6 +71,9 @@ class PSStrategy(Strategy):
             self._pending_servers = None
         self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # bytes_per_step leaves out the join
         return model
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse, at wrap time, an optimizer this strategy cannot honour (the default accepts any)."""
 
     def join(self) -> None:
         """Agree on the starting parameters (runs inside attach)."""
@@ -112,6 +116,8 @@ class PSStrategy(Strategy):
         store barrier, so no one pushes to the servers before they hold the checkpoint.
         """
         super().load_state_dict(state)
+        if state.get("replicas") and hasattr(self, "_load_replicas"):
+            self._load_replicas(state)  # a checkpoint that carries every rank's replica state in the shared one
         servers = state.get("servers")
         if servers is None or not self.servers_hold_the_model:
             return
@@ -119,6 +125,21 @@ class PSStrategy(Strategy):
             self._pending_servers = servers  # applied at attach
             return
         self._restore_servers(servers)
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        """When the servers hold the model, each worker's copy drifts from it: keep the copy and its optimizer."""
+        state = super().replica_state_dict()
+        if self.servers_hold_the_model:
+            state.update(params=[p.detach().clone() for p in self.params], optimizer=self.optimizer.state_dict())
+        return state
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_replica_state_dict(state)
+        if "params" in state:
+            with torch.no_grad():
+                for p, saved in zip(self.params, state["params"], strict=True):
+                    p.copy_(saved)
+            self.optimizer.load_state_dict(state["optimizer"])
 
     def _restore_servers(self, servers: dict[str, Any]) -> None:
         if group.rank() == 0:
@@ -145,21 +166,30 @@ class PSStrategy(Strategy):
         return [p.grad for p in self.params]  # type: ignore[misc]
 
 
-def _check_follows_sgd(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse what a server-side SGD cannot apply, instead of silently dropping it."""
-    todo = ("Use torch.optim.SGD(params, lr) (an LR scheduler is fine: each push carries the current lr), "
-            "or choose the servers' rule yourself with server_optimizer=px.ps.Adagrad(lr=...) or px.ps.SGD(lr=...); "
-            "your optimizer then only moves the local copy between pulls.")
+def _server_sgd(optimizer: torch.optim.Optimizer) -> SGD:
+    """The server-side copy of the user's ``torch.optim.SGD``; refuse what it cannot apply, never drop it."""
+    todo = ("Use torch.optim.SGD (momentum, weight_decay, nesterov and an LR scheduler are followed), or choose the "
+            "servers' rule yourself with server_optimizer=px.ps.Adagrad(lr=...) or px.ps.SGD(lr=...); your "
+            "optimizer then only moves the local copy between pulls.")
     if type(optimizer) is not torch.optim.SGD:
         raise ConfigError(usage(f"Downpour with a {type(optimizer).__name__} optimizer and no server_optimizer",
                                 "torch.optim.SGD, whose rule the servers apply", todo))
-    for i, g in enumerate(optimizer.param_groups):
-        bad = {k: g.get(k) for k in ("momentum", "weight_decay", "dampening") if g.get(k)}
-        bad.update({k: True for k in ("nesterov", "maximize") if g.get(k)})
-        if bad:
-            given = ", ".join(f"{k}={v}" for k, v in bad.items())
-            raise ConfigError(usage(f"Downpour with SGD({given}) in param group {i} and no server_optimizer",
-                                    "plain SGD (the servers apply lr only)", todo))
+    groups = optimizer.param_groups
+    for i, g in enumerate(groups):
+        if g.get("dampening") or g.get("maximize"):
+            raise ConfigError(usage(f"Downpour with SGD(dampening={g.get('dampening')}, maximize={g.get('maximize')})"
+                                    f" in param group {i} and no server_optimizer",
+                                    "dampening=0 and maximize=False (the servers' rule has neither)", todo))
+    keys = ("momentum", "weight_decay", "nesterov")
+    settings = {tuple(g.get(k) for k in keys) for g in groups}
+    if len(settings) > 1:
+        raise ConfigError(usage(f"Downpour with param groups whose {'/'.join(keys)} differ ({sorted(settings)})",
+                                "one setting for every group (each push carries its group's lr; nothing else)",
+                                "Give every group the same momentum, weight_decay and nesterov, " + todo[0].lower()
+                                + todo[1:]))
+    momentum, weight_decay, nesterov = settings.pop()
+    return SGD(lr=max(g["lr"] for g in groups) or 1.0, momentum=momentum or 0.0, weight_decay=weight_decay or 0.0,
+               nesterov=bool(nesterov))
 
 
 def _rule(server_optimizer: Any) -> "SGD | Adagrad | None":
@@ -182,10 +212,12 @@ class Downpour(PSStrategy):
     Args:
         push_every, pull_every: steps between pushes / pulls (n_push and n_fetch in the paper).
         server_optimizer: ``phalanx.ps.SGD(lr)`` or ``phalanx.ps.Adagrad(lr)``. Left unset, the
-            servers apply plain SGD with the current lr of each parameter's group, sent with
-            every push, so LR schedules and per-group lrs are followed. Your optimizer must
-            then be ``torch.optim.SGD`` without momentum, weight decay or nesterov: the servers
-            cannot apply those, and ``px.wrap`` refuses them rather than drop them.
+            servers apply your ``torch.optim.SGD``'s rule: its momentum, weight decay and
+            nesterov (one setting for all groups; the momentum buffer lives on the servers),
+            and the current lr of each parameter's group, sent with every push, so LR
+            schedules and per-group lrs are followed. Any other optimizer, or what the
+            servers cannot apply (dampening, maximize, groups with different momentum), is
+            refused at ``px.wrap`` with what to do instead, never silently dropped.
         max_staleness: drop (and count in ``self.dropped``, per shard) a push computed from parameters more
             than this many versions behind the shard's; None applies every push.
         lock: serialise updates of each shard (True), or let them interleave, Hogwild style (False).
@@ -206,10 +238,12 @@ class Downpour(PSStrategy):
         self.dropped = 0  # shard updates the servers refused as too stale
         self._acc: list[torch.Tensor] | None = None
 
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        # Left unset, the servers apply your SGD (lr sent with every push, so schedules hold).
+        self._rule = self.server_optimizer or _server_sgd(optimizer)
+
     def join(self) -> None:
-        if self.server_optimizer is None:
-            _check_follows_sgd(self.optimizer)
-        rule = self.server_optimizer or SGD(lr=max(g["lr"] for g in self.optimizer.param_groups) or 1.0)
+        rule = self._rule
         if not self.table.register(Policy(rule, self.lock, self.max_staleness)):  # type: ignore[union-attr]
             warnings.warn("the servers already hold these parameters under another policy (server optimizer, lock "
                           "or max_staleness); theirs stays in force", stacklevel=3)
