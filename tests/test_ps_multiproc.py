@@ -116,3 +116,33 @@ def test_downpour_finish_leaves_both_workers_with_one_model_holding_both_workers
     assert all(torch.equal(a, b) for a, b in zip(out[0]["params"], out[1]["params"], strict=True))
     for rank in (0, 1):
         assert set(out[rank]["versions"].values()) == {pushes}, out[rank]["versions"]
+
+
+def _worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def semantics():
+    return run_workers("workers.ps:semantics_under_ps", world_size=2, env=COLOCATED, timeout=240).results
+
+
+def test_clipping_under_the_synchronous_ps_sees_the_average_as_one_process(semantics):
+    """2 workers × b with clip_grad_norm_ between backward and step == 1 process × 2b with the same clipping."""
+    for rank in (0, 1):
+        got = semantics[rank]
+        assert got["ps_norms"] == pytest.approx(got["oracle_norms"], rel=1e-5)  # the global norm, not a local one
+        assert _worst(got["ps"], got["oracle"]) <= 1e-5
+
+
+def test_a_gradscaler_skip_on_one_rank_under_each_ps_strategy(semantics):
+    a, b = semantics[0]["amp"], semantics[1]["amp"]
+    for name in ("ps-sync", "downpour", "easgd-async"):
+        assert a[name]["steps"] == b[name]["steps"] == 6, name  # the skipped steps count on every rank
+        assert _worst(a[name]["params"], b[name]["params"]) == 0.0, name  # one model after finish()
+        assert all(torch.isfinite(p).all() for p in a[name]["params"]), name  # the inf never reached a server
+    # sync PS: the inf reaches the mean, so every rank skips: one process skipping that step
+    assert _worst(a["ps-sync"]["params"], semantics[0]["amp"]["oracle_allreduce"]) <= 1e-5
+    assert a["ps-sync"]["scale"] == b["ps-sync"]["scale"] == 2.0 ** 6
+    # Downpour and async EASGD: only rank 1 skipped (its scaler alone backed off twice)
+    assert (a["downpour"]["scale"], b["downpour"]["scale"]) == (2.0 ** 8, 2.0 ** 6)

@@ -66,6 +66,10 @@ class Compressor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def reset(self) -> None:
+        """Forget what is kept between rounds (residuals, warm starts): an empty ``load_state_dict``."""
+        self.load_state_dict({})
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

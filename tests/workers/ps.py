@@ -241,3 +241,19 @@ def finish_holds_everyones_pushes(steps: int, push_every: int, slow_rank: int) -
         opt.step()
     strategy.finish()
     return {"params": _params(net), "versions": dict(strategy.table.versions)}
+
+
+def semantics_under_ps(steps: int = 4, amp_steps: int = 6) -> dict[str, Any]:
+    """Clipping and a GradScaler skip on rank 1 only, under the PS strategies (colocated servers)."""
+    from workers.semantics import amp_run, clipped
+    px.init()
+    torch.set_num_threads(1)
+    oracle, oracle_norms = clipped(None, steps)  # ONE process on the global batch
+    ps, ps_norms = clipped(px.ParameterServer(sync=True, servers="colocated"), steps)
+    bad = {2, amp_steps}  # rank 1 finds inf at a mid-run step and at the last one (closed by finish())
+    amp = {name: amp_run(make(), amp_steps, bad) for name, make in (
+        ("ps-sync", lambda: px.ParameterServer(sync=True, servers="colocated")),
+        ("downpour", lambda: px.Downpour(servers="colocated")),
+        ("easgd-async", lambda: px.AsyncEASGD(every=2, servers="colocated")))}
+    amp["oracle_allreduce"] = amp_run(None, amp_steps, bad)["params"]
+    return {"oracle": oracle, "oracle_norms": oracle_norms, "ps": ps, "ps_norms": ps_norms, "amp": amp}

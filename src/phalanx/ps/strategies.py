@@ -26,6 +26,7 @@ from .. import group, sync
 from ..errors import ConfigError, usage
 from ..strategies import register
 from ..strategies.base import Strategy
+from ..strategies.gradients import fill_missing_grads, weigh_
 from .client import ParamTable
 from .link import Link, connect
 from .optim import SGD, Adagrad
@@ -116,8 +117,6 @@ class PSStrategy(Strategy):
         store barrier, so no one pushes to the servers before they hold the checkpoint.
         """
         super().load_state_dict(state)
-        if state.get("replicas") and hasattr(self, "_load_replicas"):
-            self._load_replicas(state)  # a checkpoint that carries every rank's replica state in the shared one
         servers = state.get("servers")
         if servers is None or not self.servers_hold_the_model:
             return
@@ -160,10 +159,7 @@ class PSStrategy(Strategy):
 
     def _grads(self) -> list[torch.Tensor]:
         """Every parameter's gradient; a parameter the loss did not touch gets zeros."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.params]  # type: ignore[misc]
+        return fill_missing_grads(self.params)
 
 
 def _server_sgd(optimizer: torch.optim.Optimizer) -> SGD:
@@ -258,17 +254,20 @@ class Downpour(PSStrategy):
         by_param = {id(p): float(g["lr"]) for g in self.optimizer.param_groups for p in g["params"]}
         return [by_param[id(p)] for p in self.params]
 
-    def after_step(self) -> None:
-        super().after_step()
-        grads = self._grads()
-        if self._acc is not None:
-            for acc, g in zip(self._acc, grads, strict=True):
-                acc.add_(g)
-            grads = self._acc
-        push, pull = self.push_when(self.steps), self.pull_when(self.steps)
-        self._unpushed = not push
-        if push:
+    def after_step(self, step: int, taken: bool) -> None:
+        push, pull = self.push_when(step), self.pull_when(step)
+        grads: list[torch.Tensor] | None
+        if taken:
+            grads = self._grads()
+            if self._acc is not None:
+                for acc, g in zip(self._acc, grads, strict=True):
+                    acc.add_(g)
+                grads, self._unpushed = self._acc, True
+        else:  # skipped here (GradScaler found inf): no gradient from this step; the schedule still counts it
+            grads = self._acc if self._unpushed else None
+        if push and grads is not None:
             self._push(grads, pull=pull)
+            self._unpushed = False
         elif pull:
             self._exchange(self.table.pull)  # type: ignore[union-attr]
 
@@ -334,9 +333,8 @@ class AsyncEASGD(PSStrategy):
             self.alpha = 0.9 / max(1, group.world_size())
         self.table.register(Policy(None, self.lock))  # type: ignore[union-attr]
 
-    def after_step(self) -> None:
-        super().after_step()
-        if self.when(self.steps):
+    def after_step(self, step: int, taken: bool) -> None:
+        if self.when(step):
             self._exchange(self.table.elastic, self.alpha)  # type: ignore[union-attr]
 
     def __repr__(self) -> str:
@@ -348,9 +346,10 @@ class SyncParameterServer(PSStrategy):
 
     Workers start from rank 0's parameters and all apply the same mean gradient, so the
     result equals ``px.AllReduce()`` for any optimizer. Here the servers act as reducers:
-    the weights live on the workers. A dead worker stops the others, which get a
-    :class:`~phalanx.ps.client.ServerUnreachable` error after the timeout, since a
-    synchronous round cannot finish without it.
+    the weights live on the workers. Gradients are averaged inside ``backward()``, so
+    gradient clipping and GradScaler see the mean, as under AllReduce. A dead worker stops
+    the others: the servers abandon the round it never joined after ``PHALANX_PS_TIMEOUT``
+    and tell the waiting workers, which raise :class:`~phalanx.ps.client.PSError` naming it.
     """
 
     name = "ps-sync"
@@ -365,8 +364,15 @@ class SyncParameterServer(PSStrategy):
         # The servers only average, but they accept a tensor only under a registered name and shape.
         self.table.register(Policy(None))  # type: ignore[union-attr]
 
-    def before_step(self) -> None:
-        self._exchange(self.table.reduce, self._grads(), step=self.steps,  # type: ignore[union-attr]
+    def after_backward(self, step: int) -> None:
+        """Inside ``backward()``: replace every gradient by the mean over all workers (batch-weighted).
+
+        Non-finite gradients are averaged like any other, so when GradScaler finds inf on one
+        rank, every rank sees it in the mean and skips that step, as under ``px.AllReduce``.
+        """
+        grads = self._grads()
+        weigh_(grads)
+        self._exchange(self.table.reduce, grads, step=step - 1,  # type: ignore[union-attr]
                        workers=group.world_size())
 
     def __repr__(self) -> str:

@@ -27,6 +27,10 @@ from ..sync import as_condition
 from .base import Exchange, Periodic
 
 
+def _outer_dtype(p: torch.Tensor) -> torch.dtype:
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
 class OuterStep(Exchange):
     """Average ``anchor - params``, take an outer (Nesterov) SGD step on the anchor, copy it into params."""
 
@@ -36,12 +40,13 @@ class OuterStep(Exchange):
         self.buffers: list[torch.Tensor] = []
 
     def setup(self, params: list[nn.Parameter], comm: Comm) -> None:
-        self.anchor = [p.detach().clone() for p in params]
-        self.buffers = [torch.zeros_like(p) for p in params]
+        # fp32 for bf16/fp16 models: inner steps of size ~lr*grad vanish against a half-precision anchor.
+        self.anchor = [p.detach().to(_outer_dtype(p), copy=True) for p in params]
+        self.buffers = [torch.zeros_like(a) for a in self.anchor]
 
     @torch.no_grad()
-    def exchange(self, params: list[nn.Parameter], comm: Comm) -> None:
-        delta = [a - p for a, p in zip(self.anchor, params, strict=True)]  # the pseudo-gradient
+    def exchange(self, params: list[nn.Parameter], comm: Comm, step: int) -> None:
+        delta = [a - p.to(a.dtype) for a, p in zip(self.anchor, params, strict=True)]  # the pseudo-gradient
         if self.compression is not None:
             self.compression.average_(delta, comm, key="pseudo")
         else:
@@ -71,8 +76,8 @@ class DiLoCo(Periodic):
         nesterov: Nesterov momentum for the outer step (as in the paper).
         compression: a compressor for the pseudo-gradient, e.g. ``px.FP16()`` or ``px.PowerSGD(rank=4)``.
 
-    The anchor and the outer momentum are identical on every worker and live in
-    ``state_dict``. ``DiLoCo(every=k, outer_lr=1, outer_momentum=0)`` is ``LocalSGD(every=k)``.
+    The anchor and the outer momentum are identical on every worker, live in
+    ``state_dict``, and are kept in fp32 for fp16/bf16 models. ``DiLoCo(every=k, outer_lr=1, outer_momentum=0)`` is ``LocalSGD(every=k)``.
     """
 
     name = "diloco"
@@ -104,7 +109,7 @@ class DiLoCo(Periodic):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "compression" in state:
             self.compression.load_state_dict(state["compression"])
-        super().load_state_dict(state)  # last: it applies this rank's own replica state, if present
+        super().load_state_dict(state)
 
     def __repr__(self) -> str:
         x = self.exchange
