@@ -77,7 +77,7 @@ def _adversarial(rng: random.Random) -> list[bytes]:
         code = rng.choice([0, 8, 99, 255, 2, 3, 5])
         return [TOKEN, ctl, _raw_header(name.encode(), code, SHAPES[name]), b"\0" * (8 * 64 * 256)]
     if kind == 3:  # wrong or weird names
-        bad = rng.choice([b"nope", b"w\xff\xfe", b"x" * 1000, b"", "w#sum".encode(), "\u00e9t\u00e9".encode()])
+        bad = rng.choice([b"nope", b"w\xff\xfe", b"x" * 1000, b"", b"w#sum", "\u00e9t\u00e9".encode()])
         return [TOKEN, ctl, _raw_header(bad, 1, (64,)), b"\0" * 256]
     if kind == 4:  # NaN or inf payloads to registered shards
         t = torch.randn(SHAPES[name])

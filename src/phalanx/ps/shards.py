@@ -40,7 +40,7 @@ from typing import Any, ContextManager, Sequence
 
 import torch
 
-from ..checkpoint import read_checkpoint, write_verified
+from ..framing import read_verified, write_verified
 from ..errors import ConfigError, PhalanxError, usage
 from .optim import SGD, Adagrad, from_spec
 from .wire import Header
@@ -320,9 +320,12 @@ class ShardStore:
                 states.setdefault(name, {})[key] = t
             else:
                 values[name] = (t, header.version)
-        for name, state in states.items():
-            if name not in values:
-                raise RejectError(f"state of {name!r} sent without its value")
+        for name in states.keys() - values.keys():
+            raise RejectError(f"state of {name!r} sent without its value")
+        for name in values:  # all of a shard's state or none: a half-restored Adagrad sum would be wrong silently
+            want, got = set(self.shards[name].state), set(states.get(name, {}))
+            if got and got != want:
+                raise RejectError(f"{name!r}: state {sorted(got)} sent; its rule keeps {sorted(want)}")
         for name, (value, version) in values.items():
             self.shards[name].set(value, version, states.get(name, {}))
         return len(values)
@@ -338,7 +341,7 @@ class ShardStore:
         write_verified(path, body)
 
     def load(self, path: str | os.PathLike) -> None:
-        body = read_checkpoint(path)
+        body = read_verified(path)
         if body.get("format") != "phalanx-ps-shards-1":
             raise RejectError(f"{os.fspath(path)!r} is a phalanx checkpoint but not a parameter-server shard file")
         with self._registry:

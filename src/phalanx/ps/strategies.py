@@ -240,7 +240,10 @@ class Downpour(PSStrategy):
 
     def join(self) -> None:
         rule = self._rule
+        # Pushes carry the user's lrs only while the servers apply the user's rule.
+        self._sends_lr = self.server_optimizer is None
         if not self.table.register(Policy(rule, self.lock, self.max_staleness)):  # type: ignore[union-attr]
+            self._sends_lr = False  # a late joiner: the first worker's rule is in force, with its own lr
             warnings.warn("the servers already hold these parameters under another policy (server optimizer, lock "
                           "or max_staleness); theirs stays in force", stacklevel=3)
         if self.push_when.k > 1:
@@ -249,7 +252,7 @@ class Downpour(PSStrategy):
 
     def _lrs(self) -> list[float] | None:
         """Each parameter's current lr (its group's), when the servers follow the user's optimizer."""
-        if self.server_optimizer is not None:
+        if not getattr(self, "_sends_lr", False):
             return None
         by_param = {id(p): float(g["lr"]) for g in self.optimizer.param_groups for p in g["params"]}
         return [by_param[id(p)] for p in self.params]
