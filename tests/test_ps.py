@@ -5,6 +5,9 @@ Placement and wire tests start no process. The protocol tests talk to real
 """
 from __future__ import annotations
 
+import copy
+import subprocess
+import sys
 import threading
 import time
 
@@ -145,7 +148,8 @@ def test_an_unreachable_server_gives_a_clear_error_within_the_timeout():
     addr = f"tcp://127.0.0.1:{free_port()}"  # nobody listens here
     client = Client([addr], timeout=1.0)
     start = time.monotonic()
-    with pytest.raises(ServerUnreachable, match=f"no answer from parameter server {addr} within 1 s"):
+    where = addr.removeprefix("tcp://")
+    with pytest.raises(ServerUnreachable, match=rf"no answer from parameter server 0 \({where}\) within 1 s"):
         client.broadcast({"op": "info"})
     assert time.monotonic() - start < 10  # bounded: no hang
     client.close()
@@ -186,7 +190,7 @@ def test_the_per_shard_lock_loses_no_concurrent_update(servers):
 def test_servers_checkpoint_their_shards_and_a_new_job_resumes_from_them(tmp_path):
     value, spec = torch.arange(4.0), {"rule": {"kind": "adagrad", "lr": 0.5}}
     with px.ps.start_servers(1, checkpoint_dir=str(tmp_path)) as group:
-        client = Client(group.addrs, timeout=10)
+        client = Client(group.addrs, token=group.token, timeout=10)
         client.call({0: ({"op": "init", "policy": spec}, [(Header.of("w", value), value)])})
         client.call({0: ({"op": "push"}, [(Header("w", F32, (4,), 0), torch.ones(4))])})
         before, = _pull(client, "w")
@@ -194,7 +198,7 @@ def test_servers_checkpoint_their_shards_and_a_new_job_resumes_from_them(tmp_pat
         px.ps.save_shards(group)  # on demand; stop() writes it again
         assert [p.name for p in tmp_path.iterdir()] == ["ps-shard-0.pt"]
     with px.ps.start_servers(1, checkpoint_dir=str(tmp_path)) as group:  # a new job, resuming
-        client = Client(group.addrs, timeout=10)
+        client = Client(group.addrs, token=group.token, timeout=10)
         after, = _pull(client, "w")
         client.call({0: ({"op": "push"}, [(Header("w", F32, (4,), 1), torch.ones(4))])})
         resumed, = _pull(client, "w")
@@ -228,3 +232,62 @@ def test_strategy_knobs_are_checked():
     with pytest.raises(ConfigError, match="placement="):
         px.Downpour(placement="random")
     assert isinstance(px.ParameterServer(sync=False), px.Downpour)
+
+
+# -- Downpour follows the user's optimizer, or refuses ---------------------------------------------
+def _two_groups(net: torch.nn.Module, opt_cls=torch.optim.SGD, **kw) -> torch.optim.Optimizer:
+    return opt_cls([{"params": net[0].parameters(), "lr": 0.1}, {"params": net[2].parameters(), "lr": 0.03}], **kw)
+
+
+def test_downpour_with_one_worker_follows_sgd_momentum_weight_decay_per_group_lrs_and_the_schedule():
+    """One worker, push and pull every step: the servers' copy of the rule must be exactly torch's SGD."""
+    kw = {"momentum": 0.9, "weight_decay": 1e-3, "nesterov": True}
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    net = copy.deepcopy(ref)
+    ref_opt = _two_groups(ref, **kw)
+    opt = _two_groups(net, **kw)
+    strategy = px.Downpour()
+    model, opt = px.wrap(net, opt, strategy=strategy)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ref_opt, opt)]
+    for step in range(7):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        for s in schedules:
+            s.step()
+    strategy.finish()
+    assert max((a - b).abs().max().item() for a, b in zip(ref.parameters(), net.parameters(), strict=True)) <= 1e-6
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda net: torch.optim.Adam(net.parameters()), "Adam optimizer and no server_optimizer"),
+    (lambda net: torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, dampening=0.5), "dampening=0.5"),
+    (lambda net: torch.optim.SGD([{"params": net[0].parameters(), "momentum": 0.9}, {"params": net[2].parameters()}],
+                                 lr=0.1), "param groups whose momentum/weight_decay/nesterov differ"),
+])
+def test_downpour_refuses_at_wrap_what_its_servers_cannot_apply(make, match):
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    with pytest.raises(ConfigError, match=match) as err:
+        px.wrap(net, make(net), strategy=px.Downpour())
+    assert "server_optimizer=px.ps.Adagrad" in str(err.value)  # and says what to do instead
+    _, opt = px.wrap(net, make(net), strategy=px.Downpour(server_optimizer=px.ps.Adagrad(lr=0.1)))  # as it says
+    px.strategy_of(opt).finish()
+
+
+def test_import_phalanx_works_without_pyzmq_and_a_ps_strategy_says_what_to_install():
+    code = ("import sys; sys.modules['zmq'] = None\n"
+            "import phalanx as px\n"
+            "try:\n    px.Downpour()\nexcept px.ConfigError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pip install pyzmq (or phalanx[ps])" in out.stdout
+
+
+def test_an_unused_server_group_is_named_at_wrap(monkeypatch):
+    monkeypatch.setenv("PHALANX_PS_ADDRS", "tcp://127.0.0.1:5999")
+    net = torch.nn.Linear(2, 1)
+    with pytest.warns(UserWarning, match="parameter servers .* but strategy AllReduce uses none"):
+        px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=px.AllReduce())

@@ -68,6 +68,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage("an optimizer that px.wrap already wrapped", "a fresh optimizer",
                                 "Call px.wrap once per model/optimizer pair."))
     strategy = _resolve(strategy)
+    from .ps.config import warn_unused_servers  # here: phalanx.ps imports the checkpoint, which imports us
+    warn_unused_servers(strategy, group.rank())  # `phalanx run --servers N` with a strategy that uses none
     model.to(group.device())
     module = strategy.attach(model, optimizer)
     strategy.clock.bind(strategy, model, module, optimizer)

@@ -113,3 +113,147 @@ def _accuracy_of(params: list[torch.Tensor], test_set) -> float:
         for p, v in zip(net.parameters(), params, strict=True):
             p.copy_(v)
     return accuracy(net, test_set)
+
+
+# -- resume, non-contiguous parameters, finish() ---------------------------------------------------
+def _tiny(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _batch(step: int, rank: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same data in every run: a function of (step, rank) only."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 10, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+RESUMABLE = {
+    "downpour": lambda servers: px.Downpour(push_every=2, pull_every=2, server_optimizer=px.ps.Adagrad(lr=0.05),
+                                            servers=servers),
+    "easgd-async": lambda servers: px.AsyncEASGD(every=2, alpha=0.4, servers=servers),
+    "ps-sync": lambda servers: px.ParameterServer(sync=True, servers=servers),
+}
+
+
+def _run(model, opt, start: int, stop: int, *, lockstep: bool, save_at: int | None = None,
+         path: str | None = None) -> None:
+    """Steps ``start..stop``. ``lockstep``: ranks take turns (a barrier after each), so that an asynchronous
+    strategy's server updates arrive in the same order in every run, and the oracle can be exact."""
+    for step in range(start, stop):
+        for turn in (range(px.world_size()) if lockstep else [px.rank()]):
+            if turn == px.rank():
+                x, y = _batch(step, px.rank())
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            if lockstep:
+                px.barrier()
+        if step + 1 == save_at:
+            px.save_checkpoint(path, model, opt)
+
+
+def _params(net: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _maxdiff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def resume_equals_uninterrupted(servers: dict[str, list[list[str]]], steps: int, save_at: int,
+                                path: str) -> dict[str, dict[str, float]]:
+    """Each PS strategy, colocated and on separate servers: train ``steps``; then resume from the checkpoint
+    written at ``save_at`` into a new model (other init) on new, empty servers, and train to ``steps`` again."""
+    px.init()
+    out = {}
+    for name, make in RESUMABLE.items():
+        lockstep = name != "ps-sync"  # the synchronous PS is deterministic as it is (and would deadlock in turns)
+        for mode in ("colocated", "separate"):
+            where = ["colocated", "colocated"] if mode == "colocated" else servers[name]
+            ckpt = f"{path}/{name}-{mode}.pt"
+            net = _tiny(px.rank())
+            model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                                 strategy=make(where[0]))
+            _run(model, opt, 0, steps, lockstep=lockstep, save_at=save_at, path=ckpt)
+            px.strategy_of(opt).finish()
+            full = _params(net)
+            net = _tiny(100 + px.rank())
+            model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                                 strategy=make(where[1]))
+            fresh = _params(net)  # what the new servers were registered with
+            px.load_checkpoint(ckpt, model, opt)
+            _run(model, opt, save_at, steps, lockstep=lockstep)
+            px.strategy_of(opt).finish()
+            resumed = _params(net)
+            out[f"{name}/{mode}"] = {"diff": _maxdiff(full, resumed), "from_fresh": _maxdiff(full, fresh)}
+    return out
+
+
+def _conv_net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(32, 64, 3), torch.nn.ReLU(),  # 73 KB: split over both servers
+                              torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    return net.to(memory_format=torch.channels_last)
+
+
+def channels_last(steps: int) -> dict[str, Any]:
+    """A channels_last conv net on 2 colocated servers: sync PS vs AllReduce, and what Downpour receives."""
+    px.init()
+    out: dict[str, Any] = {}
+    for name, strategy in (("allreduce", px.AllReduce()), ("ps-sync", px.ParameterServer(sync=True)),
+                           ("downpour", px.Downpour())):
+        net = _conv_net(7 + px.rank())  # ranks differ: each strategy must make them agree
+        model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.05), strategy=strategy)
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * step + px.rank())
+            x = torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+            y = torch.randint(0, 10, (4,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        if name == "downpour":
+            table = strategy.table
+            out["split"] = sorted({p.var for p in table.pieces if not p.whole})
+            out["non_contiguous"] = [n for n, p in net.named_parameters() if not p.is_contiguous()]
+            table.pull()  # every piece of every parameter, written into the parameter itself
+            held = table.snapshot()
+            flat = {n: p.detach().reshape(-1) for n, p in net.named_parameters()}
+            out["pull_vs_servers"] = max((flat[p.var][p.start:p.stop] - held[p.name]["value"].reshape(-1))
+                                         .abs().max().item() for p in table.pieces)
+        strategy.finish()
+        out[name] = _params(net)
+    return out
+
+
+def finish_holds_everyones_pushes(steps: int, push_every: int, slow_rank: int) -> dict[str, Any]:
+    """Downpour: ``slow_rank`` sleeps before its last step, so the other worker reaches finish() first."""
+    px.init()
+    net = _tiny(px.rank())
+    strategy = px.Downpour(push_every=push_every, pull_every=1)
+    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=strategy)
+    for step in range(steps):
+        if px.rank() == slow_rank and step == steps - 1:
+            time.sleep(1.0)
+        x, y = _batch(step, px.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    strategy.finish()
+    return {"params": _params(net), "versions": dict(strategy.table.versions)}
+
+
+def semantics_under_ps(steps: int = 4, amp_steps: int = 6) -> dict[str, Any]:
+    """Clipping and a GradScaler skip on rank 1 only, under the PS strategies (colocated servers)."""
+    from workers.semantics import amp_run, clipped
+    px.init()
+    torch.set_num_threads(1)
+    oracle, oracle_norms = clipped(None, steps)  # ONE process on the global batch
+    ps, ps_norms = clipped(px.ParameterServer(sync=True, servers="colocated"), steps)
+    bad = {2, amp_steps}  # rank 1 finds inf at a mid-run step and at the last one (closed by finish())
+    amp = {name: amp_run(make(), amp_steps, bad) for name, make in (
+        ("ps-sync", lambda: px.ParameterServer(sync=True, servers="colocated")),
+        ("downpour", lambda: px.Downpour(servers="colocated")),
+        ("easgd-async", lambda: px.AsyncEASGD(every=2, servers="colocated")))}
+    amp["oracle_allreduce"] = amp_run(None, amp_steps, bad)["params"]
+    return {"oracle": oracle, "oracle_norms": oracle_norms, "ps": ps, "ps_norms": ps_norms, "amp": amp}

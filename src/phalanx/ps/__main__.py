@@ -15,20 +15,23 @@ import os
 import sys
 
 import torch
-import zmq
 
 from ..errors import PhalanxError
 from .config import PSConfig
 from .report import placement_table
 from .server import Server
+from .wire import require_zmq
 
 
 def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # the server's math is small element-wise work; leave the cores to the workers
+    cfg = PSConfig.from_environ()
     try:
-        server = Server(args.host, args.port, token=PSConfig.from_environ().token, threads=args.threads,
-                        checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, index=args.index).start()
-    except (PhalanxError, zmq.ZMQError) as err:
+        server = Server(args.host, args.port, token=cfg.token, threads=args.threads, checkpoint=args.checkpoint,
+                        checkpoint_every=args.checkpoint_every, index=args.index,
+                        max_bytes=None if args.max_mb is None else int(args.max_mb * 2**20),
+                        round_timeout=args.round_timeout or cfg.timeout_s, max_message_mb=args.max_message_mb).start()
+    except (PhalanxError, require_zmq().ZMQError) as err:  # a bad interface, a port taken
         sys.exit(f"phalanx ps server {args.index}: {err}")
     if args.port_file:
         tmp = args.port_file + ".tmp"
@@ -51,6 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--checkpoint", default=None, help="shard file: resumed from if present, written on exit")
     s.add_argument("--checkpoint-every", type=float, default=None, help="also write it every this many seconds")
     s.add_argument("--port-file", default=None, help="write the bound address here once serving")
+    s.add_argument("--max-message-mb", type=int, default=1024, help="drop a peer that sends a larger frame (MiB)")
+    s.add_argument("--max-mb", type=float, default=None, help="bound what registrations may allocate (MiB)")
+    s.add_argument("--round-timeout", type=float, default=None,
+                   help="abandon a synchronous round after this many seconds (default PHALANX_PS_TIMEOUT)")
     p = sub.add_parser("placement", help="imbalance of round_robin vs greedy_bytes on reference models")
     p.add_argument("--models", default="resnet50,mlp")
     p.add_argument("--servers", default="2,3,4")

@@ -19,17 +19,20 @@ Example:
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
-import zmq
 
 from ..errors import PhalanxError
 from .config import TIMEOUT, check_addr
 from .placement import Piece, specs
-from .shards import Policy
-from .wire import Header, Message, recv_message, send_message
+from .shards import STATE_SEP, Policy
+from .wire import Header, Message, recv_message, require_zmq, send_message
+
+if TYPE_CHECKING:
+    import zmq
 
 Request = tuple[dict[str, Any], Sequence[tuple[Header, torch.Tensor]]]
 
@@ -39,7 +42,15 @@ class PSError(PhalanxError, RuntimeError):
 
 
 class ServerUnreachable(PSError):
-    """A parameter server did not answer within the timeout."""
+    """A parameter server did not answer within the timeout.
+
+    ``servers`` holds the silent servers' indices (their place in ``PHALANX_PS_ADDRS``)
+    and ``addrs`` their addresses; the message names both.
+    """
+
+    def __init__(self, message: str, servers: Sequence[int] = (), addrs: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.servers, self.addrs = list(servers), list(addrs)
 
 
 @dataclass
@@ -61,13 +72,15 @@ class Client:
             raise PSError("no parameter-server addresses; expected at least one tcp://HOST:PORT")
         self.timeout = float(timeout)
         self._token = (token or "").encode()
+        self._zmq = zmq = require_zmq()
         self._ctx = zmq.Context()
         self._socks = [self._connect(a) for a in self.addrs]
         self._next_id = 0
         n = len(self.addrs)
         self.traffic = Traffic([0] * n, [0] * n, [0] * n)
 
-    def _connect(self, addr: str) -> zmq.Socket:
+    def _connect(self, addr: str) -> "zmq.Socket":
+        zmq = self._zmq
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(addr)
@@ -85,9 +98,9 @@ class Client:
             self.traffic.requests[s] += 1
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        poller = zmq.Poller()
+        poller = self._zmq.Poller()
         for s in ids:
-            poller.register(self._socks[s], zmq.POLLIN)
+            poller.register(self._socks[s], self._zmq.POLLIN)
         replies: dict[int, Message] = {}
         while len(replies) < len(ids):
             remaining = deadline - time.monotonic()
@@ -110,13 +123,14 @@ class Client:
                 self._socks[s].close(linger=0)
                 self._socks[s] = self._connect(self.addrs[s])
             op = next(iter(requests.values()))[0].get("op")
+            names = ", ".join(f"{s} ({self.addrs[s].removeprefix('tcp://')})" for s in missing)
             raise ServerUnreachable(
-                f"no answer from parameter server {', '.join(self.addrs[s] for s in missing)} within {limit:g} s "
-                f"(op {op!r}). Is it running and reachable from here? Check the address (PHALANX_PS_ADDRS, set by "
-                f"`phalanx run --servers N`); if it is only slow, raise {TIMEOUT}.")
+                f"no answer from parameter server {names} within {limit:g} s (op {op!r}). Has it exited? "
+                f"Is it reachable from here? Check the address (PHALANX_PS_ADDRS, set by `phalanx run --servers N`); "
+                f"if it is only slow, raise {TIMEOUT}.", missing, [self.addrs[s] for s in missing])
         for s, msg in replies.items():
             if not msg.control.get("ok"):
-                raise PSError(f"parameter server {self.addrs[s]} refused {requests[s][0].get('op')!r}: "
+                raise PSError(f"parameter server {s} ({self.addrs[s]}) refused {requests[s][0].get('op')!r}: "
                               f"{msg.control.get('error')}")
         return replies
 
@@ -131,7 +145,13 @@ class Client:
 
 
 class ParamTable:
-    """A worker's parameters, cut into shards by placement; each exchange is one request per server."""
+    """A worker's parameters, cut into shards by placement; each exchange is one request per server.
+
+    A piece is a range of the parameter's elements in logical (row-major) order. A
+    parameter whose memory is laid out otherwise (``channels_last``) is read through a
+    contiguous copy, and what comes back is written through ``copy_`` into the parameter
+    itself, so no update lands in a temporary.
+    """
 
     def __init__(self, named: Sequence[tuple[str, torch.Tensor]], client: Client, placement: Any) -> None:
         self.client = client
@@ -143,6 +163,7 @@ class ParamTable:
         self.versions = {p.name: 0 for p in self.pieces}
 
     def _view(self, tensors: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
+        """What to send for ``piece`` (read only: for a non-contiguous tensor this is a copy)."""
         t = tensors[self.index[piece.var]].detach()
         return t if piece.whole else t.reshape(-1)[piece.start:piece.stop]
 
@@ -150,9 +171,12 @@ class ParamTable:
         return [(Header.of(p.name, view, self.versions[p.name]), view)
                 for p in self.by_server[server] for view in [self._view(tensors, p)]]
 
-    def _call(self, op: dict[str, Any], tensors: Sequence[torch.Tensor] | None) -> dict[int, Message]:
+    def _call(self, op: dict[str, Any], tensors: Sequence[torch.Tensor] | None,
+              **kwargs: Any) -> dict[int, Message]:
         busy = [s for s, pieces in enumerate(self.by_server) if pieces]
-        return self.client.call({s: (op, self._frames(tensors, s) if tensors is not None else []) for s in busy})
+        return self.client.call({s: (op(s) if callable(op) else op,
+                                     self._frames(tensors, s) if tensors is not None else []) for s in busy},
+                                **kwargs)
 
     def _received(self, reply: Message) -> list[tuple[Piece, Header, torch.Tensor]]:
         out = []
@@ -164,21 +188,36 @@ class ParamTable:
             out.append((piece, header, value))
         return out
 
+    def _write(self, into: Sequence[torch.Tensor], received: Sequence[tuple[Piece, torch.Tensor]],
+               update: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+        """``update(target, value)`` on each piece's elements of ``into``, in place in the tensors themselves."""
+        by_var: dict[str, list[tuple[Piece, torch.Tensor]]] = defaultdict(list)
+        for piece, value in received:
+            by_var[piece.var].append((piece, value))
+        with torch.no_grad():
+            for var, items in by_var.items():
+                t = into[self.index[var]].detach()
+                flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)  # the latter is a copy
+                for piece, value in items:
+                    update(flat[piece.start:piece.stop], value.reshape(-1))
+                if not t.is_contiguous():
+                    t.copy_(flat.view(t.shape))  # back into the parameter's own memory layout
+
     def _load(self, replies: dict[int, Message], into: Sequence[torch.Tensor], *, versions: bool) -> None:
-        for reply in replies.values():
-            for piece, header, value in self._received(reply):
-                view = self._view(into, piece)
-                view.copy_(value.view_as(view))
-                if versions:
-                    self.versions[piece.name] = header.version
+        received = [(piece, header, value) for reply in replies.values() for piece, header, value
+                    in self._received(reply)]
+        self._write(into, [(piece, value) for piece, _, value in received], torch.Tensor.copy_)
+        if versions:
+            for piece, header, _ in received:
+                self.versions[piece.name] = header.version
 
     def register(self, policy: Policy) -> bool:
-        """Create the shards that do not exist yet, then pull: the first worker's values win.
+        """Create (and seal) the shards that do not exist yet, then pull: the first worker's values win.
 
         Returns False when some shard already existed with another policy (a late joiner
         asked for different rules; the server's stay in force).
         """
-        replies = self._call({"op": "init", "policy": policy.spec()}, self.params)
+        replies = self._call({"op": "init", "policy": policy.spec(), "seal": True}, self.params)
         self.pull()
         return all(r.control.get("same_policy", True) for r in replies.values())
 
@@ -188,20 +227,71 @@ class ParamTable:
                    for s, pieces in enumerate(self.by_server) if pieces}
         self._load(self.client.call(replies), self.params, versions=True)
 
-    def push(self, grads: Sequence[torch.Tensor], *, pull: bool) -> int:
-        """Send gradients (stamped with the versions they were computed from); returns how many shards dropped it."""
-        replies = self._call({"op": "push", "pull": pull}, grads)
+    def push(self, grads: Sequence[torch.Tensor], *, pull: bool, lrs: Sequence[float] | None = None) -> int:
+        """Send gradients (stamped with the versions they were computed from); returns how many shards dropped it.
+
+        ``lrs``: one learning rate per parameter (its param group's current lr), applied by an SGD server rule.
+        """
+        def op(server: int) -> dict[str, Any]:
+            control: dict[str, Any] = {"op": "push", "pull": pull}
+            if lrs is not None:
+                control["lr"] = [lrs[self.index[p.var]] for p in self.by_server[server]]
+            return control
+        replies = self._call(op, grads)
         if pull:
             self._load(replies, self.params, versions=True)
         return sum(len(r.control.get("dropped", [])) for r in replies.values())
 
     def elastic(self, alpha: float) -> None:
         """Asynchronous EASGD: the servers move the centre toward us by ``d``; we move by ``-d``."""
-        for reply in self._call({"op": "elastic", "alpha": alpha}, self.params).values():
-            for piece, _, d in self._received(reply):
-                view = self._view(self.params, piece)
-                view.sub_(d.view_as(view))
+        received = [(piece, d) for reply in self._call({"op": "elastic", "alpha": alpha}, self.params).values()
+                    for piece, _, d in self._received(reply)]
+        self._write(self.params, received, torch.Tensor.sub_)
 
     def reduce(self, grads: Sequence[torch.Tensor], *, step: int, workers: int) -> None:
-        """Synchronous mode: replace ``grads`` by their mean over all ``workers``."""
-        self._load(self._call({"op": "reduce", "step": step, "workers": workers}, grads), grads, versions=False)
+        """Synchronous mode: replace ``grads`` by their mean over all ``workers``.
+
+        We wait a little longer than the servers' round timeout, so that when a worker is
+        missing the servers' verdict (which names the round) arrives before our own timeout.
+        """
+        replies = self._call({"op": "reduce", "step": step, "workers": workers}, grads,
+                             timeout=self.client.timeout + 5)
+        self._load(replies, grads, versions=False)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """The servers' state of every shard: ``{name: {"value", "version", "state": {key: tensor}}}``."""
+        out: dict[str, dict[str, Any]] = {}
+        mine = {p.name for p in self.pieces}
+        replies = self.client.call({s: ({"op": "snapshot"}, []) for s, pieces in enumerate(self.by_server) if pieces})
+        for reply in replies.values():
+            for header, value in reply.tensors:
+                name, _, key = header.name.partition(STATE_SEP)
+                if name not in mine:
+                    continue  # another model's shards on the same servers
+                entry = out.setdefault(name, {"value": None, "version": 0, "state": {}})
+                if key:
+                    entry["state"][key] = value
+                else:
+                    entry["value"], entry["version"] = value, header.version
+        missing = mine - {n for n, e in out.items() if e["value"] is not None}
+        if missing:
+            raise PSError(f"the servers do not hold {len(missing)} of this model's shards (e.g. {min(missing)!r})")
+        return out
+
+    def set(self, shards: dict[str, dict[str, Any]]) -> None:
+        """Make the servers hold ``shards`` (a :meth:`snapshot`): values, versions and rule states."""
+        if set(shards) != {p.name for p in self.pieces}:
+            raise PSError("the saved server state does not hold this model's shards under this placement; "
+                          "resume with the same model, servers count and placement")
+        requests = {}
+        for s, pieces in enumerate(self.by_server):
+            if not pieces:
+                continue
+            frames: list[tuple[Header, torch.Tensor]] = []
+            for p in pieces:
+                entry = shards[p.name]
+                frames.append((Header.of(p.name, entry["value"], int(entry["version"])), entry["value"]))
+                frames += [(Header.of(p.name + STATE_SEP + k, v), v) for k, v in entry["state"].items()]
+            requests[s] = ({"op": "set"}, frames)
+        self.client.call(requests)
+        self.versions = {name: int(entry["version"]) for name, entry in shards.items()}

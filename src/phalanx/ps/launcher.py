@@ -6,7 +6,7 @@
 Example:
     >>> servers = start_servers(1)
     >>> sorted(servers.env())
-    ['PHALANX_PS_ADDRS']
+    ['PHALANX_PS_ADDRS', 'PHALANX_PS_TOKEN']
     >>> servers.stop()
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, PhalanxError, usage
-from .config import ADDRS, TOKEN, is_loopback
+from .config import ADDRS, TOKEN
 
 
 class ServerStartError(PhalanxError, RuntimeError):
@@ -56,6 +56,21 @@ class ServerGroup:
     def alive(self) -> list[bool]:
         return [p.poll() is None for p in self.procs]
 
+    def exited(self) -> list[str]:
+        """One line per server process that has exited, naming it: what a launcher should print.
+
+        Example: ``parameter server 1 (127.0.0.1:40123, pid 4242) exited with status -9 (killed by signal 9)``.
+        """
+        lines = []
+        for i, p in enumerate(self.procs):
+            code = p.poll()
+            if code is None:
+                continue
+            how = f"status {code}" + (f" (killed by signal {-code})" if code < 0 else "")
+            where = self.addrs[i].removeprefix("tcp://") or "not yet serving"
+            lines.append(f"parameter server {i} ({where}, pid {p.pid}) exited with {how}")
+        return lines
+
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every server (each writes its checkpoint, if it has one), then SIGKILL stragglers."""
         for p in self.procs:
@@ -79,18 +94,20 @@ class ServerGroup:
 
 
 def start_servers(n: int, host: str = "127.0.0.1", token: str | None = None, *, checkpoint_dir: str | None = None,
-                  checkpoint_every: float | None = None, threads: int = 2, timeout: float = 60.0) -> ServerGroup:
+                  checkpoint_every: float | None = None, threads: int = 2, timeout: float = 60.0,
+                  round_timeout: float | None = None, max_message_mb: int | None = None) -> ServerGroup:
     """Start ``n`` server processes on ``host`` and wait (at most ``timeout`` s) until all serve.
 
-    On any interface other than loopback a token is required: pass one, or one is made
-    (``secrets.token_urlsafe``) and handed to workers through ``env()``. With
+    Unless you pass one, a token is made (``secrets.token_urlsafe``) and handed to the
+    workers through ``env()``, on loopback too: other local users then cannot talk to
+    the servers (they cannot read our processes' environments). With
     ``checkpoint_dir``, server i keeps its shards in ``checkpoint_dir/ps-shard-i.pt``. It
     resumes from that file when it exists, and writes it when stopped and every
     ``checkpoint_every`` seconds.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(usage(f"--servers {n!r}", "an integer >= 1", "Pass the number of parameter servers."))
-    if token is None and not is_loopback(host):
+    if token is None:
         token = secrets.token_urlsafe(24)
     log_dir = tempfile.mkdtemp(prefix="phalanx-ps-")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -101,6 +118,10 @@ def start_servers(n: int, host: str = "127.0.0.1", token: str | None = None, *, 
     for i in range(n):
         cmd = [sys.executable, "-m", "phalanx.ps", "serve", "--host", host, "--index", str(i),
                "--threads", str(threads), "--port-file", os.path.join(log_dir, f"ps{i}.addr")]
+        if round_timeout is not None:
+            cmd += ["--round-timeout", str(round_timeout)]
+        if max_message_mb is not None:
+            cmd += ["--max-message-mb", str(max_message_mb)]
         if checkpoint_dir:
             os.makedirs(checkpoint_dir, exist_ok=True)
             cmd += ["--checkpoint", os.path.join(checkpoint_dir, f"ps-shard-{i}.pt")]

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
 
 from .. import group
 from ..errors import ConfigError, usage
-from .client import Client
+from .client import Client, PSError
 from .config import HOST, TOKEN, PSConfig, is_loopback
 from .server import Server
 
@@ -34,6 +35,34 @@ class Link:
     store: Any = None  # kept alive until release: rank 0's process hosts the rendezvous store
     key: str = ""
     released: bool = False
+    _barriers: int = 0
+
+    def barrier(self, what: str, *, timeout: float | None = None, strict: bool = True) -> bool:
+        """Wait until every worker of the group reached this point, through the rendezvous store.
+
+        No collective: a worker that is gone only costs the others ``timeout`` seconds.
+        Returns False (after a warning) if some worker never came and ``strict`` is False;
+        raises :class:`PSError` if ``strict``. A group of one returns at once.
+        """
+        store = group.store()
+        if store is None or group.world_size() == 1:
+            return True
+        self._barriers += 1
+        prefix, rank, world = f"{self.key}/barrier/{self._barriers}", group.rank(), group.world_size()
+        limit = self.client.timeout if timeout is None else timeout
+        store.set(f"{prefix}/{rank}", "1")
+        missing = []
+        try:
+            store.wait([f"{prefix}/{r}" for r in range(world)], timedelta(seconds=limit))
+            return True
+        except Exception:  # torch raises its store's own timeout error
+            missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
+        why = (f"{what}: worker(s) {missing} did not arrive within {limit:g} s (crashed, or much slower); "
+               "raise PHALANX_PS_TIMEOUT if they are only slow")
+        if strict:
+            raise PSError(why)
+        warnings.warn(why, stacklevel=3)
+        return False
 
     def release(self) -> None:
         """Close the client; a colocated server first waits (bounded) until every worker is done."""
@@ -67,7 +96,7 @@ def connect(servers: str | Sequence[str] | None = None, *, timeout: float | None
     if not isinstance(servers, (list, tuple)) or not servers:
         raise ConfigError(usage(f"servers={servers!r}", "None, 'colocated' or a list of tcp://HOST:PORT",
                                 "Leave it unset to use PHALANX_PS_ADDRS or colocated servers."))
-    return Link(Client(servers, token=cfg.token, timeout=timeout))
+    return Link(Client(servers, token=cfg.token, timeout=timeout), key=f"ps/job/{next(_generation)}")
 
 
 def _colocated(cfg: PSConfig, timeout: float) -> Link:

@@ -27,24 +27,49 @@ def _positive(name: str, value: Any, hint: str) -> float:
 
 
 class SGD:
-    """``p ← p − lr·g``: plain asynchronous SGD."""
+    """``torch.optim.SGD``'s rule on the server: ``d = g + wd·p; b ← μ·b + d; p ← p − lr·(d + μ·b if nesterov else b)``.
+
+    With the defaults (no momentum, no weight decay) it is ``p ← p − lr·g``, plain
+    asynchronous SGD. The momentum buffer lives on the server, one per shard, and
+    every worker's pushes feed it (asynchronous momentum).
+    """
 
     kind = "sgd"
 
-    def __init__(self, lr: float) -> None:
+    def __init__(self, lr: float, *, momentum: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False) -> None:
         self.lr = _positive("lr", lr, "Pass the server's step size, e.g. SGD(lr=0.05).")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+            raise ConfigError(usage(f"momentum={momentum!r}", "0 <= momentum < 1", "Use 0.9, or 0 for none."))
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) \
+                or not math.isfinite(weight_decay) or weight_decay < 0:
+            raise ConfigError(usage(f"weight_decay={weight_decay!r}", "a finite number >= 0", "Use e.g. 1e-4."))
+        if nesterov and not momentum:
+            raise ConfigError(usage("nesterov=True without momentum", "momentum > 0", "Pass momentum=0.9."))
+        self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {}
+        # A zero buffer makes the first step b = d, as torch's SGD does (it has no dampening here).
+        return {"momentum_buffer": torch.zeros_like(param)} if self.momentum else {}
 
-    def apply_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-        param.add_(grad, alpha=-self.lr)
+    def apply_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+               lr: float | None = None) -> None:
+        """``lr``: the worker's current learning rate, when it sends one (its schedule); else ``self.lr``."""
+        d = grad.add(param, alpha=self.weight_decay) if self.weight_decay else grad
+        if self.momentum:
+            buf = state["momentum_buffer"]
+            buf.mul_(self.momentum).add_(d)
+            d = d.add(buf, alpha=self.momentum) if self.nesterov else buf
+        param.add_(d, alpha=-(self.lr if lr is None else lr))
 
     def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "lr": self.lr}
+        return {"kind": self.kind, "lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
+                "nesterov": self.nesterov}
 
     def __repr__(self) -> str:
-        return f"SGD(lr={self.lr})"
+        extra = "".join(f", {k}={v}" for k, v in (("momentum", self.momentum), ("weight_decay", self.weight_decay),
+                                                  ("nesterov", self.nesterov)) if v)
+        return f"SGD(lr={self.lr}{extra})"
 
 
 class Adagrad:
@@ -63,7 +88,8 @@ class Adagrad:
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"sum": torch.full_like(param, self.initial_accumulator)}
 
-    def apply_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+    def apply_(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+               lr: float | None = None) -> None:
         acc = state["sum"]
         acc.addcmul_(grad, grad)
         param.addcdiv_(grad, acc.sqrt().add_(self.eps), value=-self.lr)

@@ -12,6 +12,11 @@ whether two pushes to one shard may interleave.
 Security: the server binds to loopback unless told otherwise. On any other interface it
 refuses to start without a token. When it has a token, every request must carry it; the
 token is compared in constant time before anything else in the request is parsed.
+Whoever holds the token (or, without one, any local process) is still not trusted to
+knock the server over: every tensor header is checked against the registered shard
+before anything is allocated, frames are capped (``ZMQ_MAXMSGSIZE``), non-finite values
+are refused, registrations are sealed, abandoned synchronous rounds time out, and a
+handler answers any exception with an error and keeps serving.
 
 Example:
     >>> server = Server().start()
@@ -27,15 +32,17 @@ import signal
 import threading
 import traceback
 from collections import Counter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import zmq
 
 from ..errors import ConfigError, PhalanxError, usage
-from .config import is_loopback
+from .config import DEFAULT_TIMEOUT_S, is_loopback
 from .shards import Policy, Reducer, RejectError, ShardStore, Tensors
-from .wire import Header, WireError, recv_message, send_message
+from .wire import Header, WireError, recv_message, require_zmq, send_message
+
+if TYPE_CHECKING:
+    import zmq
 
 PROTOCOL = 1
 Reply = tuple[dict[str, Any], list[tuple[Header, torch.Tensor]]]
@@ -56,11 +63,15 @@ class Server:
         checkpoint: a file for this server's shards: loaded at start if it exists, written on
             ``stop()`` and on a client's ``save`` request.
         index: this server's position in the job's address list (for logs and checkpoints).
+        max_message_mb: the largest frame a peer may send; a larger one drops that peer's connection.
+        max_bytes: what registrations may allocate before a strategy seals the set (None: no limit).
+        round_timeout: seconds after which an incomplete synchronous round is abandoned.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None, threads: int = 2,
                  checkpoint: str | None = None, checkpoint_every: float | None = None, index: int = 0,
-                 max_message_mb: int = 2048) -> None:
+                 max_message_mb: int = 1024, max_bytes: int | None = None,
+                 round_timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not is_loopback(host) and not token:
             raise ConfigError(usage(f"a parameter server on {host!r} without a token",
                                     "a per-job token on any interface other than loopback",
@@ -75,14 +86,18 @@ class Server:
                                     "Pass --checkpoint PATH too, or leave the period out."))
         self.threads, self.checkpoint, self.max_message_mb = threads, checkpoint, max_message_mb
         self.checkpoint_every = checkpoint_every
-        self.store, self.reducer = ShardStore(), Reducer()
+        if not round_timeout > 0:
+            raise ConfigError(usage(f"round_timeout={round_timeout!r}", "a positive number of seconds",
+                                    "Use the workers' PHALANX_PS_TIMEOUT."))
+        self.store, self.reducer = ShardStore(max_bytes), Reducer(round_timeout)
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._ops: dict[str, Callable[[bytes, dict[str, Any], Tensors], Any]] = {
             "info": self._info, "init": self._init, "pull": self._pull, "push": self._push,
-            "elastic": self._elastic, "reduce": self._reduce, "stats": self._stats, "save": self._save}
+            "elastic": self._elastic, "reduce": self._reduce, "stats": self._stats, "save": self._save,
+            "snapshot": self._snapshot, "set": self._set}
         if checkpoint and os.path.exists(checkpoint):
             self.store.load(checkpoint)  # a job resuming from its servers' shards
 
@@ -92,6 +107,7 @@ class Server:
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> "Server":
+        zmq = require_zmq()
         self._ctx = zmq.Context()
         frontend = self._ctx.socket(zmq.ROUTER)
         frontend.setsockopt(zmq.LINGER, 0)
@@ -124,7 +140,8 @@ class Server:
         return self
 
     @staticmethod
-    def _proxy(frontend: zmq.Socket, backend: zmq.Socket, control: zmq.Socket) -> None:
+    def _proxy(frontend: "zmq.Socket", backend: "zmq.Socket", control: "zmq.Socket") -> None:
+        zmq = require_zmq()
         try:
             zmq.proxy_steerable(frontend, backend, None, control)
         except zmq.ContextTerminated:
@@ -160,15 +177,28 @@ class Server:
         self.stop()
 
     # -- one request --------------------------------------------------------------------------
-    def _handle_loop(self, sock: zmq.Socket) -> None:
+    def _handle_loop(self, sock: "zmq.Socket") -> None:
+        zmq = require_zmq()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(100):
-                    self._serve_one(sock)
+                try:
+                    if poller.poll(100):
+                        self._serve_one(sock)
+                    self._expire_rounds(sock)
+                except zmq.ContextTerminated:
+                    return
+                except Exception:  # noqa: BLE001 - whatever a request did, this thread keeps serving
+                    traceback.print_exc()
         finally:
             sock.close(linger=0)
+
+    def _expire_rounds(self, sock: "zmq.Socket") -> None:
+        for who, why in self.reducer.expire():
+            identity, rid = who
+            self._count(rejected=1)
+            send_message(sock, {"ok": False, "error": why, "id": rid}, prefix=[identity])
 
     def _authorize(self, prefix: list[bytes]) -> None:
         if self._token is not None and not hmac.compare_digest(prefix[1], self._token):
@@ -176,18 +206,23 @@ class Server:
             raise AuthError("rejected: this server requires the job's token (PHALANX_PS_TOKEN) and the request "
                             "did not carry it")
 
-    def _serve_one(self, sock: zmq.Socket) -> None:
+    def _admit(self, control: dict[str, Any], header: Header) -> None:
+        self.store.admit(control.get("op"), header)
+
+    def _serve_one(self, sock: "zmq.Socket") -> None:
         try:
-            msg = recv_message(sock, prefix_frames=2, authorize=self._authorize)
-        except PhalanxError as err:
+            msg = recv_message(sock, prefix_frames=2, authorize=self._authorize, admit=self._admit)
+        except Exception as err:  # noqa: BLE001 - a malformed or hostile message: answer it, keep serving
             prefix = getattr(err, "prefix", [])
             if prefix:
                 self._count(rejected=1)
-                send_message(sock, {"ok": False, "error": str(err)}, prefix=prefix[:1])
+                why = str(err) if isinstance(err, PhalanxError) else f"malformed request: {type(err).__name__}"
+                send_message(sock, {"ok": False, "error": why[:4000]}, prefix=prefix[:1])
             return
         identity, control = msg.prefix[0], msg.control
         self._count(requests=1, bytes_in=msg.nbytes)
         rid = control.get("id")
+        rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else None  # echoed back: keep it small
         try:
             op = self._ops.get(control.get("op"))  # type: ignore[arg-type]
             if op is None:
@@ -199,10 +234,12 @@ class Server:
                 replies = [(identity, rid, replies)]
         except (RejectError, ConfigError, WireError) as err:
             self._count(rejected=1)
-            replies = [(identity, rid, ({"ok": False, "error": str(err)}, []))]
-        except Exception as err:  # a bug here must not kill the server for every other worker
+            replies = [(identity, rid, ({"ok": False, "error": str(err)[:4000]}, []))]
+        except Exception as err:  # noqa: BLE001 - a bug here must not kill the server for every other worker
             traceback.print_exc()
-            replies = [(identity, rid, ({"ok": False, "error": f"internal error: {type(err).__name__}: {err}"}, []))]
+            self._count(rejected=1)
+            replies = [(identity, rid, ({"ok": False, "error": f"internal error: {type(err).__name__}: "
+                                                              f"{str(err)[:2000]}"}, []))]
         for who, req_id, (reply, tensors) in replies:
             sent = send_message(sock, {"ok": True, **reply, "id": req_id}, tensors, prefix=[who])
             self._count(bytes_out=sent)
@@ -216,13 +253,13 @@ class Server:
         return {"index": self.index, "protocol": PROTOCOL, "shards": len(self.store.shards)}, []
 
     def _init(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
-        return self.store.init(tensors, Policy.from_spec(control.get("policy"))), []
+        return self.store.init(tensors, Policy.from_spec(control.get("policy")), seal=control.get("seal") is True), []
 
     def _pull(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
         return {}, self.store.pull(control.get("names"))
 
     def _push(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
-        dropped, applied = self.store.push(tensors)
+        dropped, applied = self.store.push(tensors, control.get("lr"))
         values = self.store.pull([h.name for h, _ in tensors]) if control.get("pull") else []
         return {"dropped": dropped, "applied": applied}, values
 
@@ -239,10 +276,16 @@ class Server:
     def _stats(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
         with self._stats_lock:
             stats = dict(self.stats)
-        held = sum(s.value.numel() * s.value.element_size() for s in list(self.store.shards.values()))
+        held = self.store.bytes_held
         return {"index": self.index, "shards": len(self.store.shards), "bytes_held": held,
                 **{k: stats.get(k, 0) for k in ("requests", "bytes_in", "bytes_out", "rejected", "unauthorized")},
                 **{k: self.store.counts.get(k, 0) for k in ("applied", "dropped_stale", "elastic")}}, []
+
+    def _snapshot(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
+        return {}, self.store.snapshot()
+
+    def _set(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
+        return {"set": self.store.set(tensors)}, []
 
     def _save(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
         if not self.checkpoint:

@@ -8,8 +8,13 @@ A shard is one variable, or one piece of a variable that placement split. It car
   dropped and counted), and a lock policy. The first worker to register the shard sets
   the policy.
 
-Every request is checked whole before anything changes. An unknown name, a wrong dtype
-or a wrong shape rejects the request, and no shard moves.
+Every request is checked whole before anything changes. An unknown name, a wrong dtype,
+a wrong shape or a non-finite value (NaN, inf) rejects the request, and no shard moves.
+:meth:`ShardStore.admit` runs on each tensor header before its tensor is even allocated.
+
+The shards a server may hold are bounded: a strategy registers its whole set at once and
+*seals* it (``seal=True``); after that no new name is accepted. Before sealing,
+``max_bytes`` bounds what registrations may allocate.
 
 Example:
     >>> import torch
@@ -25,15 +30,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ContextManager, Sequence
 
 import torch
 
-from ..checkpoint import read_checkpoint, write_verified
+from ..framing import read_verified, write_verified
 from ..errors import ConfigError, PhalanxError, usage
 from .optim import SGD, Adagrad, from_spec
 from .wire import Header
@@ -85,6 +92,23 @@ class Policy:
         return cls(None if rule is None else from_spec(rule), bool(spec.get("lock", True)), stale)
 
 
+def _finite(tensors: Tensors, what: str) -> None:
+    for header, t in tensors:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise RejectError(f"{what} of {header.name!r} holds NaN or inf; refused, nothing changed. "
+                              "Check the loss for overflow (or skip the step, as GradScaler does).")
+
+
+def _lr(value: Any) -> float:
+    """A learning rate sent with a push: a finite number >= 0 (a schedule may reach 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise RejectError(f"lr={value!r} sent with a push; expected a finite number >= 0")
+    return float(value)
+
+
+STATE_SEP = "#"  # "w#sum": the rule's state tensor "sum" of shard "w", in snapshot and set requests
+
+
 class Shard:
     def __init__(self, value: torch.Tensor, policy: Policy, version: int = 0,
                  state: dict[str, torch.Tensor] | None = None) -> None:
@@ -92,13 +116,13 @@ class Shard:
         self.state = (policy.rule.init_state(value) if policy.rule else {}) if state is None else state
         self.guard = (ShardLock() if policy.lock else NoLock()).new()
 
-    def push(self, grad: torch.Tensor, computed_from: int) -> bool:
-        """Apply ``grad`` unless it is staler than the policy allows; True if applied."""
+    def push(self, grad: torch.Tensor, computed_from: int, lr: float | None = None) -> bool:
+        """Apply ``grad`` (at ``lr``, when the worker sends its current one) unless too stale; True if applied."""
         with self.guard:
             stale = self.policy.max_staleness
             if stale is not None and self.version - computed_from > stale:
                 return False
-            self.policy.rule.apply_(self.value, grad, self.state)
+            self.policy.rule.apply_(self.value, grad, self.state, lr=lr)  # type: ignore[union-attr]
             self.version += 1
             return True
 
@@ -114,6 +138,14 @@ class Shard:
         with self.guard:
             return self.value.clone(), self.version
 
+    def set(self, value: torch.Tensor, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Replace value, version and the rule's state (a job resuming from its checkpoint)."""
+        with self.guard:
+            self.value.copy_(value)
+            self.version = version
+            for key, saved in state.items():
+                self.state[key].copy_(saved)
+
 
 def _mismatch(header: Header, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
     if header.dtype != dtype or header.shape != shape:
@@ -125,11 +157,47 @@ def _mismatch(header: Header, dtype: torch.dtype, shape: tuple[int, ...]) -> str
 class ShardStore:
     """All shards of one server. Thread-safe: handler threads share it."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int | None = None) -> None:
         self.shards: dict[str, Shard] = {}
         self.counts: Counter[str] = Counter()  # applied, dropped_stale, elastic: shard updates
         self._counts_lock = threading.Lock()  # handler threads update counts concurrently
         self._registry = threading.Lock()
+        self.sealed = False  # True once a strategy registered its whole set: no new names after that
+        self.max_bytes = max_bytes  # what registrations may allocate before the set is sealed
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(s.value.numel() * s.value.element_size() for s in list(self.shards.values()))
+
+    def admit(self, op: Any, header: Header) -> None:
+        """Refuse a tensor header before its tensor is allocated, unless ``op`` may carry it."""
+        if op == "init":
+            shard = self.shards.get(header.name)
+            if shard is not None:
+                problem = _mismatch(header, shard.value.dtype, tuple(shard.value.shape))
+                if problem:
+                    raise RejectError(f"cannot register {problem}. Is this the same model?")
+                return
+            if self.sealed:
+                raise RejectError(f"cannot register {header.name!r}: this server's shards were sealed by the job's "
+                                  f"first registration ({len(self.shards)} shards); one model per set of servers")
+            if self.max_bytes is not None and self.bytes_held + header.nbytes > self.max_bytes:
+                raise RejectError(f"registering {header.name!r} ({header.nbytes} bytes) would pass this server's "
+                                  f"limit of {self.max_bytes} bytes")
+            return
+        if op not in ("push", "elastic", "reduce", "set"):
+            raise RejectError(f"op {op!r} carries no tensors; got {header.name!r}")
+        name, _, key = header.name.partition(STATE_SEP) if op == "set" else (header.name, "", "")
+        shard = self.shards.get(name)
+        if shard is None:
+            raise RejectError(f"unknown variable {name[:200]!r}; this server holds {len(self.shards)} shards. "
+                              "Register it first (the strategy's attach does), or check the placement.")
+        ref = shard.value if not key else shard.state.get(key)
+        if ref is None:
+            raise RejectError(f"{name!r} has no state {key!r}; its rule keeps {sorted(shard.state)}")
+        problem = _mismatch(header, ref.dtype, tuple(ref.shape))
+        if problem:
+            raise RejectError(problem)
 
     def check(self, tensors: Tensors) -> list[Shard]:
         """The shards ``tensors`` address; raises :class:`RejectError` if any is unknown or mismatched."""
@@ -148,33 +216,51 @@ class ShardStore:
             found.append(shard)
         return found
 
-    def init(self, tensors: Tensors, policy: Policy) -> dict[str, Any]:
-        """Register shards that do not exist yet; existing ones keep their value (a late joiner pulls them)."""
+    def init(self, tensors: Tensors, policy: Policy, *, seal: bool = False) -> dict[str, Any]:
+        """Register shards that do not exist yet; existing ones keep their value (a late joiner pulls them).
+
+        ``seal``: these are all the shards this server will hold for the job; refuse new names afterwards.
+        """
+        if len({h.name for h, _ in tensors}) != len(tensors):
+            raise RejectError("a shard appears twice in one registration")
+        _finite(tensors, "the initial value")
         with self._registry:
             for header, _ in tensors:
-                shard = self.shards.get(header.name)
-                problem = shard and _mismatch(header, shard.value.dtype, tuple(shard.value.shape))
-                if problem:
-                    raise RejectError(f"cannot register {problem}. Is this the same model?")
+                self.admit("init", header)  # again, under the lock: another registration may have raced us
+            if self.max_bytes is not None and \
+                    self.bytes_held + sum(h.nbytes for h, _ in tensors if h.name not in self.shards) > self.max_bytes:
+                raise RejectError(f"this registration would pass the server's limit of {self.max_bytes} bytes")
             created = [h.name for h, t in tensors if h.name not in self.shards]
             for header, tensor in tensors:
                 if header.name not in self.shards:
                     self.shards[header.name] = Shard(tensor.clone(), policy)
             policies = {self.shards[h.name].policy.json() for h, _ in tensors}
+            self.sealed = self.sealed or bool(seal)
         return {"created": len(created), "existing": len(tensors) - len(created),
                 "same_policy": policies <= {policy.json()}}
 
-    def push(self, tensors: Tensors) -> tuple[list[str], int]:
-        """Apply gradients; returns (names dropped as too stale, applied count)."""
+    def push(self, tensors: Tensors, lrs: Any = None) -> tuple[list[str], int]:
+        """Apply gradients; returns (names dropped as too stale, applied count).
+
+        ``lrs``: None, or one learning rate per tensor (the worker's current ones, for an SGD rule).
+        """
         shards = self.check(tensors)
-        for (header, _), shard in zip(tensors, shards, strict=True):
+        if lrs is not None and (not isinstance(lrs, list) or len(lrs) != len(tensors)):
+            raise RejectError(f"push with lr={str(lrs)[:80]}; expected a list of {len(tensors)} learning rates")
+        rates: list[float | None] = [_lr(v) for v in lrs] if lrs is not None else [None] * len(tensors)
+        _finite(tensors, "the gradient")
+        for (header, _), shard, rate in zip(tensors, shards, rates, strict=True):
             if shard.policy.rule is None:
                 raise RejectError(f"{header.name!r} takes no gradients (it was registered without a server "
                                   "optimizer, e.g. as an EASGD centre)")
+            if rate is not None and shard.policy.rule.kind != "sgd":  # type: ignore[union-attr]
+                raise RejectError(f"{header.name!r} follows the server's own {shard.policy.rule!r}; "
+                                  "a push may not set its lr")
             if header.version > shard.version:
                 raise RejectError(f"{header.name!r} pushed from version {header.version} but the server is at "
                                   f"{shard.version}; pull before pushing (did the server restart from a checkpoint?)")
-        dropped = [h.name for (h, g), shard in zip(tensors, shards, strict=True) if not shard.push(g, h.version)]
+        dropped = [h.name for (h, g), shard, rate in zip(tensors, shards, rates, strict=True)
+                   if not shard.push(g, h.version, rate)]
         with self._counts_lock:
             self.counts.update(applied=len(tensors) - len(dropped), dropped_stale=len(dropped))
         return dropped, len(tensors) - len(dropped)
@@ -183,6 +269,7 @@ class ShardStore:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
             raise RejectError(f"elastic alpha={alpha!r}; expected 0 < alpha < 1")
         shards = self.check(tensors)
+        _finite(tensors, "the parameter")
         out = []
         for (header, x), shard in zip(tensors, shards, strict=True):
             d = shard.elastic(x, float(alpha))
@@ -203,6 +290,46 @@ class ShardStore:
             out.append((Header(name, value.dtype, tuple(value.shape), version), value))
         return out
 
+    def snapshot(self) -> list[tuple[Header, torch.Tensor]]:
+        """Every shard's value (its version in the header), then its rule's state as ``name#key``."""
+        out = []
+        for name, shard in list(self.shards.items()):
+            with shard.guard:
+                out.append((Header(name, shard.value.dtype, tuple(shard.value.shape), shard.version),
+                            shard.value.clone()))
+                out += [(Header(name + STATE_SEP + k, v.dtype, tuple(v.shape)), v.clone())
+                        for k, v in shard.state.items()]
+        return out
+
+    def set(self, tensors: Tensors) -> int:
+        """Overwrite shards with a snapshot (values with versions, and ``name#key`` states); all or nothing."""
+        self.check([(h, t) for h, t in tensors if STATE_SEP not in h.name])
+        _finite(tensors, "the value")
+        values: dict[str, tuple[torch.Tensor, int]] = {}
+        states: dict[str, dict[str, torch.Tensor]] = {}
+        for header, t in tensors:
+            name, _, key = header.name.partition(STATE_SEP)
+            shard = self.shards.get(name)
+            if shard is None:
+                raise RejectError(f"unknown variable {name!r}")
+            if key:
+                ref = shard.state.get(key)
+                problem = _mismatch(header, ref.dtype, tuple(ref.shape)) if ref is not None else "unknown state"
+                if problem or key in states.get(name, {}):
+                    raise RejectError(f"state {header.name!r}: {problem or 'sent twice'}")
+                states.setdefault(name, {})[key] = t
+            else:
+                values[name] = (t, header.version)
+        for name in states.keys() - values.keys():
+            raise RejectError(f"state of {name!r} sent without its value")
+        for name in values:  # all of a shard's state or none: a half-restored Adagrad sum would be wrong silently
+            want, got = set(self.shards[name].state), set(states.get(name, {}))
+            if got and got != want:
+                raise RejectError(f"{name!r}: state {sorted(got)} sent; its rule keeps {sorted(want)}")
+        for name, (value, version) in values.items():
+            self.shards[name].set(value, version, states.get(name, {}))
+        return len(values)
+
     # -- checkpoints: atomic, verified, weights_only (the format of px.save_checkpoint) ----------
     def save(self, path: str | os.PathLike) -> None:
         body: dict[str, Any] = {"format": "phalanx-ps-shards-1", "counts": dict(self.counts), "shards": {}}
@@ -214,7 +341,7 @@ class ShardStore:
         write_verified(path, body)
 
     def load(self, path: str | os.PathLike) -> None:
-        body = read_checkpoint(path)
+        body = read_verified(path)
         if body.get("format") != "phalanx-ps-shards-1":
             raise RejectError(f"{os.fspath(path)!r} is a phalanx checkpoint but not a parameter-server shard file")
         with self._registry:
@@ -224,22 +351,51 @@ class ShardStore:
 
 
 class Reducer:
-    """Synchronous mode: average each step's gradients over all workers, then answer them all."""
+    """Synchronous mode: average each step's gradients over all workers, then answer them all.
 
-    def __init__(self) -> None:
+    A round that does not complete within ``timeout`` seconds (a worker died or never
+    came) is abandoned: its partial sum is dropped and the workers waiting on it are told.
+    At most ``max_rounds`` rounds are open at once, so open rounds cannot pile up.
+    """
+
+    MAX_WORKERS = 65536
+
+    def __init__(self, timeout: float = 30.0, max_rounds: int = 8) -> None:
         self._lock = threading.Lock()
         self._rounds: dict[int, dict[str, Any]] = {}
+        self.timeout, self.max_rounds = timeout, max_rounds
+
+    def expire(self, now: float | None = None) -> list[tuple[Any, str]]:
+        """Abandon rounds older than the timeout; returns (waiting worker, why) for each one to tell."""
+        now = time.monotonic() if now is None else now
+        told = []
+        with self._lock:
+            for step, rnd in list(self._rounds.items()):
+                if now - rnd["started"] > self.timeout:
+                    del self._rounds[step]
+                    why = (f"synchronous round of step {step} abandoned after {self.timeout:g} s: only "
+                           f"{len(rnd['who'])} of {rnd['workers']} workers contributed (a worker crashed, stopped or "
+                           "counts steps differently); its partial sum was dropped")
+                    told += [(who, why) for who in rnd["who"]]
+        return told
 
     def contribute(self, step: Any, workers: Any, who: bytes,
                    tensors: Tensors) -> tuple[list[bytes], list[tuple[Header, torch.Tensor]]] | None:
         """Add one worker's gradients; when the last arrives, return (everyone waiting, the means)."""
         if isinstance(step, bool) or not isinstance(step, int) or isinstance(workers, bool) \
-                or not isinstance(workers, int) or workers < 1:
-            raise RejectError(f"reduce needs an integer step and workers >= 1; got step={step!r}, workers={workers!r}")
+                or not isinstance(workers, int) or not 1 <= workers <= self.MAX_WORKERS:
+            raise RejectError(f"reduce needs an integer step and 1 <= workers <= {self.MAX_WORKERS}; "
+                              f"got step={step!r}, workers={workers!r}")
+        if len({h.name for h, _ in tensors}) != len(tensors):
+            raise RejectError("a shard appears twice in one request")
         with self._lock:
             rnd = self._rounds.get(step)
             if rnd is None:
-                rnd = self._rounds[step] = {"workers": workers, "who": [], "sums": [(h, t) for h, t in tensors]}
+                if len(self._rounds) >= self.max_rounds:
+                    raise RejectError(f"{len(self._rounds)} synchronous rounds are already open (steps "
+                                      f"{sorted(self._rounds)[:8]}); a worker is far ahead of the others")
+                rnd = self._rounds[step] = {"workers": workers, "who": [], "started": time.monotonic(),
+                                            "sums": [(h, t) for h, t in tensors]}
             else:
                 self._check_round(rnd, step, workers, who, tensors)
                 for (_, acc), (_, t) in zip(rnd["sums"], tensors, strict=True):

@@ -26,11 +26,13 @@ from .. import group, sync
 from ..errors import ConfigError, usage
 from ..strategies import register
 from ..strategies.base import Strategy
+from ..strategies.gradients import fill_missing_grads, weigh_
 from .client import ParamTable
 from .link import Link, connect
 from .optim import SGD, Adagrad
 from .placement import policy as placement_policy
 from .shards import Policy
+from .wire import require_zmq
 
 
 class PSStrategy(Strategy):
@@ -42,25 +44,37 @@ class PSStrategy(Strategy):
         timeout: seconds to wait for a server (default ``PHALANX_PS_TIMEOUT`` or 30).
     """
 
+    #: ``phalanx run --servers N`` starts servers only strategies with this flag use.
+    uses_servers = True
+
     def __init__(self, *, servers: str | Sequence[str] | None = None, placement: Any = "greedy_bytes",
                  timeout: float | None = None) -> None:
+        require_zmq()  # fail here, with what to install, rather than deep inside attach
         super().__init__()
         self.servers, self.placement, self.timeout = servers, placement_policy(placement), timeout
         if timeout is not None and not timeout > 0:
             raise ConfigError(usage(f"timeout={timeout!r}", "a positive number of seconds", "Leave it unset for 30."))
         self.link: Link | None = None
         self.table: ParamTable | None = None
+        self._pending_servers: dict[str, Any] | None = None  # a checkpoint loaded before attach
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         # No broadcast here (unlike the base class): the servers are where replicas agree.
         self.model, self.optimizer = model, optimizer
+        self.check_optimizer(optimizer)  # before anything starts: a refusal leaves no server behind
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.link = connect(self.servers, timeout=self.timeout)
         self.table = ParamTable(named, self.link.client, self.placement)
         self._exchange(self.join)
+        if self._pending_servers is not None:
+            self._restore_servers(self._pending_servers)
+            self._pending_servers = None
         self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # bytes_per_step leaves out the join
         return model
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse, at wrap time, an optimizer this strategy cannot honour (the default accepts any)."""
 
     def join(self) -> None:
         """Agree on the starting parameters (runs inside attach)."""
@@ -69,15 +83,69 @@ class PSStrategy(Strategy):
     servers_hold_the_model = True
 
     def finish(self) -> None:
-        """End of training: pull the servers' model into the local one, then leave the servers.
+        """End of training, on every worker: leave each one holding the same final model.
 
+        Each worker sends what it has not pushed yet, then waits (through the rendezvous
+        store, at most the PS timeout) until every worker has done so, then pulls. So every
+        worker ends with the servers' model including everyone's last updates. A worker that
+        never arrives is named in a warning, and the others pull without its last updates.
         A colocated server keeps serving until every worker has called this (or exited).
         """
         if self.link is None or self.link.released:
             return
         if self.servers_hold_the_model:
+            self._flush()
+            self.link.barrier("finish() waited for every worker's last pushes", strict=False)
             self._exchange(self.table.pull)  # type: ignore[union-attr]
         self.link.release()
+
+    def _flush(self) -> None:
+        """Send what this worker has not pushed yet (Downpour's partial gradient sum)."""
+
+    # -- state: the servers' shards are part of the shared state ------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The step count and, when the servers hold the model, their shards (values, versions, rule state)."""
+        state = super().state_dict()
+        if self.servers_hold_the_model and self.table is not None and not self.link.released:  # type: ignore
+            state["servers"] = self._exchange(self.table.snapshot)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the step count and make the servers hold the saved shards.
+
+        Rank 0 sends them (one ``set`` request per server); every worker then waits at a
+        store barrier, so no one pushes to the servers before they hold the checkpoint.
+        """
+        super().load_state_dict(state)
+        servers = state.get("servers")
+        if servers is None or not self.servers_hold_the_model:
+            return
+        if self.table is None:
+            self._pending_servers = servers  # applied at attach
+            return
+        self._restore_servers(servers)
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        """When the servers hold the model, each worker's copy drifts from it: keep the copy and its optimizer."""
+        state = super().replica_state_dict()
+        if self.servers_hold_the_model:
+            state.update(params=[p.detach().clone() for p in self.params], optimizer=self.optimizer.state_dict())
+        return state
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_replica_state_dict(state)
+        if "params" in state:
+            with torch.no_grad():
+                for p, saved in zip(self.params, state["params"], strict=True):
+                    p.copy_(saved)
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def _restore_servers(self, servers: dict[str, Any]) -> None:
+        if group.rank() == 0:
+            self._exchange(self.table.set, servers)  # type: ignore[union-attr]
+        else:
+            self.table.versions = {n: int(e["version"]) for n, e in servers.items()}  # type: ignore[union-attr]
+        self.link.barrier("restoring the parameter servers from a checkpoint")  # type: ignore[union-attr]
 
     def _exchange(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one exchange with the servers and add its bytes and time to ``self.comm.stats``."""
@@ -91,10 +159,33 @@ class PSStrategy(Strategy):
 
     def _grads(self) -> list[torch.Tensor]:
         """Every parameter's gradient; a parameter the loss did not touch gets zeros."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.params]  # type: ignore[misc]
+        return fill_missing_grads(self.params)
+
+
+def _server_sgd(optimizer: torch.optim.Optimizer) -> SGD:
+    """The server-side copy of the user's ``torch.optim.SGD``; refuse what it cannot apply, never drop it."""
+    todo = ("Use torch.optim.SGD (momentum, weight_decay, nesterov and an LR scheduler are followed), or choose the "
+            "servers' rule yourself with server_optimizer=px.ps.Adagrad(lr=...) or px.ps.SGD(lr=...); your "
+            "optimizer then only moves the local copy between pulls.")
+    if type(optimizer) is not torch.optim.SGD:
+        raise ConfigError(usage(f"Downpour with a {type(optimizer).__name__} optimizer and no server_optimizer",
+                                "torch.optim.SGD, whose rule the servers apply", todo))
+    groups = optimizer.param_groups
+    for i, g in enumerate(groups):
+        if g.get("dampening") or g.get("maximize"):
+            raise ConfigError(usage(f"Downpour with SGD(dampening={g.get('dampening')}, maximize={g.get('maximize')})"
+                                    f" in param group {i} and no server_optimizer",
+                                    "dampening=0 and maximize=False (the servers' rule has neither)", todo))
+    keys = ("momentum", "weight_decay", "nesterov")
+    settings = {tuple(g.get(k) for k in keys) for g in groups}
+    if len(settings) > 1:
+        raise ConfigError(usage(f"Downpour with param groups whose {'/'.join(keys)} differ ({sorted(settings)})",
+                                "one setting for every group (each push carries its group's lr; nothing else)",
+                                "Give every group the same momentum, weight_decay and nesterov, " + todo[0].lower()
+                                + todo[1:]))
+    momentum, weight_decay, nesterov = settings.pop()
+    return SGD(lr=max(g["lr"] for g in groups) or 1.0, momentum=momentum or 0.0, weight_decay=weight_decay or 0.0,
+               nesterov=bool(nesterov))
 
 
 def _rule(server_optimizer: Any) -> "SGD | Adagrad | None":
@@ -116,7 +207,13 @@ class Downpour(PSStrategy):
 
     Args:
         push_every, pull_every: steps between pushes / pulls (n_push and n_fetch in the paper).
-        server_optimizer: ``phalanx.ps.SGD(lr)`` or ``phalanx.ps.Adagrad(lr)``.
+        server_optimizer: ``phalanx.ps.SGD(lr)`` or ``phalanx.ps.Adagrad(lr)``. Left unset, the
+            servers apply your ``torch.optim.SGD``'s rule: its momentum, weight decay and
+            nesterov (one setting for all groups; the momentum buffer lives on the servers),
+            and the current lr of each parameter's group, sent with every push, so LR
+            schedules and per-group lrs are followed. Any other optimizer, or what the
+            servers cannot apply (dampening, maximize, groups with different momentum), is
+            refused at ``px.wrap`` with what to do instead, never silently dropped.
         max_staleness: drop (and count in ``self.dropped``, per shard) a push computed from parameters more
             than this many versions behind the shard's; None applies every push.
         lock: serialise updates of each shard (True), or let them interleave, Hogwild style (False).
@@ -137,42 +234,73 @@ class Downpour(PSStrategy):
         self.dropped = 0  # shard updates the servers refused as too stale
         self._acc: list[torch.Tensor] | None = None
 
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        # Left unset, the servers apply your SGD (lr sent with every push, so schedules hold).
+        self._rule = self.server_optimizer or _server_sgd(optimizer)
+
     def join(self) -> None:
-        rule = self.server_optimizer or SGD(lr=self.optimizer.param_groups[0]["lr"])
+        rule = self._rule
+        # Pushes carry the user's lrs only while the servers apply the user's rule.
+        self._sends_lr = self.server_optimizer is None
         if not self.table.register(Policy(rule, self.lock, self.max_staleness)):  # type: ignore[union-attr]
+            self._sends_lr = False  # a late joiner: the first worker's rule is in force, with its own lr
             warnings.warn("the servers already hold these parameters under another policy (server optimizer, lock "
                           "or max_staleness); theirs stays in force", stacklevel=3)
         if self.push_when.k > 1:
             self._acc = [torch.zeros_like(p) for p in self.params]
+        self._unpushed = False
+
+    def _lrs(self) -> list[float] | None:
+        """Each parameter's current lr (its group's), when the servers follow the user's optimizer."""
+        if not getattr(self, "_sends_lr", False):
+            return None
+        by_param = {id(p): float(g["lr"]) for g in self.optimizer.param_groups for p in g["params"]}
+        return [by_param[id(p)] for p in self.params]
 
     def after_step(self, step: int, taken: bool) -> None:
-        if not taken:
-            return  # this rank skipped the step (e.g. GradScaler found inf): nothing to push
-        grads = self._grads()
-        if self._acc is not None:
-            for acc, g in zip(self._acc, grads, strict=True):
-                acc.add_(g)
-            grads = self._acc
         push, pull = self.push_when(step), self.pull_when(step)
-        if push:
-            self.dropped += self._exchange(self.table.push, grads, pull=pull)  # type: ignore[union-attr]
+        grads: list[torch.Tensor] | None
+        if taken:
+            grads = self._grads()
             if self._acc is not None:
-                for acc in self._acc:
-                    acc.zero_()
+                for acc, g in zip(self._acc, grads, strict=True):
+                    acc.add_(g)
+                grads, self._unpushed = self._acc, True
+        else:  # skipped here (GradScaler found inf): no gradient from this step; the schedule still counts it
+            grads = self._acc if self._unpushed else None
+        if push and grads is not None:
+            self._push(grads, pull=pull)
+            self._unpushed = False
         elif pull:
             self._exchange(self.table.pull)  # type: ignore[union-attr]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "dropped": self.dropped, "acc": self._acc}
+    def _push(self, grads: list[torch.Tensor], *, pull: bool) -> None:
+        self.dropped += self._exchange(self.table.push, grads, pull=pull, lrs=self._lrs())  # type: ignore
+        if self._acc is not None:
+            for acc in self._acc:
+                acc.zero_()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _flush(self) -> None:
+        if self._acc is not None and getattr(self, "_unpushed", False):
+            self._push(self._acc, pull=False)
+            self._unpushed = False
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        """This worker's own: the gradient sum it has not pushed yet, the versions it last pulled, its drop count."""
+        return {**super().replica_state_dict(), "dropped": self.dropped,
+                "acc": [a.clone() for a in self._acc] if self._acc is not None else None,
+                "unpushed": getattr(self, "_unpushed", False),
+                "versions": dict(self.table.versions) if self.table is not None else None}
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_replica_state_dict(state)
         self.dropped = int(state.get("dropped", 0))
+        self._unpushed = bool(state.get("unpushed", False))
         if state.get("acc") is not None and self._acc is not None:
             for acc, saved in zip(self._acc, state["acc"], strict=True):
                 acc.copy_(saved)
-        if self.table is not None:  # the servers hold the truth; resync versions with them
-            self._exchange(self.table.pull)
+        if state.get("versions") is not None and self.table is not None:
+            self.table.versions.update({k: int(v) for k, v in state["versions"].items() if k in self.table.versions})
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(push_every={self.push_when.k}, pull_every={self.pull_when.k}, "
@@ -221,9 +349,10 @@ class SyncParameterServer(PSStrategy):
 
     Workers start from rank 0's parameters and all apply the same mean gradient, so the
     result equals ``px.AllReduce()`` for any optimizer. Here the servers act as reducers:
-    the weights live on the workers. A dead worker stops the others, which get a
-    :class:`~phalanx.ps.client.ServerUnreachable` error after the timeout, since a
-    synchronous round cannot finish without it.
+    the weights live on the workers. Gradients are averaged inside ``backward()``, so
+    gradient clipping and GradScaler see the mean, as under AllReduce. A dead worker stops
+    the others: the servers abandon the round it never joined after ``PHALANX_PS_TIMEOUT``
+    and tell the waiting workers, which raise :class:`~phalanx.ps.client.PSError` naming it.
     """
 
     name = "ps-sync"
@@ -234,8 +363,19 @@ class SyncParameterServer(PSStrategy):
         self.comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
         return super().attach(model, optimizer)
 
+    def join(self) -> None:
+        # The servers only average, but they accept a tensor only under a registered name and shape.
+        self.table.register(Policy(None))  # type: ignore[union-attr]
+
     def after_backward(self, step: int) -> None:
-        self._exchange(self.table.reduce, self._grads(), step=step - 1,  # type: ignore[union-attr]
+        """Inside ``backward()``: replace every gradient by the mean over all workers (batch-weighted).
+
+        Non-finite gradients are averaged like any other, so when GradScaler finds inf on one
+        rank, every rank sees it in the mean and skips that step, as under ``px.AllReduce``.
+        """
+        grads = self._grads()
+        weigh_(grads)
+        self._exchange(self.table.reduce, grads, step=step - 1,  # type: ignore[union-attr]
                        workers=group.world_size())
 
     def __repr__(self) -> str:

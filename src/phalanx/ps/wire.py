@@ -15,6 +15,13 @@ Nothing read from the network is unpickled. A message is a list of ZeroMQ frames
 * ``data``: exactly ``numel × itemsize`` bytes, received straight into a fresh tensor
   (``recv_into``), so a frame of the wrong size is refused, never reinterpreted.
 
+A receiver passes ``admit(control, header)``, which checks each header against what it
+expects (the server: the registered shard of that name) *before* any tensor is
+allocated, so a header claiming 2^40 elements costs nothing but its own bytes.
+
+pyzmq is imported lazily (:func:`require_zmq`): ``import phalanx`` works without it,
+and a PS strategy built without it says what to install.
+
 Example:
     >>> h = Header("fc.weight", torch.float32, (4, 2), version=3)
     >>> unpack_header(pack_header(h)) == h
@@ -25,12 +32,14 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
-import zmq
 
-from ..errors import PhalanxError
+from ..errors import ConfigError, PhalanxError, usage
+
+if TYPE_CHECKING:
+    import zmq
 
 MAGIC = b"PXT1"
 _HEAD = struct.Struct("<4sBBHQH")
@@ -47,6 +56,17 @@ CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 class WireError(PhalanxError, ValueError):
     """A frame that does not follow the protocol (size, magic, dtype, JSON...)."""
+
+
+def require_zmq() -> Any:
+    """The ``zmq`` module, or a :class:`ConfigError` saying how to install it."""
+    try:
+        import zmq
+    except ImportError:
+        raise ConfigError(usage("a parameter-server strategy without pyzmq installed",
+                                "the pyzmq package (the servers speak ZeroMQ)",
+                                "pip install pyzmq (or phalanx[ps]).")) from None
+    return zmq
 
 
 @dataclass(frozen=True)
@@ -88,7 +108,7 @@ def unpack_header(buf: bytes) -> Header:
         raise WireError(f"tensor header starts with {magic!r}; expected {MAGIC!r} (another protocol?)")
     if code not in DTYPES:
         raise WireError(f"unknown dtype code {code}; expected one of {sorted(DTYPES)}")
-    if ndim > MAX_NDIM or len(buf) != _HEAD.size + 8 * ndim + name_len:
+    if ndim > MAX_NDIM or name_len > MAX_NAME_BYTES or len(buf) != _HEAD.size + 8 * ndim + name_len:
         raise WireError(f"tensor header of {len(buf)} bytes does not match ndim={ndim}, name length={name_len}")
     shape = struct.unpack_from(f"<{ndim}q", buf, _HEAD.size)
     if any(d < 0 for d in shape):
@@ -133,7 +153,7 @@ class Message:
     nbytes: int  # every frame's length, headers and control included
 
 
-def send_message(sock: zmq.Socket, control: dict[str, Any], tensors: Sequence[tuple[Header, torch.Tensor]] = (),
+def send_message(sock: "zmq.Socket", control: dict[str, Any], tensors: Sequence[tuple[Header, torch.Tensor]] = (),
                  *, prefix: Sequence[bytes] = ()) -> int:
     """Send one message; returns the bytes put on the wire.
 
@@ -147,20 +167,27 @@ def send_message(sock: zmq.Socket, control: dict[str, Any], tensors: Sequence[tu
     return sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
 
 
-def _drain(sock: zmq.Socket) -> None:
-    while sock.getsockopt(zmq.RCVMORE):
-        sock.recv_into(bytearray())
+def _drain(sock: "zmq.Socket") -> None:
+    while _more(sock):
+        sock.recv(copy=False)  # zmq already holds the frame; dropping it frees it
 
 
-def _more(sock: zmq.Socket) -> bool:
-    return bool(sock.getsockopt(zmq.RCVMORE))
+def _more(sock: "zmq.Socket") -> bool:
+    return bool(sock.getsockopt(require_zmq().RCVMORE))
 
 
-def recv_message(sock: zmq.Socket, *, prefix_frames: int = 0, authorize: Any = None) -> Message:
+Admit = Callable[[dict[str, Any], Header], None]
+
+
+def recv_message(sock: "zmq.Socket", *, prefix_frames: int = 0, authorize: Any = None,
+                 admit: Admit | None = None) -> Message:
     """Receive one whole message; raise :class:`WireError` (after draining it) if it is malformed.
 
     ``authorize(prefix)`` runs before anything else is parsed or allocated, so an
-    unauthenticated peer costs us no more than reading its frames.
+    unauthenticated peer costs us no more than reading its frames. ``admit(control, header)``
+    runs for each tensor header before its tensor is allocated and may raise to refuse it.
+    Whatever goes wrong, the rest of the message is drained, so the socket stays in step,
+    and the exception carries ``.prefix`` so that a server can still address its reply.
     """
     prefix: list[bytes] = []
     nbytes = 0
@@ -182,6 +209,8 @@ def recv_message(sock: zmq.Socket, *, prefix_frames: int = 0, authorize: Any = N
             header = unpack_header(raw)
             if not _more(sock):
                 raise WireError(f"tensor {header.name!r} has a header but no data frame")
+            if admit is not None:
+                admit(control, header)
             tensor = torch.empty(header.shape, dtype=header.dtype)
             got = sock.recv_into(_payload(tensor) if header.nbytes else bytearray())
             if got != header.nbytes:
@@ -192,6 +221,8 @@ def recv_message(sock: zmq.Socket, *, prefix_frames: int = 0, authorize: Any = N
         return Message(prefix, control, tensors, nbytes)
     except BaseException as err:
         _drain(sock)
-        if isinstance(err, PhalanxError):
+        try:
             err.prefix = prefix  # type: ignore[attr-defined]  # so the server can still address its reply
+        except AttributeError:  # an exception type that takes no attributes
+            pass
         raise
