@@ -138,4 +138,38 @@ def everything(tmp: str) -> dict:
         "local_sgd": _local_sgd(keras, x, y),
         "files": _files_and_stopping(keras, x, y, xv, yv, tmp),
         "resume": _resume(keras, x, y, tmp),
+        "bad": _bad_input_and_warnings(keras, x, y),
     }
+
+
+def _bad_input_and_warnings(keras, x, y) -> dict:  # noqa: ANN001
+    import warnings
+
+    from phalanx.errors import ConfigError
+
+    model = px.keras.wrap(_model(keras, keras.optimizers.SGD(0.1), seed=800))
+    try:
+        model.fit(x, y, batch_size=B, verbose=0)  # unsharded arrays would train every worker on everything
+        raw = ""
+    except ConfigError as err:
+        raw = str(err)
+
+    class Peak(keras.metrics.Metric):  # state is a maximum, not a sum: cannot be combined exactly
+        def __init__(self) -> None:
+            super().__init__(name="peak")
+            self.top = self.add_variable(shape=(), initializer="zeros", name="top")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):  # noqa: ANN001, ANN201
+            self.top.assign(keras.ops.maximum(self.top, keras.ops.max(y_pred)))
+
+        def result(self):  # noqa: ANN201
+            return self.top
+
+    peaked = _model(keras, keras.optimizers.SGD(0.1), seed=801)
+    peaked.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                   metrics=["accuracy", Peak()])
+    peaked = px.keras.wrap(peaked)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peaked.evaluate(px.keras.shard(x, y, batch_size=8, shuffle=False), verbose=0)
+    return {"raw_arrays": raw, "warnings": [str(w.message) for w in caught if "phalanx" in str(w.message)]}
