@@ -167,6 +167,11 @@ def test_differently_seeded_workers_start_identical(two: tuple) -> None:
     assert _max_diff(r0["before"], r1["before"]) > 0.01  # the seeds did differ
     assert _max_diff(r0["after_wrap"], r1["after_wrap"]) == 0.0
     assert _max_diff(r0["after_wrap"], r0["before"]) == 0.0  # rank 0's weights are the ones kept
+    w0, w1 = two[0][0]["local_sgd"]["at_wrap"], two[0][1]["local_sgd"]["at_wrap"]  # LocalSGD: no DDP involved
+    assert _max_diff(w0["weights"], w1["weights"]) == 0.0
+    assert _max_diff(w0["optimizer"], w1["optimizer"]) == 0.0  # moments, iteration count: rank 0's
+    iteration, lr, *slots = w1["optimizer"]
+    assert int(iteration) == 1 and all(torch.allclose(t, torch.full_like(t, 0.01)) for t in slots)
 
 
 @pytest.mark.multiproc

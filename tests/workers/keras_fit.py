@@ -62,8 +62,13 @@ def _oracle_vs_wrapped(keras, make_opt, x, y, xv, yv) -> dict:  # noqa: ANN001
 
 
 def _local_sgd(keras, x, y) -> dict:  # noqa: ANN001
-    model = px.keras.wrap(_model(keras, keras.optimizers.SGD(0.05, momentum=0.9), seed=200 + px.rank()),
-                          strategy=px.LocalSGD(every=4))
+    model = _model(keras, keras.optimizers.SGD(0.05, momentum=0.9), seed=200 + px.rank())
+    model.optimizer.build(model.trainable_variables)
+    for v in model.optimizer.variables:  # as if each worker had resumed a different optimizer state
+        if "learning_rate" not in v.path:
+            v.assign(keras.ops.ones_like(v) * (px.rank() + 1) * (1 if "int" in str(v.dtype) else 0.01))
+    model = px.keras.wrap(model, strategy=px.LocalSGD(every=4))  # no DDP involved: phalanx's broadcast only
+    at_wrap = {"weights": _weights(model), "optimizer": [v.value.detach().clone() for v in model.optimizer.variables]}
     snaps: dict[int, list[torch.Tensor]] = {}
 
     class Record(keras.callbacks.Callback):
@@ -71,7 +76,7 @@ def _local_sgd(keras, x, y) -> dict:  # noqa: ANN001
             snaps[batch + 1] = _weights(self.model)
 
     model.fit(px.keras.shard(x, y, batch_size=B, shuffle=True, seed=3), epochs=1, verbose=0, callbacks=[Record()])
-    return {"steps": {str(k): v for k, v in snaps.items()}, "final": _weights(model)}
+    return {"steps": {str(k): v for k, v in snaps.items()}, "final": _weights(model), "at_wrap": at_wrap}
 
 
 def _files_and_stopping(keras, x, y, xv, yv, tmp: str) -> dict:  # noqa: ANN001
