@@ -45,7 +45,7 @@ def close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 1e-5) -> fl
     (lambda: px.EASGD(every=0), "every=0; expected an integer >= 1"),
     (lambda: px.EASGD(alpha=0), "alpha=0); expected 0 < alpha <= 1/p"),
     (lambda: px.EASGD(alpha=1.5), "alpha=1.5); expected 0 < alpha <= 1/p"),
-    (lambda: px.EASGD(asynchronous=True, alpha=2.0), "alpha=2.0; expected 0 < alpha < 1"),
+    (lambda: px.AsyncEASGD(alpha=2.0), "alpha=2.0; expected 0 < alpha < 1"),
     (lambda: px.schedule(sync_steps=-1, then=px.every(4)), "sync_steps=-1; expected an integer >= 0"),
     (lambda: px.LocalSGD(every=8, compression=px.FP16()), "LocalSGD(compression=FP16()); expected no compressor"),
     (lambda: px.EASGD(compression=px.TopK(0.1)), "EASGD(compression=TopK(0.1)); expected no compressor"),
@@ -59,10 +59,10 @@ def test_bad_settings_raise_value_errors_naming_value_and_range(make, says):
     assert isinstance(err.value, px.ConfigError)
 
 
-def test_asynchronous_easgd_is_the_parameter_server_variant():
-    strategy = px.EASGD(every=8, alpha=0.3, asynchronous=True)
-    assert isinstance(strategy, px.AsyncEASGD)
-    assert (strategy.when, strategy.alpha) == (px.every(8), 0.3)
+def test_easgd_takes_no_asynchronous_flag_the_async_variant_is_its_own_class():
+    with pytest.raises(TypeError):
+        px.EASGD(every=8, asynchronous=True)
+    assert px.AsyncEASGD(every=8, alpha=0.3).alpha == 0.3
 
 
 def test_easgd_alpha_is_checked_against_the_number_of_workers():

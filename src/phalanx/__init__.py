@@ -21,19 +21,19 @@ from __future__ import annotations
 
 from .callbacks import Callback, LambdaCallback, ModelCheckpoint
 from .checkpoint import load_checkpoint, read_checkpoint, save, save_checkpoint
-from .comm import Comm, CommStats
+from .comm import Comm, CommStats, barrier, scatter_back
 from .compression import FP16, Compressor, PowerSGD, Threshold, TopK
 from .data import ShardedLoader, shard
 from .errors import CheckpointError, ConfigError, PhalanxError, WorkerLostError
-from .group import barrier, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
+from .group import device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from .lr import scale_lr, warmup
 from .metrics import Accuracy, MeanLoss, Metric, ThroughputMeter
 from .ps import AsyncEASGD, Downpour, ParameterServer
 from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, ParameterAverage, Periodic, Strategy,
-                         SyncCondition)
+                         SyncCondition, fill_missing_grads)
 from .sync import every, schedule
 from .trainer import History, Trainer
-from .wrap import strategy_of, unwrap, wrap
+from .wrap import no_sync, strategy_of, unwrap, wrap
 
 __version__ = "0.1.0"
 
@@ -47,11 +47,11 @@ def __getattr__(name: str):  # noqa: ANN202 - px.keras imports Keras (seconds), 
 __all__ = [
     # the loop
     "init", "wrap", "unwrap", "shard", "save", "rank", "world_size", "local_rank", "is_main", "is_initialized",
-    "barrier", "device", "shutdown", "scale_lr", "warmup", "strategy_of", "ShardedLoader",
+    "barrier", "device", "shutdown", "scale_lr", "warmup", "strategy_of", "no_sync", "ShardedLoader",
     # strategies, sync conditions and compressors
     "Strategy", "Periodic", "Exchange", "ParameterAverage", "SyncCondition", "every", "schedule",
     "AllReduce", "LocalSGD", "DiLoCo", "EASGD", "AsyncEASGD", "Downpour", "ParameterServer",
-    "Compressor", "FP16", "TopK", "Threshold", "PowerSGD", "Comm", "CommStats",
+    "Compressor", "FP16", "TopK", "Threshold", "PowerSGD", "Comm", "CommStats", "scatter_back", "fill_missing_grads",
     # the Trainer
     "Trainer", "History", "Callback", "LambdaCallback", "ModelCheckpoint", "Metric", "Accuracy", "MeanLoss",
     "ThroughputMeter",

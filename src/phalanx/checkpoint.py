@@ -119,7 +119,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     """Write a resumable checkpoint (main worker only; call it on every worker).
 
     Every worker's torch RNG state is kept, and the strategy's shared state plus each
-    worker's own part of it (``Strategy.gather_state_dict``). ``extra`` holds the
+    worker's own part of it (``Strategy.replica_state_dict``). ``extra`` holds the
     caller's own plain values.
 
     Example:
@@ -135,7 +135,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     strategy = strategy_of(optimizer) if optimizer is not None else None
     strategy_state = None
     if strategy is not None:  # collective: rank 0's shared state plus each replica's own (residuals...)
-        strategy_state = getattr(strategy, "gather_state_dict", strategy.state_dict)()
+        strategy_state = strategy.state_dict()
+        if group.world_size() > 1:
+            strategy_state["replicas"] = Comm().all_gather_state(_to_cpu(strategy.replica_state_dict()))
     if not group.is_main():
         return
     body = {
@@ -150,6 +152,16 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         "extra": extra or {},
     }
     write_verified(path, body)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def write_verified(path: str | os.PathLike, body: dict[str, Any]) -> None:
@@ -223,7 +235,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         optimizer.load_state_dict(body["optimizer"])
         strategy = strategy_of(optimizer)
         if strategy is not None and body["strategy"] is not None:
-            strategy.load_state_dict(body["strategy"])
+            shared = dict(body["strategy"])
+            replicas = shared.pop("replicas", None)
+            strategy.load_state_dict(shared)
+            if replicas and len(replicas) == group.world_size():  # else: rank 0's shared state only
+                strategy.load_replica_state_dict(replicas[group.rank()])
     if loader is not None and body["loader"] is not None:
         loader.load_state_dict(body["loader"])
     if restore_rng:

@@ -92,7 +92,16 @@ def _coalesced(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, 
 
 
 def scatter_back(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` back into ``ts`` (the inverse of concatenating them)."""
+    """Copy consecutive slices of ``flat`` back into ``ts`` (the inverse of concatenating them).
+
+    A rule that flattens many tensors into one message uses it to unpack the result.
+
+    Example:
+        >>> import torch, phalanx as px
+        >>> a, b = torch.zeros(2), torch.zeros(1)
+        >>> px.scatter_back(torch.tensor([1., 2., 3.]), [a, b]); a, b
+        (tensor([1., 2.]), tensor([3.]))
+    """
     offset = 0
     for t in ts:
         n = t.numel()
@@ -168,6 +177,57 @@ class Comm:
         return [torch.load(io.BytesIO(blob[:int(n.item())].numpy().tobytes()), weights_only=True)
                 for blob, n in zip(self.all_gather(padded), sizes, strict=True)]
 
+    def record(self, nbytes: int, seconds: float = 0.0) -> None:
+        """Account traffic that went through another transport (parameter servers), as one call.
+
+        Example:
+            >>> comm = Comm(); comm.record(1024, 0.5); (comm.stats.bytes_sent, comm.stats.calls)
+            (1024, 1)
+        """
+        self.stats.bytes_sent += int(nbytes)
+        self.stats.seconds += float(seconds)
+        self.stats.calls += 1
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Start summing ``tensor`` across workers in place; returns the collective's future.
+
+        The bytes are counted now; the time is not (it overlaps the caller's work, e.g. backward).
+        """
+        future = dist.all_reduce(tensor, async_op=True).get_future()
+        self.record(tensor.numel() * tensor.element_size())
+        return future
+
+    def exchange_with(self, peer: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``tensors`` to rank ``peer`` and receive its tensors of the same shapes (point to point).
+
+        Both ranks must call it naming each other, as gossip rules pair workers. Returns the
+        peer's tensors; ``tensors`` are left unchanged.
+
+        Example (pair ranks 0-1, 2-3, ...; in a group of one the peer is oneself):
+            >>> comm = Comm(); mine = [torch.ones(2)]
+            >>> comm.exchange_with(comm.rank ^ 1 if comm.world_size > 1 else 0, mine)
+            [tensor([1., 1.])]
+        """
+        if peer == self.rank or self.world_size == 1:
+            return [t.clone() for t in tensors]
+        theirs_by_id: dict[int, torch.Tensor] = {}
+        for flat, ts in _coalesced(tensors):
+            theirs = torch.empty_like(flat)
+            with self._timed(f"exchange with rank {peer}", flat.numel() * flat.element_size()):
+                ops = [dist.P2POp(dist.isend, flat, peer), dist.P2POp(dist.irecv, theirs, peer)]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            outs = [torch.empty_like(t) for t in ts]
+            scatter_back(theirs, outs)
+            theirs_by_id.update(zip(map(id, ts), outs))
+        return [theirs_by_id[id(t)] for t in tensors]
+
+    def barrier(self) -> None:
+        """Wait for every worker; a no-op in a group of one."""
+        if self.world_size > 1:
+            with self._timed("barrier", 0):
+                dist.barrier()
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's ``tensor`` (same shape on all), in rank order."""
         if self.world_size == 1:
@@ -176,3 +236,15 @@ class Comm:
         with self._timed("all_gather", tensor.numel() * tensor.element_size()):
             dist.all_gather(out, tensor.contiguous())
         return out
+
+
+def barrier() -> None:
+    """Wait for every worker; a no-op in a group of one (``px.barrier()``).
+
+    Example:
+        >>> import phalanx as px
+        >>> px.barrier()
+    """
+    if group.world_size() > 1:
+        with guarded("barrier"):
+            dist.barrier()

@@ -230,8 +230,6 @@ def store() -> dist.Store | None:
 
 
 def barrier() -> None:
-    """Wait for every worker; a no-op in a group of one."""
-    if world_size() > 1:
-        from .comm import guarded
-        with guarded("barrier"):
-            dist.barrier()
+    """Wait for every worker; a no-op in a group of one (kept here for old imports; see ``phalanx.comm``)."""
+    from .comm import barrier as _barrier  # comm imports group: import it lazily, no cycle at import time
+    _barrier()

@@ -1,8 +1,9 @@
 """px.wrap / px.unwrap: attach a strategy to the user's model and optimizer.
 
 The optimizer that comes back is the user's own object: the strategy runs through
-``register_step_pre_hook`` / ``register_step_post_hook``, public torch hooks, so
-LR schedulers, ``state_dict`` and ``isinstance`` checks keep working.
+public torch hooks (the end of backward, ``register_step_post_hook``, a forward
+pre-hook; see :mod:`phalanx.steps`), so LR schedulers, ``state_dict`` and
+``isinstance`` checks keep working.
 
 Example:
     >>> import torch, phalanx as px
@@ -13,7 +14,9 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -21,9 +24,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import group
 from .errors import ConfigError, usage
+from .steps import StepClock
 from .strategies import AllReduce, Strategy, by_name
 
 _strategies: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Strategy]" = weakref.WeakKeyDictionary()
+_clocks: "weakref.WeakKeyDictionary[nn.Module, StepClock]" = weakref.WeakKeyDictionary()
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -51,15 +56,23 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage(f"optimizer of type {type(optimizer).__name__}", "a torch.optim.Optimizer",
                                 "Build it from the model's parameters, "
                                 "e.g. torch.optim.SGD(model.parameters(), lr=0.1)."))
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError(usage(f"a DistributedDataParallel module around {type(model.module).__name__}",
+                                "the plain module: px.wrap makes it data-parallel itself",
+                                "Pass model.module (and an optimizer built from its parameters)."))
+    if model in _clocks:
+        raise ConfigError(usage(f"a {type(model).__name__} that px.wrap already wrapped",
+                                "a model px.wrap has not taken yet",
+                                "Call px.wrap once per model; keep the model and optimizer it returned."))
     if optimizer in _strategies:
         raise ConfigError(usage("an optimizer that px.wrap already wrapped", "a fresh optimizer",
                                 "Call px.wrap once per model/optimizer pair."))
     strategy = _resolve(strategy)
     model.to(group.device())
     module = strategy.attach(model, optimizer)
-    optimizer.register_step_pre_hook(lambda *_: strategy.before_step())
-    optimizer.register_step_post_hook(lambda *_: strategy.after_step())
+    strategy.clock.bind(strategy, model, module, optimizer)
     _strategies[optimizer] = strategy
+    _clocks[model] = strategy.clock
     return module, optimizer
 
 
@@ -87,3 +100,29 @@ def unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, DistributedDataParallel):
         model = model.module
     return model
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients without exchanging them: every micro-batch but the last, as DDP's ``no_sync()``.
+
+    A backward pass inside does not end a step; the next one outside it does, and
+    averages the accumulated gradient. Works for every strategy (with ``px.AllReduce``
+    it enters DDP's own ``no_sync``).
+
+    Example:
+        >>> import torch, phalanx as px
+        >>> net = torch.nn.Linear(2, 1)
+        >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> with px.no_sync(model):
+        ...     model(torch.ones(1, 2)).sum().backward()      # micro-batch 1: accumulate only
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()   # micro-batch 2 ends the step
+        >>> px.strategy_of(opt).steps
+        1
+    """
+    clock = _clocks.get(unwrap(model))
+    if clock is None:
+        raise ConfigError(usage(f"px.no_sync on a {type(model).__name__} that px.wrap did not return",
+                                "the model px.wrap returned", "Wrap it first: model, opt = px.wrap(model, opt)."))
+    with clock.no_sync():
+        yield

@@ -163,14 +163,13 @@ def resume_pair(factory, ckpt_dir: str, name: str, train_set, total: int = 10, c
     loader = px.shard(train_set, batch_size=BATCH, seed=0)
     train(model, opt, loader, cut)
     path = os.path.join(ckpt_dir, f"{name}.ckpt")
-    # gather_state_dict is collective: every rank's residuals, parameters and optimizer state.
-    px.save_checkpoint(path, model, opt, loader=loader, step=cut, extra={"strategy": strategy.gather_state_dict()})
+    # save_checkpoint is collective: rank 0's shared state, every rank's residuals, parameters and optimizer state.
+    px.save_checkpoint(path, model, opt, loader=loader, step=cut)
     px.barrier()
 
     model, opt, strategy = build(factory(), sgd(0.05, momentum=0.9), seed=7)  # fresh objects, other weights
     loader = px.shard(train_set, batch_size=BATCH, seed=0)
-    body = px.load_checkpoint(path, model, opt, loader=loader)
-    strategy.load_state_dict(body["extra"]["strategy"])
+    px.load_checkpoint(path, model, opt, loader=loader)
     train(model, opt, loader, total - cut, start_epoch=loader.sampler.epoch)
     return {"straight": straight, "resumed": params_of(model)}
 

@@ -145,14 +145,15 @@ class Downpour(PSStrategy):
         if self.push_when.k > 1:
             self._acc = [torch.zeros_like(p) for p in self.params]
 
-    def after_step(self) -> None:
-        super().after_step()
+    def after_step(self, step: int, taken: bool) -> None:
+        if not taken:
+            return  # this rank skipped the step (e.g. GradScaler found inf): nothing to push
         grads = self._grads()
         if self._acc is not None:
             for acc, g in zip(self._acc, grads, strict=True):
                 acc.add_(g)
             grads = self._acc
-        push, pull = self.push_when(self.steps), self.pull_when(self.steps)
+        push, pull = self.push_when(step), self.pull_when(step)
         if push:
             self.dropped += self._exchange(self.table.push, grads, pull=pull)  # type: ignore[union-attr]
             if self._acc is not None:
@@ -207,9 +208,8 @@ class AsyncEASGD(PSStrategy):
             self.alpha = 0.9 / max(1, group.world_size())
         self.table.register(Policy(None, self.lock))  # type: ignore[union-attr]
 
-    def after_step(self) -> None:
-        super().after_step()
-        if self.when(self.steps):
+    def after_step(self, step: int, taken: bool) -> None:
+        if self.when(step):
             self._exchange(self.table.elastic, self.alpha)  # type: ignore[union-attr]
 
     def __repr__(self) -> str:
@@ -234,8 +234,8 @@ class SyncParameterServer(PSStrategy):
         self.comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
         return super().attach(model, optimizer)
 
-    def before_step(self) -> None:
-        self._exchange(self.table.reduce, self._grads(), step=self.steps,  # type: ignore[union-attr]
+    def after_backward(self, step: int) -> None:
+        self._exchange(self.table.reduce, self._grads(), step=step - 1,  # type: ignore[union-attr]
                        workers=group.world_size())
 
     def __repr__(self) -> str:

@@ -9,6 +9,7 @@ from .allreduce import AllReduce
 from .base import Exchange, ParameterAverage, Periodic, Strategy, SyncCondition
 from .diloco import DiLoCo, OuterStep
 from .easgd import EASGD, Elastic
+from .gradients import average_gradients_, fill_missing_grads
 from .local_sgd import LocalSGD
 
 # name -> factory with the literature's defaults; the benchmark and CLI use these names.
@@ -39,5 +40,6 @@ def by_name(name: str) -> Strategy:
     return REGISTRY[key]()
 
 
-__all__ = ["AllReduce", "DiLoCo", "EASGD", "Elastic", "Exchange", "LocalSGD", "OuterStep", "ParameterAverage",
+__all__ = ["average_gradients_", "fill_missing_grads",
+           "AllReduce", "DiLoCo", "EASGD", "Elastic", "Exchange", "LocalSGD", "OuterStep", "ParameterAverage",
            "Periodic", "Strategy", "SyncCondition", "REGISTRY", "by_name", "register"]

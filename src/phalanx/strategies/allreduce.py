@@ -6,14 +6,16 @@ We reuse PyTorch's C++ DDP reducer, which overlaps bucketed all-reduce with the
 backward pass (Li et al. 2020), and choose its bucket size from the model instead
 of DDP's fixed 25 MB.
 
-With a compressor the gradients are averaged once per step, just before
-``optimizer.step()``, in one batched exchange over the whole model
+With a compressor the gradients are averaged once per step, at the end of
+``backward()``, in one batched exchange over the whole model
 (``compressor.average_``) rather than through a DDP comm hook per bucket: PowerSGD
 then costs two collectives per step instead of two per bucket, the residuals and
 warm-start matrices are keyed by parameter (DDP rebuilds its buckets after the
-first step, which would scramble bucket-keyed state), and gradient accumulation
-works unchanged. The price is no overlap with backward, which matters little on
-the slow links compression is for.
+first step, which would scramble bucket-keyed state). The price is no overlap with
+backward, which matters little on the slow links compression is for.
+
+Either way the average is in ``.grad`` when ``backward()`` returns, so gradient
+clipping and ``GradScaler``'s inf check see it, as with DDP.
 
 Example:
     >>> import torch, phalanx as px
@@ -25,14 +27,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..comm import guarded
+from ..comm import Comm, guarded
 from ..compression import check_compressor
-from ..errors import ConfigError, usage
+from .. import check
 from .base import Strategy
+from .gradients import average_gradients_, weigh_
 
 
 def fitted_bucket_mb(model: nn.Module, buckets: int = 4, floor_mb: float = 1.0, cap_mb: float = 25.0) -> float:
@@ -47,90 +49,89 @@ def fitted_bucket_mb(model: nn.Module, buckets: int = 4, floor_mb: float = 1.0, 
 
 
 class AllReduce(Strategy):
-    """Average gradients every step, overlapped with backward.
+    """Average gradients every step, by the end of ``backward()``.
 
     Args:
         compression: a compressor object (``px.FP16()``, ``px.PowerSGD(rank=4)``...) or None.
         bucket_mb: gradient bucket size; by default fitted to the model.
+
+    Each rank's gradient is weighted by its share of the global batch
+    (``phalanx.batchweight``), so an uneven last batch gives one process's gradient.
     """
 
     name = "allreduce"
 
     def __init__(self, compression: Any = None, *, bucket_mb: float | None = None) -> None:
         super().__init__()
-        if bucket_mb is not None and not bucket_mb > 0:
-            raise ConfigError(usage(f"bucket_mb={bucket_mb!r}", "a positive size in MiB",
-                                    "Leave it unset to fit it to the model."))
+        if bucket_mb is not None:
+            check.positive_float("bucket_mb", bucket_mb, "Pass a size in MiB, or leave it unset to fit the model.")
         self.compression = check_compressor(compression, "AllReduce")
         self.bucket_mb = bucket_mb
+        self._hook: _GuardedMean | None = None
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         super().attach(model, optimizer)
-        self._grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
         if self.comm.world_size == 1 or self.compression is not None:
-            return model  # a group of one is plain PyTorch, bit for bit; compression runs in before_step
+            return model  # a group of one is plain PyTorch, bit for bit; compression runs in after_backward
         device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids,
                                       bucket_cap_mb=self.bucket_mb or fitted_bucket_mb(model),
                                       forward_sync_buffers=False,  # BatchNorm statistics stay per worker
                                       gradient_as_bucket_view=True)
-        self._hook = _GuardedMean(self.comm.world_size)
+        self._hook = _GuardedMean(self.comm)
         ddp.register_comm_hook(None, self._hook.hook)
         return ddp
 
-    def before_step(self) -> None:
-        hook = getattr(self, "_hook", None)
-        if hook is not None and hook.error is not None:
-            err, hook.error = hook.error, None
-            with guarded("the gradient all-reduce in backward"):
-                raise err  # guarded names the lost rank
+    def after_backward(self, step: int) -> None:
+        if self._hook is not None:  # DDP's reducer averaged the buckets; it runs before this callback
+            if self._hook.error is not None:
+                err, self._hook.error = self._hook.error, None
+                with guarded("the gradient all-reduce in backward"):
+                    raise err  # guarded names the lost rank
+            return
         if self.compression is not None and self.comm.world_size > 1:  # alone, nothing to send: plain torch
-            self.compression.average_(gradients(self.params), self.comm, key="grad")
-
-    def after_step(self) -> None:
-        super().after_step()
-        if self.compression is None and self.comm.world_size > 1:
-            self.comm.stats.bytes_sent += self._grad_bytes  # DDP's reducer sent the full gradient
+            average_gradients_(self.params, self.comm, self.compression)
+            if not bool(torch.stack([torch.isfinite(p.grad).all() for p in self.params]).all()):  # one sync
+                # inf/nan reached the average (AMP overflow on some rank): the same on every rank, so every
+                # GradScaler skips this step; the residuals and warm starts hold it too, and are dropped.
+                self.compression.reset()
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self.compression is not None:
-            state["compression"] = self.compression.state_dict()  # rank 0's; see gather_state_dict
-        return state
+        # The compressor's shared part (PowerSGD's warm starts) is rank 0's; residuals are per rank.
+        return {"compression": self.compression.state_dict()} if self.compression is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
         if "compression" in state:
             self.compression.load_state_dict(state["compression"])
-        self._load_replicas(state)  # each rank's own residuals, when the checkpoint has them
 
     def __repr__(self) -> str:
         return f"AllReduce(compression={self.compression!r})"
 
 
 class _GuardedMean:
-    """DDP comm hook: the plain bucket all-reduce and mean, keeping a failure for ``before_step``.
+    """DDP comm hook: the batch-weighted bucket all-reduce and mean, keeping a failure for ``after_backward``.
 
     A peer that dies mid-backward makes gloo fail the bucket's future; raised inside
     the reducer, that error would surface from ``loss.backward()`` as a bare RuntimeError.
-    Kept here, ``opt.step()`` raises it as a WorkerLostError that names the lost rank.
+    Kept here, ``after_backward`` raises it as a WorkerLostError that names the lost rank.
     """
 
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
         self.error: BaseException | None = None
 
     # No annotations: DDP checks them by identity, and this module's are strings (PEP 563).
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         buffer = bucket.buffer()
+        weigh_([buffer])
         try:
-            future = dist.all_reduce(buffer, async_op=True).get_future()
+            future = self.comm.all_reduce_async(buffer)
         except RuntimeError as err:
             return self._failed(err, buffer)
 
         def mean(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             try:
-                return done.value()[0].div_(self.world_size)
+                return done.value()[0].div_(self.comm.world_size)
             except RuntimeError as err:
                 self.error = self.error or err
                 return buffer
@@ -146,11 +147,3 @@ class _GuardedMean:
 
 def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def gradients(params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """Every parameter's gradient; a parameter that got none gets zeros, so all workers send the same shapes."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    return [p.grad for p in params]

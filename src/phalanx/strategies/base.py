@@ -8,31 +8,39 @@ phalanx follows the five-part template of the Platoon design:
 4. exchange rule: an :class:`Exchange`, or a whole :class:`Strategy`;
 5. finish condition: the user's loop, or ``Trainer.fit(epochs=...)``.
 
-A :class:`Strategy` sees the training step through three methods, all optional:
-``attach`` once, then ``before_step`` and ``after_step`` around every
-``optimizer.step()``. Mutable state goes in ``state_dict`` so checkpoints hold it.
+A :class:`Strategy` sees training through three hooks, all optional: ``attach`` once,
+then per step ``after_backward(step)`` (inside ``backward()``, once the step's gradient
+is complete: average gradients here) and ``after_step(step, taken)`` (after
+``optimizer.step()``, or when this rank skipped it: exchange parameters here). The
+framework owns the step count (:mod:`phalanx.steps`) and passes it in; it is the same
+on every rank. Mutable state goes in ``state_dict`` (shared by every rank) or
+``replica_state_dict`` (this rank's own), so checkpoints hold it.
 
 Example (a complete custom rule: average parameters every 4 steps):
     >>> import torch, phalanx as px
     >>> class Average(px.Exchange):
-    ...     def exchange(self, params, comm):
+    ...     def exchange(self, params, comm, step):
     ...         comm.all_reduce_([p.data for p in params])
     >>> strategy = px.Periodic(px.every(4), Average())
 """
 from __future__ import annotations
 
-import warnings
-from typing import Any, Protocol, runtime_checkable
+import functools
+import itertools
+import zlib
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from ..comm import Comm
+from ..errors import ConfigError, usage
+from ..steps import StepClock
 
 
 @runtime_checkable
 class SyncCondition(Protocol):
-    """When replicas talk: called with the 1-based count of local steps taken."""
+    """When replicas talk: called with the 1-based framework step count."""
 
     def __call__(self, step: int) -> bool: ...
 
@@ -43,7 +51,8 @@ class Exchange:
     def setup(self, params: list[nn.Parameter], comm: Comm) -> None:
         """Called once after the initial broadcast; allocate state here."""
 
-    def exchange(self, params: list[nn.Parameter], comm: Comm) -> None:
+    def exchange(self, params: list[nn.Parameter], comm: Comm, step: int) -> None:
+        """Reconcile ``params`` with the other replicas at (1-based) ``step``; collective."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -53,43 +62,125 @@ class Exchange:
         pass
 
 
-class Strategy:
-    """Base of every strategy: attach, then hook around ``optimizer.step()``.
+def check_same_model(model: nn.Module, comm: Comm) -> None:
+    """Refuse, on every rank, a model whose tensor names, shapes or dtypes differ between ranks.
 
-    The base class broadcasts rank 0's parameters and buffers on attach, so
-    replicas start identical even when the workers' seeds differ.
+    Collective: one 8-byte all-gather of a checksum; the full lists travel only on a mismatch.
+    """
+    if comm.world_size == 1:
+        return
+    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in model.state_dict(keep_vars=True).items()]
+    digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=_device_of(model))
+    if len({int(d) for d in comm.all_gather(digest)}) == 1:
+        return
+    other, theirs = next((r, lay) for r, lay in enumerate(comm.all_gather_state(layout)) if lay != layout)
+    mine_first, theirs_first = next((a, b) for a, b in itertools.zip_longest(layout, theirs) if a != b)
+    raise ConfigError(usage(
+        f"a model that differs between ranks: rank {comm.rank} has {_entry(mine_first)} where rank {other} has "
+        f"{_entry(theirs_first)}", "the same architecture on every rank (px.wrap then copies rank 0's weights "
+        "to all)", "Build the model identically everywhere; only the seed may differ."))
+
+
+def _entry(entry: tuple[str, tuple[int, ...], str] | None) -> str:
+    return "nothing" if entry is None else f"{entry[0]!r} of shape {entry[1]} ({entry[2]})"
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(iter(model.state_dict().values()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _with_step(method: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """Add the framework's step count to a (load_)state_dict, and close a skipped step before ``finish``.
+
+    Applied to every subclass's own definitions, so no strategy must remember ``super()`` for them.
+    """
+    if getattr(method, "_phalanx_step", False):
+        return method
+
+    @functools.wraps(method)
+    def state_dict(self: "Strategy") -> dict[str, Any]:
+        self.clock.settle()  # a step this rank skipped is closed before its state is read
+        return {**method(self), "step": self.clock.step}
+
+    @functools.wraps(method)
+    def load_state_dict(self: "Strategy", state: dict[str, Any]) -> None:
+        method(self, state)
+        step = state["step"] if "step" in state else state.get("steps", 0)  # "steps": files from older versions
+        self.clock.step, self.clock.pending = int(step), False
+
+    @functools.wraps(method)
+    def finish(self: "Strategy") -> None:
+        self.clock.settle()  # the last step's exchange runs on every rank before the final reconcile
+        method(self)
+
+    wrapped = {"state_dict": state_dict, "load_state_dict": load_state_dict, "finish": finish}[kind]
+    wrapped._phalanx_step = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+class Strategy:
+    """Base of every strategy: attach, then the two per-step hooks.
+
+    The base class broadcasts rank 0's parameters and buffers on attach, so replicas
+    start identical even when the workers' seeds differ. ``state_dict()`` always holds
+    the framework's ``"step"``, whatever a subclass returns.
     """
 
     #: Name used by ``px.wrap(..., strategy="name")`` and the benchmark.
     name = "custom"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _FRAMEWORK_WRAPPED:
+            if name in cls.__dict__:
+                setattr(cls, name, _with_step(cls.__dict__[name], name))
+
     def __init__(self) -> None:
         self.comm = Comm()
-        self.steps = 0  # optimizer steps taken on this worker
+        self.clock = StepClock()
 
     # -- the template ---------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         """Called once by ``px.wrap``; returns the module the user trains."""
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
+        check_same_model(model, self.comm)  # before the broadcast, which would fail obscurely otherwise
         self.comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
         self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # for bytes_per_step
         return model
 
-    def before_step(self) -> None:
-        """Runs before ``optimizer.step()``: exchange gradients here."""
+    def after_backward(self, step: int) -> None:
+        """Inside ``backward()``, once step ``step``'s gradient is complete: average gradients here."""
 
-    def after_step(self) -> None:
-        """Runs after ``optimizer.step()``: exchange parameters here."""
-        self.steps += 1
+    def after_step(self, step: int, taken: bool) -> None:
+        """After step ``step`` on every rank: ``taken`` is False where ``optimizer.step()`` was skipped."""
+
+    @property
+    def steps(self) -> int:
+        """Training steps so far (the framework's count, identical on every rank)."""
+        return self.clock.step
 
     # -- state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly (tensors and plain values only)."""
-        return {"steps": self.steps}
+        """Shared state, identical on every rank (tensors and plain values only); holds ``"step"``."""
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps = int(state["steps"])
+        """Restore what :meth:`state_dict` returned (rank 0's, on every rank)."""
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        """This rank's own state that the other replicas do not share.
+
+        By default: the compressor's residuals, when the strategy has a ``compression``.
+        """
+        compression = getattr(self, "compression", None)
+        return {"compression": compression.state_dict()} if hasattr(compression, "state_dict") else {}
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`replica_state_dict` returned on this rank."""
+        if "compression" in state:
+            self.compression.load_state_dict(state["compression"])
 
     @property
     def bytes_sent(self) -> int:
@@ -98,7 +189,7 @@ class Strategy:
 
     @property
     def bytes_per_step(self) -> float:
-        """Mean payload bytes sent per optimizer step since attach (the initial broadcast excluded)."""
+        """Mean payload bytes sent per step since attach (the initial broadcast excluded)."""
         bytes0, steps0 = getattr(self, "_attach_mark", (0, 0))
         return (self.comm.stats.bytes_sent - bytes0) / max(1, self.steps - steps0)
 
@@ -109,49 +200,20 @@ class Strategy:
         average, or EASGD's centre variable); synchronous ones have nothing to do.
         """
 
-    # -- per-replica state (exact resume when replicas differ) ------------------------
-    def replica_state_dict(self) -> dict[str, Any]:
-        """This worker's own state that the other replicas do not share.
-
-        By default: the compressor's residuals, when the strategy has a ``compression``.
-        """
-        compression = getattr(self, "compression", None)
-        return {"compression": compression.state_dict()} if hasattr(compression, "state_dict") else {}
-
-    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
-        if "compression" in state:
-            self.compression.load_state_dict(state["compression"])
-
-    def gather_state_dict(self) -> dict[str, Any]:
-        """Collective (call on every rank): ``state_dict()`` plus every rank's replica state.
-
-        A checkpoint written by rank 0 from this resumes each rank with its own
-        residuals, parameters and optimizer state; see :meth:`load_state_dict`.
-        """
-        state = self.state_dict()
-        mine = self.replica_state_dict()
-        if self.comm.world_size > 1 and mine:
-            state["replicas"] = self.comm.all_gather_state(_to_cpu(mine))
-        return state
-
-    def _load_replicas(self, state: dict[str, Any]) -> None:
-        """Apply this rank's entry of ``state["replicas"]`` (written by :meth:`gather_state_dict`)."""
-        replicas = state.get("replicas")
-        if not replicas:
-            return
-        if len(replicas) != self.comm.world_size:
-            warnings.warn(f"the checkpoint holds {len(replicas)} replicas but this run has {self.comm.world_size} "
-                          "workers; every worker resumes from rank 0's shared state only, so the run will not "
-                          "continue bit for bit.", stacklevel=3)
-            return
-        self.load_replica_state_dict(replicas[self.comm.rank])
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
+_FRAMEWORK_WRAPPED = ("state_dict", "load_state_dict", "finish")
+for _name in _FRAMEWORK_WRAPPED:
+    setattr(Strategy, _name, _with_step(getattr(Strategy, _name), _name))
+
+
 class Periodic(Strategy):
     """Local steps, then an exchange whenever the sync condition says so.
+
+    A step that this rank skipped (``taken=False``) still counts: the exchange runs on
+    every rank at the same steps, with this rank's replica as the skipped step left it.
 
     Example:
         >>> import phalanx as px
@@ -170,23 +232,20 @@ class Periodic(Strategy):
         self.exchange.setup(self.params, self.comm)
         return module
 
-    def after_step(self) -> None:
-        super().after_step()
-        if self.sync(self.steps):
-            self.exchange.exchange(self.params, self.comm)
+    def after_step(self, step: int, taken: bool) -> None:
+        if self.sync(step):
+            self.exchange.exchange(self.params, self.comm, step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "exchange": self.exchange.state_dict()}
+        return {"exchange": self.exchange.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
         self.exchange.load_state_dict(state["exchange"])
-        self._load_replicas(state)
 
     def finish(self) -> None:
         """Exchange once more if local steps were taken since the last sync."""
         if self.steps and not self.sync(self.steps):
-            self.exchange.exchange(self.params, self.comm)
+            self.exchange.exchange(self.params, self.comm, self.steps)
 
     def replica_state_dict(self) -> dict[str, Any]:
         """Replicas differ between syncs, and so do their optimizers' states (momentum, Adam moments)."""
@@ -204,18 +263,8 @@ class Periodic(Strategy):
         return f"{type(self).__name__}({self.sync!r}, {type(self.exchange).__name__})"
 
 
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
 class ParameterAverage(Exchange):
     """Replace every replica's parameters by their mean (model averaging)."""
 
-    def exchange(self, params: list[nn.Parameter], comm: Comm) -> None:
+    def exchange(self, params: list[nn.Parameter], comm: Comm, step: int) -> None:
         comm.all_reduce_([p.data for p in params])

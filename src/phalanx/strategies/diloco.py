@@ -22,9 +22,13 @@ from torch import nn
 
 from ..comm import Comm
 from ..compression import Compressor, check_compressor
-from ..errors import ConfigError, usage
+from .. import check
 from ..sync import as_condition
 from .base import Exchange, Periodic
+
+
+def _outer_dtype(p: torch.Tensor) -> torch.dtype:
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 class OuterStep(Exchange):
@@ -36,12 +40,13 @@ class OuterStep(Exchange):
         self.buffers: list[torch.Tensor] = []
 
     def setup(self, params: list[nn.Parameter], comm: Comm) -> None:
-        self.anchor = [p.detach().clone() for p in params]
-        self.buffers = [torch.zeros_like(p) for p in params]
+        # fp32 for bf16/fp16 models: inner steps of size ~lr*grad vanish against a half-precision anchor.
+        self.anchor = [p.detach().to(_outer_dtype(p), copy=True) for p in params]
+        self.buffers = [torch.zeros_like(a) for a in self.anchor]
 
     @torch.no_grad()
-    def exchange(self, params: list[nn.Parameter], comm: Comm) -> None:
-        delta = [a - p for a, p in zip(self.anchor, params, strict=True)]  # the pseudo-gradient
+    def exchange(self, params: list[nn.Parameter], comm: Comm, step: int) -> None:
+        delta = [a - p.to(a.dtype) for a, p in zip(self.anchor, params, strict=True)]  # the pseudo-gradient
         if self.compression is not None:
             self.compression.average_(delta, comm, key="pseudo")
         else:
@@ -71,21 +76,19 @@ class DiLoCo(Periodic):
         nesterov: Nesterov momentum for the outer step (as in the paper).
         compression: a compressor for the pseudo-gradient, e.g. ``px.FP16()`` or ``px.PowerSGD(rank=4)``.
 
-    The anchor and the outer momentum are identical on every worker and live in
-    ``state_dict``. ``DiLoCo(every=k, outer_lr=1, outer_momentum=0)`` is ``LocalSGD(every=k)``.
+    The anchor and the outer momentum are identical on every worker, live in
+    ``state_dict``, and are kept in fp32 for fp16/bf16 models.
+    ``DiLoCo(every=k, outer_lr=1, outer_momentum=0)`` is ``LocalSGD(every=k)``.
     """
 
     name = "diloco"
 
     def __init__(self, every: Any = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  compression: Any = None) -> None:
-        if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < float("inf"):
-            raise ConfigError(usage(f"DiLoCo(outer_lr={outer_lr!r})", "a finite number > 0",
-                                    "The paper uses outer_lr=0.7; outer_lr=1 with no momentum is plain averaging."))
-        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) \
-                or not 0 <= outer_momentum < 1:
-            raise ConfigError(usage(f"DiLoCo(outer_momentum={outer_momentum!r})", "a number in [0, 1)",
-                                    "The paper uses 0.9; 0 turns the outer momentum off."))
+        outer_lr = check.positive_float("DiLoCo(outer_lr", outer_lr, "The paper uses outer_lr=0.7; outer_lr=1 "
+                                        "with no momentum is plain averaging.", close=")")
+        outer_momentum = check.number("DiLoCo(outer_momentum", outer_momentum, "The paper uses 0.9; 0 turns the "
+                                      "outer momentum off.", low=0, high=1, low_open=False, close=")")
         self.compression = check_compressor(compression, "DiLoCo")
         super().__init__(as_condition(every), OuterStep(float(outer_lr), float(outer_momentum), bool(nesterov),
                                                         self.compression))
@@ -104,7 +107,7 @@ class DiLoCo(Periodic):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "compression" in state:
             self.compression.load_state_dict(state["compression"])
-        super().load_state_dict(state)  # last: it applies this rank's own replica state, if present
+        super().load_state_dict(state)
 
     def __repr__(self) -> str:
         x = self.exchange

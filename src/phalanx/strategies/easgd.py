@@ -14,8 +14,8 @@ elastic differences then contract by ``1 - alpha`` and ``1 - (p+1) alpha`` per s
 both inside (-1, 1); from ``alpha >= 2/(p+1)`` on they grow and the run diverges.)
 
 The centre is held, identical, on every worker (one all-reduce of the model per
-sync), so no parameter server is needed. ``EASGD(asynchronous=True)`` gives the
-paper's asynchronous variant, ``px.AsyncEASGD``, with the centre on parameter servers.
+sync), so no parameter server is needed. The paper's asynchronous variant, with the
+centre on parameter servers, is ``px.AsyncEASGD``.
 
 Example:
     >>> import phalanx as px
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from .. import check
 from ..errors import ConfigError, usage
 from ..sync import as_condition
 from .base import Exchange, Periodic
@@ -57,7 +58,7 @@ class Elastic(Exchange):
         self.centre = [q.detach().clone() for q in params]
 
     @torch.no_grad()
-    def exchange(self, params: list[nn.Parameter], comm: Comm) -> None:
+    def exchange(self, params: list[nn.Parameter], comm: Comm, step: int) -> None:
         diffs = [x - c for x, c in zip(params, self.centre, strict=True)]
         for x, d in zip(params, diffs, strict=True):
             x.sub_(d, alpha=self.alpha)  # the elastic pull on each worker
@@ -80,36 +81,21 @@ class EASGD(Periodic):
         every: the communication period tau (the paper tries 1 to 64), or any sync condition.
         alpha: the elastic coefficient (the paper's eta * rho), in ``(0, 1/p]`` for ``p`` workers;
             by default ``0.9 / p`` (the paper's beta = p * alpha = 0.9).
-        asynchronous: True returns ``px.AsyncEASGD(every, alpha)``, whose centre lives on parameter servers.
 
     :meth:`finish` copies the centre into every worker's model: the centre is the result.
     """
 
     name = "easgd"
 
-    def __new__(cls, every: Any = 4, alpha: float | None = None, *, asynchronous: bool = False,
-                compression: Any = None) -> Any:
-        # The asynchronous variant keeps its centre on parameter servers: it is another class,
-        # built here so that the paper's single name covers both (Zhang et al. 2015, sections 3-4).
-        if asynchronous:
-            if compression is not None:
-                raise ConfigError(usage(f"EASGD(asynchronous=True, compression={compression!r})", "no compressor",
-                                        "Drop compression=; the servers need exact elastic differences."))
-            from ..ps import AsyncEASGD
-            return AsyncEASGD(every=every, alpha=alpha)
-        return super().__new__(cls)
-
-    def __init__(self, every: Any = 4, alpha: float | None = None, *, asynchronous: bool = False,
-                 compression: Any = None) -> None:
+    def __init__(self, every: Any = 4, alpha: float | None = None, *, compression: Any = None) -> None:
         if compression is not None:
             raise ConfigError(usage(f"EASGD(compression={compression!r})", "no compressor: the elastic force needs "
                                     "the exact distance of every worker to the centre",
                                     "Use px.DiLoCo(compression=...) or px.AllReduce(compression=...) to compress."))
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
-                                  or not 0 < alpha <= 1):
-            raise ConfigError(usage(f"EASGD(alpha={alpha!r})", "0 < alpha <= 1/p for p workers (beta = p*alpha "
-                                    "in (0, 1], Zhang et al. 2015)",
-                                    "Leave alpha unset for the paper's beta = 0.9, i.e. alpha = 0.9/p."))
+        if alpha is not None:
+            check.number("EASGD(alpha", alpha, "Leave alpha unset for the paper's beta = 0.9, i.e. alpha = 0.9/p.",
+                         low=0, high=1, high_open=False, close=")",
+                         expected="0 < alpha <= 1/p for p workers (beta = p*alpha in (0, 1], Zhang et al. 2015)")
         super().__init__(as_condition(every), Elastic(None if alpha is None else float(alpha)))
         self._alpha_given = alpha
 

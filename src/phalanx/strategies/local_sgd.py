@@ -16,10 +16,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .. import check
 from ..errors import ConfigError, usage
 from ..sync import as_condition, is_synchronous, schedule
-from .allreduce import gradients
-from .base import ParameterAverage, Periodic, Strategy
+from .base import ParameterAverage, Periodic
+from .gradients import average_gradients_
 
 
 class LocalSGD(Periodic):
@@ -30,6 +31,7 @@ class LocalSGD(Periodic):
             e.g. ``px.schedule(sync_steps=500, then=px.every(8))``.
         warmup_steps: synchronous gradient averaging for this many steps first
             (post-local SGD); the same as ``every=px.schedule(warmup_steps, then=every)``.
+            The warm-up averages gradients by the end of ``backward()``, as ``px.AllReduce`` does.
 
     Optimizer state (momentum, Adam moments) stays local to each worker, as in the papers.
     """
@@ -43,9 +45,8 @@ class LocalSGD(Periodic):
                 "compressors with error feedback are made for updates (gradients, pseudo-gradients)",
                 "Use px.DiLoCo(every=k, outer_lr=1.0, outer_momentum=0.0, compression=...), which is local SGD "
                 "sending the compressed parameter change, or px.AllReduce(compression=...)."))
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ConfigError(usage(f"LocalSGD(warmup_steps={warmup_steps!r})", "an integer >= 0",
-                                    "Pass the number of synchronous steps before local SGD starts, or 0."))
+        check.integer("LocalSGD(warmup_steps", warmup_steps,
+                      "Pass the number of synchronous steps before local SGD starts, or 0.", close=")")
         sync = as_condition(every)
         if warmup_steps:
             sync = schedule(warmup_steps, then=sync)
@@ -55,14 +56,13 @@ class LocalSGD(Periodic):
                           "px.AllReduce(), or every > 1 to communicate less.", UserWarning, stacklevel=2)
         super().__init__(sync, ParameterAverage())
 
-    def before_step(self) -> None:
-        if is_synchronous(self.sync, self.steps + 1):
-            self.comm.all_reduce_(gradients(self.params))  # the warm-up: plain synchronous SGD
+    def after_backward(self, step: int) -> None:
+        if is_synchronous(self.sync, step):  # the warm-up: plain synchronous SGD, averaged inside backward()
+            average_gradients_(self.params, self.comm)
 
-    def after_step(self) -> None:
-        Strategy.after_step(self)
-        if not is_synchronous(self.sync, self.steps) and self.sync(self.steps):
-            self.exchange.exchange(self.params, self.comm)
+    def after_step(self, step: int, taken: bool) -> None:
+        if not is_synchronous(self.sync, step) and self.sync(step):
+            self.exchange.exchange(self.params, self.comm, step)
 
     def __repr__(self) -> str:
         return f"LocalSGD({self.sync!r})"
