@@ -41,6 +41,13 @@ from .wrap import no_sync, strategy_of, unwrap, wrap
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):  # noqa: ANN202 - px.keras imports Keras (seconds), so only on first use
+    if name == "keras":
+        import importlib
+        return importlib.import_module(".keras", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     # the loop
     "init", "wrap", "unwrap", "shard", "save", "rank", "world_size", "local_rank", "is_main", "is_initialized",

@@ -145,6 +145,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo (or, with the internal ``--worker``, one of its workers); returns the exit status."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--keras" in argv:  # the same demo with a Keras 3 model: phalanx.keras.demo
+        from .keras.demo import main as keras_demo
+        return keras_demo([a for a in argv if a != "--keras"])
     args = _parser().parse_args(argv)
     for name in ("epochs", "batch_size", "threads"):
         if getattr(args, name) < 1:
