@@ -12,6 +12,7 @@ Workers run on CPU, one intra-op thread each, and only rank 0 prints. Run
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -145,6 +146,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo (or, with the internal ``--worker``, one of its workers); returns the exit status."""
+    if "--stream" in (sys.argv[1:] if argv is None else argv):  # `phalanx demo --stream`: phalanx.stream.demo
+        return importlib.import_module("phalanx.stream.demo").main(argv)
     args = _parser().parse_args(argv)
     for name in ("epochs", "batch_size", "threads"):
         if getattr(args, name) < 1:
