@@ -169,5 +169,6 @@ def test_redis_stopped_mid_run_is_a_clear_error_in_bounded_time_and_the_last_com
     assert "lost the stream" in crashed.log(1)
     body = read_checkpoint(ckpt)  # intact (verified), and it is the last commit the workers made
     last_commit = max(s for (_, s) in steps_logged(tmp_path / "logs") if s % 3 == 0)
-    assert body["step"] == last_commit and body["loader"]["steps"] == last_commit
-    assert isinstance(body["loader"]["position"], str) and torch.is_tensor(body["model"]["0.weight"])
+    main = body["ranks"][0]
+    assert body["step"] == last_commit and main["loader"]["steps"] == last_commit
+    assert isinstance(main["loader"]["position"], str) and torch.is_tensor(main["model"]["0.weight"])

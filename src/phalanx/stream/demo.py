@@ -41,7 +41,7 @@ def _worker(args: argparse.Namespace) -> int:
     loader = StreamLoader(source, args.batch_size, policy=Deadline(0.5), stop=Stop(idle_s=args.idle))
     ckpt = os.path.join(args.dir, "ckpt.pt")
     if os.path.exists(ckpt):
-        loader.load_state_dict(px.load_checkpoint(ckpt, model, opt)["loader"])
+        px.load_checkpoint(ckpt, model, opt, loader=loader)  # the stream rewinds to the committed position
     log = open(os.path.join(args.dir, f"ids.inc{args.incarnation}.rank{px.rank()}.log"), "a")
     for x, y in loader:
         opt.zero_grad()

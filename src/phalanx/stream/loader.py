@@ -159,7 +159,15 @@ class StreamLoader:
         """Progress for the bar and history: events trained, events/s this run, lag, acknowledged position."""
         elapsed = time.monotonic() - self._t0
         return {"events": self.events, "events_per_s": (self.events - self._events0) / elapsed if elapsed else 0.0,
-                "lag": self.lag, "acknowledged": self.acknowledged, "dead_letters": self.dead, "steps": self.steps}
+                "lag": self.lag, "acknowledged": self.acknowledged, "dead_letters": self.dead}
+
+    # -- what the Trainer asks of a loader ---------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to reshuffle: a stream's order is its own. An "epoch" is one run to an end condition."""
+
+    def steps_left(self) -> int | None:
+        """Unknown: a live stream has no length."""
+        return None
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
