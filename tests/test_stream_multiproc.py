@@ -86,13 +86,13 @@ def assert_exactly_once(server, tmp_path, stream, result):
 def test_exactly_once_when_a_worker_dies_and_the_group_restarts_from_the_checkpoint(server, tmp_path, trial,
                                                                                      restart_workers):
     rng = random.Random(trial)
-    stream, kill_rank, kill_step = f"fire{trial}", rng.randrange(3), rng.randrange(8, 40)
+    stream, kill_rank, kill_step = f"fire{trial}", rng.randrange(3), rng.randrange(6, 25)
     feed = producer(server.url, stream, 3000, 1000)
     try:
-        crashed = run(server, tmp_path, stream, 3, 0, batch_size=16, kill_step=kill_step, kill_rank=kill_rank,
+        crashed = run(server, tmp_path, stream, 3, 0, batch_size=32, kill_step=kill_step, kill_rank=kill_rank,
                       check=False)
         assert crashed.returncodes[kill_rank] == 1 and crashed.results[0] is None  # the crash really happened
-        restarted = run(server, tmp_path, stream, restart_workers, 1, batch_size=16).results[0]
+        restarted = run(server, tmp_path, stream, restart_workers, 1, batch_size=32).results[0]
         assert feed.wait(timeout=30) == 0
     finally:
         feed.kill()
@@ -107,10 +107,10 @@ def test_exactly_once_after_every_worker_dies_and_everything_restarts(server, tm
     stream = "full"
     feed = producer(server.url, stream, 600, 0)
     feed.wait(timeout=30)
-    crashed = run(server, tmp_path, stream, 2, 0, batch_size=8, kill_step=12, kill_rank=-1, check=False)
+    crashed = run(server, tmp_path, stream, 2, 0, batch_size=16, kill_step=7, kill_rank=-1, check=False)
     assert crashed.returncodes == [1, 1]
-    restarted = run(server, tmp_path, stream, 2, 1, batch_size=8).results[0]
-    assert restarted["resumed"] == 10 and restarted["steps"] == 600 // 16 + 1
+    restarted = run(server, tmp_path, stream, 2, 1, batch_size=16).results[0]
+    assert restarted["resumed"] == 5 and restarted["steps"] == 600 // 32 + 1
     assert_exactly_once(server, tmp_path, stream, restarted)
 
 

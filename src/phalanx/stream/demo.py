@@ -25,6 +25,15 @@ STREAM, GROUP = "digits", "trainer"
 
 
 def _worker(args: argparse.Namespace) -> int:
+    import phalanx as px
+    try:
+        return _train(args)
+    except (px.PhalanxError, RuntimeError) as err:  # the survivor of the kill: one line, not a traceback
+        print(f"  worker {px.rank()}: {str(err).splitlines()[0][:160]}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _train(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
@@ -54,7 +63,7 @@ def _worker(args: argparse.Namespace) -> int:
             px.save_checkpoint(ckpt, model, opt, loader=loader, step=loader.steps)
             if px.is_main():
                 s = loader.stats()
-                print(f"  step {s['steps']:4d}  loss {loss.item():.3f}  {s['events_per_s']:6.0f} events/s  "
+                print(f"  step {loader.steps:4d}  loss {loss.item():.3f}  {s['events_per_s']:6.0f} events/s  "
                       f"lag {s['lag']:5d}  committed {s['events']:5d} events up to {loader.position}", flush=True)
     px.save_checkpoint(ckpt, model, opt, loader=loader, step=loader.steps)
     loader.close()
