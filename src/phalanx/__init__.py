@@ -34,6 +34,7 @@ from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, Parameter
 from .sync import every, schedule
 from .trainer import History, Trainer
 from .wrap import strategy_of, unwrap, wrap
+from . import elastic  # px.elastic.State / px.elastic.run
 
 __version__ = "0.1.0"
 
@@ -51,4 +52,6 @@ __all__ = [
     # checkpoints and errors
     "save_checkpoint", "load_checkpoint", "read_checkpoint",
     "PhalanxError", "ConfigError", "WorkerLostError", "CheckpointError",
+    # fault tolerance
+    "elastic",
 ]

@@ -179,6 +179,15 @@ def shutdown() -> None:
     _group = None
 
 
+# --- elastic hook (phalanx.elastic): re-point the group at a rebuilt generation -------------
+def regroup(rank: int, world_size: int, store: dist.Store | None) -> None:
+    """After ``phalanx.elastic`` rebuilt the process group: this worker's new rank, size and store."""
+    global _group
+    current = _current()
+    _group = _Group(env=replace(current.env, rank=rank, world_size=world_size), device=current.device, store=store)
+# --- end of elastic hook ------------------------------------------------------------------
+
+
 def _current() -> _Group:
     if _group is not None:
         return _group
