@@ -63,6 +63,8 @@ def main() -> None:
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
 
+    with open(os.path.join(args.out, f"start{me}-{os.getpid()}.json"), "w") as f:
+        json.dump({"id": me, "pid": os.getpid()}, f)  # a restarted worker would leave a second one
     px.init()
     net, data = model(), dataset()
     model_, opt = px.wrap(net, optimizer(net))

@@ -114,6 +114,7 @@ class _Worker:
         self.id, self.proc = wid, proc
         self.beats, self.seen = 0, time.monotonic()
         self.returncode: int | None = None
+        self.killed = False
 
 
 def _how(code: int) -> str:
@@ -174,6 +175,8 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict) -> int:
                 continue
             code = w.proc.poll()
             if code is None:
+                if w.killed or store.check([key("finished", w.id)]):
+                    continue  # a finished worker's heartbeat stops while it exits; that is no hang
                 beats = int(store.add(key("hb", w.id), 0))
                 if beats != w.beats:
                     w.beats, w.seen = beats, now
@@ -181,6 +184,7 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict) -> int:
                     print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) sent no heartbeat for "
                           f"{now - w.seen:.1f}s (hung or stopped); killing it", file=sys.stderr, flush=True)
                     w.proc.kill()
+                    w.killed = True
                 continue
             w.returncode = code
             if code != 0:

@@ -19,6 +19,7 @@ Keys (all under ``elastic/`` in the launcher's TCPStore):
     gen/<g>/members        JSON list of ids, rank order
     gen/<g>/arrive/<id>    JSON {"commits": [...]} of a survivor
     gen/<g>/join/<id>      a joiner asking to enter generation g
+    finished/<id>          worker <id> finished training (its heartbeat may stop while it exits)
     done                   set when training finished (late joiners leave)
 
 Example:

@@ -52,7 +52,7 @@ class ElasticWorker:
 
     def _beat(self) -> None:
         store, misses = self._connect(), 0  # its own connection: the main thread may be blocked in the store
-        while not self._stop.wait(HEARTBEAT_EVERY_S):
+        while True:  # the first beat at once: the launcher only watches workers it has heard from
             try:
                 store.add(key("hb", self.me), 1)
                 misses = 0
@@ -64,6 +64,8 @@ class ElasticWorker:
                           "resume from your last disk checkpoint (px.save_checkpoint), if any.",
                           file=sys.stderr, flush=True)
                     os._exit(1)
+            if self._stop.wait(HEARTBEAT_EVERY_S):
+                return
 
     def regroup(self, commits: list[int], *, backend: str) -> dict:
         """Leave the broken group, agree on the next generation, and join it; returns the plan."""
@@ -82,6 +84,7 @@ class ElasticWorker:
     def finished(self) -> None:
         """Training is over on this worker: late joiners may leave."""
         try:
+            self.store.set(key("finished", self.me), "1")
             self.store.set(key("done"), "1")
         except Exception:  # noqa: BLE001 - the launcher may already be gone at exit
             pass
