@@ -48,7 +48,7 @@ def oracle(record: list) -> list[torch.Tensor]:
     return [p.detach() for p in net.parameters()]
 
 
-def check_recovered(tmp_path, proc, results, victim: str, at: int) -> dict:
+def check_recovered(tmp_path, proc, results, victim: str, at: int, commit: int = 3) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     killed = json.load(open(tmp_path / "killed.json"))
     survivors = sorted(set("012") - {victim})
@@ -65,7 +65,8 @@ def check_recovered(tmp_path, proc, results, victim: str, at: int) -> dict:
         assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
     worlds = [w for _, w, _ in record]
     rolled_back_to = results[survivors[0]]["history"][0]["step"]
-    assert rolled_back_to == at - 1  # commit_every 2: commits at 2 and 4, the kill at step 5
+    assert rolled_back_to == commit  # commit_every 3: the survivors took step 4, failed at 5, and redo 4
+    assert results[survivors[0]]["history"][0]["redone_steps"] == at - 1 - commit
     assert worlds == [3] * rolled_back_to + [2] * (len(worlds) - rolled_back_to)
     # the oracle: the same world sizes at the same steps, uninterrupted
     for r in results.values():
@@ -134,7 +135,7 @@ def test_outside_phalanx_run_elastic_the_loop_runs_plainly():
 @pytest.mark.multiproc
 @pytest.mark.parametrize("victim", ["0", "1"])
 def test_kill_one_of_three_survivors_continue_and_match_the_oracle(tmp_path, victim):
-    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", f"{victim}@5")
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", f"{victim}@5", "--commit-every", "3")
     measured = check_recovered(tmp_path, proc, results, victim, 5)
     assert f"worker {victim}" in proc.stderr and "regroup" in proc.stderr
     print(f"kill rank {victim}: kill -> first step {measured['kill_to_first_step_s']:.2f}s (under load)")
@@ -143,7 +144,7 @@ def test_kill_one_of_three_survivors_continue_and_match_the_oracle(tmp_path, vic
 @pytest.mark.multiproc
 def test_a_stopped_worker_is_killed_by_heartbeat_and_the_rest_continue(tmp_path):
     proc, results = launch(tmp_path, "--min-workers", "2", "--heartbeat-timeout", "2", "--",
-                           "--kill", "2@5", "--stop")
+                           "--kill", "2@5", "--stop", "--commit-every", "3")
     assert "worker 2" in proc.stderr and "no heartbeat" in proc.stderr, proc.stderr[-2000:]
     measured = check_recovered(tmp_path, proc, results, "2", 5)
     assert measured["kill_to_first_step_s"] > 2.0  # it waited for the heartbeat timeout, not for gloo's 60 s
