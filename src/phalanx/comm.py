@@ -16,7 +16,7 @@ import contextlib
 import io
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,17 @@ class CommStats:
         return CommStats(self.bytes_sent, self.calls, self.seconds)
 
 
+# --- elastic hook: ranks a launcher already declared dead, so lost_ranks need not wait for them ------
+_known_lost: Callable[[], set[int]] | None = None
+
+
+def set_known_lost(source: Callable[[], set[int]] | None) -> None:
+    """``phalanx.elastic`` passes a function returning the ranks its launcher saw exit."""
+    global _known_lost
+    _known_lost = source
+# --- end of elastic hook -----------------------------------------------------------------------
+
+
 def lost_ranks(timeout_s: float = 3.0) -> list[int] | None:
     """After a failed collective, ask the store which peers are still there.
 
@@ -53,6 +64,8 @@ def lost_ranks(timeout_s: float = 3.0) -> list[int] | None:
         while True:
             missing = [r for r in range(world) if not store.check([f"failed/{r}"])]
             if not missing or time.monotonic() > deadline:
+                return missing
+            if _known_lost is not None and set(missing) <= _known_lost():  # elastic: dead for sure
                 return missing
             time.sleep(0.1)
     except Exception:  # the store's host itself is gone
