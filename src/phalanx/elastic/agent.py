@@ -189,6 +189,7 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict) -> int:
             w.returncode = code
             if code != 0:
                 store.set(key("dead", w.id), "1")
+                _exit_note(store, w.id, _how(code))
                 first_failure = code if first_failure is None else first_failure
                 if not store.check([key("done")]):
                     print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; the others regroup "
@@ -205,6 +206,25 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict) -> int:
                   "(px.save_checkpoint), if any.", file=sys.stderr, flush=True)
             return 1
         time.sleep(POLL_S)
+
+
+def _exit_note(store, wid: str, how: str) -> None:
+    """Leave the dead worker's exit note in its generation's liveness keys, as it would have itself.
+
+    A survivor's failed collective asks liveness which peers are gone; with the note it
+    knows at once instead of waiting for the dead worker's heartbeat to go stale.
+    """
+    import torch.distributed as dist
+
+    from .. import liveness
+    from .membership import key
+    from .rebuild import generation_prefix
+
+    generation = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
+    members = json.loads(store.get(key("gen", generation, "members")))
+    if wid in members:
+        prefix = "phalanx/0" if generation == 0 else generation_prefix(generation)
+        liveness.record_exit(dist.PrefixStore(prefix, store), members.index(wid), f"worker {wid} {how}")
 
 
 def _stop_all(workers: list[_Worker], grace_s: float = 3.0) -> None:

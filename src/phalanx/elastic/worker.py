@@ -22,7 +22,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from .. import comm, group
+from .. import group
 from .membership import Membership, QuorumError, key
 from .rebuild import destroy, rebuild
 
@@ -36,7 +36,6 @@ class ElasticWorker:
         members = json.loads(self.store.get(key("gen", 0, "members")))
         self.membership = Membership(self.store, me, members)
         self.config = self.membership.config()
-        comm.set_known_lost(self.lost_ranks)  # a failed collective need not wait for peers known dead
         self._stop = threading.Event()
         threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True).start()
 
@@ -67,10 +66,6 @@ class ElasticWorker:
                     os._exit(1)
             if self._stop.wait(HEARTBEAT_EVERY_S):
                 return
-
-    def lost_ranks(self) -> set[int]:
-        """Ranks of the current generation whose process the launcher saw exit."""
-        return {r for r, m in enumerate(self.membership.members) if self.membership.is_dead(m)}
 
     def regroup(self, commits: list[int], *, backend: str) -> dict:
         """Leave the broken group, agree on the next generation, and join it; returns the plan."""
