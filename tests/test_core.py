@@ -44,7 +44,27 @@ def test_every_sample_goes_to_exactly_one_worker_and_steps_are_equal(n, world, b
     seen = sorted(i for batches in per_rank for b in batches for i in b)
     assert seen == list(range(n))
     assert len({len(batches) for batches in per_rank}) == 1  # nobody waits at a collective the others skip
-    assert all(b for batches in per_rank for b in batches)  # no empty batch
+    assert len(per_rank[0]) == -(-n // (world * batch))  # as many steps as one process with batch world * batch
+    assert all(max(map(len, step)) - min(map(len, step)) <= 1 for step in zip(*per_rank))  # near-equal parts
+
+
+def test_short_last_batch_weights_each_part_by_its_share_and_the_weighted_mean_is_one_process_mean():
+    from phalanx.batchweight import batch_weight
+    data = torch.utils.data.TensorDataset(torch.arange(10.))
+    weights, values = [], []
+    for rank in range(4):  # 10 samples, 4 workers x batch 1: steps of 4, 4 and 2 (two workers get nothing)
+        loader = px.shard(data, batch_size=1, seed=0, rank=rank, world_size=4)
+        for step, (x,) in enumerate(loader):
+            weights.append((step, rank, batch_weight()))
+            values.append((step, rank, x))
+    last = [(r, w) for s, r, w in weights if s == 2]
+    assert last == [(0, 2.0), (1, 2.0), (2, 0.0), (3, 0.0)]
+    for step in range(3):  # the mean over workers of weight x local mean == the mean over the global batch
+        parts = [(w, x) for (s, _, w), (_, _, x) in zip(weights, values) if s == step]
+        combined = sum(w * (x.mean() if len(x) else 0.0) for w, x in parts) / 4
+        assert combined == pytest.approx(torch.cat([x for _, x in parts]).mean().item())
+    empty = [x for s, r, x in values if s == 2 and r == 3][0]
+    assert empty.shape == (0,) and empty.dtype == torch.float32  # an empty part keeps the sample's dtype
 
 
 def test_order_differs_per_epoch_and_is_deterministic_given_the_seed():
@@ -77,6 +97,27 @@ def test_loader_resumes_mid_epoch_from_its_state():
     fresh.load_state_dict(state)
     fresh.set_epoch(2)  # the resumed loop calls set_epoch again; the position survives it
     assert head + [b[0].tolist() for b in fresh] == full
+
+
+def test_loader_position_saved_by_2_workers_resumes_on_3_with_every_sample_once():
+    data = torch.utils.data.TensorDataset(torch.arange(50))
+    seen = []
+    for rank in range(2):  # 2 workers x batch 4 take 3 steps of epoch 1, then the job is resized
+        loader = px.shard(data, batch_size=4, seed=9, rank=rank, world_size=2)
+        loader.set_epoch(1)
+        it = iter(loader)
+        seen += [i for _ in range(3) for i in next(it)[0].tolist()]
+    state = loader.state_dict()
+    assert state == {"epoch": 1, "seed": 9, "samples": 24, "n": 50}  # no world size in it
+    steps = set()
+    for rank in range(3):
+        loader = px.shard(data, batch_size=4, seed=9, rank=rank, world_size=3)
+        loader.load_state_dict(state)
+        loader.set_epoch(1)
+        rest = [b[0].tolist() for b in loader]
+        steps.add(len(rest))
+        seen += [i for b in rest for i in b]
+    assert sorted(seen) == list(range(50)) and steps == {3}  # 26 left: global batches of 12, 12 and 2
 
 
 def test_iterating_a_loader_leaves_the_global_rng_alone():
@@ -141,8 +182,9 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_is_untouched(tmp_pat
 
     with pytest.raises(px.ConfigError, match="holds a value of type object"):  # refused before writing
         px.save_checkpoint(path, model, opt, step=5, extra={"oops": object()})
-    with file_size_limit(len(good) // 2), pytest.raises(OSError):  # the disk fills up half-way through
+    with file_size_limit(len(good) // 2), pytest.raises(px.CheckpointError) as full:  # the disk fills up half-way
         px.save_checkpoint(path, model, opt, step=5)
+    assert str(path) in str(full.value) and "\n" not in str(full.value) and "File too large" in str(full.value)
     assert path.read_bytes() == good  # the previous checkpoint is as it was
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # and no temporary file is left behind
 
@@ -165,8 +207,18 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path):
     torch.save({"model": nn.Linear(2, 2)}, buf)  # a pickled module: loading it would import and run code
     payload = buf.getvalue()
     (tmp_path / "evil.pt").write_bytes(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
-    with pytest.raises(px.CheckpointError, match="safely"):
+    with pytest.raises(px.CheckpointError, match="safely") as err:
         px.read_checkpoint(tmp_path / "evil.pt")
+    assert "Linear" in str(err.value) and "weights_only" not in str(err.value)  # never advise turning safety off
+    assert "\n" not in str(err.value)
+
+
+def test_a_parameter_server_shard_file_given_to_load_checkpoint_is_named_as_such(tmp_path):
+    from phalanx.framing import write_verified
+    write_verified(tmp_path / "ps-shard-0.pt", {"format": "phalanx-ps-shards-1", "counts": {}, "shards": {}})
+    with pytest.raises(px.CheckpointError) as err:
+        px.load_checkpoint(tmp_path / "ps-shard-0.pt", net(seed=0))
+    assert "parameter-server shard file" in one_clear_line(err.value)
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):

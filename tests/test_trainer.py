@@ -112,7 +112,7 @@ def test_throughput_meter_rejects_a_negative_warmup():
 @pytest.mark.multiproc
 def test_history_has_the_expected_keys_and_is_the_same_on_every_worker(two_workers):
     history = two_workers[0]["history"]
-    assert [row["epoch"] for row in history] == [0, 1, 2]
+    assert [row["epoch"] for row in history] == [1, 2, 3]
     for row in history:
         assert set(row) == HISTORY_KEYS
         assert row["val_samples"] == W.VAL_N
@@ -176,7 +176,7 @@ def test_trainer_stops_when_a_callback_asks_and_history_reads_by_column():
     t = W.trainer(W.net(seed=0), callbacks=[stop])
     history = t.fit(W.train_set(), epochs=5, batch_size=16, progress=False)
     assert isinstance(history, History) and len(history) == 2
-    assert history["epoch"] == [0, 1] and history["steps"] == [7, 7]
+    assert history["epoch"] == [1, 2] and history["steps"] == [7, 7]  # counted from 1, as the progress bar
 
 
 def test_trainer_refuses_bad_arguments_clearly():
@@ -225,3 +225,25 @@ def test_demo_refuses_bad_options(capsys):
     from phalanx.demo import main
     assert main(["--epochs", "0"]) == 2
     assert "--epochs=0" in capsys.readouterr().err
+
+
+def test_progress_is_plain_lines_when_stdout_is_not_a_terminal(capsys):
+    t = W.trainer(W.net(seed=0))
+    t.fit(W.train_set(), epochs=2, batch_size=16, val_data=W.val_set(), progress=True)
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    lines = out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"]  # one line per epoch, from 1
+    assert "7/7 steps" in lines[0] and "val_loss=" in lines[0]
+
+
+def test_plain_progress_prints_every_so_often_and_at_the_end(capsys):
+    from phalanx.trainer import PlainProgress
+    clock = FakeClock()
+    bar = PlainProgress(total=10, desc="epoch 1/1", every_s=30.0, clock=clock)
+    for _ in range(10):
+        clock.now += 10.0
+        bar.update(1)
+    bar.close()
+    assert capsys.readouterr().out.splitlines() == ["epoch 1/1: 3/10 steps", "epoch 1/1: 6/10 steps",
+                                                    "epoch 1/1: 9/10 steps", "epoch 1/1: 10/10 steps"]

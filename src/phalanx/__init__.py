@@ -14,8 +14,11 @@ Your loop stays yours; four lines make it data-parallel::
             F.cross_entropy(model(x), y).backward()
             opt.step()
     px.save(model, "model.pt")                              # 4: plain state_dict, main worker only
+    px.shutdown()                                           # leave the group once every worker is done
 
 Launch with ``phalanx run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.py``.
+``px.shutdown()`` also runs at exit; call it yourself where you would call
+``dist.destroy_process_group()``, never under ``if rank == 0:``.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from .ps import AsyncEASGD, Downpour, ParameterServer
 from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, ParameterAverage, Periodic, Strategy,
                          SyncCondition)
 from .sync import every, schedule
+from .state import TrainingState
 from .trainer import History, Trainer
 from .wrap import strategy_of, unwrap, wrap
 from . import elastic  # px.elastic.State / px.elastic.run
@@ -50,7 +54,7 @@ __all__ = [
     "Trainer", "History", "Callback", "LambdaCallback", "ModelCheckpoint", "Metric", "Accuracy", "MeanLoss",
     "ThroughputMeter",
     # checkpoints and errors
-    "save_checkpoint", "load_checkpoint", "read_checkpoint",
+    "save_checkpoint", "load_checkpoint", "read_checkpoint", "TrainingState",
     "PhalanxError", "ConfigError", "WorkerLostError", "CheckpointError",
     # fault tolerance
     "elastic",

@@ -10,6 +10,10 @@ Every hook runs on every worker, in this order::
       on_epoch_end(trainer, epoch, logs)     # logs: the epoch's history row, same on every worker
     on_train_end(trainer)
 
+The ``epoch`` argument is the 0-based index of the epoch (as ``range(epochs)``
+gives it); ``logs["epoch"]`` in the history row counts from 1, as the progress
+bar does.
+
 ``on_step_end`` logs hold this worker's values for the step:
 
 * ``loss``: the step's loss on this worker's part of the global batch;
@@ -84,7 +88,8 @@ class ModelCheckpoint(Callback):
 
     ``path`` may contain ``{epoch}``, the number of epochs completed, to keep one
     file per save; otherwise each save replaces the last (atomically). Every
-    worker takes part (the RNG states of all ranks are gathered); rank 0 writes.
+    worker takes part (every worker's state is gathered, see ``px.save_checkpoint``);
+    rank 0 writes.
 
     Example:
         >>> from phalanx.callbacks import ModelCheckpoint

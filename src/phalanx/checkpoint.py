@@ -4,12 +4,18 @@ Two kinds:
 
 * ``px.save(model, path)``: the plain ``state_dict`` of the user's module (no
   ``module.`` prefixes), a normal ``torch.save`` file that ``Net().load_state_dict``
-  takes as it is.
+  takes as it is. Main worker only; call it anywhere, e.g. under ``if px.is_main():``.
 * ``px.save_checkpoint(path, model, optimizer, ...)``: everything a run needs to
-  continue exactly: model, optimizer, strategy state, sampler position, RNG states
-  and step. The file carries a SHA-256 of its body and is loaded with
-  ``weights_only=True``, so a truncated or tampered file is refused and nothing in
-  it can run code.
+  continue exactly, for every worker: each worker's :class:`phalanx.state.TrainingState`
+  snapshot (model, optimizer, the strategy's shared state and this worker's own
+  part of it such as compressor residuals, the data position, its Python, NumPy,
+  torch and CUDA RNG, the step, an LR scheduler and GradScaler when given).
+  **Collective**: call it on every worker (rank 0 writes). Called on some workers
+  only (say under ``if rank == 0:``, where ``torch.save`` was), it fails within
+  :data:`ENTRY_WAIT_S` seconds with a message that says so, instead of hanging.
+
+The file carries a SHA-256 of its body and is loaded with ``weights_only=True``,
+so a truncated or tampered file is refused and nothing in it can run code.
 
 Example:
     >>> import torch, phalanx as px, tempfile, os
@@ -20,63 +26,35 @@ Example:
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import os
-import random
-import tempfile
-from collections import OrderedDict
+import time
+from collections import Counter
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from . import group
 from .errors import CheckpointError, ConfigError, usage
-from .wrap import strategy_of, unwrap
+from .framing import MAGIC, atomic_write, check_plain, read_verified, to_bytes, write_verified
+from .state import TrainingState, gather_to_main, resize_warning, rng_state, set_rng_state, shared
+from .wrap import unwrap
 
-MAGIC = b"PHALANX-CKPT-1\n"
+FORMAT = "phalanx-checkpoint-2"
+#: Seconds the first worker to enter ``save_checkpoint`` waits for the others before saying it is not collective.
+ENTRY_WAIT_S = 10.0
+SAME_AS_RANK0 = "=rank0"  # a part of a worker's snapshot that equals rank 0's is stored once
 
-
-def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary file beside ``path``, fsync, then rename over it."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # what open() would give, not mkstemp's 0600
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _to_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+# Kept importable from here: the parameter-server shard store and older code use these names.
+read_checkpoint = read_verified
+__all__ = ["MAGIC", "load_checkpoint", "load_state", "read_checkpoint", "rng_state", "save", "save_checkpoint",
+           "save_state", "set_rng_state", "write_verified", "check_plain", "atomic_write"]
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> None:
     """Save the plain model's weights from the main worker only (others return at once).
+
+    Not collective: call it on every worker or under ``if px.is_main():``, as you like.
 
     Example:
         >>> import torch, phalanx as px, tempfile, os
@@ -84,43 +62,18 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
     """
     if group.is_main():
         state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
-        _atomic_write(path, _to_bytes(state))
-
-
-def rng_state() -> dict[str, Any]:
-    """This worker's RNG states as tensors and plain values (loadable with weights_only)."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
-                             "numpy": _numpy_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _numpy_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-            "has_gauss": int(has_gauss), "gauss": float(gauss)}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np_state = state["numpy"]
-    np.random.set_state((np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        atomic_write(path, to_bytes(state))
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    loader: Any = None, step: int = 0, extra: dict[str, Any] | None = None) -> None:
-    """Write a resumable checkpoint (main worker only; call it on every worker).
+                    loader: Any = None, step: int = 0, extra: dict[str, Any] | None = None,
+                    scheduler: Any = None, scaler: Any = None) -> None:
+    """Write a resumable checkpoint of every worker's state. Collective: call it on every worker; rank 0 writes.
 
-    Every worker's torch RNG state is kept, and the strategy's shared state plus each
-    worker's own part of it (``Strategy.gather_state_dict``). ``extra`` holds the
-    caller's own plain values.
+    It holds each worker's :class:`~phalanx.state.TrainingState` snapshot: model,
+    optimizer, the strategy's shared and per-worker state, the loader's position,
+    every worker's RNG (Python, NumPy, torch, CUDA), ``step``, and ``scheduler`` /
+    ``scaler`` state when given. ``extra`` holds the caller's own plain values.
 
     Example:
         >>> import torch, phalanx as px, tempfile, os
@@ -129,106 +82,122 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         >>> px.save_checkpoint(p, net, opt, step=3); px.load_checkpoint(p, net, opt)["step"]
         3
     """
-    from .comm import Comm
-    # Each worker's torch generator differs (dropout, augmentation); keep them all.
-    torch_rngs = Comm().all_gather(torch.get_rng_state())
-    strategy = strategy_of(optimizer) if optimizer is not None else None
-    strategy_state = None
-    if strategy is not None:  # collective: rank 0's shared state plus each replica's own (residuals...)
-        strategy_state = getattr(strategy, "gather_state_dict", strategy.state_dict)()
-    if not group.is_main():
+    check_plain(extra or {}, "extra")  # refuse before any collective, on every worker alike
+    save_state(path, TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler,
+                                   extra=extra, step=step))
+
+
+def save_state(path: str | os.PathLike, state: TrainingState) -> None:
+    """Gather every worker's ``state.capture()`` to rank 0 and write them in one verified file. Collective."""
+    _all_enter("save_checkpoint")
+    snapshots = gather_to_main(state.capture())
+    if snapshots is None:
         return
-    body = {
-        "model": unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "strategy": strategy_state,
-        "loader": loader.state_dict() if loader is not None else None,
-        "rng": rng_state(),
-        "torch_rng_per_rank": torch_rngs,
-        "step": int(step),
-        "world_size": group.world_size(),
-        "extra": extra or {},
-    }
-    write_verified(path, body)
-
-
-def write_verified(path: str | os.PathLike, body: dict[str, Any]) -> None:
-    """Atomically write ``body`` (tensors and plain values) framed with its SHA-256; see :func:`read_checkpoint`."""
-    _check_plain(body, "checkpoint")
-    payload = _to_bytes(body)
-    _atomic_write(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
-
-
-_PLAIN = (torch.Tensor, int, float, bool, str, type(None))
-
-
-def _check_plain(value: Any, where: str) -> None:
-    """Refuse, before writing, anything that ``weights_only=True`` would refuse to load back."""
-    if isinstance(value, _PLAIN) or isinstance(value, torch.dtype):
-        return
-    if type(value) in (dict, OrderedDict):
-        for key, item in value.items():
-            _check_plain(key, f"{where} key {key!r}")
-            _check_plain(item, f"{where}[{key!r}]")
-    elif type(value) in (list, tuple):
-        for i, item in enumerate(value):
-            _check_plain(item, f"{where}[{i}]")
-    else:
-        raise ConfigError(usage(f"{where} holds a value of type {type(value).__name__}",
-                                "tensors, numbers, strings, None, and dicts/lists/tuples of them",
-                                "Convert it (e.g. to a tensor or a dict of numbers) before saving."))
-
-
-def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and verify a checkpoint file without applying it."""
-    path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"no checkpoint at {path!r}; expected a file written by px.save_checkpoint. "
-                              "Check the path, or start without resuming.") from None
-    if not data.startswith(MAGIC):
-        raise CheckpointError(f"{path!r} is not a phalanx checkpoint (bad header); expected a file from "
-                              "px.save_checkpoint. For px.save files use torch.load(path, weights_only=True).")
-    digest, _, payload = data[len(MAGIC):].partition(b"\n")
-    if hashlib.sha256(payload).hexdigest().encode() != digest:
-        raise CheckpointError(f"{path!r} is truncated or corrupted (SHA-256 mismatch over {len(payload)} bytes); "
-                              "expected an intact checkpoint. Resume from an earlier checkpoint.")
-    try:
-        return torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
-    except Exception as err:
-        raise CheckpointError(f"{path!r} could not be loaded safely ({err}); expected tensors and plain values "
-                              "only. Do not load checkpoints from untrusted sources.") from err
+    for snap in snapshots[1:]:
+        for key, value in snap.items():
+            if key not in ("format", "rank") and _equal(value, snapshots[0][key]):
+                snap[key] = SAME_AS_RANK0  # identical replicas (synchronous strategies) are stored once
+    write_verified(path, {"format": FORMAT, "world_size": len(snapshots), "step": state.step,
+                          "extra": state.extra, "ranks": snapshots})
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    loader: Any = None, restore_rng: bool = True) -> dict[str, Any]:
-    """Restore what :func:`save_checkpoint` wrote; returns the body (``step``, ``extra``...).
+                    loader: Any = None, restore_rng: bool = True, scheduler: Any = None,
+                    scaler: Any = None) -> dict[str, Any]:
+    """Restore what :func:`save_checkpoint` wrote; returns ``{"step", "extra", "world_size"}``.
 
-    Every worker reads the file, so it must be on a filesystem they share.
+    Each worker takes its own snapshot. Under another number of workers each takes
+    rank 0's model, optimizer, strategy state and data position (the rest of the
+    epoch is re-split over the workers there are now) and a warning says what does
+    not carry over. Every worker reads the file, so it must be on a filesystem they
+    share. Not collective.
     """
-    body = read_checkpoint(path)
-    if loader is not None and body["loader"] is not None and body["world_size"] != group.world_size():
-        raise CheckpointError(f"{path!r} holds a data position for {body['world_size']} workers but this run has "
-                              f"{group.world_size()}; expected the same number of workers, since the global "
-                              "batches depend on it. Resume with the same -n, or pass loader=None to restart "
-                              "the interrupted epoch.")
+    state = TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler)
+    body = load_state(path, state, restore_rng=restore_rng)
+    return {"step": state.step, "extra": state.extra, "world_size": body["world_size"]}
+
+
+def load_state(path: str | os.PathLike, state: TrainingState, *, restore_rng: bool = True) -> dict[str, Any]:
+    """Restore ``state`` from a checkpoint file (this worker's snapshot, or rank 0's shared part); returns the body."""
+    body = read_verified(path)
+    path = os.fspath(path)
+    if body.get("format") == "phalanx-ps-shards-1":
+        raise CheckpointError(f"{path!r} is a parameter-server shard file; expected a file from "
+                              "px.save_checkpoint. Give shard files to the servers (--checkpoint PATH), "
+                              "not to px.load_checkpoint.")
+    if body.get("format") != FORMAT:
+        raise CheckpointError(f"{path!r} is a phalanx file of format {body.get('format', 'phalanx-checkpoint-1')!r}; "
+                              f"expected {FORMAT!r} (from px.save_checkpoint of this version). Resume from a "
+                              "checkpoint written by this version, or start afresh.")
+    ranks, me, world = body["ranks"], group.rank(), group.world_size()
+    if len(ranks) == world:
+        snapshot = {k: (ranks[0][k] if v == SAME_AS_RANK0 else v) for k, v in ranks[me].items()}
+    else:
+        resize_warning(len(ranks), world, f"the checkpoint {path!r}")
+        snapshot = shared(ranks[0])
+    if not restore_rng:
+        snapshot = {k: v for k, v in snapshot.items() if k != "rng"}
     try:
-        unwrap(model).load_state_dict(body["model"])
-    except RuntimeError as err:
-        raise CheckpointError(f"{path!r} holds weights for another model: {str(err).splitlines()[0]}. "
-                              "Build the same architecture before loading.") from err
-    if optimizer is not None and body["optimizer"] is not None:
-        optimizer.load_state_dict(body["optimizer"])
-        strategy = strategy_of(optimizer)
-        if strategy is not None and body["strategy"] is not None:
-            strategy.load_state_dict(body["strategy"])
-    if loader is not None and body["loader"] is not None:
-        loader.load_state_dict(body["loader"])
-    if restore_rng:
-        set_rng_state(body["rng"])
-        per_rank = body.get("torch_rng_per_rank") or []
-        if group.rank() < len(per_rank):
-            torch.set_rng_state(per_rank[group.rank()])
+        state.restore(snapshot)
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{path!r} does not fit this model or optimizer: {str(err).splitlines()[0][:300]}. "
+                              "Build the same architecture (and optimizer) before loading; it holds weights "
+                              "for another model otherwise.") from err
     return body
+
+
+# -- the collective entry check ------------------------------------------------------------------------------------
+
+_entries: Counter[str] = Counter()
+
+
+def _all_enter(what: str) -> None:
+    """Every worker announces entry on the group's store; fail fast if some never come.
+
+    ``save_checkpoint`` gathers every worker's state, so a call on rank 0 alone (the
+    place ``torch.save`` had in a DDP script) would wait in the gather until the
+    collective timeout and then look like a crash. Instead the workers meet on the
+    store first: one that waited :data:`ENTRY_WAIT_S` seconds for the others raises a
+    ConfigError saying the call is collective, and posts it, so a worker arriving
+    later raises the same at once.
+    """
+    store, world, me = group.store(), group.world_size(), group.rank()
+    if store is None or world == 1:
+        return
+    _entries[what] += 1
+    key = f"phalanx-entry/{what}/{_entries[what]}"
+    store.set(f"{key}/{me}", "1")
+    count = store.add(f"{key}/count", 1)
+    deadline = time.monotonic() + ENTRY_WAIT_S
+    while count < world:
+        if store.check([f"{key}/gave-up"]):
+            raise ConfigError(store.get(f"{key}/gave-up").decode())
+        if time.monotonic() > deadline:
+            came = [r for r in range(world) if store.check([f"{key}/{r}"])]
+            missing = [r for r in range(world) if r not in came]
+            message = usage(f"px.{what} called on rank(s) {_ranks(came)} while rank(s) {_ranks(missing)} did not "
+                            f"call it within {ENTRY_WAIT_S:g} s", f"a call on every worker ({what} is collective: "
+                            "it gathers every worker's state)",
+                            "Call it on every worker, not under `if rank == 0:`; px.save is the main-worker-only "
+                            "call for plain weights.")
+            store.set(f"{key}/gave-up", message)
+            store.set(f"phalanx-error/{me}", message)  # for the peers' diagnosis of why this worker left
+            raise ConfigError(message)
+        time.sleep(0.02)
+        count = store.add(f"{key}/count", 0)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Exact equality of nested tensors and plain values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+            and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b

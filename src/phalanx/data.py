@@ -5,8 +5,10 @@ samples and each global batch is split across workers. So N workers with batch b
 see, together, exactly the batches one process sees with batch N·b and the same
 seed, which is what makes distributed training checkable against one process.
 Every sample of an epoch goes to exactly one worker and every worker takes the
-same number of steps: a short last global batch is split as evenly as possible,
-and one too small to give each worker a sample joins the batch before it.
+same number of steps, as many as one process with batch N·b: a short last global
+batch is split as evenly as possible (a part may be empty), and each worker's
+gradient is weighted by its share of it (:mod:`phalanx.batchweight`), so the step
+is exactly one process's step on the same samples.
 
 Example:
     >>> import torch, phalanx as px
@@ -17,31 +19,38 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Sized
+from typing import Any, Callable, Iterator, Sized
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from . import group
+from .batchweight import set_batch_weight
 from .errors import ConfigError, usage
 
 
-def global_batches(n: int, batch_size: int, world_size: int, *, shuffle: bool, seed: int, epoch: int,
-                   drop_last: bool = False) -> list[list[list[int]]]:
-    """The epoch's plan: ``plan[step][rank]`` is the list of sample indices."""
+def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
+    """The epoch's sample order: the same for every world size, so a position in it outlives a resize."""
     if shuffle:
         gen = torch.Generator().manual_seed(seed + epoch)  # deterministic, different every epoch
-        order = torch.randperm(n, generator=gen).tolist()
-    else:
-        order = list(range(n))
+        return torch.randperm(n, generator=gen).tolist()
+    return list(range(n))
+
+
+def global_batches(n: int, batch_size: int, world_size: int, *, shuffle: bool, seed: int, epoch: int,
+                   drop_last: bool = False, start: int = 0) -> list[list[list[int]]]:
+    """The epoch's plan from sample ``start`` of its order on: ``plan[step][rank]`` is a list of sample indices.
+
+    Global batches hold ``world_size * batch_size`` samples, as one process with that
+    batch would take them. The short last one is split as evenly as possible (a
+    worker may get an empty part when it holds fewer samples than there are workers)
+    and never joins the batch before it, so the step count is one process's.
+    """
+    order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch)[start:]
     size = batch_size * world_size
-    batches = [order[i:i + size] for i in range(0, n, size)]
-    if batches and len(batches[-1]) < size:
-        if drop_last:
-            batches.pop()
-        elif len(batches[-1]) < world_size and len(batches) > 1:
-            tail = batches.pop()
-            batches[-1] = batches[-1] + tail
+    batches = [order[i:i + size] for i in range(0, len(order), size)]
+    if drop_last and batches and len(batches[-1]) < size:
+        batches.pop()
     return [_split(b, world_size) for b in batches]
 
 
@@ -57,42 +66,91 @@ def _split(batch: list[int], world_size: int) -> list[list[int]]:
 
 
 class ShardSampler(Sampler[list[int]]):
-    """A batch sampler yielding this worker's part of each global batch; resumable mid-epoch."""
+    """A batch sampler yielding this worker's part of each global batch; resumable mid-epoch.
+
+    Its position is world-size independent: the epoch, the seed and the number of
+    samples of the epoch's order already trained on (by all workers together). A
+    state saved by N workers and loaded by M re-splits the rest of the epoch over M,
+    so every sample is still trained exactly once per epoch.
+    """
 
     def __init__(self, n: int, batch_size: int, *, rank: int, world_size: int, shuffle: bool,
                  seed: int, drop_last: bool) -> None:
         self.n, self.batch_size, self.rank, self.world_size = n, batch_size, rank, world_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
-        self.position = 0  # batches of this epoch already consumed by the training loop
+        self.samples = 0   # samples of this epoch's order trained on by all workers together
+        self.start = 0     # where the current iteration began in that order
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
+            self.epoch, self.samples = epoch, 0
 
-    def _plan(self) -> list[list[list[int]]]:
-        return global_batches(self.n, self.batch_size, self.world_size, shuffle=self.shuffle,
-                              seed=self.seed, epoch=self.epoch, drop_last=self.drop_last)
+    def plan(self) -> list[list[list[int]]]:
+        """The rest of this epoch: ``plan[step][rank]``, from the current position on."""
+        return global_batches(self.n, self.batch_size, self.world_size, shuffle=self.shuffle, seed=self.seed,
+                              epoch=self.epoch, drop_last=self.drop_last, start=self.samples)
 
     def __iter__(self) -> Iterator[list[int]]:
-        # Starts at ``position`` so a resumed run skips what it already trained on. The
-        # loader, not this sampler, advances ``position``: DataLoader workers prefetch.
-        plan = self._plan()
-        for step in range(self.position, len(plan)):
-            yield plan[step][self.rank]
+        # Starts at the position so a resumed run skips what it already trained on. The
+        # loader, not this sampler, advances the position: DataLoader workers prefetch.
+        for parts in self.plan():
+            yield parts[self.rank]
 
     def __len__(self) -> int:
-        return len(self._plan())
+        """Steps in a whole epoch at this world size (the same as one process with batch world_size * batch_size)."""
+        size = self.batch_size * self.world_size
+        return self.n // size if self.drop_last else -(-self.n // size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        return {"epoch": self.epoch, "seed": self.seed, "samples": self.samples, "n": self.n}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
+        if "n" in state and int(state["n"]) != self.n:
+            raise ConfigError(usage(f"a loader position saved for a dataset of {int(state['n'])} samples",
+                                    f"the same dataset ({self.n} samples here)",
+                                    "Resume with the dataset the checkpoint was trained on."))
+        self.epoch, self.seed = int(state["epoch"]), int(state["seed"])
+        if "samples" in state:
+            self.samples = int(state["samples"])
+        else:  # written before positions were world-size independent: batches of this world size
+            self.samples = min(self.n, int(state["position"]) * self.batch_size * self.world_size)
+
+
+class _EmptySafeCollate:
+    """The user's collate, plus zero-length batches (same structure, shapes and dtypes) for empty parts."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any], dataset: Dataset) -> None:
+        self.collate, self.dataset = collate, dataset
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if samples:
+            return self.collate(samples)
+        return _empty_like(self.collate([self.dataset[0]]))
+
+
+def _empty_like(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_empty_like(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _empty_like(v) for k, v in batch.items()}
+    return batch
 
 
 class ShardedLoader:
-    """A DataLoader over this worker's shard, with ``set_epoch`` and checkpointable position."""
+    """A DataLoader over this worker's shard, with ``set_epoch`` and a checkpointable position.
+
+    On every step it tells the gradient exchange this worker's weight in the global
+    mean (:mod:`phalanx.batchweight`): 1 on full steps; on the short last step
+    ``n_i * world_size / total``, so the averaged gradient is exactly that of one
+    process on the same samples. A worker whose part of that step is empty gets a
+    zero-length batch (same shapes and dtypes, zero rows) and weight 0: it still
+    takes the step, so no collective is skipped. Models whose forward refuses zero
+    rows, and losses that return nan on them with a plain mean, are fine as long as
+    the gradient is zero; use ``drop_last=True`` to avoid such steps altogether.
+    """
 
     def __init__(self, dataset: Dataset, sampler: ShardSampler, **loader_kwargs: Any) -> None:
         self.dataset, self.sampler = dataset, sampler
@@ -103,6 +161,7 @@ class ShardedLoader:
         if self._own_generator:
             loader_kwargs["generator"] = torch.Generator()
         self._generator = loader_kwargs["generator"]
+        loader_kwargs["collate_fn"] = _EmptySafeCollate(loader_kwargs.get("collate_fn") or default_collate, dataset)
         self._loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
 
     def set_epoch(self, epoch: int) -> None:
@@ -110,25 +169,35 @@ class ShardedLoader:
         self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._own_generator:  # deterministic per (seed, epoch, rank), whatever happened before
-            s = self.sampler
-            self._generator.manual_seed(hash((s.seed, s.epoch, s.rank)) & (2**63 - 1))
-        for batch in self._loader:
-            self.sampler.position += 1
+        s = self.sampler
+        if self._own_generator:  # deterministic per (seed, epoch, position, rank), whatever happened before
+            self._generator.manual_seed(hash((s.seed, s.epoch, s.samples, s.rank)) & (2**63 - 1))
+        sizes = [[len(part) for part in parts] for parts in s.plan()]
+        for step, batch in enumerate(self._loader):
+            total = sum(sizes[step])
+            s.samples += total
+            set_batch_weight(sizes[step][s.rank] * s.world_size / total)
             yield batch
-        self.sampler.position = 0  # the epoch is done; iterating again replays it unless set_epoch moves on
+        set_batch_weight(1.0)
+        s.samples = 0  # the epoch is done; iterating again replays it unless set_epoch moves on
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+    def steps_left(self) -> int:
+        """Steps the next iteration will take (fewer than ``len`` when resumed mid-epoch)."""
+        return len(self.sampler.plan())
 
     @property
     def batch_size(self) -> int:
         return self.sampler.batch_size
 
     def state_dict(self) -> dict[str, Any]:
+        """The position, world-size independent: ``epoch``, ``seed``, ``samples`` trained on this epoch, ``n``."""
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; under another world size the rest of the epoch is re-split."""
         self.sampler.load_state_dict(state)
 
 
@@ -137,6 +206,11 @@ def shard(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int 
     """A loader that yields this worker's part of each global batch of ``world_size * batch_size``.
 
     Extra keyword arguments (``num_workers``, ``pin_memory``, ``collate_fn``...) go to DataLoader.
+
+    ``shuffle`` defaults to True, as ``DistributedSampler``'s does. Porting a loop
+    whose ``DataLoader(..., shuffle=False, sampler=DistributedSampler(...))`` said
+    ``shuffle=False`` only because a sampler was given: do not carry that over, or
+    shuffling is off (the sampler did the shuffling there).
 
     Example:
         >>> import torch, phalanx as px

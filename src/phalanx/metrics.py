@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -110,47 +111,133 @@ class Accuracy(Metric):
 
 
 class MeanLoss(Metric):
-    """The mean of per-sample losses over every sample seen.
+    """The loss over every sample seen, combined exactly as ``loss_fn`` itself reduces a batch.
 
-    ``loss_fn`` is evaluated per sample (``reduction="none"``) when it allows it,
-    so the result does not depend on how samples were batched; otherwise the
-    batch mean is weighted by the batch size.
+    Each batch adds the sum of its unreduced losses and the denominator of the
+    loss's own mean: the number of elements, or for cross-entropy / NLL the number
+    of targets that are not ``ignore_index`` (padding), or the sum of the class
+    weights of the targets when ``weight=`` is given. Sums and denominators add
+    across batches and workers, so the result equals ``loss_fn`` over the whole set
+    in one call. This works for torch's loss modules (``nn.CrossEntropyLoss(weight=w,
+    ignore_index=0)``...), for ``torch.nn.functional`` losses and ``functools.partial``
+    of them. Any other callable is taken to be a plain per-sample mean (its batch
+    value is weighted by the batch size); pass the torch loss object when yours is
+    weighted or ignores padding.
+
+    Example (padding ignored: the mean over the 2 real targets, not over 4):
+        >>> import torch
+        >>> m = MeanLoss(torch.nn.CrossEntropyLoss(ignore_index=-1))
+        >>> m.update(torch.zeros(4, 3), torch.tensor([0, 1, -1, -1]))
+        >>> round(m.compute(), 4), m.samples
+        (1.0986, 4)
     """
 
     name = "loss"
+    size = 3  # sum of losses, the loss's own denominator, samples
 
     def __init__(self, loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
         self.loss_fn = loss_fn or nn.functional.cross_entropy
+        check_loss(self.loss_fn)
         super().__init__()
 
     def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
-        self._add(per_sample_loss_sum(self.loss_fn, output, target), float(len(target)))
+        total, denominator = loss_sum_and_denominator(self.loss_fn, output, target)
+        self._add(total, denominator, float(len(target)))
 
     def compute(self) -> float:
-        total, count = self.sums.tolist()
-        return total / count if count else math.nan
+        total, denominator, _ = self.sums.tolist()
+        return total / denominator if denominator else math.nan
+
+    @property
+    def samples(self) -> int:
+        """Samples seen (not the denominator, which counts targets or weights)."""
+        return int(self.sums[2].item())
 
     def __repr__(self) -> str:
         return f"MeanLoss({getattr(self.loss_fn, '__name__', type(self.loss_fn).__name__)})"
 
 
-def per_sample_loss_sum(loss_fn: Callable[..., torch.Tensor], output: torch.Tensor,
-                        target: torch.Tensor) -> torch.Tensor:
-    """Sum over the batch of each sample's loss, in float64."""
-    n = len(target)
-    losses = None
+_CLASS_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
+
+
+def check_loss(loss_fn: Callable[..., torch.Tensor]) -> None:
+    """Refuse losses whose mean cannot be combined exactly from sums (torch's CTC loss divides by lengths)."""
+    if isinstance(loss_fn, nn.CTCLoss) or _function_of(loss_fn)[0] is nn.functional.ctc_loss:
+        raise ConfigError(usage("a CTC loss for validation", "a loss whose mean is a sum over a count of elements or "
+                                "targets (CTC's divides each sample by its target length first)",
+                                "Pass loss_fn with reduction='sum' divided by your own count, or "
+                                "nn.CTCLoss(reduction='sum') and compare sums."))
+
+
+def _function_of(loss_fn: Any) -> tuple[Any, dict[str, Any]]:
+    """The function behind ``functools.partial`` wrappers, and their keyword arguments."""
+    keywords: dict[str, Any] = {}
+    while isinstance(loss_fn, functools.partial):
+        keywords = {**loss_fn.keywords, **keywords}
+        loss_fn = loss_fn.func
+    return loss_fn, keywords
+
+
+def _class_denominator(losses: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                       ignore_index: int) -> torch.Tensor | float:
+    """What torch's cross-entropy / NLL mean divides by: kept targets, or the sum of their class weights."""
+    if target.is_floating_point():  # class probabilities: a plain mean over the samples
+        return float(losses.numel())
+    kept = target != ignore_index
+    if weight is None:
+        return kept.sum()
+    return (weight.to(losses.device)[target.masked_fill(~kept, 0)] * kept).sum()
+
+
+def batch_denominator(loss_fn: Callable[..., torch.Tensor], output: torch.Tensor, target: torch.Tensor) -> float:
+    """The denominator of ``loss_fn``'s mean over this batch, cheaply: kept targets (or their class weights)
+    for cross-entropy / NLL, the batch size otherwise. Weighting batch means by it combines them exactly."""
+    fn, keywords = _function_of(loss_fn)
+    if isinstance(loss_fn, _CLASS_LOSSES):
+        weight, ignore = loss_fn.weight, loss_fn.ignore_index
+    elif fn in (nn.functional.cross_entropy, nn.functional.nll_loss):
+        weight, ignore = keywords.get("weight"), keywords.get("ignore_index", -100)
+    else:
+        return float(len(target))
+    if target.is_floating_point():
+        return float(len(target))
+    return float(_class_denominator(output, target, weight, ignore))
+
+
+def loss_sum_and_denominator(loss_fn: Callable[..., torch.Tensor], output: torch.Tensor,
+                             target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """(sum of unreduced losses in float64, the denominator of ``loss_fn``'s own mean) for one batch."""
+    losses, denominator = None, None
     if isinstance(loss_fn, nn.Module) and isinstance(getattr(loss_fn, "reduction", None), str):
         unreduced = copy.copy(loss_fn)  # shallow: shares weights, owns its reduction flag
+        batchmean = loss_fn.reduction == "batchmean"
         unreduced.reduction = "none"
         losses = unreduced(output, target)
+        if isinstance(loss_fn, _CLASS_LOSSES):
+            denominator = _class_denominator(losses, target, loss_fn.weight, loss_fn.ignore_index)
+        elif batchmean:
+            denominator = float(len(target))
     elif not isinstance(loss_fn, nn.Module):
         try:
             losses = loss_fn(output, target, reduction="none")
         except TypeError:  # a custom function without a reduction argument
             losses = None
-    if losses is None or losses.dim() == 0 or losses.shape[0] != n:
-        return loss_fn(output, target).detach().to(torch.float64) * n
-    return losses.detach().reshape(n, -1).to(torch.float64).mean(dim=1).sum()
+        fn, keywords = _function_of(loss_fn)
+        if losses is not None and fn in (nn.functional.cross_entropy, nn.functional.nll_loss):
+            denominator = _class_denominator(losses, target, keywords.get("weight"), keywords.get("ignore_index", -100))
+    if losses is None or (denominator is None and (losses.dim() == 0 or losses.shape[0] != len(target))):
+        n = len(target)  # a plain per-sample mean, as documented for other callables
+        return loss_fn(output, target).detach().to(torch.float64) * n if n else torch.zeros((), dtype=torch.float64), \
+            float(n)
+    if denominator is None:
+        denominator = float(losses.numel())
+    return losses.detach().to(torch.float64).sum(), denominator
+
+
+def per_sample_loss_sum(loss_fn: Callable[..., torch.Tensor], output: torch.Tensor,
+                        target: torch.Tensor) -> torch.Tensor:
+    """Sum over the batch of each sample's loss, in float64 (kept for callers of the old helper)."""
+    return loss_sum_and_denominator(loss_fn, output, target)[0]
 
 
 def reduce_all(metrics: Sequence[Metric], comm: Any = None, extra: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -18,13 +18,21 @@ Example:
 
 Batches are ``(inputs..., target)`` tuples: the model is called as
 ``model(*inputs)`` and the loss as ``loss_fn(output, target)``.
+
+On a terminal the main worker shows a progress bar per epoch; when stdout is not
+a terminal (CI, a log file) it prints a plain line every 30 s and one per epoch.
+History rows count epochs from 1, as the progress bar does. In a script run by
+``phalanx run`` or torchrun, end with ``px.shutdown()`` (it also runs at exit):
+it leaves the group cleanly once every worker is done.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 import time
-from typing import Any, Callable, Sequence, Sized
+from typing import Any, Callable, Iterator, Sequence, Sized
 
 import torch
 from torch import nn
@@ -36,7 +44,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Comm
 from .data import ShardedLoader, shard
 from .errors import ConfigError, usage
-from .metrics import MeanLoss, Metric, ThroughputMeter, reduce_all, resolve
+from .metrics import MeanLoss, Metric, ThroughputMeter, batch_denominator, check_loss, reduce_all, resolve
 from .strategies import Strategy
 from .wrap import strategy_of, unwrap, wrap
 
@@ -79,6 +87,7 @@ class Trainer:
         if not callable(loss_fn):
             raise ConfigError(usage(f"loss_fn={loss_fn!r}", "a callable loss_fn(output, target) -> scalar tensor",
                                     "Pass e.g. torch.nn.functional.cross_entropy."))
+        check_loss(loss_fn)  # a loss whose validation mean cannot be combined exactly is refused now, not at epoch end
         self.loss_fn = loss_fn
         self.metrics = [resolve(m) for m in (metrics or [])]
         names = [m.name for m in self.metrics]
@@ -128,7 +137,7 @@ class Trainer:
         :meth:`save_checkpoint`) as the uninterrupted run would; ``epochs`` is then
         the total, counting the epochs done before the checkpoint.
 
-        Each history row holds ``epoch``, ``loss``, each metric, ``val_loss`` and
+        Each history row holds ``epoch`` (counted from 1, as the progress bar), ``loss``, each metric, ``val_loss`` and
         ``val_<metric>`` (with ``val_samples``), ``samples_per_s`` (global, warm-up
         excluded), ``bytes_sent`` (by this worker's strategy), ``steps`` (this epoch),
         ``step`` (total) and ``time_s``; every value is the same on every worker.
@@ -172,7 +181,7 @@ class Trainer:
         loss_sum, count, steps = 0.0, 0, 0
         bytes0 = self.strategy.bytes_sent if self.strategy is not None else 0
         samples0, seconds0 = self.meter.samples, self.meter.seconds
-        bar = _bar(len(loader) - loader.sampler.position, f"epoch {epoch + 1}/{epochs}") if show else None
+        bar = _bar(loader.steps_left(), f"epoch {epoch + 1}/{epochs}") if show else None
         t_epoch = time.perf_counter()
         self._in_epoch = True
         self.meter.start()
@@ -190,15 +199,17 @@ class Trainer:
             opt.step()
             t2 = self._now()
             n, value = len(target), loss.item()
-            loss_sum += value * n
-            count += n
+            if n:  # an empty part of the short last step (its loss is nan, its gradient zero) adds nothing
+                weight = batch_denominator(self.loss_fn, output, target)  # padding and class weights, exactly
+                loss_sum += value * weight
+                count += weight
             with torch.no_grad():
                 for m in train_metrics:
                     m.update(output.detach(), target)
             self.meter.step(n)
             step, self.step, steps = self.step, self.step + 1, steps + 1
             if bar is not None:
-                bar.set_postfix(loss=f"{loss_sum / count:.4f}", refresh=False)
+                bar.set_postfix(loss=f"{loss_sum / count if count else math.nan:.4f}", refresh=False)
                 bar.update(1)
             self._call("on_step_end", step, {
                 "loss": value, "batch_size": n, "data_s": t_data - mark, "forward_backward_s": t1 - t0,
@@ -217,11 +228,11 @@ class Trainer:
         totals = reduce_all(train_metrics + val_metrics, self.comm, extra=local)
         world = group.world_size()
         loss_sum, count, samples, seconds, wall, sent = totals.tolist()
-        row: dict[str, Any] = {"epoch": epoch, "loss": loss_sum / count if count else math.nan}
+        row: dict[str, Any] = {"epoch": epoch + 1, "loss": loss_sum / count if count else math.nan}
         row.update({m.name: m.compute() for m in train_metrics})
         if val_metrics:
             row.update({f"val_{m.name}": m.compute() for m in val_metrics})
-            row["val_samples"] = int(val_metrics[0].sums[1].item())
+            row["val_samples"] = val_metrics[0].samples
         row.update({"samples_per_s": samples / (seconds / world) if seconds > 0 else math.nan,
                     "bytes_sent": int(round(sent / world)), "steps": steps, "step": self.step,
                     "time_s": wall / world})
@@ -234,14 +245,18 @@ class Trainer:
     def evaluate(self, data: Dataset, *, batch_size: int = 256) -> dict[str, float]:
         """Loss and metrics over ``data``, split across workers, each sample counted once.
 
-        Call it on every worker; they share one all-reduce. Returns ``loss``,
-        each metric and ``samples`` (the number of samples evaluated, ``len(data)``).
+        Call it on every worker; they share one broadcast and one all-reduce. It
+        evaluates rank 0's model, the one ``px.save`` writes, on every worker's
+        share: BatchNorm statistics and the replicas of local strategies (LocalSGD,
+        DiLoCo, EASGD between syncs) differ per worker. Returns ``loss`` (combined
+        as ``loss_fn`` reduces, see :class:`phalanx.metrics.MeanLoss`), each metric
+        and ``samples`` (the number of samples evaluated, ``len(data)``).
         """
         _check_eval(data, batch_size, "data", "batch_size")
         metrics = self._evaluate_local(data, batch_size)
         reduce_all(metrics, self.comm)
         out = {m.name: m.compute() for m in metrics}
-        out["samples"] = int(metrics[0].sums[1].item())
+        out["samples"] = metrics[0].samples
         return out
 
     def _evaluate_local(self, data: Dataset, batch_size: int) -> list[Metric]:
@@ -256,7 +271,8 @@ class Trainer:
         The user's module runs directly (not the DDP wrapper), so workers with
         different numbers of validation batches never meet in a collective, and no
         DataLoader is created, so validation draws nothing from the RNG: training
-        with or without ``val_data`` gives the same weights.
+        with or without ``val_data`` gives the same weights. Collective: rank 0's
+        parameters and buffers are lent to every worker for the evaluation.
         """
         metrics: list[Metric] = [MeanLoss(self.loss_fn)] + [m.fresh() for m in self.metrics]
         n, rank, world = len(data), group.rank(), group.world_size()
@@ -265,7 +281,7 @@ class Trainer:
         module, was_training = self.module, self.module.training
         module.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._main_replica():
                 for b in range(first, last):
                     indices = range(b * batch_size, min((b + 1) * batch_size, n))
                     inputs, target = self._to_device(_fetch(data, indices))
@@ -275,6 +291,21 @@ class Trainer:
         finally:
             module.train(was_training)
         return metrics
+
+    @contextlib.contextmanager
+    def _main_replica(self) -> Iterator[None]:
+        """Lend rank 0's parameters and buffers to this worker's module, then give its own back (collective)."""
+        if group.world_size() == 1:
+            yield
+            return
+        tensors = [t.data for t in self.module.state_dict(keep_vars=True).values()]
+        own = [t.clone() for t in tensors] if group.rank() != 0 else []
+        self.comm.broadcast_(tensors, src=0)
+        try:
+            yield
+        finally:
+            for t, mine in zip(tensors, own):
+                t.copy_(mine)
 
     # -- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike) -> None:
@@ -337,8 +368,42 @@ def _fetch(data: Dataset, indices: range) -> Any:
 
 
 def _bar(total: int, desc: str) -> Any:
+    """A progress bar on a terminal; periodic plain lines otherwise (CI logs, files: no carriage returns)."""
+    if not sys.stdout.isatty():
+        return PlainProgress(total, desc)
     from tqdm.auto import tqdm  # imported here: `import phalanx` stays cheap
-    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True, mininterval=0.25)
+    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True, mininterval=0.25,
+                file=sys.stdout)
+
+
+class PlainProgress:
+    """What a progress bar says, as whole lines: one every ``every_s`` seconds and one when the epoch ends.
+
+    Example:
+        >>> bar = PlainProgress(total=4, desc="epoch 1/2")
+        >>> bar.update(4); bar.set_postfix({"loss": "0.5000"}); bar.close()
+        epoch 1/2: 4/4 steps, loss=0.5000
+    """
+
+    def __init__(self, total: int, desc: str, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.total, self.desc, self.every_s, self.clock = total, desc, every_s, clock
+        self.n, self.postfix = 0, ""
+        self._last = clock()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.clock() - self._last >= self.every_s:
+            self._print()
+
+    def set_postfix(self, values: dict[str, Any] | None = None, refresh: bool = False, **kwargs: Any) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in {**(values or {}), **kwargs}.items())
+
+    def close(self) -> None:
+        self._print()
+
+    def _print(self) -> None:
+        self._last = self.clock()
+        print(f"{self.desc}: {self.n}/{self.total} steps" + (f", {self.postfix}" if self.postfix else ""), flush=True)
 
 
 def _postfix(row: dict[str, Any]) -> dict[str, str]:

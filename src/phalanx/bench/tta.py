@@ -43,7 +43,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     bytes0, wire0 = acc.bytes_sent(), wire_bytes()
     for epoch in range(cfg["max_epochs"]):
         for parts in global_batches(len(tx), cfg["batch"], world, shuffle=True, seed=cfg.get("seed", 0), epoch=epoch):
-            idx = torch.tensor(parts[rank])
+            idx = torch.tensor(parts[rank], dtype=torch.long)  # a part of the short last step may be empty
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(module(tx[idx]), ty[idx]).backward()
