@@ -25,6 +25,7 @@ Example:
 """
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 import time
@@ -39,10 +40,7 @@ from ..wrap import strategy_of
 from .membership import QuorumError
 from .worker import ElasticWorker
 
-try:  # contract 2; the stand-in goes once phalanx.state is merged
-    from ..state import TrainingState
-except ImportError:  # pragma: no cover
-    from ._standin import TrainingState
+from ..state import TrainingState
 
 DEFAULT_COMMIT_EVERY = 10
 KEEP = 2  # commits held; survivors roll back to the newest one they all hold
@@ -60,7 +58,8 @@ class State:
         model, optimizer, loader, scheduler: the objects to capture (the optimizer is required).
         commit_every: commit after every this many optimizer steps (counted by a step hook),
             at the strategy's next sync point; None commits only when you call :meth:`commit`.
-        extra: more objects with ``state_dict``/``load_state_dict`` to roll back with the rest.
+        extra: more objects with ``state_dict``/``load_state_dict`` to roll back with the rest
+            (their state is deep-copied at every commit).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, loader: Any = None,
@@ -71,8 +70,8 @@ class State:
             raise ConfigError(usage(f"commit_every={commit_every!r}", "an integer >= 1 or None",
                                     "Pass e.g. commit_every=10 (steps between in-memory commits)."))
         self.model, self.optimizer, self.loader = model, optimizer, loader
-        self.training = TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler,
-                                      extra=extra)
+        self.training = TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler)
+        self.extra = dict(extra or {})
         self.commit_every = commit_every
         self.step = 0  # optimizer steps taken, rolled back with the commit
         self.commits: dict[int, dict] = {}
@@ -113,6 +112,7 @@ class State:
             return
         snap = self.training.capture()
         snap["elastic_step"] = self.step
+        snap["elastic_extra"] = {k: copy.deepcopy(v.state_dict()) for k, v in self.extra.items()}
         self.commits[self.step] = snap
         for old in sorted(self.commits)[:-KEEP]:
             del self.commits[old]
@@ -142,6 +142,11 @@ class State:
             del self.commits[newer]
         lost_steps = self.step - plan["step"]
         self.training.restore(snap)
+        sampler = getattr(self.loader, "sampler", None)
+        if sampler is not None and hasattr(sampler, "world_size"):  # the rest of the epoch, re-split over us
+            sampler.rank, sampler.world_size = group.rank(), group.world_size()
+        for k, v in snap["elastic_extra"].items():
+            self.extra[k].load_state_dict(copy.deepcopy(v))
         self.step = snap["elastic_step"]
         strategy = strategy_of(self.optimizer)
         if strategy is not None and hasattr(strategy, "regroup"):
