@@ -158,3 +158,16 @@ def test_below_min_workers_the_job_ends_with_one_line(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if "below --min-workers" in ln]
     assert len(lines) >= 1 and "checkpoint" in lines[0], proc.stderr[-2000:]
     assert time.monotonic() - start < 90
+
+
+@pytest.mark.multiproc
+def test_local_sgd_survives_a_crash_and_trains_every_sample_once(tmp_path):
+    # Periodic strategies commit only at sync points, where every replica stands at the same step.
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "2@5", "--strategy", "local-sgd",
+                           "--commit-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "1"] and results["0"]["record"] == results["1"]["record"]
+    assert results["0"]["history"][0]["step"] == 4  # the first sync point (every 2) at least 3 steps in
+    for epoch in (0, 1):
+        ids = [i for e, _, step in results["0"]["record"] for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()

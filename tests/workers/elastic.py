@@ -38,6 +38,16 @@ def optimizer(net: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
 
+STRATEGIES = {
+    "allreduce": lambda: px.AllReduce(),
+    "fp16": lambda: px.AllReduce(compression=px.FP16()),
+    "powersgd": lambda: px.AllReduce(compression=px.PowerSGD(rank=1)),
+    "local-sgd": lambda: px.LocalSGD(every=2),
+    "diloco": lambda: px.DiLoCo(every=2),
+    "easgd": lambda: px.EASGD(every=2),
+}
+
+
 class Record:
     """Per step: (epoch, world size, the group's sample ids); rolled back with the state."""
 
@@ -59,6 +69,7 @@ def main() -> None:
     p.add_argument("--kill", default="", help="ID@STEP: the worker started as rank ID dies at STEP")
     p.add_argument("--stop", action="store_true", help="SIGSTOP instead of SIGKILL")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--strategy", default="allreduce", help="allreduce, fp16, powersgd, local-sgd, diloco, easgd")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
@@ -67,7 +78,7 @@ def main() -> None:
         json.dump({"id": me, "pid": os.getpid()}, f)  # a restarted worker would leave a second one
     px.init()
     net, data = model(), dataset()
-    model_, opt = px.wrap(net, optimizer(net))
+    model_, opt = px.wrap(net, optimizer(net), strategy=STRATEGIES[args.strategy]())
     loader = px.shard(data, batch_size=BATCH, seed=0)
     record = Record()
     state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record})
