@@ -68,9 +68,12 @@ def reports(stdout: str) -> dict[int, dict]:
 def test_config_defaults_to_a_standalone_local_run(script):
     cfg = RunConfig.from_argv(["-n", "2", script, "--lr", "0.1"])
     assert (cfg.nproc, cfg.threads, cfg.standalone, cfg.script_args) == (2, 1, True, ("--lr", "0.1"))
-    assert cfg.worker_env() == {"OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1"}
-    launch = cfg.launch_config()
-    assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.max_restarts) == ("c10d", "localhost:0", 0)
+    env = cfg.worker_env()
+    assert {k: env[k] for k in ("OMP_NUM_THREADS", "PHALANX_THREADS", "PHALANX_LAUNCHER")} == \
+        {"OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1", "PHALANX_LAUNCHER": "run"}
+    # One host: the launcher's own store on loopback (the port run() bound), found by the static rendezvous.
+    launch = cfg.launch_config(store_port=12345)
+    assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.max_restarts) == ("static", "127.0.0.1:12345", 0)
 
 
 def test_config_for_several_hosts_means_what_torchrun_means(script):
@@ -79,7 +82,8 @@ def test_config_for_several_hosts_means_what_torchrun_means(script):
     launch = cfg.launch_config()
     assert (launch.min_nodes, launch.max_nodes, launch.nproc_per_node) == (2, 2, 2)
     assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.rdzv_configs["rank"]) == ("static", "10.0.0.1:29501", 1)
-    assert cfg.worker_env() == {"OMP_NUM_THREADS": "3", "PHALANX_THREADS": "3", "PHALANX_TIMEOUT": "30.0"}
+    assert cfg.worker_env() == {"OMP_NUM_THREADS": "3", "PHALANX_THREADS": "3", "PHALANX_TIMEOUT": "30.0",
+                                "PHALANX_LAUNCHER": "run"}  # several hosts: gloo picks the routable interface
     elastic = RunConfig.from_argv(["--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
                                    "--rdzv-id", "job7", "--max-restarts", "2", script]).launch_config()
     assert (elastic.min_nodes, elastic.max_nodes, elastic.rdzv_endpoint, elastic.run_id, elastic.max_restarts) == \

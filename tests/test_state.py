@@ -183,3 +183,14 @@ def test_a_live_writers_temporary_is_left_alone(tmp_path):
     dead.write_bytes(b"abandoned")
     write_verified(tmp_path / "ckpt.pt", {"step": 2})
     assert live.exists() and not dead.exists()
+
+
+def test_training_loss_of_a_padded_loss_is_torchs_mean_over_the_kept_targets():
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, W.IN, generator=gen), torch.randint(0, W.CLASSES, (64,), generator=gen)
+    y[::3] = W.IGNORE  # batches of 10 hold different numbers of real targets
+    model, loss_fn = W.net(seed=0), nn.CrossEntropyLoss(ignore_index=W.IGNORE)
+    t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn)  # lr 0: the model stays put
+    history = t.fit(torch.utils.data.TensorDataset(x, y), epochs=1, batch_size=10, shuffle=False, progress=False)
+    with torch.no_grad():
+        assert history[0]["loss"] == pytest.approx(loss_fn(model(x), y).item(), rel=1e-6)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import group
-from .errors import WorkerLostError
+from .liveness import guarded, lost_ranks  # noqa: F401  (moved; re-exported for existing imports)
 
 
 @dataclass
@@ -35,51 +35,6 @@ class CommStats:
 
     def snapshot(self) -> "CommStats":
         return CommStats(self.bytes_sent, self.calls, self.seconds)
-
-
-def lost_ranks(timeout_s: float = 3.0) -> list[int] | None:
-    """After a failed collective, ask the store which peers are still there.
-
-    Survivors all see the failure within moments (gloo resets the connection), so
-    each one checks in under ``failed/<rank>``; whoever never checks in is gone.
-    Returns None when the store itself is unreachable.
-    """
-    store, me, world = group.store(), group.rank(), group.world_size()
-    if store is None:
-        return None
-    try:
-        store.set(f"failed/{me}", "1")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            missing = [r for r in range(world) if not store.check([f"failed/{r}"])]
-            if not missing or time.monotonic() > deadline:
-                return missing
-            time.sleep(0.1)
-    except Exception:  # the store's host itself is gone
-        return None
-
-
-@contextlib.contextmanager
-def guarded(what: str) -> Iterator[None]:
-    """Turn a peer's disappearance during a collective into one clear error."""
-    try:
-        yield
-    except (RuntimeError, dist.DistBackendError) as err:
-        if isinstance(err, WorkerLostError):
-            raise
-        lost = lost_ranks()
-        if lost is None:
-            who = "the rank hosting the store (rank 0)"
-        elif lost:
-            who = "rank(s) " + ", ".join(map(str, lost))
-        else:  # everyone checked in: nobody died, the collective itself failed (mismatch, or too slow)
-            who = "a peer (all ranks still answer; they may have called different collectives)"
-        raise WorkerLostError(
-            f"rank {group.rank()} lost contact with {who} during {what} "
-            f"(timeout {group.timeout_s():.0f}s): {str(err).splitlines()[0][:200]}. "
-            "The lost worker probably crashed; see its own log above. "
-            "Raise the bound with PHALANX_TIMEOUT or px.init(timeout=...) if it was only slow."
-        ) from err
 
 
 def _coalesced(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:

@@ -13,7 +13,11 @@ Example:
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import sys
+import time
+import traceback
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Mapping
@@ -21,7 +25,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, usage
+from . import liveness
+from .errors import ConfigError, PhalanxError, usage
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -40,6 +45,9 @@ class WorkerEnv:
     attempt: int = 0  # the agent's restart count: its store outlives a failed attempt, so keys are per attempt
     timeout_s: float = DEFAULT_TIMEOUT_S
     threads: int | None = None
+    launched_by_phalanx: bool = False  # `phalanx run` prints a failing worker's error itself, in one line
+    debug: bool = False  # PHALANX_DEBUG=1: full tracebacks even for usage errors
+    error_file: str | None = None  # torchrun/phalanx run read a failed worker's error from here
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -47,9 +55,13 @@ class WorkerEnv:
         env = os.environ if env is None else env
         names = ("RANK", "WORLD_SIZE")
         present = [n for n in names if n in env]
+        common = dict(timeout_s=_float(env, "PHALANX_TIMEOUT", DEFAULT_TIMEOUT_S),
+                      threads=_opt_int(env, "PHALANX_THREADS"),
+                      launched_by_phalanx=env.get("PHALANX_LAUNCHER") == "run",
+                      debug=env.get("PHALANX_DEBUG", "").lower() not in ("", "0", "false", "no"),
+                      error_file=env.get("TORCHELASTIC_ERROR_FILE") or None)
         if not present:
-            return cls(timeout_s=_float(env, "PHALANX_TIMEOUT", DEFAULT_TIMEOUT_S),
-                       threads=_opt_int(env, "PHALANX_THREADS"))
+            return cls(**common)
         if len(present) != len(names):
             missing = [n for n in names if n not in env]
             raise ConfigError(usage(f"{present[0]}={env[present[0]]} is set but {missing[0]} is not",
@@ -72,9 +84,7 @@ class WorkerEnv:
         return cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-                   attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
-                   timeout_s=_float(env, "PHALANX_TIMEOUT", DEFAULT_TIMEOUT_S),
-                   threads=_opt_int(env, "PHALANX_THREADS"))
+                   attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", 0), **common)
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -111,6 +121,9 @@ class _Group:
     env: WorkerEnv
     device: torch.device
     store: dist.Store | None = None
+    probe: dist.Store | None = None  # a second store connection with a short timeout, for diagnosis and exit notes
+    heartbeat: liveness.Heartbeat | None = None
+    failed: BaseException | None = None  # the exception this worker is exiting with, if any
 
 
 _group: _Group | None = None
@@ -145,7 +158,7 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     device = torch.device("cuda", env.local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    store = None
+    store = probe = heartbeat = None
     if env.world_size > 1 and not dist.is_initialized():
         # We own the store so that failure diagnosis (which rank is gone?) has a side channel
         # that does not depend on the broken process group.
@@ -153,30 +166,171 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
                               is_master=env.rank == 0 and not env.agent_store,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         store = dist.PrefixStore(f"phalanx/{env.attempt}", store)
+        # Beat before joining: once the process group exists, every rank is visibly alive.
+        heartbeat = liveness.Heartbeat(store, env.rank).start()
+        probe = liveness._quick(store)
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), store=store,
                                 rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
-    _group = _Group(env=env, device=device, store=store)
+    _group = _Group(env=env, device=device, store=store, probe=probe, heartbeat=heartbeat)
     if store is not None:
-        atexit.register(shutdown)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
+        atexit.register(_at_exit)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
+        _install_excepthook(env)
+
+
+_uncaught: BaseException | None = None  # what ends this worker, once the interpreter is exiting because of it
+
+
+def _install_excepthook(env: WorkerEnv) -> None:
+    """Record an uncaught exception at once, so peers and the launcher learn who failed and why."""
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb) -> None:  # type: ignore[no-untyped-def]
+        global _uncaught
+        _uncaught = exc
+        _fail(exc)
+        # Under `phalanx run` the launcher prints a usage error (or a Ctrl-C) in one line, once.
+        quiet = env.launched_by_phalanx and not env.debug and isinstance(exc, (PhalanxError, KeyboardInterrupt))
+        if not quiet:
+            previous(exc_type, exc, tb)
+        sys.stderr.flush()
+
+    sys.excepthook = hook
+
+
+def _at_exit() -> None:
+    """Leave the group at interpreter exit; after an uncaught exception, end the process at once.
+
+    Tearing down an interpreter that holds a process group takes from half a second to
+    several on a busy machine, and the launcher only stops the others once this
+    process is gone. Exit handlers registered after ``px.init()`` have already run by
+    now (they run last-in, first-out); logging is flushed here.
+    """
+    shutdown()
+    if _uncaught is not None:
+        import logging
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if isinstance(_uncaught, KeyboardInterrupt) else 1)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _fail(exc: BaseException) -> None:
+    """This worker is ending with ``exc``: tell peers (store) and the launcher (error file), once."""
+    if _group is None or _group.failed is not None:
+        return
+    _group.failed = exc
+    if _group.heartbeat is not None:
+        _group.heartbeat.stop()
+    if _group.probe is not None:
+        try:
+            liveness.record_exit(_group.probe, _group.env.rank, _reason(exc))
+        except Exception:
+            pass  # the store's host is gone; the launcher or a stale heartbeat will tell
+    path = _group.env.error_file
+    if path:
+        # torch.distributed.elastic's error-file format, read by torchrun and `phalanx run`;
+        # "phalanx" carries what our launcher needs for its one line.
+        data = {"message": _reason(exc), "timestamp": int(time.time()),
+                "phalanx": {"rank": _group.env.rank, "type": type(exc).__name__, "time": time.time(),
+                            "text": " ".join(str(exc).split())[:2000],
+                            "usage": isinstance(exc, PhalanxError) and not isinstance(exc, _consequences()),
+                            "consequence": isinstance(exc, _consequences()),
+                            "traceback": "".join(traceback.format_exception(exc))[-20000:]}}
+        try:
+            with open(path, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
+
+
+def _consequences() -> tuple[type[BaseException], ...]:
+    """Errors that report another rank's failure rather than a cause of their own."""
+    from .errors import WorkerLostError
+    return (WorkerLostError,)
 
 
 def shutdown() -> None:
     """Leave the group; runs at interpreter exit too, and is safe to call twice.
 
-    Workers meet at a short barrier first: destroying a gloo group while a peer is
-    still tearing its own down aborts the process now and then ("terminate called
-    without an active exception", seen in about 1 run in 6 on 2 workers here, plain
-    torch too). The barrier is bounded, so a dead peer only delays exit.
+    On a normal exit workers meet at a short barrier first: destroying a gloo group
+    while a peer is still tearing its own down aborts the process now and then
+    ("terminate called without an active exception", seen in about 1 run in 6 on 2
+    workers here, plain torch too). They meet in the store before the barrier, so a
+    peer that failed or died is noticed within seconds (its exit note or its silent
+    heartbeat) and nobody waits for the collective timeout.
+
+    A worker leaving with an exception (called from a ``finally`` or at exit after an
+    uncaught error) skips the barrier and leaves the group as it is: its peers learn of
+    the failure from its exit note, and the process ends at once.
     """
     global _group
-    if dist.is_initialized():
-        if _group is not None and _group.env.world_size > 1:
+    g = _group
+    if g is not None and g.store is not None:
+        pending = sys.exc_info()[1]
+        if g.failed is not None or (pending is not None and not isinstance(pending, SystemExit)):
+            _fail(g.failed or pending)  # type: ignore[arg-type]
+            _group = None
+            return  # no barrier, no destroy: a failed worker's teardown must not wait on anyone
+        if g.heartbeat is not None and dist.is_initialized() and _everyone_leaving(g):
             try:
-                dist.monitored_barrier(timeout=timedelta(seconds=min(10.0, _group.env.timeout_s)))
+                dist.monitored_barrier(timeout=timedelta(seconds=min(10.0, g.env.timeout_s)))
             except RuntimeError:
                 pass  # a peer is gone or went elsewhere; leave anyway
+        if g.probe is not None:
+            try:
+                liveness.record_exit(g.probe, g.env.rank, "ok")
+            except Exception:
+                pass
+        if g.heartbeat is not None:
+            g.heartbeat.stop()
+    if dist.is_initialized():
         dist.destroy_process_group()
     _group = None
+
+
+def _everyone_leaving(g: _Group) -> bool:
+    """Meet in the store before the exit barrier; False as soon as a peer failed or went silent."""
+    store, world = g.probe, g.env.world_size
+    if store is None:
+        return False
+    try:
+        store.add("liveness/leaving", 1)
+        watch = liveness.Watch(store, world)
+        deadline = time.monotonic() + min(10.0, g.env.timeout_s)
+        while time.monotonic() < deadline:
+            if int(store.add("liveness/leaving", 0)) >= world:
+                return True
+            if any(why != "ok" for why in liveness.exit_records(store, world).values()):
+                return False
+            watch.poll()
+            if watch.stale():
+                return False
+            time.sleep(0.02)
+    except Exception:  # the store is gone: so is whoever hosted it
+        return False
+    return False
+
+
+# --- elastic hook (phalanx.elastic): re-point the group at a rebuilt generation -------------
+def regroup(rank: int, world_size: int, store: dist.Store | None) -> None:
+    """After ``phalanx.elastic`` rebuilt the process group: this worker's new rank, size and store.
+
+    The heartbeat and the probe connection move to the new generation's store, under the new rank.
+    """
+    global _group
+    current = _current()
+    if current.heartbeat is not None:
+        current.heartbeat.stop()
+    heartbeat = liveness.Heartbeat(store, rank).start() if store is not None else None
+    probe = liveness._quick(store) if store is not None else None
+    _group = _Group(env=replace(current.env, rank=rank, world_size=world_size), device=current.device,
+                    store=store, probe=probe, heartbeat=heartbeat)
+# --- end of elastic hook ------------------------------------------------------------------
 
 
 def _current() -> _Group:
@@ -229,9 +383,13 @@ def store() -> dist.Store | None:
     return _current().store
 
 
+def probe_store() -> dist.Store | None:
+    """A connection to the group's store with a short timeout, for liveness checks (None in a group of one)."""
+    return _current().probe
+
+
 def barrier() -> None:
     """Wait for every worker; a no-op in a group of one."""
     if world_size() > 1:
-        from .comm import guarded
-        with guarded("barrier"):
+        with liveness.guarded("barrier"):
             dist.barrier()

@@ -7,17 +7,23 @@ standard variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``) plus ``PHALANX_THREADS`` / ``OMP_NUM_THREADS`` and, when set,
 ``PHALANX_TIMEOUT``, which :func:`phalanx.init` reads.
 
-On one machine with no rendezvous options we use torchrun's ``--standalone``
-mode: the store listens on a free port, so two jobs never collide on 29500.
+On one machine with no rendezvous options the launcher hosts the store itself,
+on a free port bound to loopback only (no other machine can reach it), and
+workers' gloo connections stay on loopback too; two jobs never collide on 29500.
 
 When a worker fails, the launcher stops the others and exits with the status of
-the first one that failed, naming its rank in one line. Ctrl-C or SIGTERM stops
-every worker.
+the first one that failed, naming its rank and, for a Python exception, its type
+and message in one line. A worker's usage error (:class:`phalanx.PhalanxError`)
+is that one line with no traceback unless ``--debug`` (or ``PHALANX_DEBUG=1``).
+If a parameter server started by ``--servers`` died, the line names the server.
+Ctrl-C or SIGTERM stops every worker.
 
 Example:
     >>> cfg = RunConfig.from_argv(["-n", "2", "--threads", "2", __file__])
     >>> cfg.nproc, cfg.standalone, cfg.worker_env()["OMP_NUM_THREADS"]
     (2, True, '2')
+    >>> RunConfig.from_argv([__file__, "-n", "2"]).warnings()[0][:56]
+    'phalanx: warning: `-n 2` comes after the script, so it g'
 """
 from __future__ import annotations
 
@@ -26,12 +32,15 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
-import uuid
 from dataclasses import dataclass
-from typing import Iterator, NoReturn, Sequence
+from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
 
 from .errors import ConfigError, usage
+
+if TYPE_CHECKING:
+    from .elastic.agent import ElasticConfig
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -68,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", default=None, metavar="S",
                    help="seconds a collective may wait for a lost peer before failing (default 60)")
     p.add_argument("--servers", default="0", metavar="S", help="parameter-server processes to start (default 0)")
+    p.add_argument("--debug", action="store_true",
+                   help="show full tracebacks for workers' usage errors (same as PHALANX_DEBUG=1)")
     hosts = p.add_argument_group("several hosts (same meaning as torchrun's)")
     hosts.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of hosts (default 1)")
     hosts.add_argument("--node-rank", default="0", metavar="R", help="this host's rank for --rdzv-backend static")
@@ -81,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all hosts (c10d/etcd)")
     hosts.add_argument("--max-restarts", default="0", metavar="K",
                        help="restart the whole group up to K times after a failure (default 0)")
+    from .elastic.agent import add_arguments as add_elastic_arguments  # elastic: --elastic and its flags
+    add_elastic_arguments(p)
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
     return p
@@ -120,7 +133,9 @@ class RunConfig:
     threads: int = 1
     timeout_s: float | None = None
     servers: int = 0
-    standalone: bool = False  # one host, no rendezvous options: torchrun --standalone
+    standalone: bool = False  # one host, no rendezvous options: we host the store, on loopback
+    debug: bool = False
+    elastic: "ElasticConfig | None" = None  # --elastic: phalanx.elastic.agent runs the job
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> "RunConfig":
@@ -187,25 +202,48 @@ class RunConfig:
         if servers and max_nodes > 1:
             raise ConfigError(usage(f"--servers {servers} with --nnodes {a.nnodes}",
                                     "parameter servers in a one-host run", "Run on one host, or drop --servers."))
-        return cls(script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
+        from .elastic.agent import ElasticConfig  # elastic
+        elastic = ElasticConfig.from_args(a, nproc, max_nodes)
+        return cls(elastic=elastic, script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
                    max_nodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                    rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=a.rdzv_id or "none",
                    max_restarts=max_restarts, threads=threads, timeout_s=timeout_s, servers=servers,
-                   standalone=standalone)
+                   standalone=standalone, debug=bool(getattr(a, "debug", False)))
+
+    def warnings(self) -> list[str]:
+        """Lines to print before starting: launcher options written after the script go to the script."""
+        options = {s for action in build_parser()._actions for s in action.option_strings} - {"-h", "--help"}
+        out = []
+        for i, arg in enumerate(self.script_args):
+            name = arg.split("=", 1)[0]
+            if name in options:
+                shown = arg if "=" in arg or i + 1 == len(self.script_args) else f"{arg} {self.script_args[i + 1]}"
+                out.append(f"phalanx: warning: `{shown}` comes after the script, so it goes to "
+                           f"{os.path.basename(self.script)}, not to phalanx run; put launcher options before the "
+                           f"script (`phalanx run {shown} {os.path.basename(self.script)}`)")
+        return out
 
     def worker_env(self) -> dict[str, str]:
         """Variables every worker gets on top of the launcher's environment."""
-        env = {"OMP_NUM_THREADS": str(self.threads), "PHALANX_THREADS": str(self.threads)}
+        env = {"OMP_NUM_THREADS": str(self.threads), "PHALANX_THREADS": str(self.threads),
+               "PHALANX_LAUNCHER": "run"}
         if self.timeout_s is not None:
             env["PHALANX_TIMEOUT"] = repr(self.timeout_s)
+        if self.debug:
+            env["PHALANX_DEBUG"] = "1"
+        if self.standalone and "GLOO_SOCKET_IFNAME" not in os.environ and _loopback_interface():
+            env["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # one host: gloo listens on loopback only
         return env
 
-    def launch_config(self):  # -> torch.distributed.launcher.api.LaunchConfig (imported lazily: torch is slow)
+    def launch_config(self, store_port: int = 0):  # -> torch.distributed.launcher.api.LaunchConfig (lazy: slow)
+        """torch's launch settings; for a one-host run ``store_port`` is the loopback store :func:`run` made."""
         from torch.distributed.launcher.api import LaunchConfig
 
         if self.standalone:
-            backend, endpoint, run_id, configs = "c10d", "localhost:0", str(uuid.uuid4()), {}
-            local_addr = DEFAULT_MASTER_ADDR  # workers reach the store over loopback, whatever the hostname
+            # The static rendezvous finds the store we already host on this port (multi-tenant) and
+            # hands it to the workers; torch's own --standalone store would listen on every interface.
+            backend, endpoint, run_id = "static", f"{DEFAULT_MASTER_ADDR}:{store_port}", "phalanx"
+            configs, local_addr = {"rank": 0}, DEFAULT_MASTER_ADDR
         else:
             backend, run_id, local_addr = self.rdzv_backend, self.rdzv_id, None
             endpoint = self.rdzv_endpoint
@@ -253,6 +291,69 @@ def _status(exitcode: int) -> tuple[str, int]:
     return f"exited with status {exitcode}", exitcode
 
 
+def _loopback_interface() -> str | None:
+    """The loopback interface's name ("lo" on Linux), if this system lists one."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _loopback_store():  # -> (TCPStore, socket): keep both alive for the whole run
+    """Host the job's store on a free port of 127.0.0.1 only; torch binds every interface by default."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((DEFAULT_MASTER_ADDR, 0))
+    sock.listen(512)
+    store = TCPStore(DEFAULT_MASTER_ADDR, sock.getsockname()[1], None, True, datetime.timedelta(seconds=900),
+                     wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
+    return store, sock
+
+
+def _phalanx_info(failure) -> dict:  # failure: torch's ProcessFailure
+    """What our worker wrote into torch elastic's error file (empty if it wrote nothing)."""
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    info = data.get("phalanx")
+    return info if isinstance(info, dict) else {}
+
+
+def _root_cause(failures: dict) -> tuple[int, object]:
+    """The failure that caused the others: not a WorkerLostError or a stop by the agent, and the earliest."""
+    def consequence(f) -> bool:
+        return bool(_phalanx_info(f).get("consequence")) or f.exitcode == -signal.SIGTERM
+    causes = {r: f for r, f in failures.items() if not consequence(f)} or failures
+    return min(causes.items(), key=lambda kv: (float(_phalanx_info(kv[1]).get("time", kv[1].timestamp)), kv[0]))
+
+
+def failure_line(rank: int, failure, others: bool) -> str:
+    """The one line ``phalanx run`` prints for a failed worker (``failure``: torch's ProcessFailure)."""
+    info, how = _phalanx_info(failure), _status(failure.exitcode)[0]
+    tail = " (first failure); stopped the others" if others else ""
+    if info.get("usage"):
+        return f"phalanx: error: {info.get('text') or failure.message} (worker rank {rank}; `phalanx run --debug` " \
+               "or PHALANX_DEBUG=1 shows the traceback)"
+    if info.get("type") == "KeyboardInterrupt":
+        return f"phalanx: worker rank {rank} was interrupted (KeyboardInterrupt){tail}"
+    if info:
+        return f"phalanx: worker rank {rank} raised {failure.message}{tail}"
+    return f"phalanx: worker rank {rank} {how}{tail}"
+
+
+def _dead_server(servers) -> str | None:
+    """A line naming a parameter server that has died, if one has (workers then fail because of it)."""
+    if servers is None:
+        return None
+    for i, proc in enumerate(servers.procs):
+        if proc.poll() is not None:
+            return f"phalanx: parameter server {i} (pid {proc.pid}) {_status(proc.returncode)[0]} (first failure); " \
+                   "stopped the workers"
+    return None
+
+
 def _start_servers(cfg: RunConfig):
     try:
         from .ps.launcher import start_servers
@@ -272,8 +373,15 @@ def run(cfg: RunConfig) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    if cfg.elastic is not None:  # elastic: our own agent keeps survivors running
+        from .elastic.agent import run_elastic
+        return run_elastic(cfg)
     _quiet_torch_elastic()
-    launch, env, servers = cfg.launch_config(), cfg.worker_env(), None
+    for line in cfg.warnings():
+        print(line, file=sys.stderr, flush=True)
+    store = _loopback_store() if cfg.standalone else None
+    launch = cfg.launch_config(store[0].port if store else 0)
+    env, servers = cfg.worker_env(), None
     try:
         if cfg.servers:
             servers = _start_servers(cfg)
@@ -283,11 +391,11 @@ def run(cfg: RunConfig) -> int:
             elastic_launch(launch, sys.executable)("-u", cfg.script, *cfg.script_args)
         return 0
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        how, status = _status(failure.exitcode)
-        others = "; stopped the others" if cfg.nproc * cfg.max_nodes > 1 else ""
-        print(f"phalanx: worker rank {rank} {how} (first failure){others}", file=sys.stderr, flush=True)
-        return status
+        rank, failure = _root_cause(err.failures)
+        server = _dead_server(servers)
+        line = server or failure_line(rank, failure, others=cfg.nproc * cfg.max_nodes > 1)
+        print(line, file=sys.stderr, flush=True)
+        return _status(failure.exitcode)[1]
     except (RendezvousError, DistNetworkError) as err:
         print(f"phalanx: the hosts could not meet at {launch.rdzv_endpoint} ({type(err).__name__}: "
               f"{str(err).splitlines()[0]}); check --master-addr/--master-port or --rdzv-endpoint, and that "
@@ -299,6 +407,8 @@ def run(cfg: RunConfig) -> int:
     finally:
         if servers is not None:
             servers.stop()
+        if store is not None:
+            store[1].close()
 
 
 def main(argv: Sequence[str]) -> int:

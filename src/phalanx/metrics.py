@@ -189,6 +189,21 @@ def _class_denominator(losses: torch.Tensor, target: torch.Tensor, weight: torch
     return (weight.to(losses.device)[target.masked_fill(~kept, 0)] * kept).sum()
 
 
+def batch_denominator(loss_fn: Callable[..., torch.Tensor], output: torch.Tensor, target: torch.Tensor) -> float:
+    """The denominator of ``loss_fn``'s mean over this batch, cheaply: kept targets (or their class weights)
+    for cross-entropy / NLL, the batch size otherwise. Weighting batch means by it combines them exactly."""
+    fn, keywords = _function_of(loss_fn)
+    if isinstance(loss_fn, _CLASS_LOSSES):
+        weight, ignore = loss_fn.weight, loss_fn.ignore_index
+    elif fn in (nn.functional.cross_entropy, nn.functional.nll_loss):
+        weight, ignore = keywords.get("weight"), keywords.get("ignore_index", -100)
+    else:
+        return float(len(target))
+    if target.is_floating_point():
+        return float(len(target))
+    return float(_class_denominator(output, target, weight, ignore))
+
+
 def loss_sum_and_denominator(loss_fn: Callable[..., torch.Tensor], output: torch.Tensor,
                              target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
     """(sum of unreduced losses in float64, the denominator of ``loss_fn``'s own mean) for one batch."""

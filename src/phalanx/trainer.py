@@ -44,7 +44,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Comm
 from .data import ShardedLoader, shard
 from .errors import ConfigError, usage
-from .metrics import MeanLoss, Metric, ThroughputMeter, check_loss, reduce_all, resolve
+from .metrics import MeanLoss, Metric, ThroughputMeter, batch_denominator, check_loss, reduce_all, resolve
 from .strategies import Strategy
 from .wrap import strategy_of, unwrap, wrap
 
@@ -200,15 +200,17 @@ class Trainer:
             t2 = self._now()
             n, value = len(target), loss.item()
             if n:  # an empty part of the short last step (its loss is nan, its gradient zero) adds nothing
-                loss_sum += value * n
-                count += n
+                weight = batch_denominator(self.loss_fn, output, target)  # padding and class weights, exactly
+                loss_sum += value * weight
+                count += weight
             with torch.no_grad():
                 for m in train_metrics:
                     m.update(output.detach(), target)
             self.meter.step(n)
             step, self.step, steps = self.step, self.step + 1, steps + 1
             if bar is not None:
-                bar.set_postfix(loss=f"{loss_sum / count:.4f}", **_stream_progress(loader), refresh=False)
+                bar.set_postfix(loss=f"{loss_sum / count if count else math.nan:.4f}", **_stream_progress(loader),
+                                refresh=False)
                 bar.update(1)
             self._call("on_step_end", step, {
                 "loss": value, "batch_size": n, "data_s": t_data - mark, "forward_backward_s": t1 - t0,

@@ -92,6 +92,14 @@ class AllReduce(Strategy):
         if self.compression is None and self.comm.world_size > 1:
             self.comm.stats.bytes_sent += self._grad_bytes  # DDP's reducer sent the full gradient
 
+    def regroup(self) -> None:
+        """The group was rebuilt (phalanx.elastic): the hook's divisor follows the new size.
+
+        DDP keeps its reducer; its comm hook sends through the default group, which is the new one.
+        """
+        if getattr(self, "_hook", None) is not None:
+            self._hook.world_size, self._hook.error = self.comm.world_size, None
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.compression is not None:

@@ -1,0 +1,291 @@
+"""Liveness: which ranks are still running, told by heartbeats in the group's store.
+
+Every worker runs a :class:`Heartbeat`, a daemon thread that bumps a counter in the
+store every half second on its own store connection, and leaves a note with
+:func:`record_exit` when it ends ("ok", or the exception that ended it). A reader
+decides with its own clock, so hosts need not agree on the time:
+
+- a rank whose counter advances is **alive**, even if it is busy elsewhere or
+  skipped a collective;
+- a rank that left a note has **exited**, and the note says how;
+- a rank whose counter stands still for ``stale_after_s`` has **stopped** (killed,
+  crashed hard, or frozen);
+- when the store itself does not answer, nobody can tell, and :func:`survey`
+  returns ``None`` rather than guess.
+
+:func:`guarded` wraps a collective so that a peer's disappearance becomes one
+:class:`~phalanx.WorkerLostError` naming the rank that is really gone.
+
+Example (a store of our own; in a job use ``phalanx.group.store()``):
+    >>> import torch.distributed as dist
+    >>> from phalanx.testing import free_port
+    >>> store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    >>> beat = Heartbeat(store, rank=0, every_s=0.05).start()
+    >>> record_exit(store, 1, "ValueError: boom")
+    >>> survey(store, world_size=3, stale_after_s=0.5)
+    Liveness(alive=[0], exited={1: 'ValueError: boom'}, stopped=[2])
+    >>> beat.stop()
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Iterator
+
+import torch.distributed as dist
+
+from .errors import WorkerLostError
+
+HEARTBEAT_EVERY_S = 0.5
+STALE_AFTER_S = 3.0  # six missed beats: a loaded machine can starve a thread for a second or two, not for three
+STORE_PROBE_TIMEOUT_S = 5.0  # a diagnosis must not hang on a frozen store host
+
+
+def _beat_key(rank: int) -> str:
+    return f"liveness/beat/{rank}"
+
+
+def _exit_key(rank: int) -> str:
+    return f"liveness/exit/{rank}"
+
+
+def _quick(store: dist.Store, timeout_s: float = STORE_PROBE_TIMEOUT_S) -> dist.Store:
+    """A second connection with a short timeout: a blocked wait on the caller's must not hold up this one."""
+    clone = store.clone()
+    clone.set_timeout(timedelta(seconds=timeout_s))
+    return clone
+
+
+class Heartbeat:
+    """Bump ``rank``'s counter in ``store`` every ``every_s`` seconds from a daemon thread.
+
+    The thread uses its own store connection, so a long ``store.wait`` or a collective on
+    the main thread never delays a beat. The first beat is written by :meth:`start`
+    itself, so a rank is visible as soon as ``start()`` returns. If the store goes away
+    the thread ends quietly (the reader then cannot tell anything either).
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from phalanx.testing import free_port
+        >>> store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+        >>> beat = Heartbeat(store, rank=0, every_s=0.01).start()
+        >>> time.sleep(0.2); beat.stop(); beats(store, 1)[0] > 1
+        True
+    """
+
+    def __init__(self, store: dist.Store, rank: int, every_s: float = HEARTBEAT_EVERY_S) -> None:
+        self.rank, self.every_s = rank, every_s
+        self._store = _quick(store)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Heartbeat":
+        """Write the first beat now and keep beating in the background; returns self."""
+        if self._thread is None:
+            self._store.add(_beat_key(self.rank), 1)
+            self._thread = threading.Thread(target=self._run, name=f"phalanx-heartbeat-{self.rank}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop beating (readers will see this rank stand still); safe to call twice."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.every_s + STORE_PROBE_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self._store.add(_beat_key(self.rank), 1)
+            except Exception:  # the store's host is gone: nothing left to tell anyone
+                return
+
+
+def beats(store: dist.Store, world_size: int) -> list[int]:
+    """Each rank's heartbeat counter now (0: never beat); ``add(key, 0)`` reads without blocking."""
+    return [int(store.add(_beat_key(r), 0)) for r in range(world_size)]
+
+
+def record_exit(store: dist.Store, rank: int, reason: str = "ok") -> None:
+    """Leave a note that ``rank`` is ending: "ok" for a normal exit, else what ended it (one line)."""
+    store.set(_exit_key(rank), reason.splitlines()[0][:300] if reason else "ok")
+
+
+def exit_records(store: dist.Store, world_size: int) -> dict[int, str]:
+    """The notes left so far, by rank."""
+    return {r: store.get(_exit_key(r)).decode(errors="replace") for r in range(world_size)
+            if store.check([_exit_key(r)])}
+
+
+@dataclass
+class Liveness:
+    """What the store says about every rank; a rank is in exactly one of the three."""
+
+    alive: list[int] = field(default_factory=list)  # heartbeat advanced while we watched
+    exited: dict[int, str] = field(default_factory=dict)  # left a note: "ok" or the exception that ended it
+    stopped: list[int] = field(default_factory=list)  # heartbeat stood still for stale_after_s
+
+    @property
+    def lost(self) -> list[int]:
+        """Ranks that are no longer running: exited for any reason, or stopped."""
+        return sorted([*self.exited, *self.stopped])
+
+
+class Watch:
+    """Non-blocking view of heartbeats: call :meth:`poll` now and then, read :meth:`stale`.
+
+    A rank is stale once its counter has not moved for ``stale_after_s`` by this
+    process's clock, counted from the first poll.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from phalanx.testing import free_port
+        >>> store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+        >>> watch = Watch(store, world_size=2, stale_after_s=0.1); watch.poll(); watch.stale()
+        []
+        >>> time.sleep(0.2); watch.poll(); watch.stale()
+        [0, 1]
+    """
+
+    def __init__(self, store: dist.Store, world_size: int, stale_after_s: float = STALE_AFTER_S) -> None:
+        self.store, self.world_size, self.stale_after_s = store, world_size, stale_after_s
+        self._last: list[int] | None = None
+        self._first: list[int] | None = None
+        self._since: list[float] = []
+
+    def poll(self) -> None:
+        """Read every counter once (one store round trip per rank)."""
+        now, seen = time.monotonic(), beats(self.store, self.world_size)
+        if self._last is None:
+            self._first, self._since = list(seen), [now] * self.world_size
+        else:
+            self._since = [now if s != last else t for s, last, t in zip(seen, self._last, self._since, strict=True)]
+        self._last = seen
+
+    def advanced(self) -> list[int]:
+        """Ranks whose counter moved since the first poll."""
+        if self._last is None or self._first is None:
+            return []
+        return [r for r in range(self.world_size) if self._last[r] != self._first[r]]
+
+    def stale(self) -> list[int]:
+        """Ranks whose counter has stood still for ``stale_after_s``."""
+        now = time.monotonic()
+        return [r for r, t in enumerate(self._since) if now - t >= self.stale_after_s]
+
+
+def survey(store: dist.Store, world_size: int, stale_after_s: float = STALE_AFTER_S, *,
+           me: int | None = None, poll_s: float = 0.05) -> Liveness | None:
+    """Watch until every rank has advanced, left a note or stood still for ``stale_after_s``.
+
+    Blocks at most about ``stale_after_s`` (less when every rank answers sooner). ``me``
+    counts as alive without watching. Returns None when the store does not answer.
+    """
+    try:
+        watch = Watch(store, world_size, stale_after_s)
+        watch.poll()
+        while True:
+            exited = exit_records(store, world_size)
+            advanced = set(watch.advanced()) | ({me} if me is not None else set())
+            stale = set(watch.stale())
+            pending = [r for r in range(world_size) if r not in exited and r not in advanced and r not in stale]
+            if not pending:
+                alive = sorted(advanced - set(exited))
+                stopped = sorted(stale - advanced - set(exited))
+                return Liveness(alive=alive, exited=exited, stopped=stopped)
+            time.sleep(poll_s)
+            watch.poll()
+    except Exception:  # the store's host is gone or frozen
+        return None
+
+
+def alive_ranks(store: dist.Store, world_size: int, stale_after_s: float = STALE_AFTER_S) -> list[int] | None:
+    """Ranks still running (heartbeat advancing, no exit note); None when the store does not answer.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from phalanx.testing import free_port
+        >>> store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+        >>> beat = Heartbeat(store, rank=1, every_s=0.05).start()
+        >>> alive_ranks(store, world_size=2, stale_after_s=0.3)
+        [1]
+        >>> beat.stop()
+    """
+    seen = survey(store, world_size, stale_after_s)
+    return None if seen is None else seen.alive
+
+
+# -- diagnosis of a failed collective (the worker group's own store) ------------------------------------------------
+
+def _probe_store() -> dist.Store | None:
+    from . import group
+    return group.probe_store()
+
+
+def lost_ranks(timeout_s: float = STALE_AFTER_S) -> list[int] | None:
+    """After a failed collective: the ranks that are no longer running (None: the store does not answer).
+
+    Never names a rank whose heartbeat still advances. Blocks at most about ``timeout_s``.
+    """
+    from . import group
+    store = _probe_store()
+    if store is None:
+        return None
+    seen = survey(store, group.world_size(), timeout_s, me=group.rank())
+    return None if seen is None else seen.lost
+
+
+def describe(seen: Liveness | None, me: int) -> str:
+    """Who is gone and how, in words (the middle of a WorkerLostError message).
+
+    Example:
+        >>> describe(Liveness(alive=[0, 2], exited={1: "ValueError: boom"}), me=0)
+        'rank(s) 1 (rank 1 raised ValueError: boom)'
+        >>> describe(Liveness(alive=[0, 1], stopped=[2]), me=0)
+        'rank(s) 2 (its heartbeat stopped: killed, crashed or frozen)'
+    """
+    if seen is None:
+        return ("the group's store, which no longer answers, so it cannot tell which rank is gone (the store "
+                "lives in rank 0, or in the launcher under `phalanx run`/torchrun: that process has probably ended)")
+    exited = {r: why for r, why in seen.exited.items() if r != me}
+    lost = sorted([*exited, *seen.stopped])
+    if not lost:  # everyone is alive: nobody died; the collective itself failed
+        return ("a peer, although every rank is still running (they may have called different collectives, "
+                "or one was slower than the timeout)")
+    how = [f"rank {r} exited normally before this collective: the ranks ran different numbers of collectives"
+           if why == "ok" else f"rank {r} raised {why}" for r, why in sorted(exited.items())]
+    if seen.stopped:
+        whose = "its" if len(seen.stopped) == 1 else "their"
+        how.append(("" if len(lost) == 1 else f"rank(s) {', '.join(map(str, seen.stopped))}: ")
+                   + f"{whose} heartbeat stopped: killed, crashed or frozen")
+    if len(lost) == 1 and seen.stopped:
+        return f"rank(s) {lost[0]} ({how[0]})"
+    return f"rank(s) {', '.join(map(str, lost))} ({'; '.join(how)})"
+
+
+@contextlib.contextmanager
+def guarded(what: str) -> Iterator[None]:
+    """Turn a peer's disappearance during a collective into one clear :class:`WorkerLostError`.
+
+    Example:
+        >>> with guarded("nothing"):
+        ...     pass
+    """
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as err:
+        if isinstance(err, WorkerLostError):
+            raise
+        from . import group
+        me = group.rank()
+        store = _probe_store()
+        seen = None if store is None else survey(store, group.world_size(), STALE_AFTER_S, me=me)
+        raise WorkerLostError(
+            f"rank {me} lost contact with {describe(seen, me)} during {what} "
+            f"(timeout {group.timeout_s():.0f}s): {str(err).splitlines()[0][:200]}. "
+            "See that rank's own log for its error. If it was only slow, raise the bound with "
+            "PHALANX_TIMEOUT or px.init(timeout=...)."
+        ) from err

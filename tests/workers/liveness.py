@@ -1,0 +1,46 @@
+"""Worker functions for tests/test_liveness.py: failures injected in one line, survivors report what they saw."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+import phalanx as px
+
+
+def _step() -> None:
+    t = torch.ones(4)
+    px.Comm().all_reduce_([t], op="sum")
+
+
+def raise_at(step: int, rank: int, steps: int = 50) -> None:
+    """Every rank all-reduces each step; ``rank`` raises ValueError at ``step`` (nothing catches it)."""
+    px.init()
+    for now in range(steps):
+        if px.rank() == rank and now == step:
+            print(f"RAISE {time.time():.6f}", flush=True)
+            raise ValueError(f"boom at step {step}")
+        _step()
+        time.sleep(0.01)
+
+
+def kill_one(victim: int, step: int = 3, slow: int | None = None, steps: int = 200) -> dict[str, Any]:
+    """``victim`` kills itself with SIGKILL at ``step``; rank ``slow`` is busy (not in a collective) when it happens.
+
+    A survivor returns the WorkerLostError message it got, and how long after the kill it came.
+    """
+    px.init()
+    try:
+        for now in range(steps):
+            if now == step:
+                if px.rank() == victim:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if px.rank() == slow:
+                    time.sleep(4.0)  # busy elsewhere: longer than the old 3 s check-in window
+            _step()
+    except px.WorkerLostError as err:
+        return {"message": str(err), "time": time.time()}
+    return {"message": None, "time": time.time()}
