@@ -13,6 +13,8 @@ export MPLCONFIGDIR := $(RUNDIR)/mpl
 
 $(STAMP): pyproject.toml constraints.txt
 	@mkdir -p $(TMPDIR) $(HOME) $(MPLCONFIGDIR)
+	@# the streaming tests and `phalanx demo --stream` need a real redis-server (skipped with a reason if absent)
+	command -v redis-server >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update && apt-get install -y redis-server)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	@touch $@

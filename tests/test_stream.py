@@ -203,3 +203,17 @@ def test_weights_of_an_uneven_step_give_one_process_gradient():
     weights = [count * 2 / 5 for _, _, count in parts]
     assert torch.allclose(sum(w * m for w, m in zip(weights, local_means)) / 2, torch.tensor(3.0))
     assert Plan(END).status == END
+
+
+def test_the_trainer_fits_on_a_stream_and_its_history_shows_the_stream(server, one_thread):
+    import torch.nn.functional as F
+
+    import phalanx as px
+    publish(server, "fit", 64, end=True)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 3)
+    trainer = px.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy, metrics=["accuracy"])
+    held_out = torch.utils.data.TensorDataset(torch.randn(20, 8), torch.randint(0, 3, (20,)))
+    row = trainer.fit(loader_for(server, "fit", batch_size=16), epochs=1, val_data=held_out, progress=False)[-1]
+    assert row["steps"] == 4 and row["events"] == 64 and row["lag"] == 0 and row["dead_letters"] == 0
+    assert row["events_per_s"] > 0 and "acknowledged" in row and row["val_samples"] == 20

@@ -38,6 +38,7 @@ from .sync import every, schedule
 from .state import TrainingState
 from .trainer import History, Trainer
 from .wrap import no_sync, strategy_of, unwrap, wrap
+from . import elastic  # px.elastic.State / px.elastic.run
 
 __version__ = "0.1.0"
 
@@ -62,4 +63,6 @@ __all__ = [
     # checkpoints and errors
     "save_checkpoint", "load_checkpoint", "read_checkpoint", "TrainingState",
     "PhalanxError", "ConfigError", "WorkerLostError", "CheckpointError",
+    # fault tolerance
+    "elastic",
 ]

@@ -12,6 +12,7 @@ Workers run on CPU, one intra-op thread each, and only rank 0 prints. Run
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--keras" in argv:  # the same demo with a Keras 3 model: phalanx.keras.demo
         from .keras.demo import main as keras_demo
         return keras_demo([a for a in argv if a != "--keras"])
+    if "--stream" in argv:  # `phalanx demo --stream`: phalanx.stream.demo
+        return importlib.import_module("phalanx.stream.demo").main([x for x in argv if x != "--stream"])
     args = _parser().parse_args(argv)
     for name in ("epochs", "batch_size", "threads"):
         if getattr(args, name) < 1:

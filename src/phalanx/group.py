@@ -316,6 +316,23 @@ def _everyone_leaving(g: _Group) -> bool:
     return False
 
 
+# --- elastic hook (phalanx.elastic): re-point the group at a rebuilt generation -------------
+def regroup(rank: int, world_size: int, store: dist.Store | None) -> None:
+    """After ``phalanx.elastic`` rebuilt the process group: this worker's new rank, size and store.
+
+    The heartbeat and the probe connection move to the new generation's store, under the new rank.
+    """
+    global _group
+    current = _current()
+    if current.heartbeat is not None:
+        current.heartbeat.stop()
+    heartbeat = liveness.Heartbeat(store, rank).start() if store is not None else None
+    probe = liveness._quick(store) if store is not None else None
+    _group = _Group(env=replace(current.env, rank=rank, world_size=world_size), device=current.device,
+                    store=store, probe=probe, heartbeat=heartbeat)
+# --- end of elastic hook ------------------------------------------------------------------
+
+
 def _current() -> _Group:
     if _group is not None:
         return _group

@@ -35,9 +35,12 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Iterator, NoReturn, Sequence
+from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
 
 from .errors import ConfigError, usage
+
+if TYPE_CHECKING:
+    from .elastic.agent import ElasticConfig
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -89,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all hosts (c10d/etcd)")
     hosts.add_argument("--max-restarts", default="0", metavar="K",
                        help="restart the whole group up to K times after a failure (default 0)")
+    from .elastic.agent import add_arguments as add_elastic_arguments  # elastic: --elastic and its flags
+    add_elastic_arguments(p)
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
     return p
@@ -130,6 +135,7 @@ class RunConfig:
     servers: int = 0
     standalone: bool = False  # one host, no rendezvous options: we host the store, on loopback
     debug: bool = False
+    elastic: "ElasticConfig | None" = None  # --elastic: phalanx.elastic.agent runs the job
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> "RunConfig":
@@ -196,7 +202,9 @@ class RunConfig:
         if servers and max_nodes > 1:
             raise ConfigError(usage(f"--servers {servers} with --nnodes {a.nnodes}",
                                     "parameter servers in a one-host run", "Run on one host, or drop --servers."))
-        return cls(script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
+        from .elastic.agent import ElasticConfig  # elastic
+        elastic = ElasticConfig.from_args(a, nproc, max_nodes)
+        return cls(elastic=elastic, script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
                    max_nodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                    rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=a.rdzv_id or "none",
                    max_restarts=max_restarts, threads=threads, timeout_s=timeout_s, servers=servers,
@@ -365,6 +373,9 @@ def run(cfg: RunConfig) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    if cfg.elastic is not None:  # elastic: our own agent keeps survivors running
+        from .elastic.agent import run_elastic
+        return run_elastic(cfg)
     _quiet_torch_elastic()
     for line in cfg.warnings():
         print(line, file=sys.stderr, flush=True)

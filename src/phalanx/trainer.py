@@ -147,7 +147,7 @@ class Trainer:
             raise ConfigError(usage(f"epochs={epochs!r}", "an integer >= 0", "Pass e.g. epochs=10."))
         if val_data is not None:
             _check_eval(val_data, val_batch_size, "val_data", "val_batch_size")
-        if isinstance(train_data, ShardedLoader):
+        if isinstance(train_data, ShardedLoader) or hasattr(train_data, "stats"):  # stream: a px.stream.StreamLoader
             self.loader = train_data
         else:
             self.loader = shard(train_data, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
@@ -210,7 +210,8 @@ class Trainer:
             self.meter.step(n)
             step, self.step, steps = self.step, self.step + 1, steps + 1
             if bar is not None:
-                bar.set_postfix(loss=f"{loss_sum / count if count else math.nan:.4f}", refresh=False)
+                bar.set_postfix(loss=f"{loss_sum / count if count else math.nan:.4f}", **_stream_progress(loader),
+                                refresh=False)
                 bar.update(1)
             self._call("on_step_end", step, {
                 "loss": value, "batch_size": n, "data_s": t_data - mark, "forward_backward_s": t1 - t0,
@@ -237,6 +238,7 @@ class Trainer:
         row.update({"samples_per_s": samples / (seconds / world) if seconds > 0 else math.nan,
                     "bytes_sent": int(round(sent / world)), "steps": steps, "step": self.step,
                     "time_s": wall / world})
+        row.update(loader.stats() if hasattr(loader, "stats") else {})  # stream: events, events/s, lag, acknowledged
         if bar is not None:
             bar.set_postfix(_postfix(row), refresh=False)
             bar.close()
@@ -366,6 +368,14 @@ def _fetch(data: Dataset, indices: range) -> Any:
     if isinstance(data, TensorDataset):
         return tuple(t[indices.start:indices.stop] for t in data.tensors)
     return default_collate([data[i] for i in indices])
+
+
+def _stream_progress(loader: Any) -> dict[str, str]:
+    """A stream loader's events/s, lag and acknowledged position for the progress bar (nothing for a dataset)."""
+    if not hasattr(loader, "stats"):
+        return {}
+    s = loader.stats()
+    return {"events/s": f"{s['events_per_s']:,.0f}", "lag": str(s["lag"]), "acked": str(s["acknowledged"])}
 
 
 __all__ = ["History", "Trainer"]

@@ -43,10 +43,8 @@ def train(url: str, stream: str, group: str, *, batch_size: int, ckpt: str, log_
     policy = WaitFull() if deadline_s is None else Deadline(deadline_s)
     loader = StreamLoader(source, batch_size, policy=policy, stop=Stop(idle_s=idle_s), block_s=0.1)
     resumed = 0
-    if os.path.exists(ckpt):  # the loader's state is world-size independent: restore it even if -n changed
-        body = px.load_checkpoint(ckpt, model, opt)
-        loader.load_state_dict(body["loader"])
-        resumed = int(body["step"])
+    if os.path.exists(ckpt):  # the loader's state is world-size independent: it restores even if -n changed
+        resumed = int(px.load_checkpoint(ckpt, model, opt, loader=loader)["step"])
     log = open(os.path.join(log_dir, f"inc{incarnation}.rank{px.rank()}.log"), "a")
     for x, y in loader:
         step = loader.steps

@@ -96,6 +96,14 @@ class AllReduce(Strategy):
                 # GradScaler skips this step; the residuals and warm starts hold it too, and are dropped.
                 self.compression.reset()
 
+    def regroup(self) -> None:
+        """The group was rebuilt (phalanx.elastic): the hook's divisor follows the new size.
+
+        DDP keeps its reducer; its comm hook sends through the default group, which is the new one.
+        """
+        if getattr(self, "_hook", None) is not None:
+            self._hook.world_size, self._hook.error = self.comm.world_size, None
+
     def state_dict(self) -> dict[str, Any]:
         # The compressor's shared part (PowerSGD's warm starts) is rank 0's; residuals are per rank.
         return {"compression": self.compression.state_dict()} if self.compression is not None else {}

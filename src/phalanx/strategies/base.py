@@ -193,6 +193,12 @@ class Strategy:
         bytes0, steps0 = getattr(self, "_attach_mark", (0, 0))
         return (self.comm.stats.bytes_sent - bytes0) / max(1, self.steps - steps0)
 
+    def regroup(self) -> None:
+        """Called by ``phalanx.elastic`` after the worker group was rebuilt with a new size.
+
+        Strategies whose state depends on the world size (a divisor, a per-rank buffer) refresh it here.
+        """
+
     def finish(self) -> None:
         """Collective, once when training ends: leave every replica holding the model to keep.
 

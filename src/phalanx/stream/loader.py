@@ -120,6 +120,7 @@ class StreamLoader:
         self.source, self.batch_size = source, batch_size
         self.policy, self.stop = policy or WaitFull(), stop or Stop()
         self.block_s = float(block_s)
+        self._given = (rank, world_size)  # None: read from the group at each iteration (it may have been rebuilt)
         self.rank = group.rank() if rank is None else rank
         self.world_size = group.world_size() if world_size is None else world_size
         # state (checkpointed)
@@ -158,10 +159,21 @@ class StreamLoader:
         """Progress for the bar and history: events trained, events/s this run, lag, acknowledged position."""
         elapsed = time.monotonic() - self._t0
         return {"events": self.events, "events_per_s": (self.events - self._events0) / elapsed if elapsed else 0.0,
-                "lag": self.lag, "acknowledged": self.acknowledged, "dead_letters": self.dead, "steps": self.steps}
+                "lag": self.lag, "acknowledged": self.acknowledged, "dead_letters": self.dead}
+
+    # -- what the Trainer asks of a loader ---------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to reshuffle: a stream's order is its own. An "epoch" is one run to an end condition."""
+
+    def steps_left(self) -> int | None:
+        """Unknown: a live stream has no length."""
+        return None
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        rank, world_size = self._given
+        self.rank = group.rank() if rank is None else rank
+        self.world_size = group.world_size() if world_size is None else world_size
         self._t0 = self._last_event = time.monotonic()
         self._events0 = self.events
         if self.rank == 0:
@@ -206,20 +218,21 @@ class StreamLoader:
         import torch.distributed as dist
 
         from ..comm import guarded
+        on = group.device() if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors
         if self.rank == 0:
             try:
                 plan = self._decide()
             except StreamError:
                 with guarded("telling the workers the stream failed"):
-                    dist.broadcast(Plan(ERROR).pack(self.world_size), src=0)
+                    dist.broadcast(Plan(ERROR).pack(self.world_size).to(on), src=0)
                 raise
             with guarded("sharing the stream plan"):
-                dist.broadcast(plan.pack(self.world_size), src=0)
+                dist.broadcast(plan.pack(self.world_size).to(on), src=0)
             return plan
-        t = torch.zeros(_HEAD + _PER_RANK * self.world_size, dtype=torch.int64)
+        t = torch.zeros(_HEAD + _PER_RANK * self.world_size, dtype=torch.int64, device=on)
         with guarded("receiving the stream plan"):
             dist.broadcast(t, src=0)
-        plan = Plan.unpack(t, self.world_size)
+        plan = Plan.unpack(t.cpu(), self.world_size)
         if plan.status == ERROR:
             raise StreamError(f"the main worker lost the stream {self.source.stream!r} at {self.source.url}; "
                               "its log says why. Training resumes from the last checkpoint.")
@@ -289,9 +302,10 @@ class StreamLoader:
         if count == 0:  # a stand-in with weight 0 (see split)
             return [], default_collate([s for _, s in good[:1]])
         if len(good) != count:
-            raise StreamError(f"worker {self.rank} decoded {len(good)} of the events {first}..{last} but the main "
-                              f"worker decoded {count}; expected decode to give the same result everywhere. "
-                              "Make decode deterministic.")
+            raise StreamError(f"worker {self.rank} found {len(good)} good events in {first}..{last} of stream "
+                              f"{self.source.stream!r} but the main worker claimed {count}; expected the same "
+                              "entries and the same decoding everywhere. Do not delete entries that are not yet "
+                              "acknowledged, and make decode deterministic.")
         return [i for i, _ in good], default_collate([s for _, s in good])
 
 

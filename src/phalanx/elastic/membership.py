@@ -1,0 +1,126 @@
+"""Generations and quorum, kept in the launcher's store.
+
+A generation is one worker group: an ordered list of worker ids whose position is
+the rank. Generation 0 is the group the launcher started. After a failure every
+survivor *arrives* at generation g+1 with the commits it holds; the first survivor
+that sees the quorum complete writes the member list with a compare-and-set, so
+every worker agrees on one list even if their views differed for a moment.
+
+Quorum rules (after torchft's): wait until every member of the previous generation
+has either arrived or been declared dead by the launcher, up to ``timeout_s``; then
+proceed only with more than half of the previous members, so that two halves of a
+partitioned job can never both go on (split brain).
+
+Keys (all under ``elastic/`` in the launcher's TCPStore):
+    config                 {"min_workers", "max_workers", "heartbeat_s"} written by the launcher
+    hb/<id>                a counter the worker's heartbeat thread bumps
+    dead/<id>              set by the launcher when worker <id> exited or was killed
+    gen                    the newest closed generation
+    gen/<g>/members        JSON list of ids, rank order
+    gen/<g>/arrive/<id>    JSON {"commits": [...]} of a survivor
+    gen/<g>/join/<id>      a joiner asking to enter generation g
+    finished/<id>          worker <id> finished training (its heartbeat may stop while it exits)
+    done                   set when training finished (late joiners leave)
+
+Example:
+    >>> decide_members(["a", "b", "c"], arrived={"a", "c"}, dead={"b"}, joiners=[])
+    ['a', 'c']
+    >>> common_commit([[4, 2], [4, 2]]), common_commit([[6, 4], [4, 2]])
+    (4, 4)
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterable, Sequence
+
+import torch.distributed as dist
+
+from ..errors import PhalanxError
+
+PREFIX = "elastic"
+
+
+class QuorumError(PhalanxError, RuntimeError):
+    """The survivors cannot form a legal group (too few, or split brain)."""
+
+
+def key(*parts: object) -> str:
+    return "/".join([PREFIX, *map(str, parts)])
+
+
+def decide_members(previous: Sequence[str], *, arrived: set[str], dead: set[str],
+                   joiners: Sequence[str]) -> list[str]:
+    """The next generation: surviving previous members in their old order, then joiners."""
+    return [m for m in previous if m in arrived and m not in dead] + [j for j in joiners if j not in previous]
+
+
+def common_commit(commit_lists: Iterable[Sequence[int]]) -> int | None:
+    """The newest commit step that every survivor holds, or None."""
+    sets = [set(c) for c in commit_lists]
+    if not sets:
+        return None
+    common = set.intersection(*sets)
+    return max(common) if common else None
+
+
+class Membership:
+    """One worker's view of the job's generations."""
+
+    def __init__(self, store: dist.Store, me: str, members: list[str], generation: int = 0) -> None:
+        self.store, self.me = store, me
+        self.members, self.generation = members, generation
+
+    # -- what the launcher wrote -------------------------------------------------------
+    def config(self) -> dict:
+        return json.loads(self.store.get(key("config")))
+
+    def is_dead(self, worker: str) -> bool:
+        return self.store.check([key("dead", worker)])
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.me)
+
+    # -- one membership change ------------------------------------------------------------
+    def next_generation(self, commits: Sequence[int], *, timeout_s: float, poll_s: float = 0.02) -> dict:
+        """Arrive at generation g+1, wait for the quorum, and return the agreed plan.
+
+        The plan is ``{"generation", "members", "step"}``: the member list (rank order)
+        and the commit step every member rolls back to. Raises :class:`QuorumError`
+        when more than half of the previous members are missing.
+        """
+        g = self.generation + 1
+        self.store.set(key("gen", g, "arrive", self.me), json.dumps({"commits": list(commits)}))
+        deadline = time.monotonic() + timeout_s
+        members_key = key("gen", g, "members")
+        while True:
+            if self.store.check([members_key]):
+                break
+            arrived = {m for m in self.members if self.store.check([key("gen", g, "arrive", m)])}
+            dead = {m for m in self.members if m not in arrived and self.is_dead(m)}
+            complete = len(arrived) + len(dead) == len(self.members)
+            if complete or time.monotonic() > deadline:
+                if 2 * len(arrived) <= len(self.members):
+                    raise QuorumError(
+                        f"only {len(arrived)} of the {len(self.members)} workers of generation {g - 1} answered "
+                        f"within {timeout_s:.0f}s; more than half are needed to go on (split-brain guard)")
+                proposal = decide_members(self.members, arrived=arrived, dead=dead, joiners=self._joiners(g))
+                self.store.compare_set(members_key, "", json.dumps(proposal))
+                break
+            time.sleep(poll_s)
+        members = json.loads(self.store.get(members_key))
+        if self.me not in members:
+            raise QuorumError(f"worker {self.me} arrived after generation {g} closed without it")
+        survivors = [m for m in members if m in self.members]
+        arrivals = [json.loads(self.store.get(key("gen", g, "arrive", m)))["commits"] for m in survivors]
+        step = common_commit(arrivals)
+        if step is None:
+            raise QuorumError(f"the survivors hold no common commit (theirs: {arrivals})")
+        self.store.set(key("gen"), str(g))
+        self.members, self.generation = members, g
+        return {"generation": g, "members": members, "step": step}
+
+    def _joiners(self, g: int) -> list[str]:
+        raw = self.store.get(key("joiners")) if self.store.check([key("joiners")]) else b"[]"
+        return [j for j in json.loads(raw) if not self.is_dead(j)]

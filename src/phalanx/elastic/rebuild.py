@@ -1,0 +1,49 @@
+"""Rebuild the worker group in-process, without the lost workers.
+
+gloo's group cannot shrink: we destroy it and create a fresh one for the new
+generation on a ``PrefixStore`` of the launcher's store (each generation its own
+key space, so no key of a dead generation is ever read again). The launcher's store
+outlives every worker, rank 0 included.
+
+Destroying the old group first matters: a survivor blocked in a collective with the
+dead peer's neighbours sees its sockets close and fails at once instead of waiting
+for the collective timeout.
+
+Example:
+    >>> generation_prefix(3)
+    'phalanx/elastic/3'
+"""
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .. import group
+
+
+def generation_prefix(generation: int) -> str:
+    return f"phalanx/elastic/{generation}"
+
+
+def destroy() -> None:
+    """Drop the current process group; errors from a group whose peers died are expected."""
+    if not dist.is_initialized():
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may fail to tear down; it is gone either way
+            pass
+
+
+def rebuild(base_store: dist.Store, generation: int, rank: int, world_size: int, *, timeout_s: float,
+            backend: str = "gloo") -> None:
+    """Create generation ``generation``'s group and point phalanx's group at it."""
+    destroy()
+    store = dist.PrefixStore(generation_prefix(generation), base_store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    group.regroup(rank, world_size, store)

@@ -1,0 +1,205 @@
+"""``px.elastic.State`` and ``px.elastic.run``: commit in memory, roll back, go on.
+
+A commit is this worker's training state captured in memory (model, optimizer,
+strategy, data position, RNG, step): no collective, no disk. When a peer dies the
+survivors leave the broken group, agree on the next generation and on the newest
+commit they all hold, rebuild the group without the dead, restore that commit and
+re-enter the training function. The data position is counted in samples, so the
+rest of the epoch is re-split over the new world size: no sample is dropped or
+trained twice.
+
+Under plain ``torchrun`` or ``python`` (no ``phalanx run --elastic``) the same script
+runs unchanged: commits are skipped and a failure ends the job as usual.
+
+Example:
+    >>> import torch, phalanx as px
+    >>> net = torch.nn.Linear(2, 1); opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> state = px.elastic.State(net, opt, commit_every=5)
+    >>> @px.elastic.run
+    ... def train(state):
+    ...     for _ in range(3):
+    ...         opt.zero_grad(); net(torch.ones(1, 2)).sum().backward(); opt.step()
+    ...     return state.step
+    >>> train(state)
+    3
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+import time
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .. import group
+from ..errors import ConfigError, WorkerLostError, usage
+from ..wrap import strategy_of
+from .membership import QuorumError
+from .worker import ElasticWorker
+
+from ..state import TrainingState
+
+DEFAULT_COMMIT_EVERY = 10
+KEEP = 2  # commits held; survivors roll back to the newest one they all hold
+F = TypeVar("F", bound=Callable[..., Any])
+
+# gloo's words for a peer that went away (its errors are plain RuntimeErrors)
+_PEER_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "gloo",
+               "socket", "peer", "closed", "no route")
+
+
+class State:
+    """What a worker rolls back to: a :class:`TrainingState` captured in memory every ``commit_every`` steps.
+
+    Args:
+        model, optimizer, loader, scheduler: the objects to capture (the optimizer is required).
+        commit_every: commit after every this many optimizer steps (counted by a step hook),
+            at the strategy's next sync point; None commits only when you call :meth:`commit`.
+        extra: more objects with ``state_dict``/``load_state_dict`` to roll back with the rest
+            (their state is deep-copied at every commit).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, loader: Any = None,
+                 scheduler: Any = None, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
+                 extra: dict[str, Any] | None = None, scaler: Any = None) -> None:
+        if commit_every is not None and (isinstance(commit_every, bool) or not isinstance(commit_every, int)
+                                         or commit_every < 1):
+            raise ConfigError(usage(f"commit_every={commit_every!r}", "an integer >= 1 or None",
+                                    "Pass e.g. commit_every=10 (steps between in-memory commits)."))
+        self.model, self.optimizer, self.loader = model, optimizer, loader
+        self.training = TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler)
+        self.extra = dict(extra or {})
+        self.commit_every = commit_every
+        self.step = 0  # optimizer steps taken, rolled back with the commit
+        self.commits: dict[int, dict] = {}
+        self.history: list[dict] = []  # one entry per membership change
+        self._checked = False
+        self.worker = ElasticWorker.from_environ() if group.world_size() > 1 else None
+        if optimizer is not None:
+            optimizer.register_step_post_hook(lambda *_: self._after_step())
+
+    @property
+    def elastic(self) -> bool:
+        """True under ``phalanx run --elastic``; otherwise commits are skipped."""
+        return self.worker is not None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the loader is in (restored with the commit): start your epoch loop here."""
+        sampler = getattr(self.loader, "sampler", None)
+        return int(getattr(sampler, "epoch", 0))
+
+    def _after_step(self) -> None:
+        self.step += 1
+        if self.commit_every is None or not self.elastic:
+            return
+        last = max(self.commits, default=0)
+        strategy = strategy_of(self.optimizer)
+        at_sync = getattr(strategy, "sync", None)
+        # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; commit only where
+        # every worker stands at the same step with the same model.
+        if self.step - last >= self.commit_every and (at_sync is None or at_sync(strategy.steps)):
+            self.commit()
+
+    def commit(self) -> None:
+        """Capture this worker's state in memory (no collective); keeps the newest two."""
+        if not self._checked:
+            self._check()
+        if not self.elastic:
+            return
+        snap = self.training.capture()
+        snap["elastic_step"] = self.step
+        snap["elastic_extra"] = {k: copy.deepcopy(v.state_dict()) for k, v in self.extra.items()}
+        self.commits[self.step] = snap
+        for old in sorted(self.commits)[:-KEEP]:
+            del self.commits[old]
+
+    def _check(self) -> None:
+        self._checked = True
+        if self.optimizer is None:
+            raise ConfigError(usage("px.elastic.State without an optimizer",
+                                    "State(model, optimizer, loader, ...)",
+                                    "Pass the optimizer: a rollback without its state (momentum, Adam moments) "
+                                    "would not continue the run you had."))
+        ours = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in ours]
+        if missing:
+            raise ConfigError(usage(f"an optimizer that does not hold {len(missing)} trainable parameter(s) of "
+                                    f"the model (e.g. {missing[0]})", "the optimizer of this model",
+                                    "Pass the optimizer built from model.parameters()."))
+
+    def recover(self, failure: str) -> None:
+        """Leave the broken group, agree on the next one, roll back to the common commit (collective)."""
+        started = time.monotonic()
+        before = group.world_size()
+        backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        plan = self.worker.regroup(sorted(self.commits), backend=backend)
+        snap = self.commits[plan["step"]]
+        for newer in [s for s in self.commits if s > plan["step"]]:
+            del self.commits[newer]
+        lost_steps = self.step - plan["step"]
+        self.training.restore(snap)
+        sampler = getattr(self.loader, "sampler", None)
+        if sampler is not None and hasattr(sampler, "world_size"):  # the rest of the epoch, re-split over us
+            sampler.rank, sampler.world_size = group.rank(), group.world_size()
+        for k, v in snap["elastic_extra"].items():
+            self.extra[k].load_state_dict(copy.deepcopy(v))
+        self.step = snap["elastic_step"]
+        strategy = strategy_of(self.optimizer)
+        if strategy is not None and hasattr(strategy, "regroup"):
+            strategy.regroup()
+        self.history.append({"generation": plan["generation"], "world_size": group.world_size(),
+                             "was": before, "left": plan["left"], "joined": plan["joined"],
+                             "step": self.step, "redone_steps": lost_steps, "time": time.time(),
+                             "seconds": round(time.monotonic() - started, 3), "cause": failure[:200]})
+        if group.rank() == 0:
+            print(f"phalanx: elastic: generation {plan['generation']}: {before} -> {group.world_size()} workers "
+                  f"(left: {', '.join(plan['left']) or '-'}; joined: {', '.join(plan['joined']) or '-'}); "
+                  f"rolled back to step {self.step}, redoing {lost_steps} step(s); "
+                  f"regrouped in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """A failure a rebuilt group can survive: a peer died or stopped answering."""
+    if isinstance(err, (WorkerLostError, dist.DistBackendError, dist.DistNetworkError)):
+        return True
+    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in _PEER_WORDS)
+
+
+def run(fn: F) -> F:
+    """Decorate the training function ``fn(state, ...)``: it is re-entered after every membership change.
+
+    Start your loops from the state (``for epoch in range(state.epoch, epochs)``): after a
+    rollback the loader resumes mid-epoch where the commit left it.
+    """
+    @functools.wraps(fn)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise ConfigError(usage(f"{fn.__name__}({type(state).__name__}, ...)",
+                                    "a px.elastic.State as the first argument",
+                                    "Build state = px.elastic.State(model, opt, loader) and call "
+                                    f"{fn.__name__}(state)."))
+        if not state.commits:
+            state.commit()  # the start is always a commit every worker holds
+        while True:
+            failure = None
+            try:
+                result = fn(state, *args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - sorted just below
+                if not state.elastic or not is_peer_failure(err):
+                    raise
+                failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            if failure is None:
+                state.worker.finished() if state.elastic else None
+                return result
+            # Outside the except block: a live exception keeps the dead group's tensors (and the
+            # collectives other ranks are blocked in) alive.
+            try:
+                state.recover(failure)
+            except QuorumError as err:
+                print(f"phalanx: elastic: worker {state.worker.me}: {err}; stopping", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+    return wrapper  # type: ignore[return-value]

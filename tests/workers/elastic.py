@@ -1,0 +1,116 @@
+"""A training script for elastic tests: run it with ``phalanx run --elastic -n 3 tests/workers/elastic.py ...``.
+
+Each worker records, per optimizer step, the sample ids the whole group trained on
+(gathered from every worker's loader), rolled back with the commit; at the end each
+survivor writes its id, pid, final parameters and that record to ``--out``.
+Failure injection is one flag: ``--kill 0@5`` kills the worker started as rank 0 at
+step 5 with SIGKILL (``--stop`` sends SIGSTOP instead).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+
+import phalanx as px
+
+N, DIM, BATCH = 64, 5, 4
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, DIM, generator=g)
+    y = x @ torch.randn(DIM, 1, generator=g) + 0.1 * torch.randn(N, 1, generator=g)
+    return torch.utils.data.TensorDataset(x, y, torch.arange(N))
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(DIM, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def optimizer(net: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+
+STRATEGIES = {
+    "allreduce": lambda: px.AllReduce(),
+    "fp16": lambda: px.AllReduce(compression=px.FP16()),
+    "powersgd": lambda: px.AllReduce(compression=px.PowerSGD(rank=1)),
+    "local-sgd": lambda: px.LocalSGD(every=2),
+    "diloco": lambda: px.DiLoCo(every=2),
+    "easgd": lambda: px.EASGD(every=2),
+}
+
+
+class Record:
+    """Per step: (epoch, world size, the group's sample ids); rolled back with the state."""
+
+    def __init__(self) -> None:
+        self.steps: list[list] = []
+
+    def state_dict(self) -> dict:
+        return {"steps": [list(s) for s in self.steps]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = [list(s) for s in state["steps"]]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--commit-every", type=int, default=2)
+    p.add_argument("--kill", default="", help="ID@STEP: the worker started as rank ID dies at STEP")
+    p.add_argument("--stop", action="store_true", help="SIGSTOP instead of SIGKILL")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--strategy", default="allreduce", help="allreduce, fp16, powersgd, local-sgd, diloco, easgd")
+    args = p.parse_args()
+    me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
+    victim, _, at = args.kill.partition("@")
+
+    with open(os.path.join(args.out, f"start{me}-{os.getpid()}.json"), "w") as f:
+        json.dump({"id": me, "pid": os.getpid()}, f)  # a restarted worker would leave a second one
+    px.init()
+    net, data = model(), dataset()
+    model_, opt = px.wrap(net, optimizer(net), strategy=STRATEGIES[args.strategy]())
+    loader = px.shard(data, batch_size=BATCH, seed=0)
+    record = Record()
+    state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record})
+    comm = px.Comm()
+    first_after: list[float] = []
+
+    @px.elastic.run
+    def train(state: px.elastic.State) -> None:
+        for epoch in range(state.epoch, args.epochs):
+            loader.set_epoch(epoch)
+            for x, y, ids in loader:
+                if me == victim and state.step + 1 == int(at) and not state.history:
+                    with open(os.path.join(args.out, "killed.json"), "w") as f:
+                        json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
+                    os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
+                    time.sleep(60)  # a stopped worker never gets here before the launcher kills it
+                everyone = comm.all_gather(ids)  # what the whole group trains on at this step
+                record.steps.append([epoch, px.world_size(), torch.cat(everyone).tolist()])
+                opt.zero_grad()
+                F.mse_loss(model_(x), y).backward()
+                opt.step()
+                if state.history and not first_after:
+                    first_after.append(time.time())
+                time.sleep(args.step_sleep)
+
+    train(state)
+    result = {"id": me, "pid": os.getpid(), "rank": px.rank(), "world_size": px.world_size(),
+              "record": record.steps, "params": [t.tolist() for t in px.unwrap(model_).parameters()],
+              "history": state.history, "first_step_after_recovery": first_after[0] if first_after else None}
+    with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
