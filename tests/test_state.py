@@ -155,6 +155,17 @@ def test_save_checkpoint_under_if_rank_0_fails_within_seconds_saying_why(runs):
     assert not seen["written"]
 
 
+@pytest.mark.multiproc
+def test_a_full_disk_on_rank_0_raises_on_every_rank_naming_the_path(runs):
+    first, _ = runs
+    for rank in (0, 1):
+        seen = first[rank]["disk_full"]
+        assert seen["error"] is not None and seen["error"].startswith("CheckpointError:"), seen
+        assert seen["path"] in seen["error"] and "File too large" in seen["error"], seen
+        assert not seen["exists"]
+    assert first[1]["disk_full"]["error"].startswith("CheckpointError: rank 0 could not write the checkpoint")
+
+
 # -- kill -9 during saves -------------------------------------------------------------------------------------------
 SAVER = """
 import sys, torch
