@@ -71,6 +71,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
                     scheduler: Any = None, scaler: Any = None) -> None:
     """Write a resumable checkpoint of every worker's state. Collective: call it on every worker; rank 0 writes.
 
+    Every worker returns once the file is written, or raises rank 0's error (a full
+    disk names the path). Called on some workers only, it raises within
+    :data:`ENTRY_WAIT_S` seconds saying so.
+
     It holds each worker's :class:`~phalanx.state.TrainingState` snapshot: model,
     optimizer, the strategy's shared and per-worker state, the loader's position,
     every worker's RNG (Python, NumPy, torch, CUDA), ``step``, and ``scheduler`` /
