@@ -155,6 +155,17 @@ def test_save_checkpoint_under_if_rank_0_fails_within_seconds_saying_why(runs):
     assert not seen["written"]
 
 
+@pytest.mark.multiproc
+def test_a_full_disk_on_rank_0_raises_on_every_rank_naming_the_path(runs):
+    first, _ = runs
+    for rank in (0, 1):
+        seen = first[rank]["disk_full"]
+        assert seen["error"] is not None and seen["error"].startswith("CheckpointError:"), seen
+        assert seen["path"] in seen["error"] and "File too large" in seen["error"], seen
+        assert not seen["exists"]
+    assert first[1]["disk_full"]["error"].startswith("CheckpointError: rank 0 could not write the checkpoint")
+
+
 # -- kill -9 during saves -------------------------------------------------------------------------------------------
 SAVER = """
 import sys, torch
@@ -213,3 +224,31 @@ def test_training_loss_of_a_padded_loss_is_torchs_mean_over_the_kept_targets():
     history = t.fit(torch.utils.data.TensorDataset(x, y), epochs=1, batch_size=10, shuffle=False, progress=False)
     with torch.no_grad():
         assert history[0]["loss"] == pytest.approx(loss_fn(model(x), y).item(), rel=1e-6)
+
+
+def test_restoring_an_in_memory_capture_replays_the_same_steps_scheduler_scaler_and_rng_included():
+    from phalanx.state import TrainingState
+    model = W.net(seed=3, dropout=0.3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    loader = px.shard(W.dataset(), batch_size=8, seed=2)
+    state = TrainingState(model, opt, loader=loader, scheduler=scheduler, scaler=scaler, extra={"note": "x"})
+
+    def steps(n: int) -> list[float]:
+        it, seen = iter(loader), []
+        for _ in range(n):
+            x, y = next(it)
+            opt.zero_grad()
+            scaler.scale(F.cross_entropy(model(x + torch.randn_like(x)), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            scheduler.step()
+            seen.append(W.flat(model).sum().item() + opt.param_groups[0]["lr"] + scaler.get_scale())
+        return seen
+
+    steps(2)
+    snapshot = state.capture()
+    first = steps(3)
+    state.restore(snapshot)
+    assert steps(3) == first and state.extra == {"note": "x"}  # bit for bit: weights, moments, lr, scale, data, RNG

@@ -71,6 +71,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
                     scheduler: Any = None, scaler: Any = None) -> None:
     """Write a resumable checkpoint of every worker's state. Collective: call it on every worker; rank 0 writes.
 
+    Every worker returns once the file is written, or raises rank 0's error (a full
+    disk names the path). Called on some workers only, it raises within
+    :data:`ENTRY_WAIT_S` seconds saying so.
+
     It holds each worker's :class:`~phalanx.state.TrainingState` snapshot: model,
     optimizer, the strategy's shared and per-worker state, the loader's position,
     every worker's RNG (Python, NumPy, torch, CUDA), ``step``, and ``scheduler`` /
@@ -89,17 +93,27 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
 
 def save_state(path: str | os.PathLike, state: TrainingState) -> None:
-    """Gather every worker's ``state.capture()`` to rank 0 and write them in one verified file. Collective."""
-    _all_enter("save_checkpoint")
+    """Gather every worker's ``state.capture()`` to rank 0 and write them in one verified file. Collective.
+
+    Every worker returns once the file is written, or raises the same error as rank 0
+    when writing failed (a full disk), so no worker runs on believing it was saved.
+    """
+    key = _all_enter("save_checkpoint")
     snapshots = gather_to_main(state.capture())
     if snapshots is None:
+        _wait_for_write(key)
         return
     for snap in snapshots[1:]:
-        for key, value in snap.items():
-            if key not in ("format", "rank") and _equal(value, snapshots[0][key]):
-                snap[key] = SAME_AS_RANK0  # identical replicas (synchronous strategies) are stored once
-    write_verified(path, {"format": FORMAT, "world_size": len(snapshots), "step": state.step,
-                          "extra": state.extra, "ranks": snapshots})
+        for part, value in snap.items():
+            if part not in ("format", "rank") and _equal(value, snapshots[0][part]):
+                snap[part] = SAME_AS_RANK0  # identical replicas (synchronous strategies) are stored once
+    try:
+        write_verified(path, {"format": FORMAT, "world_size": len(snapshots), "step": state.step,
+                              "extra": state.extra, "ranks": snapshots})
+    except Exception as err:
+        _post_write(key, f"{type(err).__name__}\n{err}")
+        raise
+    _post_write(key, "ok")
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -151,7 +165,28 @@ def load_state(path: str | os.PathLike, state: TrainingState, *, restore_rng: bo
 # -- the collective entry check ------------------------------------------------------------------------------------
 
 
-def _all_enter(what: str) -> None:
+def _post_write(key: str | None, outcome: str) -> None:
+    store = group.store()
+    if key is not None and store is not None:
+        store.set(f"{key}/written", outcome)
+
+
+def _wait_for_write(key: str | None) -> None:
+    """Wait for rank 0's write; raise its error here too."""
+    store = group.store()
+    if key is None or store is None:
+        return
+    from .comm import guarded
+    with guarded("waiting for rank 0 to write the checkpoint"):
+        store.wait([f"{key}/written"])
+    outcome = store.get(f"{key}/written").decode()
+    if outcome != "ok":
+        kind, _, message = outcome.partition("\n")
+        raise (ConfigError if kind == "ConfigError" else CheckpointError)(
+            f"rank 0 could not write the checkpoint: {message}")
+
+
+def _all_enter(what: str) -> str | None:
     """Every worker announces entry on the group's store; fail fast if some never come.
 
     ``save_checkpoint`` gathers every worker's state, so a call on rank 0 alone (the
@@ -163,7 +198,7 @@ def _all_enter(what: str) -> None:
     """
     store, world, me = group.store(), group.world_size(), group.rank()
     if store is None or world == 1:
-        return
+        return None
     # This rank's call count, kept in the store: a regrouped job (elastic: a new store prefix) counts afresh.
     key = f"phalanx-entry/{what}/{store.add(f'phalanx-entry/{what}/calls/{me}', 1)}"
     store.set(f"{key}/{me}", "1")
@@ -184,6 +219,7 @@ def _all_enter(what: str) -> None:
             raise ConfigError(message)
         time.sleep(0.02)
         count = store.add(f"{key}/count", 0)
+    return key
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -145,6 +145,27 @@ def rank0_only_save(tmp: str) -> dict[str, Any]:
     return out
 
 
+def disk_full(tmp: str) -> dict[str, Any]:
+    """Rank 0's disk fills up during a save: every rank must raise, naming the path, none may run on."""
+    import resource
+    import signal
+    model = net(seed=0)
+    model, opt = px.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    path = os.path.join(tmp, "full.pt")
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if px.rank() == 0:  # writes beyond 4 KiB fail with EFBIG, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
+    try:
+        px.save_checkpoint(path, model, opt)
+        error = None
+    except px.PhalanxError as err:
+        error = f"{type(err).__name__}: {err}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    return {"error": error, "path": path, "exists": os.path.exists(path)}
+
+
 def uneven(tmp: str) -> dict[str, Any]:
     """Short last global batches: 3/2 samples (21 = 8 + 8 + 5) and 1/0 (17 = 8 + 8 + 1, rank 1's part empty)."""
     out: dict[str, Any] = {}
@@ -164,7 +185,7 @@ def uneven(tmp: str) -> dict[str, Any]:
 
 def first(tmp: str) -> dict[str, Any]:
     px.init()
-    out = {"resume": resume_all(tmp, "first"), "validation": validation()}
+    out = {"resume": resume_all(tmp, "first"), "validation": validation(), "disk_full": disk_full(tmp)}
     out["rank0_only"] = rank0_only_save(tmp)  # last: the ranks' counts of saves differ afterwards
     return out
 
