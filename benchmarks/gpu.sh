@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU and many-core measurements behind docs/performance.md, on a machine with one GPU and many cores:
-#   benchmarks/gpu.sh OUTDIR [tests] [gpu] [sweep] [periodic]   (default: all four; about 12 minutes on 1 H100 + 16 cores)
+#   benchmarks/gpu.sh OUTDIR [tests] [gpu] [sweep] [periodic]   (default: all four; about 15 minutes on 1 H100 + 16 cores)
 #  tests: the GPU-marked tests (prefetch, AMP under every strategy, 2 workers sharing the GPU over gloo against
 #         1 process with the doubled batch, exact resume on GPU workers, NCCL group of one);
 #  gpu:   phalanx 1 worker vs the plain loop on ResNet-50, ResNet-20 and a small GPT, fp32 and bf16 autocast,

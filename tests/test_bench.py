@@ -222,6 +222,9 @@ def test_quick_bench_smoke(tmp_path, capsys):
     assert two["samples_per_s"]["median"] > 0 and two["speedup"] > 0 and set(two["breakdown"]) == {"0", "1"}
     md = (out / "bench.md").read_text()
     assert "| mlp | phalanx allreduce | loopback | 2×1 |" in md and "PROJECTION (not a measurement)" in md
+    again = tmp_path / "again"  # the report rebuilt from the raw records alone, nothing re-run
+    assert main(["bench", "--from-json", str(out / "bench.json"), "--no-plots", "--out", str(again)]) == 0
+    assert "| mlp | phalanx allreduce | loopback | 2×1 |" in (again / "bench.md").read_text()
 
 
 # -- when the numbers cannot be trusted, the report says so ---------------------------------------------

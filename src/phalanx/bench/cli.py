@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", help="output directory (default results/)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per run still)")
+    p.add_argument("--from-json", metavar="BENCH_JSON",
+                   help="run nothing: rebuild the tables, checks and plots from an earlier bench.json into --out")
     return p
 
 
@@ -115,8 +117,31 @@ def _describe_tta(record: dict[str, Any]) -> str:
     return f"target reached after {reached['seconds']:.2f} s of training" if reached else "target not reached"
 
 
+def rerender(path: str, out: str, *, no_plots: bool = False) -> str:
+    """Rebuild ``bench.md``, ``bench.json`` and the plots in ``out`` from the raw records of an earlier run."""
+    import json
+
+    with open(path) as f:
+        payload = json.load(f)
+    rows = report.aggregate(payload["raw"])
+    alpha = payload["options"].get("alpha_us", 25.0) * 1e-6
+    payload.update(rows=rows, targets=targets.check(rows, payload.get("time_to_accuracy")),
+                   projection={**projection.project(rows, alpha=alpha), "check": projection.check(rows, alpha=alpha)},
+                   warnings=sanity.warnings(rows, payload["environment"]))
+    os.makedirs(out, exist_ok=True)
+    pngs = [] if no_plots else plots.all_plots(rows, out)
+    md = render(payload, [os.path.basename(p) for p in pngs])
+    report.write_json(os.path.join(out, "bench.json"), payload)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(md)
+    return md
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.from_json:
+        print(rerender(args.from_json, args.out, no_plots=args.no_plots))
+        return 0
     cfg = resolve(args)
     os.makedirs(args.out, exist_ok=True)
     opts: Options = cfg["opts"]
