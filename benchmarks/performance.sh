@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurements behind docs/performance.md, in the order they were taken.
 # Run on an otherwise idle machine (root is needed for the 100mbit link):  benchmarks/performance.sh [OUT]
+# The GPU and many-core measurements (section 5 of docs/performance.md) are benchmarks/gpu.sh OUTDIR.
 set -uo pipefail  # a failed configuration is reported in its table; keep measuring the rest
 cd "$(dirname "$0")/.."
 OUT=${1:-results}

@@ -23,7 +23,7 @@ def test_summary_on_known_inputs():
     s = stats.summary([1.0, 2.0, 3.0, 4.0])
     assert s["median"] == 2.5 and s["mean"] == 2.5 and s["n"] == 4
     assert s["std"] == pytest.approx(math.sqrt(5 / 3))  # sample std (n - 1)
-    assert (s["low"], s["high"]) == pytest.approx((2.5 - 1.96 * math.sqrt(5 / 3), 2.5 + 1.96 * math.sqrt(5 / 3)))
+    assert (s["low"], s["high"]) == pytest.approx((1.075, 3.925))  # 2.5th and 97.5th percentiles, as numpy's
     assert stats.summary([7.0]) == {"median": 7.0, "mean": 7.0, "std": 0.0, "low": 7.0, "high": 7.0, "n": 1}
     assert math.isnan(stats.summary([])["median"])
 
@@ -222,3 +222,84 @@ def test_quick_bench_smoke(tmp_path, capsys):
     assert two["samples_per_s"]["median"] > 0 and two["speedup"] > 0 and set(two["breakdown"]) == {"0", "1"}
     md = (out / "bench.md").read_text()
     assert "| mlp | phalanx allreduce | loopback | 2×1 |" in md and "PROJECTION (not a measurement)" in md
+    again = tmp_path / "again"  # the report rebuilt from the raw records alone, nothing re-run
+    assert main(["bench", "--from-json", str(out / "bench.json"), "--no-plots", "--out", str(again)]) == 0
+    assert "| mlp | phalanx allreduce | loopback | 2×1 |" in (again / "bench.md").read_text()
+
+
+# -- when the numbers cannot be trusted, the report says so ---------------------------------------------
+def test_the_spread_of_a_throughput_never_goes_below_zero():
+    windows = [174.0, 180.0, 15.0, 190.0, 400.0, 170.0, 20.0, 185.0]  # 8 skewed windows, as a busy --quick gives
+    s = stats.summary(windows)
+    assert s["mean"] - 1.96 * s["std"] < 0  # what the old "mean ± 1.96·std" printed
+    assert 15.0 <= s["low"] <= s["median"] <= s["high"] <= 400.0
+
+
+def test_a_busy_machine_and_a_wide_spread_are_warned_about():
+    from phalanx.bench import sanity
+
+    assert "load average 3.60 on 2 cores" in sanity.busy((3.6, 3.0, 2.0), 2)
+    assert sanity.busy((0.3, 0.2, 0.1), 16) is None
+    wide = {"model": "mlp", "setup": "ddp", "workers": 2, "threads": 1,
+            "samples_per_s": stats.summary([174.0, 180.0, 15.0, 190.0, 400.0, 170.0, 20.0, 185.0])}
+    tight = {**wide, "setup": "allreduce", "samples_per_s": stats.summary([100.0, 101.0, 99.0, 100.5])}
+    found = sanity.warnings([wide, tight], {"loadavg_at_start": [3.6], "cpu_count": 2})
+    assert len(found) == 2 and "busy" in found[0] and "mlp ddp 2×1" in found[1]
+    assert sanity.within_noise(wide["samples_per_s"], tight["samples_per_s"])
+    assert not sanity.within_noise(tight["samples_per_s"], stats.summary([200.0, 201.0, 199.0]))
+
+
+def _record(setup: str, workers: int, step_s: list[float], threads: int = 1) -> dict:
+    ranks = [{"rank": r, "warmup": 0, "step_s": step_s, "period": 1, "params": 10, "grad_bytes": 40,
+              "bytes_per_step": 4e6 if workers > 1 else 0.0, "calls_per_step": 1.0,
+              "phases": [{"data_s": 0.0, "compute_s": t * 0.8, "comm_s": t * 0.2 if workers > 1 else 0.0,
+                          "optimizer_s": 0.0, "step_s": t} for t in step_s]} for r in range(workers)]
+    return {"run": {"model": "mlp", "setup": {"name": setup, "label": setup, "kwargs": {}}, "workers": workers,
+                    "threads": threads, "link": "loopback", "batch": 10}, "repeat": 0, "error": None, "ranks": ranks}
+
+
+def test_ratios_inside_the_noise_are_marked():
+    rows = report.aggregate([_record("allreduce", 2, [0.10, 0.11, 0.09, 0.10]),
+                             _record("ddp", 2, [0.10, 0.12, 0.08, 0.10])])
+    assert rows[0]["vs_ddp_within_noise"]
+    assert "| 1.000 ~ |" in report.throughput_table(rows) or " ~ |" in report.throughput_table(rows)
+
+
+def test_projection_keeps_efficiency_at_most_one_and_gives_no_recommendation_from_noise():
+    # the setup's own 1-worker run came out faster than the reference: noise, not a speedup
+    recs = [_record("plain", 1, [0.10] * 6), _record("allreduce", 1, [0.10, 0.10, 0.11, 0.10, 0.10, 0.10]),
+            _record("ddp", 1, [0.05] * 6), _record("ddp", 2, [0.06] * 6)]
+    proj = projection.project(report.aggregate(recs))
+    effs = [p["efficiency"] for s in proj["models"]["mlp"]["setups"].values() for per_n in s["links"].values()
+            for p in per_n.values()]
+    assert max(effs) <= 1.0
+    noisy = [_record("allreduce", 1, [0.10, 0.02, 0.30, 0.05, 0.20, 0.10]), _record("allreduce", 2, [0.1] * 6)]
+    proj = projection.project(report.aggregate(noisy))
+    assert all(text.startswith("none: the 1-worker measurement") for text in
+               proj["models"]["mlp"]["recommendation"].values())
+
+
+def test_projection_check_compares_the_model_with_measured_points():
+    recs = [_record("allreduce", 1, [0.10] * 6), _record("allreduce", 2, [0.125] * 6),
+            _record("allreduce", 4, [0.14] * 6)]
+    points = projection.check(report.aggregate(recs))
+    assert [(p["workers"], round(p["measured"], 3)) for p in points] == [(4, round(0.10 / 0.14, 3))]
+    p = points[0]
+    assert p["after"] <= p["before"] <= 1.0 and p["slowdown_2"] == pytest.approx(0.125 / 0.10)
+    assert "| mlp | allreduce | 4 |" in projection.check_markdown(points)
+
+
+def test_efficiency_plot_keeps_thread_rows_apart_and_breakdown_labels_match_the_table(tmp_path):
+    from phalanx.bench import plots
+
+    recs = [_record("plain", 1, [0.1] * 4), _record("plain", 1, [0.06] * 4, threads=2),
+            _record("allreduce", 1, [0.1] * 4), _record("allreduce", 2, [0.12] * 4)]
+    rows = report.aggregate(recs)
+    series = plots.efficiency_series(rows)["mlp"]
+    assert list(series["processes"]) == ["phalanx allreduce (loopback)"]
+    assert series["processes"]["phalanx allreduce (loopback)"][0] == (1, 1.0)
+    assert [n for n, _ in series["threads"]["plain PyTorch loop, 1 process"]] == [1, 2]
+    assert plots.efficiency(rows, str(tmp_path / "e.png"))
+    table = report.breakdown_table(rows)
+    for label in plots.breakdown_labels(rows):  # every plot label is a table row's first columns
+        assert "| " + label.rsplit(" (", 1)[0].replace("worker ", "") + " |" in table, label

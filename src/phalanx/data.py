@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from . import group
 from .batchweight import set_batch_weight
 from .errors import ConfigError, usage
+from .prefetch import prefetch
 
 
 def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
@@ -152,8 +153,14 @@ class ShardedLoader:
     the gradient is zero; use ``drop_last=True`` to avoid such steps altogether.
     """
 
-    def __init__(self, dataset: Dataset, sampler: ShardSampler, **loader_kwargs: Any) -> None:
+    def __init__(self, dataset: Dataset, sampler: ShardSampler, *, device: torch.device | str | None = None,
+                 **loader_kwargs: Any) -> None:
         self.dataset, self.sampler = dataset, sampler
+        # -- device prefetch (phalanx.prefetch): batches arrive on ``device``, copied one step ahead
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda":
+            loader_kwargs.setdefault("pin_memory", True)  # pinned in DataLoader's own thread, off the step
+        # -- end device prefetch
         # DataLoader draws a seed for its worker processes each time it is iterated. From the global
         # RNG that would shift the training stream (dropout) by one draw per epoch and per resume, so
         # a resumed run would drift from the uninterrupted one; it draws from this generator instead.
@@ -173,7 +180,8 @@ class ShardedLoader:
         if self._own_generator:  # deterministic per (seed, epoch, position, rank), whatever happened before
             self._generator.manual_seed(hash((s.seed, s.epoch, s.samples, s.rank)) & (2**63 - 1))
         sizes = [[len(part) for part in parts] for parts in s.plan()]
-        for step, batch in enumerate(self._loader):
+        # The prefetcher reads one batch ahead; the position and the weight follow what was handed out.
+        for step, batch in enumerate(prefetch(self._loader, self.device)):
             total = sum(sizes[step])
             s.samples += total
             set_batch_weight(sizes[step][s.rank] * s.world_size / total)
@@ -202,10 +210,13 @@ class ShardedLoader:
 
 
 def shard(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-          rank: int | None = None, world_size: int | None = None, **loader_kwargs: Any) -> ShardedLoader:
+          rank: int | None = None, world_size: int | None = None, device: torch.device | str | None = None,
+          **loader_kwargs: Any) -> ShardedLoader:
     """A loader that yields this worker's part of each global batch of ``world_size * batch_size``.
 
     Extra keyword arguments (``num_workers``, ``pin_memory``, ``collate_fn``...) go to DataLoader.
+    ``device`` (e.g. ``px.device()``): batches arrive on it; on a GPU the next batch is copied from
+    pinned memory on a side stream while the current step computes (see :mod:`phalanx.prefetch`).
 
     ``shuffle`` defaults to True, as ``DistributedSampler``'s does. Porting a loop
     whose ``DataLoader(..., shuffle=False, sampler=DistributedSampler(...))`` said
@@ -235,4 +246,4 @@ def shard(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int 
                                 f"at least {world * batch_size} samples for one full step",
                                 "Lower batch_size or set drop_last=False."))
     sampler = ShardSampler(n, batch_size, rank=me, world_size=world, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    return ShardedLoader(dataset, sampler, **loader_kwargs)
+    return ShardedLoader(dataset, sampler, device=device, **loader_kwargs)

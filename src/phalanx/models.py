@@ -4,6 +4,7 @@
 * :func:`resnet_cifar`: ResNet-20/32/56/110 for 3x32x32 inputs (He et al. 2016, section 4.2).
 * :func:`resnet50`: the ImageNet bottleneck ResNet-50 (25.6M parameters).
 * :func:`digits_cnn`: a small CNN for scikit-learn's 8x8 digits.
+* :func:`gpt`: a small decoder-only transformer (GPT-2 layout: pre-norm, causal attention, tied head).
 
 Example:
     >>> import torch, phalanx.models as M
@@ -109,6 +110,48 @@ def digits_cnn(classes: int = 10) -> nn.Sequential:
         nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, classes))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token ids (batch, time) -> next-token logits (batch, time, vocab)."""
+
+    def __init__(self, vocab: int = 8192, context: int = 256, dim: int = 384, layers: int = 6, heads: int = 6) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
+        self.blocks = nn.Sequential(*[_Block(dim, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+
+
+def gpt(vocab: int = 8192, context: int = 256, dim: int = 384, layers: int = 6, heads: int = 6) -> GPT:
+    """A small GPT (about 14M parameters by default); train with ``F.cross_entropy(out.flatten(0, 1), y.flatten())``.
+
+    Example:
+        >>> gpt(vocab=32, context=8, dim=16, layers=1, heads=2)(torch.zeros(2, 8, dtype=torch.long)).shape
+        torch.Size([2, 8, 32])
+    """
+    return GPT(vocab, context, dim, layers, heads)
 
 
 # name -> (builder, per-sample input shape, classes): what the benchmark runs on synthetic data

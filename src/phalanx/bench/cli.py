@@ -18,7 +18,7 @@ import sys
 from typing import Any, Sequence
 
 from ..errors import ConfigError, usage
-from . import plots, projection, report, targets, tta
+from . import plots, projection, report, sanity, targets, tta
 from .netns import LinkError, parse_rate, why_not
 from .runner import Options, sweep
 from .spec import check_setup, parse_setup, plan, split_list
@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", help="output directory (default results/)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per run still)")
+    p.add_argument("--from-json", metavar="BENCH_JSON",
+                   help="run nothing: rebuild the tables, checks and plots from an earlier bench.json into --out")
     return p
 
 
@@ -115,8 +117,31 @@ def _describe_tta(record: dict[str, Any]) -> str:
     return f"target reached after {reached['seconds']:.2f} s of training" if reached else "target not reached"
 
 
+def rerender(path: str, out: str, *, no_plots: bool = False) -> str:
+    """Rebuild ``bench.md``, ``bench.json`` and the plots in ``out`` from the raw records of an earlier run."""
+    import json
+
+    with open(path) as f:
+        payload = json.load(f)
+    rows = report.aggregate(payload["raw"])
+    alpha = payload["options"].get("alpha_us", 25.0) * 1e-6
+    payload.update(rows=rows, targets=targets.check(rows, payload.get("time_to_accuracy")),
+                   projection={**projection.project(rows, alpha=alpha), "check": projection.check(rows, alpha=alpha)},
+                   warnings=sanity.warnings(rows, payload["environment"]))
+    os.makedirs(out, exist_ok=True)
+    pngs = [] if no_plots else plots.all_plots(rows, out)
+    md = render(payload, [os.path.basename(p) for p in pngs])
+    report.write_json(os.path.join(out, "bench.json"), payload)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(md)
+    return md
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.from_json:
+        print(rerender(args.from_json, args.out, no_plots=args.no_plots))
+        return 0
     cfg = resolve(args)
     os.makedirs(args.out, exist_ok=True)
     opts: Options = cfg["opts"]
@@ -136,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             describe=_describe_tta)
     tta_rows = tta.rows(tta_records)
     proj = projection.project(rows, alpha=args.alpha_us * 1e-6)
+    proj["check"] = projection.check(rows, alpha=args.alpha_us * 1e-6)
     met = targets.check(rows, tta_rows)
     command = "phalanx bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     payload = {"command": command, "started": started.isoformat(timespec="seconds"),
@@ -144,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                "options": {**vars(opts), "batch": args.batch, "alpha_us": args.alpha_us},
                "rows": rows, "targets": met, "time_to_accuracy": tta_rows, "projection": proj,
                "raw": records, "raw_time_to_accuracy": tta_records}
+    payload["warnings"] = sanity.warnings(rows, payload["environment"])
+    for line in payload["warnings"]:
+        print(f"phalanx bench: warning: {line}", file=sys.stderr)
     pngs = [] if args.no_plots else plots.all_plots(rows, args.out)
     md = render(payload, [os.path.basename(p) for p in pngs])
     report.write_json(os.path.join(args.out, "bench.json"), payload)
@@ -168,12 +197,16 @@ def render(payload: dict[str, Any], pngs: list[str]) -> str:
              f"Command: `{payload['command']}`\n\n",
              f"Machine: {env['cpu']}, {env['cpu_count']} cores, torch {env['torch']}, GPU: {env['gpu'] or 'none'}; "
              f"load average (1, 5, 15 min) at the start {_load(env['loadavg_at_start'])}, at the end "
-             f"{_load(env['loadavg_at_end'])} (the benchmark's own workers add up to 2). "
+             f"{_load(env['loadavg_at_end'])} (the end figure includes the benchmark's own workers). "
              f"Warm-up {o['warmup']} steps left out, then {o['steps']} timed steps, {o['repeats']} repeat(s); "
              f"batch {o['batch']} per worker; synthetic data; one intra-op thread per worker process.\n\n",
+             *(["## Warnings\n\n"] + [f"- {w}\n" for w in payload.get("warnings", [])] + ["\n"]
+               if payload.get("warnings") else []),
              "## Throughput (measured)\n\n", report.throughput_table(rows),
              "\nSpeedup is thpt(N)/thpt(1) of the same setup (thread rows: against the plain loop 1×1); "
-             "efficiency is speedup/N.\n\n## Targets\n\n", targets.markdown(payload["targets"]),
+             "efficiency is speedup/N. The spread is the 2.5th to 97.5th percentile of the timed windows; a ratio "
+             "marked ~ compares two rows whose spreads overlap, so it does not say which is faster.\n\n"
+             "## Targets\n\n", targets.markdown(payload["targets"]),
              "\n## Where the time goes (measured, mean per timed step and worker)\n\n", report.breakdown_table(rows),
              "\n*optimizer step* includes the strategy's own work around `optimizer.step()` other than collectives "
              "(e.g. compression); *phases / step*: the four phases, timed by hooks, over the loop's own step time "
@@ -188,6 +221,11 @@ def render(payload: dict[str, Any], pngs: list[str]) -> str:
         parts += ["\n## Time to target accuracy (measured; digits CNN, training time without evaluation)\n\n",
                   tta.table(payload["time_to_accuracy"])]
     parts += ["\n## PROJECTION (not a measurement)\n\n", projection.markdown(payload["projection"])]
+    if payload["projection"].get("check"):
+        parts += ["\n### The projection against the measured points\n\nCalibrated on 1 and 2 workers of this host "
+                  "(loopback bandwidth from the 2-worker exposed communication), compared where more workers were "
+                  "measured; in brackets, projected minus measured.\n\n",
+                  projection.check_markdown(payload["projection"]["check"])]
     if pngs:
         parts += ["\n## Plots\n\n"] + [f"![{p}]({p})\n" for p in pngs]
     return "".join(parts)

@@ -49,7 +49,8 @@ def throughput(rows: list[dict[str, Any]], path: str) -> str | None:
                              key=lambda r: r["workers"])
                 xs = [r["workers"] for r in pts]
                 ys = [r["samples_per_s"]["median"] for r in pts]
-                err = [1.96 * r["samples_per_s"]["std"] for r in pts]
+                err = [[max(0.0, r["samples_per_s"]["median"] - r["samples_per_s"]["low"]) for r in pts],
+                       [max(0.0, r["samples_per_s"]["high"] - r["samples_per_s"]["median"]) for r in pts]]
                 ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"{setup} ({link})")
         for r in one.values():
             top = max(r2["workers"] for r2 in mine)
@@ -63,28 +64,63 @@ def throughput(rows: list[dict[str, Any]], path: str) -> str | None:
         ax.set_xticks(sorted({r["workers"] for r in mine}))
         ax.set_title(f"{model} (dashed: ideal N·thpt(1))")
         ax.set_xlabel("workers (processes)")
-        ax.set_ylabel("samples/s (median, ±1.96·std)")
+        ax.set_ylabel("samples/s (median; bars: 2.5–97.5 pct)")
         ax.legend(fontsize=7, loc="best")
     return _save(fig, path)
 
 
+def efficiency_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, list[tuple[int, float]]]]]:
+    """``series[model][panel][label]`` = [(N, efficiency)]: panel "processes" holds each setup on N processes
+    × 1 thread (one line per link), panel "threads" the plain loop in 1 process × N threads; a thread row is
+    never drawn in a process series."""
+    out: dict[str, dict[str, dict[str, list[tuple[int, float]]]]] = {}
+    ok = [r for r in rows if _ok(r) and not math.isnan(r["efficiency"])]
+    for model in dict.fromkeys(r["model"] for r in ok):
+        mine = [r for r in ok if r["model"] == model]
+        procs: dict[str, list[tuple[int, float]]] = {}
+        for r in mine:
+            if r["kind"] == "plain" or r["threads"] != 1 or r["workers"] < 2:
+                continue
+            one = [(1, o["efficiency"]) for o in mine if o["setup"] == r["setup"] and o["workers"] == 1
+                   and o["threads"] == 1]
+            procs.setdefault(f"{setup_label(r)} ({r['link']})", one[:1]).append((r["workers"], r["efficiency"]))
+        threads = {setup_label(r) + ", 1 process": [(t["threads"], t["efficiency"]) for t in mine
+                                                   if t["kind"] == "plain" and t["workers"] == 1]
+                   for r in mine if r["kind"] == "plain"}
+        out[model] = {"processes": {k: sorted(v) for k, v in procs.items()},
+                      "threads": {k: sorted(v) for k, v in threads.items()}}
+    return out
+
+
+def setup_label(row: dict[str, Any]) -> str:
+    from .report import setup_name
+    return setup_name(row)
+
+
 def efficiency(rows: list[dict[str, Any]], path: str) -> str | None:
-    """Scaling efficiency of every multi-worker (and multi-thread) configuration, grouped by model."""
+    """Scaling efficiency against N: per model, one panel for N processes, one for 1 process × N threads."""
     plt = _plt()
-    pts = [r for r in rows if _ok(r) and (r["workers"] > 1 or r["threads"] > 1) and not math.isnan(r["efficiency"])]
-    if not pts:
+    series = efficiency_series(rows)
+    series = {m: p for m, p in series.items() if any(len(v) > 1 for s in p.values() for v in s.values())}
+    if not series:
         return None
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(pts) + 2), 4.5))
-    labels = [f"{r['model']}\n{r['setup']} {r['workers']}×{r['threads']}\n{r['link'] if r['workers'] > 1 else ''}"
-              for r in pts]
-    colors = [f"C{list(dict.fromkeys(p['model'] for p in pts)).index(r['model'])}" for r in pts]
-    bars = ax.bar(range(len(pts)), [100 * r["efficiency"] for r in pts], color=colors)
-    ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.axhline(100, ls="--", color="grey", lw=0.8)
-    ax.axhline(90, ls=":", color="grey", lw=0.8)
-    ax.set_xticks(range(len(pts)), labels, fontsize=6, rotation=90)
-    ax.set_ylabel("efficiency = speedup / N (%)")
-    ax.set_title("Scaling efficiency (processes × threads)")
+    fig, axes = plt.subplots(len(series), 2, figsize=(11, 4 * len(series)), squeeze=False)
+    for row_axes, (model, panels) in zip(axes, series.items(), strict=True):
+        for ax, panel in zip(row_axes, ("processes", "threads"), strict=True):
+            for label, pts in panels[panel].items():
+                ax.plot([n for n, _ in pts], [100 * e for _, e in pts], marker="o", label=label)
+            ax.axhline(100, ls="--", color="grey", lw=0.8)
+            ax.axhline(90, ls=":", color="grey", lw=0.8)
+            ns = sorted({n for pts in panels[panel].values() for n, _ in pts})
+            if ns:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(ns, [str(n) for n in ns])
+            ax.set_ylim(0, 110)
+            ax.set_xlabel("worker processes (1 thread each)" if panel == "processes" else "threads in 1 process")
+            ax.set_ylabel("efficiency = speedup / N (%)")
+            ax.set_title(f"{model}: " + ("N processes × 1 thread" if panel == "processes" else "1 process × N threads"))
+            if panels[panel]:
+                ax.legend(fontsize=8, loc="lower left")
     return _save(fig, path)
 
 
@@ -102,13 +138,19 @@ def breakdown(rows: list[dict[str, Any]], path: str) -> str | None:
             share = 100 * b[k] / total
             ax.barh(i, share, left=left, color=COLORS[k], label=LABELS[k] if i == 0 else None)
             left += share
-    ax.set_yticks(range(len(bars)), [f"{r['model']} {r['setup']} {r['workers']}×{r['threads']} {r['link']} "
-                                     f"w{rank} ({1e3 * b['step_s']:.0f} ms)" for r, rank, b in bars], fontsize=6)
+    ax.set_yticks(range(len(bars)), breakdown_labels(rows), fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("share of the step time (%)")
     ax.set_title("Where the time goes (mean step, per worker)")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(PHASES))
     return _save(fig, path)
+
+
+def breakdown_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """The breakdown plot's row labels: the breakdown table's own first columns, and the mean step."""
+    from .report import row_label
+    return [f"{row_label(r, rank)} ({1e3 * b['step_s']:.0f} ms)"
+            for r in rows if _ok(r) for rank, b in r.get("breakdown", {}).items()]
 
 
 def all_plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:

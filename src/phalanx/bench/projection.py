@@ -22,7 +22,10 @@ Example:
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
+
+from . import sanity
 
 WORKERS = (2, 4, 8, 16, 64)
 LINKS_GBIT = (1.0, 10.0, 100.0)
@@ -50,6 +53,21 @@ def _calls(row: dict[str, Any], nbytes: float) -> float:
     return 1.0
 
 
+def straggler_seconds(n: int, jitter_s: float) -> float:
+    """Expected wait for the slowest of ``n`` workers: a synchronous step ends when the last one is done.
+
+    With step times spread by ``jitter_s`` (standard deviation) the maximum of n exceeds the mean by about
+    jitter·√(2 ln n) (the Gaussian extreme-value estimate).
+    """
+    return jitter_s * math.sqrt(2 * math.log(n)) if n > 1 else 0.0
+
+
+def _jitter(row: dict[str, Any]) -> float:
+    """Standard deviation of one worker's step time, from its windows' throughput (batch / samples/s)."""
+    times = [row["batch"] / w for w in row.get("windows") or [] if w > 0]
+    return float(statistics.stdev(times)) if len(times) > 1 else 0.0
+
+
 def inputs(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per model: the 1-worker compute time and, per setup measured on N >= 2 workers, bytes and calls."""
     out: dict[str, dict[str, Any]] = {}
@@ -71,7 +89,8 @@ def inputs(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             nbytes = float(base["grad_bytes"])
             setups["allreduce"] = {"bytes": nbytes, "calls": _calls({"kind": "phalanx", "setup": "allreduce"}, nbytes),
                                    "compute_s": compute}
-        out[model] = {"compute_s": compute, "batch": base["batch"], "setups": setups}
+        out[model] = {"compute_s": compute, "batch": base["batch"], "setups": setups,
+                      "jitter_s": _jitter(base), "spread": sanity.relative_spread(base["samples_per_s"])}
     return out
 
 
@@ -83,15 +102,25 @@ def project(rows: list[dict[str, Any]], alpha: float = 25e-6, threshold: float =
         table: dict[str, Any] = {}
         for setup, s in inp["setups"].items():
             table[setup] = {"bytes": s["bytes"], "calls": s["calls"], "compute_s": s["compute_s"], "links": {}}
+            # The setup's own 1-worker time when it was measured faster than the reference is noise, not a
+            # speedup: the reference is the faster of the two, so efficiency stays <= 1.
+            ref = min(inp["compute_s"], s["compute_s"])
             for gbit in LINKS_GBIT:
                 per_n = {}
                 for n in WORKERS:
-                    t = ring_seconds(n, s["bytes"], gbit * 1e9 / 8, alpha, s["calls"])
-                    per_n[n] = {"efficiency": inp["compute_s"] / (s["compute_s"] + t),
+                    t = ring_seconds(n, s["bytes"], gbit * 1e9 / 8, alpha, s["calls"]) + straggler_seconds(
+                        n, inp["jitter_s"])
+                    per_n[n] = {"efficiency": min(1.0, ref / (s["compute_s"] + t)),
                                 "samples_per_s": n * inp["batch"] / (s["compute_s"] + t)}
                 table[setup]["links"][gbit] = per_n
-        result["models"][model] = {"compute_s": inp["compute_s"], "batch": inp["batch"], "setups": table,
-                                   "recommendation": {g: recommend(table, g, threshold) for g in LINKS_GBIT}}
+        if inp["spread"] > sanity.NOISY:
+            why = (f"none: the 1-worker measurement it rests on is too noisy (spread ±{100 * inp['spread']:.0f}% "
+                   "of the median); rerun with more --steps or on an idle machine")
+            recs = {g: why for g in LINKS_GBIT}
+        else:
+            recs = {g: recommend(table, g, threshold) for g in LINKS_GBIT}
+        result["models"][model] = {"compute_s": inp["compute_s"], "batch": inp["batch"], "jitter_s": inp["jitter_s"],
+                                   "setups": table, "recommendation": recs}
     return result
 
 
@@ -134,3 +163,61 @@ def markdown(proj: dict[str, Any]) -> str:
         out.append("\nRecommendation (projected): " + "; ".join(
             f"{g:g} Gbit/s: {text}" for g, text in m["recommendation"].items()) + ".\n")
     return "".join(out)
+
+
+def _phase(row: dict[str, Any], key: str) -> float:
+    b = row.get("breakdown") or {}
+    return statistics.fmean(v[key] for v in b.values()) if b else math.nan
+
+
+def check(rows: list[dict[str, Any]], alpha: float = 25e-6) -> list[dict[str, Any]]:
+    """The model against measured points: calibrated on 1 and 2 workers, compared at every N > 2 measured.
+
+    From the 2-worker row of a setup (same host, loopback) come the link's effective bandwidth
+    (its exposed communication time, less the latency term, for its bytes per step) and the
+    compute slowdown of running more than one worker on one host (its compute phase over the
+    1-worker one). ``before`` is the ring model as it stood (1-worker compute, no straggler
+    wait); ``after`` adds the straggler wait and the measured compute slowdown.
+    """
+    out = []
+    for r2 in rows:
+        if r2["workers"] != 2 or r2["threads"] != 1 or r2["link"] != "loopback" or r2["kind"] == "plain":
+            continue
+        one = next((r for r in rows if r["model"] == r2["model"] and r["setup"] == r2["setup"] and r["workers"] == 1
+                    and r["threads"] == 1), None)
+        if one is None or not r2.get("bytes_per_step"):
+            continue
+        t1, c1, c2 = one["batch"] / one["samples_per_s"]["median"], _phase(one, "compute_s"), _phase(r2, "compute_s")
+        nbytes, calls = float(r2["bytes_per_step"]), _calls(r2, float(r2["bytes_per_step"]))
+        comm2 = max(_phase(r2, "comm_s") - ring_seconds(2, 0.0, 1.0, alpha, calls), 1e-6)
+        bandwidth = nbytes / comm2  # ring at N=2 moves S bytes per worker
+        slowdown = c2 / c1 if c1 > 0 else 1.0
+        jitter = _jitter(one)
+        for rn in rows:
+            if (rn["model"], rn["setup"], rn["threads"], rn["link"]) != (r2["model"], r2["setup"], 1, "loopback") \
+                    or rn["workers"] <= 2:
+                continue
+            n = rn["workers"]
+            t = ring_seconds(n, nbytes, bandwidth, alpha, calls)
+            before = t1 / (t1 + t)
+            after = t1 / (t1 + (slowdown - 1) * c1 + t + straggler_seconds(n, jitter))
+            out.append({"model": rn["model"], "setup": rn["setup"], "workers": n, "measured": rn["efficiency"],
+                        "before": min(1.0, before), "after": min(1.0, after), "slowdown_2": slowdown,
+                        "slowdown_n": _phase(rn, "compute_s") / c1 if c1 > 0 else math.nan,
+                        "bandwidth_gbit": bandwidth * 8 / 1e9, "comm_measured_s": _phase(rn, "comm_s"),
+                        "comm_model_s": t + straggler_seconds(n, jitter)})
+    return out
+
+
+def check_markdown(points: list[dict[str, Any]]) -> str:
+    if not points:
+        return "(no setup was measured on 1, 2 and more than 2 workers on loopback)\n"
+    lines = ["| model | setup | N | measured efficiency | projected, ring model only | projected, + straggler wait "
+             "and host slowdown | compute slowdown at 2 / at N | exposed comm measured / modelled (ms) |\n"
+             "|---|---|---|---|---|---|---|---|\n"]
+    for p in points:
+        lines.append(f"| {p['model']} | {p['setup']} | {p['workers']} | {p['measured']:.2f} | {p['before']:.2f} "
+                     f"({p['before'] - p['measured']:+.2f}) | {p['after']:.2f} ({p['after'] - p['measured']:+.2f}) | "
+                     f"{p['slowdown_2']:.2f} / {p['slowdown_n']:.2f} | {1e3 * p['comm_measured_s']:.0f} / "
+                     f"{1e3 * p['comm_model_s']:.0f} |\n")
+    return "".join(lines)

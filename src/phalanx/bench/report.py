@@ -17,7 +17,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from . import stats
+from . import sanity, stats
 from .breakdown import LABELS, PHASES
 
 PLAIN = "plain"
@@ -45,6 +45,11 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ddp = by_key.get((row["model"], "ddp", row["workers"], 1, row["link"]))
         other = row["kind"] != "plain" and row["setup"] != "ddp"
         row["vs_ddp"] = med / ddp["samples_per_s"]["median"] if ddp and other else math.nan
+        # a ratio whose two spreads overlap does not say which side is faster
+        s = row["samples_per_s"]
+        row["vs_plain_within_noise"] = (bool(plain) and plain is not row
+                                        and sanity.within_noise(s, plain["samples_per_s"]))
+        row["vs_ddp_within_noise"] = bool(ddp and other) and sanity.within_noise(s, ddp["samples_per_s"])
     return rows
 
 
@@ -112,8 +117,19 @@ def setup_name(row: dict[str, Any]) -> str:
     return ("phalanx " if row["kind"] == "phalanx" else "") + row["setup"].replace("ddp", "torch DDP", 1)
 
 
+def row_label(row: dict[str, Any], rank: Any = None) -> str:
+    """How a row (and one worker of it) is named in every table and plot."""
+    link = row["link"] if row["workers"] > 1 else "–"
+    text = f"{row['model']} | {setup_name(row)} | {link} | {row['workers']}×{row['threads']}"
+    return text if rank is None else f"{text} | worker {rank}"
+
+
+def _ratio(x: float, noise: bool) -> str:
+    return fmt(x, ".3f") + (" ~" if noise and not math.isnan(x) else "")
+
+
 def throughput_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | setup | link | processes × threads | samples/s (median) | mean ± 1.96·std | speedup | "
+    head = ("| model | setup | link | processes × threads | samples/s (median) | spread (2.5–97.5 pct) | speedup | "
             "efficiency | × plain 1×1 | × DDP same N | bytes/step |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
@@ -124,22 +140,24 @@ def throughput_table(rows: list[dict[str, Any]]) -> str:
             continue
         lines.append(
             f"| {r['model']} | {setup_name(r)} | {r['link'] if r['workers'] > 1 else '–'} | "
-            f"{r['workers']}×{r['threads']} | {s['median']:,.0f} | {s['mean']:,.0f} ± {1.96 * s['std']:,.0f} | "
-            f"{fmt(r['speedup'], '.2f')}x | {fmt(100 * r['efficiency'], '.1f')}% | {fmt(r['vs_plain'], '.3f')} | "
-            f"{fmt(r['vs_ddp'], '.3f')} | {fmt_bytes(r.get('bytes_per_step')) if r['workers'] > 1 else ''} |")
+            f"{r['workers']}×{r['threads']} | {s['median']:,.0f} | {s['low']:,.0f}–{s['high']:,.0f} | "
+            f"{fmt(r['speedup'], '.2f')}x | {fmt(100 * r['efficiency'], '.1f')}% | "
+            f"{_ratio(r['vs_plain'], r.get('vs_plain_within_noise', False))} | "
+            f"{_ratio(r['vs_ddp'], r.get('vs_ddp_within_noise', False))} | "
+            f"{fmt_bytes(r.get('bytes_per_step')) if r['workers'] > 1 else ''} |")
     return head + "\n".join(lines) + "\n"
 
 
 def breakdown_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | setup | link | N | worker | step ms (mean) | " + " | ".join(LABELS[k] for k in PHASES) +
+    head = ("| model | setup | link | processes × threads | worker | step ms (mean) | " +
+            " | ".join(LABELS[k] for k in PHASES) +
             " | phases / step |\n|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|\n")
     lines = []
     for r in rows:
         for rank, b in r.get("breakdown", {}).items():
             step = b["step_s"]
             parts = " | ".join(f"{1e3 * b[k]:.1f} ({100 * b[k] / step:.0f}%)" for k in PHASES)
-            lines.append(f"| {r['model']} | {setup_name(r)} | {r['link'] if r['workers'] > 1 else '–'} | "
-                         f"{r['workers']}×{r['threads']} | {rank} | {1e3 * step:.1f} | {parts} | "
+            lines.append(f"| {row_label(r, rank).replace('worker ', '')} | {1e3 * step:.1f} | {parts} | "
                          f"{fmt(r['breakdown_sum_ratio'], '.2f')} |")
     return head + "\n".join(lines) + "\n"
 

@@ -10,8 +10,8 @@ ones alike.
 
 Example:
     >>> s = summary([100.0, 110.0, 90.0, 100.0])
-    >>> s["median"], round(s["mean"], 1)
-    (100.0, 100.0)
+    >>> s["median"], round(s["mean"], 1), round(s["low"], 1), round(s["high"], 1)
+    (100.0, 100.0, 90.8, 109.2)
     >>> speedup(180.0, 100.0, 2)
     (1.8, 0.9)
 """
@@ -48,9 +48,19 @@ def window_throughput(ranks_step_s: Sequence[Sequence[float]], batch: int, size:
     return [sum(batch * size / w[i] for w in per_rank) for i in range(count)]
 
 
-def summary(values: Sequence[float]) -> dict[str, float]:
-    """Median, mean, sample std, the spread mean ± 1.96·std, and the count.
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation, as numpy's default."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, frac = int(math.floor(pos)), pos - math.floor(pos)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * frac
 
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """Median, mean, sample std, the spread (2.5th to 97.5th percentile of the values), and the count.
+
+    The spread is read off the values themselves, not mean ± 1.96·std: with a few
+    skewed windows the latter goes below zero for a throughput that cannot.
     With one value the std is 0; with none everything is nan.
     """
     n = len(values)
@@ -60,7 +70,7 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     mean = statistics.fmean(values)
     std = statistics.stdev(values) if n > 1 else 0.0
     return {"median": float(statistics.median(values)), "mean": mean, "std": std,
-            "low": mean - 1.96 * std, "high": mean + 1.96 * std, "n": n}
+            "low": percentile(values, 2.5), "high": percentile(values, 97.5), "n": n}
 
 
 def speedup(thpt_n: float, thpt_1: float, n: int) -> tuple[float, float]:

@@ -24,6 +24,7 @@ Example:
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -76,7 +77,7 @@ class AllReduce(Strategy):
         device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids,
                                       bucket_cap_mb=self.bucket_mb or fitted_bucket_mb(model),
-                                      forward_sync_buffers=False,  # BatchNorm statistics stay per worker
+                                      **_NO_FORWARD_BUFFER_SYNC,  # BatchNorm statistics stay per worker
                                       gradient_as_bucket_view=True)
         self._hook = _GuardedMean(self.comm)
         ddp.register_comm_hook(None, self._hook.hook)
@@ -151,6 +152,13 @@ class _GuardedMean:
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(buffer)
         return future
+
+
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers and deprecated the old name; torch 2.11
+# has only the old one. Either way buffers are not synced at forward (attach already broadcast them once).
+_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                           else {"broadcast_buffers": False})
 
 
 def model_device(model: nn.Module) -> torch.device:
