@@ -24,7 +24,7 @@ demo: setup
 	$(BIN)/phalanx demo
 
 test: setup
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests src/phalanx
 
 bench: setup
 	$(BIN)/phalanx bench --quick --out results/

@@ -127,3 +127,49 @@ def test_no_sync_accumulates_and_the_step_count_counts_synchronising_passes():
     with pytest.raises(px.ConfigError, match="px.wrap did not return"):
         with px.no_sync(torch.nn.Linear(2, 1)):
             pass
+
+
+# -- wrap-time checks and Comm ------------------------------------------------------------------------
+@pytest.mark.multiproc
+def test_a_model_that_differs_between_ranks_is_refused_on_every_rank_naming_the_tensor(runs):
+    assert runs[0]["wrapping"]["refused"].startswith(
+        "a model that differs between ranks: rank 0 has '0.weight' of shape (8, 6) (torch.float32) where rank 1 has "
+        "'0.weight' of shape (9, 6) (torch.float32); expected the same architecture on every rank")
+    assert "rank 1 has '0.weight' of shape (9, 6)" in runs[1]["wrapping"]["refused"]
+
+
+@pytest.mark.multiproc
+def test_wrapping_the_ddp_module_px_wrap_returned_is_one_clear_error(runs):
+    assert runs[0]["wrapping"]["rewrapped"].startswith("a DistributedDataParallel module around Sequential; "
+                                                       "expected the plain module")
+
+
+@pytest.mark.multiproc
+def test_exchange_with_swaps_tensors_point_to_point_and_counts_the_bytes(runs):
+    for rank in (0, 1):
+        got = runs[rank]["wrapping"]
+        other = 1 - rank
+        assert torch.equal(got["theirs"][0], torch.full((3,), float(other)))
+        assert torch.equal(got["theirs"][1], torch.arange(2) + 10 * other)
+        assert got["bytes"] == 3 * 4 + 2 * 8
+
+
+def test_wrapping_twice_or_a_ddp_module_is_one_clear_error():
+    net = torch.nn.Linear(2, 1)
+    model, _ = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(px.ConfigError, match="a Linear that px.wrap already wrapped; expected a model px.wrap"):
+        px.wrap(model, torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+def test_diloco_keeps_its_anchor_and_outer_momentum_in_fp32_for_a_bf16_model():
+    net = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=1e-3), strategy=px.DiLoCo(every=2))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+    strategy = px.strategy_of(opt)
+    state = strategy.state_dict()
+    assert {a.dtype for a in strategy.anchor} == {torch.float32}
+    assert {t.dtype for t in state["exchange"]["anchor"] + state["exchange"]["momentum"]} == {torch.float32}
+    assert {p.dtype for p in net.parameters()} == {torch.bfloat16} and state["step"] == 2

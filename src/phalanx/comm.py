@@ -177,14 +177,24 @@ class Comm:
         return [torch.load(io.BytesIO(blob[:int(n.item())].numpy().tobytes()), weights_only=True)
                 for blob, n in zip(self.all_gather(padded), sizes, strict=True)]
 
+    def record(self, nbytes: int, seconds: float = 0.0) -> None:
+        """Account traffic that went through another transport (parameter servers), as one call.
+
+        Example:
+            >>> comm = Comm(); comm.record(1024, 0.5); (comm.stats.bytes_sent, comm.stats.calls)
+            (1024, 1)
+        """
+        self.stats.bytes_sent += int(nbytes)
+        self.stats.seconds += float(seconds)
+        self.stats.calls += 1
+
     def all_reduce_async(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Start summing ``tensor`` across workers in place; returns the collective's future.
 
         The bytes are counted now; the time is not (it overlaps the caller's work, e.g. backward).
         """
         future = dist.all_reduce(tensor, async_op=True).get_future()
-        self.stats.bytes_sent += tensor.numel() * tensor.element_size()
-        self.stats.calls += 1
+        self.record(tensor.numel() * tensor.element_size())
         return future
 
     def exchange_with(self, peer: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

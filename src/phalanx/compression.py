@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import check
 from .comm import Comm, scatter_back
 from .errors import ConfigError, usage
 
@@ -201,9 +202,7 @@ class TopK(_Sparse):
 
     def __init__(self, ratio: float, *, error_feedback: bool = True) -> None:
         super().__init__(error_feedback)
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-            raise ConfigError(usage(f"TopK(ratio={ratio!r})", "a fraction in (0, 1]",
-                                    "Pass the share of entries to send, e.g. TopK(0.01)."))
+        ratio = check.fraction("TopK(ratio", ratio, "Pass the share of entries to send, e.g. TopK(0.01).", close=")")
         if ratio > 0.5:
             warnings.warn(f"TopK(ratio={ratio}) sends values and indices for more than half the entries, which "
                           "is more bytes than the dense tensor; use px.AllReduce() or px.FP16() instead.",
@@ -242,10 +241,8 @@ class Threshold(_Sparse):
 
     def __init__(self, tau: float, *, error_feedback: bool = True) -> None:
         super().__init__(error_feedback)
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau < math.inf:
-            raise ConfigError(usage(f"Threshold(tau={tau!r})", "a finite magnitude > 0",
-                                    "Pass the smallest |value| worth sending, e.g. Threshold(1e-3)."))
-        self.tau = float(tau)
+        self.tau = check.positive_float("Threshold(tau", tau, "Pass the smallest |value| worth sending, "
+                                        "e.g. Threshold(1e-3).", close=")")
 
     def _select(self, flat: torch.Tensor) -> torch.Tensor:
         return (flat.abs() >= self.tau).nonzero().squeeze(1)
@@ -272,9 +269,8 @@ class PowerSGD(_ErrorFeedback):
 
     def __init__(self, rank: int = 4, *, error_feedback: bool = True, seed: int = 0) -> None:
         super().__init__(error_feedback)
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ConfigError(usage(f"PowerSGD(rank={rank!r})", "an integer >= 1",
-                                    "Pass the approximation's rank, e.g. PowerSGD(rank=4)."))
+        rank = check.positive_int("PowerSGD(rank", rank, "Pass the approximation's rank, e.g. PowerSGD(rank=4).",
+                                  close=")")
         self.rank, self.seed = rank, int(seed)
         self.qs: dict[str, torch.Tensor] = {}  # warm start (Q^T), identical on every worker
 

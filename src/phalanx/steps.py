@@ -15,6 +15,10 @@ counts training steps, and it counts them identically on every rank:
   rank runs ``after_step`` for every step, in the same order, so the collectives of a
   periodic rule stay paired and no rank waits for a step its peer never announces.
 
+A forward pass of the model between a synchronising backward and ``optimizer.step()``
+therefore closes the step as skipped. Two-pass methods (SAM) count two steps per
+iteration; every rank counts the same, so nothing desynchronises.
+
 Example:
     >>> import torch, phalanx as px
     >>> net = torch.nn.Linear(2, 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import check
 from .errors import ConfigError, usage
 
 
@@ -19,22 +20,13 @@ class every:  # noqa: N801 - reads as a rule: px.every(8)
     k: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
-            raise ConfigError(usage(f"every={self.k!r}", "an integer >= 1",
-                                    "Pass the number of local steps between syncs, e.g. every(8)."))
+        check.positive_int("every", self.k, "Pass the number of local steps between syncs, e.g. every(8).")
 
     def __call__(self, step: int) -> bool:
         return step % self.k == 0
 
     def __repr__(self) -> str:
         return f"every({self.k})"
-
-
-def _count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(usage(f"{name}={value!r}", f"an integer >= {minimum}",
-                                f"Pass a whole number of optimizer steps for {name}."))
-    return value
 
 
 @dataclass(frozen=True)
@@ -57,7 +49,7 @@ class schedule:  # noqa: N801 - reads as a rule: px.schedule(sync_steps=500, the
     then: "every | schedule"
 
     def __post_init__(self) -> None:
-        _count("sync_steps", self.sync_steps, 0)
+        check.integer("sync_steps", self.sync_steps, "Pass a whole number of optimizer steps for sync_steps.")
         if isinstance(self.then, int) and not isinstance(self.then, bool):
             object.__setattr__(self, "then", every(self.then))
         if not callable(self.then):

@@ -56,6 +56,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage(f"optimizer of type {type(optimizer).__name__}", "a torch.optim.Optimizer",
                                 "Build it from the model's parameters, "
                                 "e.g. torch.optim.SGD(model.parameters(), lr=0.1)."))
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError(usage(f"a DistributedDataParallel module around {type(model.module).__name__}",
+                                "the plain module: px.wrap makes it data-parallel itself",
+                                "Pass model.module (and an optimizer built from its parameters)."))
+    if model in _clocks:
+        raise ConfigError(usage(f"a {type(model).__name__} that px.wrap already wrapped",
+                                "a model px.wrap has not taken yet",
+                                "Call px.wrap once per model; keep the model and optimizer it returned."))
     if optimizer in _strategies:
         raise ConfigError(usage("an optimizer that px.wrap already wrapped", "a fresh optimizer",
                                 "Call px.wrap once per model/optimizer pair."))

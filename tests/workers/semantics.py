@@ -169,7 +169,30 @@ def uneven() -> dict[str, Any]:
     return out
 
 
-def semantics(parts: tuple[str, ...] = ("clipping", "amp", "uneven")) -> dict[str, Any]:
+# -- wrap-time checks and point-to-point ------------------------------------------------------------
+def wrapping() -> dict[str, Any]:
+    """A model that differs on rank 1 is refused on both ranks; exchange_with swaps tensors, accounted."""
+    hidden = 8 if px.rank() == 0 else 9
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, CLASSES))
+    try:
+        px.wrap(model, sgd(model.parameters()))
+        refused = None
+    except px.ConfigError as err:
+        refused = str(err)
+    ddp, _ = px.wrap(net(0), sgd(net(0).parameters()))
+    try:
+        px.wrap(ddp, sgd(ddp.parameters()))
+        rewrapped = None
+    except px.ConfigError as err:
+        rewrapped = str(err)
+    comm = px.Comm()
+    mine = [torch.full((3,), float(px.rank())), torch.arange(2, dtype=torch.int64) + 10 * px.rank()]
+    theirs = comm.exchange_with(1 - px.rank(), mine)
+    return {"refused": refused, "rewrapped": rewrapped, "theirs": theirs, "bytes": comm.stats.bytes_sent}
+
+
+def semantics(parts: tuple[str, ...] = ("clipping", "amp", "uneven", "wrapping")) -> dict[str, Any]:
     import warnings
     px.init()
     torch.set_num_threads(1)

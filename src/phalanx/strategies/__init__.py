@@ -40,5 +40,6 @@ def by_name(name: str) -> Strategy:
     return REGISTRY[key]()
 
 
-__all__ = ["average_gradients_", "fill_missing_grads", "AllReduce", "DiLoCo", "EASGD", "Elastic", "Exchange", "LocalSGD", "OuterStep", "ParameterAverage",
+__all__ = ["average_gradients_", "fill_missing_grads",
+           "AllReduce", "DiLoCo", "EASGD", "Elastic", "Exchange", "LocalSGD", "OuterStep", "ParameterAverage",
            "Periodic", "Strategy", "SyncCondition", "REGISTRY", "by_name", "register"]

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import Comm, guarded
 from ..compression import check_compressor
-from ..errors import ConfigError, usage
+from .. import check
 from .base import Strategy
 from .gradients import average_gradients_, weigh_
 
@@ -63,9 +63,8 @@ class AllReduce(Strategy):
 
     def __init__(self, compression: Any = None, *, bucket_mb: float | None = None) -> None:
         super().__init__()
-        if bucket_mb is not None and not bucket_mb > 0:
-            raise ConfigError(usage(f"bucket_mb={bucket_mb!r}", "a positive size in MiB",
-                                    "Leave it unset to fit it to the model."))
+        if bucket_mb is not None:
+            check.positive_float("bucket_mb", bucket_mb, "Pass a size in MiB, or leave it unset to fit the model.")
         self.compression = check_compressor(compression, "AllReduce")
         self.bucket_mb = bucket_mb
         self._hook: _GuardedMean | None = None
@@ -92,7 +91,7 @@ class AllReduce(Strategy):
             return
         if self.compression is not None and self.comm.world_size > 1:  # alone, nothing to send: plain torch
             average_gradients_(self.params, self.comm, self.compression)
-            if not all(bool(torch.isfinite(p.grad).all()) for p in self.params):
+            if not bool(torch.stack([torch.isfinite(p.grad).all() for p in self.params]).all()):  # one sync
                 # inf/nan reached the average (AMP overflow on some rank): the same on every rank, so every
                 # GradScaler skips this step; the residuals and warm starts hold it too, and are dropped.
                 self.compression.reset()

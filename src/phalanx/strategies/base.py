@@ -26,12 +26,15 @@ Example (a complete custom rule: average parameters every 4 steps):
 from __future__ import annotations
 
 import functools
+import itertools
+import zlib
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from ..comm import Comm
+from ..errors import ConfigError, usage
 from ..steps import StepClock
 
 
@@ -59,6 +62,34 @@ class Exchange:
         pass
 
 
+def check_same_model(model: nn.Module, comm: Comm) -> None:
+    """Refuse, on every rank, a model whose tensor names, shapes or dtypes differ between ranks.
+
+    Collective: one 8-byte all-gather of a checksum; the full lists travel only on a mismatch.
+    """
+    if comm.world_size == 1:
+        return
+    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in model.state_dict(keep_vars=True).items()]
+    digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=_device_of(model))
+    if len({int(d) for d in comm.all_gather(digest)}) == 1:
+        return
+    other, theirs = next((r, lay) for r, lay in enumerate(comm.all_gather_state(layout)) if lay != layout)
+    mine_first, theirs_first = next((a, b) for a, b in itertools.zip_longest(layout, theirs) if a != b)
+    raise ConfigError(usage(
+        f"a model that differs between ranks: rank {comm.rank} has {_entry(mine_first)} where rank {other} has "
+        f"{_entry(theirs_first)}", "the same architecture on every rank (px.wrap then copies rank 0's weights "
+        "to all)", "Build the model identically everywhere; only the seed may differ."))
+
+
+def _entry(entry: tuple[str, tuple[int, ...], str] | None) -> str:
+    return "nothing" if entry is None else f"{entry[0]!r} of shape {entry[1]} ({entry[2]})"
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(iter(model.state_dict().values()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 def _with_step(method: Callable[..., Any], kind: str) -> Callable[..., Any]:
     """Add the framework's step count to a (load_)state_dict, and close a skipped step before ``finish``.
 
@@ -75,7 +106,8 @@ def _with_step(method: Callable[..., Any], kind: str) -> Callable[..., Any]:
     @functools.wraps(method)
     def load_state_dict(self: "Strategy", state: dict[str, Any]) -> None:
         method(self, state)
-        self.clock.step, self.clock.pending = int(state["step"]), False
+        step = state["step"] if "step" in state else state.get("steps", 0)  # "steps": files from older versions
+        self.clock.step, self.clock.pending = int(step), False
 
     @functools.wraps(method)
     def finish(self: "Strategy") -> None:
@@ -113,6 +145,7 @@ class Strategy:
         """Called once by ``px.wrap``; returns the module the user trains."""
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
+        check_same_model(model, self.comm)  # before the broadcast, which would fail obscurely otherwise
         self.comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
         self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # for bytes_per_step
         return model

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..compression import Compressor, check_compressor
-from ..errors import ConfigError, usage
+from .. import check
 from ..sync import as_condition
 from .base import Exchange, Periodic
 
@@ -77,20 +77,18 @@ class DiLoCo(Periodic):
         compression: a compressor for the pseudo-gradient, e.g. ``px.FP16()`` or ``px.PowerSGD(rank=4)``.
 
     The anchor and the outer momentum are identical on every worker, live in
-    ``state_dict``, and are kept in fp32 for fp16/bf16 models. ``DiLoCo(every=k, outer_lr=1, outer_momentum=0)`` is ``LocalSGD(every=k)``.
+    ``state_dict``, and are kept in fp32 for fp16/bf16 models.
+    ``DiLoCo(every=k, outer_lr=1, outer_momentum=0)`` is ``LocalSGD(every=k)``.
     """
 
     name = "diloco"
 
     def __init__(self, every: Any = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  compression: Any = None) -> None:
-        if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < float("inf"):
-            raise ConfigError(usage(f"DiLoCo(outer_lr={outer_lr!r})", "a finite number > 0",
-                                    "The paper uses outer_lr=0.7; outer_lr=1 with no momentum is plain averaging."))
-        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) \
-                or not 0 <= outer_momentum < 1:
-            raise ConfigError(usage(f"DiLoCo(outer_momentum={outer_momentum!r})", "a number in [0, 1)",
-                                    "The paper uses 0.9; 0 turns the outer momentum off."))
+        outer_lr = check.positive_float("DiLoCo(outer_lr", outer_lr, "The paper uses outer_lr=0.7; outer_lr=1 "
+                                        "with no momentum is plain averaging.", close=")")
+        outer_momentum = check.number("DiLoCo(outer_momentum", outer_momentum, "The paper uses 0.9; 0 turns the "
+                                      "outer momentum off.", low=0, high=1, low_open=False, close=")")
         self.compression = check_compressor(compression, "DiLoCo")
         super().__init__(as_condition(every), OuterStep(float(outer_lr), float(outer_momentum), bool(nesterov),
                                                         self.compression))

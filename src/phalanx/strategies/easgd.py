@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from .. import check
 from ..errors import ConfigError, usage
 from ..sync import as_condition
 from .base import Exchange, Periodic
@@ -91,11 +92,10 @@ class EASGD(Periodic):
             raise ConfigError(usage(f"EASGD(compression={compression!r})", "no compressor: the elastic force needs "
                                     "the exact distance of every worker to the centre",
                                     "Use px.DiLoCo(compression=...) or px.AllReduce(compression=...) to compress."))
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
-                                  or not 0 < alpha <= 1):
-            raise ConfigError(usage(f"EASGD(alpha={alpha!r})", "0 < alpha <= 1/p for p workers (beta = p*alpha "
-                                    "in (0, 1], Zhang et al. 2015)",
-                                    "Leave alpha unset for the paper's beta = 0.9, i.e. alpha = 0.9/p."))
+        if alpha is not None:
+            check.number("EASGD(alpha", alpha, "Leave alpha unset for the paper's beta = 0.9, i.e. alpha = 0.9/p.",
+                         low=0, high=1, high_open=False, close=")",
+                         expected="0 < alpha <= 1/p for p workers (beta = p*alpha in (0, 1], Zhang et al. 2015)")
         super().__init__(as_condition(every), Elastic(None if alpha is None else float(alpha)))
         self._alpha_given = alpha
 

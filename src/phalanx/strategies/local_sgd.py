@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .. import check
 from ..errors import ConfigError, usage
 from ..sync import as_condition, is_synchronous, schedule
 from .base import ParameterAverage, Periodic
@@ -44,9 +45,8 @@ class LocalSGD(Periodic):
                 "compressors with error feedback are made for updates (gradients, pseudo-gradients)",
                 "Use px.DiLoCo(every=k, outer_lr=1.0, outer_momentum=0.0, compression=...), which is local SGD "
                 "sending the compressed parameter change, or px.AllReduce(compression=...)."))
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ConfigError(usage(f"LocalSGD(warmup_steps={warmup_steps!r})", "an integer >= 0",
-                                    "Pass the number of synchronous steps before local SGD starts, or 0."))
+        check.integer("LocalSGD(warmup_steps", warmup_steps,
+                      "Pass the number of synchronous steps before local SGD starts, or 0.", close=")")
         sync = as_condition(every)
         if warmup_steps:
             sync = schedule(warmup_steps, then=sync)
