@@ -105,7 +105,7 @@ def _colocated(cfg: PSConfig, timeout: float) -> Link:
                                 "an address the other hosts can reach",
                                 f"Set {HOST}=<this host's IP> and {TOKEN} on every worker, or start servers "
                                 "with `python -m phalanx.ps serve` and set PHALANX_PS_ADDRS."))
-    server = Server(cfg.host, token=cfg.token, index=group.rank()).start()
+    server = Server(cfg.host, token=cfg.token, index=group.rank(), round_timeout=timeout).start()
     store, key = group.store(), f"ps/colocated/{next(_generation)}"
     if store is None:  # a group of one
         addrs = [server.address]

@@ -12,18 +12,12 @@ Example:
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from .. import check
 from ..errors import ConfigError, usage
-
-
-def _positive(name: str, value: Any, hint: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(usage(f"{name}={value!r}", "a positive finite number", hint))
-    return float(value)
 
 
 class SGD:
@@ -38,12 +32,9 @@ class SGD:
 
     def __init__(self, lr: float, *, momentum: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False) -> None:
-        self.lr = _positive("lr", lr, "Pass the server's step size, e.g. SGD(lr=0.05).")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
-            raise ConfigError(usage(f"momentum={momentum!r}", "0 <= momentum < 1", "Use 0.9, or 0 for none."))
-        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) \
-                or not math.isfinite(weight_decay) or weight_decay < 0:
-            raise ConfigError(usage(f"weight_decay={weight_decay!r}", "a finite number >= 0", "Use e.g. 1e-4."))
+        self.lr = check.positive_float("lr", lr, "Pass the server's step size, e.g. SGD(lr=0.05).")
+        momentum = check.number("momentum", momentum, "Use 0.9, or 0 for none.", low=0, high=1, low_open=False)
+        weight_decay = check.number("weight_decay", weight_decay, "Use e.g. 1e-4.", low=0, low_open=False)
         if nesterov and not momentum:
             raise ConfigError(usage("nesterov=True without momentum", "momentum > 0", "Pass momentum=0.9."))
         self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
@@ -78,12 +69,10 @@ class Adagrad:
     kind = "adagrad"
 
     def __init__(self, lr: float, *, eps: float = 1e-10, initial_accumulator: float = 0.0) -> None:
-        self.lr = _positive("lr", lr, "Pass the server's step size, e.g. Adagrad(lr=0.05).")
-        self.eps = _positive("eps", eps, "Keep the default 1e-10 unless you have a reason.")
-        if not isinstance(initial_accumulator, (int, float)) or not initial_accumulator >= 0:
-            raise ConfigError(usage(f"initial_accumulator={initial_accumulator!r}", "a number >= 0",
-                                    "Keep the default 0."))
-        self.initial_accumulator = float(initial_accumulator)
+        self.lr = check.positive_float("lr", lr, "Pass the server's step size, e.g. Adagrad(lr=0.05).")
+        self.eps = check.positive_float("eps", eps, "Keep the default 1e-10 unless you have a reason.")
+        self.initial_accumulator = check.number("initial_accumulator", initial_accumulator, "Keep the default 0.",
+                                                low=0, low_open=False)
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"sum": torch.full_like(param, self.initial_accumulator)}

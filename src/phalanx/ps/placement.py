@@ -2,7 +2,7 @@
 
 TensorFlow's round-robin device setter, the default until 0.12, put every weight matrix
 on one server and every bias on the other whenever layers alternated weight and bias
-with two servers (see the lab report in ``seeds/``). :class:`GreedyBytes` avoids that.
+with two servers. :class:`GreedyBytes` avoids that.
 It sorts the pieces largest first and puts each on the least-loaded server. Tensors
 larger than ``max_piece_bytes`` are first cut into contiguous flat pieces. Placing
 largest-first this way bounds the load: the fullest server holds at most the mean plus
