@@ -184,6 +184,16 @@ def test_local_sgd_replicas_identical_at_sync_points_only(two: tuple) -> None:
 
 
 @pytest.mark.multiproc
+def test_compressors_diloco_and_easgd_drive_keras_through_the_same_objects(two: tuple) -> None:
+    r0, r1 = two[0][0]["strategies"], two[0][1]["strategies"]
+    for name in ("fp16", "diloco", "easgd", "allreduce"):
+        assert r0[name]["steps"] == r1[name]["steps"] == 12, name
+        assert _max_diff(r0[name]["final"], r1[name]["final"]) == 0.0, name  # one model after fit (finish)
+    assert _max_diff(r0["fp16"]["final"], r0["allreduce"]["final"]) < 1e-2  # fp16 gradients: close to exact
+    assert _max_diff(r0["diloco"]["final"], r0["allreduce"]["final"]) > 1e-3  # local steps really differ
+
+
+@pytest.mark.multiproc
 def test_one_keras_file_written_and_it_loads_without_phalanx(two: tuple, tmp_path) -> None:  # noqa: ANN001
     results, _ = two
     f0, f1 = results[0]["files"], results[1]["files"]

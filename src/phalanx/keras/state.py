@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,10 +30,27 @@ from ..errors import CheckpointError
 
 
 class OptimizerState:
-    """A Keras optimizer's variables behind ``state_dict()`` / ``load_state_dict()``."""
+    """A Keras optimizer's variables behind ``state_dict()`` / ``load_state_dict()``.
+
+    It also offers torch's ``register_step_post_hook``, through which phalanx's step
+    clock learns that a step was applied; ``px.keras.wrap`` calls :meth:`stepped`
+    after every ``optimizer.apply``.
+    """
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
+        self._post_hooks: dict[int, Callable[..., Any]] = {}
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> "_Handle":
+        """As ``torch.optim.Optimizer.register_step_post_hook``: ``hook(self, args, kwargs)`` after each step."""
+        key = max(self._post_hooks, default=-1) + 1
+        self._post_hooks[key] = hook
+        return _Handle(self._post_hooks, key)
+
+    def stepped(self) -> None:
+        """Run the post-step hooks (Keras's optimizer has applied one step)."""
+        for hook in list(self._post_hooks.values()):
+            hook(self, (), {})
 
     def state_dict(self) -> dict[str, Any]:
         variables = self.optimizer.variables
@@ -47,6 +64,14 @@ class OptimizerState:
                                   "Compile the model as in the saved run, then load.")
         for v, saved in zip(variables, state["variables"], strict=True):
             v.assign(saved.to(v.value.device))
+
+
+class _Handle:
+    def __init__(self, hooks: dict[int, Any], key: int) -> None:
+        self.hooks, self.key = hooks, key
+
+    def remove(self) -> None:
+        self.hooks.pop(self.key, None)
 
 
 def model_state_dict(model: Any) -> list[torch.Tensor]:

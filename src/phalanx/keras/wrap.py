@@ -2,12 +2,14 @@
 
 With ``KERAS_BACKEND=torch`` a Keras model is a ``torch.nn.Module`` whose weights are
 torch Parameters, so phalanx's own strategy objects drive it unchanged: the strategy
-is attached to the model (broadcasting rank 0's weights), and runs around every
-``optimizer.apply`` of Keras's ``train_step``, which comes after ``loss.backward()``.
-So gradients are averaged before Keras's optimizer applies them and Keras's
-``clipnorm``, loss scaling, schedules and weight decay see the average, as one process
-would. Parameter strategies (LocalSGD, DiLoCo, EASGD) and compressors are the very
-same objects as for plain PyTorch.
+is attached to the model (broadcasting rank 0's weights) and told about every step
+through phalanx's step clock: its ``after_backward`` runs at the end of
+``loss.backward()`` inside Keras's ``train_step`` (gradient averaging), its
+``after_step`` after Keras's ``optimizer.apply`` (parameter exchanges). So gradients
+are averaged before Keras's optimizer applies them, and Keras's ``clipnorm``, loss
+scaling, schedules and weight decay see the average, as one process would.
+Parameter strategies (LocalSGD, DiLoCo, EASGD) and compressors are the very same
+objects as for plain PyTorch.
 
 The wrapped model is the user's own object: ``fit``, ``evaluate``,
 ``get_metrics_result``, ``compute_metrics`` and the optimizer's ``apply`` get
@@ -31,10 +33,10 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import group
-from ..batchweight import batch_weight
 from ..comm import Comm
 from ..errors import ConfigError, usage
 from ..strategies import AllReduce, Strategy, by_name
+from ..strategies.gradients import average_gradients_
 from .callbacks import EpochSync, StopTogether, main_only, stops_mid_epoch
 from .data import is_sharded
 from .detect import ddp_inside, is_keras_model, is_tf_dataset
@@ -123,9 +125,10 @@ class KerasRun:
         self.comm: Comm = strategy.comm
         self.comm.broadcast_([v.value.data for v in optimizer.variables])  # moments, iteration count: rank 0's
         # A strategy that averages gradients inside DDP's reducer expects the forward pass to go through the
-        # wrapper it returned; Keras's train_step calls the model itself, so we average here instead.
+        # wrapper it returned; Keras's train_step calls the model itself, so the same average (the strategies'
+        # own average_gradients_) runs in apply instead, after backward and before Keras's optimizer.
         self.average_gradients = isinstance(module, DistributedDataParallel)
-        del module  # unused: DDP's reducer only acts on a forward pass through DDP
+        strategy.clock.bind(strategy, model, model, self.optimizer_state)  # Keras calls the model, not `module`
         self.metrics = ExactMetrics(self.comm)
         self._local_metrics = False
         self._keras_apply = optimizer.apply
@@ -143,17 +146,11 @@ class KerasRun:
 
     # -- the step -------------------------------------------------------------------
     def apply(self, grads: list[Any], trainable_variables: Any = None) -> Any:
-        """Keras's ``optimizer.apply``, with the strategy's step hooks around it."""
+        """Keras's ``optimizer.apply``; then the step clock closes the step (the strategy's ``after_step``)."""
         if self.average_gradients and self.comm.world_size > 1:
-            present = [g for g in grads if g is not None]
-            weight = batch_weight()
-            if weight != 1.0:  # an uneven step: weight by sample counts (one process on the same samples)
-                for g in present:
-                    g.mul_(weight)
-            self.comm.all_reduce_(present)
-        self.strategy.before_step()
+            average_gradients_(self.strategy.params, self.comm)  # batch-weighted, in place: Keras holds these
         out = self._keras_apply(grads, trainable_variables)
-        self.strategy.after_step()
+        self.optimizer_state.stepped()
         return out
 
     # -- metrics --------------------------------------------------------------------
