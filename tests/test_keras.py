@@ -21,6 +21,7 @@ keras = pytest.importorskip("keras")
 import phalanx as px  # noqa: E402
 from phalanx.errors import ConfigError  # noqa: E402
 from phalanx.keras import detect, keras_api  # noqa: E402
+from phalanx.keras.fit import run_of  # noqa: E402
 from phalanx.testing import run_workers  # noqa: E402
 
 
@@ -33,9 +34,10 @@ def _compiled(optimizer: str = "sgd") -> keras.Model:
 
 # -- unit -------------------------------------------------------------------------------
 def test_import_phalanx_does_not_import_keras() -> None:
-    code = "import sys, phalanx; print('keras' in sys.modules, 'phalanx.keras' in sys.modules)"
+    code = ("import sys, phalanx; print('keras' in sys.modules, 'phalanx.keras' in sys.modules); "
+            "import phalanx.keras.detect; print('keras' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False"]
+    assert out.split() == ["False", "False", "False"]
     assert px.keras.wrap is not None  # the lazy attribute
 
 
@@ -44,7 +46,7 @@ def test_keras_calls_what_phalanx_relies_on() -> None:
     assert keras.__version__ == keras_api.TESTED_KERAS
     model = px.keras.wrap(_compiled())
     calls = {"apply": 0, "evaluate": 0}
-    run = px.keras.wrap.__globals__["_runs"][model]
+    run = run_of(model)
     keras_apply, keras_evaluate = run._keras_apply, model.evaluate
 
     def apply(*a, **k):  # noqa: ANN002, ANN003, ANN202
@@ -115,6 +117,9 @@ def test_keras_optimizer_recognised_without_importing_keras() -> None:
     assert detect.is_keras_optimizer(keras.optimizers.Adam())
     assert not detect.is_keras_optimizer(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
     assert detect.is_keras_model(_compiled()) and not detect.is_keras_model(torch.nn.Linear(1, 1))
+    net = torch.nn.Linear(3, 2)
+    with pytest.raises(ConfigError, match="px.keras.wrap"):
+        px.wrap(net, keras.optimizers.Adam())
 
 
 def test_a_model_that_keras_already_wraps_in_ddp_is_refused() -> None:
