@@ -28,7 +28,8 @@ from typing import Any
 # Keras reads its backend once, at its first import; set the default before anything imports it.
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-_NAMES = {"wrap": "fit", "strategy_of": "fit", "shard": "data", "ShardedDataset": "data", "ShardedBatches": "data",
+_NAMES = {"wrap": "fit", "strategy_of": "fit", "optimizer_of": "fit",
+          "shard": "data", "ShardedDataset": "data", "ShardedBatches": "data",
           "save_checkpoint": "state", "load_checkpoint": "state", "OptimizerState": "state",
           "Throughput": "throughput", "is_keras_optimizer": "detect"}
 

@@ -84,6 +84,15 @@ def run_of(model: Any) -> "KerasRun | None":
     return _runs.get(model)
 
 
+def optimizer_of(model: Any) -> OptimizerState | None:
+    """The wrapped model's Keras optimizer as a torch-style state holder (for ``phalanx.state.TrainingState``).
+
+    Its ``strategy`` attribute is the strategy ``wrap`` attached.
+    """
+    run = _runs.get(model)
+    return run.optimizer_state if run is not None else None
+
+
 def strategy_of(model: Any) -> Strategy | None:
     """The strategy ``px.keras.wrap`` attached to ``model``, if any."""
     run = _runs.get(model)
@@ -121,6 +130,7 @@ class KerasRun:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         self.optimizer_state = OptimizerState(optimizer)
+        self.optimizer_state.strategy = strategy  # what a TrainingState given this holder checkpoints with it
         module = strategy.attach(model, self.optimizer_state)  # broadcasts rank 0's weights
         self.comm: Comm = strategy.comm
         self.comm.broadcast_([v.value.data for v in optimizer.variables])  # moments, iteration count: rank 0's

@@ -39,6 +39,7 @@ class OptimizerState:
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
+        self.strategy: Any = None  # set by px.keras.wrap
         self._post_hooks: dict[int, Callable[..., Any]] = {}
 
     def register_step_post_hook(self, hook: Callable[..., Any]) -> "_Handle":
