@@ -238,3 +238,10 @@ def test_unsharded_arrays_and_inexact_metrics_are_called_out(two: tuple) -> None
     for r in two[0]:
         assert "px.keras.shard" in r["bad"]["raw_arrays"]
         assert len(r["bad"]["warnings"]) == 1 and "'peak'" in r["bad"]["warnings"][0]
+
+
+def test_demo_flag_reaches_the_keras_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    from phalanx import demo
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--keras", "--help"])
+    assert stop.value.code == 0 and "phalanx demo --keras" in capsys.readouterr().out
