@@ -152,8 +152,9 @@ def everything(tmp: str) -> dict:
     x, y, xv, yv = _data()
     return {
         "adam": _oracle_vs_wrapped(keras, lambda: keras.optimizers.Adam(1e-2, clipnorm=0.05), x, y, xv, yv),
+        # 93 samples: the last global batch of each epoch is 5, split 3 / 2 (weighted by sample counts)
         "sgd": _oracle_vs_wrapped(keras, lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.05),
-                                  x, y, xv, yv),
+                                  x[:93], y[:93], xv, yv),
         "local_sgd": _local_sgd(keras, x, y),
         "files": _files_and_stopping(keras, x, y, xv, yv, tmp),
         "resume": _resume(keras, x, y, tmp),
