@@ -63,6 +63,8 @@ def test_keras_calls_what_phalanx_relies_on() -> None:
               validation_data=px.keras.shard(x, y, batch_size=6))
     assert calls == {"apply": 6, "evaluate": 2}  # one optimizer.apply per train_step; validation via evaluate
     assert px.keras.strategy_of(model).steps == 6
+    model.fit(px.keras.shard(x, y, batch_size=4), None, None, 1, 0)  # Keras's positional order: epochs=1, verbose=0
+    assert calls["apply"] == 9
 
 
 def test_shard_gives_every_sample_once_and_equal_steps() -> None:

@@ -27,6 +27,7 @@ Example:
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
@@ -178,9 +179,11 @@ class KerasRun:
         return self.metrics.results(self.model, self._keras_get_metrics_result)
 
     # -- fit / evaluate --------------------------------------------------------------
-    def fit(self, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``fit`` on sharded data, with the callbacks that keep workers in step."""
         model = self.model
+        kwargs = _named(type(model).fit, model, args, kwargs)
+        x, y = kwargs.pop("x", None), kwargs.pop("y", None)
         refuse_double_averaging(model)
         if kwargs.get("validation_split"):
             raise ConfigError(usage(f"validation_split={kwargs['validation_split']!r}",
@@ -202,9 +205,11 @@ class KerasRun:
         self.strategy.finish()  # drifting replicas (LocalSGD, DiLoCo, EASGD) end holding one model
         return history
 
-    def evaluate(self, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``evaluate`` with exact results: each sample of the sharded data counts once."""
         model = self.model
+        kwargs = _named(type(model).evaluate, model, args, kwargs)
+        x, y = kwargs.pop("x", None), kwargs.pop("y", None)
         if not kwargs.get("_use_cached_eval_dataset"):  # fit's validation was checked in fit
             self._check_data(x, y, "x")
         if not group.is_main():
@@ -220,3 +225,11 @@ class KerasRun:
             raise ConfigError(usage(f"{name} of type {type(x).__name__} in a {self.comm.world_size}-worker run",
                                     "data from px.keras.shard, which gives each worker its own part",
                                     f"Pass {name}=px.keras.shard(x, y, batch_size=per_worker_batch)."))
+
+
+def _named(method: Any, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keras's own positional arguments as keywords (``fit(x, y, 32, 5)`` works as it does in Keras)."""
+    bound = inspect.signature(method).bind(model, *args, **kwargs).arguments
+    bound.pop(next(iter(bound)))  # self
+    extra = bound.pop("kwargs", {})  # evaluate's **kwargs (fit passes _use_cached_eval_dataset)
+    return {**bound, **extra}
