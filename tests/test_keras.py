@@ -21,6 +21,7 @@ keras = pytest.importorskip("keras")
 import phalanx as px  # noqa: E402
 from phalanx.errors import ConfigError  # noqa: E402
 from phalanx.keras import detect, keras_api  # noqa: E402
+from phalanx.keras.fit import run_of  # noqa: E402
 from phalanx.testing import run_workers  # noqa: E402
 
 
@@ -33,9 +34,10 @@ def _compiled(optimizer: str = "sgd") -> keras.Model:
 
 # -- unit -------------------------------------------------------------------------------
 def test_import_phalanx_does_not_import_keras() -> None:
-    code = "import sys, phalanx; print('keras' in sys.modules, 'phalanx.keras' in sys.modules)"
+    code = ("import sys, phalanx; print('keras' in sys.modules, 'phalanx.keras' in sys.modules); "
+            "import phalanx.keras.detect; print('keras' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False"]
+    assert out.split() == ["False", "False", "False"]
     assert px.keras.wrap is not None  # the lazy attribute
 
 
@@ -44,7 +46,7 @@ def test_keras_calls_what_phalanx_relies_on() -> None:
     assert keras.__version__ == keras_api.TESTED_KERAS
     model = px.keras.wrap(_compiled())
     calls = {"apply": 0, "evaluate": 0}
-    run = px.keras.wrap.__globals__["_runs"][model]
+    run = run_of(model)
     keras_apply, keras_evaluate = run._keras_apply, model.evaluate
 
     def apply(*a, **k):  # noqa: ANN002, ANN003, ANN202
@@ -61,6 +63,8 @@ def test_keras_calls_what_phalanx_relies_on() -> None:
               validation_data=px.keras.shard(x, y, batch_size=6))
     assert calls == {"apply": 6, "evaluate": 2}  # one optimizer.apply per train_step; validation via evaluate
     assert px.keras.strategy_of(model).steps == 6
+    model.fit(px.keras.shard(x, y, batch_size=4), None, None, 1, 0)  # Keras's positional order: epochs=1, verbose=0
+    assert calls["apply"] == 9
 
 
 def test_shard_gives_every_sample_once_and_equal_steps() -> None:
@@ -115,6 +119,9 @@ def test_keras_optimizer_recognised_without_importing_keras() -> None:
     assert detect.is_keras_optimizer(keras.optimizers.Adam())
     assert not detect.is_keras_optimizer(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
     assert detect.is_keras_model(_compiled()) and not detect.is_keras_model(torch.nn.Linear(1, 1))
+    net = torch.nn.Linear(3, 2)
+    with pytest.raises(ConfigError, match="px.keras.wrap"):
+        px.wrap(net, keras.optimizers.Adam())
 
 
 def test_a_model_that_keras_already_wraps_in_ddp_is_refused() -> None:
@@ -141,7 +148,10 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_two_workers_equal_one_process_with_twice_the_batch(two: tuple, optimizer: str) -> None:
-    """24 steps of Adam / SGD+momentum, both with clipnorm: 2 x b equals plain Keras 1 x 2b."""
+    """24 steps of Adam / SGD+momentum, both with clipnorm: 2 x b equals plain Keras 1 x 2b.
+
+    The SGD run's last step of each epoch is uneven (5 samples: 3 on one worker, 2 on the other).
+    """
     r = two[0][0][optimizer]
     assert _max_diff(r["final"], r["oracle_final"]) < 1e-5
     assert _max_diff(r["final"], two[0][1][optimizer]["final"]) == 0.0  # AllReduce: replicas stay identical
@@ -184,6 +194,16 @@ def test_local_sgd_replicas_identical_at_sync_points_only(two: tuple) -> None:
 
 
 @pytest.mark.multiproc
+def test_compressors_diloco_and_easgd_drive_keras_through_the_same_objects(two: tuple) -> None:
+    r0, r1 = two[0][0]["strategies"], two[0][1]["strategies"]
+    for name in ("fp16", "diloco", "easgd", "allreduce"):
+        assert r0[name]["steps"] == r1[name]["steps"] == 12, name
+        assert _max_diff(r0[name]["final"], r1[name]["final"]) == 0.0, name  # one model after fit (finish)
+    assert _max_diff(r0["fp16"]["final"], r0["allreduce"]["final"]) < 1e-2  # fp16 gradients: close to exact
+    assert _max_diff(r0["diloco"]["final"], r0["allreduce"]["final"]) > 1e-3  # local steps really differ
+
+
+@pytest.mark.multiproc
 def test_one_keras_file_written_and_it_loads_without_phalanx(two: tuple, tmp_path) -> None:  # noqa: ANN001
     results, _ = two
     f0, f1 = results[0]["files"], results[1]["files"]
@@ -223,3 +243,10 @@ def test_unsharded_arrays_and_inexact_metrics_are_called_out(two: tuple) -> None
     for r in two[0]:
         assert "px.keras.shard" in r["bad"]["raw_arrays"]
         assert len(r["bad"]["warnings"]) == 1 and "'peak'" in r["bad"]["warnings"][0]
+
+
+def test_demo_flag_reaches_the_keras_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    from phalanx import demo
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--keras", "--help"])
+    assert stop.value.code == 0 and "phalanx demo --keras" in capsys.readouterr().out

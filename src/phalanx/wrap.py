@@ -53,6 +53,11 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage("nn.SyncBatchNorm on CPU workers", "GPU workers (torch's SyncBatchNorm needs them)",
                                 "Keep plain BatchNorm: each worker then normalises with its own batch statistics."))
     if not isinstance(optimizer, torch.optim.Optimizer):
+        from .keras.detect import is_keras_optimizer  # class names only: Keras is not imported
+        if is_keras_optimizer(optimizer):
+            raise ConfigError(usage(f"a Keras optimizer ({type(optimizer).__name__}) passed to px.wrap",
+                                    "a torch.optim.Optimizer (px.wrap is for PyTorch models)",
+                                    "For a Keras model: model.compile(optimizer=...), then px.keras.wrap(model)."))
         raise ConfigError(usage(f"optimizer of type {type(optimizer).__name__}", "a torch.optim.Optimizer",
                                 "Build it from the model's parameters, "
                                 "e.g. torch.optim.SGD(model.parameters(), lr=0.1)."))

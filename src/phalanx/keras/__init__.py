@@ -16,14 +16,27 @@
         model.save("model.keras")                                   # a plain Keras file
 
 Run it with ``phalanx run -n 2 train.py``, ``torchrun --nproc-per-node 2 train.py``
-or plain ``python train.py``. Importing ``phalanx`` alone never imports Keras.
+or plain ``python train.py``. Keras itself is imported on first use of a name below
+(``phalanx.keras.detect`` never imports it).
 """
 from __future__ import annotations
 
-from .data import ShardedBatches, ShardedDataset, shard
-from .detect import is_keras_optimizer
-from .state import OptimizerState, load_checkpoint, save_checkpoint
-from .wrap import strategy_of, wrap
+import importlib
+import os
+from typing import Any
 
-__all__ = ["wrap", "shard", "strategy_of", "save_checkpoint", "load_checkpoint", "OptimizerState",
-           "ShardedDataset", "ShardedBatches", "is_keras_optimizer"]
+# Keras reads its backend once, at its first import; set the default before anything imports it.
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+_NAMES = {"wrap": "fit", "strategy_of": "fit", "optimizer_of": "fit",
+          "shard": "data", "ShardedDataset": "data", "ShardedBatches": "data",
+          "save_checkpoint": "state", "load_checkpoint": "state", "OptimizerState": "state",
+          "Throughput": "throughput", "is_keras_optimizer": "detect"}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

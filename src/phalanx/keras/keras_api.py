@@ -24,10 +24,7 @@ TESTED_KERAS = "3.15.1"
 # Keras reads its backend once, at its first import; torch is the only one phalanx can drive.
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-try:
-    import keras
-except ImportError as err:  # pragma: no cover - the message is the point
-    raise ImportError("phalanx.keras needs Keras 3: pip install 'phalanx[keras]'") from err
+import keras  # noqa: E402 - after the backend default; missing? pip install 'phalanx[keras]'
 
 
 def check_backend() -> None:

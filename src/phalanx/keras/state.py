@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,10 +30,28 @@ from ..errors import CheckpointError
 
 
 class OptimizerState:
-    """A Keras optimizer's variables behind ``state_dict()`` / ``load_state_dict()``."""
+    """A Keras optimizer's variables behind ``state_dict()`` / ``load_state_dict()``.
+
+    It also offers torch's ``register_step_post_hook``, through which phalanx's step
+    clock learns that a step was applied; ``px.keras.wrap`` calls :meth:`stepped`
+    after every ``optimizer.apply``.
+    """
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
+        self.strategy: Any = None  # set by px.keras.wrap
+        self._post_hooks: dict[int, Callable[..., Any]] = {}
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> "_Handle":
+        """As ``torch.optim.Optimizer.register_step_post_hook``: ``hook(self, args, kwargs)`` after each step."""
+        key = max(self._post_hooks, default=-1) + 1
+        self._post_hooks[key] = hook
+        return _Handle(self._post_hooks, key)
+
+    def stepped(self) -> None:
+        """Run the post-step hooks (Keras's optimizer has applied one step)."""
+        for hook in list(self._post_hooks.values()):
+            hook(self, (), {})
 
     def state_dict(self) -> dict[str, Any]:
         variables = self.optimizer.variables
@@ -47,6 +65,14 @@ class OptimizerState:
                                   "Compile the model as in the saved run, then load.")
         for v, saved in zip(variables, state["variables"], strict=True):
             v.assign(saved.to(v.value.device))
+
+
+class _Handle:
+    def __init__(self, hooks: dict[int, Any], key: int) -> None:
+        self.hooks, self.key = hooks, key
+
+    def remove(self) -> None:
+        self.hooks.pop(self.key, None)
 
 
 def model_state_dict(model: Any) -> list[torch.Tensor]:
@@ -65,7 +91,7 @@ def load_model_state_dict(model: Any, saved: list[torch.Tensor]) -> None:
 
 def save_checkpoint(path: str | os.PathLike, model: Any, *, epoch: int) -> None:
     """Collective (call on every worker): write the state to resume ``model`` at ``epoch`` (main worker writes)."""
-    from .wrap import run_of
+    from .fit import run_of
     run = run_of(model)
     comm = run.comm if run is not None else Comm()
     strategy = run.strategy if run is not None else None
@@ -86,7 +112,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, *, epoch: int) -> None:
 
 def load_checkpoint(path: str | os.PathLike, model: Any) -> int:
     """Restore what :func:`save_checkpoint` wrote into ``model``; returns the epoch to pass as ``initial_epoch``."""
-    from .wrap import run_of
+    from .fit import run_of
     body = read_checkpoint(path)
     if "keras_model" not in body:
         raise CheckpointError(f"{os.fspath(path)!r} is not a Keras checkpoint; expected a file from "

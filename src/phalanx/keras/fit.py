@@ -2,12 +2,14 @@
 
 With ``KERAS_BACKEND=torch`` a Keras model is a ``torch.nn.Module`` whose weights are
 torch Parameters, so phalanx's own strategy objects drive it unchanged: the strategy
-is attached to the model (broadcasting rank 0's weights), and runs around every
-``optimizer.apply`` of Keras's ``train_step``, which comes after ``loss.backward()``.
-So gradients are averaged before Keras's optimizer applies them and Keras's
-``clipnorm``, loss scaling, schedules and weight decay see the average, as one process
-would. Parameter strategies (LocalSGD, DiLoCo, EASGD) and compressors are the very
-same objects as for plain PyTorch.
+is attached to the model (broadcasting rank 0's weights) and told about every step
+through phalanx's step clock: its ``after_backward`` runs at the end of
+``loss.backward()`` inside Keras's ``train_step`` (gradient averaging), its
+``after_step`` after Keras's ``optimizer.apply`` (parameter exchanges). So gradients
+are averaged before Keras's optimizer applies them, and Keras's ``clipnorm``, loss
+scaling, schedules and weight decay see the average, as one process would.
+Parameter strategies (LocalSGD, DiLoCo, EASGD) and compressors are the very same
+objects as for plain PyTorch.
 
 The wrapped model is the user's own object: ``fit``, ``evaluate``,
 ``get_metrics_result``, ``compute_metrics`` and the optimizer's ``apply`` get
@@ -25,16 +27,17 @@ Example:
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import group
-from ..batchweight import batch_weight
 from ..comm import Comm
 from ..errors import ConfigError, usage
 from ..strategies import AllReduce, Strategy, by_name
+from ..strategies.gradients import average_gradients_
 from .callbacks import EpochSync, StopTogether, main_only, stops_mid_epoch
 from .data import is_sharded
 from .detect import ddp_inside, is_keras_model, is_tf_dataset
@@ -82,6 +85,15 @@ def run_of(model: Any) -> "KerasRun | None":
     return _runs.get(model)
 
 
+def optimizer_of(model: Any) -> OptimizerState | None:
+    """The wrapped model's Keras optimizer as a torch-style state holder (for ``phalanx.state.TrainingState``).
+
+    Its ``strategy`` attribute is the strategy ``wrap`` attached.
+    """
+    run = _runs.get(model)
+    return run.optimizer_state if run is not None else None
+
+
 def strategy_of(model: Any) -> Strategy | None:
     """The strategy ``px.keras.wrap`` attached to ``model``, if any."""
     run = _runs.get(model)
@@ -119,13 +131,15 @@ class KerasRun:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         self.optimizer_state = OptimizerState(optimizer)
+        self.optimizer_state.strategy = strategy  # what a TrainingState given this holder checkpoints with it
         module = strategy.attach(model, self.optimizer_state)  # broadcasts rank 0's weights
         self.comm: Comm = strategy.comm
         self.comm.broadcast_([v.value.data for v in optimizer.variables])  # moments, iteration count: rank 0's
         # A strategy that averages gradients inside DDP's reducer expects the forward pass to go through the
-        # wrapper it returned; Keras's train_step calls the model itself, so we average here instead.
+        # wrapper it returned; Keras's train_step calls the model itself, so the same average (the strategies'
+        # own average_gradients_) runs in apply instead, after backward and before Keras's optimizer.
         self.average_gradients = isinstance(module, DistributedDataParallel)
-        del module  # unused: DDP's reducer only acts on a forward pass through DDP
+        strategy.clock.bind(strategy, model, model, self.optimizer_state)  # Keras calls the model, not `module`
         self.metrics = ExactMetrics(self.comm)
         self._local_metrics = False
         self._keras_apply = optimizer.apply
@@ -143,17 +157,11 @@ class KerasRun:
 
     # -- the step -------------------------------------------------------------------
     def apply(self, grads: list[Any], trainable_variables: Any = None) -> Any:
-        """Keras's ``optimizer.apply``, with the strategy's step hooks around it."""
+        """Keras's ``optimizer.apply``; then the step clock closes the step (the strategy's ``after_step``)."""
         if self.average_gradients and self.comm.world_size > 1:
-            present = [g for g in grads if g is not None]
-            weight = batch_weight()
-            if weight != 1.0:  # an uneven step: weight by sample counts (one process on the same samples)
-                for g in present:
-                    g.mul_(weight)
-            self.comm.all_reduce_(present)
-        self.strategy.before_step()
+            average_gradients_(self.strategy.params, self.comm)  # batch-weighted, in place: Keras holds these
         out = self._keras_apply(grads, trainable_variables)
-        self.strategy.after_step()
+        self.optimizer_state.stepped()
         return out
 
     # -- metrics --------------------------------------------------------------------
@@ -171,9 +179,11 @@ class KerasRun:
         return self.metrics.results(self.model, self._keras_get_metrics_result)
 
     # -- fit / evaluate --------------------------------------------------------------
-    def fit(self, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``fit`` on sharded data, with the callbacks that keep workers in step."""
         model = self.model
+        kwargs = _named(type(model).fit, model, args, kwargs)
+        x, y = kwargs.pop("x", None), kwargs.pop("y", None)
         refuse_double_averaging(model)
         if kwargs.get("validation_split"):
             raise ConfigError(usage(f"validation_split={kwargs['validation_split']!r}",
@@ -195,9 +205,11 @@ class KerasRun:
         self.strategy.finish()  # drifting replicas (LocalSGD, DiLoCo, EASGD) end holding one model
         return history
 
-    def evaluate(self, x: Any = None, y: Any = None, **kwargs: Any) -> Any:
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``evaluate`` with exact results: each sample of the sharded data counts once."""
         model = self.model
+        kwargs = _named(type(model).evaluate, model, args, kwargs)
+        x, y = kwargs.pop("x", None), kwargs.pop("y", None)
         if not kwargs.get("_use_cached_eval_dataset"):  # fit's validation was checked in fit
             self._check_data(x, y, "x")
         if not group.is_main():
@@ -213,3 +225,11 @@ class KerasRun:
             raise ConfigError(usage(f"{name} of type {type(x).__name__} in a {self.comm.world_size}-worker run",
                                     "data from px.keras.shard, which gives each worker its own part",
                                     f"Pass {name}=px.keras.shard(x, y, batch_size=per_worker_batch)."))
+
+
+def _named(method: Any, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keras's own positional arguments as keywords (``fit(x, y, 32, 5)`` works as it does in Keras)."""
+    bound = inspect.signature(method).bind(model, *args, **kwargs).arguments
+    bound.pop(next(iter(bound)))  # self
+    extra = bound.pop("kwargs", {})  # evaluate's **kwargs (fit passes _use_cached_eval_dataset)
+    return {**bound, **extra}
