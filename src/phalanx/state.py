@@ -71,7 +71,10 @@ class TrainingState:
     @property
     def strategy(self) -> Any:
         from .wrap import strategy_of
-        return strategy_of(self.optimizer) if self.optimizer is not None else None
+        if self.optimizer is None:
+            return None
+        # A Keras run passes px.keras.optimizer_of(model), which carries its strategy itself.
+        return strategy_of(self.optimizer) or getattr(self.optimizer, "strategy", None)
 
     def capture(self) -> dict[str, Any]:
         """This worker's snapshot: detached CPU copies of tensors and plain values; no collective."""
