@@ -34,11 +34,11 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse that raises one :class:`ConfigError` line instead of printing its usage block and exiting.
 
     Example:
-        >>> p = OneLineParser(prog="phalanx demo", usage_hint="`phalanx demo [--epochs N] ...`")
+        >>> p = OneLineParser(prog="demo", usage_hint="`demo [opts]`")
         >>> p.parse_args(["--bogus"])
         Traceback (most recent call last):
         ...
-        phalanx.errors.ConfigError: `phalanx demo`: unrecognized arguments: --bogus; expected `phalanx demo [--epochs N] ...`. See `phalanx demo --help`.
+        phalanx.errors.ConfigError: `demo`: unrecognized arguments: --bogus; expected `demo [opts]`. See `demo --help`.
     """
 
     def __init__(self, *args, usage_hint: str = "", **kwargs) -> None:  # type: ignore[no-untyped-def]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import liveness
-from .errors import ConfigError, PhalanxError, usage
+from .errors import ConfigError, PhalanxError, WorkerLostError, usage
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -168,7 +168,7 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
         store = dist.PrefixStore(f"phalanx/{env.attempt}", store)
         # Beat before joining: once the process group exists, every rank is visibly alive.
         heartbeat = liveness.Heartbeat(store, env.rank).start()
-        probe = liveness._quick(store)
+        probe = liveness.second_connection(store)
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), store=store,
                                 rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
     _group = _Group(env=env, device=device, store=store, probe=probe, heartbeat=heartbeat)
@@ -238,20 +238,15 @@ def _fail(exc: BaseException) -> None:
         data = {"message": _reason(exc), "timestamp": int(time.time()),
                 "phalanx": {"rank": _group.env.rank, "type": type(exc).__name__, "time": time.time(),
                             "text": " ".join(str(exc).split())[:2000],
-                            "usage": isinstance(exc, PhalanxError) and not isinstance(exc, _consequences()),
-                            "consequence": isinstance(exc, _consequences()),
+                            # WorkerLostError reports another rank's failure, not a cause of its own
+                            "usage": isinstance(exc, PhalanxError) and not isinstance(exc, WorkerLostError),
+                            "consequence": isinstance(exc, WorkerLostError),
                             "traceback": "".join(traceback.format_exception(exc))[-20000:]}}
         try:
             with open(path, "w") as f:
                 json.dump(data, f)
         except OSError:
             pass
-
-
-def _consequences() -> tuple[type[BaseException], ...]:
-    """Errors that report another rank's failure rather than a cause of their own."""
-    from .errors import WorkerLostError
-    return (WorkerLostError,)
 
 
 def shutdown() -> None:

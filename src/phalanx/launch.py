@@ -34,7 +34,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 

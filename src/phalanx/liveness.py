@@ -57,8 +57,8 @@ def _exit_key(rank: int) -> str:
     return f"liveness/exit/{rank}"
 
 
-def _quick(store: dist.Store, timeout_s: float = STORE_PROBE_TIMEOUT_S) -> dist.Store:
-    """A second connection with a short timeout: a blocked wait on the caller's must not hold up this one."""
+def second_connection(store: dist.Store, timeout_s: float = STORE_PROBE_TIMEOUT_S) -> dist.Store:
+    """A second connection to ``store`` with a short timeout: a blocked wait on the first must not hold it up."""
     clone = store.clone()
     clone.set_timeout(timedelta(seconds=timeout_s))
     return clone
@@ -83,7 +83,7 @@ class Heartbeat:
 
     def __init__(self, store: dist.Store, rank: int, every_s: float = HEARTBEAT_EVERY_S) -> None:
         self.rank, self.every_s = rank, every_s
-        self._store = _quick(store)
+        self._store = second_connection(store)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
