@@ -24,6 +24,8 @@ import tempfile
 import time
 from typing import Any
 
+from .errors import OneLineParser
+
 MIN_ACCURACY = 0.95
 
 
@@ -129,7 +131,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="phalanx demo", description="Train a small CNN on scikit-learn's digits on "
+    p = OneLineParser(prog="phalanx demo", usage_hint="`phalanx demo [--epochs N] [--workers N ...] ...`",
+                      description="Train a small CNN on scikit-learn's digits on "
                                 "1 worker, then on 2, and compare accuracy and speed.")
     p.add_argument("--epochs", type=int, default=10, help="epochs per run (default 10)")
     p.add_argument("--batch-size", type=int, default=128, help="samples per worker per step (default 128)")

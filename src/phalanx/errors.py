@@ -5,6 +5,9 @@ CLI can print it as one line instead of a traceback.
 """
 from __future__ import annotations
 
+import argparse
+from typing import NoReturn
+
 
 class PhalanxError(Exception):
     """Base class for every error phalanx raises on purpose."""
@@ -25,3 +28,22 @@ class CheckpointError(PhalanxError, RuntimeError):
 def usage(given: str, expected: str, fix: str) -> str:
     """Format the three parts every usage error carries."""
     return f"{given}; expected {expected}. {fix}"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that raises one :class:`ConfigError` line instead of printing its usage block and exiting.
+
+    Example:
+        >>> p = OneLineParser(prog="demo", usage_hint="`demo [opts]`")
+        >>> p.parse_args(["--bogus"])
+        Traceback (most recent call last):
+        ...
+        phalanx.errors.ConfigError: `demo`: unrecognized arguments: --bogus; expected `demo [opts]`. See `demo --help`.
+    """
+
+    def __init__(self, *args, usage_hint: str = "", **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.usage_hint = usage_hint or f"`{self.prog} [options]`"
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(usage(f"`{self.prog}`: {message}", self.usage_hint, f"See `{self.prog} --help`."))

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import liveness
-from .errors import ConfigError, PhalanxError, usage
+from .errors import ConfigError, PhalanxError, WorkerLostError, usage
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -168,7 +168,7 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
         store = dist.PrefixStore(f"phalanx/{env.attempt}", store)
         # Beat before joining: once the process group exists, every rank is visibly alive.
         heartbeat = liveness.Heartbeat(store, env.rank).start()
-        probe = liveness._quick(store)
+        probe = liveness.second_connection(store)
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), store=store,
                                 rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
     _group = _Group(env=env, device=device, store=store, probe=probe, heartbeat=heartbeat)
@@ -238,20 +238,15 @@ def _fail(exc: BaseException) -> None:
         data = {"message": _reason(exc), "timestamp": int(time.time()),
                 "phalanx": {"rank": _group.env.rank, "type": type(exc).__name__, "time": time.time(),
                             "text": " ".join(str(exc).split())[:2000],
-                            "usage": isinstance(exc, PhalanxError) and not isinstance(exc, _consequences()),
-                            "consequence": isinstance(exc, _consequences()),
+                            # WorkerLostError reports another rank's failure, not a cause of its own
+                            "usage": isinstance(exc, PhalanxError) and not isinstance(exc, WorkerLostError),
+                            "consequence": isinstance(exc, WorkerLostError),
                             "traceback": "".join(traceback.format_exception(exc))[-20000:]}}
         try:
             with open(path, "w") as f:
                 json.dump(data, f)
         except OSError:
             pass
-
-
-def _consequences() -> tuple[type[BaseException], ...]:
-    """Errors that report another rank's failure rather than a cause of their own."""
-    from .errors import WorkerLostError
-    return (WorkerLostError,)
 
 
 def shutdown() -> None:
@@ -267,30 +262,64 @@ def shutdown() -> None:
     A worker leaving with an exception (called from a ``finally`` or at exit after an
     uncaught error) skips the barrier and leaves the group as it is: its peers learn of
     the failure from its exit note, and the process ends at once.
+
+    When this worker hosts the store (rank 0 launched without torchrun or ``phalanx
+    run``) and something failed, it waits (a few seconds at most) for every peer to
+    leave a note or fall silent, so their diagnosis can still read the store.
     """
     global _group
-    g = _group
+    g, met = _group, True
     if g is not None and g.store is not None:
         pending = sys.exc_info()[1]
         if g.failed is not None or (pending is not None and not isinstance(pending, SystemExit)):
             _fail(g.failed or pending)  # type: ignore[arg-type]
             _group = None
-            return  # no barrier, no destroy: a failed worker's teardown must not wait on anyone
-        if g.heartbeat is not None and dist.is_initialized() and _everyone_leaving(g):
+            if _hosts_store(g) and dist.is_initialized():
+                dist.destroy_process_group()  # peers blocked on us in a collective see it fail now
+                _linger_for_peers(g)
+            return  # no barrier: a failed worker's teardown must not wait on anyone
+        met = g.heartbeat is not None and dist.is_initialized() and _everyone_leaving(g)
+        if met:
             try:
                 dist.monitored_barrier(timeout=timedelta(seconds=min(10.0, g.env.timeout_s)))
             except RuntimeError:
                 pass  # a peer is gone or went elsewhere; leave anyway
         if g.probe is not None:
             try:
-                liveness.record_exit(g.probe, g.env.rank, "ok")
+                lost = liveness.losses_seen()  # ended normally, but only after losing a peer: not a cause
+                liveness.record_exit(g.probe, g.env.rank,
+                                     f"ok after losing rank(s) {', '.join(map(str, lost))}" if lost else "ok")
             except Exception:
                 pass
         if g.heartbeat is not None:
             g.heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if g is not None and g.store is not None and not met and _hosts_store(g):
+        _linger_for_peers(g)
     _group = None
+
+
+def _hosts_store(g: _Group) -> bool:
+    return g.env.rank == 0 and not g.env.agent_store
+
+
+def _linger_for_peers(g: _Group) -> None:
+    """Keep the store up until every peer has left a note or gone silent (bounded)."""
+    store, world = g.probe, g.env.world_size
+    if store is None:
+        return
+    try:
+        watch = liveness.Watch(store, world)
+        deadline = time.monotonic() + liveness.STALE_AFTER_S + 2.0
+        while time.monotonic() < deadline:
+            watch.poll()
+            done = set(liveness.exit_records(store, world)) | set(watch.stale()) | {g.env.rank}
+            if len(done) >= world:
+                return
+            time.sleep(0.05)
+    except Exception:
+        return
 
 
 def _everyone_leaving(g: _Group) -> bool:

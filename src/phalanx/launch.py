@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
 
-from .errors import ConfigError, usage
+from .errors import ConfigError, OneLineParser, usage
 
 if TYPE_CHECKING:
     from .elastic.agent import ElasticConfig
@@ -58,16 +58,9 @@ The same script also runs under `torchrun --nproc-per-node N train.py` or as a p
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises one ConfigError line instead of printing usage and exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(usage(f"`{self.prog}`: {message}", "`phalanx run [options] script.py [args]`",
-                                "See `phalanx run --help`."))
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="phalanx run", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+    p = OneLineParser(prog="phalanx run", usage_hint="`phalanx run [options] script.py [args]`",
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
                 description="Start N data-parallel workers running script.py. Ctrl-C or SIGTERM stops them;\n"
                             "if one fails, the others are stopped and its exit status is returned.")
     # Everything is read as text and checked in RunConfig.from_args, so each error is one clear line.
@@ -354,6 +347,26 @@ def _dead_server(servers) -> str | None:
     return None
 
 
+def _watch_servers(servers):  # -> threading.Event: set it before stopping the servers on purpose
+    """Stop the workers as soon as a parameter server dies (they would wait out their timeout on it).
+
+    A daemon thread polls the servers; on a death it sends this process SIGTERM, which torch's
+    agent turns into stopping every worker, and :func:`run` then names the server.
+    """
+    import threading
+
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            if not all(servers.alive()):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="phalanx-server-watch", daemon=True).start()
+    return done
+
+
 def _start_servers(cfg: RunConfig):
     try:
         from .ps.launcher import start_servers
@@ -381,11 +394,12 @@ def run(cfg: RunConfig) -> int:
         print(line, file=sys.stderr, flush=True)
     store = _loopback_store() if cfg.standalone else None
     launch = cfg.launch_config(store[0].port if store else 0)
-    env, servers = cfg.worker_env(), None
+    env, servers, watching = cfg.worker_env(), None, None
     try:
         if cfg.servers:
             servers = _start_servers(cfg)
             env.update(servers.env())
+            watching = _watch_servers(servers)
         with _environ(env):
             # sys.executable -u: the same interpreter as ours, unbuffered so workers' lines interleave promptly.
             elastic_launch(launch, sys.executable)("-u", cfg.script, *cfg.script_args)
@@ -402,9 +416,15 @@ def run(cfg: RunConfig) -> int:
               "host 0 is up and reachable", file=sys.stderr, flush=True)
         return 1
     except SignalException as err:
+        server = _dead_server(servers)
+        if server:
+            print(server, file=sys.stderr, flush=True)
+            return 1
         print(f"phalanx: received {err.sigval.name}; stopped all workers", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
+        if watching is not None:
+            watching.set()
         if servers is not None:
             servers.stop()
         if store is not None:

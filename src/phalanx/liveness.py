@@ -41,6 +41,7 @@ from .errors import WorkerLostError
 
 HEARTBEAT_EVERY_S = 0.5
 STALE_AFTER_S = 3.0  # six missed beats: a loaded machine can starve a thread for a second or two, not for three
+CONFIRM_S = 1.5  # a rank whose last beat is already old is called stopped after watching it this long (3 beats)
 STORE_PROBE_TIMEOUT_S = 5.0  # a diagnosis must not hang on a frozen store host
 
 
@@ -48,12 +49,16 @@ def _beat_key(rank: int) -> str:
     return f"liveness/beat/{rank}"
 
 
+def _time_key(rank: int) -> str:
+    return f"liveness/beat-time/{rank}"
+
+
 def _exit_key(rank: int) -> str:
     return f"liveness/exit/{rank}"
 
 
-def _quick(store: dist.Store, timeout_s: float = STORE_PROBE_TIMEOUT_S) -> dist.Store:
-    """A second connection with a short timeout: a blocked wait on the caller's must not hold up this one."""
+def second_connection(store: dist.Store, timeout_s: float = STORE_PROBE_TIMEOUT_S) -> dist.Store:
+    """A second connection to ``store`` with a short timeout: a blocked wait on the first must not hold it up."""
     clone = store.clone()
     clone.set_timeout(timedelta(seconds=timeout_s))
     return clone
@@ -78,14 +83,14 @@ class Heartbeat:
 
     def __init__(self, store: dist.Store, rank: int, every_s: float = HEARTBEAT_EVERY_S) -> None:
         self.rank, self.every_s = rank, every_s
-        self._store = _quick(store)
+        self._store = second_connection(store)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> "Heartbeat":
         """Write the first beat now and keep beating in the background; returns self."""
         if self._thread is None:
-            self._store.add(_beat_key(self.rank), 1)
+            self._beat()
             self._thread = threading.Thread(target=self._run, name=f"phalanx-heartbeat-{self.rank}", daemon=True)
             self._thread.start()
         return self
@@ -99,14 +104,25 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
-                self._store.add(_beat_key(self.rank), 1)
+                self._beat()
             except Exception:  # the store's host is gone: nothing left to tell anyone
                 return
+
+    def _beat(self) -> None:
+        # The writer's clock lets a reader recognise a beat that stopped long ago without waiting
+        # stale_after_s itself; the counter (read by the reader's own clock) guards against skew.
+        self._store.set(_time_key(self.rank), repr(time.time()))
+        self._store.add(_beat_key(self.rank), 1)
 
 
 def beats(store: dist.Store, world_size: int) -> list[int]:
     """Each rank's heartbeat counter now (0: never beat); ``add(key, 0)`` reads without blocking."""
     return [int(store.add(_beat_key(r), 0)) for r in range(world_size)]
+
+
+def beat_times(store: dist.Store, ranks: list[int]) -> list[float]:
+    """Wall-clock time (the writer's) of each rank's last beat; only for ranks that have beaten."""
+    return [float(v) for v in store.multi_get([_time_key(r) for r in ranks])] if ranks else []
 
 
 def record_exit(store: dist.Store, rank: int, reason: str = "ok") -> None:
@@ -138,7 +154,10 @@ class Watch:
     """Non-blocking view of heartbeats: call :meth:`poll` now and then, read :meth:`stale`.
 
     A rank is stale once its counter has not moved for ``stale_after_s`` by this
-    process's clock, counted from the first poll.
+    process's clock, counted from the first poll; or, sooner, once it has not moved
+    for ``CONFIRM_S`` and its last beat, by the writer's clock, is ``stale_after_s``
+    old (a rank that died before we started watching). A live rank on a host whose
+    clock is off still advances within ``CONFIRM_S``, so skew cannot get it blamed.
 
     Example:
         >>> import torch.distributed as dist
@@ -155,15 +174,21 @@ class Watch:
         self._last: list[int] | None = None
         self._first: list[int] | None = None
         self._since: list[float] = []
+        self._silent_s: list[float] = []  # seconds since each rank's last beat, by the writer's clock
 
     def poll(self) -> None:
-        """Read every counter once (one store round trip per rank)."""
+        """Read every counter once (one store round trip per rank, and one for the beat times)."""
         now, seen = time.monotonic(), beats(self.store, self.world_size)
         if self._last is None:
             self._first, self._since = list(seen), [now] * self.world_size
         else:
             self._since = [now if s != last else t for s, last, t in zip(seen, self._last, self._since, strict=True)]
         self._last = seen
+        started = [r for r in range(self.world_size) if seen[r] > 0]
+        wall, silent = time.time(), [0.0] * self.world_size
+        for r, t in zip(started, beat_times(self.store, started), strict=True):
+            silent[r] = wall - t
+        self._silent_s = silent
 
     def advanced(self) -> list[int]:
         """Ranks whose counter moved since the first poll."""
@@ -174,7 +199,9 @@ class Watch:
     def stale(self) -> list[int]:
         """Ranks whose counter has stood still for ``stale_after_s``."""
         now = time.monotonic()
-        return [r for r, t in enumerate(self._since) if now - t >= self.stale_after_s]
+        return [r for r, t in enumerate(self._since)
+                if now - t >= self.stale_after_s
+                or (now - t >= min(CONFIRM_S, self.stale_after_s) and self._silent_s[r] >= self.stale_after_s)]
 
 
 def survey(store: dist.Store, world_size: int, stale_after_s: float = STALE_AFTER_S, *,
@@ -238,32 +265,50 @@ def lost_ranks(timeout_s: float = STALE_AFTER_S) -> list[int] | None:
     return None if seen is None else seen.lost
 
 
+def _consequence(note: str) -> bool:
+    """An exit note of a rank that ended because it lost another (not a cause of its own)."""
+    return note.startswith(("ok after losing", "WorkerLostError"))
+
+
 def describe(seen: Liveness | None, me: int) -> str:
     """Who is gone and how, in words (the middle of a WorkerLostError message).
+
+    The headline names the ranks that caused the loss; ranks that ended only because
+    they lost one of those are listed after it.
 
     Example:
         >>> describe(Liveness(alive=[0, 2], exited={1: "ValueError: boom"}), me=0)
         'rank(s) 1 (rank 1 raised ValueError: boom)'
-        >>> describe(Liveness(alive=[0, 1], stopped=[2]), me=0)
-        'rank(s) 2 (its heartbeat stopped: killed, crashed or frozen)'
+        >>> describe(Liveness(alive=[0], exited={1: "ok after losing rank(s) 2"}, stopped=[2]), me=0)
+        'rank(s) 2 (its heartbeat stopped: killed, crashed or frozen; rank 1 has also ended, after losing rank(s) 2)'
     """
     if seen is None:
         return ("the group's store, which no longer answers, so it cannot tell which rank is gone (the store "
                 "lives in rank 0, or in the launcher under `phalanx run`/torchrun: that process has probably ended)")
     exited = {r: why for r, why in seen.exited.items() if r != me}
-    lost = sorted([*exited, *seen.stopped])
+    causes = {r: why for r, why in exited.items() if not _consequence(why)}
+    after = {r: why for r, why in exited.items() if _consequence(why)}
+    lost = sorted([*causes, *seen.stopped]) or sorted(after)
     if not lost:  # everyone is alive: nobody died; the collective itself failed
         return ("a peer, although every rank is still running (they may have called different collectives, "
                 "or one was slower than the timeout)")
     how = [f"rank {r} exited normally before this collective: the ranks ran different numbers of collectives"
-           if why == "ok" else f"rank {r} raised {why}" for r, why in sorted(exited.items())]
+           if why == "ok" else f"rank {r} raised {why}" for r, why in sorted(causes.items())]
     if seen.stopped:
         whose = "its" if len(seen.stopped) == 1 else "their"
-        how.append(("" if len(lost) == 1 else f"rank(s) {', '.join(map(str, seen.stopped))}: ")
+        how.append(("" if len(seen.stopped) == len(lost) == 1 else f"rank(s) {', '.join(map(str, seen.stopped))}: ")
                    + f"{whose} heartbeat stopped: killed, crashed or frozen")
-    if len(lost) == 1 and seen.stopped:
-        return f"rank(s) {lost[0]} ({how[0]})"
+    for r, why in sorted(after.items()):
+        how.append(f"rank {r} has also ended, {why[3:] if why.startswith('ok ') else 'having lost contact too'}")
     return f"rank(s) {', '.join(map(str, lost))} ({'; '.join(how)})"
+
+
+_lost_seen: list[int] = []  # the ranks this process's last WorkerLostError blamed
+
+
+def losses_seen() -> list[int]:
+    """Ranks this process has lost contact with (its exit note then says so, so peers blame the cause)."""
+    return list(_lost_seen)
 
 
 @contextlib.contextmanager
@@ -283,6 +328,8 @@ def guarded(what: str) -> Iterator[None]:
         me = group.rank()
         store = _probe_store()
         seen = None if store is None else survey(store, group.world_size(), STALE_AFTER_S, me=me)
+        if seen is not None:
+            _lost_seen[:] = [r for r in seen.lost if r != me]
         raise WorkerLostError(
             f"rank {me} lost contact with {describe(seen, me)} during {what} "
             f"(timeout {group.timeout_s():.0f}s): {str(err).splitlines()[0][:200]}. "

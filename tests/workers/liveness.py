@@ -30,17 +30,39 @@ def raise_at(step: int, rank: int, steps: int = 50) -> None:
 def kill_one(victim: int, step: int = 3, slow: int | None = None, steps: int = 200) -> dict[str, Any]:
     """``victim`` kills itself with SIGKILL at ``step``; rank ``slow`` is busy (not in a collective) when it happens.
 
-    A survivor returns the WorkerLostError message it got, and how long after the kill it came.
+    A survivor returns the WorkerLostError message it got, and how long after reaching ``step`` it came.
     """
     px.init()
+    at = None
     try:
         for now in range(steps):
             if now == step:
+                at = time.time()
                 if px.rank() == victim:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if px.rank() == slow:
                     time.sleep(4.0)  # busy elsewhere: longer than the old 3 s check-in window
             _step()
     except px.WorkerLostError as err:
-        return {"message": str(err), "time": time.time()}
-    return {"message": None, "time": time.time()}
+        return {"message": str(err), "after_s": time.time() - at}
+    return {"message": None, "after_s": None}
+
+
+def freeze_one(victim: int, step: int = 3, steps: int = 10000) -> dict[str, Any]:
+    """``victim`` freezes itself with SIGSTOP at ``step`` (a hung peer); survivors report, then rank 0 reaps it."""
+    from phalanx import group
+    px.init()
+    group.store().set(f"test/pid/{px.rank()}", str(os.getpid()))
+    at = None
+    try:
+        for now in range(steps):
+            if now == step:
+                at = time.time()
+                if px.rank() == victim:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+            _step()
+    except px.WorkerLostError as err:
+        if px.rank() == 0:
+            os.kill(int(group.store().get(f"test/pid/{victim}")), signal.SIGKILL)
+        return {"message": str(err), "after_s": time.time() - at}
+    return {"message": None, "after_s": None}
