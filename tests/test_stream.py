@@ -29,7 +29,7 @@ def test_split_is_contiguous_and_gives_a_worker_without_events_a_weightless_stan
 
 
 def test_plan_survives_the_broadcast_tensor_including_the_largest_sequence():
-    plan = Plan(STEP, total=3, final=True, consumed=4, lag=9, dead=1, position=f"7-{MAX_SEQ}",
+    plan = Plan(STEP, total=3, final=True, consumed=4, lag=9, dead=1, position=f"7-{MAX_SEQ}", offset=12,
                 parts=(("1-0", "2-5", 2), ("3-0", "3-0", 1)))
     assert Plan.unpack(plan.pack(2), 2) == plan
     assert before("7-0") == f"6-{MAX_SEQ}"
