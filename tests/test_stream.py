@@ -94,7 +94,7 @@ def test_every_event_once_and_nothing_pending_after_the_final_commit(server):
     publish(server, "once", 95, end=True)
     loader = loader_for(server, "once")
     seen, sizes = [], []
-    for x, y in loader:
+    for x, _ in loader:
         seen += loader.ids
         sizes.append(len(x))
     loader.state_dict()
@@ -191,7 +191,9 @@ def test_a_stream_trimmed_past_the_committed_position_is_reported_not_skipped(se
     redis.Redis.from_url(server.url).xtrim("trim", maxlen=50, approximate=False)  # deletes 40 events never trained
     again = loader_for(server, "trim")
     again.load_state_dict(committed)
-    with pytest.raises(StreamError, match="lost entries that were never trained: 51 of its 101 entries were deleted or trimmed, but training had committed only 10"):
+    lost = "lost entries that were never trained: 51 of its 101 entries were deleted or trimmed, but training " \
+           "had committed only 10"
+    with pytest.raises(StreamError, match=lost):
         next(iter(again))
     assert again.steps == 1
 

@@ -247,7 +247,8 @@ class StreamLoader:
             src.acknowledge(self._commit[0])
             self.acknowledged, self._commit = self._commit[0], None
         base = self.position or START
-        added = src.check(base, self.offset if self.offset >= 0 else None)  # raises if entries after the position were trimmed away
+        # Raises if entries after the position were trimmed away: they would be skipped silently otherwise.
+        added = src.check(base, self.offset if self.offset >= 0 else None)
         if self.stop.steps is not None and self.steps >= self.stop.steps:
             self._held, self._claimed_to, self._consumed, self._dead = [], None, 0, 0  # close() un-claims them
             return Plan(END, position=base, offset=self.offset, lag=self._lag(added, 0))
