@@ -207,15 +207,24 @@ def test_weights_of_an_uneven_step_give_one_process_gradient():
     assert Plan(END).status == END
 
 
-def test_the_trainer_fits_on_a_stream_and_its_history_shows_the_stream(server, one_thread):
+def test_the_trainer_fits_on_a_stream_and_its_history_shows_the_stream(server, one_thread, tmp_path):
     import torch.nn.functional as F
 
     import phalanx as px
     publish(server, "fit", 64, end=True)
     torch.manual_seed(0)
     net = torch.nn.Linear(8, 3)
-    trainer = px.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy, metrics=["accuracy"])
+    ckpt = str(tmp_path / "ckpt.pt")
+    commit = px.LambdaCallback(on_step_end=lambda t, step, logs: (step + 1) % 2 or t.save_checkpoint(ckpt))
+    trainer = px.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy, metrics=["accuracy"],
+                         callbacks=[commit])
     held_out = torch.utils.data.TensorDataset(torch.randn(20, 8), torch.randint(0, 3, (20,)))
-    row = trainer.fit(loader_for(server, "fit", batch_size=16), epochs=1, val_data=held_out, progress=False)[-1]
+    loader = loader_for(server, "fit", batch_size=16)
+    row = trainer.fit(loader, epochs=1, val_data=held_out, progress=False)[-1]
     assert row["steps"] == 4 and row["events"] == 64 and row["lag"] == 0 and row["dead_letters"] == 0
-    assert row["events_per_s"] > 0 and "acknowledged" in row and row["val_samples"] == 20
+    assert row["events_per_s"] > 0 and row["val_samples"] == 20
+    # step 4's commit (by the callback) was acknowledged when the next read found the end marker
+    assert row["acknowledged"] == stream_ids(server, "fit")[63]
+    trainer.save_checkpoint(ckpt)
+    loader.close()
+    assert loader.source.pending() == 0
