@@ -77,6 +77,15 @@ def check_recovered(tmp_path, proc, results, victim: str, at: int, commit: int =
     return {"kill_to_first_step_s": seconds}
 
 
+def gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its (killed) parent never reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 # -- unit: the quorum rules and bad input ------------------------------------------------------------------------
 
 def test_next_generation_keeps_survivors_in_their_old_order_then_joiners():
@@ -171,3 +180,19 @@ def test_local_sgd_survives_a_crash_and_trains_every_sample_once(tmp_path):
     for epoch in (0, 1):
         ids = [i for e, _, step in results["0"]["record"] for i in step if e == epoch]
         assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+
+
+@pytest.mark.multiproc
+def test_losing_the_launcher_ends_every_worker_with_one_line(tmp_path):
+    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", WORKER, "--out", str(tmp_path),
+           "--step-sleep", "0.5", "--epochs", "20"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(glob.glob(str(tmp_path / "training*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.rsplit("-", 1)[1].split(".")[0]) for p in glob.glob(str(tmp_path / "start*.json"))]
+    launcher.kill()  # the rendezvous host is gone; its store with it
+    stderr = launcher.communicate(timeout=30)[1]  # returns once every worker closed the inherited pipe
+    assert all(gone(pid) for pid in pids)
+    lines = [ln for ln in stderr.splitlines() if "lost the rendezvous host" in ln]
+    assert len(lines) == 2 and "checkpoint" in lines[0], stderr[-2000:]

@@ -100,6 +100,8 @@ def main() -> None:
                 opt.zero_grad()
                 F.mse_loss(model_(x), y).backward()
                 opt.step()
+                if state.step == 1:
+                    open(os.path.join(args.out, f"training{me}"), "w").close()
                 if state.history and not first_after:
                     first_after.append(time.time())
                 time.sleep(args.step_sleep)
