@@ -95,8 +95,9 @@ def main() -> None:
                         json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
                     os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
                     time.sleep(60)  # a stopped worker never gets here before the launcher kills it
-                everyone = comm.all_gather(ids)  # what the whole group trains on at this step
-                record.steps.append([epoch, px.world_size(), torch.cat(everyone).tolist()])
+                padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])  # a short last step
+                everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
+                record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
                 opt.zero_grad()
                 F.mse_loss(model_(x), y).backward()
                 opt.step()
