@@ -196,3 +196,15 @@ def test_losing_the_launcher_ends_every_worker_with_one_line(tmp_path):
     assert all(gone(pid) for pid in pids)
     lines = [ln for ln in stderr.splitlines() if "lost the rendezvous host" in ln]
     assert len(lines) == 2 and "checkpoint" in lines[0], stderr[-2000:]
+
+
+@pytest.mark.multiproc
+def test_trainer_fit_elastic_survives_a_crash_and_shows_the_world_size(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--trainer", "--kill", "1@5", "--commit-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2"]
+    for r in results.values():
+        assert [row["epoch"] for row in r["rows"]] == [1, 2]  # the interrupted epoch is reported once
+        assert [row["world_size"] for row in r["rows"]] == [2, 2]
+        assert [(m["was"], m["world_size"], m["left"], m["step"]) for m in r["membership"]] == [(3, 2, ["1"], 3)]
+    assert results["0"]["params"] == results["2"]["params"]

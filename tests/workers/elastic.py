@@ -69,11 +69,14 @@ def main() -> None:
     p.add_argument("--kill", default="", help="ID@STEP: the worker started as rank ID dies at STEP")
     p.add_argument("--stop", action="store_true", help="SIGSTOP instead of SIGKILL")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--trainer", action="store_true", help="train with px.Trainer.fit(elastic=...) instead")
     p.add_argument("--strategy", default="allreduce", help="allreduce, fp16, powersgd, local-sgd, diloco, easgd")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
 
+    if args.trainer:
+        return trainer_main(args, me, victim, int(at or 0))
     with open(os.path.join(args.out, f"start{me}-{os.getpid()}.json"), "w") as f:
         json.dump({"id": me, "pid": os.getpid()}, f)  # a restarted worker would leave a second one
     px.init()
@@ -114,6 +117,24 @@ def main() -> None:
               "history": state.history, "first_step_after_recovery": first_after[0] if first_after else None}
     with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
         json.dump(result, f)
+
+
+def trainer_main(args: argparse.Namespace, me: str, victim: str, at: int) -> None:
+    px.init()
+    net = model()
+    killer = px.LambdaCallback(on_step_begin=lambda trainer, step: (
+        os.kill(os.getpid(), signal.SIGKILL) if me == victim and step + 1 == at else None))
+    trainer = px.Trainer(net, optimizer(net), F.mse_loss, callbacks=[killer])
+    history = trainer.fit(dataset_xy(), epochs=args.epochs, batch_size=BATCH, progress=False,
+                          elastic=args.commit_every)
+    with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
+        json.dump({"id": me, "rows": [dict(r) for r in history], "membership": history.membership,
+                   "params": [t.tolist() for t in px.unwrap(trainer.model).parameters()]}, f)
+
+
+def dataset_xy() -> torch.utils.data.TensorDataset:
+    x, y, _ = dataset().tensors
+    return torch.utils.data.TensorDataset(x, y)
 
 
 if __name__ == "__main__":
