@@ -208,3 +208,20 @@ def test_trainer_fit_elastic_survives_a_crash_and_shows_the_world_size(tmp_path)
         assert [row["world_size"] for row in r["rows"]] == [2, 2]
         assert [(m["was"], m["world_size"], m["left"], m["step"]) for m in r["membership"]] == [(3, 2, ["1"], 3)]
     assert results["0"]["params"] == results["2"]["params"]
+
+
+@pytest.mark.multiproc
+def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", "--kill", "1@5", "--commit-every", "3",
+                           "--epochs", "4", "--step-sleep", "0.3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "r1"] and "started worker r1" in proc.stderr
+    joiner, main = results["r1"], results["0"]
+    first_step, world, state = joiner["digests"][0]
+    assert world == 3 and [h["joined"] for h in joiner["history"]] == [["r1"]]
+    at_join = [d for d in main["digests"] if d[0] == first_step and d[1] == 3]
+    assert at_join and at_join[0][2] == state  # bit-identical weights and momentum at its first step
+    assert joiner["record"] == main["record"] and joiner["params"] == main["params"]
+    for epoch in range(4):  # nobody rolled back at the join: still every sample once per epoch
+        ids = [i for e, _, step in main["record"] for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()

@@ -61,6 +61,12 @@ class Record:
         self.steps = [list(s) for s in state["steps"]]
 
 
+def digest(net: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+    """Sums of every parameter and momentum buffer, in float64: equal states give equal digests."""
+    bufs = [s["momentum_buffer"] for s in opt.state.values() if s.get("momentum_buffer") is not None]
+    return [float(t.detach().double().sum()) for t in [*px.unwrap(net).parameters(), *bufs]]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -87,6 +93,7 @@ def main() -> None:
     state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record})
     comm = px.Comm()
     first_after: list[float] = []
+    digests: list[list] = []  # (step, world size, digest of the weights and optimizer state) before each step
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
@@ -98,6 +105,7 @@ def main() -> None:
                         json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
                     os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
                     time.sleep(60)  # a stopped worker never gets here before the launcher kills it
+                digests.append([state.step, px.world_size(), digest(model_, opt)])
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])  # a short last step
                 everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
                 record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
@@ -114,7 +122,7 @@ def main() -> None:
     train(state)
     result = {"train_seconds": time.perf_counter() - started, "steps": state.step, "id": me, "pid": os.getpid(), "rank": px.rank(), "world_size": px.world_size(),
               "record": record.steps, "params": [t.tolist() for t in px.unwrap(model_).parameters()],
-              "history": state.history, "first_step_after_recovery": first_after[0] if first_after else None}
+              "history": state.history, "digests": digests, "first_step_after_recovery": first_after[0] if first_after else None}
     with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
         json.dump(result, f)
 
