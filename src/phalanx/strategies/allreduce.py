@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import group
 from ..comm import guarded
 from ..compression import check_compressor
 from ..errors import ConfigError, usage
@@ -67,8 +68,10 @@ class AllReduce(Strategy):
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         super().attach(model, optimizer)
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
-        if self.comm.world_size == 1 or self.compression is not None:
-            return model  # a group of one is plain PyTorch, bit for bit; compression runs in before_step
+        if self.comm.world_size == 1 or self.compression is not None or group.is_elastic():
+            # A group of one is plain PyTorch, bit for bit; compression runs in before_step. Elastic: the
+            # group may be rebuilt with joiners that attached alone, so every worker averages in before_step.
+            return model
         device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids,
                                       bucket_cap_mb=self.bucket_mb or fitted_bucket_mb(model),
@@ -86,6 +89,8 @@ class AllReduce(Strategy):
                 raise err  # guarded names the lost rank
         if self.compression is not None and self.comm.world_size > 1:  # alone, nothing to send: plain torch
             self.compression.average_(gradients(self.params), self.comm, key="grad")
+        elif hook is None and self.comm.world_size > 1:  # elastic (see attach)
+            self.comm.all_reduce_(gradients(self.params))
 
     def after_step(self) -> None:
         super().after_step()
