@@ -37,6 +37,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--kill", default="", help="ID@STEP")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--slow-after-loss", type=float, default=0.0, help="seconds per step once a worker was lost "
+                   "(time for a replacement to start and join)")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
@@ -60,6 +62,8 @@ def main() -> None:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
+            if state.history and len(state.history) < 2:
+                time.sleep(args.slow_after_loss)
 
     train(state)
     loader.state_dict()  # the final commit (a real run would save a checkpoint here) ...
