@@ -16,10 +16,6 @@ from phalanx.stream import Deadline, RedisStream, Stop, StreamError, StreamLoade
 from phalanx.stream.loader import END, STEP, Plan, split
 from phalanx.stream.source import MAX_SEQ, before
 
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed (make setup installs it as root: "
-                                        "apt-get install -y redis-server)")
-
 
 # -- units: no broker -----------------------------------------------------------------------------
 def test_split_is_contiguous_and_gives_a_worker_without_events_a_weightless_stand_in():
@@ -67,7 +63,8 @@ def test_a_malformed_url_is_a_usage_error():
 @pytest.fixture(scope="module")
 def server():
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (make setup installs it as root)")
+        pytest.skip("redis-server is not installed (make setup installs it as root: apt-get install -y "
+                    "redis-server)")
     from phalanx.stream.broker import RedisServer
     s = RedisServer()
     yield s
