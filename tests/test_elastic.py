@@ -77,6 +77,15 @@ def check_recovered(tmp_path, proc, results, victim: str, at: int, commit: int =
     return {"kill_to_first_step_s": seconds}
 
 
+def gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its (killed) parent never reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 # -- unit: the quorum rules and bad input ------------------------------------------------------------------------
 
 def test_next_generation_keeps_survivors_in_their_old_order_then_joiners():
@@ -170,4 +179,49 @@ def test_local_sgd_survives_a_crash_and_trains_every_sample_once(tmp_path):
     assert results["0"]["history"][0]["step"] == 4  # the first sync point (every 2) at least 3 steps in
     for epoch in (0, 1):
         ids = [i for e, _, step in results["0"]["record"] for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+
+
+@pytest.mark.multiproc
+def test_losing_the_launcher_ends_every_worker_with_one_line(tmp_path):
+    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", WORKER, "--out", str(tmp_path),
+           "--step-sleep", "0.5", "--epochs", "20"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(glob.glob(str(tmp_path / "training*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.rsplit("-", 1)[1].split(".")[0]) for p in glob.glob(str(tmp_path / "start*.json"))]
+    launcher.kill()  # the rendezvous host is gone; its store with it
+    stderr = launcher.communicate(timeout=30)[1]  # returns once every worker closed the inherited pipe
+    assert all(gone(pid) for pid in pids)
+    lines = [ln for ln in stderr.splitlines() if "lost the rendezvous host" in ln]
+    assert len(lines) == 2 and "checkpoint" in lines[0], stderr[-2000:]
+
+
+@pytest.mark.multiproc
+def test_trainer_fit_elastic_survives_a_crash_and_shows_the_world_size(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--trainer", "--kill", "1@5", "--commit-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2"]
+    for r in results.values():
+        assert [row["epoch"] for row in r["rows"]] == [1, 2]  # the interrupted epoch is reported once
+        assert [row["world_size"] for row in r["rows"]] == [2, 2]
+        assert [(m["was"], m["world_size"], m["left"], m["step"]) for m in r["membership"]] == [(3, 2, ["1"], 3)]
+    assert results["0"]["params"] == results["2"]["params"]
+
+
+@pytest.mark.multiproc
+def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", "--kill", "1@5", "--commit-every", "3",
+                           "--epochs", "4", "--step-sleep", "0.3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "r1"] and "started worker r1" in proc.stderr
+    joiner, main = results["r1"], results["0"]
+    first_step, world, state = joiner["digests"][0]
+    assert world == 3 and [h["joined"] for h in joiner["history"]] == [["r1"]]
+    at_join = [d for d in main["digests"] if d[0] == first_step and d[1] == 3]
+    assert at_join and at_join[0][2] == state  # bit-identical weights and momentum at its first step
+    assert joiner["record"] == main["record"] and joiner["params"] == main["params"]
+    for epoch in range(4):  # nobody rolled back at the join: still every sample once per epoch
+        ids = [i for e, _, step in main["record"] for i in step if e == epoch]
         assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()

@@ -16,10 +16,6 @@ from phalanx.stream import Deadline, RedisStream, Stop, StreamError, StreamLoade
 from phalanx.stream.loader import END, STEP, Plan, split
 from phalanx.stream.source import MAX_SEQ, before
 
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed (make setup installs it as root: "
-                                        "apt-get install -y redis-server)")
-
 
 # -- units: no broker -----------------------------------------------------------------------------
 def test_split_is_contiguous_and_gives_a_worker_without_events_a_weightless_stand_in():
@@ -29,7 +25,7 @@ def test_split_is_contiguous_and_gives_a_worker_without_events_a_weightless_stan
 
 
 def test_plan_survives_the_broadcast_tensor_including_the_largest_sequence():
-    plan = Plan(STEP, total=3, final=True, consumed=4, lag=9, dead=1, position=f"7-{MAX_SEQ}",
+    plan = Plan(STEP, total=3, final=True, consumed=4, lag=9, dead=1, position=f"7-{MAX_SEQ}", offset=12,
                 parts=(("1-0", "2-5", 2), ("3-0", "3-0", 1)))
     assert Plan.unpack(plan.pack(2), 2) == plan
     assert before("7-0") == f"6-{MAX_SEQ}"
@@ -46,7 +42,7 @@ def test_policies_never_step_on_nothing():
 
 
 def test_import_phalanx_does_not_import_redis():
-    code = "import sys, phalanx, phalanx.stream; print('redis' in sys.modules)"
+    code = "import sys, phalanx; phalanx.stream.RedisStream; print('redis' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -67,7 +63,8 @@ def test_a_malformed_url_is_a_usage_error():
 @pytest.fixture(scope="module")
 def server():
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (make setup installs it as root)")
+        pytest.skip("redis-server is not installed (make setup installs it as root: apt-get install -y "
+                    "redis-server)")
     from phalanx.stream.broker import RedisServer
     s = RedisServer()
     yield s
@@ -94,7 +91,7 @@ def test_every_event_once_and_nothing_pending_after_the_final_commit(server):
     publish(server, "once", 95, end=True)
     loader = loader_for(server, "once")
     seen, sizes = [], []
-    for x, y in loader:
+    for x, _ in loader:
         seen += loader.ids
         sizes.append(len(x))
     loader.state_dict()
@@ -191,7 +188,9 @@ def test_a_stream_trimmed_past_the_committed_position_is_reported_not_skipped(se
     redis.Redis.from_url(server.url).xtrim("trim", maxlen=50, approximate=False)  # deletes 40 events never trained
     again = loader_for(server, "trim")
     again.load_state_dict(committed)
-    with pytest.raises(StreamError, match="lost entries that were never trained: 51 of its 101 entries were deleted or trimmed, but training had committed only 10"):
+    lost = "lost entries that were never trained: 51 of its 101 entries were deleted or trimmed, but training " \
+           "had committed only 10"
+    with pytest.raises(StreamError, match=lost):
         next(iter(again))
     assert again.steps == 1
 
@@ -205,15 +204,24 @@ def test_weights_of_an_uneven_step_give_one_process_gradient():
     assert Plan(END).status == END
 
 
-def test_the_trainer_fits_on_a_stream_and_its_history_shows_the_stream(server, one_thread):
+def test_the_trainer_fits_on_a_stream_and_its_history_shows_the_stream(server, one_thread, tmp_path):
     import torch.nn.functional as F
 
     import phalanx as px
     publish(server, "fit", 64, end=True)
     torch.manual_seed(0)
     net = torch.nn.Linear(8, 3)
-    trainer = px.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy, metrics=["accuracy"])
+    ckpt = str(tmp_path / "ckpt.pt")
+    commit = px.LambdaCallback(on_step_end=lambda t, step, logs: (step + 1) % 2 or t.save_checkpoint(ckpt))
+    trainer = px.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy, metrics=["accuracy"],
+                         callbacks=[commit])
     held_out = torch.utils.data.TensorDataset(torch.randn(20, 8), torch.randint(0, 3, (20,)))
-    row = trainer.fit(loader_for(server, "fit", batch_size=16), epochs=1, val_data=held_out, progress=False)[-1]
+    loader = loader_for(server, "fit", batch_size=16)
+    row = trainer.fit(loader, epochs=1, val_data=held_out, progress=False)[-1]
     assert row["steps"] == 4 and row["events"] == 64 and row["lag"] == 0 and row["dead_letters"] == 0
-    assert row["events_per_s"] > 0 and "acknowledged" in row and row["val_samples"] == 20
+    assert row["events_per_s"] > 0 and row["val_samples"] == 20
+    # step 4's commit (by the callback) was acknowledged when the next read found the end marker
+    assert row["acknowledged"] == stream_ids(server, "fit")[63]
+    trainer.save_checkpoint(ckpt)
+    loader.close()
+    assert loader.source.pending() == 0

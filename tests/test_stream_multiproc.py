@@ -173,3 +173,34 @@ def test_redis_stopped_mid_run_is_a_clear_error_in_bounded_time_and_the_last_com
     main = body["ranks"][0]
     assert body["step"] == last_commit and main["loader"]["steps"] == last_commit
     assert isinstance(main["loader"]["position"], str) and torch.is_tensor(main["model"]["0.weight"])
+
+
+def test_exactly_once_when_an_elastic_group_loses_a_worker_and_a_new_one_joins(server, tmp_path):
+    """Under `phalanx run --elastic --replace` the survivors roll back in memory (the same restore as from disk),
+    then a new worker joins at a commit point with rank 0's state and the stream goes on from there."""
+    import glob
+    import json
+    stream = "elastic"
+    script = os.path.join(os.path.dirname(__file__), "workers", "stream_elastic.py")
+    feed = producer(server.url, stream, 3000, 1000)
+    cli = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+    try:
+        proc = subprocess.run([*cli, "run", "-n", "3", "--elastic", "--min-workers", "2", "--replace", script,
+                               "--url", server.url, "--stream", stream, "--out", str(tmp_path), "--kill", "1@8", "--slow-after-loss", "0.5"],
+                              capture_output=True, text=True, timeout=240)
+        assert feed.wait(timeout=30) == 0
+    finally:
+        feed.kill()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["id"]: r for r in (json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json")))}
+    assert sorted(results) == ["0", "2", "r1"], proc.stderr[-2000:]
+    summary = {k: (r["world_size"], r["history"], len(r["record"])) for k, r in results.items()}
+    assert all(r["world_size"] == 3 for r in results.values()), summary  # the joiner was admitted
+    lost, joined = results["0"]["history"]
+    assert lost["left"] == ["1"] and lost["step"] == 6 and lost["redone_steps"] == 1  # step 7 is redone
+    assert joined["joined"] == ["r1"] and joined["redone_steps"] == 0
+    record = results["0"]["record"]
+    assert record == results["2"]["record"] == results["r1"]["record"]
+    trained = [i for step in record for i in step]
+    assert len(trained) == len(set(trained)) and sorted(trained) == sorted(published(server.url, stream))
+    assert results["0"]["pending"] == 0

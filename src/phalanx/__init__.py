@@ -39,6 +39,7 @@ from .state import TrainingState
 from .trainer import History, Trainer
 from .wrap import no_sync, strategy_of, unwrap, wrap
 from . import elastic  # px.elastic.State / px.elastic.run
+from . import stream  # px.stream.RedisStream / px.stream.StreamLoader (redis itself is imported on first use)
 
 __version__ = "0.1.0"
 
@@ -64,5 +65,5 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "read_checkpoint", "TrainingState",
     "PhalanxError", "ConfigError", "WorkerLostError", "CheckpointError",
     # fault tolerance
-    "elastic",
+    "elastic", "stream",
 ]

@@ -359,6 +359,11 @@ def regroup(rank: int, world_size: int, store: dist.Store | None) -> None:
     probe = liveness._quick(store) if store is not None else None
     _group = _Group(env=replace(current.env, rank=rank, world_size=world_size), device=current.device,
                     store=store, probe=probe, heartbeat=heartbeat)
+
+
+def is_elastic() -> bool:
+    """True under ``phalanx run --elastic`` or ``phalanx join``: the group may be rebuilt with another size."""
+    return "PHALANX_ELASTIC_ID" in os.environ
 # --- end of elastic hook ------------------------------------------------------------------
 
 

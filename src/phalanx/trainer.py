@@ -127,7 +127,7 @@ class Trainer:
     def fit(self, train_data: Dataset | ShardedLoader, *, epochs: int = 1, batch_size: int = 32,
             val_data: Dataset | None = None, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
             val_batch_size: int = 256, resume_from: str | os.PathLike | None = None, progress: bool = True,
-            loader_kwargs: dict[str, Any] | None = None) -> History:
+            loader_kwargs: dict[str, Any] | None = None, elastic: int | bool = False) -> History:
         """Train for ``epochs`` epochs; returns the history, one dict per epoch.
 
         ``batch_size`` is per worker: a step trains on ``world_size * batch_size``
@@ -142,6 +142,11 @@ class Trainer:
         ``val_<metric>`` (with ``val_samples``), ``samples_per_s`` (global, warm-up
         excluded), ``bytes_sent`` (by this worker's strategy), ``steps`` (this epoch),
         ``step`` (total) and ``time_s``; every value is the same on every worker.
+
+        ``elastic`` (True, or the steps between in-memory commits): under ``phalanx run
+        --elastic`` a lost worker no longer ends the fit; the survivors roll back to the
+        last commit and go on (see ``px.elastic``). Each row then has ``world_size``, and
+        ``history.membership`` lists every change. Elsewhere it changes nothing.
         """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ConfigError(usage(f"epochs={epochs!r}", "an integer >= 0", "Pass e.g. epochs=10."))
@@ -160,14 +165,34 @@ class Trainer:
         self.stop_training = self._finished = False
         show = progress and group.is_main()
         self._call("on_train_begin")
-        for epoch in range(start, epochs):
-            self.epoch = epoch
-            self._call("on_epoch_begin", epoch)
-            row = self._epoch(epoch, epochs, val_data, val_batch_size, show)
-            self.history.append(row)
-            self._call("on_epoch_end", epoch, row)
-            if self.stop_training:
-                break
+        # --- elastic (phalanx.elastic): the epoch loop is re-entered after a membership change -------
+        step0 = self.step
+
+        def epochs_loop(state: Any = None) -> None:
+            first = start
+            if state is not None and state.elastic:  # (re-)entered at the commit every worker holds
+                self.step, first = step0 + state.step, max(start, state.epoch)
+                del self.history[sum(1 for r in self.history if r["epoch"] <= state.epoch):]
+            for epoch in range(first, epochs):
+                self.epoch = epoch
+                self._call("on_epoch_begin", epoch)
+                row = self._epoch(epoch, epochs, val_data, val_batch_size, show)
+                if state is not None:
+                    row["world_size"] = group.world_size()
+                self.history.append(row)
+                self._call("on_epoch_end", epoch, row)
+                if self.stop_training:
+                    break
+
+        if elastic:
+            from .elastic import State, run
+            state = State(self.model, self.optimizer, self.loader,
+                          commit_every=10 if elastic is True else int(elastic))
+            self.history.membership = state.history
+            run(epochs_loop)(state)
+        else:
+            epochs_loop()
+        # --- end elastic -------------------------------------------------------------------------------
         self._finish()
         self.history.samples_per_s = self.meter.global_rate(self.comm)
         self._call("on_train_end")

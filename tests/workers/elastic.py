@@ -61,6 +61,12 @@ class Record:
         self.steps = [list(s) for s in state["steps"]]
 
 
+def digest(net: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+    """Sums of every parameter and momentum buffer, in float64: equal states give equal digests."""
+    bufs = [s["momentum_buffer"] for s in opt.state.values() if s.get("momentum_buffer") is not None]
+    return [float(t.detach().double().sum()) for t in [*px.unwrap(net).parameters(), *bufs]]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -69,11 +75,14 @@ def main() -> None:
     p.add_argument("--kill", default="", help="ID@STEP: the worker started as rank ID dies at STEP")
     p.add_argument("--stop", action="store_true", help="SIGSTOP instead of SIGKILL")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--trainer", action="store_true", help="train with px.Trainer.fit(elastic=...) instead")
     p.add_argument("--strategy", default="allreduce", help="allreduce, fp16, powersgd, local-sgd, diloco, easgd")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
 
+    if args.trainer:
+        return trainer_main(args, me, victim, int(at or 0))
     with open(os.path.join(args.out, f"start{me}-{os.getpid()}.json"), "w") as f:
         json.dump({"id": me, "pid": os.getpid()}, f)  # a restarted worker would leave a second one
     px.init()
@@ -84,6 +93,7 @@ def main() -> None:
     state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record})
     comm = px.Comm()
     first_after: list[float] = []
+    digests: list[list] = []  # (step, world size, digest of the weights and optimizer state) before each step
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
@@ -95,21 +105,44 @@ def main() -> None:
                         json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
                     os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
                     time.sleep(60)  # a stopped worker never gets here before the launcher kills it
-                everyone = comm.all_gather(ids)  # what the whole group trains on at this step
-                record.steps.append([epoch, px.world_size(), torch.cat(everyone).tolist()])
+                digests.append([state.step, px.world_size(), digest(model_, opt)])
+                padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])  # a short last step
+                everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
+                record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
                 opt.zero_grad()
                 F.mse_loss(model_(x), y).backward()
                 opt.step()
+                if state.step == 1:
+                    open(os.path.join(args.out, f"training{me}"), "w").close()
                 if state.history and not first_after:
                     first_after.append(time.time())
                 time.sleep(args.step_sleep)
 
+    started = time.perf_counter()
     train(state)
-    result = {"id": me, "pid": os.getpid(), "rank": px.rank(), "world_size": px.world_size(),
+    result = {"train_seconds": time.perf_counter() - started, "steps": state.step, "id": me, "pid": os.getpid(), "rank": px.rank(), "world_size": px.world_size(),
               "record": record.steps, "params": [t.tolist() for t in px.unwrap(model_).parameters()],
-              "history": state.history, "first_step_after_recovery": first_after[0] if first_after else None}
+              "history": state.history, "digests": digests, "first_step_after_recovery": first_after[0] if first_after else None}
     with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
         json.dump(result, f)
+
+
+def trainer_main(args: argparse.Namespace, me: str, victim: str, at: int) -> None:
+    px.init()
+    net = model()
+    killer = px.LambdaCallback(on_step_begin=lambda trainer, step: (
+        os.kill(os.getpid(), signal.SIGKILL) if me == victim and step + 1 == at else None))
+    trainer = px.Trainer(net, optimizer(net), F.mse_loss, callbacks=[killer])
+    history = trainer.fit(dataset_xy(), epochs=args.epochs, batch_size=BATCH, progress=False,
+                          elastic=args.commit_every)
+    with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
+        json.dump({"id": me, "rows": [dict(r) for r in history], "membership": history.membership,
+                   "params": [t.tolist() for t in px.unwrap(trainer.model).parameters()]}, f)
+
+
+def dataset_xy() -> torch.utils.data.TensorDataset:
+    x, y, _ = dataset().tensors
+    return torch.utils.data.TensorDataset(x, y)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-workers", default=None, metavar="M", help="stop when fewer than M workers are left "
                    "(default: more than half of -n)")
     g.add_argument("--max-workers", default=None, metavar="M", help="largest group joiners may grow (default -n)")
+    g.add_argument("--replace", action="store_true",
+                   help="start a new worker for each one lost (up to -n); it joins at the next commit")
     g.add_argument("--heartbeat-timeout", default=None, metavar="S", dest="heartbeat",
                    help=f"kill a worker whose heartbeat stopped for S seconds (default {DEFAULT_HEARTBEAT_S:g})")
 
@@ -55,10 +57,14 @@ class ElasticConfig:
     min_workers: int
     max_workers: int
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    replace: bool = False
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, nproc: int, nodes: int) -> "ElasticConfig | None":
         if not getattr(a, "elastic", False):
+            if getattr(a, "replace", False):
+                raise ConfigError(usage("--replace without --elastic", "--elastic with it",
+                                        "Add --elastic, or drop --replace."))
             for flag in ("min_workers", "max_workers", "heartbeat"):
                 if getattr(a, flag, None) is not None:
                     name = "--" + flag.replace("_", "-") if flag != "heartbeat" else "--heartbeat-timeout"
@@ -68,8 +74,9 @@ class ElasticConfig:
         if nodes > 1:
             raise ConfigError(usage("--elastic with --nnodes > 1", "--elastic on one launcher host (workers of "
                                     "other hosts join with `phalanx join`)", "Drop --nnodes."))
-        return cls.from_flags(nproc=nproc, min_workers=a.min_workers, max_workers=a.max_workers,
-                              heartbeat=a.heartbeat)
+        cfg = cls.from_flags(nproc=nproc, min_workers=a.min_workers, max_workers=a.max_workers,
+                             heartbeat=a.heartbeat)
+        return cls(cfg.min_workers, cfg.max_workers, cfg.heartbeat_s, replace=bool(a.replace))
 
     @classmethod
     def from_flags(cls, *, nproc: int, min_workers: str | None, max_workers: str | None,
@@ -146,6 +153,12 @@ def run_elastic(cfg: "RunConfig") -> int:
     workers = [_Worker(w, subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
                                            env={**base, "RANK": w, "LOCAL_RANK": w, "PHALANX_ELASTIC_ID": w}))
                for w in ids]
+
+    def replacement(number: int) -> _Worker:
+        wid = f"r{number}"
+        env = {k: v for k, v in base.items() if k not in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")}
+        return _Worker(wid, subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
+                                             env={**env, **joiner_env(wid)}))
     stop = {"sig": None}
 
     def on_signal(sig: int, _frame: object) -> None:
@@ -153,17 +166,23 @@ def run_elastic(cfg: "RunConfig") -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _watch(workers, store, el, stop)
+        return _watch(workers, store, el, stop, replacement if el.replace else None)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         _stop_all(workers)
 
 
-def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict) -> int:
+def joiner_env(wid: str) -> dict[str, str]:
+    """What a joining worker gets on top of MASTER_ADDR/MASTER_PORT: no rank, it has none yet."""
+    return {"PHALANX_ELASTIC_ID": wid, "PHALANX_ELASTIC_JOIN": "1"}
+
+
+def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, replacement=None) -> int:
     from .membership import key
 
     first_failure: int | None = None
+    replaced = 0
     while True:
         if stop["sig"] is not None:
             print(f"phalanx: received {signal.Signals(stop['sig']).name}; stopped all workers", file=sys.stderr,
@@ -194,6 +213,11 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict) -> int:
                 if not store.check([key("done")]):
                     print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; the others regroup "
                           "without it", file=sys.stderr, flush=True)
+                    if replacement is not None:
+                        replaced += 1
+                        workers.append(replacement(replaced))
+                        print(f"phalanx: elastic: started worker r{replaced} (pid {workers[-1].proc.pid}) to "
+                              "replace it; it joins at the next commit", file=sys.stderr, flush=True)
         alive = [w for w in workers if w.returncode is None]
         ok = [w for w in workers if w.returncode == 0]
         if not alive:

@@ -77,7 +77,7 @@ class State:
         self.commits: dict[int, dict] = {}
         self.history: list[dict] = []  # one entry per membership change
         self._checked = False
-        self.worker = ElasticWorker.from_environ() if group.world_size() > 1 else None
+        self.worker = ElasticWorker.from_environ()
         if optimizer is not None:
             optimizer.register_step_post_hook(lambda *_: self._after_step())
 
@@ -103,6 +103,9 @@ class State:
         # every worker stands at the same step with the same model.
         if self.step - last >= self.commit_every and (at_sync is None or at_sync(strategy.steps)):
             self.commit()
+            joiners = self.worker.admit(self.step)
+            if joiners:
+                raise _Resize(joiners)  # out of opt.step() and the training function; run() re-enters it
 
     def commit(self) -> None:
         """Capture this worker's state in memory (no collective); keeps the newest two."""
@@ -142,24 +145,77 @@ class State:
             del self.commits[newer]
         lost_steps = self.step - plan["step"]
         self.training.restore(snap)
-        sampler = getattr(self.loader, "sampler", None)
-        if sampler is not None and hasattr(sampler, "world_size"):  # the rest of the epoch, re-split over us
-            sampler.rank, sampler.world_size = group.rank(), group.world_size()
         for k, v in snap["elastic_extra"].items():
             self.extra[k].load_state_dict(copy.deepcopy(v))
         self.step = snap["elastic_step"]
+        self._resplit()
+        self._note(plan, before, started, redone=lost_steps, cause=failure)
+
+
+    def grow(self, joiners: list[str]) -> None:
+        """Members at a commit point: rebuild with the joiners and send them rank 0's state (collective)."""
+        started, before = time.monotonic(), group.world_size()
+        plan = self.worker.grow(joiners, backend=dist.get_backend() if dist.is_initialized() else "gloo")
+        self._send_state()
+        self._resplit()
+        self._note(plan, before, started, redone=0, cause="joined")
+
+    def join(self) -> bool:
+        """A joiner: wait for admission, then take rank 0's state; False if training had ended."""
+        started = time.monotonic()
+        plan = self.worker.wait_for_admission()
+        if plan is None:
+            return False
+        snap = self._send_state()
+        self.training.restore(snap)
+        for k, v in snap["elastic_extra"].items():
+            self.extra[k].load_state_dict(copy.deepcopy(v))
+        self.step = snap["elastic_step"]
+        self.commits = {self.step: snap}
+        self._resplit()
+        self._note(plan, 0, started, redone=0, cause="joined")
+        return True
+
+    def _send_state(self) -> dict:
+        """Rank 0's newest commit on every worker (a broadcast of its bytes; loaded weights-only)."""
+        from ..framing import from_bytes, to_bytes
+        if group.rank() == 0:
+            blob = to_bytes(self.commits[max(self.commits)])
+            size = torch.tensor([len(blob)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, 0)
+        buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if group.rank() == 0 else \
+            torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(buf, 0)
+        return from_bytes(buf.numpy().tobytes(), "the state sent by rank 0")
+
+    def _resplit(self) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if sampler is not None and hasattr(sampler, "world_size"):  # the rest of the epoch, re-split over us
+            sampler.rank, sampler.world_size = group.rank(), group.world_size()
         strategy = strategy_of(self.optimizer)
         if strategy is not None and hasattr(strategy, "regroup"):
             strategy.regroup()
+
+    def _note(self, plan: dict, before: int, started: float, *, redone: int, cause: str) -> None:
         self.history.append({"generation": plan["generation"], "world_size": group.world_size(),
                              "was": before, "left": plan["left"], "joined": plan["joined"],
-                             "step": self.step, "redone_steps": lost_steps, "time": time.time(),
-                             "seconds": round(time.monotonic() - started, 3), "cause": failure[:200]})
+                             "step": self.step, "redone_steps": redone, "time": time.time(),
+                             "seconds": round(time.monotonic() - started, 3), "cause": cause[:200]})
         if group.rank() == 0:
             print(f"phalanx: elastic: generation {plan['generation']}: {before} -> {group.world_size()} workers "
                   f"(left: {', '.join(plan['left']) or '-'}; joined: {', '.join(plan['joined']) or '-'}); "
-                  f"rolled back to step {self.step}, redoing {lost_steps} step(s); "
-                  f"regrouped in {time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
+                  f"at step {self.step}, redoing {redone} step(s); regrouped in "
+                  f"{time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
+
+
+class _Resize(Exception):
+    """Raised at a commit point where joiners are admitted: the training function is re-entered."""
+
+    def __init__(self, joiners: list[str]) -> None:
+        super().__init__(f"admitting {joiners}")
+        self.joiners = joiners
 
 
 def is_peer_failure(err: BaseException) -> bool:
@@ -182,22 +238,29 @@ def run(fn: F) -> F:
                                     "a px.elastic.State as the first argument",
                                     "Build state = px.elastic.State(model, opt, loader) and call "
                                     f"{fn.__name__}(state)."))
+        if state.elastic and state.worker.joining and not state.join():
+            return None  # training ended before we got in: nothing to do
         if not state.commits:
             state.commit()  # the start is always a commit every worker holds
         while True:
-            failure = None
+            failure, joiners = None, None
             try:
                 result = fn(state, *args, **kwargs)
+            except _Resize as resize:
+                joiners = resize.joiners
             except Exception as err:  # noqa: BLE001 - sorted just below
                 if not state.elastic or not is_peer_failure(err):
                     raise
                 failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            if failure is None:
+            if failure is None and joiners is None:
                 state.worker.finished() if state.elastic else None
                 return result
             # Outside the except block: a live exception keeps the dead group's tensors (and the
             # collectives other ranks are blocked in) alive.
             try:
+                if joiners is not None:
+                    state.grow(joiners)
+                    continue
                 state.recover(failure)
             except QuorumError as err:
                 print(f"phalanx: elastic: worker {state.worker.me}: {err}; stopping", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Mapping
 
@@ -30,12 +31,15 @@ HEARTBEAT_EVERY_S = 0.5
 
 
 class ElasticWorker:
-    def __init__(self, me: str, addr: str, port: int, timeout_s: float) -> None:
+    def __init__(self, me: str, addr: str, port: int, timeout_s: float, joining: bool = False) -> None:
         self.me, self.addr, self.port, self.timeout_s = me, addr, port, timeout_s
+        self.joining = joining  # started by `phalanx join` or `--replace`: enters at the next commit point
         self.store = self._connect()
-        members = json.loads(self.store.get(key("gen", 0, "members")))
+        members = [] if joining else json.loads(self.store.get(key("gen", 0, "members")))
         self.membership = Membership(self.store, me, members)
         self.config = self.membership.config()
+        if joining:
+            self._ask_to_join()
         self._stop = threading.Event()
         threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True).start()
 
@@ -44,7 +48,8 @@ class ElasticWorker:
         env = os.environ if env is None else env
         if "PHALANX_ELASTIC_ID" not in env:
             return None
-        return cls(env["PHALANX_ELASTIC_ID"], env["MASTER_ADDR"], int(env["MASTER_PORT"]), group.timeout_s())
+        return cls(env["PHALANX_ELASTIC_ID"], env["MASTER_ADDR"], int(env["MASTER_PORT"]), group.timeout_s(),
+                   joining=env.get("PHALANX_ELASTIC_JOIN") == "1")
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s),
@@ -80,6 +85,58 @@ class ElasticWorker:
         plan["left"] = [m for m in before if m not in members]
         plan["joined"] = [m for m in members if m not in before]
         return plan
+
+    # -- joining ------------------------------------------------------------------------------
+    def _ask_to_join(self) -> None:
+        joiners_key = key("joiners")
+        while True:  # append ourselves to the list with compare-and-set (several joiners may race)
+            old = self.store.get(joiners_key).decode() if self.store.check([joiners_key]) else ""
+            new = json.dumps(sorted(set(json.loads(old or "[]")) | {self.me}))
+            if self.store.compare_set(joiners_key, old, new).decode() == new:
+                return
+
+    def pending_joiners(self) -> list[str]:
+        """Rank 0, at a commit point: joiners to admit now (up to --max-workers), in arrival order."""
+        if not self.store.check([key("joiners")]):
+            return []
+        room = self.config["max_workers"] - len(self.membership.members)
+        waiting = [j for j in json.loads(self.store.get(key("joiners")))
+                   if j not in self.membership.members and not self.membership.is_dead(j)]
+        return waiting[:max(0, room)]
+
+    def admit(self, step: int) -> list[str]:
+        """Collective in effect (every member calls it at the same commit): who joins now."""
+        decision = key("admit", self.membership.generation, step)
+        if self.membership.rank == 0:
+            self.store.set(decision, json.dumps(self.pending_joiners()))
+        return json.loads(self.store.get(decision))  # the others wait for rank 0's word
+
+    def grow(self, joiners: list[str], *, backend: str) -> dict:
+        """Members and joiners form the next generation; nobody rolls back."""
+        g = self.membership.generation + 1
+        members = self.membership.members + joiners
+        if self.membership.rank == 0:
+            self.store.set(key("gen", g, "members"), json.dumps(members))
+            self.store.set(key("gen"), str(g))
+        rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s, backend=backend)
+        self.membership.members, self.membership.generation = members, g
+        return {"generation": g, "members": members, "left": [], "joined": joiners}
+
+    def wait_for_admission(self, poll_s: float = 0.05) -> dict | None:
+        """A joiner: block until a generation includes us; None when training already ended."""
+        while True:
+            if self.store.check([key("done")]):
+                return None
+            if self.store.check([key("gen")]):
+                g = int(self.store.get(key("gen")))
+                members = json.loads(self.store.get(key("gen", g, "members")))
+                if self.me in members:
+                    rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s,
+                            backend="gloo")
+                    self.membership.members, self.membership.generation = members, g
+                    self.joining = False
+                    return {"generation": g, "members": members, "left": [], "joined": [self.me]}
+            time.sleep(poll_s)
 
     def finished(self) -> None:
         """Training is over on this worker: late joiners may leave."""

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import group
 from ..comm import Comm, guarded
 from ..compression import check_compressor
 from .. import check
@@ -72,8 +73,10 @@ class AllReduce(Strategy):
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         super().attach(model, optimizer)
-        if self.comm.world_size == 1 or self.compression is not None:
-            return model  # a group of one is plain PyTorch, bit for bit; compression runs in after_backward
+        if self.comm.world_size == 1 or self.compression is not None or group.is_elastic():
+            # A group of one is plain PyTorch, bit for bit; compression runs in after_backward. Elastic: the
+            # group may be rebuilt with joiners that attached alone, so every worker averages in after_backward.
+            return model
         device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids,
                                       bucket_cap_mb=self.bucket_mb or fitted_bucket_mb(model),
@@ -96,6 +99,8 @@ class AllReduce(Strategy):
                 # inf/nan reached the average (AMP overflow on some rank): the same on every rank, so every
                 # GradScaler skips this step; the residuals and warm starts hold it too, and are dropped.
                 self.compression.reset()
+        elif self.comm.world_size > 1:  # elastic (see attach): plain weighted mean, no overlap with backward
+            average_gradients_(self.params, self.comm)
 
     def regroup(self) -> None:
         """The group was rebuilt (phalanx.elastic): the hook's divisor follows the new size.

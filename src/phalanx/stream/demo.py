@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 STREAM, GROUP = "digits", "trainer"
 

@@ -44,7 +44,7 @@ from .policy import Stop, WaitFull
 from .source import END_FIELD, START, Event, StreamError, StreamSource, format_id, parse_id
 
 WAIT, STEP, END, ERROR = 0, 1, 2, 3
-_HEAD, _PER_RANK = 8, 5
+_HEAD, _PER_RANK = 9, 5
 _KEEPALIVE_S = 1.0  # while waiting for events, tell the other workers at least this often (no collective timeout)
 
 
@@ -58,12 +58,14 @@ class Plan:
     lag: int = -1
     dead: int = 0
     position: str = START
+    offset: int = -1  # entries up to the position after this step, -1 when unknown
     parts: tuple[tuple[str, str, int], ...] = ()
 
     def pack(self, world_size: int) -> torch.Tensor:
         t = torch.zeros(_HEAD + _PER_RANK * world_size, dtype=torch.int64)
         t[:6] = torch.tensor([self.status, self.total, int(self.final), self.consumed, self.lag, self.dead])
         t[6:8] = torch.tensor(_ints(self.position))
+        t[8] = self.offset
         for r, (first, last, count) in enumerate(self.parts):
             t[_HEAD + _PER_RANK * r:_HEAD + _PER_RANK * (r + 1)] = torch.tensor([*_ints(first), *_ints(last), count])
         return t
@@ -73,7 +75,7 @@ class Plan:
         v = t.tolist()
         parts = tuple((_id(*v[i:i + 2]), _id(*v[i + 2:i + 4]), v[i + 4])
                       for i in range(_HEAD, _HEAD + _PER_RANK * world_size, _PER_RANK))
-        return cls(v[0], v[1], bool(v[2]), v[3], v[4], v[5], _id(v[6], v[7]), parts)
+        return cls(v[0], v[1], bool(v[2]), v[3], v[4], v[5], _id(v[6], v[7]), v[8], parts)
 
 
 def split(ids: list[str], world_size: int) -> tuple[tuple[str, str, int], ...]:
@@ -183,8 +185,8 @@ class StreamLoader:
                 plan = self._next_plan()
                 if plan.status == WAIT:
                     continue
-                self.position, self.dead = plan.position, self.dead + plan.dead
-                self.offset = self.offset + plan.consumed if self.offset >= 0 else -1
+                # the main worker's view, so every worker's state_dict is the same
+                self.position, self.offset, self.dead = plan.position, plan.offset, self.dead + plan.dead
                 self.lag = plan.lag
                 if plan.status == END:
                     return
@@ -245,10 +247,11 @@ class StreamLoader:
             src.acknowledge(self._commit[0])
             self.acknowledged, self._commit = self._commit[0], None
         base = self.position or START
-        added = src.check(base, self.offset if self.offset >= 0 else None)  # raises if entries after the position were trimmed away
+        # Raises if entries after the position were trimmed away: they would be skipped silently otherwise.
+        added = src.check(base, self.offset if self.offset >= 0 else None)
         if self.stop.steps is not None and self.steps >= self.stop.steps:
             self._held, self._claimed_to, self._consumed, self._dead = [], None, 0, 0  # close() un-claims them
-            return Plan(END, position=base, lag=self._lag(added, 0))
+            return Plan(END, position=base, offset=self.offset, lag=self._lag(added, 0))
         want = self.world_size * self.batch_size
         keepalive = time.monotonic() + _KEEPALIVE_S
         while True:
@@ -280,11 +283,15 @@ class StreamLoader:
         take = self._held
         self._held, self._claimed_to, self._consumed, self._dead, self._first_wait = [], None, 0, 0, None
         if not take:
-            return Plan(END, consumed=consumed, lag=self._lag(added, consumed), dead=dead, position=position)
+            return Plan(END, consumed=consumed, lag=self._lag(added, consumed), dead=dead, position=position,
+                        offset=self._offset(consumed))
         parts = split([i for i, _ in take], self.world_size)
         self._mine = take[:parts[0][2]]
         return Plan(STEP, total=len(take), final=ended, consumed=consumed, lag=self._lag(added, consumed),
-                    dead=dead, position=position, parts=parts)
+                    dead=dead, position=position, offset=self._offset(consumed), parts=parts)
+
+    def _offset(self, consumed: int) -> int:
+        return self.offset + consumed if self.offset >= 0 else -1
 
     def _lag(self, added: int, consumed: int) -> int:
         """Entries the producer has added that no step has reached yet (-1 when the offset is unknown)."""
