@@ -225,3 +225,29 @@ def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(tmp_path):
     for epoch in range(4):  # nobody rolled back at the join: still every sample once per epoch
         ids = [i for e, _, step in main["record"] for i in step if e == epoch]
         assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+
+
+def test_join_refuses_an_endpoint_with_no_job_within_seconds():
+    from phalanx.testing import free_port
+    start = time.monotonic()
+    proc = subprocess.run([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-n", "1", WORKER],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "no job answers" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert time.monotonic() - start < 30
+
+
+def test_join_refuses_a_job_that_is_not_elastic_and_leaves_a_finished_one_at_once(tmp_path):
+    import torch.distributed as dist
+
+    from phalanx.elastic.join import probe
+    from phalanx.elastic.membership import key
+    from phalanx.errors import PhalanxError
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with pytest.raises(PhalanxError, match="not elastic"):
+        probe("127.0.0.1", store.port)
+    store.set(key("config"), "{}")
+    assert probe("127.0.0.1", store.port) == "running"
+    store.set(key("done"), "1")
+    proc = subprocess.run([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "-n", "1", WORKER],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "finished training" in proc.stderr

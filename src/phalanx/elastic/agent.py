@@ -145,6 +145,8 @@ def run_elastic(cfg: "RunConfig") -> int:
     port = store.port
     store.set(key("config"), json.dumps({"min_workers": el.min_workers, "max_workers": el.max_workers,
                                          "heartbeat_s": el.heartbeat_s}))
+    print(f"phalanx: elastic job: its store is at {cfg.master_addr}:{port}; add workers with "
+          f"`phalanx join --rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`", file=sys.stderr, flush=True)
     ids = [str(r) for r in range(cfg.nproc)]
     store.set(key("gen", 0, "members"), json.dumps(ids))
     base = {**os.environ, **cfg.worker_env(), "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),

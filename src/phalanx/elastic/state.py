@@ -251,6 +251,8 @@ def run(fn: F) -> F:
             except Exception as err:  # noqa: BLE001 - sorted just below
                 if not state.elastic or not is_peer_failure(err):
                     raise
+                if not state.worker.host_alive():
+                    state.worker.lost_host()
                 failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             if failure is None and joiners is None:
                 state.worker.finished() if state.elastic else None
@@ -265,4 +267,8 @@ def run(fn: F) -> F:
             except QuorumError as err:
                 print(f"phalanx: elastic: worker {state.worker.me}: {err}; stopping", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
+            except Exception:
+                if not state.worker.host_alive():
+                    state.worker.lost_host()
+                raise
     return wrapper  # type: ignore[return-value]

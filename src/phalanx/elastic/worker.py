@@ -28,6 +28,7 @@ from .membership import Membership, QuorumError, key
 from .rebuild import destroy, rebuild
 
 HEARTBEAT_EVERY_S = 0.5
+_said = threading.Lock()  # held for good by the thread that reports a lost rendezvous host
 
 
 class ElasticWorker:
@@ -64,13 +65,24 @@ class ElasticWorker:
             except Exception:  # noqa: BLE001 - any failure to reach the store counts as a miss
                 misses += 1
                 if misses >= 3 and not self._stop.is_set():
-                    print(f"phalanx: elastic: worker {self.me} lost the rendezvous host {self.addr}:{self.port} "
-                          "(the `phalanx run --elastic` launcher); stopping. Commits were in memory only: "
-                          "resume from your last disk checkpoint (px.save_checkpoint), if any.",
-                          file=sys.stderr, flush=True)
-                    os._exit(1)
+                    self.lost_host()
             if self._stop.wait(HEARTBEAT_EVERY_S):
                 return
+
+    def lost_host(self) -> None:
+        """The launcher's store is gone: say so once (from whichever thread notices first) and end."""
+        with _said:
+            print(f"phalanx: elastic: worker {self.me} lost the rendezvous host {self.addr}:{self.port} "
+                  "(the `phalanx run --elastic` launcher); stopping. Commits were in memory only: "
+                  "resume from your last disk checkpoint (px.save_checkpoint), if any.", file=sys.stderr, flush=True)
+            os._exit(1)  # no exit handlers: they would wait on the store that is gone
+
+    def host_alive(self) -> bool:
+        try:
+            self.store.check([key("config")])
+            return True
+        except Exception:  # noqa: BLE001 - any failure to reach it
+            return False
 
     def regroup(self, commits: list[int], *, backend: str) -> dict:
         """Leave the broken group, agree on the next generation, and join it; returns the plan."""

@@ -1,0 +1,112 @@
+"""``phalanx join``: add workers to a running elastic job, from any host.
+
+    phalanx join --rdzv-endpoint HOST:PORT -n K train.py [args]
+
+HOST:PORT is the store of a ``phalanx run --elastic`` launcher (it prints it). The K
+new workers run the same script; each one enters at the job's next commit point and
+receives the current state from rank 0; nobody rolls back. The group grows up to
+the job's ``--max-workers``. An endpoint with no job, or a job that is not elastic, is
+refused within seconds; a job that already finished makes the joiners exit 0 at once.
+
+Example:
+    >>> JoinConfig.from_argv(["--rdzv-endpoint", "10.0.0.1:29400", "-n", "2", __file__]).port
+    29400
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NoReturn, Sequence
+
+from ..errors import ConfigError, PhalanxError, usage
+from .agent import joiner_env
+
+PROBE_TIMEOUT_S = 5.0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(usage(f"`phalanx join`: {message}", "`phalanx join --rdzv-endpoint HOST:PORT -n K "
+                                "script.py [args]`", "See `phalanx join --help`."))
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    host: str
+    port: int
+    nproc: int
+    script: str
+    script_args: tuple[str, ...] = ()
+    threads: int = 1
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> "JoinConfig":
+        p = _Parser(prog="phalanx join", description="Add K workers to a running `phalanx run --elastic` job.")
+        p.add_argument("--rdzv-endpoint", required=True, metavar="HOST:PORT", help="the elastic job's store")
+        p.add_argument("-n", "--nproc-per-node", dest="nproc", default="1", metavar="K", help="workers to add")
+        p.add_argument("--threads", default="1", metavar="T", help="intra-op threads per worker (default 1)")
+        p.add_argument("script")
+        p.add_argument("args", nargs=argparse.REMAINDER)
+        a = p.parse_args(list(argv))
+        host, _, port = a.rdzv_endpoint.rpartition(":")
+        fix = "Pass the address the launcher printed, e.g. --rdzv-endpoint 10.0.0.1:29400."
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(usage(f"--rdzv-endpoint {a.rdzv_endpoint}", "HOST:PORT", fix))
+        for flag, raw in (("-n", a.nproc), ("--threads", a.threads)):
+            if not raw.isdigit() or int(raw) < 1:
+                raise ConfigError(usage(f"{flag} {raw}", "an integer >= 1", f"Pass e.g. {flag} 1."))
+        if not os.path.isfile(a.script):
+            raise ConfigError(usage(f"script {a.script!r} (not found, cwd {os.getcwd()})", "an existing Python file",
+                                    "Run the same script as the job, e.g. `phalanx join ... train.py`."))
+        return cls(host, int(port), int(a.nproc), a.script, tuple(a.args), int(a.threads))
+
+
+def probe(host: str, port: int) -> str:
+    """"running", "done" (training ended), or a PhalanxError saying why there is no job to join."""
+    import torch.distributed as dist
+
+    from .membership import key
+    try:  # a plain socket first: torch logs a failed store connection at length
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as err:
+        raise PhalanxError(f"no job answers at {host}:{port} ({err.strerror or type(err).__name__}); check the "
+                           "address that `phalanx run --elastic` printed, and that the job is still running") from None
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
+                              wait_for_workers=False)
+    except Exception as err:  # noqa: BLE001 - refused, unreachable, timed out: no job there
+        raise PhalanxError(f"no job answers at {host}:{port} ({type(err).__name__}); check the address that "
+                           "`phalanx run --elastic` uses, and that the job is still running") from None
+    if not store.check([key("config")]):
+        raise PhalanxError(f"the job at {host}:{port} is not elastic; only jobs started with "
+                           "`phalanx run --elastic` accept new workers")
+    return "done" if store.check([key("done")]) else "running"
+
+
+def main(argv: Sequence[str]) -> int:
+    """``phalanx join``: start the joiners, wait for them; returns the exit status."""
+    cfg = JoinConfig.from_argv(argv)
+    if probe(cfg.host, cfg.port) == "done":
+        print(f"phalanx: the job at {cfg.host}:{cfg.port} has finished training; nothing to join", file=sys.stderr)
+        return 0
+    tag = uuid.uuid4().hex[:6]
+    base = {**os.environ, "MASTER_ADDR": cfg.host, "MASTER_PORT": str(cfg.port), "OMP_NUM_THREADS": str(cfg.threads),
+            "PHALANX_THREADS": str(cfg.threads)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        base.pop(name, None)
+    procs = [subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
+                              env={**base, **joiner_env(f"j{tag}-{i}")}) for i in range(cfg.nproc)]
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        return 130
+    failed = [c for c in codes if c]
+    return 0 if not failed else (128 - failed[0] if failed[0] < 0 else failed[0])
