@@ -186,7 +186,8 @@ def test_exactly_once_when_an_elastic_group_loses_a_worker_and_a_new_one_joins(s
     cli = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
     try:
         proc = subprocess.run([*cli, "run", "-n", "3", "--elastic", "--min-workers", "2", "--replace", script,
-                               "--url", server.url, "--stream", stream, "--out", str(tmp_path), "--kill", "1@8", "--slow-after-loss", "0.5"],
+                               "--url", server.url, "--stream", stream, "--out", str(tmp_path), "--kill", "1@8",
+                               "--slow-after-loss", "0.5"],
                               capture_output=True, text=True, timeout=240)
         assert feed.wait(timeout=30) == 0
     finally:

@@ -35,7 +35,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .errors import ConfigError, OneLineParser, usage
 

@@ -120,9 +120,11 @@ def main() -> None:
 
     started = time.perf_counter()
     train(state)
-    result = {"train_seconds": time.perf_counter() - started, "steps": state.step, "id": me, "pid": os.getpid(), "rank": px.rank(), "world_size": px.world_size(),
+    result = {"train_seconds": time.perf_counter() - started, "steps": state.step, "id": me, "pid": os.getpid(),
+              "rank": px.rank(), "world_size": px.world_size(),
               "record": record.steps, "params": [t.tolist() for t in px.unwrap(model_).parameters()],
-              "history": state.history, "digests": digests, "first_step_after_recovery": first_after[0] if first_after else None}
+              "history": state.history, "digests": digests,
+              "first_step_after_recovery": first_after[0] if first_after else None}
     with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
         json.dump(result, f)
 
