@@ -26,7 +26,7 @@ from . import advisor, curves, plan, report
 from .setups import PEER_REASONS, SETUPS
 from .tasks import TASKS, get
 
-SMOKE = {"tasks": "gpt", "setups": "ddp,allreduce,local-sgd", "repeats": 1, "budget": 1.0, "sweep": "",
+SMOKE = {"tasks": "gpt", "setups": "ddp,local-sgd", "repeats": 1, "budget": 1.0, "sweep": "",
          "targets": "gpt=5.0", "evals": 2}
 
 
@@ -44,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-steps", type=int, default=60, help="steps per sweep run (default 60)")
     p.add_argument("--sweep-cap", type=float, default=15.0, help="at most this many seconds per sweep run")
     p.add_argument("--evals", type=int, default=12, help="evaluations per run, evenly spaced in training time")
-    p.add_argument("--smoke", action="store_true", help="a one-minute check: GPT, 3 setups, 1 s each, no sweep")
+    p.add_argument("--smoke", action="store_true", help="a one-minute check: GPT, DDP and local SGD, 1 s each, no sweep")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated duration, run nothing")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
     p.add_argument("--out", default="results/quality", help="output directory")
