@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shlex
 import sys
@@ -44,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-steps", type=int, default=60, help="steps per sweep run (default 60)")
     p.add_argument("--sweep-cap", type=float, default=15.0, help="at most this many seconds per sweep run")
     p.add_argument("--evals", type=int, default=12, help="evaluations per run, evenly spaced in training time")
-    p.add_argument("--smoke", action="store_true", help="a one-minute check: GPT, DDP and local SGD, 1 s each, no sweep")
+    p.add_argument("--smoke", action="store_true", help="one-minute check: GPT, DDP, local SGD, 1 s each")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated duration, run nothing")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
     p.add_argument("--out", default="results/quality", help="output directory")

@@ -5,7 +5,7 @@ Example:
     >>> [r.title for r in runs]
     ['gpt ddp 2x1 100mbit lr=0.002', 'gpt diloco 2x1 100mbit lr=0.002']
     >>> round(estimate_s(runs, repeats=3) / 60, 1)
-    3.0
+    4.0
 """
 from __future__ import annotations
 

@@ -109,31 +109,7 @@ def _make() -> dict[str, QSetup]:
     return {q.name: q for q in s}
 
 
-class _Lazy(dict):
-    """Built on first use, so importing this module stays cheap."""
-
-    def _fill(self) -> None:
-        if not dict.__len__(self):
-            self.update(_make())
-
-    def __getitem__(self, key: str) -> QSetup:
-        self._fill()
-        return dict.__getitem__(self, key)
-
-    def __iter__(self):
-        self._fill()
-        return dict.__iter__(self)
-
-    def __len__(self) -> int:
-        self._fill()
-        return dict.__len__(self)
-
-    def __contains__(self, key: object) -> bool:
-        self._fill()
-        return dict.__contains__(self, key)
-
-
-SETUPS: dict[str, QSetup] = _Lazy()
+SETUPS: dict[str, QSetup] = _make()
 PEER_REASONS = {
     "torchft-diloco": "torchft 0.2.0 installs without touching torch (pip --dry-run with the constraints), but "
                       "its DiLoCo needs torchft's lighthouse server and Manager in a separate environment; "

@@ -20,8 +20,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -197,5 +195,3 @@ def get(name: str) -> Task:
         raise ConfigError(usage(f"task {name!r}", "one of " + ", ".join(TASKS), "E.g. --tasks gpt,resnet20."))
     return TASKS[name]
 
-
-Factory = Callable[[], Task]
