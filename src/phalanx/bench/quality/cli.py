@@ -21,7 +21,7 @@ from ..netns import LinkError, parse_rate, why_not
 from ..report import environment, write_json
 from ..runner import Options, sweep
 from ..spec import split_list
-from . import advisor, curves, plan, report
+from . import advisor, curves, plan, report, targets
 from .setups import PEER_REASONS, SETUPS
 from .tasks import TASKS, get
 
@@ -161,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "setups": {s: {"provider": SETUPS[s].provider, "note": SETUPS[s].note} for s in cfg["setups"]},
                "skipped_peers": PEER_REASONS, "estimate_s": est,
                "lr_sweep": [{"task": k[0], "setup": k[1], **v} for k, v in chosen.items()],
-               "rows": rows, "headline": heads, "advisor": verdicts, "raw": records, "raw_sweep": sweep_records}
+               "rows": rows, "headline": heads, "targets": targets.check(rows), "advisor": verdicts,
+               "raw": records, "raw_sweep": sweep_records}
     write_json(os.path.join(args.out, "quality.json"), payload)
     md = render(payload, [os.path.basename(p) for p in pngs])
     with open(os.path.join(args.out, "quality.md"), "w") as f:
@@ -188,6 +189,7 @@ def render(payload: dict[str, Any], pngs: list[str]) -> str:
     parts += [f"| {t} | {v['quality']} | {v['target']:g} | {v['budget_s']:g} | {1e3 * v['compute_s_per_step']:.0f} "
               f"| {v['why']} |\n" for t, v in payload["tasks"].items()]
     parts += ["\n## Headline (time to target, best phalanx setup)\n\n", report.headline_table(payload["headline"])]
+    parts += ["\n## Targets\n\n", targets.markdown(payload["targets"])]
     rows = payload["rows"]
     for task, link in dict.fromkeys((r["task"], r["link"]) for r in rows):
         parts += [f"\n## {task}, {link}\n\n", report.table(rows, task, link)]
