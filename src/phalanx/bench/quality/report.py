@@ -92,7 +92,7 @@ def plot(rows: list[dict[str, Any]], task: str, link: str, quality_name: str, ou
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, r in enumerate(sorted(mine, key=lambda r: r["setup"])):
-        color, style = f"C{i % 10}", "-" if r["provider"] == "phalanx" else "--"
+        color, style = plt.cm.tab20(i % 20), "-" if r["provider"] == "phalanx" else "--"  # 13 setups: 20 colours
         for k, curve in enumerate(r["curves"]):
             xs, ys = [p[0] for p in curve], [p[2] for p in curve]
             ax.plot(xs, ys, style, color=color, alpha=1.0 if k == 0 else 0.3, lw=1.4 if k == 0 else 0.8,
