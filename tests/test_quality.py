@@ -106,8 +106,11 @@ def test_advisor_right_wrong_and_cannot_tell():
 
 def test_targets_are_met_missed_or_not_measured():
     rows = curves.rows(_record("ddp", "torch", [40.0, 41.0, 42.0], nbytes=2.5e6)
-                       + _record("diloco", "phalanx", [3.0, 4.0, 5.0], nbytes=2.5e6 / 50), {"gpt": 2.2}, {"gpt": False})
+                       + _record("diloco", "phalanx", [3.0, 4.0, 5.0], nbytes=2.5e6 / 50)
+                       + _record("powersgd", "phalanx", [50.0] * 3, thpt=300.0)
+                       + _record("ddp-powersgd", "torch", [50.0] * 3, thpt=100.0), {"gpt": 2.2}, {"gpt": False})
     got = {e["measure"]: e for e in targets.check(rows)}
+    assert got["phalanx PowerSGD vs DDP's hook, samples/s, rank 4, gpt, 100mbit"]["value"]["median"] == 3.0
     vs = got["best phalanx vs DDP, time to target, gpt, 100mbit"]
     assert vs["verdict"] == "met" and vs["value"]["median"] == pytest.approx(41 / 4)
     assert got["DiLoCo (AdamW inner, H = 50) reaches the GPT target, 100mbit"]["verdict"] == "met"
@@ -153,3 +156,8 @@ def test_smoke_run_writes_the_report(tmp_path, capsys):
     md = (tmp_path / "quality.md").read_text()
     assert "## gpt," in md and "advisor" in md and len(payload["advisor"]) == 1 and "## Targets" in md
     assert list(tmp_path.glob("quality-gpt-*.png"))
+    # The same curves against a target nobody reaches: the report changes, nothing reruns.
+    assert cli.main(["--from-json", str(tmp_path / "quality.json"), "--targets", "gpt=0.01",
+                     "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "quality.json").read_text())
+    assert all(r["reached"] == 0 for r in again["rows"]) and again["advisor"][0]["verdict"] == "cannot tell"

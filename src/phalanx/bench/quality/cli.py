@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-cap", type=float, default=15.0, help="at most this many seconds per sweep run")
     p.add_argument("--evals", type=int, default=12, help="evaluations per run, evenly spaced in training time")
     p.add_argument("--smoke", action="store_true", help="one-minute check: GPT, DDP, local SGD, 1 s each")
+    p.add_argument("--from-json", metavar="PATH", help="no run: the report of a stored quality.json again, "
+                   "e.g. with other --targets (the same for every setup)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated duration, run nothing")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
     p.add_argument("--out", default="results/quality", help="output directory")
@@ -120,6 +122,8 @@ def compute_seconds(task: str, steps: int = 4) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.from_json:
+        return reanalyse(args.from_json, args.targets, args.out)
     cfg = resolve(args)
     tasks, higher = cfg["tasks"], {t: get(t).higher_is_better for t in cfg["tasks"]}
     sweep_plan = plan.sweep_runs(tasks, cfg["setups"], cfg["sweep"], steps=args.sweep_steps, cap_s=args.sweep_cap)
@@ -147,31 +151,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts.repeats = args.repeats
     records = sweep(runs, opts, make_config=lambda r, o: plan.config(r, o.seed, evals=args.evals),
                     module="phalanx.bench.quality.worker", desc="time to quality", describe=_describe)
-    rows = curves.rows(records, cfg["targets"], higher)
-    verdicts = advisor.check(rows, compute, {t: get(t).per_worker for t in tasks})
-    heads = report.headline(rows)
-    pngs = [p for t in tasks for link in cfg["links"]
-            if (p := report.plot(rows, t, link, get(t).quality_name, args.out))]
     payload = {"command": "python -m phalanx.bench.quality " + " ".join(shlex.quote(a) for a in argv),
                "started": started.isoformat(timespec="seconds"),
                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "environment": {**environment(cfg["links"]), "loadavg": os.getloadavg()},
                "tasks": {t: {"target": cfg["targets"][t], "budget_s": cfg["budgets"][t], "why": get(t).why,
-                             "quality": get(t).quality_name, "compute_s_per_step": compute[t]} for t in tasks},
+                             "quality": get(t).quality_name, "higher_is_better": higher[t],
+                             "per_worker": get(t).per_worker, "compute_s_per_step": compute[t]} for t in tasks},
                "setups": {s: {"provider": SETUPS[s].provider, "note": SETUPS[s].note} for s in cfg["setups"]},
                "skipped_peers": PEER_REASONS, "estimate_s": est,
                "lr_sweep": [{"task": k[0], "setup": k[1], **v} for k, v in chosen.items()],
-               "rows": rows, "headline": heads, "targets": targets.check(rows), "advisor": verdicts,
                "raw": records, "raw_sweep": sweep_records}
-    write_json(os.path.join(args.out, "quality.json"), payload)
-    md = render(payload, [os.path.basename(p) for p in pngs])
-    with open(os.path.join(args.out, "quality.md"), "w") as f:
-        f.write(md)
-    print(md)
+    analyse(payload, args.out)
     failed = sum(1 for r in records if r["error"])
     if failed:
         print(f"phalanx bench --quality: {failed} run(s) failed; see the tables", file=sys.stderr)
     return 1 if failed else 0
+
+
+def analyse(payload: dict[str, Any], out: str) -> None:
+    """Rows, headline, targets, advisor, plots and the report from the raw records; writes everything to ``out``.
+
+    ``--from-json`` calls this on a stored run with other targets: the curves hold every evaluation.
+    """
+    tasks = payload["tasks"]
+    tgt = {t: v["target"] for t, v in tasks.items()}
+    higher = {t: v["higher_is_better"] for t, v in tasks.items()}
+    rows = curves.rows(payload["raw"], tgt, higher)
+    payload.update(rows=rows, headline=report.headline(rows), targets=targets.check(rows),
+                   advisor=advisor.check(rows, {t: v["compute_s_per_step"] for t, v in tasks.items()},
+                                         {t: v["per_worker"] for t, v in tasks.items()}))
+    os.makedirs(out, exist_ok=True)
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    pngs = [p for t in tasks for link in links if (p := report.plot(rows, t, link, tasks[t]["quality"], out))]
+    write_json(os.path.join(out, "quality.json"), payload)
+    md = render(payload, [os.path.basename(p) for p in pngs])
+    with open(os.path.join(out, "quality.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+def reanalyse(path: str, target_text: str, out: str) -> int:
+    """``--from-json PATH``: the report of a stored run again, with ``--targets`` applied (nothing is rerun)."""
+    import json
+
+    with open(path) as f:
+        payload = json.load(f)
+    for t, v in payload["tasks"].items():  # written before these were stored
+        v.setdefault("higher_is_better", get(t).higher_is_better)
+        v.setdefault("per_worker", get(t).per_worker)
+    for part in split_list(target_text):
+        name, _, value = part.partition("=")
+        if name not in payload["tasks"]:
+            raise ConfigError(usage(f"--targets {part!r}", "TASK=VALUE for a task in " + path, "E.g. gpt=2.6."))
+        payload["tasks"][name]["target"] = _floats(value, "targets")[0]
+    payload["reanalysed"] = {"from": path, "targets": target_text}
+    analyse(payload, out)
+    return 0
 
 
 def _describe(record: dict[str, Any]) -> str:

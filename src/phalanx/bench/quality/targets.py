@@ -46,8 +46,7 @@ def check(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "verdict": verdict(r["median"] if r else math.nan, 1.0 + 1e-9)})
             mine, theirs = _row(rows, task, link, "powersgd"), _row(rows, task, link, "ddp-powersgd")
             if mine and theirs:
-                r = ratio(mine["samples_per_s"], theirs["samples_per_s"])  # higher samples/s is better
-                r = {"median": 1 / r["median"], "low": 1 / r["high"], "high": 1 / r["low"]}
+                r = ratio(mine["samples_per_s"], theirs["samples_per_s"])  # mine / theirs: higher is better
                 out.append({"measure": f"phalanx PowerSGD vs DDP's hook, samples/s, rank 4, {task}, {link}",
                             "target": "≥ 1.0", "value": r, "who": "", "verdict": verdict(r["median"], 1.0)})
     for link in links:
