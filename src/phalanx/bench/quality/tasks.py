@@ -2,9 +2,9 @@
 
 * ``gpt``: a 3-layer byte-level GPT on the standard library's sources (see :mod:`.corpus`);
   quality = validation loss (nats per byte) on the last 10% of the text; lower is better.
-* ``resnet20``: ResNet-20 on 32×32 Gaussian images labelled by a fixed, seeded random
-  teacher network (a conv, pooling and a linear layer: learnable, never saturated by
-  memorising since every step draws fresh images); quality = validation accuracy.
+* ``resnet20``: ResNet-20 on smooth random 32×32 images labelled by a fixed, seeded random
+  teacher network (a conv, global pooling and a linear layer: learnable, and never reached
+  by memorising, since every step draws fresh images); quality = validation accuracy.
 
 Global step ``s`` always draws the same global batch, split across ranks in order, so
 N workers × batch b see exactly what one process with batch N·b would see.
@@ -123,23 +123,35 @@ class CharGPT(Task):
         return total / batches
 
 
+def images(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Smooth random 32×32 images: 8×8 Gaussian noise, bilinearly upsampled.
+
+    Smooth, so that a pooled feature varies from image to image (the mean over 1,024 independent
+    pixels would barely move and leave labels to noise).
+    """
+    return F.interpolate(torch.randn(n, 3, 8, 8, generator=gen), size=32, mode="bilinear", align_corners=False)
+
+
 class Teacher(nn.Module):
-    """A fixed random network whose argmax labels the images (centred so that classes are balanced)."""
+    """A fixed random network whose argmax labels the images (centred so that every class occurs).
+
+    A conv, ReLU, global average pooling and a linear layer: the same kind of map as ResNet-20's
+    own head, so the student can represent it; on 100 steps of batch 64 ResNet-20 reached 0.42
+    (under load, one try) from 0.10 chance, i.e. it is learnable but far from solved.
+    """
 
     def __init__(self, classes: int = 10, seed: int = 1234) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.conv = nn.Conv2d(3, 16, 5, stride=2, padding=2)
-        self.fc = nn.Linear(16 * 4 * 4, classes)
+        self.fc = nn.Linear(16, classes)
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p[0].numel() if p.dim() > 1 else 16))
-            x = torch.randn(2048, 3, 32, 32, generator=gen)
-            self.register_buffer("centre", self.logits(x).mean(0))
+            self.register_buffer("centre", self.logits(images(2048, gen)).mean(0))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.adaptive_avg_pool2d(torch.relu(self.conv(x)), 4).flatten(1)
-        return self.fc(h)
+        return self.fc(F.adaptive_avg_pool2d(torch.relu(self.conv(x)), 1).flatten(1))
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +172,7 @@ class TeacherResNet(Task):
 
     @cached_property
     def val(self) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randn(512, 3, 32, 32, generator=torch.Generator().manual_seed(99))
+        x = images(512, torch.Generator().manual_seed(99))
         return x, self.teacher(x)
 
     def model(self) -> nn.Module:
@@ -169,7 +181,7 @@ class TeacherResNet(Task):
     def batch(self, step: int, rank: int, world: int, per_worker: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(1_000_003 * step + 11)
         # Draw the whole global batch (same stream for any world size), keep this rank's slice.
-        x = _slice(torch.randn(world * per_worker, 3, 32, 32, generator=gen), rank, per_worker)
+        x = _slice(images(world * per_worker, gen), rank, per_worker)
         return x, self.teacher(x)
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
