@@ -114,7 +114,7 @@ def test_targets_are_met_missed_or_not_measured():
     vs = got["best phalanx vs DDP, time to target, gpt, 100mbit"]
     assert vs["verdict"] == "met" and vs["value"]["median"] == pytest.approx(41 / 4)
     assert got["DiLoCo (AdamW inner, H = 50) reaches the GPT target, 100mbit"]["verdict"] == "met"
-    assert got["best phalanx vs DDP, time to target, resnet20, 100mbit"]["verdict"] == "not measured"
+    assert "best phalanx vs DDP, time to target, resnet20, 100mbit" not in got  # no resnet20 rows: no line
     rows = curves.rows(_record("ddp", "torch", [40.0] * 3) + _record("diloco", "phalanx", [5.0] * 3, nbytes=1e5),
                        {"gpt": 2.2}, {"gpt": False})
     got = {e["measure"]: e for e in targets.check(rows)}
