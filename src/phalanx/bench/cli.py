@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
                "  phalanx bench --models mlp,resnet20 --workers 1,2 --strategies allreduce,ddp,local-sgd,powersgd "
                "--link loopback,100mbit --out results/\n"
                "  phalanx bench --time-to-accuracy --strategies ddp,ddp-powersgd,allreduce,local-sgd,powersgd "
-               "--link 100mbit --models mlp --out results/link")
+               "--link 100mbit --models mlp --out results/link\n"
+               "  phalanx bench --quality --help    (time to quality on slow links; its own options)")
     p.add_argument("--models", help=f"comma list from phalanx.models.ZOO (default {FULL['models']})")
     p.add_argument("--workers", help="comma list of worker process counts (default 1,2)")
     p.add_argument("--strategies", help="comma list of setups (default allreduce,ddp)")
@@ -138,6 +139,11 @@ def rerender(path: str, out: str, *, no_plots: bool = False) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # -- `phalanx bench --quality`: time to quality on slow links, its own options (phalanx.bench.quality) --
+    if "--quality" in (sys.argv[1:] if argv is None else argv):
+        from .quality.cli import main as quality_main
+        return quality_main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--quality"])
+    # -- end of --quality --
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.from_json:
         print(rerender(args.from_json, args.out, no_plots=args.no_plots))

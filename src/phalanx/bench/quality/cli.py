@@ -1,0 +1,249 @@
+"""``phalanx bench --quality`` (also ``python -m phalanx.bench.quality``): time to quality on slow links.
+
+Example:
+    python -m phalanx.bench.quality --out results/quality                 # the full benchmark (root)
+    python -m phalanx.bench.quality --smoke --out /tmp/q                   # a minute, loopback when not root
+
+Writes ``quality.md``, ``quality.json`` and ``quality-TASK-LINK.png`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import sys
+import time
+from typing import Any, Sequence
+
+from ...errors import ConfigError, usage
+from ..netns import LinkError, parse_rate, why_not
+from ..report import environment, write_json
+from ..runner import Options, sweep
+from ..spec import split_list
+from . import advisor, curves, plan, report, targets
+from .setups import PEER_REASONS, SETUPS
+from .tasks import TASKS, get
+
+SMOKE = {"tasks": "gpt", "setups": "ddp,local-sgd", "repeats": 1, "budget": 1.0, "sweep": "",
+         "targets": "gpt=5.0", "evals": 2}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="phalanx bench --quality", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default="gpt,resnet20", help="comma list from " + ", ".join(TASKS))
+    p.add_argument("--setups", default=",".join(plan.ALL_SETUPS), help="comma list (default: all)")
+    p.add_argument("--link", default="100mbit,1gbit", help="comma list: rates (root) and/or loopback")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of every run (default 3)")
+    p.add_argument("--budget", type=float, help="training seconds per run (default: each task's own)")
+    p.add_argument("--targets", default="", help="override targets, e.g. gpt=2.2,resnet20=0.6")
+    p.add_argument("--sweep", default=",".join(f"{m:g}" for m in plan.SWEEP),
+                   help="lr multipliers tried for every setup on loopback ('' = base lr, no sweep)")
+    p.add_argument("--sweep-steps", type=int, default=60, help="steps per sweep run (default 60)")
+    p.add_argument("--sweep-cap", type=float, default=15.0, help="at most this many seconds per sweep run")
+    p.add_argument("--evals", type=int, default=12, help="evaluations per run, evenly spaced in training time")
+    p.add_argument("--smoke", action="store_true", help="one-minute check: GPT, DDP, local SGD, 1 s each")
+    p.add_argument("--from-json", metavar="PATH", help="no run: the report of a stored quality.json again, "
+                   "e.g. with other --targets (the same for every setup)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated duration, run nothing")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
+    p.add_argument("--out", default="results/quality", help="output directory")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in split_list(text)]
+    except ValueError:
+        vals = [-1.0]
+    if any(v <= 0 for v in vals):
+        raise ConfigError(usage(f"--{what} {text!r}", "a comma list of positive numbers", f"E.g. --{what} 0.5,1,2."))
+    return vals
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate everything before the first process starts."""
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+        args.link = "100mbit" if why_not() is None else "loopback"
+    tasks = [get(t).name for t in split_list(args.tasks)]
+    setups = split_list(args.setups)
+    bad = [s for s in setups if s not in SETUPS]
+    if bad:
+        raise ConfigError(usage(f"--setups {','.join(bad)}", "names from " + ", ".join(plan.ALL_SETUPS),
+                                "Fix the list." + "".join(f" {k}: {v}." for k, v in PEER_REASONS.items()
+                                                          if k in bad)))
+    links = ["loopback" if x.lower() == "loopback" else parse_rate(x) for x in split_list(args.link)]
+    if any(x != "loopback" for x in links) and why_not():
+        raise LinkError(f"cannot build the shaped links: {why_not()}")
+    if args.repeats < 1 or args.sweep_steps < 1 or args.evals < 1 or (args.budget is not None and args.budget <= 0):
+        raise ConfigError(usage(f"--repeats {args.repeats} --sweep-steps {args.sweep_steps} --budget {args.budget}",
+                                "repeats, sweep steps, evals >= 1 and budget > 0", "Fix the numbers."))
+    targets = {t: get(t).target for t in tasks}
+    for part in split_list(args.targets):
+        name, _, value = part.partition("=")
+        if name not in targets:
+            raise ConfigError(usage(f"--targets {part!r}", "TASK=VALUE for a task in --tasks", "E.g. gpt=2.2."))
+        targets[name] = _floats(value, "targets")[0]
+    return {"tasks": tasks, "setups": setups, "links": links, "targets": targets,
+            "budgets": {t: args.budget or get(t).budget_s for t in tasks},
+            "sweep": tuple(_floats(args.sweep, "sweep")) if args.sweep else ()}
+
+
+def compute_seconds(task: str, steps: int = 4) -> float:
+    """One worker's step time with no communication (1 thread, median of ``steps`` after one warm-up step)."""
+    import statistics
+
+    import torch
+
+    t = get(task)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = t.model()
+        opt = t.optim.build(model.parameters(), t.optim.lr)
+        times = []
+        for i in range(steps + 1):
+            x, y = t.batch(i, 0, 1, t.per_worker)
+            start = time.perf_counter()
+            opt.zero_grad()
+            t.loss(model(x), y).backward()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    if args.from_json:
+        return reanalyse(args.from_json, args.targets, args.out)
+    cfg = resolve(args)
+    tasks, higher = cfg["tasks"], {t: get(t).higher_is_better for t in cfg["tasks"]}
+    sweep_plan = plan.sweep_runs(tasks, cfg["setups"], cfg["sweep"], steps=args.sweep_steps, cap_s=args.sweep_cap)
+    first = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs={}, budgets=cfg["budgets"])
+    est = plan.estimate_s(sweep_plan) + plan.estimate_s(first, args.repeats)
+    print(f"plan: {len(sweep_plan)} sweep runs, {len(first)} runs x {args.repeats} repeats on "
+          f"{', '.join(cfg['links'])}; estimated {est / 60:.0f} min on an idle 2-core machine", file=sys.stderr)
+    if args.dry_run:
+        for r in sweep_plan + first:
+            print(r.title)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    compute = {t: compute_seconds(t, steps=2 if args.smoke else 6) for t in tasks}
+    opts = Options(repeats=1, timeout=args.timeout, progress=not args.no_progress)
+    lrs: dict[tuple[str, str], float] = {}
+    sweep_records: list[dict[str, Any]] = []
+    chosen: dict[tuple[str, str], dict[str, Any]] = {}
+    if sweep_plan:
+        sweep_records = sweep(sweep_plan, opts, make_config=lambda r, o: plan.config(r, o.seed, evals=1),
+                              module="phalanx.bench.quality.worker", desc="lr sweep", describe=_describe)
+        chosen = plan.choose_lrs(sweep_records, higher)
+        lrs = {k: v["lr"] for k, v in chosen.items()}
+    runs = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs=lrs, budgets=cfg["budgets"])
+    opts.repeats = args.repeats
+    records = sweep(runs, opts, make_config=lambda r, o: plan.config(r, o.seed, evals=args.evals),
+                    module="phalanx.bench.quality.worker", desc="time to quality", describe=_describe)
+    payload = {"command": "python -m phalanx.bench.quality " + " ".join(shlex.quote(a) for a in argv),
+               "started": started.isoformat(timespec="seconds"),
+               "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "environment": {**environment(cfg["links"]), "loadavg": os.getloadavg()},
+               "tasks": {t: {"target": cfg["targets"][t], "budget_s": cfg["budgets"][t], "why": get(t).why,
+                             "quality": get(t).quality_name, "higher_is_better": higher[t],
+                             "per_worker": get(t).per_worker, "compute_s_per_step": compute[t]} for t in tasks},
+               "setups": {s: {"provider": SETUPS[s].provider, "note": SETUPS[s].note} for s in cfg["setups"]},
+               "skipped_peers": PEER_REASONS, "estimate_s": est,
+               "lr_sweep": [{"task": k[0], "setup": k[1], **v} for k, v in chosen.items()],
+               "raw": records, "raw_sweep": sweep_records}
+    analyse(payload, args.out)
+    failed = sum(1 for r in records if r["error"])
+    if failed:
+        print(f"phalanx bench --quality: {failed} run(s) failed; see the tables", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def analyse(payload: dict[str, Any], out: str) -> None:
+    """Rows, headline, targets, advisor, plots and the report from the raw records; writes everything to ``out``.
+
+    ``--from-json`` calls this on a stored run with other targets: the curves hold every evaluation.
+    """
+    tasks = payload["tasks"]
+    tgt = {t: v["target"] for t, v in tasks.items()}
+    higher = {t: v["higher_is_better"] for t, v in tasks.items()}
+    rows = curves.rows(payload["raw"], tgt, higher)
+    payload.update(rows=rows, headline=report.headline(rows), targets=targets.check(rows),
+                   advisor=advisor.check(rows, {t: v["compute_s_per_step"] for t, v in tasks.items()},
+                                         {t: v["per_worker"] for t, v in tasks.items()}))
+    os.makedirs(out, exist_ok=True)
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    pngs = [p for t in tasks for link in links if (p := report.plot(rows, t, link, tasks[t]["quality"], out))]
+    write_json(os.path.join(out, "quality.json"), payload)
+    md = render(payload, [os.path.basename(p) for p in pngs])
+    with open(os.path.join(out, "quality.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+def reanalyse(path: str, target_text: str, out: str) -> int:
+    """``--from-json PATH``: the report of a stored run again, with ``--targets`` applied (nothing is rerun)."""
+    import json
+
+    with open(path) as f:
+        payload = json.load(f)
+    for t, v in payload["tasks"].items():  # written before these were stored
+        v.setdefault("higher_is_better", get(t).higher_is_better)
+        v.setdefault("per_worker", get(t).per_worker)
+    for part in split_list(target_text):
+        name, _, value = part.partition("=")
+        if name not in payload["tasks"]:
+            raise ConfigError(usage(f"--targets {part!r}", "TASK=VALUE for a task in " + path, "E.g. gpt=2.6."))
+        payload["tasks"][name]["target"] = _floats(value, "targets")[0]
+    payload["reanalysed"] = {"from": path, "targets": target_text}
+    analyse(payload, out)
+    return 0
+
+
+def _describe(record: dict[str, Any]) -> str:
+    r0 = record["ranks"][0]
+    return f"{r0['steps']} steps in {r0['train_seconds']:.1f} s, final quality {r0['final']:.3f}"
+
+
+def render(payload: dict[str, Any], pngs: list[str]) -> str:
+    env = payload["environment"]
+    parts = [f"# Time to quality on slow links: {payload['started']}\n\n", f"Command: `{payload['command']}`\n\n",
+             f"Machine: {env['cpu']}, {env['cpu_count']} cores, torch {env['torch']}; load average at the end "
+             f"{tuple(round(x, 2) for x in payload['environment']['loadavg'])}. 2 workers × 1 thread.\n\n",
+             "| task | quality | target | budget per run (s) | compute per step, 1 worker (ms) | why this target |\n"
+             "|---|---|---|---|---|---|\n"]
+    parts += [f"| {t} | {v['quality']} | {v['target']:g} | {v['budget_s']:g} | {1e3 * v['compute_s_per_step']:.0f} "
+              f"| {v['why']} |\n" for t, v in payload["tasks"].items()]
+    parts += ["\n## Headline (time to target, best phalanx setup)\n\n", report.headline_table(payload["headline"])]
+    parts += ["\n## Targets\n\n", targets.markdown(payload["targets"])]
+    rows = payload["rows"]
+    for task, link in dict.fromkeys((r["task"], r["link"]) for r in rows):
+        parts += [f"\n## {task}, {link}\n\n", report.table(rows, task, link)]
+    parts += ["\nTimes are training seconds (evaluation excluded), median over repeats (min–max); a repeat that "
+              "missed the target counts as infinitely slow. Bytes: what one worker put into collectives "
+              "(counted) and what its veth sent (tx_bytes, headers included).\n",
+              "\n## The advisor: `phalanx bench`'s projection against these measurements\n\n",
+              advisor.markdown(payload["advisor"])]
+    if payload["lr_sweep"]:
+        parts += ["\n## Learning rates (the same sweep for every setup)\n\n| task | setup | chosen lr | tried: final "
+                  "quality |\n|---|---|---|---|\n"]
+        parts += [f"| {e['task']} | {e['setup']} | {e['lr']:g} | " +
+                  ", ".join(f"{lr:g}: {q:.3f}" for lr, q in e["tried"].items()) + " |\n" for e in payload["lr_sweep"]]
+    parts += ["\n## Peers left out\n\n"] + [f"* {k}: {v}\n" for k, v in payload["skipped_peers"].items()]
+    if pngs:
+        parts += ["\n## Plots\n\n"] + [f"![{p}]({p})\n" for p in pngs]
+    return "".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""From quality curves to the numbers in the tables: time to target, medians with spread, ratios.
+
+A curve is a list of ``(training seconds, steps, quality)`` points of rank 0. The time
+to target is the first point whose quality meets the target (evaluations are a few per
+run, so this is an upper bound by at most one evaluation interval; every setup is
+evaluated at the same clock marks). A repeat that never reaches the target counts as
+infinitely slow, so the median over repeats is finite only when most repeats reach it.
+
+Example:
+    >>> curve = [(0.0, 0, 5.0), (10.0, 100, 3.0), (20.0, 200, 2.0)]
+    >>> time_to_target(curve, 2.5, higher_is_better=False)
+    (20.0, 200)
+    >>> time_to_target(curve, 1.0, higher_is_better=False) is None
+    True
+    >>> spread([3.0, 1.0, 2.0])
+    {'median': 2.0, 'low': 1.0, 'high': 3.0, 'n': 3}
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from typing import Any, Sequence
+
+INF = math.inf
+
+
+def time_to_target(curve: Sequence[Sequence[float]], target: float, *,
+                   higher_is_better: bool) -> tuple[float, int] | None:
+    """(seconds, steps) of the first point at or past ``target``; None when no point reaches it."""
+    for seconds, steps, quality in curve:
+        if quality is None or math.isnan(quality):
+            continue
+        if (quality >= target) if higher_is_better else (quality <= target):
+            return float(seconds), int(steps)
+    return None
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max (inf allowed: a repeat that missed the target), and the count."""
+    if not values:
+        return {"median": math.nan, "low": math.nan, "high": math.nan, "n": 0}
+    return {"median": float(statistics.median(values)), "low": float(min(values)), "high": float(max(values)),
+            "n": len(values)}
+
+
+def rows(records: list[dict[str, Any]], targets: dict[str, float],
+         higher: dict[str, bool]) -> list[dict[str, Any]]:
+    """One row per (task, link, setup), pooled over repeats."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        r = rec["run"]
+        groups[(r["task"], r["link"], r["setup"])].append(rec)
+    out = []
+    for (task, link, setup), recs in groups.items():
+        ok = [rec["ranks"][0] for rec in recs if not rec["error"] and rec["ranks"]]
+        ttt, steps = [], []
+        for r0 in ok:
+            hit = time_to_target(r0["curve"], targets[task], higher_is_better=higher[task])
+            ttt.append(hit[0] if hit else INF)
+            steps.append(hit[1] if hit else INF)
+        out.append({"task": task, "link": link, "setup": setup, "provider": recs[0]["run"]["provider"],
+                    "lr": recs[0]["run"]["lr"], "runs": len(recs), "ok": len(ok),
+                    "reached": sum(1 for t in ttt if t < INF), "target": targets[task],
+                    "time_to_target": spread(ttt), "steps_to_target": spread(steps),
+                    "samples_per_s": spread([r["samples_per_s"] for r in ok]),
+                    "final": spread([r["final"] for r in ok]),
+                    "bytes_per_step": spread([r["bytes_per_step"] for r in ok]),
+                    "wire_bytes_per_step": spread([r["wire_bytes_per_step"] for r in ok
+                                                   if r["wire_bytes_per_step"] is not None]),
+                    "budget_s": recs[0]["run"]["budget_s"], "curves": [r["curve"] for r in ok],
+                    "errors": [rec["error"] for rec in recs if rec["error"]]})
+    return out
+
+
+def ratio(slow: dict[str, float], fast: dict[str, float]) -> dict[str, float]:
+    """How many times sooner ``fast`` is than ``slow``: median ratio with its range (worst, best pairing)."""
+    def div(a: float, b: float) -> float:
+        if b == 0 or math.isnan(a) or math.isnan(b) or (a == INF and b == INF):
+            return math.nan
+        return a / b
+    return {"median": div(slow["median"], fast["median"]), "low": div(slow["low"], fast["high"]),
+            "high": div(slow["high"], fast["low"])}
+
+
+def winner(rows_: list[dict[str, Any]], task: str, link: str, provider: str | None = None) -> dict[str, Any] | None:
+    """The row with the lowest median time to target (ties: more repeats reached, then higher throughput)."""
+    mine = [r for r in rows_ if r["task"] == task and r["link"] == link and r["ok"]
+            and (provider is None or r["provider"] == provider)]
+    mine = [r for r in mine if r["time_to_target"]["median"] < INF]
+    if not mine:
+        return None
+    return min(mine, key=lambda r: (r["time_to_target"]["median"], -r["reached"], -r["samples_per_s"]["median"]))

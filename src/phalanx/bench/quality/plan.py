@@ -1,0 +1,97 @@
+"""What one quality benchmark runs: the runs, their configs, the presets and the duration estimate.
+
+Example:
+    >>> runs = main_runs(["gpt"], ["ddp", "diloco"], ["100mbit"], lrs={}, budgets={"gpt": 30.0})
+    >>> [r.title for r in runs]
+    ['gpt ddp 2x1 100mbit lr=0.002', 'gpt diloco 2x1 100mbit lr=0.002']
+    >>> round(estimate_s(runs, repeats=3) / 60, 1)
+    4.0
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .setups import SETUPS
+from .tasks import get
+
+OVERHEAD_S = 10.0  # per run on an idle 2-core machine: two interpreters importing torch, gloo, evaluations
+ALL_SETUPS = ("ddp", "ddp-fp16", "ddp-powersgd", "torch-post-local-sgd", "allreduce", "fp16", "powersgd", "topk",
+              "local-sgd", "post-local-sgd", "diloco", "easgd", "downpour")
+SWEEP = (0.5, 1.0, 2.0)  # multipliers of the family's base lr, the same for every setup
+
+
+@dataclass(frozen=True)
+class QRun:
+    """One run: a task trained by a setup on 2 workers over a link, with its lr and limits."""
+
+    task: str
+    setup: str
+    link: str
+    lr: float
+    budget_s: float
+    max_steps: int = 0
+    per_worker: int = 16
+    workers: int = 2
+    threads: int = 1
+
+    @property
+    def provider(self) -> str:
+        return SETUPS[self.setup].provider
+
+    @property
+    def title(self) -> str:
+        return f"{self.task} {self.setup} {self.workers}x{self.threads} {self.link} lr={self.lr:g}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "provider": self.provider}
+
+
+def family(task: str, setup: str) -> str:
+    return SETUPS[setup].optim or get(task).optim.name
+
+
+def base_lr(task: str, setup: str) -> float:
+    return get(task).base_lr(family(task, setup))
+
+
+def sweep_runs(tasks: list[str], setups: list[str], multipliers: tuple[float, ...], *, steps: int,
+               cap_s: float) -> list[QRun]:
+    """Every setup × multiplier on loopback for ``steps`` steps (at most ``cap_s`` s): the lr sweep."""
+    return [QRun(t, s, "loopback", base_lr(t, s) * m, cap_s, steps, get(t).per_worker)
+            for t in tasks for s in setups for m in multipliers]
+
+
+def main_runs(tasks: list[str], setups: list[str], links: list[str], *, lrs: dict[tuple[str, str], float],
+              budgets: dict[str, float]) -> list[QRun]:
+    return [QRun(t, s, link, lrs.get((t, s), base_lr(t, s)), budgets[t], 0, get(t).per_worker)
+            for t in tasks for link in links for s in setups]
+
+
+def config(run: QRun, seed: int = 0, evals: int = 12) -> dict[str, Any]:
+    """What the worker reads (:mod:`.worker`)."""
+    return {"task": run.task, "setup": run.setup, "lr": run.lr, "budget_s": run.budget_s,
+            "max_steps": run.max_steps, "per_worker": run.per_worker, "threads": run.threads, "seed": seed,
+            "evals": evals, "check_every": 4}
+
+
+def estimate_s(runs: list[QRun], repeats: int = 1) -> float:
+    """Upper estimate of the wall time: every run's budget plus a fixed overhead, times repeats."""
+    return repeats * sum(r.budget_s + OVERHEAD_S for r in runs)
+
+
+def choose_lrs(records: list[dict[str, Any]], higher: dict[str, bool]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (task, setup): the swept lr with the best final quality (a failed or nan run never wins)."""
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for rec in records:
+        r = rec["run"]
+        final = rec["ranks"][0]["final"] if not rec["error"] and rec["ranks"] else float("nan")
+        key = (r["task"], r["setup"])
+        entry = best.setdefault(key, {"lr": r["lr"], "final": float("nan"), "tried": {}})
+        entry["tried"][r["lr"]] = final
+        if final != final:
+            continue
+        old = entry["final"]
+        if old != old or (final > old if higher[r["task"]] else final < old):
+            entry.update(lr=r["lr"], final=final)
+    return best

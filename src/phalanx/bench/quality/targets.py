@@ -1,0 +1,83 @@
+"""The benchmark's targets, checked against the rows: each is met, missed, or cannot be told (not measured).
+
+Example:
+    >>> verdict(2.0, 1.0)
+    'met'
+    >>> verdict(float("nan"), 1.0)
+    'not measured'
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .curves import INF, ratio, winner
+
+DDP_FAMILY = ("ddp", "ddp-fp16", "ddp-powersgd")  # "DDP with its best setting"
+
+
+def verdict(value: float, bar: float) -> str:
+    if value is None or math.isnan(value):
+        return "not measured"
+    return "met" if value >= bar else "missed"
+
+
+def _row(rows: list[dict[str, Any]], task: str, link: str, setup: str) -> dict[str, Any] | None:
+    return next((r for r in rows if (r["task"], r["link"], r["setup"]) == (task, link, setup) and r["ok"]), None)
+
+
+def check(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per target and link present in the rows."""
+    out: list[dict[str, Any]] = []
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    present = set(r["task"] for r in rows)
+    for task, bar in (("gpt", 10.0), ("resnet20", 3.0)):
+        for link in links if task in present else ():
+            best, ddp = winner(rows, task, link, "phalanx"), _row(rows, task, link, "ddp")
+            r = ratio(ddp["time_to_target"], best["time_to_target"]) if best and ddp else None
+            out.append({"measure": f"best phalanx vs DDP, time to target, {task}, {link}", "target": f"≥ {bar:g}×",
+                        "value": r, "who": best and best["setup"], "verdict": verdict(r["median"] if r else math.nan,
+                                                                                      bar)})
+    for task in dict.fromkeys(r["task"] for r in rows):
+        for link in links:
+            best, peer = winner(rows, task, link, "phalanx"), winner(rows, task, link, "torch")
+            r = ratio(peer["time_to_target"], best["time_to_target"]) if best and peer else None
+            out.append({"measure": f"best phalanx vs best torch peer, {task}, {link}", "target": "> 1×", "value": r,
+                        "who": best and peer and f"{best['setup']} vs {peer['setup']}",
+                        "verdict": verdict(r["median"] if r else math.nan, 1.0 + 1e-9)})
+            mine, theirs = _row(rows, task, link, "powersgd"), _row(rows, task, link, "ddp-powersgd")
+            if mine and theirs:
+                r = ratio(mine["samples_per_s"], theirs["samples_per_s"])  # mine / theirs: higher is better
+                out.append({"measure": f"phalanx PowerSGD vs DDP's hook, samples/s, rank 4, {task}, {link}",
+                            "target": "≥ 1.0", "value": r, "who": "", "verdict": verdict(r["median"], 1.0)})
+    for link in links:
+        dil, ddp = _row(rows, "gpt", link, "diloco"), _row(rows, "gpt", link, "ddp")
+        if dil and ddp:
+            key = "wire_bytes_per_step" if dil["wire_bytes_per_step"]["n"] and ddp["wire_bytes_per_step"]["n"] \
+                else "bytes_per_step"  # the veth's count when there is one: it also sees what a setup leaves out
+            fewer = ddp[key]["median"] / max(dil[key]["median"], 1e-9)
+            ok = dil["time_to_target"]["median"] < INF and fewer >= 50
+            out.append({"measure": f"DiLoCo (AdamW inner, H = 50) reaches the GPT target, {link}",
+                        "target": "yes, ≥ 50× fewer bytes than DDP", "value": None,
+                        "who": f"reached {dil['reached']}/{dil['runs']}, {fewer:.0f}× fewer bytes per step",
+                        "verdict": "met" if ok else "missed"})
+    for task in dict.fromkeys(r["task"] for r in rows):
+        if "1gbit" in links:
+            best = winner(rows, task, "1gbit", "phalanx")
+            ddps = [r for r in rows if r["task"] == task and r["link"] == "1gbit" and r["setup"] in DDP_FAMILY]
+            ddp_best = min(ddps, key=lambda r: r["time_to_target"]["median"], default=None)
+            r = ratio(ddp_best["time_to_target"], best["time_to_target"]) if best and ddp_best else None
+            out.append({"measure": f"1 Gbit/s: best phalanx vs DDP with its best setting, {task}", "target": "≥ 1.0",
+                        "value": r, "who": best and ddp_best and f"{best['setup']} vs {ddp_best['setup']}",
+                        "verdict": verdict(r["median"] if r else math.nan, 1.0)})
+    return out
+
+
+def markdown(entries: list[dict[str, Any]]) -> str:
+    lines = ["| measure | target | measured (median, range) | which | verdict |", "|---|---|---|---|---|"]
+    for e in entries:
+        v = e["value"]
+        cell = "" if not v else "n/a" if math.isnan(v["median"]) else (
+            "∞" if v["median"] == INF else f"{v['median']:.2f} ({v['low']:.2f}–{v['high']:.2f})")
+        lines.append(f"| {e['measure']} | {e['target']} | {cell} | {e['who'] or ''} | {e['verdict']} |")
+    return "\n".join(lines) + "\n"

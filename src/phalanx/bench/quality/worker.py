@@ -1,0 +1,85 @@
+"""One worker of one quality run: ``python -m phalanx.bench.quality.worker CONFIG.json OUT.json``.
+
+The training clock counts only the training steps (forward, backward, the strategy's
+exchange, the optimizer step); drawing the batch and evaluating are outside it and
+the same for every setup. Every ``check_every`` steps rank 0 broadcasts one decision
+(evaluate now? stop?), so every rank takes the same number of steps and periodic
+strategies never hang. Quality is rank 0's replica at that moment; after the budget
+``finish()`` makes the model to keep (last average, EASGD's centre), whose quality is
+the run's final quality.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..worker import main, wire_bytes
+from .setups import SETUPS
+from .tasks import get
+
+
+def _decide(rank: int, flags: list[bool]) -> list[bool]:
+    """Rank 0's flags, the same on every worker (outside the training clock)."""
+    if not dist.is_initialized():
+        return flags
+    t = torch.tensor([1.0 if f else 0.0 for f in flags])
+    dist.broadcast(t, 0)
+    return [bool(v) for v in t.tolist()]
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(int(cfg.get("threads", 1)))
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    task, setup = get(cfg["task"]), SETUPS[cfg["setup"]]
+    budget, max_steps = float(cfg["budget_s"]), int(cfg.get("max_steps") or 0)
+    evals, check_every, per_worker = int(cfg.get("evals", 12)), int(cfg.get("check_every", 4)), int(cfg["per_worker"])
+    torch.manual_seed(int(cfg.get("seed", 0)))  # the same initial model for every setup and rank
+    model = task.model()
+    family = setup.optim or task.optim.name
+    opt = type(task.optim)(family, task.base_lr(family)).build(model.parameters(), float(cfg["lr"]))
+    module, opt, acc = setup.build(model, opt, float(cfg["lr"]))
+    if dist.is_initialized():
+        dist.barrier()
+    curve: list[tuple[float, int, float]] = [(0.0, 0, task.evaluate(model) if rank == 0 else float("nan"))]
+    bytes0, wire0 = acc.bytes_sent(), wire_bytes()
+    clock, step, next_eval = 0.0, 0, budget / evals
+    while True:
+        x, y = task.batch(step, rank, world, per_worker)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        task.loss(module(x), y).backward()
+        opt.step()
+        clock += time.perf_counter() - start
+        step += 1
+        if step % check_every:
+            continue
+        done = clock >= budget or (max_steps and step >= max_steps)
+        evaluate, stop = _decide(rank, [bool(done or clock >= next_eval), bool(done)])
+        if evaluate and rank == 0 and not stop:  # the final point is taken after finish()
+            curve.append((clock, step, task.evaluate(model)))
+            next_eval += budget / evals
+        if stop:
+            break
+    wire_end = wire_bytes()
+    counted = acc.bytes_sent() - bytes0
+    acc.finish()  # the model to keep: last average, EASGD's centre
+    final = task.evaluate(model) if rank == 0 else float("nan")
+    if rank == 0:
+        curve.append((clock, step, final))
+    result = {"rank": rank, "world_size": world, "task": task.name, "setup": setup.name, "lr": cfg["lr"],
+              "curve": curve, "steps": step, "train_seconds": clock, "final": final,
+              "samples_per_s": world * per_worker * step / clock if clock > 0 else float("nan"),
+              "bytes_per_step": counted / max(step, 1),
+              "wire_bytes_per_step": (wire_end - wire0) / max(step, 1) if wire_end is not None else None}
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], run))

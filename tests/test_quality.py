@@ -1,0 +1,163 @@
+"""phalanx bench --quality: the corpus is fixed by its hash, time to target on known curves, the advisor's
+verdicts on known rows, and a smoke run on 2 real workers (the 100 Mbit/s netns link as root, else loopback)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from phalanx.bench.quality import advisor, cli, corpus, curves, plan, targets
+from phalanx.bench.quality.tasks import TASKS
+from phalanx.errors import ConfigError
+
+
+# -- the corpus --------------------------------------------------------------------------------------
+def test_corpus_is_the_sorted_file_list_and_its_recorded_hash():
+    assert corpus.FILES == sorted(corpus.FILES) and len(set(corpus.FILES)) == len(corpus.FILES)
+    text = corpus.load()
+    assert corpus.digest(text) == next(iter(corpus.SHA256.values())) and corpus.load() == text
+
+
+def test_corpus_with_a_different_hash_is_refused_naming_both(tmp_path):
+    real = corpus.stdlib_dir()
+    for name in corpus.FILES:  # a copy of the stdlib sources with one byte changed
+        dst = tmp_path / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(open(os.path.join(real, name), "rb").read())
+    (tmp_path / corpus.FILES[0]).write_bytes((tmp_path / corpus.FILES[0]).read_bytes() + b"#")
+    expected = corpus.digest(corpus.load())
+    with pytest.raises(ConfigError) as err:
+        corpus.load(str(tmp_path), expected=expected)
+    found = corpus.digest(b"".join((tmp_path / n).read_bytes() for n in corpus.FILES))
+    assert expected in str(err.value) and found in str(err.value) and found != expected
+    with pytest.raises(ConfigError, match="corpus file"):
+        corpus.load(str(tmp_path / "nowhere"), expected=expected)
+
+
+# -- the tasks: the same global batch whatever the number of workers --------------------------------
+@pytest.mark.parametrize("name", ["gpt", "resnet20"])
+def test_two_workers_see_the_one_process_batch(name):
+    task = TASKS[name]
+    x1, y1 = task.batch(3, 0, 1, 8)
+    parts = [task.batch(3, r, 2, 4) for r in range(2)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), x1) and torch.equal(torch.cat([p[1] for p in parts]), y1)
+    assert not torch.equal(task.batch(4, 0, 1, 8)[0], x1)  # another step, another batch
+
+
+def test_teacher_labels_use_every_class():
+    _, y = TASKS["resnet20"].val
+    assert torch.bincount(y, minlength=10).min() > 10  # centred logits: no class starves
+
+
+# -- time to target on known curves -----------------------------------------------------------------
+def test_time_to_target_on_known_curves():
+    loss = [(0.0, 0, 5.5), (10.0, 50, 3.1), (20.0, 100, 2.19), (30.0, 150, 2.0)]
+    assert curves.time_to_target(loss, 2.2, higher_is_better=False) == (20.0, 100)
+    assert curves.time_to_target(loss, 5.5, higher_is_better=False) == (0.0, 0)
+    assert curves.time_to_target(loss, 1.0, higher_is_better=False) is None
+    acc = [(0.0, 0, 0.1), (5.0, 10, float("nan")), (8.0, 20, 0.61), (9.0, 30, 0.5)]
+    assert curves.time_to_target(acc, 0.6, higher_is_better=True) == (8.0, 20)  # nan skipped; the first hit counts
+
+
+def _record(setup, provider, times, finals=None, link="100mbit", nbytes=1e6, thpt=100.0):
+    """Fake records of a setup whose repeats reach loss 2.0 after ``times`` seconds (None: never)."""
+    out = []
+    for k, t in enumerate(times):
+        curve = [(0.0, 0, 5.0)] + ([(t, int(10 * t), 2.0)] if t is not None else [(60.0, 600, 3.0)])
+        rank0 = {"curve": curve, "samples_per_s": thpt, "final": (finals or [2.0] * len(times))[k],
+                 "bytes_per_step": nbytes, "wire_bytes_per_step": nbytes * 1.05}
+        out.append({"run": {"task": "gpt", "link": link, "setup": setup, "provider": provider, "lr": 1e-3,
+                            "budget_s": 60.0}, "ranks": [rank0], "error": None})
+    return out
+
+
+def test_rows_median_spread_and_a_missed_repeat_counts_as_infinitely_slow():
+    recs = _record("ddp", "torch", [40.0, None, None]) + _record("diloco", "phalanx", [5.0, 7.0, 6.0])
+    rows = curves.rows(recs, {"gpt": 2.2}, {"gpt": False})
+    ddp, dil = rows
+    assert ddp["reached"] == 1 and ddp["time_to_target"]["median"] == math.inf and ddp["time_to_target"]["low"] == 40
+    assert dil["time_to_target"] == {"median": 6.0, "low": 5.0, "high": 7.0, "n": 3}
+    assert curves.winner(rows, "gpt", "100mbit")["setup"] == "diloco"
+    assert curves.winner(rows, "gpt", "100mbit", "torch") is None  # DDP's median missed the target
+    r = curves.ratio({"median": 12.0, "low": 10.0, "high": 14.0}, {"median": 6.0, "low": 5.0, "high": 7.0})
+    assert r == pytest.approx({"median": 2.0, "low": 10 / 7, "high": 14 / 5})
+
+
+# -- the advisor's verdicts on known rows -----------------------------------------------------------
+def test_advisor_right_wrong_and_cannot_tell():
+    # compute 0.1 s/step; at 100 Mbit the projection favours the setup that sends fewest bytes.
+    few = _record("diloco", "phalanx", [5.0, 6.0, 7.0], nbytes=1e4)
+    many = _record("ddp", "torch", [30.0, 31.0, 32.0], nbytes=4e6)
+    rows = curves.rows(few + many, {"gpt": 2.2}, {"gpt": False})
+    (v,) = advisor.check(rows, {"gpt": 0.1}, {"gpt": 16})
+    assert (v["recommended"], v["winner"], v["verdict"]) == ("diloco", "diloco", "right")
+    slow_few = _record("diloco", "phalanx", [50.0, 51.0, 52.0], nbytes=1e4)
+    rows = curves.rows(slow_few + many, {"gpt": 2.2}, {"gpt": False})
+    (v,) = advisor.check(rows, {"gpt": 0.1}, {"gpt": 16})
+    assert v["verdict"] == "wrong" and v["off_by"] == pytest.approx(51.0 / 31.0)
+    close = _record("diloco", "phalanx", [29.0, 33.0, 40.0], nbytes=1e4)
+    rows = curves.rows(close + many, {"gpt": 2.2}, {"gpt": False})
+    (v,) = advisor.check(rows, {"gpt": 0.1}, {"gpt": 16})
+    assert v["winner"] == "ddp" and v["verdict"] == "cannot tell"  # the ranges overlap
+
+
+def test_targets_are_met_missed_or_not_measured():
+    rows = curves.rows(_record("ddp", "torch", [40.0, 41.0, 42.0], nbytes=2.5e6)
+                       + _record("diloco", "phalanx", [3.0, 4.0, 5.0], nbytes=2.5e6 / 50)
+                       + _record("powersgd", "phalanx", [50.0] * 3, thpt=300.0)
+                       + _record("ddp-powersgd", "torch", [50.0] * 3, thpt=100.0), {"gpt": 2.2}, {"gpt": False})
+    got = {e["measure"]: e for e in targets.check(rows)}
+    assert got["phalanx PowerSGD vs DDP's hook, samples/s, rank 4, gpt, 100mbit"]["value"]["median"] == 3.0
+    vs = got["best phalanx vs DDP, time to target, gpt, 100mbit"]
+    assert vs["verdict"] == "met" and vs["value"]["median"] == pytest.approx(41 / 4)
+    assert got["DiLoCo (AdamW inner, H = 50) reaches the GPT target, 100mbit"]["verdict"] == "met"
+    assert "best phalanx vs DDP, time to target, resnet20, 100mbit" not in got  # no resnet20 rows: no line
+    rows = curves.rows(_record("ddp", "torch", [40.0] * 3) + _record("diloco", "phalanx", [5.0] * 3, nbytes=1e5),
+                       {"gpt": 2.2}, {"gpt": False})
+    got = {e["measure"]: e for e in targets.check(rows)}
+    assert got["best phalanx vs DDP, time to target, gpt, 100mbit"]["verdict"] == "missed"  # 8x < 10x
+    assert got["DiLoCo (AdamW inner, H = 50) reaches the GPT target, 100mbit"]["verdict"] == "missed"  # 10x bytes
+
+
+# -- the plan and bad input -------------------------------------------------------------------------
+def test_lr_sweep_picks_the_best_final_quality_and_ignores_failures():
+    recs = [{"run": {"task": "gpt", "setup": "ddp", "lr": lr}, "error": err, "ranks": [{"final": f}]}
+            for lr, f, err in [(1e-3, 2.5, None), (2e-3, 2.3, None), (4e-3, 1.0, "rank 1 exited 1")]]
+    assert plan.choose_lrs(recs, {"gpt": False})[("gpt", "ddp")]["lr"] == 2e-3
+
+
+@pytest.mark.parametrize("argv, match", [(["--setups", "ddp,torchft-diloco"], "lighthouse"),
+                                         (["--tasks", "mnist"], "task 'mnist'"),
+                                         (["--targets", "bert=1"], "--targets"),
+                                         (["--sweep", "0,1"], "--sweep")])
+def test_bad_arguments_are_refused_before_anything_runs(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        cli.main([*argv, "--link", "loopback", "--dry-run"])
+
+
+# -- the smoke run: 2 real workers, 2 setups (torch and phalanx), a second each ----------------------
+def test_smoke_run_writes_the_report(tmp_path, capsys):
+    code = cli.main(["--smoke", "--no-progress", "--out", str(tmp_path)])
+    assert code == 0
+    payload = json.loads((tmp_path / "quality.json").read_text())
+    rows = payload["rows"]
+    assert {r["setup"] for r in rows} == {"ddp", "local-sgd"} and all(r["ok"] == 1 for r in rows)
+    for r in rows:
+        (curve,) = r["curves"]
+        assert curve[0][0] == 0.0 and curve[-1][0] > 0 and r["samples_per_s"]["median"] > 0
+        if r["setup"] == "ddp":  # gradient averaging sends the 2.5 MB gradient every step
+            assert r["bytes_per_step"]["median"] > 1e6
+    if rows[0]["link"] != "loopback":  # as root: measured on the veth; local SGD syncs only at finish()
+        wire = {r["setup"]: r["wire_bytes_per_step"]["median"] for r in rows}
+        assert wire["ddp"] > 1e6 and wire["local-sgd"] < 0.2 * wire["ddp"]
+    md = (tmp_path / "quality.md").read_text()
+    assert "## gpt," in md and "advisor" in md and len(payload["advisor"]) == 1 and "## Targets" in md
+    assert list(tmp_path.glob("quality-gpt-*.png"))
+    # The same curves against a target nobody reaches: the report changes, nothing reruns.
+    assert cli.main(["--from-json", str(tmp_path / "quality.json"), "--targets", "gpt=0.01",
+                     "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "quality.json").read_text())
+    assert all(r["reached"] == 0 for r in again["rows"]) and again["advisor"][0]["verdict"] == "cannot tell"
