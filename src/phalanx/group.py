@@ -356,7 +356,7 @@ def regroup(rank: int, world_size: int, store: dist.Store | None) -> None:
     if current.heartbeat is not None:
         current.heartbeat.stop()
     heartbeat = liveness.Heartbeat(store, rank).start() if store is not None else None
-    probe = liveness._quick(store) if store is not None else None
+    probe = liveness.second_connection(store) if store is not None else None
     _group = _Group(env=replace(current.env, rank=rank, world_size=world_size), device=current.device,
                     store=store, probe=probe, heartbeat=heartbeat)
 

@@ -62,8 +62,18 @@ class ShardedDataset(keras.utils.PyDataset):
         self._plan = self._make_plan()
 
     def _make_plan(self) -> list[list[list[int]]]:
-        return global_batches(self.n, self.batch_size, self.world_size, shuffle=self.shuffle,
+        plan = global_batches(self.n, self.batch_size, self.world_size, shuffle=self.shuffle,
                               seed=self.seed, epoch=self.epoch)
+        if len(plan) > 1 and any(not part for part in plan[-1]):
+            # A tail smaller than the number of workers would leave some worker an empty batch, and Keras
+            # reports nan for the mean loss of zero samples (nan * 0 is still nan in its Mean tracker).
+            # Keras steps cannot be empty, so such a tail joins the step before it, split evenly.
+            tail = plan.pop()
+            merged = [i for part in plan.pop() for i in part] + [i for part in tail for i in part]
+            size, extra = divmod(len(merged), self.world_size)
+            bounds = [r * size + min(r, extra) for r in range(self.world_size + 1)]
+            plan.append([merged[bounds[r]:bounds[r + 1]] for r in range(self.world_size)])
+        return plan
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s permutation (deterministic in ``seed + epoch``, as ``px.shard``)."""
