@@ -216,7 +216,7 @@ def channels_last(steps: int) -> dict[str, Any]:
             table = strategy.table
             out["split"] = sorted({p.var for p in table.pieces if not p.whole})
             out["non_contiguous"] = [n for n, p in net.named_parameters() if not p.is_contiguous()]
-            strategy.finish()  # both workers' pushes are in: nothing moves between the pull and the snapshot
+            px.barrier()  # both workers' pushes are in: nothing moves between the pull and the snapshot
             table.pull()  # every piece of every parameter, written into the parameter itself
             held = table.snapshot()
             flat = {n: p.detach().reshape(-1) for n, p in net.named_parameters()}
