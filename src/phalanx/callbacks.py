@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import check
 from .errors import ConfigError, usage
 
 if TYPE_CHECKING:
@@ -98,9 +99,7 @@ class ModelCheckpoint(Callback):
     """
 
     def __init__(self, path: str | os.PathLike, every: int = 1) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(usage(f"ModelCheckpoint(every={every!r})", "an integer >= 1 (epochs between saves)",
-                                    "Pass e.g. every=1."))
+        check.positive_int("ModelCheckpoint(every", every, "Pass e.g. every=1 (epochs between saves).", close=")")
         self.path, self.every = os.fspath(path), every
         self.last_path: str | None = None
 

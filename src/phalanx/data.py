@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sized
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from . import group
+from . import check, group
 from .batchweight import set_batch_weight
 from .errors import ConfigError, usage
 from .prefetch import prefetch
@@ -229,9 +229,7 @@ def shard(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int 
         >>> len(px.shard(ds, batch_size=2, rank=0, world_size=2))
         2
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(usage(f"batch_size={batch_size!r}", "an integer >= 1 (samples per worker per step)",
-                                "Pass e.g. batch_size=64."))
+    check.positive_int("batch_size", batch_size, "Pass e.g. batch_size=64 (samples per worker per step).")
     if not isinstance(dataset, Sized):
         raise ConfigError(usage(f"a {type(dataset).__name__} without len()", "a map-style dataset with __len__",
                                 "Wrap tensors in torch.utils.data.TensorDataset, or stream with your own loader."))

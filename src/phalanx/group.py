@@ -25,7 +25,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from . import liveness
+from . import check, liveness
 from .errors import ConfigError, PhalanxError, WorkerLostError, usage
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -107,13 +107,7 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name)
     if raw is None:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ConfigError(usage(f"{name}={raw!r}", "a positive number of seconds", f"Set {name}, e.g. 60."))
-    return value
+    return check.parse_float(name, raw, f"Set {name} to seconds, e.g. 60.")
 
 
 @dataclass

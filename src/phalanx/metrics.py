@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from . import check
 from .errors import ConfigError, usage
 
 
@@ -84,8 +85,7 @@ class Accuracy(Metric):
     name = "accuracy"
 
     def __init__(self, top_k: int = 1) -> None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise ConfigError(usage(f"Accuracy(top_k={top_k!r})", "an integer >= 1", "Use e.g. Accuracy(top_k=5)."))
+        check.positive_int("Accuracy(top_k", top_k, "Use e.g. Accuracy(top_k=5).", close=")")
         self.top_k = top_k
         if top_k != 1:
             self.name = f"top{top_k}_accuracy"

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from . import group
+from . import check, group
 from .callbacks import Callback
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Comm
@@ -148,8 +148,7 @@ class Trainer:
         last commit and go on (see ``px.elastic``). Each row then has ``world_size``, and
         ``history.membership`` lists every change. Elsewhere it changes nothing.
         """
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-            raise ConfigError(usage(f"epochs={epochs!r}", "an integer >= 0", "Pass e.g. epochs=10."))
+        check.integer("epochs", epochs, "Pass e.g. epochs=10.")
         if val_data is not None:
             _check_eval(val_data, val_batch_size, "val_data", "val_batch_size")
         if isinstance(train_data, ShardedLoader) or hasattr(train_data, "stats"):  # stream: a px.stream.StreamLoader
@@ -384,8 +383,7 @@ class Trainer:
 
 
 def _check_eval(data: Any, batch_size: Any, data_name: str, batch_name: str) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(usage(f"{batch_name}={batch_size!r}", "an integer >= 1", f"Pass e.g. {batch_name}=256."))
+    check.positive_int(batch_name, batch_size, f"Pass e.g. {batch_name}=256.")
     if not isinstance(data, Sized):
         raise ConfigError(usage(f"{data_name} of type {type(data).__name__} without len()", "a map-style dataset",
                                 "Wrap tensors in torch.utils.data.TensorDataset."))

@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .. import check
 from ..errors import ConfigError, usage
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -42,12 +43,7 @@ class PSConfig:
         for a in addrs:
             check_addr(a, ADDRS)
         raw = env.get(TIMEOUT)
-        try:
-            timeout = DEFAULT_TIMEOUT_S if raw is None else float(raw)
-        except ValueError:
-            timeout = -1.0
-        if not timeout > 0:
-            raise ConfigError(usage(f"{TIMEOUT}={raw!r}", "a positive number of seconds", f"Set {TIMEOUT}=30."))
+        timeout = DEFAULT_TIMEOUT_S if raw is None else check.parse_float(TIMEOUT, raw, f"Set {TIMEOUT}=30.")
         return cls(addrs=addrs, token=env.get(TOKEN) or None, timeout_s=timeout, host=env.get(HOST, "127.0.0.1"))
 
 

@@ -21,7 +21,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, PhalanxError, usage
+from .. import check
+from ..errors import PhalanxError
 from .config import ADDRS, TOKEN
 
 
@@ -105,8 +106,7 @@ def start_servers(n: int, host: str = "127.0.0.1", token: str | None = None, *, 
     resumes from that file when it exists, and writes it when stopped and every
     ``checkpoint_every`` seconds.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(usage(f"--servers {n!r}", "an integer >= 1", "Pass the number of parameter servers."))
+    check.positive_int("--servers", n, "Pass the number of parameter servers.")
     if token is None:
         token = secrets.token_urlsafe(24)
     log_dir = tempfile.mkdtemp(prefix="phalanx-ps-")

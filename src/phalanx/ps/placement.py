@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .. import check
 from ..errors import ConfigError, usage
 
 TensorSpec = tuple[str, tuple[int, ...], int]  # (name, shape, bytes per element)
@@ -52,8 +53,7 @@ class Piece:
 
 
 def _check_servers(servers: int) -> None:
-    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
-        raise ConfigError(usage(f"servers={servers!r}", "an integer >= 1", "Start at least one parameter server."))
+    check.positive_int("servers", servers, "Start at least one parameter server.")
 
 
 class RoundRobin:
@@ -82,9 +82,9 @@ class GreedyBytes:
     name = "greedy_bytes"
 
     def __init__(self, max_piece_bytes: int | None = None) -> None:
-        if max_piece_bytes is not None and (not isinstance(max_piece_bytes, int) or max_piece_bytes < 1):
-            raise ConfigError(usage(f"max_piece_bytes={max_piece_bytes!r}", "a positive integer or None",
-                                    "Leave it unset to derive it from the model and server count."))
+        if max_piece_bytes is not None:
+            check.positive_int("max_piece_bytes", max_piece_bytes,
+                               "Leave it unset (None) to derive it from the model and server count.")
         self.max_piece_bytes = max_piece_bytes
 
     def place(self, tensors: Sequence[TensorSpec], servers: int) -> list[Piece]:

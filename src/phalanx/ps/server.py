@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .. import check
 from ..errors import ConfigError, PhalanxError, usage
 from .config import DEFAULT_TIMEOUT_S, is_loopback
 from .shards import Policy, Reducer, RejectError, ShardStore, Tensors
@@ -76,8 +77,7 @@ class Server:
             raise ConfigError(usage(f"a parameter server on {host!r} without a token",
                                     "a per-job token on any interface other than loopback",
                                     "Set PHALANX_PS_TOKEN (start_servers makes one), or bind to 127.0.0.1."))
-        if threads < 1:
-            raise ConfigError(usage(f"threads={threads!r}", "an integer >= 1", "Use 2."))
+        check.positive_int("threads", threads, "Use 2.")
         self.host, self.port, self.index = host, port, index
         self._token = token.encode() if token else None
         if checkpoint_every is not None and not (checkpoint and checkpoint_every > 0):
@@ -86,9 +86,7 @@ class Server:
                                     "Pass --checkpoint PATH too, or leave the period out."))
         self.threads, self.checkpoint, self.max_message_mb = threads, checkpoint, max_message_mb
         self.checkpoint_every = checkpoint_every
-        if not round_timeout > 0:
-            raise ConfigError(usage(f"round_timeout={round_timeout!r}", "a positive number of seconds",
-                                    "Use the workers' PHALANX_PS_TIMEOUT."))
+        round_timeout = check.positive_float("round_timeout", round_timeout, "Use the workers' PHALANX_PS_TIMEOUT.")
         self.store, self.reducer = ShardStore(max_bytes), Reducer(round_timeout)
         self.stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()

@@ -40,6 +40,7 @@ from typing import Any, ContextManager, Sequence
 
 import torch
 
+from .. import check
 from ..framing import read_verified, write_verified
 from ..errors import ConfigError, PhalanxError, usage
 from .optim import SGD, Adagrad, from_spec
@@ -85,9 +86,9 @@ class Policy:
         if not isinstance(spec, dict):
             raise ConfigError(usage(f"policy {spec!r}", "a JSON object", "Send rule, lock and max_staleness."))
         stale = spec.get("max_staleness")
-        if stale is not None and (isinstance(stale, bool) or not isinstance(stale, int) or stale < 0):
-            raise ConfigError(usage(f"max_staleness={stale!r}", "None or an integer >= 0",
-                                    "0 applies only pushes computed from the current version."))
+        if stale is not None:
+            check.integer("max_staleness", stale, "Send None for no limit; 0 applies only pushes computed from the "
+                          "current version.")
         rule = spec.get("rule")
         return cls(None if rule is None else from_spec(rule), bool(spec.get("lock", True)), stale)
 

@@ -14,7 +14,6 @@ Example (one worker, a colocated server in this process):
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from typing import Any, Sequence
@@ -22,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .. import group, sync
+from .. import check, group, sync
 from ..errors import ConfigError, usage
 from ..strategies import register
 from ..strategies.base import Strategy
@@ -51,9 +50,9 @@ class PSStrategy(Strategy):
                  timeout: float | None = None) -> None:
         require_zmq()  # fail here, with what to install, rather than deep inside attach
         super().__init__()
+        if timeout is not None:
+            timeout = check.positive_float("timeout", timeout, "Leave it unset for 30 seconds.")
         self.servers, self.placement, self.timeout = servers, placement_policy(placement), timeout
-        if timeout is not None and not timeout > 0:
-            raise ConfigError(usage(f"timeout={timeout!r}", "a positive number of seconds", "Leave it unset for 30."))
         self.link: Link | None = None
         self.table: ParamTable | None = None
         self._pending_servers: dict[str, Any] | None = None  # a checkpoint loaded before attach
@@ -226,10 +225,9 @@ class Downpour(PSStrategy):
         super().__init__(**kwargs)
         self.push_when, self.pull_when = sync.every(push_every), sync.every(pull_every)
         self.server_optimizer = _rule(server_optimizer)
-        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
-                                          or max_staleness < 0):
-            raise ConfigError(usage(f"max_staleness={max_staleness!r}", "None or an integer >= 0",
-                                    "0 applies only pushes computed from the shard's current version."))
+        if max_staleness is not None:
+            check.integer("max_staleness", max_staleness, "Leave it None for no limit; 0 applies only pushes "
+                          "computed from the shard's current version.")
         self.max_staleness, self.lock = max_staleness, bool(lock)
         self.dropped = 0  # shard updates the servers refused as too stale
         self._acc: list[torch.Tensor] | None = None
@@ -325,10 +323,9 @@ class AsyncEASGD(PSStrategy):
     def __init__(self, every: int = 4, alpha: float | None = None, *, lock: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.when = sync.every(every)
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
-                                  or not math.isfinite(alpha) or not 0 < alpha < 1):
-            raise ConfigError(usage(f"alpha={alpha!r}", "0 < alpha < 1 (the elastic force)",
-                                    "The paper keeps alpha * workers near 0.9, e.g. alpha=0.45 for 2 workers."))
+        if alpha is not None:
+            check.number("alpha", alpha, "The paper keeps alpha * workers near 0.9, e.g. alpha=0.45 for 2 workers.",
+                         low=0, high=1, expected="0 < alpha < 1 (the elastic force)")
         self.alpha, self.lock = alpha, bool(lock)
 
     def join(self) -> None:
