@@ -55,7 +55,10 @@ def test_torn_down_after_an_exception():
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_torn_down_on_ctrl_c_and_sigterm(sig):
-    code = ("import time; from phalanx.bench.netns import Link\n"
+    # Python keeps SIGINT ignored when its parent ignored it (a background job of a non-interactive shell):
+    # restore the terminal's behaviour, Ctrl-C as KeyboardInterrupt, so the test does not depend on how CI runs it.
+    code = ("import signal, time; from phalanx.bench.netns import Link\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "with Link('10mbit') as link:\n    print(link.namespaces[0], flush=True); time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     name = proc.stdout.readline().strip()
