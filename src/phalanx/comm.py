@@ -21,8 +21,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from . import group
-from .liveness import guarded, lost_ranks  # noqa: F401  (moved; re-exported for existing imports)
+from . import group, liveness
+from .errors import WorkerLostError
 
 
 @dataclass
@@ -35,6 +35,47 @@ class CommStats:
 
     def snapshot(self) -> "CommStats":
         return CommStats(self.bytes_sent, self.calls, self.seconds)
+
+
+# -- diagnosis of a failed collective: liveness read from the group's own store -------------------------------------
+# It lives here, beside the collectives it guards, so that liveness.py stays a leaf that knows no group.
+
+def lost_ranks(timeout_s: float = liveness.STALE_AFTER_S) -> list[int] | None:
+    """After a failed collective: the ranks that are no longer running (None: the store does not answer).
+
+    Never names a rank whose heartbeat still advances. Blocks at most about ``timeout_s``.
+    """
+    store = group.probe_store()
+    if store is None:
+        return None
+    seen = liveness.survey(store, group.world_size(), timeout_s, me=group.rank())
+    return None if seen is None else seen.lost
+
+
+@contextlib.contextmanager
+def guarded(what: str) -> Iterator[None]:
+    """Turn a peer's disappearance during a collective into one clear :class:`WorkerLostError`.
+
+    Example:
+        >>> with guarded("nothing"):
+        ...     pass
+    """
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as err:
+        if isinstance(err, WorkerLostError):
+            raise
+        me = group.rank()
+        store = group.probe_store()
+        seen = None if store is None else liveness.survey(store, group.world_size(), liveness.STALE_AFTER_S, me=me)
+        if seen is not None:
+            liveness.record_losses([r for r in seen.lost if r != me])
+        raise WorkerLostError(
+            f"rank {me} lost contact with {liveness.describe(seen, me)} during {what} "
+            f"(timeout {group.timeout_s():.0f}s): {str(err).splitlines()[0][:200]}. "
+            "See that rank's own log for its error. If it was only slow, raise the bound with "
+            "PHALANX_TIMEOUT or px.init(timeout=...)."
+        ) from err
 
 
 def _coalesced(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:

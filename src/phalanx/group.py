@@ -414,9 +414,3 @@ def store() -> dist.Store | None:
 def probe_store() -> dist.Store | None:
     """A connection to the group's store with a short timeout, for liveness checks (None in a group of one)."""
     return _current().probe
-
-
-def barrier() -> None:
-    """Wait for every worker; a no-op in a group of one (kept here for old imports; see ``phalanx.comm``)."""
-    from .comm import barrier as _barrier  # comm imports group: import it lazily, no cycle at import time
-    _barrier()

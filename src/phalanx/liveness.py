@@ -28,16 +28,13 @@ Example (a store of our own; in a job use ``phalanx.group.store()``):
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterator
 
 import torch.distributed as dist
 
-from .errors import WorkerLostError
 
 HEARTBEAT_EVERY_S = 0.5
 STALE_AFTER_S = 3.0  # six missed beats: a loaded machine can starve a thread for a second or two, not for three
@@ -247,24 +244,6 @@ def alive_ranks(store: dist.Store, world_size: int, stale_after_s: float = STALE
 
 # -- diagnosis of a failed collective (the worker group's own store) ------------------------------------------------
 
-def _probe_store() -> dist.Store | None:
-    from . import group
-    return group.probe_store()
-
-
-def lost_ranks(timeout_s: float = STALE_AFTER_S) -> list[int] | None:
-    """After a failed collective: the ranks that are no longer running (None: the store does not answer).
-
-    Never names a rank whose heartbeat still advances. Blocks at most about ``timeout_s``.
-    """
-    from . import group
-    store = _probe_store()
-    if store is None:
-        return None
-    seen = survey(store, group.world_size(), timeout_s, me=group.rank())
-    return None if seen is None else seen.lost
-
-
 def _consequence(note: str) -> bool:
     """An exit note of a rank that ended because it lost another (not a cause of its own)."""
     return note.startswith(("ok after losing", "WorkerLostError"))
@@ -311,28 +290,6 @@ def losses_seen() -> list[int]:
     return list(_lost_seen)
 
 
-@contextlib.contextmanager
-def guarded(what: str) -> Iterator[None]:
-    """Turn a peer's disappearance during a collective into one clear :class:`WorkerLostError`.
-
-    Example:
-        >>> with guarded("nothing"):
-        ...     pass
-    """
-    try:
-        yield
-    except (RuntimeError, dist.DistBackendError) as err:
-        if isinstance(err, WorkerLostError):
-            raise
-        from . import group
-        me = group.rank()
-        store = _probe_store()
-        seen = None if store is None else survey(store, group.world_size(), STALE_AFTER_S, me=me)
-        if seen is not None:
-            _lost_seen[:] = [r for r in seen.lost if r != me]
-        raise WorkerLostError(
-            f"rank {me} lost contact with {describe(seen, me)} during {what} "
-            f"(timeout {group.timeout_s():.0f}s): {str(err).splitlines()[0][:200]}. "
-            "See that rank's own log for its error. If it was only slow, raise the bound with "
-            "PHALANX_TIMEOUT or px.init(timeout=...)."
-        ) from err
+def record_losses(ranks: list[int]) -> None:
+    """Remember the ranks this process just blamed (its exit note then says so)."""
+    _lost_seen[:] = list(ranks)

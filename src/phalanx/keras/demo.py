@@ -72,7 +72,7 @@ def _launch(workers: int, worker_args: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``phalanx demo --keras``; returns the exit status."""
-    from phalanx.demo import MIN_ACCURACY, table
+    from phalanx.demo_table import MIN_ACCURACY, table
 
     p = argparse.ArgumentParser(prog="phalanx demo --keras", description="A Keras CNN on scikit-learn's digits "
                                 "with px.keras.wrap, on 1 worker then on 2.")

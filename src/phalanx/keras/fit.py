@@ -43,9 +43,9 @@ from .data import is_sharded
 from .detect import ddp_inside, is_keras_model, is_tf_dataset
 from .keras_api import check_backend, keras
 from .metrics import ExactMetrics
+from .runs import _runs, run_of  # noqa: F401  (run_of: re-exported)
 from .state import OptimizerState
 
-_runs: "weakref.WeakKeyDictionary[Any, KerasRun]" = weakref.WeakKeyDictionary()
 
 
 def wrap(model: keras.Model, strategy: Strategy | str | None = None) -> keras.Model:
@@ -79,10 +79,6 @@ def wrap(model: keras.Model, strategy: Strategy | str | None = None) -> keras.Mo
     run = KerasRun(model, _resolve(strategy))
     _runs[model] = run
     return model
-
-
-def run_of(model: Any) -> "KerasRun | None":
-    return _runs.get(model)
 
 
 def optimizer_of(model: Any) -> OptimizerState | None:

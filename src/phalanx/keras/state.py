@@ -27,6 +27,7 @@ from .. import group
 from ..checkpoint import read_checkpoint, write_verified
 from ..comm import Comm
 from ..errors import CheckpointError
+from .runs import run_of
 
 
 class OptimizerState:
@@ -91,7 +92,6 @@ def load_model_state_dict(model: Any, saved: list[torch.Tensor]) -> None:
 
 def save_checkpoint(path: str | os.PathLike, model: Any, *, epoch: int) -> None:
     """Collective (call on every worker): write the state to resume ``model`` at ``epoch`` (main worker writes)."""
-    from .fit import run_of
     run = run_of(model)
     comm = run.comm if run is not None else Comm()
     strategy = run.strategy if run is not None else None
@@ -112,7 +112,6 @@ def save_checkpoint(path: str | os.PathLike, model: Any, *, epoch: int) -> None:
 
 def load_checkpoint(path: str | os.PathLike, model: Any) -> int:
     """Restore what :func:`save_checkpoint` wrote into ``model``; returns the epoch to pass as ``initial_epoch``."""
-    from .fit import run_of
     body = read_checkpoint(path)
     if "keras_model" not in body:
         raise CheckpointError(f"{os.fspath(path)!r} is not a Keras checkpoint; expected a file from "
