@@ -13,7 +13,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx.checkpoint import MAGIC
-from phalanx.group import WorkerEnv
+from phalanx.workerenv import WorkerEnv
 from workers.core import OPTIMIZERS, dataset, flat, net, train
 
 
