@@ -27,25 +27,33 @@ def raise_at(step: int, rank: int, steps: int = 50) -> None:
         time.sleep(0.01)
 
 
-def kill_one(victim: int, step: int = 3, slow: int | None = None, steps: int = 200) -> dict[str, Any]:
-    """``victim`` kills itself with SIGKILL at ``step``; rank ``slow`` is busy (not in a collective) when it happens.
-
-    A survivor returns the WorkerLostError message it got, and how long after reaching ``step`` it came.
-    """
-    px.init()
+def _until_lost(victim: int, step: int, sig: signal.Signals, steps: int, slow: int | None = None,
+                on_lost: Any = None) -> dict[str, Any]:
+    """All-reduce every step; ``victim`` sends itself ``sig`` at ``step``. A survivor reports its WorkerLostError."""
     at = None
     try:
         for now in range(steps):
             if now == step:
                 at = time.time()
                 if px.rank() == victim:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), sig)
                 if px.rank() == slow:
                     time.sleep(4.0)  # busy elsewhere: longer than the old 3 s check-in window
             _step()
     except px.WorkerLostError as err:
+        if on_lost is not None:
+            on_lost()
         return {"message": str(err), "after_s": time.time() - at}
     return {"message": None, "after_s": None}
+
+
+def kill_one(victim: int, step: int = 3, slow: int | None = None, steps: int = 200) -> dict[str, Any]:
+    """``victim`` kills itself with SIGKILL at ``step``; rank ``slow`` is busy (not in a collective) when it happens.
+
+    A survivor returns the WorkerLostError message it got, and how long after reaching ``step`` it came.
+    """
+    px.init()
+    return _until_lost(victim, step, signal.SIGKILL, steps, slow=slow)
 
 
 def freeze_one(victim: int, step: int = 3, steps: int = 10000) -> dict[str, Any]:
@@ -53,16 +61,8 @@ def freeze_one(victim: int, step: int = 3, steps: int = 10000) -> dict[str, Any]
     from phalanx import group
     px.init()
     group.store().set(f"test/pid/{px.rank()}", str(os.getpid()))
-    at = None
-    try:
-        for now in range(steps):
-            if now == step:
-                at = time.time()
-                if px.rank() == victim:
-                    os.kill(os.getpid(), signal.SIGSTOP)
-            _step()
-    except px.WorkerLostError as err:
+
+    def reap() -> None:
         if px.rank() == 0:
             os.kill(int(group.store().get(f"test/pid/{victim}")), signal.SIGKILL)
-        return {"message": str(err), "after_s": time.time() - at}
-    return {"message": None, "after_s": None}
+    return _until_lost(victim, step, signal.SIGSTOP, steps, on_lost=reap)
