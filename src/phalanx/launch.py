@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 from .errors import ConfigError, OneLineParser, usage
 
 if TYPE_CHECKING:
-    from .elastic.agent import ElasticConfig
+    from .elastic.options import ElasticConfig
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all hosts (c10d/etcd)")
     hosts.add_argument("--max-restarts", default="0", metavar="K",
                        help="restart the whole group up to K times after a failure (default 0)")
-    from .elastic.agent import add_arguments as add_elastic_arguments  # elastic: --elastic and its flags
+    from .elastic.options import add_arguments as add_elastic_arguments  # elastic: --elastic and its flags
     add_elastic_arguments(p)
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
@@ -195,7 +195,7 @@ class RunConfig:
         if servers and max_nodes > 1:
             raise ConfigError(usage(f"--servers {servers} with --nnodes {a.nnodes}",
                                     "parameter servers in a one-host run", "Run on one host, or drop --servers."))
-        from .elastic.agent import ElasticConfig  # elastic
+        from .elastic.options import ElasticConfig  # elastic
         elastic = ElasticConfig.from_args(a, nproc, max_nodes)
         return cls(elastic=elastic, script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
                    max_nodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
