@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .errors import ConfigError, OneLineParser, usage
+from .launch_failures import failure_line, root_cause as _root_cause, status as _status
 
 if TYPE_CHECKING:
     from .elastic.options import ElasticConfig
@@ -273,17 +274,6 @@ def _quiet_torch_elastic() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _status(exitcode: int) -> tuple[str, int]:
-    """How a worker ended, in words, and the exit status the launcher passes on (shell convention)."""
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name}", 128 - exitcode
-    return f"exited with status {exitcode}", exitcode
-
-
 def _loopback_interface() -> str | None:
     """The loopback interface's name ("lo" on Linux), if this system lists one."""
     try:
@@ -305,35 +295,6 @@ def _loopback_store():  # -> (TCPStore, socket): keep both alive for the whole r
     store = TCPStore(DEFAULT_MASTER_ADDR, sock.getsockname()[1], None, True, datetime.timedelta(seconds=900),
                      wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
     return store, sock
-
-
-def _phalanx_info(failure) -> dict:  # failure: torch's ProcessFailure
-    """What our worker wrote into torch elastic's error file (empty if it wrote nothing)."""
-    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-    info = data.get("phalanx")
-    return info if isinstance(info, dict) else {}
-
-
-def _root_cause(failures: dict) -> tuple[int, object]:
-    """The failure that caused the others: not a WorkerLostError or a stop by the agent, and the earliest."""
-    def consequence(f) -> bool:
-        return bool(_phalanx_info(f).get("consequence")) or f.exitcode == -signal.SIGTERM
-    causes = {r: f for r, f in failures.items() if not consequence(f)} or failures
-    return min(causes.items(), key=lambda kv: (float(_phalanx_info(kv[1]).get("time", kv[1].timestamp)), kv[0]))
-
-
-def failure_line(rank: int, failure, others: bool) -> str:
-    """The one line ``phalanx run`` prints for a failed worker (``failure``: torch's ProcessFailure)."""
-    info, how = _phalanx_info(failure), _status(failure.exitcode)[0]
-    tail = " (first failure); stopped the others" if others else ""
-    if info.get("usage"):
-        return f"phalanx: error: {info.get('text') or failure.message} (worker rank {rank}; `phalanx run --debug` " \
-               "or PHALANX_DEBUG=1 shows the traceback)"
-    if info.get("type") == "KeyboardInterrupt":
-        return f"phalanx: worker rank {rank} was interrupted (KeyboardInterrupt){tail}"
-    if info:
-        return f"phalanx: worker rank {rank} raised {failure.message}{tail}"
-    return f"phalanx: worker rank {rank} {how}{tail}"
 
 
 def _dead_server(servers) -> str | None:
