@@ -78,3 +78,13 @@ def test_a_spare_takes_the_lost_workers_place_with_rank_0s_exact_state(tmp_path)
         assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
     for got, want in zip(main["params"], oracle(record), strict=True):  # the uninterrupted run on those batches
         torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_a_waiting_spare_does_not_keep_a_failed_job_alive(tmp_path):
+    # 1 survivor of 2 is no majority (split-brain guard), and the spare is no voter: the job
+    # must end with one line, the parked spare stopped, instead of waiting for it forever.
+    proc, _ = launch(tmp_path, "--min-workers", "1", "--spares", "1", "--", "--kill", "1@3", "--commit-every", "2",
+                     n=2, timeout=90)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "split-brain" in proc.stderr and "below --min-workers 1" in proc.stderr

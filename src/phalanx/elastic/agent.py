@@ -117,7 +117,8 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
 
     Each lost worker (or lost claimed spare) leaves a hole: the first spare in reserve fills it
     at the survivors' regroup (the quorum admits it there); with none left, ``--replace`` starts
-    a new process. A spare still in reserve is no worker: it never counts toward --min-workers.
+    a new process. Only the members of the newest generation count toward --min-workers: a
+    waiting spare or replacement does not, and when the members are gone it is stopped.
     """
     from .membership import key
 
@@ -176,9 +177,9 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
             if ok:
                 return 0
             return 128 - first_failure if first_failure and first_failure < 0 else (first_failure or 1)
-        if reserve and not ok:  # spares in reserve are no workers yet (unless the quorum already took one)
+        if not ok:  # a spare or a replacement is a worker once a generation includes it, not before
             members = set(_members(store))
-            alive = [w for w in alive if w.id not in reserve or w.id in members]
+            alive = [w for w in alive if w.id in members]
         if not ok and len(alive) < el.min_workers and not store.check([key("done")]):
             print(f"phalanx: elastic: {len(alive)} worker(s) left, below --min-workers {el.min_workers}; stopping "
                   "the job. Commits are in memory only: resume from your last disk checkpoint "
