@@ -165,7 +165,8 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                 spare = next(s for s in workers if s.id == reserve[0])
                 reserve.pop(0)
                 print(f"phalanx: elastic: spare {spare.id} (pid {spare.proc.pid}, already started) takes its "
-                      f"place at the regroup; {len(reserve)} spare(s) left", file=sys.stderr, flush=True)
+                      f"place at the regroup (at the next commit if it is still starting); {len(reserve)} spare(s) "
+                      "left", file=sys.stderr, flush=True)
             elif el.replace:
                 replaced += 1
                 workers.append(joiner(f"r{replaced}"))
