@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -88,3 +89,49 @@ def test_a_waiting_spare_does_not_keep_a_failed_job_alive(tmp_path):
                      n=2, timeout=90)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "split-brain" in proc.stderr and "below --min-workers 1" in proc.stderr
+
+
+def test_the_launcher_uses_spares_first_then_replace_and_drops_a_dead_parked_spare():
+    # The launcher's bookkeeping with real processes (sleepers stand in for workers) and a real store.
+    import signal
+    import subprocess
+    import threading
+
+    import torch.distributed as dist
+
+    from phalanx.elastic.agent import _stop_all, _watch, _Worker
+    from phalanx.elastic.membership import key
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set(key("gen", 0, "members"), json.dumps(["0", "1", "2", "3"]))
+    sleeper = lambda wid: _Worker(wid, subprocess.Popen(["sleep", "60"]))  # noqa: E731
+    workers = [sleeper(w) for w in ("0", "1", "2", "3", "s0", "s1")]
+    started, reserve, stop = [], ["s0", "s1"], {"sig": None}
+
+    def joiner(wid: str) -> _Worker:
+        started.append(wid)
+        return sleeper(wid)
+
+    el = ElasticConfig(min_workers=2, max_workers=6, replace=True, spares=2)
+    watch = threading.Thread(target=lambda: started.append(_watch(workers, store, el, stop, joiner, reserve)))
+    watch.start()
+    try:
+        def kill_and_wait(wid: str) -> None:
+            w = next(w for w in workers if w.id == wid)
+            w.proc.kill()
+            deadline = time.monotonic() + 10
+            while w.returncode is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert w.returncode == -signal.SIGKILL and store.check([key("dead", wid)])
+
+        kill_and_wait("s1")  # a parked spare dies: one spare fewer, nothing started
+        assert reserve == ["s0"] and started == []
+        kill_and_wait("1")  # a member dies: the spare left takes its place, nothing started
+        assert reserve == [] and started == []
+        kill_and_wait("2")  # no spare left: --replace starts a process
+        assert started == ["r1"]
+    finally:
+        stop["sig"] = signal.SIGTERM
+        watch.join(10)
+        _stop_all(workers)
+    assert started == ["r1", 128 + signal.SIGTERM]
