@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .errors import ConfigError, OneLineParser, usage
+from .launch_failures import failure_line, root_cause as _root_cause, status as _status
 
 if TYPE_CHECKING:
-    from .elastic.agent import ElasticConfig
+    from .elastic.options import ElasticConfig
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all hosts (c10d/etcd)")
     hosts.add_argument("--max-restarts", default="0", metavar="K",
                        help="restart the whole group up to K times after a failure (default 0)")
-    from .elastic.agent import add_arguments as add_elastic_arguments  # elastic: --elastic and its flags
+    from .elastic.options import add_arguments as add_elastic_arguments  # elastic: --elastic and its flags
     add_elastic_arguments(p)
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
@@ -195,7 +196,7 @@ class RunConfig:
         if servers and max_nodes > 1:
             raise ConfigError(usage(f"--servers {servers} with --nnodes {a.nnodes}",
                                     "parameter servers in a one-host run", "Run on one host, or drop --servers."))
-        from .elastic.agent import ElasticConfig  # elastic
+        from .elastic.options import ElasticConfig  # elastic
         elastic = ElasticConfig.from_args(a, nproc, max_nodes)
         return cls(elastic=elastic, script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
                    max_nodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
@@ -273,17 +274,6 @@ def _quiet_torch_elastic() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _status(exitcode: int) -> tuple[str, int]:
-    """How a worker ended, in words, and the exit status the launcher passes on (shell convention)."""
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name}", 128 - exitcode
-    return f"exited with status {exitcode}", exitcode
-
-
 def _loopback_interface() -> str | None:
     """The loopback interface's name ("lo" on Linux), if this system lists one."""
     try:
@@ -305,35 +295,6 @@ def _loopback_store():  # -> (TCPStore, socket): keep both alive for the whole r
     store = TCPStore(DEFAULT_MASTER_ADDR, sock.getsockname()[1], None, True, datetime.timedelta(seconds=900),
                      wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
     return store, sock
-
-
-def _phalanx_info(failure) -> dict:  # failure: torch's ProcessFailure
-    """What our worker wrote into torch elastic's error file (empty if it wrote nothing)."""
-    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-    info = data.get("phalanx")
-    return info if isinstance(info, dict) else {}
-
-
-def _root_cause(failures: dict) -> tuple[int, object]:
-    """The failure that caused the others: not a WorkerLostError or a stop by the agent, and the earliest."""
-    def consequence(f) -> bool:
-        return bool(_phalanx_info(f).get("consequence")) or f.exitcode == -signal.SIGTERM
-    causes = {r: f for r, f in failures.items() if not consequence(f)} or failures
-    return min(causes.items(), key=lambda kv: (float(_phalanx_info(kv[1]).get("time", kv[1].timestamp)), kv[0]))
-
-
-def failure_line(rank: int, failure, others: bool) -> str:
-    """The one line ``phalanx run`` prints for a failed worker (``failure``: torch's ProcessFailure)."""
-    info, how = _phalanx_info(failure), _status(failure.exitcode)[0]
-    tail = " (first failure); stopped the others" if others else ""
-    if info.get("usage"):
-        return f"phalanx: error: {info.get('text') or failure.message} (worker rank {rank}; `phalanx run --debug` " \
-               "or PHALANX_DEBUG=1 shows the traceback)"
-    if info.get("type") == "KeyboardInterrupt":
-        return f"phalanx: worker rank {rank} was interrupted (KeyboardInterrupt){tail}"
-    if info:
-        return f"phalanx: worker rank {rank} raised {failure.message}{tail}"
-    return f"phalanx: worker rank {rank} {how}{tail}"
 
 
 def _dead_server(servers) -> str | None:

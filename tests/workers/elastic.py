@@ -94,6 +94,7 @@ def main() -> None:
     comm = px.Comm()
     first_after: list[float] = []
     digests: list[list] = []  # (step, world size, digest of the weights and optimizer state) before each step
+    changes: list[list] = []  # (time, world size, step) at the first step after each membership change
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
@@ -101,11 +102,14 @@ def main() -> None:
             loader.set_epoch(epoch)
             for x, y, ids in loader:
                 if me == victim and state.step + 1 == int(at) and not state.history:
+                    wait_for_spares(state)  # so that the kill finds them parked (hot), not still importing
                     with open(os.path.join(args.out, "killed.json"), "w") as f:
                         json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
                     os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
                     time.sleep(60)  # a stopped worker never gets here before the launcher kills it
                 digests.append([state.step, px.world_size(), digest(model_, opt)])
+                if len(state.history) > len(changes):  # the first step after a membership change
+                    changes.append([time.time(), px.world_size(), state.step])
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])  # a short last step
                 everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
                 record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
@@ -124,9 +128,21 @@ def main() -> None:
               "rank": px.rank(), "world_size": px.world_size(),
               "record": record.steps, "params": [t.tolist() for t in px.unwrap(model_).parameters()],
               "history": state.history, "digests": digests,
-              "first_step_after_recovery": first_after[0] if first_after else None}
+              "first_step_after_recovery": first_after[0] if first_after else None, "changes": changes}
     with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
         json.dump(result, f)
+
+
+def wait_for_spares(state: px.elastic.State, timeout_s: float = 60.0) -> None:
+    """Block until every spare of ``--spares`` has asked to join (it imported everything and waits)."""
+    from phalanx.elastic.membership import key
+
+    spares, store = set(state.worker.config.get("spares", [])), state.worker.store
+    deadline = time.monotonic() + timeout_s
+    while spares and time.monotonic() < deadline:
+        if store.check([key("joiners")]) and spares <= set(json.loads(store.get(key("joiners")))):
+            return
+        time.sleep(0.05)
 
 
 def trainer_main(args: argparse.Namespace, me: str, victim: str, at: int) -> None:

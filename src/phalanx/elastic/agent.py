@@ -9,6 +9,12 @@ rebuild it themselves. The job ends when the workers end: status 0 if training
 finished on the survivors; one line and status 1 when fewer than
 ``--min-workers`` are left.
 
+``--spares K`` starts K more processes at once, as joiners: each imports torch and
+the script and then waits, parked in the store with its heartbeat running. A lost
+worker's place goes to the first spare in reserve, which the survivors' quorum
+admits at the regroup (the same admission as any joiner's); only when no spare is
+left does ``--replace`` start a new process.
+
 Example:
     >>> cfg = ElasticConfig.from_flags(nproc=3, min_workers="2", max_workers=None, heartbeat="10")
     >>> cfg.min_workers, cfg.max_workers, cfg.heartbeat_s
@@ -16,104 +22,21 @@ Example:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, usage
+from .options import DEFAULT_HEARTBEAT_S, ElasticConfig, add_arguments  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from ..launch import RunConfig
 
-DEFAULT_HEARTBEAT_S = 10.0
 POLL_S = 0.05
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The elastic flags of ``phalanx run`` (read as text; checked in :meth:`ElasticConfig.from_flags`)."""
-    g = parser.add_argument_group("elastic (survive lost workers; see docs/elastic.md)")
-    g.add_argument("--elastic", action="store_true",
-                   help="keep training when a worker is lost: survivors regroup and roll back to the last commit")
-    g.add_argument("--min-workers", default=None, metavar="M", help="stop when fewer than M workers are left "
-                   "(default: more than half of -n)")
-    g.add_argument("--max-workers", default=None, metavar="M", help="largest group joiners may grow (default -n)")
-    g.add_argument("--replace", action="store_true",
-                   help="start a new worker for each one lost (up to -n); it joins at the next commit")
-    g.add_argument("--heartbeat-timeout", default=None, metavar="S", dest="heartbeat",
-                   help=f"kill a worker whose heartbeat stopped for S seconds (default {DEFAULT_HEARTBEAT_S:g})")
-
-
-@dataclass(frozen=True)
-class ElasticConfig:
-    """What ``--elastic`` asked for, checked once."""
-
-    min_workers: int
-    max_workers: int
-    heartbeat_s: float = DEFAULT_HEARTBEAT_S
-    replace: bool = False
-
-    @classmethod
-    def from_args(cls, a: argparse.Namespace, nproc: int, nodes: int) -> "ElasticConfig | None":
-        if not getattr(a, "elastic", False):
-            if getattr(a, "replace", False):
-                raise ConfigError(usage("--replace without --elastic", "--elastic with it",
-                                        "Add --elastic, or drop --replace."))
-            for flag in ("min_workers", "max_workers", "heartbeat"):
-                if getattr(a, flag, None) is not None:
-                    name = "--" + flag.replace("_", "-") if flag != "heartbeat" else "--heartbeat-timeout"
-                    raise ConfigError(usage(f"{name} without --elastic", "--elastic with it",
-                                            f"Add --elastic, or drop {name}."))
-            return None
-        if nodes > 1:
-            raise ConfigError(usage("--elastic with --nnodes > 1", "--elastic on one launcher host (workers of "
-                                    "other hosts join with `phalanx join`)", "Drop --nnodes."))
-        cfg = cls.from_flags(nproc=nproc, min_workers=a.min_workers, max_workers=a.max_workers,
-                             heartbeat=a.heartbeat)
-        return cls(cfg.min_workers, cfg.max_workers, cfg.heartbeat_s, replace=bool(a.replace))
-
-    @classmethod
-    def from_flags(cls, *, nproc: int, min_workers: str | None, max_workers: str | None,
-                   heartbeat: str | None) -> "ElasticConfig":
-        if nproc < 2:
-            raise ConfigError(usage(f"--elastic with -n {nproc}", "-n 2 or more (one worker has no one to "
-                                    "survive)", "Pass e.g. -n 3 --elastic --min-workers 2, or drop --elastic."))
-        low = _count("--min-workers", min_workers, nproc // 2 + 1)
-        if low > nproc:
-            raise ConfigError(usage(f"--min-workers {low} with -n {nproc}", f"--min-workers <= -n ({nproc})",
-                                    f"Pass e.g. --min-workers {max(1, nproc - 1)}."))
-        high = _count("--max-workers", max_workers, nproc)
-        if high < nproc:
-            raise ConfigError(usage(f"--max-workers {high} with -n {nproc}", f"--max-workers >= -n ({nproc})",
-                                    f"Pass e.g. --max-workers {nproc}, or leave it out."))
-        hb = DEFAULT_HEARTBEAT_S
-        if heartbeat is not None:
-            try:
-                hb = float(heartbeat)
-            except ValueError:
-                hb = -1.0
-            if not hb > 0:
-                raise ConfigError(usage(f"--heartbeat-timeout {heartbeat}", "a positive number of seconds",
-                                        "Pass e.g. --heartbeat-timeout 10."))
-        return cls(min_workers=low, max_workers=high, heartbeat_s=hb)
-
-
-def _count(flag: str, raw: str | None, default: int) -> int:
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ConfigError(usage(f"{flag} {raw}", "an integer >= 1", f"Pass e.g. {flag} 2."))
-    return value
 
 
 class _Worker:
@@ -134,7 +57,7 @@ def _how(code: int) -> str:
 
 
 def run_elastic(cfg: "RunConfig") -> int:
-    """Host the store, start ``cfg.nproc`` workers, watch them; returns the launcher's exit status."""
+    """Host the store, start ``cfg.nproc`` workers and the spares, watch them; returns the exit status."""
     import torch.distributed as dist
 
     from .membership import key
@@ -143,24 +66,25 @@ def run_elastic(cfg: "RunConfig") -> int:
     store = dist.TCPStore(cfg.master_addr if cfg.master_addr != "127.0.0.1" else "127.0.0.1", cfg.master_port or 0,
                           is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     port = store.port
+    ids, spares = [str(r) for r in range(cfg.nproc)], [f"s{i}" for i in range(el.spares)]
     store.set(key("config"), json.dumps({"min_workers": el.min_workers, "max_workers": el.max_workers,
-                                         "heartbeat_s": el.heartbeat_s}))
+                                         "heartbeat_s": el.heartbeat_s, "workers": cfg.nproc, "spares": spares}))
     print(f"phalanx: elastic job: its store is at {cfg.master_addr}:{port}; add workers with "
           f"`phalanx join --rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`", file=sys.stderr, flush=True)
-    ids = [str(r) for r in range(cfg.nproc)]
     store.set(key("gen", 0, "members"), json.dumps(ids))
     base = {**os.environ, **cfg.worker_env(), "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),
             "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "true",
             "TORCHELASTIC_RESTART_COUNT": "0"}
-    workers = [_Worker(w, subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
-                                           env={**base, "RANK": w, "LOCAL_RANK": w, "PHALANX_ELASTIC_ID": w}))
-               for w in ids]
+    command = [sys.executable, "-u", cfg.script, *cfg.script_args]
+    workers = [_Worker(w, subprocess.Popen(command, env={**base, "RANK": w, "LOCAL_RANK": w,
+                                                          "PHALANX_ELASTIC_ID": w})) for w in ids]
 
-    def replacement(number: int) -> _Worker:
-        wid = f"r{number}"
+    def joiner(wid: str) -> _Worker:
+        """A spare or a replacement: a joiner with no rank; it enters when the quorum admits it."""
         env = {k: v for k, v in base.items() if k not in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")}
-        return _Worker(wid, subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
-                                             env={**env, **joiner_env(wid)}))
+        return _Worker(wid, subprocess.Popen(command, env={**env, **joiner_env(wid)}))
+
+    workers += [joiner(s) for s in spares]  # they import torch and the script now, and wait parked
     stop = {"sig": None}
 
     def on_signal(sig: int, _frame: object) -> None:
@@ -168,7 +92,7 @@ def run_elastic(cfg: "RunConfig") -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _watch(workers, store, el, stop, replacement if el.replace else None)
+        return _watch(workers, store, el, stop, joiner, reserve=list(spares))
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -180,7 +104,22 @@ def joiner_env(wid: str) -> dict[str, str]:
     return {"PHALANX_ELASTIC_ID": wid, "PHALANX_ELASTIC_JOIN": "1"}
 
 
-def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, replacement=None) -> int:
+def _members(store) -> list[str]:
+    """The newest generation's workers (rank order)."""
+    from .membership import key
+
+    generation = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
+    return json.loads(store.get(key("gen", generation, "members")))
+
+
+def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner, reserve: list[str]) -> int:
+    """Poll the workers until they are all gone. ``reserve``: the spares no lost worker has claimed yet.
+
+    Each lost worker (or lost claimed spare) leaves a hole: the first spare in reserve fills it
+    at the survivors' regroup (the quorum admits it there); with none left, ``--replace`` starts
+    a new process. Only the members of the newest generation count toward --min-workers: a
+    waiting spare or replacement does not, and when the members are gone it is stopped.
+    """
     from .membership import key
 
     first_failure: int | None = None
@@ -208,24 +147,40 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, replace
                     w.killed = True
                 continue
             w.returncode = code
-            if code != 0:
-                store.set(key("dead", w.id), "1")
-                _exit_note(store, w.id, _how(code))
-                first_failure = code if first_failure is None else first_failure
-                if not store.check([key("done")]):
-                    print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; the others regroup "
-                          "without it", file=sys.stderr, flush=True)
-                    if replacement is not None:
-                        replaced += 1
-                        workers.append(replacement(replaced))
-                        print(f"phalanx: elastic: started worker r{replaced} (pid {workers[-1].proc.pid}) to "
-                              "replace it; it joins at the next commit", file=sys.stderr, flush=True)
+            if code == 0:
+                continue
+            store.set(key("dead", w.id), "1")
+            _exit_note(store, w.id, _how(code))
+            first_failure = code if first_failure is None else first_failure
+            if store.check([key("done")]):
+                continue
+            if w.id in reserve:  # a parked spare died: one spare fewer, no hole in the group
+                reserve.remove(w.id)
+                print(f"phalanx: elastic: spare {w.id} (pid {w.proc.pid}) {_how(code)}; {len(reserve)} spare(s) "
+                      "left", file=sys.stderr, flush=True)
+                continue
+            print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; the others regroup "
+                  "without it", file=sys.stderr, flush=True)
+            if reserve:
+                spare = next(s for s in workers if s.id == reserve[0])
+                reserve.pop(0)
+                print(f"phalanx: elastic: spare {spare.id} (pid {spare.proc.pid}, already started) takes its "
+                      f"place at the regroup (at the next commit if it is still starting); {len(reserve)} spare(s) "
+                      "left", file=sys.stderr, flush=True)
+            elif el.replace:
+                replaced += 1
+                workers.append(joiner(f"r{replaced}"))
+                print(f"phalanx: elastic: started worker r{replaced} (pid {workers[-1].proc.pid}) to "
+                      "replace it; it joins at the next commit", file=sys.stderr, flush=True)
         alive = [w for w in workers if w.returncode is None]
         ok = [w for w in workers if w.returncode == 0]
         if not alive:
             if ok:
                 return 0
             return 128 - first_failure if first_failure and first_failure < 0 else (first_failure or 1)
+        if not ok:  # a spare or a replacement is a worker once a generation includes it, not before
+            members = set(_members(store))
+            alive = [w for w in alive if w.id in members]
         if not ok and len(alive) < el.min_workers and not store.check([key("done")]):
             print(f"phalanx: elastic: {len(alive)} worker(s) left, below --min-workers {el.min_workers}; stopping "
                   "the job. Commits are in memory only: resume from your last disk checkpoint "

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch.distributed as dist
 
@@ -83,12 +83,14 @@ class Membership:
         return self.members.index(self.me)
 
     # -- one membership change ------------------------------------------------------------
-    def next_generation(self, commits: Sequence[int], *, timeout_s: float, poll_s: float = 0.02) -> dict:
+    def next_generation(self, commits: Sequence[int], *, timeout_s: float, poll_s: float = 0.02,
+                        joiners: Callable[[list[str]], list[str]] | None = None) -> dict:
         """Arrive at generation g+1, wait for the quorum, and return the agreed plan.
 
         The plan is ``{"generation", "members", "step"}``: the member list (rank order)
         and the commit step every member rolls back to. Raises :class:`QuorumError`
-        when more than half of the previous members are missing.
+        when more than half of the previous members are missing. ``joiners(survivors)``
+        says who enters with the survivors (spares, joiners); by default every waiting joiner.
         """
         g = self.generation + 1
         self.store.set(key("gen", g, "arrive", self.me), json.dumps({"commits": list(commits)}))
@@ -105,7 +107,8 @@ class Membership:
                     raise QuorumError(
                         f"only {len(arrived)} of the {len(self.members)} workers of generation {g - 1} answered "
                         f"within {timeout_s:.0f}s; more than half are needed to go on (split-brain guard)")
-                proposal = decide_members(self.members, arrived=arrived, dead=dead, joiners=self._joiners(g))
+                survivors = decide_members(self.members, arrived=arrived, dead=dead, joiners=[])
+                proposal = survivors + (joiners(survivors) if joiners is not None else self._joiners(g))
                 self.store.compare_set(members_key, "", json.dumps(proposal))
                 break
             time.sleep(poll_s)

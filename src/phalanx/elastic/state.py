@@ -148,6 +148,8 @@ class State:
         for k, v in snap["elastic_extra"].items():
             self.extra[k].load_state_dict(copy.deepcopy(v))
         self.step = snap["elastic_step"]
+        if plan["joined"]:  # spares: spares/joiners the quorum admitted wait in join() for rank 0's commit
+            self._send_state()
         self._resplit()
         self._note(plan, before, started, redone=lost_steps, cause=failure)
 

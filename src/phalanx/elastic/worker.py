@@ -28,6 +28,26 @@ from .membership import Membership, QuorumError, key
 from .rebuild import destroy, rebuild
 
 HEARTBEAT_EVERY_S = 0.5
+
+
+def admissible(members: list[str], waiting: list[str], *, spares: set[str], workers: int,
+               max_workers: int) -> list[str]:
+    """The one admission rule, at a regroup and at a commit point alike.
+
+    Joiners (``phalanx join``, ``--replace``) grow the group up to ``max_workers``; spares
+    only fill it back up to ``workers`` (the ``-n`` it started with): a spare replaces a
+    lost worker, it never grows the job.
+
+    Example:
+        >>> admissible(["0", "2"], ["s0", "s1"], spares={"s0", "s1"}, workers=3, max_workers=5)
+        ['s0']
+        >>> admissible(["0", "1", "2"], ["s0", "j1"], spares={"s0"}, workers=3, max_workers=5)
+        ['j1']
+    """
+    regular = [j for j in waiting if j not in spares]
+    taken = regular[:max(0, max_workers - len(members))]
+    room = min(workers, max_workers) - len(members) - len(taken)
+    return taken + [s for s in waiting if s in spares][:max(0, room)]
 _said = threading.Lock()  # held for good by the thread that reports a lost rendezvous host
 
 
@@ -85,13 +105,19 @@ class ElasticWorker:
             return False
 
     def regroup(self, commits: list[int], *, backend: str) -> dict:
-        """Leave the broken group, agree on the next generation, and join it; returns the plan."""
+        """Leave the broken group, agree on the next generation, and join it; returns the plan.
+
+        The quorum also admits waiting joiners (spares first fill the places of the lost):
+        the caller sends them the state when ``plan["joined"]`` is not empty.
+        """
         destroy()  # first: peers blocked on our sockets fail now instead of at their timeout
         before = list(self.membership.members)
-        plan = self.membership.next_generation(commits, timeout_s=self.config["heartbeat_s"] + 10.0)
+        plan = self.membership.next_generation(commits, timeout_s=self.config["heartbeat_s"] + 10.0,
+                                               joiners=self.joiners_for)
         members = plan["members"]
-        if len(members) < self.config["min_workers"]:
-            raise QuorumError(f"{len(members)} worker(s) left, below --min-workers {self.config['min_workers']}")
+        survivors = [m for m in members if m in before]  # spares and joiners never count toward the minimum
+        if len(survivors) < self.config["min_workers"]:
+            raise QuorumError(f"{len(survivors)} worker(s) left, below --min-workers {self.config['min_workers']}")
         rebuild(self.store, plan["generation"], members.index(self.me), len(members), timeout_s=self.timeout_s,
                 backend=backend)
         plan["left"] = [m for m in before if m not in members]
@@ -107,14 +133,19 @@ class ElasticWorker:
             if self.store.compare_set(joiners_key, old, new).decode() == new:
                 return
 
-    def pending_joiners(self) -> list[str]:
-        """Rank 0, at a commit point: joiners to admit now (up to --max-workers), in arrival order."""
+    def joiners_for(self, members: list[str]) -> list[str]:
+        """Who enters a group of ``members`` now: waiting joiners and spares, by :func:`admissible`."""
         if not self.store.check([key("joiners")]):
             return []
-        room = self.config["max_workers"] - len(self.membership.members)
         waiting = [j for j in json.loads(self.store.get(key("joiners")))
-                   if j not in self.membership.members and not self.membership.is_dead(j)]
-        return waiting[:max(0, room)]
+                   if j not in members and not self.membership.is_dead(j)]
+        return admissible(members, waiting, spares=set(self.config.get("spares", [])),
+                          workers=self.config.get("workers", self.config["max_workers"]),
+                          max_workers=self.config["max_workers"])
+
+    def pending_joiners(self) -> list[str]:
+        """Rank 0, at a commit point: joiners to admit now (up to --max-workers), in arrival order."""
+        return self.joiners_for(self.membership.members)
 
     def admit(self, step: int) -> list[str]:
         """Collective in effect (every member calls it at the same commit): who joins now."""
