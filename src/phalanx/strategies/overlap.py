@@ -6,12 +6,13 @@ model, whose ``train_step`` calls the model itself; an elastic group, where a jo
 attaches alone) this does the same from public hooks:
 
 * every parameter gets ``Tensor.register_post_accumulate_grad_hook``; when its
-  ``.grad`` is complete the hook copies it into its bucket's flat buffer;
+  ``.grad`` is complete the hook copies it into its bucket's flat buffer, scaled by
+  this rank's batch weight over the world size (``phalanx.batchweight``, as
+  ``weigh_`` does), so that the buckets' sum is the global mean;
 * the buckets are fixed once, from the parameter list in reverse registration order
   (roughly the order backward produces gradients), split by size and dtype/device.
   The list is the same on every rank, because the model is (``px.wrap`` checks);
-* a full bucket is sent with ``Comm.all_reduce_async`` (bytes accounted), pre-scaled
-  by this rank's batch weight over the world size (``phalanx.batchweight``), but
+* a full bucket is sent with ``Comm.all_reduce_async`` (bytes accounted), but
   only once every bucket before it has been sent: hooks may fire in a different
   order on different ranks, and gloo pairs collectives by the order they start, so
   buckets always start in index order (as DDP's reducer does);
@@ -49,7 +50,6 @@ import torch
 
 from ..batchweight import batch_weight
 from ..comm import Comm, guarded
-from .gradients import weigh_
 
 
 class Bucket:
@@ -77,14 +77,23 @@ class Bucket:
         self.ready = [False] * len(self.params)
         self.waiting, self.future = len(self.params), None
 
-    def take(self, i: int, grad: torch.Tensor | None) -> None:
-        """Put parameter ``i``'s gradient (None: it got none, so zeros) into the buffer."""
+    def take(self, i: int, grad: torch.Tensor | None, scale: float) -> None:
+        """Put ``scale`` times parameter ``i``'s gradient into the buffer (None: it got none, so zeros).
+
+        Scaling while copying saves a second pass over the gradient. A scale of 0 (this rank holds
+        no samples: its gradient may be NaN) gives zeros, and says that this rank reached nothing.
+        """
         slot = self.slots[i]
-        if grad is None:
+        if grad is None or scale == 0:
             slot.zero_()
-        elif grad.data_ptr() != slot.data_ptr():  # the .grad is not already our view (accumulated in place)
+        elif grad.data_ptr() == slot.data_ptr():  # the .grad is our view already (accumulated in place)
+            if scale != 1:
+                slot.mul_(scale)
+        elif scale != 1:
+            torch.mul(grad, scale, out=slot)
+        else:
             slot.copy_(grad)
-        self.had_grad[i] = 0.0 if grad is None else 1.0
+        self.had_grad[i] = 0.0 if grad is None or scale == 0 else 1.0
         self.ready[i] = True
         self.waiting -= 1
 
@@ -130,17 +139,19 @@ class OverlappedMean:
         bucket, i = self._where[id(param)]
         if bucket.ready[i]:  # twice in one pass cannot happen; a pass whose finish() never ran is reset by regroup()
             return
-        bucket.take(i, param.grad)
+        bucket.take(i, param.grad, self._scale())
         while self._sent < len(self.buckets) and self.buckets[self._sent].waiting == 0:
             self._send(self.buckets[self._sent])
+
+    def _scale(self) -> float:
+        """This rank's batch weight over the world size: the buckets' sum is then the global mean gradient."""
+        return batch_weight() / self.comm.world_size
 
     def _send(self, bucket: Bucket) -> None:
         self._sent += 1
         if self.error is not None:  # this rank cannot take part any more; finish() reports it
             return
-        world_size = self.comm.world_size
-        weigh_([bucket.flat], batch_weight() / world_size)  # sum of weighted shares / N: the global mean
-        if world_size == 1:
+        if self.comm.world_size == 1:
             return
         try:
             bucket.future = self.comm.all_reduce_async(bucket.flat)
@@ -153,7 +164,7 @@ class OverlappedMean:
             for bucket in self.buckets[self._sent:]:
                 for i, p in enumerate(bucket.params):
                     if not bucket.ready[i]:  # no gradient in this pass: what it holds (accumulated), or zeros
-                        bucket.take(i, p.grad)
+                        bucket.take(i, p.grad, self._scale())
                 self._send(bucket)
             start = time.perf_counter()
             with guarded("the gradient all-reduce in backward"):
