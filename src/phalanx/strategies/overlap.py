@@ -183,7 +183,7 @@ class OverlappedMean:
             self.regroup()
 
     def regroup(self) -> None:
-        """Forget this pass (after a failure, or once the elastic group was rebuilt): nothing is awaited on the old group."""
+        """Forget this pass (after a failure, or once the elastic group was rebuilt): nothing old is awaited."""
         for bucket in self.buckets:
             bucket.reset()
         self._sent, self.error = 0, None
