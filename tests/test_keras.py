@@ -153,6 +153,7 @@ def test_two_workers_equal_one_process_with_twice_the_batch(two: tuple, optimize
     The SGD run's last step of each epoch is uneven (5 samples: 3 on one worker, 2 on the other).
     """
     r = two[0][0][optimizer]
+    assert r["overlapped"]  # AllReduce's buckets went out during Keras's loss.backward(), with no DDP wrapper
     assert _max_diff(r["final"], r["oracle_final"]) < 1e-5
     assert _max_diff(r["final"], two[0][1][optimizer]["final"]) == 0.0  # AllReduce: replicas stay identical
     assert _max_diff(r["optimizer"], two[0][1][optimizer]["optimizer"]) == 0.0
@@ -250,3 +251,23 @@ def test_demo_flag_reaches_the_keras_demo(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit) as stop:
         demo.main(["--keras", "--help"])
     assert stop.value.code == 0 and "phalanx demo --keras" in capsys.readouterr().out
+
+
+@pytest.mark.multiproc
+def test_the_bench_setup_trains_and_times_both_paths_on_two_workers(two: tuple) -> None:
+    for rank in (0, 1):
+        assert two[0][rank]["bench"]["keras"] > 0 and two[0][rank]["bench"]["torch"] > 0
+
+
+def test_the_bench_setup_reports_overhead_and_efficiency_side_by_side(tmp_path) -> None:  # noqa: ANN001
+    from phalanx.bench import cli
+    from phalanx.bench.keras_setup import SETUPS, markdown, parser, summarise
+    rates = dict(zip(SETUPS, ([100.0], [97.0, 99.0], [150.0], [200.0], [200.0], [320.0]), strict=True))
+    summary = summarise(rates)  # type: ignore[arg-type]
+    assert summary["overhead_1_worker"] == pytest.approx(0.02)  # median 98 against 100
+    assert summary["efficiency_2_workers"] == pytest.approx({"keras": 0.75, "torch": 0.8})
+    assert summary["gap_points"] == pytest.approx(-5.0)
+    text = markdown(summary, parser().parse_args([]))
+    assert "| phalanx-Keras | 1 | 98 | 97-99 |" in text and "Keras 75%, PyTorch 80%: -5 points" in text
+    with pytest.raises(px.ConfigError, match="--steps 0"):
+        cli.main(["--keras", "--steps", "0", "--out", str(tmp_path)])

@@ -48,7 +48,8 @@ def _oracle_vs_wrapped(keras, make_opt, x, y, xv, yv) -> dict:  # noqa: ANN001
     oracle.set_weights(model.get_weights())
     hist = model.fit(px.keras.shard(x, y, batch_size=B, shuffle=False), epochs=2, verbose=0,
                      validation_data=px.keras.shard(xv, yv, batch_size=2 * B, shuffle=False))
-    out = {"before": before, "after_wrap": after_wrap, "final": _weights(model), "history": hist.history,
+    out = {"overlapped": px.keras.strategy_of(model)._overlap is not None,  # AllReduce's hooks, not DDP
+           "before": before, "after_wrap": after_wrap, "final": _weights(model), "history": hist.history,
            "optimizer": [v.value.detach().cpu().clone() for v in model.optimizer.variables]}
     ev = model.evaluate(px.keras.shard(xv, yv, batch_size=5, shuffle=False), verbose=0, return_dict=True)
     out["evaluate"] = ev
@@ -160,7 +161,15 @@ def everything(tmp: str) -> dict:
         "resume": _resume(keras, x, y, tmp),
         "bad": _bad_input_and_warnings(keras, x, y),
         "strategies": _other_strategies(keras, x, y),
+        "bench": _bench_setup(),
     }
+
+
+def _bench_setup() -> dict:
+    """``phalanx bench --keras``'s own worker, tiny, on both paths (a smoke run: it trains and times)."""
+    from phalanx.bench.keras_setup import worker
+    tiny = dict(steps=3, warmup=1, batch=8, width=16, depth=1)
+    return {"keras": worker("keras", True, **tiny), "torch": worker("torch", True, **tiny)}
 
 
 def _bad_input_and_warnings(keras, x, y) -> dict:  # noqa: ANN001

@@ -39,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
                "--link loopback,100mbit --out results/\n"
                "  phalanx bench --time-to-accuracy --strategies ddp,ddp-powersgd,allreduce,local-sgd,powersgd "
                "--link 100mbit --models mlp --out results/link\n"
-               "  phalanx bench --quality --help    (time to quality on slow links; its own options)")
+               "  phalanx bench --quality --help    (time to quality on slow links; its own options)\n"
+               "  phalanx bench --keras --help      (Keras 3 through px.keras beside plain PyTorch; its own options)")
     p.add_argument("--models", help=f"comma list from phalanx.models.ZOO (default {FULL['models']})")
     p.add_argument("--workers", help="comma list of worker process counts (default 1,2)")
     p.add_argument("--strategies", help="comma list of setups (default allreduce,ddp)")
@@ -144,6 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .quality.cli import main as quality_main
         return quality_main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--quality"])
     # -- end of --quality --
+    # -- `phalanx bench --keras`: Keras 3 beside the same model in plain PyTorch (phalanx.bench.keras_setup) --
+    if "--keras" in (sys.argv[1:] if argv is None else argv):
+        from .keras_setup import main as keras_main
+        return keras_main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--keras"])
+    # -- end of --keras --
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.from_json:
         print(rerender(args.from_json, args.out, no_plots=args.no_plots))

@@ -4,7 +4,8 @@ With ``KERAS_BACKEND=torch`` a Keras model is a ``torch.nn.Module`` whose weight
 torch Parameters, so phalanx's own strategy objects drive it unchanged: the strategy
 is attached to the model (broadcasting rank 0's weights) and told about every step
 through phalanx's step clock: its ``after_backward`` runs at the end of
-``loss.backward()`` inside Keras's ``train_step`` (gradient averaging), its
+``loss.backward()`` inside Keras's ``train_step`` (gradient averaging; ``px.AllReduce``
+sends its buckets while that backward runs), its
 ``after_step`` after Keras's ``optimizer.apply`` (parameter exchanges). So gradients
 are averaged before Keras's optimizer applies them, and Keras's ``clipnorm``, loss
 scaling, schedules and weight decay see the average, as one process would.
@@ -37,7 +38,6 @@ from .. import group
 from ..comm import Comm
 from ..errors import ConfigError, usage
 from ..strategies import AllReduce, Strategy, by_name
-from ..strategies.gradients import average_gradients_
 from .callbacks import EpochSync, StopTogether, main_only, stops_mid_epoch
 from .data import is_sharded
 from .detect import ddp_inside, is_keras_model, is_tf_dataset
@@ -128,13 +128,19 @@ class KerasRun:
             optimizer.build(model.trainable_variables)
         self.optimizer_state = OptimizerState(optimizer)
         self.optimizer_state.strategy = strategy  # what a TrainingState given this holder checkpoints with it
-        module = strategy.attach(model, self.optimizer_state)  # broadcasts rank 0's weights
+        # Keras's train_step calls the model itself, never a wrapper that attach returns: AllReduce then
+        # averages from per-parameter hooks, overlapping Keras's loss.backward() as DDP would.
+        if isinstance(strategy, AllReduce):
+            module = strategy.attach(model, self.optimizer_state, wrapper=False)  # broadcasts rank 0's weights
+        else:
+            module = strategy.attach(model, self.optimizer_state)
+        if isinstance(module, DistributedDataParallel):  # a strategy whose average would never run
+            raise ConfigError(usage(f"{strategy!r}, which needs the forward pass to go through a DDP wrapper",
+                                    "a strategy that averages in after_backward or after_step",
+                                    "Average in the strategy's after_backward (phalanx calls it at the end of "
+                                    "Keras's loss.backward()), or use px.AllReduce()."))
         self.comm: Comm = strategy.comm
         self.comm.broadcast_([v.value.data for v in optimizer.variables])  # moments, iteration count: rank 0's
-        # A strategy that averages gradients inside DDP's reducer expects the forward pass to go through the
-        # wrapper it returned; Keras's train_step calls the model itself, so the same average (the strategies'
-        # own average_gradients_) runs in apply instead, after backward and before Keras's optimizer.
-        self.average_gradients = isinstance(module, DistributedDataParallel)
         strategy.clock.bind(strategy, model, model, self.optimizer_state)  # Keras calls the model, not `module`
         self.metrics = ExactMetrics(self.comm)
         self._local_metrics = False
@@ -154,8 +160,6 @@ class KerasRun:
     # -- the step -------------------------------------------------------------------
     def apply(self, grads: list[Any], trainable_variables: Any = None) -> Any:
         """Keras's ``optimizer.apply``; then the step clock closes the step (the strategy's ``after_step``)."""
-        if self.average_gradients and self.comm.world_size > 1:
-            average_gradients_(self.strategy.params, self.comm)  # batch-weighted, in place: Keras holds these
         out = self._keras_apply(grads, trainable_variables)
         self.optimizer_state.stepped()
         return out

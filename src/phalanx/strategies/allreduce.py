@@ -14,6 +14,11 @@ warm-start matrices are keyed by parameter (DDP rebuilds its buckets after the
 first step, which would scramble bucket-keyed state). The price is no overlap with
 backward, which matters little on the slow links compression is for.
 
+Where DDP's reducer cannot act (under ``phalanx run --elastic``, where a joiner attaches
+alone; a Keras model, whose ``train_step`` calls the model itself) the uncompressed
+average still overlaps backward: :class:`~phalanx.strategies.overlap.OverlappedMean`
+sends buckets from per-parameter hooks, with no DDP wrapper.
+
 Either way the average is in ``.grad`` when ``backward()`` returns, so gradient
 clipping and ``GradScaler``'s inf check see it, as with DDP.
 
@@ -37,6 +42,7 @@ from ..compression import check_compressor
 from .. import check
 from .base import Strategy
 from .gradients import average_gradients_, weigh_
+from .overlap import OverlappedMean
 
 
 def fitted_bucket_mb(model: nn.Module, buckets: int = 4, floor_mb: float = 1.0, cap_mb: float = 25.0) -> float:
@@ -70,16 +76,27 @@ class AllReduce(Strategy):
         self.compression = check_compressor(compression, "AllReduce")
         self.bucket_mb = bucket_mb
         self._hook: _GuardedMean | None = None
+        self._overlap: OverlappedMean | None = None
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, wrapper: bool = True) -> nn.Module:
+        """Returns the module to train: a DDP wrapper, or ``model`` itself.
+
+        ``wrapper=False`` is for callers that run ``model`` themselves rather than the module
+        returned (``px.keras.wrap``): the average then comes from the overlapped hooks.
+        """
         super().attach(model, optimizer)
-        if self.comm.world_size == 1 or self.compression is not None or group.is_elastic():
-            # A group of one is plain PyTorch, bit for bit; compression runs in after_backward. Elastic: the
-            # group may be rebuilt with joiners that attached alone, so every worker averages in after_backward.
+        elastic = group.is_elastic()  # a joiner attaches alone: it needs the hooks once the group grows
+        if self.compression is not None or (self.comm.world_size == 1 and not elastic):
+            return model  # a group of one is plain PyTorch, bit for bit; compression runs in after_backward
+        bucket_bytes = int((self.bucket_mb or fitted_bucket_mb(model)) * 2**20)
+        if not wrapper or elastic:
+            # Elastic: the group may be rebuilt with joiners that attached alone, and a DDP reducer would keep
+            # the old group's buckets; the hooks follow the default group wherever it goes.
+            self._overlap = OverlappedMean(self.params, self.comm, bucket_bytes=bucket_bytes,
+                                           syncing=self.clock.syncing)
             return model
         device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids,
-                                      bucket_cap_mb=self.bucket_mb or fitted_bucket_mb(model),
+        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_bytes / 2**20,
                                       **_NO_FORWARD_BUFFER_SYNC,  # BatchNorm statistics stay per worker
                                       gradient_as_bucket_view=True)
         self._hook = _GuardedMean(self.comm)
@@ -93,22 +110,25 @@ class AllReduce(Strategy):
                 with guarded("the gradient all-reduce in backward"):
                     raise err  # guarded names the lost rank
             return
-        if self.compression is not None and self.comm.world_size > 1:  # alone, nothing to send: plain torch
+        if self._overlap is not None:  # the buckets went out during backward; wait for them here
+            self._overlap.finish()
+        elif self.compression is not None and self.comm.world_size > 1:  # alone, nothing to send: plain torch
             average_gradients_(self.params, self.comm, self.compression)
             if not bool(torch.stack([torch.isfinite(p.grad).all() for p in self.params]).all()):  # one sync
                 # inf/nan reached the average (AMP overflow on some rank): the same on every rank, so every
                 # GradScaler skips this step; the residuals and warm starts hold it too, and are dropped.
                 self.compression.reset()
-        elif self.comm.world_size > 1:  # elastic (see attach): plain weighted mean, no overlap with backward
-            average_gradients_(self.params, self.comm)
 
     def regroup(self) -> None:
-        """The group was rebuilt (phalanx.elastic): the hook's divisor follows the new size.
+        """The group was rebuilt (phalanx.elastic): nothing sent on the old group is awaited any more.
 
-        DDP keeps its reducer; its comm hook sends through the default group, which is the new one.
+        The overlapped buckets send through the default group, which is the new one, and divide by
+        its size; DDP (not used under ``--elastic``) would keep its reducer and comm hook likewise.
         """
         if getattr(self, "_hook", None) is not None:
-            self._hook.world_size, self._hook.error = self.comm.world_size, None
+            self._hook.error = None
+        if getattr(self, "_overlap", None) is not None:
+            self._overlap.regroup()
 
     def state_dict(self) -> dict[str, Any]:
         # The compressor's shared part (PowerSGD's warm starts) is rank 0's; residuals are per rank.
