@@ -41,7 +41,7 @@ from .membership import QuorumError
 from .resize import ResizePolicy, check_policy
 from .worker import ElasticWorker
 
-from ..state import TrainingState
+from ..state import TrainingState, shared
 
 DEFAULT_COMMIT_EVERY = 10
 KEEP = 2  # commits held; survivors roll back to the newest one they all hold
@@ -175,9 +175,12 @@ class State:
         if plan is None:
             return False
         snap = self._send_state()
-        self._restore(snap)
-        self.commits = {self.step: snap}
+        # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
+        # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
+        self._restore(shared(snap))
         self._resplit(snap["elastic_world_size"])
+        self.commits = {}
+        self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
         self._note(plan, 0, started, redone=0, cause="joined")
         return True
 
