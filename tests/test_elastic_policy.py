@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx import ConfigError
-from phalanx.data import ShardedLoader, global_batches
-from phalanx.progress import PlainProgress
+from phalanx.data import global_batches
+from phalanx.epoch_report import step_postfix
 from workers import elastic as base
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "elastic_policy.py")
@@ -128,12 +128,17 @@ def test_releasing_a_group_drops_the_defaults_torch_bound_to_it():
         fn.broadcast.__defaults__ = saved
 
 
-def test_the_plain_progress_line_shows_the_world_size():
-    bar = PlainProgress(total=2, desc="epoch 1/1")
-    bar.update(2)
-    bar.set_postfix({"loss": "0.5", "workers": "3"})
-    assert bar.postfix == "loss=0.5, workers=3"
-    assert isinstance(px.shard(base.dataset(), 4, rank=0, world_size=1), ShardedLoader)
+def test_the_trainer_shows_the_world_size_on_its_progress_line_and_takes_a_policy(capsys):
+    # Outside `phalanx run --elastic` an elastic fit runs plainly: one worker, shown as such.
+    net = base.model()
+    trainer = px.Trainer(net, base.optimizer(net), F.mse_loss)
+    data = torch.utils.data.TensorDataset(*base.dataset().tensors[:2])
+    history = trainer.fit(data, epochs=1, batch_size=16, elastic=2, resize=px.elastic.KeepGlobalBatch())
+    assert "workers=1" in capsys.readouterr().out  # the plain line (stdout is no terminal here)
+    assert history["world_size"] == [1] and history.membership == []
+    assert step_postfix(0.5, None, 3) == {"loss": "0.5000", "workers": "3"}
+    with pytest.raises(ConfigError, match="without elastic"):
+        trainer.fit(data, epochs=1, resize=px.elastic.KeepGlobalBatch())
 
 
 # -- real workers, real kills ----------------------------------------------------------------------------------------
