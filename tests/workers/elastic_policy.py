@@ -1,4 +1,4 @@
-"""Elastic resize policies, strategies and kills: run with ``phalanx run --elastic -n 3 tests/workers/elastic_policy.py``.
+"""Elastic resize policies, strategies, kills: ``phalanx run --elastic -n 3 tests/workers/elastic_policy.py``.
 
 The same model and data as ``tests/workers/elastic.py``. Each worker records, per
 optimizer step, the sample ids the whole group trained on (rolled back with the
