@@ -31,7 +31,7 @@ import contextlib
 import math
 import os
 import time
-from typing import Any, Callable, Iterator, Sequence, Sized
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, Sized
 
 import torch
 from torch import nn
@@ -49,6 +49,9 @@ from .progress import bar as _bar
 from .progress import postfix as _postfix
 from .strategies import Strategy
 from .wrap import strategy_of, unwrap, wrap
+
+if TYPE_CHECKING:
+    from .elastic.resize import ResizePolicy
 
 
 class History(list):
@@ -128,16 +131,15 @@ class Trainer:
     def fit(self, train_data: Dataset | ShardedLoader, *, epochs: int = 1, batch_size: int = 32,
             val_data: Dataset | None = None, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
             val_batch_size: int = 256, resume_from: str | os.PathLike | None = None, progress: bool = True,
-            loader_kwargs: dict[str, Any] | None = None, elastic: int | bool = False, resize: Any = None) -> History:
+            loader_kwargs: dict[str, Any] | None = None, elastic: int | bool = False,
+            resize: ResizePolicy | None = None) -> History:
         """Train for ``epochs`` epochs; returns the history, one dict per epoch.
 
-        ``batch_size`` is per worker: a step trains on ``world_size * batch_size``
-        samples, exactly the batches one process sees with that batch and ``seed``.
-        A ``px.shard`` loader may be passed instead of a dataset; its own batch
-        size and seed then apply.
-        ``resume_from`` continues from a checkpoint (``ModelCheckpoint`` or
-        :meth:`save_checkpoint`) as the uninterrupted run would; ``epochs`` is then
-        the total, counting the epochs done before the checkpoint.
+        ``batch_size`` is per worker: a step trains on ``world_size * batch_size`` samples, exactly the
+        batches one process sees with that batch and ``seed``. A ``px.shard`` loader may be passed
+        instead of a dataset; its own batch size and seed then apply. ``resume_from`` continues from a
+        checkpoint (``ModelCheckpoint`` or :meth:`save_checkpoint`) as the uninterrupted run would;
+        ``epochs`` is then the total, counting the epochs done before the checkpoint.
 
         Each history row holds ``epoch`` (counted from 1, as the progress bar), ``loss``, each metric, ``val_loss`` and
         ``val_<metric>`` (with ``val_samples``), ``samples_per_s`` (global, warm-up
@@ -146,11 +148,10 @@ class Trainer:
 
         ``elastic`` (True, or the steps between in-memory commits): under ``phalanx run
         --elastic`` a lost worker no longer ends the fit; the survivors roll back to the
-        last commit and go on (see ``px.elastic``). Each row then has ``world_size``, the
-        progress bar shows the workers, and ``history.membership`` lists every change (who
-        left, who joined, at which step, the steps and seconds redone). ``resize`` says what
-        a change keeps: ``px.elastic.KeepWorkerBatch()`` (default) or ``px.elastic.KeepGlobalBatch()``.
-        Elsewhere it changes nothing.
+        last commit and go on (see ``px.elastic``). Each row then has ``world_size``, the progress bar
+        shows the workers, and ``history.membership`` lists every change (who left, who joined, at which
+        step, the steps and seconds redone). ``resize`` says what a change keeps:
+        ``px.elastic.KeepWorkerBatch()`` (default) or ``px.elastic.KeepGlobalBatch()``. Elsewhere it changes nothing.
         """
         check.integer("epochs", epochs, "Pass e.g. epochs=10.")
         if resize is not None and not elastic:
@@ -168,9 +169,8 @@ class Trainer:
         if resume_from is not None:
             start = self._resume(resume_from)
         self.meter = ThroughputMeter(self.warmup_steps)
-        self.stop_training = self._finished = False
+        self.stop_training, self._finished, self._elastic = False, False, bool(elastic)
         show = progress and group.is_main()
-        self._elastic = bool(elastic)
         self._call("on_train_begin")
         # --- elastic (phalanx.elastic): the epoch loop is re-entered after a membership change -------
         step0 = self.step
