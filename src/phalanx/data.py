@@ -39,16 +39,18 @@ def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
 
 
 def global_batches(n: int, batch_size: int, world_size: int, *, shuffle: bool, seed: int, epoch: int,
-                   drop_last: bool = False, start: int = 0) -> list[list[list[int]]]:
+                   drop_last: bool = False, start: int = 0, global_size: int | None = None) -> list[list[list[int]]]:
     """The epoch's plan from sample ``start`` of its order on: ``plan[step][rank]`` is a list of sample indices.
 
     Global batches hold ``world_size * batch_size`` samples, as one process with that
     batch would take them. The short last one is split as evenly as possible (a
     worker may get an empty part when it holds fewer samples than there are workers)
     and never joins the batch before it, so the step count is one process's.
+    ``global_size`` fixes the global batch instead (``phalanx.elastic.KeepGlobalBatch``):
+    each one is then split as evenly as possible over ``world_size``.
     """
     order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch)[start:]
-    size = batch_size * world_size
+    size = global_size or batch_size * world_size
     batches = [order[i:i + size] for i in range(0, len(order), size)]
     if drop_last and batches and len(batches[-1]) < size:
         batches.pop()
@@ -82,6 +84,8 @@ class ShardSampler(Sampler[list[int]]):
         self.epoch = 0
         self.samples = 0   # samples of this epoch's order trained on by all workers together
         self.start = 0     # where the current iteration began in that order
+        # phalanx.elastic.KeepGlobalBatch sets this: global batches keep this size whatever the world size
+        self.global_size: int | None = None
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -90,7 +94,8 @@ class ShardSampler(Sampler[list[int]]):
     def plan(self) -> list[list[list[int]]]:
         """The rest of this epoch: ``plan[step][rank]``, from the current position on."""
         return global_batches(self.n, self.batch_size, self.world_size, shuffle=self.shuffle, seed=self.seed,
-                              epoch=self.epoch, drop_last=self.drop_last, start=self.samples)
+                              epoch=self.epoch, drop_last=self.drop_last, start=self.samples,
+                              global_size=self.global_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         # Starts at the position so a resumed run skips what it already trained on. The
@@ -100,7 +105,7 @@ class ShardSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         """Steps in a whole epoch at this world size (the same as one process with batch world_size * batch_size)."""
-        size = self.batch_size * self.world_size
+        size = self.global_size or self.batch_size * self.world_size
         return self.n // size if self.drop_last else -(-self.n // size)
 
     def state_dict(self) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import contextlib
 import math
 import os
 import time
-from typing import Any, Callable, Iterator, Sequence, Sized
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, Sized
 
 import torch
 from torch import nn
@@ -42,12 +42,16 @@ from .callbacks import Callback
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Comm
 from .data import ShardedLoader, shard
+from .epoch_report import epoch_row, step_postfix
 from .errors import ConfigError, usage
 from .metrics import MeanLoss, Metric, ThroughputMeter, batch_denominator, check_loss, reduce_all, resolve
 from .progress import bar as _bar
 from .progress import postfix as _postfix
 from .strategies import Strategy
 from .wrap import strategy_of, unwrap, wrap
+
+if TYPE_CHECKING:
+    from .elastic.resize import ResizePolicy
 
 
 class History(list):
@@ -121,22 +125,21 @@ class Trainer:
         self.epoch = 0
         self.step = 0
         self.stop_training = False
-        self._in_epoch = self._finished = False
+        self._in_epoch = self._finished = self._elastic = False
 
     # -- training -----------------------------------------------------------------
     def fit(self, train_data: Dataset | ShardedLoader, *, epochs: int = 1, batch_size: int = 32,
             val_data: Dataset | None = None, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
             val_batch_size: int = 256, resume_from: str | os.PathLike | None = None, progress: bool = True,
-            loader_kwargs: dict[str, Any] | None = None, elastic: int | bool = False) -> History:
+            loader_kwargs: dict[str, Any] | None = None, elastic: int | bool = False,
+            resize: ResizePolicy | None = None) -> History:
         """Train for ``epochs`` epochs; returns the history, one dict per epoch.
 
-        ``batch_size`` is per worker: a step trains on ``world_size * batch_size``
-        samples, exactly the batches one process sees with that batch and ``seed``.
-        A ``px.shard`` loader may be passed instead of a dataset; its own batch
-        size and seed then apply.
-        ``resume_from`` continues from a checkpoint (``ModelCheckpoint`` or
-        :meth:`save_checkpoint`) as the uninterrupted run would; ``epochs`` is then
-        the total, counting the epochs done before the checkpoint.
+        ``batch_size`` is per worker: a step trains on ``world_size * batch_size`` samples, exactly the
+        batches one process sees with that batch and ``seed``. A ``px.shard`` loader may be passed
+        instead of a dataset; its own batch size and seed then apply. ``resume_from`` continues from a
+        checkpoint (``ModelCheckpoint`` or :meth:`save_checkpoint`) as the uninterrupted run would;
+        ``epochs`` is then the total, counting the epochs done before the checkpoint.
 
         Each history row holds ``epoch`` (counted from 1, as the progress bar), ``loss``, each metric, ``val_loss`` and
         ``val_<metric>`` (with ``val_samples``), ``samples_per_s`` (global, warm-up
@@ -145,10 +148,15 @@ class Trainer:
 
         ``elastic`` (True, or the steps between in-memory commits): under ``phalanx run
         --elastic`` a lost worker no longer ends the fit; the survivors roll back to the
-        last commit and go on (see ``px.elastic``). Each row then has ``world_size``, and
-        ``history.membership`` lists every change. Elsewhere it changes nothing.
+        last commit and go on (see ``px.elastic``). Each row then has ``world_size``, the progress bar
+        shows the workers, and ``history.membership`` lists every change (who left, who joined, at which
+        step, the steps and seconds redone). ``resize`` says what a change keeps:
+        ``px.elastic.KeepWorkerBatch()`` (default) or ``px.elastic.KeepGlobalBatch()``. Elsewhere it changes nothing.
         """
         check.integer("epochs", epochs, "Pass e.g. epochs=10.")
+        if resize is not None and not elastic:
+            raise ConfigError(usage(f"fit(resize={resize!r}) without elastic", "fit(elastic=10, resize=...)",
+                                    "Pass elastic=True (or the steps between commits) with resize."))
         if val_data is not None:
             _check_eval(val_data, val_batch_size, "val_data", "val_batch_size")
         if isinstance(train_data, ShardedLoader) or hasattr(train_data, "stats"):  # stream: a px.stream.StreamLoader
@@ -161,7 +169,7 @@ class Trainer:
         if resume_from is not None:
             start = self._resume(resume_from)
         self.meter = ThroughputMeter(self.warmup_steps)
-        self.stop_training = self._finished = False
+        self.stop_training, self._finished, self._elastic = False, False, bool(elastic)
         show = progress and group.is_main()
         self._call("on_train_begin")
         # --- elastic (phalanx.elastic): the epoch loop is re-entered after a membership change -------
@@ -186,7 +194,7 @@ class Trainer:
         if elastic:
             from .elastic import State, run
             state = State(self.model, self.optimizer, self.loader,
-                          commit_every=10 if elastic is True else int(elastic))
+                          commit_every=10 if elastic is True else int(elastic), resize=resize)
             self.history.membership = state.history
             run(epochs_loop)(state)
         else:
@@ -235,8 +243,8 @@ class Trainer:
             self.meter.step(n)
             step, self.step, steps = self.step, self.step + 1, steps + 1
             if bar is not None:
-                bar.set_postfix(loss=f"{loss_sum / count if count else math.nan:.4f}", **_stream_progress(loader),
-                                refresh=False)
+                bar.set_postfix(step_postfix(loss_sum / count if count else math.nan, loader,
+                                             group.world_size() if self._elastic else None), refresh=False)
                 bar.update(1)
             self._call("on_step_end", step, {
                 "loss": value, "batch_size": n, "data_s": t_data - mark, "forward_backward_s": t1 - t0,
@@ -253,19 +261,11 @@ class Trainer:
                               time.perf_counter() - t_epoch, bytes_sent], dtype=torch.float64)
         # One all-reduce per epoch carries the training sums, every metric and the timings.
         totals = reduce_all(train_metrics + val_metrics, self.comm, extra=local)
-        world = group.world_size()
-        loss_sum, count, samples, seconds, wall, sent = totals.tolist()
-        row: dict[str, Any] = {"epoch": epoch + 1, "loss": loss_sum / count if count else math.nan}
-        row.update({m.name: m.compute() for m in train_metrics})
-        if val_metrics:
-            row.update({f"val_{m.name}": m.compute() for m in val_metrics})
-            row["val_samples"] = val_metrics[0].samples
-        row.update({"samples_per_s": samples / (seconds / world) if seconds > 0 else math.nan,
-                    "bytes_sent": int(round(sent / world)), "steps": steps, "step": self.step,
-                    "time_s": wall / world})
-        row.update(loader.stats() if hasattr(loader, "stats") else {})  # stream: events, events/s, lag, acknowledged
+        row = epoch_row(epoch, totals.tolist(), train_metrics, val_metrics, steps=steps, step=self.step,
+                        world_size=group.world_size(), loader=loader)
         if bar is not None:
-            bar.set_postfix(_postfix(row), refresh=False)
+            bar.set_postfix({**_postfix(row), **({"workers": str(group.world_size())} if self._elastic else {})},
+                            refresh=False)
             bar.close()
         return row
 
@@ -394,14 +394,6 @@ def _fetch(data: Dataset, indices: range) -> Any:
     if isinstance(data, TensorDataset):
         return tuple(t[indices.start:indices.stop] for t in data.tensors)
     return default_collate([data[i] for i in indices])
-
-
-def _stream_progress(loader: Any) -> dict[str, str]:
-    """A stream loader's events/s, lag and acknowledged position for the progress bar (nothing for a dataset)."""
-    if not hasattr(loader, "stats"):
-        return {}
-    s = loader.stats()
-    return {"events/s": f"{s['events_per_s']:,.0f}", "lag": str(s["lag"]), "acked": str(s["acknowledged"])}
 
 
 __all__ = ["History", "Trainer"]

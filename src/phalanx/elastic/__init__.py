@@ -16,6 +16,8 @@ Example:
 from __future__ import annotations
 
 from .membership import QuorumError
+from .resize import KeepGlobalBatch, KeepWorkerBatch, Resize, ResizePolicy, rescale_lr
 from .state import State, is_peer_failure, run
 
-__all__ = ["State", "run", "QuorumError", "is_peer_failure"]
+__all__ = ["State", "run", "QuorumError", "is_peer_failure", "KeepGlobalBatch", "KeepWorkerBatch", "Resize",
+           "ResizePolicy", "rescale_lr"]

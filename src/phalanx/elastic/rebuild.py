@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from datetime import timedelta
 
@@ -31,12 +32,37 @@ def destroy() -> None:
     """Drop the current process group; errors from a group whose peers died are expected."""
     if not dist.is_initialized():
         return
+    release(dist.group.WORLD)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group may fail to tear down; it is gone either way
             pass
+
+
+def release(pg: object) -> int:
+    """Drop the references to ``pg`` that outlive ``destroy_process_group``; returns how many were dropped.
+
+    gloo closes a group's sockets only when the group object dies. While it lives, a
+    survivor blocked in a collective on us (not on the dead worker: with 4 workers,
+    rank 0 when rank 2 dies) waits for its collective timeout instead of failing at once.
+    ``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument when it
+    is first imported (torch imports it lazily, e.g. on the first ``px.wrap``); a default
+    of None means the same group there, the default one.
+
+    Example:
+        >>> release(object())
+        0
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    dropped = 0
+    for fn in list(vars(module).values()) if module is not None else []:
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(d is pg for d in defaults):
+            fn.__defaults__ = tuple(None if d is pg else d for d in defaults)
+            dropped += 1
+    return dropped
 
 
 def rebuild(base_store: dist.Store, generation: int, rank: int, world_size: int, *, timeout_s: float,

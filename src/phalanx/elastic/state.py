@@ -38,9 +38,10 @@ from .. import group
 from ..errors import ConfigError, WorkerLostError, usage
 from ..wrap import strategy_of
 from .membership import QuorumError
+from .resize import ResizePolicy, check_policy
 from .worker import ElasticWorker
 
-from ..state import TrainingState
+from ..state import TrainingState, shared
 
 DEFAULT_COMMIT_EVERY = 10
 KEEP = 2  # commits held; survivors roll back to the newest one they all hold
@@ -60,11 +61,15 @@ class State:
             at the strategy's next sync point; None commits only when you call :meth:`commit`.
         extra: more objects with ``state_dict``/``load_state_dict`` to roll back with the rest
             (their state is deep-copied at every commit).
+        resize: what a membership change keeps: ``px.elastic.KeepWorkerBatch()`` (default: the
+            global batch follows the world size) or ``px.elastic.KeepGlobalBatch()`` (the
+            per-worker batch is re-split); see :mod:`phalanx.elastic.resize`.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, loader: Any = None,
                  scheduler: Any = None, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
-                 extra: dict[str, Any] | None = None, scaler: Any = None) -> None:
+                 extra: dict[str, Any] | None = None, scaler: Any = None,
+                 resize: ResizePolicy | None = None) -> None:
         if commit_every is not None and (isinstance(commit_every, bool) or not isinstance(commit_every, int)
                                          or commit_every < 1):
             raise ConfigError(usage(f"commit_every={commit_every!r}", "an integer >= 1 or None",
@@ -72,6 +77,7 @@ class State:
         self.model, self.optimizer, self.loader = model, optimizer, loader
         self.training = TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler)
         self.extra = dict(extra or {})
+        self.resize = check_policy(resize)
         self.commit_every = commit_every
         self.step = 0  # optimizer steps taken, rolled back with the commit
         self.commits: dict[int, dict] = {}
@@ -116,6 +122,9 @@ class State:
         snap = self.training.capture()
         snap["elastic_step"] = self.step
         snap["elastic_extra"] = {k: copy.deepcopy(v.state_dict()) for k, v in self.extra.items()}
+        # the world the commit was taken in (its lr is that world's) and when: a rollback's cost in seconds
+        snap["elastic_world_size"], snap["elastic_time"] = group.world_size(), time.time()
+        snap["elastic_resize"] = self.resize.state_dict()
         self.commits[self.step] = snap
         for old in sorted(self.commits)[:-KEEP]:
             del self.commits[old]
@@ -133,10 +142,11 @@ class State:
             raise ConfigError(usage(f"an optimizer that does not hold {len(missing)} trainable parameter(s) of "
                                     f"the model (e.g. {missing[0]})", "the optimizer of this model",
                                     "Pass the optimizer built from model.parameters()."))
+        self.resize.start(self.loader, group.world_size())
 
-    def recover(self, failure: str) -> None:
+    def recover(self, failure: str, failed_at: float | None = None) -> None:
         """Leave the broken group, agree on the next one, roll back to the common commit (collective)."""
-        started = time.monotonic()
+        started, failed_at = time.monotonic(), time.time() if failed_at is None else failed_at
         before = group.world_size()
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
         plan = self.worker.regroup(sorted(self.commits), backend=backend)
@@ -144,14 +154,12 @@ class State:
         for newer in [s for s in self.commits if s > plan["step"]]:
             del self.commits[newer]
         lost_steps = self.step - plan["step"]
-        self.training.restore(snap)
-        for k, v in snap["elastic_extra"].items():
-            self.extra[k].load_state_dict(copy.deepcopy(v))
-        self.step = snap["elastic_step"]
-        if plan["joined"]:  # spares: spares/joiners the quorum admitted wait in join() for rank 0's commit
+        self._restore(snap)
+        if plan["joined"]:  # spares/joiners the quorum admitted wait in join() for rank 0's commit
             self._send_state()
-        self._resplit()
-        self._note(plan, before, started, redone=lost_steps, cause=failure)
+        self._resplit(snap["elastic_world_size"])
+        self._note(plan, before, started, redone=lost_steps, cause=failure,
+                   redone_s=max(0.0, failed_at - snap["elastic_time"]))
 
 
     def grow(self, joiners: list[str]) -> None:
@@ -159,7 +167,7 @@ class State:
         started, before = time.monotonic(), group.world_size()
         plan = self.worker.grow(joiners, backend=dist.get_backend() if dist.is_initialized() else "gloo")
         self._send_state()
-        self._resplit()
+        self._resplit(before)
         self._note(plan, before, started, redone=0, cause="joined")
 
     def join(self) -> bool:
@@ -169,12 +177,12 @@ class State:
         if plan is None:
             return False
         snap = self._send_state()
-        self.training.restore(snap)
-        for k, v in snap["elastic_extra"].items():
-            self.extra[k].load_state_dict(copy.deepcopy(v))
-        self.step = snap["elastic_step"]
-        self.commits = {self.step: snap}
-        self._resplit()
+        # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
+        # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
+        self._restore(shared(snap))
+        self._resplit(snap["elastic_world_size"])
+        self.commits = {}
+        self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
         self._note(plan, 0, started, redone=0, cause="joined")
         return True
 
@@ -192,24 +200,36 @@ class State:
         dist.broadcast(buf, 0)
         return from_bytes(buf.numpy().tobytes(), "the state sent by rank 0")
 
-    def _resplit(self) -> None:
+    def _restore(self, snap: dict) -> None:
+        self.training.restore(snap)
+        for k, v in snap["elastic_extra"].items():
+            self.extra[k].load_state_dict(copy.deepcopy(v))
+        self.resize.load_state_dict(snap["elastic_resize"])
+        self.step = snap["elastic_step"]
+
+    def _resplit(self, before: int) -> None:
+        """The rest of the epoch, re-split over the new group; ``before``: the world the live state was built for."""
         sampler = getattr(self.loader, "sampler", None)
-        if sampler is not None and hasattr(sampler, "world_size"):  # the rest of the epoch, re-split over us
+        if sampler is not None and hasattr(sampler, "world_size"):
             sampler.rank, sampler.world_size = group.rank(), group.world_size()
+        self.resize.resized(self.loader, before=before, after=group.world_size())
         strategy = strategy_of(self.optimizer)
         if strategy is not None and hasattr(strategy, "regroup"):
             strategy.regroup()
 
-    def _note(self, plan: dict, before: int, started: float, *, redone: int, cause: str) -> None:
+    def _note(self, plan: dict, before: int, started: float, *, redone: int, cause: str,
+              redone_s: float = 0.0) -> None:
+        """One history entry per change (who left, who joined, at which step, its cost), one line on rank 0."""
+        seconds = time.monotonic() - started
         self.history.append({"generation": plan["generation"], "world_size": group.world_size(),
                              "was": before, "left": plan["left"], "joined": plan["joined"],
-                             "step": self.step, "redone_steps": redone, "time": time.time(),
-                             "seconds": round(time.monotonic() - started, 3), "cause": cause[:200]})
+                             "step": self.step, "redone_steps": redone, "redone_seconds": round(redone_s, 3),
+                             "time": time.time(), "seconds": round(seconds, 3), "cause": cause[:200]})
         if group.rank() == 0:
             print(f"phalanx: elastic: generation {plan['generation']}: {before} -> {group.world_size()} workers "
                   f"(left: {', '.join(plan['left']) or '-'}; joined: {', '.join(plan['joined']) or '-'}); "
-                  f"at step {self.step}, redoing {redone} step(s); regrouped in "
-                  f"{time.monotonic() - started:.2f}s", file=sys.stderr, flush=True)
+                  f"at step {self.step}, redoing {redone} step(s) ({redone_s:.2f}s of work); regrouped in "
+                  f"{seconds:.2f}s", file=sys.stderr, flush=True)
 
 
 class _Resize(Exception):
@@ -245,7 +265,7 @@ def run(fn: F) -> F:
         if not state.commits:
             state.commit()  # the start is always a commit every worker holds
         while True:
-            failure, joiners = None, None
+            failure, joiners, failed_at = None, None, 0.0
             try:
                 result = fn(state, *args, **kwargs)
             except _Resize as resize:
@@ -256,6 +276,7 @@ def run(fn: F) -> F:
                 if not state.worker.host_alive():
                     state.worker.lost_host()
                 failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                failed_at = time.time()
             if failure is None and joiners is None:
                 state.worker.finished() if state.elastic else None
                 return result
@@ -265,7 +286,7 @@ def run(fn: F) -> F:
                 if joiners is not None:
                     state.grow(joiners)
                     continue
-                state.recover(failure)
+                state.recover(failure, failed_at)
             except QuorumError as err:
                 print(f"phalanx: elastic: worker {state.worker.me}: {err}; stopping", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None

@@ -108,6 +108,14 @@ class EASGD(Periodic):
         """The centre variable (identical on every worker)."""
         return self.exchange.centre
 
+    def regroup(self) -> None:
+        """phalanx.elastic rebuilt the group: a default alpha follows the new p (beta stays 0.9, inside (0, 1]).
+
+        A given alpha is kept: the user chose it (a grow beyond 1/alpha workers would then diverge).
+        """
+        if self._alpha_given is None:
+            self.exchange.alpha = RECOMMENDED_BETA / self.comm.world_size
+
     @torch.no_grad()
     def finish(self) -> None:
         for x, c in zip(self.params, self.centre, strict=True):
