@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--trainer", action="store_true", help="train with px.Trainer.fit(elastic=...) instead")
     p.add_argument("--strategy", default="allreduce", help="allreduce, fp16, powersgd, local-sgd, diloco, easgd")
+    p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
@@ -114,6 +115,9 @@ def main() -> None:
                 opt.step()
                 if state.step == 1:
                     open(os.path.join(args.out, f"training{me}"), "w").close()
+                if args.mark_world:  # tests/test_elastic_hosts.py waits for these before it kills a host
+                    with open(os.path.join(args.out, f"world{me}-{px.world_size()}"), "a") as f:
+                        f.write(".")  # one byte per step taken at that world size
                 if state.history and not first_after:
                     first_after.append(time.time())
                 time.sleep(args.step_sleep)
