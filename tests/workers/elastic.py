@@ -45,6 +45,7 @@ STRATEGIES = {
     "local-sgd": lambda: px.LocalSGD(every=2),
     "diloco": lambda: px.DiLoCo(every=2),
     "easgd": lambda: px.EASGD(every=2),
+    "ps-sync": lambda: px.ParameterServer(sync=True),  # servers: --servers K, else colocated
 }
 
 

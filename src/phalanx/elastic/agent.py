@@ -137,7 +137,12 @@ def run_elastic(cfg: "RunConfig") -> int:
           f"`phalanx join --rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`", file=sys.stderr, flush=True)
     ids = [str(r) for r in range(cfg.nproc)]
     store.set(key("gen", 0, "members"), json.dumps(ids))
-    base = {**os.environ, **cfg.worker_env(), "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),
+    servers = None  # el-hosts: `--servers K`: started before the workers, outlive every one of them
+    if cfg.servers:
+        from ..ps.launcher import start_servers
+        servers = start_servers(cfg.servers, host=cfg.master_addr)
+    base = {**os.environ, **cfg.worker_env(), **(servers.env() if servers else {}),
+            "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),
             "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "true",
             "TORCHELASTIC_RESTART_COUNT": "0"}
     workers = [_Worker(w, subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
@@ -156,11 +161,13 @@ def run_elastic(cfg: "RunConfig") -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _watch(workers, store, el, stop, replacement if el.replace else None)
+        return _watch(workers, store, el, stop, replacement if el.replace else None, servers)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         _stop_all(workers)
+        if servers is not None:
+            servers.stop()
 
 
 def joiner_env(wid: str) -> dict[str, str]:
@@ -168,7 +175,7 @@ def joiner_env(wid: str) -> dict[str, str]:
     return {"PHALANX_ELASTIC_ID": wid, "PHALANX_ELASTIC_JOIN": "1"}
 
 
-def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, replacement=None) -> int:
+def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, replacement=None, servers=None) -> int:
     from .membership import key
 
     first_failure: int | None = None
@@ -179,6 +186,12 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, replace
             print(f"phalanx: received {signal.Signals(stop['sig']).name}; stopped all workers", file=sys.stderr,
                   flush=True)
             return 128 + int(stop["sig"])
+        dead_servers = servers.exited() if servers is not None else []  # el-hosts
+        if dead_servers and not store.check([key("done")]):
+            print(f"phalanx: elastic: {dead_servers[0]}; a lost server cannot be regrouped around, so the job "
+                  "stops. Resume from your last disk checkpoint (px.save_checkpoint holds the servers' shards), "
+                  "if any.", file=sys.stderr, flush=True)
+            return 1
         now = time.monotonic()
         for w in workers:
             code = poll(w, store, el.heartbeat_s, now=now)  # el-hosts: watch.poll

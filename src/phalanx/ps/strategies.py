@@ -372,8 +372,10 @@ class SyncParameterServer(PSStrategy):
         """
         grads = self._grads()
         weigh_(grads)
+        from ..elastic import worker  # under --elastic a round belongs to one group; a dead peer ends the wait
+        elastic = {"generation": worker.generation(), "abandon": worker.lost_peer} if group.is_elastic() else {}
         self._exchange(self.table.reduce, grads, step=step - 1,  # type: ignore[union-attr]
-                       workers=group.world_size())
+                       workers=group.world_size(), **elastic)
 
     def __repr__(self) -> str:
         return "ParameterServer(sync=True)"
