@@ -15,9 +15,10 @@ from test_elastic import check_recovered, launch
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.mark.parametrize("servers", [["--servers", "1"]], ids=["separate"])
+@pytest.mark.parametrize("servers", [["--servers", "1"], []], ids=["separate", "colocated"])
 def test_sync_ps_survives_killing_one_of_three_workers_and_matches_the_oracle(tmp_path, servers):
-    proc, results = launch(tmp_path, "--min-workers", "2", *servers, "--", "--kill", "1@5", "--commit-every", "3",
+    proc, results = launch(tmp_path, "--min-workers", "2", *servers, "--", "--kill", "1@5", "--kill-in-step",
+                           "--commit-every", "3",
                            "--strategy", "ps-sync")
     seconds = check_recovered(tmp_path, proc, results, "1", 5)["kill_to_first_step_s"]
     assert seconds < 10, seconds  # the survivors left the server's round at once; its timeout is 30 s

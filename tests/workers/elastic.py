@@ -78,6 +78,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--trainer", action="store_true", help="train with px.Trainer.fit(elastic=...) instead")
     p.add_argument("--strategy", default="allreduce", help="allreduce, fp16, powersgd, local-sgd, diloco, easgd")
+    p.add_argument("--kill-in-step", action="store_true", help="die after the step's gather, not before it")
     p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
@@ -97,20 +98,26 @@ def main() -> None:
     first_after: list[float] = []
     digests: list[list] = []  # (step, world size, digest of the weights and optimizer state) before each step
 
+    def die() -> None:
+        if me == victim and state.step + 1 == int(at) and not state.history:
+            with open(os.path.join(args.out, "killed.json"), "w") as f:
+                json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
+            os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
+            time.sleep(60)  # a stopped worker never gets here before the launcher kills it
+
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
         for epoch in range(state.epoch, args.epochs):
             loader.set_epoch(epoch)
             for x, y, ids in loader:
-                if me == victim and state.step + 1 == int(at) and not state.history:
-                    with open(os.path.join(args.out, "killed.json"), "w") as f:
-                        json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
-                    os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
-                    time.sleep(60)  # a stopped worker never gets here before the launcher kills it
+                if not args.kill_in_step:
+                    die()
                 digests.append([state.step, px.world_size(), digest(model_, opt)])
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])  # a short last step
                 everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
                 record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
+                if args.kill_in_step:  # past the gather: the others are left waiting in the step's exchange
+                    die()
                 opt.zero_grad()
                 F.mse_loss(model_(x), y).backward()
                 opt.step()
