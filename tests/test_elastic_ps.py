@@ -1,24 +1,45 @@
 """Parameter servers under ``phalanx run --elastic``: real workers, real server processes, real kills.
 
 The synchronous PS averages each step's gradients on the servers, so a worker that dies
-leaves the others waiting on a server, not in a gloo collective: they must notice the
-death (the launcher marks it), abandon the round, regroup, and have the servers key the
-redone steps' rounds with the new group and its worker count. The checks are the ones
-of tests/test_elastic.py: same processes, exit 0, every sample once per epoch, and the
-final model equal to one process trained on the same global batches.
+inside a step leaves the others waiting on a server, not in a gloo collective: they must
+notice the death (its watcher marks it), abandon the round, regroup, and have the servers
+key the redone steps' rounds with the new group and its worker count. The checks are
+those of tests/test_elastic.py: same processes, exit 0, every sample once per epoch, and
+the final model equal to one process trained on the same global batches.
 """
 from __future__ import annotations
 
 import pytest
-from test_elastic import check_recovered, launch
+import torch
+from test_elastic import check_recovered, launch, oracle
+
+from workers import elastic as worker
 
 pytestmark = pytest.mark.multiproc
+KILL = ["--kill", "1@5", "--kill-in-step", "--commit-every", "3", "--strategy", "ps-sync"]
 
 
-@pytest.mark.parametrize("servers", [["--servers", "1"], []], ids=["separate", "colocated"])
-def test_sync_ps_survives_killing_one_of_three_workers_and_matches_the_oracle(tmp_path, servers):
-    proc, results = launch(tmp_path, "--min-workers", "2", *servers, "--", "--kill", "1@5", "--kill-in-step",
-                           "--commit-every", "3",
-                           "--strategy", "ps-sync")
+def test_colocated_sync_ps_survives_killing_one_of_three_workers_and_matches_the_oracle(tmp_path):
+    # the victim's colocated server dies with it: the survivors re-place the shards over their own servers
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", *KILL)
     seconds = check_recovered(tmp_path, proc, results, "1", 5)["kill_to_first_step_s"]
     assert seconds < 10, seconds  # the survivors left the server's round at once; its timeout is 30 s
+
+
+def test_separate_servers_outlive_a_killed_worker_and_register_its_replacement(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--servers", "1", "--", *KILL,
+                           "--epochs", "4", "--step-sleep", "0.3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "r1"]  # the replacement joined and finished with the others
+    record = results["0"]["record"]
+    assert all(r["record"] == record for r in results.values())
+    for epoch in range(4):  # every sample exactly once per epoch, across the crash and the join
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    worlds = [w for _, w, _ in record]
+    assert worlds[:3] == [3, 3, 3] and 2 in worlds and worlds[-1] == 3, worlds
+    assert [(h["left"], h["joined"]) for h in results["0"]["history"]] == [(["1"], []), ([], ["r1"])]
+    want = oracle(record)  # the servers averaged over 3, then 2, then 3 workers: one process on those batches
+    for r in results.values():
+        for got, w in zip(r["params"], want, strict=True):
+            torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
