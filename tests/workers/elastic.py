@@ -46,6 +46,8 @@ STRATEGIES = {
     "diloco": lambda: px.DiLoCo(every=2),
     "easgd": lambda: px.EASGD(every=2),
     "ps-sync": lambda: px.ParameterServer(sync=True),  # servers: --servers K, else colocated
+    "downpour": lambda: px.Downpour(),
+    "easgd-async": lambda: px.AsyncEASGD(every=2),
 }
 
 
