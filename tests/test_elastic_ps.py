@@ -19,16 +19,17 @@ pytestmark = pytest.mark.multiproc
 KILL = ["--kill", "1@5", "--kill-in-step", "--commit-every", "3", "--strategy", "ps-sync"]
 
 
-def test_colocated_sync_ps_survives_killing_one_of_three_workers_and_matches_the_oracle(tmp_path):
-    # the victim's colocated server dies with it: the survivors re-place the shards over their own servers
-    proc, results = launch(tmp_path, "--min-workers", "2", "--", *KILL)
+def test_sync_ps_on_a_separate_server_survives_killing_one_of_three_workers_and_matches_the_oracle(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--servers", "1", "--", *KILL)
     seconds = check_recovered(tmp_path, proc, results, "1", 5)["kill_to_first_step_s"]
     assert seconds < 10, seconds  # the survivors left the server's round at once; its timeout is 30 s
 
 
-def test_separate_servers_outlive_a_killed_worker_and_register_its_replacement(tmp_path):
-    proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--servers", "1", "--", *KILL,
-                           "--epochs", "4", "--step-sleep", "0.3")
+def test_colocated_servers_follow_the_group_through_a_kill_and_a_replacement(tmp_path):
+    # the victim's server dies with it: the survivors re-place the shards over their own servers, and
+    # again over the replacement's when it joins
+    proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", *KILL, "--epochs", "4",
+                           "--step-sleep", "0.3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(results) == ["0", "2", "r1"]  # the replacement joined and finished with the others
     record = results["0"]["record"]

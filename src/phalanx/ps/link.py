@@ -105,7 +105,9 @@ def connect(servers: str | Sequence[str] | None = None, *, timeout: float | None
 
 
 def _colocated(cfg: PSConfig, timeout: float, key: str | None = None) -> Link:
-    if is_loopback(cfg.host) and group._current().env.local_world_size < group.world_size():
+    # An elastic joiner's local world size says nothing about where the others run (a joiner is alone here).
+    if is_loopback(cfg.host) and group._current().env.local_world_size < group.world_size() \
+            and not group.is_elastic():
         raise ConfigError(usage(f"colocated parameter servers on {cfg.host} in a multi-host run",
                                 "an address the other hosts can reach",
                                 f"Set {HOST}=<this host's IP> and {TOKEN} on every worker, or start servers "
