@@ -13,18 +13,44 @@ import pytest
 import torch
 from test_elastic import check_recovered, launch, oracle
 
+from phalanx.ps.reducer import Reducer
+from phalanx.ps.wire import Header
 from workers import elastic as worker
 
-pytestmark = pytest.mark.multiproc
 KILL = ["--kill", "1@5", "--kill-in-step", "--commit-every", "3", "--strategy", "ps-sync"]
 
 
+def test_a_new_generation_redoes_a_step_with_fewer_workers_and_drops_the_old_half_filled_round():
+    def grad(v):
+        return [(Header("w", torch.float32, (1,)), torch.full((1,), float(v)))]
+    r = Reducer(timeout=60)
+    assert r.contribute(4, 3, b"a", grad(1), generation=0) is None  # worker c died before it sent step 4
+    assert r.contribute(4, 3, b"b", grad(2), generation=0) is None
+    assert r.contribute(4, 2, b"a", grad(3), generation=1) is None  # the survivors redo step 4, two of them
+    who, means = r.contribute(4, 2, b"b", grad(5), generation=1)
+    assert who == [b"a", b"b"] and means[0][1].item() == 4.0
+    assert r.expire(now=float("inf")) == []  # the old generation's round was dropped, not left to time out
+
+
+def test_members_a_watcher_declared_dead_do_not_count_against_the_quorum():
+    import torch.distributed as dist
+
+    from phalanx.elastic.membership import Membership, key
+    store = dist.HashStore()
+    for dead in ("c", "d"):  # every worker of the other host
+        store.set(key("dead", dead), "1")
+    store.set(key("gen", 1, "arrive", "b"), '{"commits": [3]}')
+    plan = Membership(store, "a", ["a", "b", "c", "d"]).next_generation([3], timeout_s=5)
+    assert plan == {"generation": 1, "members": ["a", "b"], "step": 3}
+
+@pytest.mark.multiproc
 def test_sync_ps_on_a_separate_server_survives_killing_one_of_three_workers_and_matches_the_oracle(tmp_path):
     proc, results = launch(tmp_path, "--min-workers", "2", "--servers", "1", "--", *KILL)
     seconds = check_recovered(tmp_path, proc, results, "1", 5)["kill_to_first_step_s"]
     assert seconds < 10, seconds  # the survivors left the server's round at once; its timeout is 30 s
 
 
+@pytest.mark.multiproc
 def test_colocated_servers_follow_the_group_through_a_kill_and_a_replacement(tmp_path):
     # the victim's server dies with it: the survivors re-place the shards over their own servers, and
     # again over the replacement's when it joins
