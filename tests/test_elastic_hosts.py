@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.multiproc, needs_root_netns()]
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "elastic.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 PORT = 29561  # inside namespace A, where nothing else listens
-EPOCHS = 5
+EPOCHS = 6
 HEARTBEAT_S = 30  # long: a recovery much faster than this was found by a watcher, not by a stale heartbeat
 
 
@@ -39,7 +39,7 @@ def start(link: netns.Link, side: int, args: list[str], out) -> subprocess.Popen
     iface = link.interfaces[side]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": iface, "PHALANX_TIMEOUT": "60"}
     flags = [WORKER, "--out", str(out), "--epochs", str(EPOCHS), "--commit-every", "3", "--step-sleep", "0.1",
-             "--mark-world"]
+             "--mark-world", "--slow-until-world", "4"]  # host A's 2 workers go slowly until B's have joined
     with open(out / f"host{side}.err", "w") as err:
         proc = subprocess.Popen(link.prefix(side) + [*CLI, *args, *flags], env=env, stdout=subprocess.DEVNULL,
                                 stderr=err)

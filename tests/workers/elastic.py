@@ -81,6 +81,8 @@ def main() -> None:
     p.add_argument("--trainer", action="store_true", help="train with px.Trainer.fit(elastic=...) instead")
     p.add_argument("--strategy", default="allreduce", help="allreduce, fp16, powersgd, local-sgd, diloco, easgd")
     p.add_argument("--kill-in-step", action="store_true", help="die after the step's gather, not before it")
+    p.add_argument("--slow-until-world", type=int, default=0,
+                   help="steps take 0.4 s until the group has reached this size (joiners start slowly)")
     p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
@@ -98,6 +100,7 @@ def main() -> None:
     state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record})
     comm = px.Comm()
     first_after: list[float] = []
+    reached: list[bool] = []  # --slow-until-world: has the group been that large yet?
     digests: list[list] = []  # (step, world size, digest of the weights and optimizer state) before each step
 
     def die() -> None:
@@ -130,7 +133,8 @@ def main() -> None:
                         f.write(".")  # one byte per step taken at that world size
                 if state.history and not first_after:
                     first_after.append(time.time())
-                time.sleep(args.step_sleep)
+                reached.append(px.world_size() >= args.slow_until_world)
+                time.sleep(args.step_sleep if any(reached) else 0.4)
 
     started = time.perf_counter()
     train(state)

@@ -96,6 +96,9 @@ def exit_note(store, wid: str, how: str) -> None:
         liveness.record_exit(dist.PrefixStore(prefix, store), members.index(wid), f"worker {wid} {how}")
 
 
+EXITED_AFTER_S = 1.5  # three missed heartbeats of a finished worker: its process has exited
+
+
 class Remote:
     """The launcher's view of the current members it did not start: ``phalanx join`` workers of any host.
 
@@ -108,18 +111,25 @@ class Remote:
         self.seen: dict[str, tuple[int, float]] = {}  # id -> (beats, when they last changed)
 
     def alive(self, store, local: set[str], heartbeat_s: float, *, now: float | None = None) -> list[str]:
-        """Members of the newest generation started elsewhere that are neither dead nor finished."""
+        """Members of the newest generation started elsewhere whose process still runs.
+
+        A finished member counts until its heartbeat stops: the store must outlive its exit,
+        or its heartbeat thread would fail mid-call while the process shuts down.
+        """
         now = time.monotonic() if now is None else now
         generation = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
         members = json.loads(store.get(key("gen", generation, "members")))
         out = []
         for m in members:
-            if m in local or store.check([key("dead", m)]) or store.check([key("finished", m)]):
+            if m in local or store.check([key("dead", m)]):
                 continue
             beats = int(store.add(key("hb", m), 0))
             last = self.seen.get(m)
             if last is None or last[0] != beats:
                 self.seen[m] = (beats, now)
+            elif store.check([key("finished", m)]):
+                if now - last[1] > EXITED_AFTER_S:
+                    continue  # finished, and its heartbeat thread has stopped: the process is gone
             elif now - last[1] > heartbeat_s:
                 print(f"phalanx: elastic: worker {m} (started by `phalanx join`) sent no heartbeat for "
                       f"{now - last[1]:.1f}s; its host may be lost. The others regroup without it",
