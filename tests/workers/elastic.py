@@ -45,6 +45,9 @@ STRATEGIES = {
     "local-sgd": lambda: px.LocalSGD(every=2),
     "diloco": lambda: px.DiLoCo(every=2),
     "easgd": lambda: px.EASGD(every=2),
+    "ps-sync": lambda: px.ParameterServer(sync=True),  # servers: --servers K, else colocated
+    "downpour": lambda: px.Downpour(),
+    "easgd-async": lambda: px.AsyncEASGD(every=2),
 }
 
 
@@ -77,6 +80,10 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--trainer", action="store_true", help="train with px.Trainer.fit(elastic=...) instead")
     p.add_argument("--strategy", default="allreduce", help="allreduce, fp16, powersgd, local-sgd, diloco, easgd")
+    p.add_argument("--kill-in-step", action="store_true", help="die after the step's gather, not before it")
+    p.add_argument("--slow-until-world", type=int, default=0,
+                   help="steps take 0.4 s until the group has reached this size (joiners start slowly)")
+    p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
@@ -93,34 +100,45 @@ def main() -> None:
     state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record})
     comm = px.Comm()
     first_after: list[float] = []
+    reached: list[bool] = []  # --slow-until-world: has the group been that large yet?
     digests: list[list] = []  # (step, world size, digest of the weights and optimizer state) before each step
     changes: list[list] = []  # (time, world size, step) at the first step after each membership change
+
+    def die() -> None:
+        if me == victim and state.step + 1 == int(at) and not state.history:
+            wait_for_spares(state)  # so that the kill finds them parked (hot), not still importing
+            with open(os.path.join(args.out, "killed.json"), "w") as f:
+                json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
+            os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
+            time.sleep(60)  # a stopped worker never gets here before the launcher kills it
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
         for epoch in range(state.epoch, args.epochs):
             loader.set_epoch(epoch)
             for x, y, ids in loader:
-                if me == victim and state.step + 1 == int(at) and not state.history:
-                    wait_for_spares(state)  # so that the kill finds them parked (hot), not still importing
-                    with open(os.path.join(args.out, "killed.json"), "w") as f:
-                        json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
-                    os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
-                    time.sleep(60)  # a stopped worker never gets here before the launcher kills it
+                if not args.kill_in_step:
+                    die()
                 digests.append([state.step, px.world_size(), digest(model_, opt)])
                 if len(state.history) > len(changes):  # the first step after a membership change
                     changes.append([time.time(), px.world_size(), state.step])
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])  # a short last step
                 everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
                 record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
+                if args.kill_in_step:  # past the gather: the others are left waiting in the step's exchange
+                    die()
                 opt.zero_grad()
                 F.mse_loss(model_(x), y).backward()
                 opt.step()
                 if state.step == 1:
                     open(os.path.join(args.out, f"training{me}"), "w").close()
+                if args.mark_world:  # tests/test_elastic_hosts.py waits for these before it kills a host
+                    with open(os.path.join(args.out, f"world{me}-{px.world_size()}"), "a") as f:
+                        f.write(".")  # one byte per step taken at that world size
                 if state.history and not first_after:
                     first_after.append(time.time())
-                time.sleep(args.step_sleep)
+                reached.append(px.world_size() >= args.slow_until_world)
+                time.sleep(args.step_sleep if any(reached) else 0.4)
 
     started = time.perf_counter()
     train(state)

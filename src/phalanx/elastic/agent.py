@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from .options import DEFAULT_HEARTBEAT_S, ElasticConfig, add_arguments  # noqa: F401 - re-exported
+from .watch import Remote, Watched, describe, exit_note, poll
 
 if TYPE_CHECKING:
     from ..launch import RunConfig
@@ -39,21 +40,8 @@ if TYPE_CHECKING:
 POLL_S = 0.05
 
 
-class _Worker:
-    def __init__(self, wid: str, proc: subprocess.Popen) -> None:
-        self.id, self.proc = wid, proc
-        self.beats, self.seen = 0, time.monotonic()
-        self.returncode: int | None = None
-        self.killed = False
-
-
-def _how(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
+# the watching code lives in watch.py, shared with `phalanx join`'s local watcher
+_Worker, _how, _exit_note = Watched, describe, exit_note
 
 
 def run_elastic(cfg: "RunConfig") -> int:
@@ -72,7 +60,12 @@ def run_elastic(cfg: "RunConfig") -> int:
     print(f"phalanx: elastic job: its store is at {cfg.master_addr}:{port}; add workers with "
           f"`phalanx join --rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`", file=sys.stderr, flush=True)
     store.set(key("gen", 0, "members"), json.dumps(ids))
-    base = {**os.environ, **cfg.worker_env(), "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),
+    servers = None  # el-hosts: `--servers K`: started before the workers, outlive every one of them
+    if cfg.servers:
+        from ..ps.launcher import start_servers
+        servers = start_servers(cfg.servers, host=cfg.master_addr)
+    base = {**os.environ, **cfg.worker_env(), **(servers.env() if servers else {}),
+            "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),
             "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "true",
             "TORCHELASTIC_RESTART_COUNT": "0"}
     command = [sys.executable, "-u", cfg.script, *cfg.script_args]
@@ -92,11 +85,13 @@ def run_elastic(cfg: "RunConfig") -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _watch(workers, store, el, stop, joiner, reserve=list(spares))
+        return _watch(workers, store, el, stop, joiner, reserve=list(spares), servers=servers)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         _stop_all(workers)
+        if servers is not None:
+            servers.stop()
 
 
 def joiner_env(wid: str) -> dict[str, str]:
@@ -112,7 +107,8 @@ def _members(store) -> list[str]:
     return json.loads(store.get(key("gen", generation, "members")))
 
 
-def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner, reserve: list[str]) -> int:
+def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner, reserve: list[str],
+           servers=None) -> int:
     """Poll the workers until they are all gone. ``reserve``: the spares no lost worker has claimed yet.
 
     Each lost worker (or lost claimed spare) leaves a hole: the first spare in reserve fills it
@@ -124,33 +120,23 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
 
     first_failure: int | None = None
     replaced = 0
+    remotes = Remote()  # el-hosts
     while True:
         if stop["sig"] is not None:
             print(f"phalanx: received {signal.Signals(stop['sig']).name}; stopped all workers", file=sys.stderr,
                   flush=True)
             return 128 + int(stop["sig"])
+        dead_servers = servers.exited() if servers is not None else []  # el-hosts
+        if dead_servers and not store.check([key("done")]):
+            print(f"phalanx: elastic: {dead_servers[0]}; a lost server cannot be regrouped around, so the job "
+                  "stops. Resume from your last disk checkpoint (px.save_checkpoint holds the servers' shards), "
+                  "if any.", file=sys.stderr, flush=True)
+            return 1
         now = time.monotonic()
         for w in workers:
-            if w.returncode is not None:
+            code = poll(w, store, el.heartbeat_s, now=now)  # marks the dead and leaves their exit notes
+            if not code:
                 continue
-            code = w.proc.poll()
-            if code is None:
-                if w.killed or store.check([key("finished", w.id)]):
-                    continue  # a finished worker's heartbeat stops while it exits; that is no hang
-                beats = int(store.add(key("hb", w.id), 0))
-                if beats != w.beats:
-                    w.beats, w.seen = beats, now
-                elif w.beats and now - w.seen > el.heartbeat_s:
-                    print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) sent no heartbeat for "
-                          f"{now - w.seen:.1f}s (hung or stopped); killing it", file=sys.stderr, flush=True)
-                    w.proc.kill()
-                    w.killed = True
-                continue
-            w.returncode = code
-            if code == 0:
-                continue
-            store.set(key("dead", w.id), "1")
-            _exit_note(store, w.id, _how(code))
             first_failure = code if first_failure is None else first_failure
             if store.check([key("done")]):
                 continue
@@ -174,38 +160,21 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                       "replace it; it joins at the next commit", file=sys.stderr, flush=True)
         alive = [w for w in workers if w.returncode is None]
         ok = [w for w in workers if w.returncode == 0]
-        if not alive:
-            if ok:
+        # el-hosts: members that joined from other hosts count too, and the store must outlive them
+        remote = remotes.alive(store, {w.id for w in workers}, el.heartbeat_s, now=now)
+        if not alive and not remote:
+            if ok or store.check([key("done")]):
                 return 0
             return 128 - first_failure if first_failure and first_failure < 0 else (first_failure or 1)
         if not ok:  # a spare or a replacement is a worker once a generation includes it, not before
             members = set(_members(store))
             alive = [w for w in alive if w.id in members]
-        if not ok and len(alive) < el.min_workers and not store.check([key("done")]):
-            print(f"phalanx: elastic: {len(alive)} worker(s) left, below --min-workers {el.min_workers}; stopping "
-                  "the job. Commits are in memory only: resume from your last disk checkpoint "
-                  "(px.save_checkpoint), if any.", file=sys.stderr, flush=True)
+        if not ok and len(alive) + len(remote) < el.min_workers and not store.check([key("done")]):
+            print(f"phalanx: elastic: {len(alive) + len(remote)} worker(s) left, below --min-workers "
+                  f"{el.min_workers}; stopping the job. Commits are in memory only: resume from your last disk "
+                  "checkpoint (px.save_checkpoint), if any.", file=sys.stderr, flush=True)
             return 1
         time.sleep(POLL_S)
-
-
-def _exit_note(store, wid: str, how: str) -> None:
-    """Leave the dead worker's exit note in its generation's liveness keys, as it would have itself.
-
-    A survivor's failed collective asks liveness which peers are gone; with the note it
-    knows at once instead of waiting for the dead worker's heartbeat to go stale.
-    """
-    import torch.distributed as dist
-
-    from .. import liveness
-    from .membership import key
-    from .rebuild import generation_prefix
-
-    generation = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
-    members = json.loads(store.get(key("gen", generation, "members")))
-    if wid in members:
-        prefix = "phalanx/0" if generation == 0 else generation_prefix(generation)
-        liveness.record_exit(dist.PrefixStore(prefix, store), members.index(wid), f"worker {wid} {how}")
 
 
 def _stop_all(workers: list[_Worker], grace_s: float = 3.0) -> None:

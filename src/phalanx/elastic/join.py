@@ -7,6 +7,8 @@ new workers run the same script; each one enters at the job's next commit point 
 receives the current state from rank 0; nobody rolls back. The group grows up to
 the job's ``--max-workers``. An endpoint with no job, or a job that is not elastic, is
 refused within seconds; a job that already finished makes the joiners exit 0 at once.
+Like the launcher, ``phalanx join`` watches the workers it started: one that exits is
+reported to the job at once, and one whose heartbeat stops is killed.
 
 Example:
     >>> JoinConfig.from_argv(["--rdzv-endpoint", "10.0.0.1:29400", "-n", "2", __file__]).port
@@ -15,17 +17,20 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn, Sequence
 
 from ..errors import ConfigError, PhalanxError, usage
-from .agent import joiner_env
+from .agent import POLL_S, joiner_env
+from .watch import Watched, describe, poll
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -103,10 +108,42 @@ def main(argv: Sequence[str]) -> int:
     procs = [subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
                               env={**base, **joiner_env(f"j{tag}-{i}")}) for i in range(cfg.nproc)]
     try:
-        codes = [p.wait() for p in procs]
+        codes = watch_joiners([Watched(f"j{tag}-{i}", p) for i, p in enumerate(procs)], cfg.host, cfg.port)
     except KeyboardInterrupt:
         for p in procs:
             p.terminate()
         return 130
     failed = [c for c in codes if c]
     return 0 if not failed else (128 - failed[0] if failed[0] < 0 else failed[0])
+
+
+# -- el-hosts: the joiners' local watcher --------------------------------------------------------------
+def watch_joiners(workers: list[Watched], host: str, port: int) -> list[int]:
+    """Watch this host's joiners as the launcher watches its own; returns their exit statuses.
+
+    A joiner that exits is marked dead in the job's store with its exit note, and a hung
+    one (no heartbeat for the job's ``--heartbeat-timeout``) is killed, so the others
+    regroup at once instead of after the quorum timeout. If the store is lost the
+    joiners end by themselves (each says so in one line); we only wait for them.
+    """
+    import torch.distributed as dist
+
+    from .membership import key
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
+                              wait_for_workers=False)
+        heartbeat_s = float(json.loads(store.get(key("config")))["heartbeat_s"])
+    except Exception:  # noqa: BLE001 - the job ended between the probe and now: the joiners see it too
+        store = None
+    while store is not None and any(w.returncode is None for w in workers):
+        try:
+            for w in workers:
+                code = poll(w, store, heartbeat_s)
+                if code and not store.check([key("done")]):
+                    print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {describe(code)}; the others "
+                          "regroup without it", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - the launcher's store is gone; the joiners end by themselves
+            store = None
+        time.sleep(POLL_S)
+    return [w.proc.wait() if w.returncode is None else w.returncode for w in workers]
+# -- end el-hosts ----------------------------------------------------------------------------------------

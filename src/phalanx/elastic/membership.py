@@ -7,9 +7,11 @@ that sees the quorum complete writes the member list with a compare-and-set, so
 every worker agrees on one list even if their views differed for a moment.
 
 Quorum rules (after torchft's): wait until every member of the previous generation
-has either arrived or been declared dead by the launcher, up to ``timeout_s``; then
-proceed only with more than half of the previous members, so that two halves of a
-partitioned job can never both go on (split brain).
+has either arrived or been declared dead by a watcher, up to ``timeout_s``; then
+proceed only with more than half of the previous members not declared dead, so that
+two halves of a partitioned job can never both go on (split brain). A member declared
+dead was seen to exit by the watcher on its host, or its heartbeat stopped reaching
+the one store every member agrees through: it cannot be the other half of a split.
 
 Keys (all under ``elastic/`` in the launcher's TCPStore):
     config                 {"min_workers", "max_workers", "heartbeat_s"} written by the launcher
@@ -103,10 +105,13 @@ class Membership:
             dead = {m for m in self.members if m not in arrived and self.is_dead(m)}
             complete = len(arrived) + len(dead) == len(self.members)
             if complete or time.monotonic() > deadline:
-                if 2 * len(arrived) <= len(self.members):
+                # Members a watcher saw exit are known gone, not partitioned: the guard counts the rest
+                # (so losing every worker of one host of two still leaves a quorum).
+                if 2 * len(arrived) <= len(self.members) - len(dead):
                     raise QuorumError(
-                        f"only {len(arrived)} of the {len(self.members)} workers of generation {g - 1} answered "
-                        f"within {timeout_s:.0f}s; more than half are needed to go on (split-brain guard)")
+                        f"only {len(arrived)} of the {len(self.members) - len(dead)} workers of generation {g - 1} "
+                        f"not known dead answered within {timeout_s:.0f}s; more than half are needed to go on "
+                        "(split-brain guard)")
                 survivors = decide_members(self.members, arrived=arrived, dead=dead, joiners=[])
                 proposal = survivors + (joiners(survivors) if joiners is not None else self._joiners(g))
                 self.store.compare_set(members_key, "", json.dumps(proposal))

@@ -63,6 +63,8 @@ class ElasticWorker:
             self._ask_to_join()
         self._stop = threading.Event()
         threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True).start()
+        global _current
+        _current = self  # el-hosts: for generation() and lost_peer() below
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "ElasticWorker | None":
@@ -188,3 +190,29 @@ class ElasticWorker:
             self.store.set(key("done"), "1")
         except Exception:  # noqa: BLE001 - the launcher may already be gone at exit
             pass
+
+
+# -- el-hosts: what a strategy that waits outside gloo (the synchronous PS) asks -----------------
+_current: ElasticWorker | None = None
+
+
+def generation() -> int:
+    """The worker group's generation under ``--elastic`` (0 before any change, or outside it)."""
+    return _current.membership.generation if _current is not None else 0
+
+
+def lost_peer() -> str | None:
+    """Why a member of the current group will never answer (a watcher marked it dead), or None.
+
+    A worker blocked on a parameter server's reply, not in a gloo collective, asks this
+    while it waits: a dead peer never sends its part of the synchronous round.
+    """
+    if _current is None:
+        return None
+    m = _current.membership
+    dead = [w for w in m.members if w != m.me and m.is_dead(w)]
+    if not dead:
+        return None
+    return (f"worker(s) {', '.join(dead)} of generation {m.generation} died during a synchronous parameter-server "
+            "round (marked dead by their watcher)")
+# -- end el-hosts ----------------------------------------------------------------------------------

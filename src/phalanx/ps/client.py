@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from ..errors import PhalanxError
+from ..errors import PhalanxError, WorkerLostError
 from .config import TIMEOUT, check_addr
 from .placement import Piece, specs
 from .shards import STATE_SEP, Policy
@@ -33,6 +33,8 @@ from .wire import Header, Message, recv_message, require_zmq, send_message
 
 if TYPE_CHECKING:
     import zmq
+
+ABANDON_POLL_S = 0.25
 
 Request = tuple[dict[str, Any], Sequence[tuple[Header, torch.Tensor]]]
 
@@ -86,8 +88,14 @@ class Client:
         sock.connect(addr)
         return sock
 
-    def call(self, requests: dict[int, Request], *, timeout: float | None = None) -> dict[int, Message]:
-        """Send ``{server: (control, tensors)}`` and return ``{server: reply}``, all or an error."""
+    def call(self, requests: dict[int, Request], *, timeout: float | None = None,
+             abandon: Callable[[], str | None] | None = None) -> dict[int, Message]:
+        """Send ``{server: (control, tensors)}`` and return ``{server: reply}``, all or an error.
+
+        ``abandon``, asked every quarter second while we wait, may return why the answer will
+        never come (under ``--elastic``: a worker of the synchronous round died); we then stop
+        waiting and raise :class:`~phalanx.WorkerLostError` with that reason.
+        """
         start = time.perf_counter()
         ids = {}
         for s, (control, tensors) in requests.items():
@@ -102,10 +110,16 @@ class Client:
         for s in ids:
             poller.register(self._socks[s], self._zmq.POLLIN)
         replies: dict[int, Message] = {}
+        given_up = None
         while len(replies) < len(ids):
             remaining = deadline - time.monotonic()
+            if abandon is not None:
+                remaining = min(remaining, ABANDON_POLL_S)
             ready = dict(poller.poll(max(0, int(remaining * 1000)))) if remaining > 0 else {}
             if not ready:
+                given_up = abandon() if abandon is not None else None
+                if given_up is None and abandon is not None and time.monotonic() < deadline:
+                    continue
                 break
             for s in ids:
                 if s not in replies and self._socks[s] in ready:
@@ -122,6 +136,8 @@ class Client:
             for s in missing:  # a fresh socket: whatever was queued for the lost server is dropped
                 self._socks[s].close(linger=0)
                 self._socks[s] = self._connect(self.addrs[s])
+            if given_up is not None:
+                raise WorkerLostError(given_up)
             op = next(iter(requests.values()))[0].get("op")
             names = ", ".join(f"{s} ({self.addrs[s].removeprefix('tcp://')})" for s in missing)
             raise ServerUnreachable(
@@ -248,14 +264,16 @@ class ParamTable:
                     for piece, _, d in self._received(reply)]
         self._write(self.params, received, torch.Tensor.sub_)
 
-    def reduce(self, grads: Sequence[torch.Tensor], *, step: int, workers: int) -> None:
+    def reduce(self, grads: Sequence[torch.Tensor], *, step: int, workers: int, generation: int = 0,
+               abandon: Callable[[], str | None] | None = None) -> None:
         """Synchronous mode: replace ``grads`` by their mean over all ``workers``.
 
         We wait a little longer than the servers' round timeout, so that when a worker is
         missing the servers' verdict (which names the round) arrives before our own timeout.
+        ``generation`` (under ``--elastic``) keys the round with the worker group it belongs to.
         """
-        replies = self._call({"op": "reduce", "step": step, "workers": workers}, grads,
-                             timeout=self.client.timeout + 5)
+        replies = self._call({"op": "reduce", "step": step, "workers": workers, "generation": generation}, grads,
+                             timeout=self.client.timeout + 5, abandon=abandon)
         self._load(replies, grads, versions=False)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:

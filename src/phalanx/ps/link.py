@@ -83,8 +83,13 @@ class Link:
         self.hosted.stop(save=False)
 
 
-def connect(servers: str | Sequence[str] | None = None, *, timeout: float | None = None) -> Link:
-    """A :class:`Link` to ``servers``: addresses, "colocated", or None (the environment decides)."""
+def connect(servers: str | Sequence[str] | None = None, *, timeout: float | None = None,
+            key: str | None = None) -> Link:
+    """A :class:`Link` to ``servers``: addresses, "colocated", or None (the environment decides).
+
+    ``key`` names the colocated servers' address exchange in the group's store (default:
+    one per attach, counted); under ``--elastic`` it names the group's generation instead.
+    """
     cfg = PSConfig.from_environ()
     timeout = cfg.timeout_s if timeout is None else timeout
     if servers is None:
@@ -92,21 +97,23 @@ def connect(servers: str | Sequence[str] | None = None, *, timeout: float | None
     if isinstance(servers, str) and servers != "colocated":
         servers = [a for a in servers.split(",") if a]
     if servers == "colocated":
-        return _colocated(cfg, timeout)
+        return _colocated(cfg, timeout, key)
     if not isinstance(servers, (list, tuple)) or not servers:
         raise ConfigError(usage(f"servers={servers!r}", "None, 'colocated' or a list of tcp://HOST:PORT",
                                 "Leave it unset to use PHALANX_PS_ADDRS or colocated servers."))
     return Link(Client(servers, token=cfg.token, timeout=timeout), key=f"ps/job/{next(_generation)}")
 
 
-def _colocated(cfg: PSConfig, timeout: float) -> Link:
-    if is_loopback(cfg.host) and group._current().env.local_world_size < group.world_size():
+def _colocated(cfg: PSConfig, timeout: float, key: str | None = None) -> Link:
+    # An elastic joiner's local world size says nothing about where the others run (a joiner is alone here).
+    if is_loopback(cfg.host) and group._current().env.local_world_size < group.world_size() \
+            and not group.is_elastic():
         raise ConfigError(usage(f"colocated parameter servers on {cfg.host} in a multi-host run",
                                 "an address the other hosts can reach",
                                 f"Set {HOST}=<this host's IP> and {TOKEN} on every worker, or start servers "
                                 "with `python -m phalanx.ps serve` and set PHALANX_PS_ADDRS."))
     server = Server(cfg.host, token=cfg.token, index=group.rank(), round_timeout=timeout).start()
-    store, key = group.store(), f"ps/colocated/{next(_generation)}"
+    store, key = group.store(), key or f"ps/colocated/{next(_generation)}"
     if store is None:  # a group of one
         addrs = [server.address]
     else:
@@ -116,3 +123,20 @@ def _colocated(cfg: PSConfig, timeout: float) -> Link:
     link = Link(Client(addrs, token=cfg.token, timeout=timeout), hosted=server, store=store, key=key)
     atexit.register(link.release)  # if the script never calls strategy.finish()
     return link
+
+
+def follow_group(link: Link, servers: str | Sequence[str] | None, timeout: float | None) -> Link:
+    """Under ``--elastic``, after the worker group changed: the link the new group uses.
+
+    Separate servers (``--servers``) outlive every worker: the same link. Colocated ones
+    die with their worker, so the new group's workers stop their old servers, start fresh
+    ones and swap addresses again; placement then spreads the shards over the servers of
+    the workers that are left (and of the joiners). A caller re-registers its shards.
+    """
+    if link.hosted is None:
+        return link
+    from ..elastic.worker import generation
+    link.client.close()
+    link.hosted.stop(save=False)
+    link.released = True
+    return connect(servers, timeout=timeout, key=f"ps/colocated/elastic/{generation()}")

@@ -103,3 +103,38 @@ def from_spec(spec: Any) -> "SGD | Adagrad":
         return RULES[spec["kind"]](**kwargs)
     except TypeError as err:
         raise ConfigError(usage(f"server optimizer spec {spec!r}", "only the rule's own fields", str(err))) from None
+
+
+def from_torch_sgd(optimizer: torch.optim.Optimizer) -> SGD:
+    """The server-side copy of the user's ``torch.optim.SGD``; refuse what it cannot apply, never drop it."""
+    todo = ("Use torch.optim.SGD (momentum, weight_decay, nesterov and an LR scheduler are followed), or choose the "
+            "servers' rule yourself with server_optimizer=px.ps.Adagrad(lr=...) or px.ps.SGD(lr=...); your "
+            "optimizer then only moves the local copy between pulls.")
+    if type(optimizer) is not torch.optim.SGD:
+        raise ConfigError(usage(f"Downpour with a {type(optimizer).__name__} optimizer and no server_optimizer",
+                                "torch.optim.SGD, whose rule the servers apply", todo))
+    groups = optimizer.param_groups
+    for i, g in enumerate(groups):
+        if g.get("dampening") or g.get("maximize"):
+            raise ConfigError(usage(f"Downpour with SGD(dampening={g.get('dampening')}, maximize={g.get('maximize')})"
+                                    f" in param group {i} and no server_optimizer",
+                                    "dampening=0 and maximize=False (the servers' rule has neither)", todo))
+    keys = ("momentum", "weight_decay", "nesterov")
+    settings = {tuple(g.get(k) for k in keys) for g in groups}
+    if len(settings) > 1:
+        raise ConfigError(usage(f"Downpour with param groups whose {'/'.join(keys)} differ ({sorted(settings)})",
+                                "one setting for every group (each push carries its group's lr; nothing else)",
+                                "Give every group the same momentum, weight_decay and nesterov, " + todo[0].lower()
+                                + todo[1:]))
+    momentum, weight_decay, nesterov = settings.pop()
+    return SGD(lr=max(g["lr"] for g in groups) or 1.0, momentum=momentum or 0.0, weight_decay=weight_decay or 0.0,
+               nesterov=bool(nesterov))
+
+
+def server_rule(server_optimizer: Any) -> "SGD | Adagrad | None":
+    """Downpour's ``server_optimizer``, checked: a :class:`SGD`, an :class:`Adagrad`, or None (yours)."""
+    if server_optimizer is not None and not isinstance(server_optimizer, (SGD, Adagrad)):
+        raise ConfigError(usage(f"server_optimizer={server_optimizer!r}",
+                                "phalanx.ps.SGD(lr) or phalanx.ps.Adagrad(lr)",
+                                "Leave it unset to apply your optimizer's lr with plain SGD on the servers."))
+    return server_optimizer

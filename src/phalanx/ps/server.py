@@ -39,7 +39,8 @@ import torch
 from .. import check
 from ..errors import ConfigError, PhalanxError, usage
 from .config import DEFAULT_TIMEOUT_S, is_loopback
-from .shards import Policy, Reducer, RejectError, ShardStore, Tensors
+from .reducer import Reducer
+from .shards import Policy, RejectError, ShardStore, Tensors
 from .wire import Header, WireError, recv_message, require_zmq, send_message
 
 if TYPE_CHECKING:
@@ -265,7 +266,8 @@ class Server:
         return {}, self.store.elastic(tensors, control.get("alpha"))  # type: ignore[arg-type]
 
     def _reduce(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> list[Any] | None:
-        done = self.reducer.contribute(control.get("step"), control.get("workers"), (who, control.get("id")), tensors)
+        done = self.reducer.contribute(control.get("step"), control.get("workers"), (who, control.get("id")), tensors,
+                                       control.get("generation", 0))
         if done is None:
             return None
         everyone, means = done

@@ -1,4 +1,4 @@
-"""What a server holds: shards with versions, their update policy, and the sync reducer.
+"""What a server holds: shards with versions and their update policy (the sync reducer is in reducer.py).
 
 A shard is one variable, or one piece of a variable that placement split. It carries:
 
@@ -33,7 +33,6 @@ import json
 import math
 import os
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ContextManager, Sequence
@@ -148,7 +147,8 @@ class Shard:
                 self.state[key].copy_(saved)
 
 
-def _mismatch(header: Header, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
+def mismatch(header: Header, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
+    """What is wrong with ``header`` for a shard of ``dtype`` and ``shape``, or None."""
     if header.dtype != dtype or header.shape != shape:
         return (f"{header.name!r} sent as {header.dtype} {list(header.shape)}; "
                 f"the server holds {dtype} {list(shape)}")
@@ -175,7 +175,7 @@ class ShardStore:
         if op == "init":
             shard = self.shards.get(header.name)
             if shard is not None:
-                problem = _mismatch(header, shard.value.dtype, tuple(shard.value.shape))
+                problem = mismatch(header, shard.value.dtype, tuple(shard.value.shape))
                 if problem:
                     raise RejectError(f"cannot register {problem}. Is this the same model?")
                 return
@@ -196,7 +196,7 @@ class ShardStore:
         ref = shard.value if not key else shard.state.get(key)
         if ref is None:
             raise RejectError(f"{name!r} has no state {key!r}; its rule keeps {sorted(shard.state)}")
-        problem = _mismatch(header, ref.dtype, tuple(ref.shape))
+        problem = mismatch(header, ref.dtype, tuple(ref.shape))
         if problem:
             raise RejectError(problem)
 
@@ -211,7 +211,7 @@ class ShardStore:
             if shard is None:
                 raise RejectError(f"unknown variable {header.name!r}; this server holds {len(self.shards)} shards. "
                                   "Register it first (the strategy's attach does), or check the placement.")
-            problem = _mismatch(header, shard.value.dtype, tuple(shard.value.shape))
+            problem = mismatch(header, shard.value.dtype, tuple(shard.value.shape))
             if problem:
                 raise RejectError(problem)
             found.append(shard)
@@ -315,7 +315,7 @@ class ShardStore:
                 raise RejectError(f"unknown variable {name!r}")
             if key:
                 ref = shard.state.get(key)
-                problem = _mismatch(header, ref.dtype, tuple(ref.shape)) if ref is not None else "unknown state"
+                problem = mismatch(header, ref.dtype, tuple(ref.shape)) if ref is not None else "unknown state"
                 if problem or key in states.get(name, {}):
                     raise RejectError(f"state {header.name!r}: {problem or 'sent twice'}")
                 states.setdefault(name, {})[key] = t
@@ -349,75 +349,3 @@ class ShardStore:
             self.shards = {name: Shard(s["value"], Policy.from_spec(json.loads(s["policy"])),
                                        int(s["version"]), dict(s["state"])) for name, s in body["shards"].items()}
             self.counts = Counter(body.get("counts", {}))
-
-
-class Reducer:
-    """Synchronous mode: average each step's gradients over all workers, then answer them all.
-
-    A round that does not complete within ``timeout`` seconds (a worker died or never
-    came) is abandoned: its partial sum is dropped and the workers waiting on it are told.
-    At most ``max_rounds`` rounds are open at once, so open rounds cannot pile up.
-    """
-
-    MAX_WORKERS = 65536
-
-    def __init__(self, timeout: float = 30.0, max_rounds: int = 8) -> None:
-        self._lock = threading.Lock()
-        self._rounds: dict[int, dict[str, Any]] = {}
-        self.timeout, self.max_rounds = timeout, max_rounds
-
-    def expire(self, now: float | None = None) -> list[tuple[Any, str]]:
-        """Abandon rounds older than the timeout; returns (waiting worker, why) for each one to tell."""
-        now = time.monotonic() if now is None else now
-        told = []
-        with self._lock:
-            for step, rnd in list(self._rounds.items()):
-                if now - rnd["started"] > self.timeout:
-                    del self._rounds[step]
-                    why = (f"synchronous round of step {step} abandoned after {self.timeout:g} s: only "
-                           f"{len(rnd['who'])} of {rnd['workers']} workers contributed (a worker crashed, stopped or "
-                           "counts steps differently); its partial sum was dropped")
-                    told += [(who, why) for who in rnd["who"]]
-        return told
-
-    def contribute(self, step: Any, workers: Any, who: bytes,
-                   tensors: Tensors) -> tuple[list[bytes], list[tuple[Header, torch.Tensor]]] | None:
-        """Add one worker's gradients; when the last arrives, return (everyone waiting, the means)."""
-        if isinstance(step, bool) or not isinstance(step, int) or isinstance(workers, bool) \
-                or not isinstance(workers, int) or not 1 <= workers <= self.MAX_WORKERS:
-            raise RejectError(f"reduce needs an integer step and 1 <= workers <= {self.MAX_WORKERS}; "
-                              f"got step={step!r}, workers={workers!r}")
-        if len({h.name for h, _ in tensors}) != len(tensors):
-            raise RejectError("a shard appears twice in one request")
-        with self._lock:
-            rnd = self._rounds.get(step)
-            if rnd is None:
-                if len(self._rounds) >= self.max_rounds:
-                    raise RejectError(f"{len(self._rounds)} synchronous rounds are already open (steps "
-                                      f"{sorted(self._rounds)[:8]}); a worker is far ahead of the others")
-                rnd = self._rounds[step] = {"workers": workers, "who": [], "started": time.monotonic(),
-                                            "sums": [(h, t) for h, t in tensors]}
-            else:
-                self._check_round(rnd, step, workers, who, tensors)
-                for (_, acc), (_, t) in zip(rnd["sums"], tensors, strict=True):
-                    acc.add_(t)
-            rnd["who"].append(who)
-            if len(rnd["who"]) < workers:
-                return None
-            del self._rounds[step]
-        means = [(Header(h.name, h.dtype, h.shape, step), acc.div_(workers)) for h, acc in rnd["sums"]]
-        return rnd["who"], means
-
-    @staticmethod
-    def _check_round(rnd: dict[str, Any], step: int, workers: int, who: bytes, tensors: Tensors) -> None:
-        if rnd["workers"] != workers:
-            raise RejectError(f"step {step}: this worker counts {workers} workers, the first counted {rnd['workers']}")
-        if who in rnd["who"]:
-            raise RejectError(f"step {step}: this worker already contributed")
-        first = [h for h, _ in rnd["sums"]]
-        if [h.name for h, _ in tensors] != [h.name for h in first]:
-            raise RejectError(f"step {step}: the shard names differ from the first worker's; is it the same model?")
-        for (header, _), ref in zip(tensors, first, strict=True):
-            problem = _mismatch(header, ref.dtype, ref.shape)
-            if problem:
-                raise RejectError(f"step {step}: {problem} (as the first worker sent it)")

@@ -27,8 +27,8 @@ from ..strategies import register
 from ..strategies.base import Strategy
 from ..strategies.gradients import fill_missing_grads, weigh_
 from .client import ParamTable
-from .link import Link, connect
-from .optim import SGD, Adagrad
+from .link import Link, connect, follow_group
+from .optim import from_torch_sgd, server_rule
 from .placement import policy as placement_policy
 from .shards import Policy
 from .wire import require_zmq
@@ -161,40 +161,6 @@ class PSStrategy(Strategy):
         return fill_missing_grads(self.params)
 
 
-def _server_sgd(optimizer: torch.optim.Optimizer) -> SGD:
-    """The server-side copy of the user's ``torch.optim.SGD``; refuse what it cannot apply, never drop it."""
-    todo = ("Use torch.optim.SGD (momentum, weight_decay, nesterov and an LR scheduler are followed), or choose the "
-            "servers' rule yourself with server_optimizer=px.ps.Adagrad(lr=...) or px.ps.SGD(lr=...); your "
-            "optimizer then only moves the local copy between pulls.")
-    if type(optimizer) is not torch.optim.SGD:
-        raise ConfigError(usage(f"Downpour with a {type(optimizer).__name__} optimizer and no server_optimizer",
-                                "torch.optim.SGD, whose rule the servers apply", todo))
-    groups = optimizer.param_groups
-    for i, g in enumerate(groups):
-        if g.get("dampening") or g.get("maximize"):
-            raise ConfigError(usage(f"Downpour with SGD(dampening={g.get('dampening')}, maximize={g.get('maximize')})"
-                                    f" in param group {i} and no server_optimizer",
-                                    "dampening=0 and maximize=False (the servers' rule has neither)", todo))
-    keys = ("momentum", "weight_decay", "nesterov")
-    settings = {tuple(g.get(k) for k in keys) for g in groups}
-    if len(settings) > 1:
-        raise ConfigError(usage(f"Downpour with param groups whose {'/'.join(keys)} differ ({sorted(settings)})",
-                                "one setting for every group (each push carries its group's lr; nothing else)",
-                                "Give every group the same momentum, weight_decay and nesterov, " + todo[0].lower()
-                                + todo[1:]))
-    momentum, weight_decay, nesterov = settings.pop()
-    return SGD(lr=max(g["lr"] for g in groups) or 1.0, momentum=momentum or 0.0, weight_decay=weight_decay or 0.0,
-               nesterov=bool(nesterov))
-
-
-def _rule(server_optimizer: Any) -> "SGD | Adagrad | None":
-    if server_optimizer is not None and not isinstance(server_optimizer, (SGD, Adagrad)):
-        raise ConfigError(usage(f"server_optimizer={server_optimizer!r}",
-                                "phalanx.ps.SGD(lr) or phalanx.ps.Adagrad(lr)",
-                                "Leave it unset to apply your optimizer's lr with plain SGD on the servers."))
-    return server_optimizer
-
-
 class Downpour(PSStrategy):
     """Asynchronous SGD with sharded parameter servers (Dean et al. 2012).
 
@@ -224,7 +190,7 @@ class Downpour(PSStrategy):
                  max_staleness: int | None = None, lock: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.push_when, self.pull_when = sync.every(push_every), sync.every(pull_every)
-        self.server_optimizer = _rule(server_optimizer)
+        self.server_optimizer = server_rule(server_optimizer)
         if max_staleness is not None:
             check.integer("max_staleness", max_staleness, "Leave it None for no limit; 0 applies only pushes "
                           "computed from the shard's current version.")
@@ -234,7 +200,7 @@ class Downpour(PSStrategy):
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         # Left unset, the servers apply your SGD (lr sent with every push, so schedules hold).
-        self._rule = self.server_optimizer or _server_sgd(optimizer)
+        self._rule = self.server_optimizer or from_torch_sgd(optimizer)
 
     def join(self) -> None:
         rule = self._rule
@@ -350,6 +316,7 @@ class SyncParameterServer(PSStrategy):
     gradient clipping and GradScaler see the mean, as under AllReduce. A dead worker stops
     the others: the servers abandon the round it never joined after ``PHALANX_PS_TIMEOUT``
     and tell the waiting workers, which raise :class:`~phalanx.ps.client.PSError` naming it.
+    Under ``--elastic`` they regroup instead (see :meth:`regroup`).
     """
 
     name = "ps-sync"
@@ -372,8 +339,18 @@ class SyncParameterServer(PSStrategy):
         """
         grads = self._grads()
         weigh_(grads)
+        from ..elastic import worker  # under --elastic a round belongs to one group; a dead peer ends the wait
+        elastic = {"generation": worker.generation(), "abandon": worker.lost_peer} if group.is_elastic() else {}
         self._exchange(self.table.reduce, grads, step=step - 1,  # type: ignore[union-attr]
-                       workers=group.world_size())
+                       workers=group.world_size(), **elastic)
+
+    def regroup(self) -> None:
+        """Under ``--elastic``: rounds now count the new group; colocated servers follow it (re-placed)."""
+        link = follow_group(self.link, self.servers, self.timeout)  # type: ignore[arg-type]
+        if link is not self.link:
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            self.link, self.table = link, ParamTable(named, link.client, self.placement)
+            self._exchange(self.join)
 
     def __repr__(self) -> str:
         return "ParameterServer(sync=True)"

@@ -1,0 +1,72 @@
+"""Parameter servers under ``phalanx run --elastic``: real workers, real server processes, real kills.
+
+The synchronous PS averages each step's gradients on the servers, so a worker that dies
+inside a step leaves the others waiting on a server, not in a gloo collective: they must
+notice the death (its watcher marks it), abandon the round, regroup, and have the servers
+key the redone steps' rounds with the new group and its worker count. The checks are
+those of tests/test_elastic.py: same processes, exit 0, every sample once per epoch, and
+the final model equal to one process trained on the same global batches.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_elastic import check_recovered, launch, oracle
+
+from phalanx.ps.reducer import Reducer
+from phalanx.ps.wire import Header
+from workers import elastic as worker
+
+KILL = ["--kill", "1@5", "--kill-in-step", "--commit-every", "3", "--strategy", "ps-sync"]
+
+
+def test_a_new_generation_redoes_a_step_with_fewer_workers_and_drops_the_old_half_filled_round():
+    def grad(v):
+        return [(Header("w", torch.float32, (1,)), torch.full((1,), float(v)))]
+    r = Reducer(timeout=60)
+    assert r.contribute(4, 3, b"a", grad(1), generation=0) is None  # worker c died before it sent step 4
+    assert r.contribute(4, 3, b"b", grad(2), generation=0) is None
+    assert r.contribute(4, 2, b"a", grad(3), generation=1) is None  # the survivors redo step 4, two of them
+    who, means = r.contribute(4, 2, b"b", grad(5), generation=1)
+    assert who == [b"a", b"b"] and means[0][1].item() == 4.0
+    assert r.expire(now=float("inf")) == []  # the old generation's round was dropped, not left to time out
+
+
+def test_members_a_watcher_declared_dead_do_not_count_against_the_quorum():
+    import torch.distributed as dist
+
+    from phalanx.elastic.membership import Membership, key
+    store = dist.HashStore()
+    for dead in ("c", "d"):  # every worker of the other host
+        store.set(key("dead", dead), "1")
+    store.set(key("gen", 1, "arrive", "b"), '{"commits": [3]}')
+    plan = Membership(store, "a", ["a", "b", "c", "d"]).next_generation([3], timeout_s=5)
+    assert plan == {"generation": 1, "members": ["a", "b"], "step": 3}
+
+@pytest.mark.multiproc
+def test_sync_ps_on_a_separate_server_survives_killing_one_of_three_workers_and_matches_the_oracle(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--servers", "1", "--", *KILL)
+    seconds = check_recovered(tmp_path, proc, results, "1", 5)["kill_to_first_step_s"]
+    assert seconds < 10, seconds  # the survivors left the server's round at once; its timeout is 30 s
+
+
+@pytest.mark.multiproc
+def test_colocated_servers_follow_the_group_through_a_kill_and_a_replacement(tmp_path):
+    # the victim's server dies with it: the survivors re-place the shards over their own servers, and
+    # again over the replacement's when it joins
+    proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", *KILL, "--epochs", "4",
+                           "--step-sleep", "0.3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "r1"]  # the replacement joined and finished with the others
+    record = results["0"]["record"]
+    assert all(r["record"] == record for r in results.values())
+    for epoch in range(4):  # every sample exactly once per epoch, across the crash and the join
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    worlds = [w for _, w, _ in record]
+    assert worlds[:3] == [3, 3, 3] and 2 in worlds and worlds[-1] == 3, worlds
+    assert [(h["left"], h["joined"]) for h in results["0"]["history"]] == [(["1"], []), ([], ["r1"])]
+    want = oracle(record)  # the servers averaged over 3, then 2, then 3 workers: one process on those batches
+    for r in results.values():
+        for got, w in zip(r["params"], want, strict=True):
+            torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
