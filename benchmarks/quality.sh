@@ -6,7 +6,7 @@
 #                                   lrs.json); about 35 minutes on an idle 2-core machine
 # EXTRA=--dry-run prints every run and the estimate without running anything; EXTRA="--sweep 0.5,1,2" redoes the
 # lr sweep first (about 15 more minutes). Progress goes to stderr, one line per finished run; OUT/quality.json is
-# rewritten after every run and OUT/quality.md with its plots every 8 runs, so a late stop still leaves tables.
+# rewritten after every run and OUT/quality.md every 8 runs (plots at the end), so a late stop still leaves tables.
 # torchft's DiLoCo joins as a peer when benchmarks/torchft/setup.sh has built its own environment.
 set -uo pipefail  # a failed run is reported in its table; keep measuring the rest
 cd "$(dirname "$0")/.."

@@ -164,8 +164,11 @@ def recommend(table: dict[str, Any], gbit: float, threshold: float,
 
     Example:
         >>> row = lambda sps: {"links": {1.0: {2: {"efficiency": 0.9, "samples_per_s": sps}}}}
-        >>> recommend({"ddp": row(100.0), "local-sgd": row(300.0)}, 1.0, 0.8)
-        'ddp on 2 workers (projected efficiency 0.90); local-sgd projects 3.0x the throughput but converges differently per step: measure it with phalanx bench --quality before choosing it'
+        >>> pick, caveat = recommend({"ddp": row(100.0), "local-sgd": row(300.0)}, 1.0, 0.8).split("; ")
+        >>> pick
+        'ddp on 2 workers (projected efficiency 0.90)'
+        >>> caveat.split(" but ")[0], caveat.endswith("measure it with phalanx bench --quality before choosing it")
+        ('local-sgd projects 3.0x the throughput', True)
         >>> recommend({"ddp": row(100.0), "local-sgd": row(300.0)}, 1.0, 0.8, {"ddp": 100, "local-sgd": 400})
         'ddp on 2 workers (projected 1.33x sooner to target than local-sgd, from measured steps to target)'
     """

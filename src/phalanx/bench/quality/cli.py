@@ -155,7 +155,7 @@ def run_sweep(tasks: list[str], setups: list[str], multipliers: tuple[float, ...
     runs = plan.sweep_runs(tasks, setups, multipliers, steps=args.sweep_steps, cap_s=args.sweep_cap)
     progress = _Progress(len(runs), plan.estimate_s(runs), args.no_progress)
     records = sessions.run_session(_items(runs, 1, 1), None, timeout=args.timeout, on_record=progress)
-    chosen = plan.choose_lrs(records, higher)
+    chosen = plan.choose_lrs(records, higher, {t: get(t).sweep_band for t in tasks})
     stored = {"command": "python -m phalanx.bench.quality " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "steps": args.sweep_steps, "multipliers": list(multipliers), "loadavg": os.getloadavg(),
@@ -208,11 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = len(runs) * args.repeats
 
     def partial(records: list[dict[str, Any]]) -> None:
-        # every run: the raw records; every 8 runs and at the end: the tables and plots too
+        # every run: the raw records; every 8 runs: the tables (milliseconds); at the end: the plots too
         payload.update(raw=records, finished=None if len(records) < total else
                        datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
         if len(records) % 8 == 0 or len(records) == total:
-            analyse(payload, args.out, quiet=len(records) < total)
+            analyse(payload, args.out, quiet=len(records) < total, plots=len(records) == total)
         else:
             write_json(os.path.join(args.out, "quality.json"), payload)
 
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def analyse(payload: dict[str, Any], out: str, quiet: bool = False) -> None:
+def analyse(payload: dict[str, Any], out: str, quiet: bool = False, plots: bool = True) -> None:
     """Rows, headline, targets, advisor, plots and the report from the raw records; writes everything to ``out``.
 
     ``--from-json`` calls this on a stored run with other targets: the curves hold every evaluation.
@@ -250,7 +250,9 @@ def analyse(payload: dict[str, Any], out: str, quiet: bool = False) -> None:
                                          {t: v["per_worker"] for t, v in tasks.items()}))
     os.makedirs(out, exist_ok=True)
     links = list(dict.fromkeys(r["link"] for r in rows))
-    pngs = [p for t in tasks for link in links if (p := report.plot(rows, t, link, tasks[t]["quality"], out))]
+    # plots cost seconds of CPU: while runs go on they would steal it from the run in flight, so partial
+    # reports (plots=False) have tables only
+    pngs = [p for t in tasks for link in links if plots and (p := report.plot(rows, t, link, tasks[t]["quality"], out))]
     write_json(os.path.join(out, "quality.json"), payload)
     md = render(payload, [os.path.basename(p) for p in pngs])
     with open(os.path.join(out, "quality.md"), "w") as f:

@@ -5,7 +5,7 @@ Example:
     >>> [r.title for r in runs]
     ['gpt ddp 2x1 100mbit lr=0.002', 'gpt diloco 2x1 100mbit lr=0.002']
     >>> round(estimate_s(runs, repeats=3) / 60, 1)
-    3.4
+    3.5
     >>> [s for s in setups_for("1gbit", list(ALL_SETUPS))] == list(FAST_SETUPS)
     True
 """
@@ -117,8 +117,13 @@ def estimate_s(runs: list[QRun], repeats: int = 1, steps_s: float = 0.15) -> flo
     return repeats * per_run + SESSION_S * len({r.link for r in runs})
 
 
-def choose_lrs(records: list[dict[str, Any]], higher: dict[str, bool]) -> dict[tuple[str, str], dict[str, Any]]:
-    """Per (task, setup): the swept lr with the best final quality (a failed or nan run never wins)."""
+def choose_lrs(records: list[dict[str, Any]], higher: dict[str, bool],
+               band: dict[str, float] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (task, setup): the swept lr with the best final quality (a failed or nan run never wins).
+
+    With ``band`` (task -> quality difference), the base lr (multiplier 1) is kept unless another lr beats
+    it by more than that: a difference inside the sweep's noise is not a reason to tune one setup differently.
+    """
     best: dict[tuple[str, str], dict[str, Any]] = {}
     for rec in records:
         r = rec["run"]
@@ -131,4 +136,9 @@ def choose_lrs(records: list[dict[str, Any]], higher: dict[str, bool]) -> dict[t
         old = entry["final"]
         if old != old or (final > old if higher[r["task"]] else final < old):
             entry.update(lr=r["lr"], final=final)
+    for (task, setup), entry in best.items():
+        base = base_lr(task, setup)
+        at_base = next((q for lr, q in entry["tried"].items() if abs(lr - base) <= 1e-9 * base), float("nan"))
+        if band and task in band and at_base == at_base and abs(entry["final"] - at_base) <= band[task]:
+            entry.update(lr=base, final=at_base)
     return best

@@ -55,7 +55,8 @@ def _tail(path: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
-def _start(cfg_path: str, outs: list[str], logs: list[str], link: Link | None, timeout: float) -> list[subprocess.Popen]:
+def _start(cfg_path: str, outs: list[str], logs: list[str], link: Link | None,
+           timeout: float) -> list[subprocess.Popen]:
     port, procs = free_port(), []
     for rank in range(len(outs)):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(outs)),
