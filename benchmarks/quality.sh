@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
 # Time to quality on slow links (docs/performance.md, "Time to quality on slow links").
 # Run as root (the shaped links are network namespaces + veth + tc tbf) on an otherwise idle machine:
-#   benchmarks/quality.sh [OUT]            the whole grid: 2 tasks x 13 setups x {100mbit, 1gbit} x 3 repeats,
-#                                          30 s of training per run, after the lr sweep (estimated ~2 h)
-#   QUICK=1 benchmarks/quality.sh [OUT]    the same on 100mbit only, 10 s per run, a shorter sweep (estimated ~45 min)
-# `--dry-run` added to either prints every run and the estimate without running anything.
+#   benchmarks/quality.sh [OUT]     2 tasks x {13 setups at 100 Mbit/s, 7 at 1 Gbit/s} x 3 repeats, 14 s of training
+#                                   per run, at the learning rates of the committed sweep (src/phalanx/bench/quality/
+#                                   lrs.json); about 35 minutes on an idle 2-core machine
+# EXTRA=--dry-run prints every run and the estimate without running anything; EXTRA="--sweep 0.5,1,2" redoes the
+# lr sweep first (about 15 more minutes). Progress goes to stderr, one line per finished run; OUT/quality.json is
+# rewritten after every run and OUT/quality.md every 8 runs (plots at the end), so a late stop still leaves tables.
+# torchft's DiLoCo joins as a peer when benchmarks/torchft/setup.sh has built its own environment.
 set -uo pipefail  # a failed run is reported in its table; keep measuring the rest
 cd "$(dirname "$0")/.."
 OUT=${1:-results/quality}
 PY=${PY:-.venv/bin/python}
-if [ "${QUICK:-0}" = 1 ]; then
-  exec $PY -m phalanx.bench.quality --tasks gpt,resnet20 --link 100mbit --repeats 3 --budget 10 \
-       --sweep 0.5,1,2 --sweep-steps 20 --sweep-cap 4 --out "$OUT" ${EXTRA:-}
-fi
-exec $PY -m phalanx.bench.quality --tasks gpt,resnet20 --link 100mbit,1gbit --repeats 3 --budget 30 \
-     --sweep 0.5,1,2 --sweep-steps 30 --sweep-cap 6 --out "$OUT" ${EXTRA:-}
+exec $PY -m phalanx.bench.quality --tasks gpt,resnet20 --link 100mbit,1gbit --repeats 3 --out "$OUT" ${EXTRA:-}

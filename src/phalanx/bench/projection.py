@@ -124,25 +124,88 @@ def project(rows: list[dict[str, Any]], alpha: float = 25e-6, threshold: float =
     return result
 
 
-def recommend(table: dict[str, Any], gbit: float, threshold: float) -> str:
-    """The setup and worker count with the highest projected throughput at efficiency >= threshold.
+# Setups whose updates match exact gradient averaging step for step (fp16 rounds the gradient, nothing more):
+# their throughput alone decides between them. Every other setup (sparse or low-rank compression, local SGD,
+# DiLoCo, EASGD, parameter servers) trades bytes for convergence per step, which a throughput model cannot see.
+EXACT = ("allreduce", "ddp", "fp16", "ddp-fp16")
 
-    Exact gradient averaging (allreduce, ddp) wins ties within 10%, since it converges per step as one big batch.
-    """
+
+def _best(table: dict[str, Any], gbit: float, threshold: float, score: Any) -> tuple[float, str, int, float] | None:
     best: tuple[float, str, int, float] | None = None
     for setup, t in table.items():
         for n, p in t["links"][gbit].items():
-            if p["efficiency"] >= threshold:
-                score = p["samples_per_s"] * (1.1 if setup in ("allreduce", "ddp") else 1.0)
-                if best is None or score > best[0]:
-                    best = (score, setup, n, p["efficiency"])
+            value = score(setup, p)
+            if p["efficiency"] >= threshold and value is not None and (best is None or value > best[0]):
+                best = (value, setup, n, p["efficiency"])
+    return best
+
+
+def recommend_by_throughput(table: dict[str, Any], gbit: float, threshold: float) -> str:
+    """The old rule, kept to measure how far off it was: the highest projected throughput at efficiency >= threshold.
+
+    Exact gradient averaging (allreduce, ddp) wins ties within 10%. It favours whatever sends the fewest bytes,
+    even when that setup needs many more steps to the same quality.
+    """
+    best = _best(table, gbit, threshold,
+                 lambda s, p: p["samples_per_s"] * (1.1 if s in ("allreduce", "ddp") else 1.0))
     if best is None:
-        top = max(((p["efficiency"], s) for s, t in table.items() for p in [t["links"][gbit][WORKERS[0]]]),
-                  default=(math.nan, "?"))
-        return (f"no setup keeps efficiency >= {threshold:.2f} even at 2 workers (best: {top[1]} at "
-                f"{top[0]:.2f}); data parallelism over this link does not pay for this model")
-    _, setup, n, eff = best
-    return f"{setup} on {n} workers (projected efficiency {eff:.2f})"
+        return _none(table, gbit, threshold)
+    return f"{best[1]} on {best[2]} workers (projected efficiency {best[3]:.2f})"
+
+
+def recommend(table: dict[str, Any], gbit: float, threshold: float,
+              steps_to_target: dict[str, float] | None = None) -> str:
+    """The setup and worker count to use on a ``gbit`` link, honest about what a throughput model cannot know.
+
+    Without a quality measurement it picks, by projected throughput, only among setups that converge per step
+    exactly like all-reduce (:data:`EXACT`), and names any other setup projected faster as one to check with
+    ``phalanx bench --quality`` first. With ``steps_to_target`` (setup -> steps a time-to-quality run needed to
+    reach its target, for the same global batch) it ranks by projected time to target, steps × step time.
+
+    Example:
+        >>> row = lambda sps: {"links": {1.0: {2: {"efficiency": 0.9, "samples_per_s": sps}}}}
+        >>> pick, caveat = recommend({"ddp": row(100.0), "local-sgd": row(300.0)}, 1.0, 0.8).split("; ")
+        >>> pick
+        'ddp on 2 workers (projected efficiency 0.90)'
+        >>> caveat.split(" but ")[0], caveat.endswith("measure it with phalanx bench --quality before choosing it")
+        ('local-sgd projects 3.0x the throughput', True)
+        >>> recommend({"ddp": row(100.0), "local-sgd": row(300.0)}, 1.0, 0.8, {"ddp": 100, "local-sgd": 400})
+        'ddp on 2 workers (projected 1.33x sooner to target than local-sgd, from measured steps to target)'
+    """
+    if steps_to_target:
+        best = _best(table, gbit, threshold, lambda s, p: p["samples_per_s"] / steps_to_target[s]
+                     if steps_to_target.get(s, math.inf) < math.inf else None)
+        if best is None:
+            return _none(table, gbit, threshold) if not any(
+                v < math.inf for v in steps_to_target.values()) else "none: no setup that reached the target " \
+                "keeps the efficiency threshold"
+        scores = sorted((p["samples_per_s"] / steps_to_target[s], s) for s, t in table.items()
+                        for p in [t["links"][gbit][best[2]]] if steps_to_target.get(s, math.inf) < math.inf)
+        runner = next(((v, s) for v, s in reversed(scores) if s != best[1]), None)
+        vs = f" (projected {best[0] / runner[0]:.2f}x sooner to target than {runner[1]}, from " \
+             "measured steps to target)" if runner else " (the only setup that reached the target)"
+        return f"{best[1]} on {best[2]} workers{vs}"
+    best = _best(table, gbit, threshold, lambda s, p: p["samples_per_s"] if s in EXACT else None)
+    faster = _best(table, gbit, threshold, lambda s, p: p["samples_per_s"] if s not in EXACT else None)
+    if best is None and faster is None:
+        return _none(table, gbit, threshold)
+    if best is None:
+        text = f"none of the setups that converge like all-reduce keeps efficiency >= {threshold:.2f}"
+        why = f"keeps efficiency {faster[3]:.2f}"  # type: ignore[index]
+    else:
+        text = f"{best[1]} on {best[2]} workers (projected efficiency {best[3]:.2f})"
+        why = f"projects {faster[0] / best[0]:.1f}x the throughput" if faster else ""
+    if faster is not None and (best is None or faster[0] > 1.1 * best[0]):
+        text += (f"; {faster[1]} {why} but converges differently per step: measure it with phalanx bench "
+                 "--quality before choosing it")
+    return text
+
+
+def _none(table: dict[str, Any], gbit: float, threshold: float) -> str:
+    top = max(((p["efficiency"], s) for s, t in table.items() for p in [t["links"][gbit][WORKERS[0]]]
+               if WORKERS[0] in t["links"][gbit]), default=(math.nan, "?"))
+    return (f"no setup keeps efficiency >= {threshold:.2f} even at 2 workers (best: {top[1]} at "
+            f"{top[0]:.2f}); data parallelism over this link does not pay for this model")
 
 
 def markdown(proj: dict[str, Any]) -> str:

@@ -1,18 +1,24 @@
 """Check `phalanx bench`'s advice against the measured time to quality.
 
 `phalanx bench` projects each setup's throughput on a link from the compute time of one
-step and the bytes it sends (:mod:`phalanx.bench.projection`) and recommends the setup
-with the highest projected throughput. Here the same model and the same rule
-(:func:`projection.recommend`) are fed with this benchmark's own inputs (measured
-compute time per step on one worker, counted bytes per step of each setup, the link's
-rate, 2 workers), and the recommendation is compared with the setup that actually
-reached the target first on that link:
+step and the bytes it sends (:mod:`phalanx.bench.projection`). Here the same model is fed
+with this benchmark's own inputs (measured compute time per step on one worker, counted
+bytes per step of each setup, the link's rate, 2 workers), and three rules are compared
+with the setup that actually reached the target first on that link:
 
-* ``right``: it recommended the winner;
-* ``cannot tell``: it declined to recommend, or its pick's time to target overlaps the
-  winner's (min–max over repeats), or nothing reached the target;
-* ``wrong``: otherwise, with how far off it was (its pick's median time to target over
-  the winner's; inf when its pick never reached the target).
+* ``old``: the highest projected throughput (:func:`projection.recommend_by_throughput`,
+  the rule before this benchmark existed); it favours whatever sends the fewest bytes;
+* ``new``: what `phalanx bench` prints now (:func:`projection.recommend`): the fastest
+  setup that converges per step like all-reduce, naming any faster-projected setup of
+  another kind as one to measure first;
+* ``with_steps``: :func:`projection.recommend` given this run's measured steps to target
+  (what `phalanx bench` could say after a quality run).
+
+Each verdict is ``right`` (it named the winner), ``cannot tell`` (it declined, or named
+the winner as one to measure, or its pick's time to target overlaps the winner's, or
+nothing reached the target) or ``wrong``, with how far off it was (its pick's median time
+to target over the winner's; inf when its pick never reached the target). The top-level
+``verdict``/``off_by`` are the new rule's.
 
 It also records, per setup, projected over measured samples/s: how far the throughput
 model itself is off.
@@ -40,9 +46,31 @@ def rate_bits(link: str) -> float:
     return float(m.group(1)) * UNITS[m.group(2)]
 
 
+def _verdict(text: str, mine: list[dict[str, Any]], best: dict[str, Any] | None) -> dict[str, Any]:
+    pick = None if text.startswith(("no setup", "none")) else text.split(" on ")[0]
+    flagged = text.split("; ")[1].split(" ")[0] if "; " in text else None
+    out: dict[str, Any] = {"advice": text, "recommended": pick}
+    if best is None:
+        return {**out, "verdict": "cannot tell", "why": "no setup reached the target", "off_by": math.nan}
+    if pick is None:
+        return {**out, "verdict": "cannot tell", "why": "the advisor declined to recommend", "off_by": math.nan}
+    if pick == best["setup"]:
+        return {**out, "verdict": "right", "why": "it recommended the winner", "off_by": 1.0}
+    chosen = next(r for r in mine if r["setup"] == pick)["time_to_target"]
+    off = chosen["median"] / best["time_to_target"]["median"]
+    if flagged == best["setup"]:
+        return {**out, "verdict": "cannot tell", "off_by": off,
+                "why": "it named the winner as the one to measure with --quality"}
+    if chosen["low"] <= best["time_to_target"]["high"]:
+        return {**out, "verdict": "cannot tell", "why": "its pick's time to target overlaps the winner's",
+                "off_by": off}
+    return {**out, "verdict": "wrong", "off_by": off, "why": "its pick never reached the target"
+            if chosen["median"] == INF else f"its pick took {off:.2f}× as long as the winner"}
+
+
 def check(rows: list[dict[str, Any]], compute_s: dict[str, float], per_worker: dict[str, int], *,
           alpha: float = 25e-6, threshold: float = 0.8, workers: int = 2) -> list[dict[str, Any]]:
-    """One verdict per (task, link)."""
+    """One entry per (task, link): the old, the new and the with-steps rule's advice and verdict."""
     out = []
     for task, link in dict.fromkeys((r["task"], r["link"]) for r in rows):
         bits = rate_bits(link)
@@ -59,39 +87,33 @@ def check(rows: list[dict[str, Any]], compute_s: dict[str, float], per_worker: d
             table[r["setup"]] = {"links": {gbit: {workers: {"efficiency": compute_s[task] / t,
                                                             "samples_per_s": thpt}}}}
             projected[r["setup"]] = thpt
-        text = projection.recommend(table, gbit, threshold)
-        pick = None if text.startswith("no setup") else text.split(" on ")[0]
         best = winner(rows, task, link)
-        entry: dict[str, Any] = {"task": task, "link": link, "advice": text, "recommended": pick,
-                                 "winner": best["setup"] if best else None,
+        steps = {r["setup"]: r["steps_to_target"]["median"] for r in mine}
+        entry: dict[str, Any] = {"task": task, "link": link, "winner": best["setup"] if best else None,
                                  "throughput_error": {r["setup"]: projected[r["setup"]] / r["samples_per_s"]["median"]
                                                       for r in mine if r["samples_per_s"]["median"] > 0}}
-        if best is None:
-            entry.update(verdict="cannot tell", why="no setup reached the target", off_by=math.nan)
-        elif pick is None:
-            entry.update(verdict="cannot tell", why="the advisor declined to recommend", off_by=math.nan)
-        elif pick == best["setup"]:
-            entry.update(verdict="right", why="it recommended the winner", off_by=1.0)
-        else:
-            chosen = next(r for r in mine if r["setup"] == pick)["time_to_target"]
-            off = chosen["median"] / best["time_to_target"]["median"]
-            if chosen["low"] <= best["time_to_target"]["high"]:
-                entry.update(verdict="cannot tell", why="its pick's time to target overlaps the winner's", off_by=off)
-            else:
-                entry.update(verdict="wrong", off_by=off,
-                             why="its pick never reached the target" if chosen["median"] == INF else
-                             f"its pick took {off:.2f}× as long as the winner")
+        entry.update(_verdict(projection.recommend(table, gbit, threshold), mine, best))
+        entry["old"] = _verdict(projection.recommend_by_throughput(table, gbit, threshold), mine, best)
+        entry["with_steps"] = _verdict(projection.recommend(table, gbit, threshold, steps), mine, best)
         out.append(entry)
     return out
 
 
+def _cell(v: dict[str, Any]) -> str:
+    off = v.get("off_by", math.nan)
+    off_text = "" if math.isnan(off) else ", never reached" if off == INF else f", off by {off:.2f}×"
+    return f"{v.get('recommended') or 'none'}: **{v['verdict']}**{off_text} ({v['why']})"
+
+
 def markdown(verdicts: list[dict[str, Any]]) -> str:
-    head = ("| task | link | `phalanx bench` advice (projection) | measured winner | verdict | off by | why |\n"
-            "|---|---|---|---|---|---|---|\n")
+    head = ("| task | link | measured winner | old rule: throughput only | new rule: `phalanx bench` now | "
+            "new rule + measured steps to target |\n|---|---|---|---|---|---|\n")
     lines = []
     for v in verdicts:
-        off = v.get("off_by", math.nan)
-        cell = "" if math.isnan(off) else "never reached" if off == INF else f"{off:.2f}×"
-        lines.append(f"| {v['task']} | {v['link']} | {v.get('advice', '')} | {v.get('winner') or 'none'} | "
-                     f"{v['verdict']} | {cell} | {v['why']} |")
-    return head + "\n".join(lines) + "\n"
+        if "old" not in v:
+            lines.append(f"| {v['task']} | {v['link']} | | {v['why']} | | |")
+            continue
+        lines.append(f"| {v['task']} | {v['link']} | {v.get('winner') or 'none'} | {_cell(v['old'])} | {_cell(v)} | "
+                     f"{_cell(v['with_steps'])} |")
+    advice = [f"* {v['task']}, {v['link']}: {v['advice']}" for v in verdicts if "advice" in v]
+    return head + "\n".join(lines) + "\n\nThe new rule's advice in full:\n\n" + "\n".join(advice) + "\n"

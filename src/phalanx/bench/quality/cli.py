@@ -19,9 +19,9 @@ from typing import Any, Sequence
 from ...errors import ConfigError, usage
 from ..netns import LinkError, parse_rate, why_not
 from ..report import environment, write_json
-from ..runner import Options, sweep
+from ..runner import _terminate_unwinds, links_for
 from ..spec import split_list
-from . import advisor, curves, plan, report, targets
+from . import advisor, curves, plan, report, sessions, targets
 from .setups import PEER_REASONS, SETUPS
 from .tasks import TASKS, get
 
@@ -38,11 +38,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="repeats of every run (default 3)")
     p.add_argument("--budget", type=float, help="training seconds per run (default: each task's own)")
     p.add_argument("--targets", default="", help="override targets, e.g. gpt=2.2,resnet20=0.6")
-    p.add_argument("--sweep", default=",".join(f"{m:g}" for m in plan.SWEEP),
-                   help="lr multipliers tried for every setup on loopback ('' = base lr, no sweep)")
-    p.add_argument("--sweep-steps", type=int, default=60, help="steps per sweep run (default 60)")
-    p.add_argument("--sweep-cap", type=float, default=15.0, help="at most this many seconds per sweep run")
-    p.add_argument("--evals", type=int, default=12, help="evaluations per run, evenly spaced in training time")
+    p.add_argument("--sweep", default="", metavar="MULTIPLIERS",
+                   help="redo the lr sweep on loopback with these multipliers of each family's base lr, e.g. "
+                        "0.5,1,2 (default: the committed sweep's lrs, bench/quality/lrs.json)")
+    p.add_argument("--sweep-steps", type=int, default=120, help="steps per sweep run (default 120)")
+    p.add_argument("--sweep-cap", type=float, default=600.0, help="at most this many seconds per sweep run")
+    p.add_argument("--fast-setups", default=",".join(plan.FAST_SETUPS),
+                   help="the setups run on links of 1 Gbit/s and faster ('all' = every one of --setups)")
+    p.add_argument("--evals", type=int, default=8, help="evaluations per run, evenly spaced in training time")
     p.add_argument("--smoke", action="store_true", help="one-minute check: GPT, DDP, local SGD, 1 s each")
     p.add_argument("--from-json", metavar="PATH", help="no run: the report of a stored quality.json again, "
                    "e.g. with other --targets (the same for every setup)")
@@ -119,6 +122,48 @@ def compute_seconds(task: str, steps: int = 4) -> float:
         torch.set_num_threads(threads)
 
 
+def _items(runs: list[plan.QRun], repeats: int, evals: int) -> list[sessions.Item]:
+    """Repeat k runs the list forwards when k is even and backwards when odd: a slow drift hits every setup alike."""
+    return [sessions.Item(r, k, plan.config(r, k, evals=evals)) for k in range(repeats)
+            for r in (runs if k % 2 == 0 else runs[::-1])]
+
+
+class _Progress:
+    """One line per finished run (elapsed, done/total, estimate left) and the partial results on disk."""
+
+    def __init__(self, total: int, estimate_s: float, quiet: bool, on_record: Any = None) -> None:
+        self.total, self.estimate, self.quiet, self.on_record = total, estimate_s, quiet, on_record
+        self.started, self.records = time.monotonic(), []  # type: ignore[var-annotated]
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        elapsed = time.monotonic() - self.started
+        left = elapsed / len(self.records) * (self.total - len(self.records))
+        r = record["run"]
+        what = f"FAILED ({record['error'][:200]})" if record["error"] else _describe(record)
+        if not self.quiet:
+            print(f"[{elapsed / 60:5.1f} min, {len(self.records)}/{self.total}, ~{left / 60:.0f} min left] "
+                  f"{r['task']} {r['setup']} {r['link']} repeat {record['repeat']}: {what}", file=sys.stderr,
+                  flush=True)
+        if self.on_record is not None:
+            self.on_record(self.records)
+
+
+def run_sweep(tasks: list[str], setups: list[str], multipliers: tuple[float, ...], args: argparse.Namespace,
+              higher: dict[str, bool]) -> tuple[dict[tuple[str, str], dict[str, Any]], list[dict[str, Any]]]:
+    """The lr sweep on loopback, in one session: every setup × multiplier for the same steps, final quality."""
+    runs = plan.sweep_runs(tasks, setups, multipliers, steps=args.sweep_steps, cap_s=args.sweep_cap)
+    progress = _Progress(len(runs), plan.estimate_s(runs), args.no_progress)
+    records = sessions.run_session(_items(runs, 1, 1), None, timeout=args.timeout, on_record=progress)
+    chosen = plan.choose_lrs(records, higher, {t: get(t).sweep_band for t in tasks})
+    stored = {"command": "python -m phalanx.bench.quality " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "steps": args.sweep_steps, "multipliers": list(multipliers), "loadavg": os.getloadavg(),
+              "lrs": {t: {s: v for (t2, s), v in chosen.items() if t2 == t} for t in tasks}}
+    write_json(os.path.join(args.out, "lrs.json"), stored)
+    return chosen, records
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
@@ -126,50 +171,72 @@ def main(argv: Sequence[str] | None = None) -> int:
         return reanalyse(args.from_json, args.targets, args.out)
     cfg = resolve(args)
     tasks, higher = cfg["tasks"], {t: get(t).higher_is_better for t in cfg["tasks"]}
+    fast = None if args.fast_setups == "all" else tuple(split_list(args.fast_setups))
     sweep_plan = plan.sweep_runs(tasks, cfg["setups"], cfg["sweep"], steps=args.sweep_steps, cap_s=args.sweep_cap)
-    first = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs={}, budgets=cfg["budgets"])
-    est = plan.estimate_s(sweep_plan) + plan.estimate_s(first, args.repeats)
-    print(f"plan: {len(sweep_plan)} sweep runs, {len(first)} runs x {args.repeats} repeats on "
+    runs = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs={}, budgets=cfg["budgets"], fast=fast)
+    est = (plan.estimate_s(sweep_plan) if sweep_plan else 0.0) + plan.estimate_s(runs, args.repeats)
+    print(f"plan: {len(sweep_plan)} sweep runs, {len(runs)} runs x {args.repeats} repeats on "
           f"{', '.join(cfg['links'])}; estimated {est / 60:.0f} min on an idle 2-core machine", file=sys.stderr)
     if args.dry_run:
-        for r in sweep_plan + first:
+        for r in sweep_plan + runs:
             print(r.title)
         return 0
     os.makedirs(args.out, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
     compute = {t: compute_seconds(t, steps=2 if args.smoke else 6) for t in tasks}
-    opts = Options(repeats=1, timeout=args.timeout, progress=not args.no_progress)
-    lrs: dict[tuple[str, str], float] = {}
+    print("compute per step, 1 worker: " + ", ".join(f"{t} {1e3 * c:.0f} ms" for t, c in compute.items()),
+          file=sys.stderr, flush=True)
     sweep_records: list[dict[str, Any]] = []
-    chosen: dict[tuple[str, str], dict[str, Any]] = {}
     if sweep_plan:
-        sweep_records = sweep(sweep_plan, opts, make_config=lambda r, o: plan.config(r, o.seed, evals=1),
-                              module="phalanx.bench.quality.worker", desc="lr sweep", describe=_describe)
-        chosen = plan.choose_lrs(sweep_records, higher)
-        lrs = {k: v["lr"] for k, v in chosen.items()}
-    runs = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs=lrs, budgets=cfg["budgets"])
-    opts.repeats = args.repeats
-    records = sweep(runs, opts, make_config=lambda r, o: plan.config(r, o.seed, evals=args.evals),
-                    module="phalanx.bench.quality.worker", desc="time to quality", describe=_describe)
+        chosen, sweep_records = run_sweep(tasks, cfg["setups"], cfg["sweep"], args, higher)
+        lr_source = f"swept in this run ({args.sweep_steps} steps, multipliers {args.sweep})"
+    else:
+        chosen = plan.stored_choice() if not args.smoke else {}
+        lr_source = "the committed sweep, " + plan.LRS_PATH.split("phalanx/")[-1] if chosen else "base lrs"
+    lrs = {k: v["lr"] for k, v in chosen.items()}
+    runs = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs=lrs, budgets=cfg["budgets"], fast=fast)
     payload = {"command": "python -m phalanx.bench.quality " + " ".join(shlex.quote(a) for a in argv),
                "started": started.isoformat(timespec="seconds"),
-               "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "environment": {**environment(cfg["links"]), "loadavg": os.getloadavg()},
                "tasks": {t: {"target": cfg["targets"][t], "budget_s": cfg["budgets"][t], "why": get(t).why,
                              "quality": get(t).quality_name, "higher_is_better": higher[t],
                              "per_worker": get(t).per_worker, "compute_s_per_step": compute[t]} for t in tasks},
                "setups": {s: {"provider": SETUPS[s].provider, "note": SETUPS[s].note} for s in cfg["setups"]},
-               "skipped_peers": PEER_REASONS, "estimate_s": est,
+               "skipped_peers": PEER_REASONS, "estimate_s": est, "lr_source": lr_source,
                "lr_sweep": [{"task": k[0], "setup": k[1], **v} for k, v in chosen.items()],
-               "raw": records, "raw_sweep": sweep_records}
-    analyse(payload, args.out)
-    failed = sum(1 for r in records if r["error"])
+               "raw": [], "raw_sweep": sweep_records}
+    total = len(runs) * args.repeats
+
+    def partial(records: list[dict[str, Any]]) -> None:
+        # every run: the raw records; every 8 runs: the tables (milliseconds); at the end: the plots too
+        payload.update(raw=records, finished=None if len(records) < total else
+                       datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        if len(records) % 8 == 0 or len(records) == total:
+            analyse(payload, args.out, quiet=len(records) < total, plots=len(records) == total)
+        else:
+            write_json(os.path.join(args.out, "quality.json"), payload)
+
+    progress = _Progress(total, est, args.no_progress, partial)
+    by_link = {link: [r for r in runs if r.link == link] for link in cfg["links"]}
+    try:
+        with _terminate_unwinds(), links_for(runs) as built:
+            for link, mine in by_link.items():
+                sessions.run_session(_items(mine, args.repeats, args.evals), built.get(link),
+                                     timeout=args.timeout, on_record=progress)
+    except KeyboardInterrupt:  # stopped late: the tables of what finished, then stop
+        if progress.records:
+            payload["stopped"] = f"after {len(progress.records)} of {total} runs"
+            analyse(payload, args.out, quiet=True)
+            print(f"stopped: the report of {len(progress.records)} of {total} runs is in {args.out}",
+                  file=sys.stderr)
+        raise
+    failed = sum(1 for r in progress.records if r["error"])
     if failed:
         print(f"phalanx bench --quality: {failed} run(s) failed; see the tables", file=sys.stderr)
     return 1 if failed else 0
 
 
-def analyse(payload: dict[str, Any], out: str) -> None:
+def analyse(payload: dict[str, Any], out: str, quiet: bool = False, plots: bool = True) -> None:
     """Rows, headline, targets, advisor, plots and the report from the raw records; writes everything to ``out``.
 
     ``--from-json`` calls this on a stored run with other targets: the curves hold every evaluation.
@@ -183,12 +250,15 @@ def analyse(payload: dict[str, Any], out: str) -> None:
                                          {t: v["per_worker"] for t, v in tasks.items()}))
     os.makedirs(out, exist_ok=True)
     links = list(dict.fromkeys(r["link"] for r in rows))
-    pngs = [p for t in tasks for link in links if (p := report.plot(rows, t, link, tasks[t]["quality"], out))]
+    # plots cost seconds of CPU: while runs go on they would steal it from the run in flight, so partial
+    # reports (plots=False) have tables only
+    pngs = [p for t in tasks for link in links if plots and (p := report.plot(rows, t, link, tasks[t]["quality"], out))]
     write_json(os.path.join(out, "quality.json"), payload)
     md = render(payload, [os.path.basename(p) for p in pngs])
     with open(os.path.join(out, "quality.md"), "w") as f:
         f.write(md)
-    print(md)
+    if not quiet:
+        print(md)
 
 
 def reanalyse(path: str, target_text: str, out: str) -> int:

@@ -5,20 +5,53 @@ Example:
     >>> [r.title for r in runs]
     ['gpt ddp 2x1 100mbit lr=0.002', 'gpt diloco 2x1 100mbit lr=0.002']
     >>> round(estimate_s(runs, repeats=3) / 60, 1)
-    4.0
+    3.5
+    >>> [s for s in setups_for("1gbit", list(ALL_SETUPS))] == list(FAST_SETUPS)
+    True
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .setups import SETUPS
 from .tasks import get
 
-OVERHEAD_S = 10.0  # per run on an idle 2-core machine: two interpreters importing torch, gloo, evaluations
+# Per run, beyond its training budget, in a persistent session: evaluations, model/optimizer/strategy rebuild,
+# the end-of-run barrier and finish(). Measured under load (an upper bound): see docs/performance.md.
+OVERHEAD_S = 3.5
+SESSION_S = 12.0  # per session (one per link): two interpreters importing torch, the group's rendezvous
 ALL_SETUPS = ("ddp", "ddp-fp16", "ddp-powersgd", "torch-post-local-sgd", "allreduce", "fp16", "powersgd", "topk",
               "local-sgd", "post-local-sgd", "diloco", "easgd", "downpour")
 SWEEP = (0.5, 1.0, 2.0)  # multipliers of the family's base lr, the same for every setup
+# On links of 1 Gbit/s and faster only these run: the 1 Gbit target compares phalanx's best with DDP's best
+# setting, and communication there is a small share of a step, so the setups built to send less (TopK, EASGD,
+# Downpour, the post-local variants) have nothing to win; they all run on the slow link.
+FAST_SETUPS = ("ddp", "ddp-fp16", "ddp-powersgd", "allreduce", "fp16", "local-sgd", "diloco")
+FAST_BITS = 1e9
+LRS_PATH = os.path.join(os.path.dirname(__file__), "lrs.json")
+
+
+def setups_for(link: str, setups: list[str], fast: tuple[str, ...] | None = FAST_SETUPS) -> list[str]:
+    """The setups that run on ``link``: all of ``setups`` on slow links and loopback, the fast subset otherwise."""
+    from .advisor import rate_bits
+
+    bits = rate_bits(link)
+    if fast is None or not bits >= FAST_BITS:
+        return list(setups)
+    return [s for s in setups if s in fast]
+
+
+def stored_choice(path: str = LRS_PATH) -> dict[tuple[str, str], dict[str, Any]]:
+    """The committed sweep's choice per (task, setup), as :func:`choose_lrs` gives it; empty when absent."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {(t, s): {"lr": float(v["lr"]), "final": v["final"], "tried": {float(k): q for k, q in v["tried"].items()}}
+            for t, per in data["lrs"].items() for s, v in per.items()}
 
 
 @dataclass(frozen=True)
@@ -63,9 +96,10 @@ def sweep_runs(tasks: list[str], setups: list[str], multipliers: tuple[float, ..
 
 
 def main_runs(tasks: list[str], setups: list[str], links: list[str], *, lrs: dict[tuple[str, str], float],
-              budgets: dict[str, float]) -> list[QRun]:
+              budgets: dict[str, float], fast: tuple[str, ...] | None = None) -> list[QRun]:
+    """Every task × link × setup (the fast subset on fast links when ``fast`` is given), at its chosen lr."""
     return [QRun(t, s, link, lrs.get((t, s), base_lr(t, s)), budgets[t], 0, get(t).per_worker)
-            for t in tasks for link in links for s in setups]
+            for t in tasks for link in links for s in setups_for(link, setups, fast)]
 
 
 def config(run: QRun, seed: int = 0, evals: int = 12) -> dict[str, Any]:
@@ -75,13 +109,21 @@ def config(run: QRun, seed: int = 0, evals: int = 12) -> dict[str, Any]:
             "evals": evals, "check_every": 4}
 
 
-def estimate_s(runs: list[QRun], repeats: int = 1) -> float:
-    """Upper estimate of the wall time: every run's budget plus a fixed overhead, times repeats."""
-    return repeats * sum(r.budget_s + OVERHEAD_S for r in runs)
+def estimate_s(runs: list[QRun], repeats: int = 1, steps_s: float = 0.15) -> float:
+    """Estimate of the wall time: each run's budget (or its steps at ``steps_s`` each) plus the per-run
+    overhead, times repeats, plus one session start per link."""
+    per_run = sum((r.budget_s if not r.max_steps else min(r.budget_s, r.max_steps * steps_s)) + OVERHEAD_S
+                  for r in runs)
+    return repeats * per_run + SESSION_S * len({r.link for r in runs})
 
 
-def choose_lrs(records: list[dict[str, Any]], higher: dict[str, bool]) -> dict[tuple[str, str], dict[str, Any]]:
-    """Per (task, setup): the swept lr with the best final quality (a failed or nan run never wins)."""
+def choose_lrs(records: list[dict[str, Any]], higher: dict[str, bool],
+               band: dict[str, float] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (task, setup): the swept lr with the best final quality (a failed or nan run never wins).
+
+    With ``band`` (task -> quality difference), the base lr (multiplier 1) is kept unless another lr beats
+    it by more than that: a difference inside the sweep's noise is not a reason to tune one setup differently.
+    """
     best: dict[tuple[str, str], dict[str, Any]] = {}
     for rec in records:
         r = rec["run"]
@@ -94,4 +136,9 @@ def choose_lrs(records: list[dict[str, Any]], higher: dict[str, bool]) -> dict[t
         old = entry["final"]
         if old != old or (final > old if higher[r["task"]] else final < old):
             entry.update(lr=r["lr"], final=final)
+    for (task, setup), entry in best.items():
+        base = base_lr(task, setup)
+        at_base = next((q for lr, q in entry["tried"].items() if abs(lr - base) <= 1e-9 * base), float("nan"))
+        if band and task in band and at_base == at_base and abs(entry["final"] - at_base) <= band[task]:
+            entry.update(lr=base, final=at_base)
     return best

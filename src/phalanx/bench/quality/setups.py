@@ -65,7 +65,9 @@ def _torch_post_local(model, opt, lr):
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     ddp = DDP(model)
-    state = plh.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=WARMUP)
+    # subgroup=None would make torch split the world into per-GPU-count subgroups, which it refuses without CUDA;
+    # the whole world is the group local SGD averages over here.
+    state = plh.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD, start_localSGD_iter=WARMUP)
     ddp.register_comm_hook(state, plh.post_localSGD_hook)
     averager = PeriodicModelAverager(period=LOCAL_EVERY, warmup_steps=WARMUP)
     wrapped = PostLocalSGDOptimizer(optim=opt, averager=averager)
@@ -111,7 +113,9 @@ def _make() -> dict[str, QSetup]:
 
 SETUPS: dict[str, QSetup] = _make()
 PEER_REASONS = {
-    "torchft-diloco": "torchft 0.2.0 installs without touching torch (pip --dry-run with the constraints), but "
-                      "its DiLoCo needs torchft's lighthouse server and Manager in a separate environment; "
-                      "that harness is not built yet, so this peer is skipped",
+    "torchft-diloco": "torchft 0.2.0 installs beside torch 2.13 in its own environment (benchmarks/torchft/setup.sh) "
+                      "and its DiLoCo (lighthouse + one Manager per replica group, gloo) trains this benchmark's "
+                      "GPT with 2 replicas on loopback (benchmarks/torchft/diloco_peer.py); it is not yet a setup "
+                      "of this run: its replicas would have to reach the lighthouse from inside the shaped links' "
+                      "network namespaces, and its byte and time accounting be joined to these tables",
 }

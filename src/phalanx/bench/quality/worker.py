@@ -1,4 +1,13 @@
-"""One worker of one quality run: ``python -m phalanx.bench.quality.worker CONFIG.json OUT.json``.
+"""One worker of a quality session: ``python -m phalanx.bench.quality.worker CONFIG.json OUT.jsonl``.
+
+A session is a list of runs (setup, seed, lr, budget) trained one after the other in the
+same two processes, on one process group: the interpreter start, the torch import and the
+group's rendezvous are paid once per session instead of once per run. Every run rebuilds
+its model (from its seed), optimizer, strategy or DDP wrapper and accountant, so nothing
+carries over from one run to the next (compressors' residuals, comm hooks, momentum);
+``tests/test_quality.py`` checks that a run repeated after another setup gives the same
+curve. Each finished run is appended to OUT.jsonl as one line at once, so the launcher
+sees progress and a lost session loses only the run in flight.
 
 The training clock counts only the training steps (forward, backward, the strategy's
 exchange, the optimizer step); drawing the batch and evaluating are outside it and
@@ -10,6 +19,8 @@ the run's final quality.
 """
 from __future__ import annotations
 
+import gc
+import json
 import os
 import sys
 import time
@@ -18,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..worker import main, wire_bytes
+from ..worker import wire_bytes
 from .setups import SETUPS
 from .tasks import get
 
@@ -81,5 +92,26 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def session(argv: list[str]) -> int:
+    """``CONFIG.json OUT.jsonl``: every run of ``config["runs"]`` from ``config["start"]`` on, one line each."""
+    with open(argv[0]) as f:
+        cfg = json.load(f)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        import phalanx as px
+
+        px.init()  # one group for the whole session; DDP and phalanx's strategies share it
+    with open(argv[1], "a") as out:
+        for index in range(int(cfg.get("start", 0)), len(cfg["runs"])):
+            start = time.perf_counter()
+            result = run(cfg["runs"][index])
+            result.update(index=index, wall_s=time.perf_counter() - start)
+            out.write(json.dumps(result) + "\n")
+            out.flush()
+            gc.collect()  # the last run's model, optimizer and wrappers go before the next one is timed
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], run))
+    sys.exit(session(sys.argv[1:]))

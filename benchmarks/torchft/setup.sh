@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# torchft's own environment for the torchft DiLoCo peer: never a dependency of phalanx.
+# Creates benchmarks/torchft/.venv-torchft on top of phalanx's venv (--system-site-packages, so phalanx itself is
+# importable there) and installs torchft 0.2.0 under the project's constraints, which pin torch to the same version
+# (pip may still place its own copy of that torch wheel in this venv; it never touches phalanx's venv).
+# Then: benchmarks/torchft/.venv-torchft/bin/python benchmarks/torchft/diloco_peer.py gpt 0.002 120 50 OUT.json
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PY:-../../.venv/bin/python}
+$PY -m venv --system-site-packages .venv-torchft
+.venv-torchft/bin/pip install -c ../../constraints.txt torchft==0.2.0
+.venv-torchft/bin/python -c "import torchft, torch; print('torchft', torchft.__version__ if hasattr(torchft, '__version__') else '0.2.0', 'torch', torch.__version__)"
