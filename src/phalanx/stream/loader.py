@@ -226,7 +226,7 @@ class StreamLoader:
                 set_batch_weight(plan.parts[self.rank][2] * self.world_size / plan.total)
                 yield batch
                 if self.rank == 0:  # the loop body ran: a save that took a state_dict() is written
-                    self._acknowledge()
+                    self._acknowledge(quiet=True)
                 if plan.final:
                     return
         finally:
@@ -244,10 +244,18 @@ class StreamLoader:
             self._prefetch.shutdown(wait=True, cancel_futures=True)
             self._prefetch = None
 
-    def _acknowledge(self) -> None:
-        """XACK up to the position a ``state_dict()`` returned: the save that asked for it is written by now."""
+    def _acknowledge(self, quiet: bool = False) -> None:
+        """XACK up to the position a ``state_dict()`` returned: the save that asked for it is written by now.
+
+        ``quiet`` (between steps) keeps the commit for the next try if the broker does not answer: the next
+        claim then fails too, and reports it through the plan every worker hears, not on one worker alone."""
         if self._commit is not None:
-            self.source.acknowledge(self._commit[0])
+            try:
+                self.source.acknowledge(self._commit[0])
+            except StreamError:
+                if quiet:
+                    return
+                raise
             self.acknowledged, self._commit = self._commit[0], None
 
     # -- the main worker's side -----------------------------------------------------------
@@ -292,6 +300,7 @@ class StreamLoader:
     def _decide(self) -> list[Plan]:
         """Claim events until the policy or the stop rule says step; plan up to ``ahead`` steps (main worker)."""
         src = self.source
+        self._acknowledge()
         base = self.position or START
         now = time.monotonic()
         if now - self._checked >= _CHECK_EVERY_S:
@@ -402,7 +411,10 @@ class StreamLoader:
         return good
 
     def _my_part(self, plan: Plan) -> tuple[list[str], Any]:
-        mine = plan.mine.result() if isinstance(plan.mine, Future) else plan.mine
+        try:
+            mine = plan.mine.result() if isinstance(plan.mine, Future) else plan.mine
+        except StreamError as err:
+            raise StreamError(f"worker {self.rank} lost the stream while fetching its part: {err}") from None
         if mine is None:  # a single worker, or the main worker's stand-in: nothing decoded ahead
             mine = self._fetch_part(plan.parts[self.rank])
         ids = [] if plan.parts[self.rank][2] == 0 else [i for i, _ in mine]
