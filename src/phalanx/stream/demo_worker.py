@@ -10,7 +10,7 @@ SIGKILLs itself once the group has trained ``--kill-after`` events; its replacem
 
 Run by the demo, not by hand::
 
-    phalanx run -n 2 --elastic --min-workers 1 --replace SCRIPT --url URL --dir DIR
+    phalanx run -n 3 --elastic --min-workers 2 --replace SCRIPT --url URL --dir DIR
 
 where SCRIPT calls :func:`main` (a script in this folder would shadow redis-py with redis.py).
 """
@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill", default="1")
     p.add_argument("--kill-after", type=int, default=2000)
+    p.add_argument("--wait-step-s", type=float, default=0.25, help="seconds per step until the replacement joins")
+    p.add_argument("--wait-join-s", type=float, default=120.0, help="bound on that slow-down, from the start")
     args = p.parse_args(argv)
 
     import torch
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     state = px.elastic.State(model, opt, loader, commit_every=args.every, extra={"record": record})
     comm = px.Comm()
     log = open(os.path.join(args.dir, f"ids.{me}.log"), "a")
+    state_wait = [time.monotonic() + args.wait_join_s]
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
@@ -85,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
+            if len(state.history) == 1 and time.monotonic() < state_wait[0]:
+                # A worker was lost and its replacement is still starting (seconds: it imports torch): slow
+                # down, so that it joins while the stream lasts (it enters at a commit point), bounded.
+                time.sleep(args.wait_step_s)
             if px.is_main() and loader.steps % args.every == 0:
                 s = loader.stats()
                 print(f"  step {loader.steps:4d}  {px.world_size()} workers  loss {loss.item():.3f}  "
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     train(state)
     loader.state_dict()  # the final commit (a real run would save a checkpoint here) ...
     loader.close()  # ... acknowledged: nothing stays pending
-    if px.is_main():
+    if me == "0":  # the worker started as rank 0 (never the one killed); a late replacement finds nothing left
         _, test = load_digits_split()
         with torch.no_grad():
             accuracy = (px.unwrap(model)(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
