@@ -162,7 +162,9 @@ class StreamLoader:
         self._commit: tuple[str, int] | None = None
         self._log: list[tuple[str, Any]] = []  # claimed, decoded (or _DEAD), not yet planned (main worker)
         self._planned: collections.deque[Plan] = collections.deque()  # planned, not yet trained (every worker)
-        self._prefetch: ThreadPoolExecutor | None = None  # fetches and decodes this worker's planned parts
+        self._prefetch: ThreadPoolExecutor | None = None  # fetches this worker's parts; plans on the main worker
+        self._ahead_plan: Future | None = None  # the main worker's next plans, being decided
+        self._cursor: tuple[int, str, int] = (0, START, -1)  # how far planning went: steps, position, offset
         self._claimed_to: str | None = None
         self._first_wait: float | None = None
         self._ended = False  # the end marker was claimed
@@ -174,7 +176,7 @@ class StreamLoader:
     def state_dict(self) -> dict[str, Any]:
         """The committed position: plain values, the same on every worker, for any world size."""
         if self.position is not None:
-            self._commit = (self.position, self.offset)  # acknowledged on the next step, once saved
+            self._commit = (self.position, self.offset)  # acknowledged later, once saved (one atomic assignment)
         return {"position": self.position or "", "offset": self.offset, "steps": self.steps,
                 "events": self.events, "dead": self.dead}
 
@@ -183,6 +185,7 @@ class StreamLoader:
         self.offset, self.steps = int(state["offset"]), int(state["steps"])
         self.events, self.dead = int(state["events"]), int(state["dead"])
         self._log, self._ended, self._commit = [], False, None
+        self._stop_planner()
         self._planned.clear()  # a rollback: steps planned after the restored position are planned again
 
     def stats(self) -> dict[str, Any]:
@@ -206,6 +209,7 @@ class StreamLoader:
         self.world_size = group.world_size() if world_size is None else world_size
         self._t0 = self._last_event = time.monotonic()
         self._events0 = self.events
+        self._stop_planner()
         self._planned.clear()  # planned but untrained steps no commit covers: re-planned after the rewind
         if self.rank == 0:
             self._start()
@@ -225,16 +229,16 @@ class StreamLoader:
                 self.steps, self.events = self.steps + 1, self.events + plan.total
                 set_batch_weight(plan.parts[self.rank][2] * self.world_size / plan.total)
                 yield batch
-                if self.rank == 0:  # the loop body ran: a save that took a state_dict() is written
-                    self._acknowledge(quiet=True)
+                if self.rank == 0 and self._ahead_plan is None:  # the last planned step (no planner runs):
+                    self._acknowledge(quiet=True)  # the loop body ran, so a save that took a state_dict() is written
                 if plan.final:
                     return
-        finally:
-            self._planned.clear()
+        finally:  # (an abandoned iteration may close late, during the next one: touch no shared state here)
             set_batch_weight(1.0)
 
     def close(self) -> None:
         """Acknowledge the last committed position and leave nothing pending (call it on every worker)."""
+        self._stop_planner()
         if self.rank == 0 and self._commit is not None:
             position, offset = self._commit
             self._acknowledge()
@@ -249,27 +253,48 @@ class StreamLoader:
 
         ``quiet`` (between steps) keeps the commit for the next try if the broker does not answer: the next
         claim then fails too, and reports it through the plan every worker hears, not on one worker alone."""
-        if self._commit is not None:
+        commit = self._commit  # (read once: the training thread may set a newer one meanwhile)
+        if commit is not None:
             try:
-                self.source.acknowledge(self._commit[0])
+                self.source.acknowledge(commit[0])
             except StreamError:
                 if quiet:
                     return
                 raise
-            self.acknowledged, self._commit = self._commit[0], None
+            self.acknowledged = commit[0]
+            if self._commit is commit:
+                self._commit = None
 
     # -- the main worker's side -----------------------------------------------------------
     def _start(self) -> None:
         position, offset = self.source.rewind(self.position, self.offset if self.offset >= 0 else None)
         self.position, self.offset = position, -1 if offset is None else offset
         self._log, self._claimed_to, self._ended, self._first_wait = [], None, False, None
+        self._cursor = (self.steps, position, self.offset)  # where planning stands: steps, position, offset
         self._added, self._checked = self.source.check(position, self.offset if self.offset >= 0 else None), \
             time.monotonic()
+
+    def _plan(self) -> list[Plan]:
+        """The main worker's next plans, decided in the background while the previous ones trained."""
+        ahead, self._ahead_plan = self._ahead_plan, None
+        plans = ahead.result() if ahead is not None else self._decide()
+        if plans[-1].status != END and not plans[-1].final:
+            self._ahead_plan = self._fetcher().submit(self._decide)
+        return plans
+
+    def _stop_planner(self) -> None:
+        """Wait for the background planner (bounded by one read): nothing may claim after a rewind."""
+        ahead, self._ahead_plan = self._ahead_plan, None
+        if ahead is not None:
+            try:
+                ahead.result()
+            except Exception:  # noqa: BLE001 - a failure of plans nobody will use; the caller's error wins
+                pass
 
     def _next_plans(self) -> list[Plan]:
         """The next planned steps: the main worker decides them, one broadcast tells every worker."""
         if self.world_size == 1:
-            return self._decide()
+            return self._plan()
         import torch.distributed as dist
 
         from ..comm import guarded
@@ -277,7 +302,7 @@ class StreamLoader:
         size = 1 + self.ahead * (_HEAD + _PER_RANK * self.world_size)
         if self.rank == 0:
             try:
-                plans = self._decide()
+                plans = self._plan()
             except StreamError:
                 with guarded("telling the workers the stream failed"):
                     dist.broadcast(_pack([Plan(ERROR)], self.world_size, size).to(on), src=0)
@@ -298,17 +323,20 @@ class StreamLoader:
         return plans
 
     def _decide(self) -> list[Plan]:
-        """Claim events until the policy or the stop rule says step; plan up to ``ahead`` steps (main worker)."""
+        """Claim events until the policy or the stop rule says step; plan up to ``ahead`` steps (main worker).
+
+        It runs on the prefetch thread while the previous plans train: it reads and moves only the planning
+        cursor, never the trained position."""
         src = self.source
         self._acknowledge()
-        base = self.position or START
+        steps, base, offset = self._cursor
         now = time.monotonic()
         if now - self._checked >= _CHECK_EVERY_S:
             # Raises if entries after the position were trimmed away: they would be skipped silently otherwise.
-            self._added, self._checked = src.check(base, self.offset if self.offset >= 0 else None), now
-        if self.stop.steps is not None and self.steps >= self.stop.steps:
+            self._added, self._checked = src.check(base, offset if offset >= 0 else None), now
+        if self.stop.steps is not None and steps >= self.stop.steps:
             self._log, self._claimed_to = [], None  # close() un-claims them
-            return [Plan(END, position=base, offset=self.offset, lag=self._lag(self.offset))]
+            return [Plan(END, position=base, offset=offset, lag=self._lag(offset))]
         want = self.world_size * self.batch_size
         keepalive = time.monotonic() + _KEEPALIVE_S
         while True:
@@ -316,7 +344,7 @@ class StreamLoader:
             have = sum(1 for _, s in self._log if s is not _DEAD)
             if have and self._first_wait is None:
                 self._first_wait = now
-            ended = self._ended or self.stop.reached(steps=self.steps, elapsed_s=now - self._t0,
+            ended = self._ended or self.stop.reached(steps=steps, elapsed_s=now - self._t0,
                                                      idle_s=now - self._last_event)
             if ended or self.policy.ready(have=have, want=want, world_size=self.world_size,
                                           waited_s=now - (self._first_wait or now)):
@@ -341,7 +369,8 @@ class StreamLoader:
     def _cut(self, want: int, ended: bool) -> list[Plan]:
         """Cut what was claimed into steps: every full global batch (up to ``ahead``), then, when the run ends or
         the policy stepped on a partial batch, one last step of the rest."""
-        room = self.ahead if self.stop.steps is None else min(self.ahead, self.stop.steps - self.steps)
+        steps, base, offset = self._cursor
+        room = self.ahead if self.stop.steps is None else min(self.ahead, self.stop.steps - steps)
         slices, log = [], self._log
         while len(slices) < room:
             good, cut = 0, None
@@ -364,7 +393,7 @@ class StreamLoader:
         final = ended and not log
         self._log = log
         self._first_wait = time.monotonic() if log else None  # (approximate: the rest waits from now on)
-        plans, offset = [], self.offset
+        plans = []
         for n, part in enumerate(slices):
             last = n == len(slices) - 1
             position = self._claimed_to if last and final and self._claimed_to else part[-1][0]
@@ -381,7 +410,8 @@ class StreamLoader:
             offset = offset + consumed if offset >= 0 else -1
             self._log = []
             plans.append(Plan(END, consumed=consumed, lag=self._lag(offset), dead=len(log),
-                              position=self._claimed_to or self.position or START, offset=offset))
+                              position=self._claimed_to or base, offset=offset))
+        self._cursor = (steps + sum(p.status == STEP for p in plans), plans[-1].position, plans[-1].offset)
         return plans
 
     def _lag(self, offset: int) -> int:
