@@ -13,7 +13,7 @@ import torch
 
 from phalanx.errors import ConfigError
 from phalanx.stream import Deadline, RedisStream, Stop, StreamError, StreamLoader, WaitFull, decode_sample
-from phalanx.stream.loader import END, STEP, Plan, split
+from phalanx.stream.plan import END, STEP, Plan, split
 from phalanx.stream.source import MAX_SEQ, before
 
 

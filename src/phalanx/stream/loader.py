@@ -1,22 +1,25 @@
 """Per-worker batches from a live stream, every event trained exactly once.
 
-Each step the main worker claims the next events from the source (in stream
-order, through the consumer group), sets aside the ones that cannot be decoded,
-and cuts the good ones into ``world_size`` contiguous parts: the step's global
-batch is exactly the one a single process would take with ``world_size *
-batch_size``. It broadcasts that plan (id ranges, one small tensor); every
-worker fetches and decodes its own part. Uneven parts set
-:func:`phalanx.batchweight.set_batch_weight`, so the averaged gradient equals
-one process's on the same events.
+The main worker claims events from the source (in stream order, through the
+consumer group), sets aside the ones that cannot be decoded, and cuts the good
+ones into steps and each step into ``world_size`` contiguous parts: a step's
+global batch is exactly the one a single process would take with
+``world_size * batch_size``. With a backlog, one read and one broadcast plan up
+to ``ahead`` steps (:mod:`phalanx.stream.plan`); the main worker decides the
+next plan on a background thread while the current one trains, and every other
+worker fetches and decodes its own parts on a background thread. Uneven parts
+set :func:`phalanx.batchweight.set_batch_weight`, so the averaged gradient
+equals one process's on the same events.
 
-The loader's position (the last entry id a step covered) is its whole state:
-``state_dict()`` is plain strings and ints that a checkpoint carries and that do
-not depend on the number of workers. Entries are acknowledged to the broker
-only after a commit covers them: the position a ``state_dict()`` returned is
-acknowledged on the next step, once the checkpoint that asked for it was
-written, and by :meth:`StreamLoader.close`. Restoring a state rewinds the group
-to that position, so events trained after the last commit are trained again,
-once.
+The loader's position (the last entry id a *trained* step covered, never a
+planned one) is its whole state: ``state_dict()`` is plain strings and ints
+that a checkpoint carries and that do not depend on the number of workers.
+Entries are acknowledged to the broker only after a commit covers them: the
+position a ``state_dict()`` returned is acknowledged by the planner before its
+next read (or after the last step), once the checkpoint that asked for it was
+written, and by :meth:`StreamLoader.close`. Restoring a state discards the
+planned steps and rewinds the group to that position, so events trained after
+the last commit are planned and trained again, once.
 
 Example (``source`` is a :class:`phalanx.stream.RedisStream`)::
 
@@ -33,7 +36,6 @@ from __future__ import annotations
 import collections
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -42,81 +44,13 @@ from torch.utils.data import default_collate
 from .. import group
 from ..batchweight import set_batch_weight
 from ..errors import ConfigError, usage
+from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Plan, pack_plans, unpack_plans, split
 from .policy import Stop, WaitFull
-from .source import END_FIELD, START, Event, StreamError, StreamSource, format_id, parse_id
+from .source import END_FIELD, START, Event, StreamError, StreamSource
 
-WAIT, STEP, END, ERROR = 0, 1, 2, 3
-_HEAD, _PER_RANK = 9, 5
 _KEEPALIVE_S = 1.0  # while waiting for events, tell the other workers at least this often (no collective timeout)
 _CHECK_EVERY_S = 1.0  # XINFO (retention and lag) on a timer, not per step; always at the start of a run
 _DEAD = object()  # a claimed entry that was dead-lettered: it moves the position but is not trained
-
-
-@dataclass
-class Plan:
-    """One step, as the main worker decided it: ``parts[rank] = (first_id, last_id, count)``."""
-    status: int
-    total: int = 0
-    final: bool = False
-    consumed: int = 0  # entries the step moved past: good, dead-lettered and the end marker
-    lag: int = -1
-    dead: int = 0
-    position: str = START
-    offset: int = -1  # entries up to the position after this step, -1 when unknown
-    parts: tuple[tuple[str, str, int], ...] = ()
-    mine: Any = field(default=None, repr=False, compare=False)  # this worker's decoded part, or its Future
-
-    def pack(self, world_size: int) -> torch.Tensor:
-        t = torch.zeros(_HEAD + _PER_RANK * world_size, dtype=torch.int64)
-        t[:6] = torch.tensor([self.status, self.total, int(self.final), self.consumed, self.lag, self.dead])
-        t[6:8] = torch.tensor(_ints(self.position))
-        t[8] = self.offset
-        for r, (first, last, count) in enumerate(self.parts):
-            t[_HEAD + _PER_RANK * r:_HEAD + _PER_RANK * (r + 1)] = torch.tensor([*_ints(first), *_ints(last), count])
-        return t
-
-    @classmethod
-    def unpack(cls, t: torch.Tensor, world_size: int) -> "Plan":
-        v = t.tolist()
-        parts = tuple((_id(*v[i:i + 2]), _id(*v[i + 2:i + 4]), v[i + 4])
-                      for i in range(_HEAD, _HEAD + _PER_RANK * world_size, _PER_RANK))
-        return cls(v[0], v[1], bool(v[2]), v[3], v[4], v[5], _id(v[6], v[7]), v[8], parts)
-
-
-def _pack(plans: list[Plan], world_size: int, size: int) -> torch.Tensor:
-    """Several planned steps in one fixed-size tensor: their count, then each step's plan."""
-    t = torch.zeros(size, dtype=torch.int64)
-    t[0], at = len(plans), 1
-    for plan in plans:
-        one = plan.pack(world_size)
-        t[at:at + len(one)] = one
-        at += len(one)
-    return t
-
-
-def _unpack(t: torch.Tensor, world_size: int) -> list[Plan]:
-    n, width = int(t[0]), _HEAD + _PER_RANK * world_size
-    return [Plan.unpack(t[1 + k * width:1 + (k + 1) * width], world_size) for k in range(n)]
-
-
-def split(ids: list[str], world_size: int) -> tuple[tuple[str, str, int], ...]:
-    """Contiguous, near-equal parts of a global batch, as ``(first, last, count)`` per rank.
-
-    A rank left without an event (fewer events than workers, only at the end of a
-    run) gets the batch's first event as a stand-in with count 0: weight 0, so it
-    adds nothing to the gradient but still joins the step's collectives.
-
-    Example:
-        >>> split(["1-0", "2-0", "3-0"], 2)
-        (('1-0', '2-0', 2), ('3-0', '3-0', 1))
-    """
-    q, r = divmod(len(ids), world_size)
-    parts, start = [], 0
-    for rank in range(world_size):
-        stop = start + q + (1 if rank < r else 0)
-        parts.append((ids[start], ids[stop - 1], stop - start) if stop > start else (ids[0], ids[0], 0))
-        start = stop
-    return tuple(parts)
 
 
 class StreamLoader:
@@ -299,21 +233,21 @@ class StreamLoader:
 
         from ..comm import guarded
         on = group.device() if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors
-        size = 1 + self.ahead * (_HEAD + _PER_RANK * self.world_size)
+        size = 1 + self.ahead * (HEAD + PER_RANK * self.world_size)
         if self.rank == 0:
             try:
                 plans = self._plan()
             except StreamError:
                 with guarded("telling the workers the stream failed"):
-                    dist.broadcast(_pack([Plan(ERROR)], self.world_size, size).to(on), src=0)
+                    dist.broadcast(pack_plans([Plan(ERROR)], self.world_size, size).to(on), src=0)
                 raise
             with guarded("sharing the stream plan"):
-                dist.broadcast(_pack(plans, self.world_size, size).to(on), src=0)
+                dist.broadcast(pack_plans(plans, self.world_size, size).to(on), src=0)
             return plans
         t = torch.zeros(size, dtype=torch.int64, device=on)
         with guarded("receiving the stream plan"):
             dist.broadcast(t, src=0)
-        plans = _unpack(t.cpu(), self.world_size)
+        plans = unpack_plans(t.cpu(), self.world_size)
         if plans[0].status == ERROR:
             raise StreamError(f"the main worker lost the stream {self.source.stream!r} at {self.source.url}; "
                               "its log says why. Training resumes from the last checkpoint.")
@@ -456,12 +390,3 @@ def _decode(source: StreamSource, event: Event) -> tuple[Any, str | None]:
         return source.decode(event.fields), None
     except Exception as err:  # a bad event must not stop training: it is dead-lettered with the reason
         return None, f"{type(err).__name__}: {err}"
-
-
-def _ints(entry_id: str) -> tuple[int, int]:
-    ms, seq = parse_id(entry_id)
-    return ms, seq - 2**64 if seq >= 2**63 else seq  # int64 carries the full unsigned sequence
-
-
-def _id(ms: int, seq: int) -> str:
-    return format_id(ms, seq + 2**64 if seq < 0 else seq)
