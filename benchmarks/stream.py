@@ -4,7 +4,8 @@
 
 A real redis-server starts on a unix socket in a temporary directory, and a producer process
 publishes ``--repeats`` streams of ``--events`` digits images at full speed (pipelined XADD,
-one stream per repeat, each ending with the end-of-stream marker). One group of 2 workers
+one stream per repeat, each ending with the end-of-stream marker) before the workers start, so
+each run drains a backlog and measures what the workers consume. One group of 2 workers
 (gloo, one thread each) then runs, for every repeat, the same training twice: from that
 repeat's stream (``px.stream.StreamLoader``) and from an in-memory dataset of the same images
 in the same order (``px.shard``), the order alternating between repeats so that drift in the
@@ -79,9 +80,6 @@ def worker(url: str, events: int, batch_size: int, warmup: int, repeats: int) ->
                 loader.close()
             else:
                 rate[mode] = _train(px.shard(data, batch_size, shuffle=False), events, warmup)
-        if px.is_main():
-            print(f"repeat {r + 1}/{repeats}: stream {rate['stream']:,.0f} events/s, memory {rate['memory']:,.0f} "
-                  f"samples/s, overhead {1 - rate['stream'] / rate['memory']:.1%}", file=sys.stderr, flush=True)
         rates.append(rate)
     return rates
 
@@ -108,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                                        "--data", "digits", "--count", str(a.events), "--rate", "0", "--end"])
                      for r in range(a.repeats)]
         try:
+            for producer in producers:  # a backlog: the figure is what the workers consume, not the producer's pace
+                if producer.wait(timeout=600):
+                    raise SystemExit(f"benchmarks/stream.py: the producer failed (exit {producer.returncode})")
             rates = run_workers("stream:worker", world_size=2, timeout=900, url=server.url, events=a.events,
                                 batch_size=a.batch_size, warmup=a.warmup, repeats=a.repeats).results[0]
         finally:
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                 if producer.poll() is None:
                     producer.kill()
                 producer.wait()
+    for r, rate in enumerate(rates, 1):
+        print(f"repeat {r}: stream {rate['stream']:,.0f} events/s, memory {rate['memory']:,.0f} samples/s, "
+              f"overhead {1 - rate['stream'] / rate['memory']:.1%}")
     stream = _summary([r["stream"] for r in rates])
     memory = _summary([r["memory"] for r in rates])
     overhead = _summary([1 - r["stream"] / r["memory"] for r in rates])
