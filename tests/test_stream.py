@@ -229,3 +229,20 @@ def test_the_trainer_fits_on_a_stream_and_its_history_shows_the_stream(server, o
     trainer.save_checkpoint(ckpt)
     loader.close()
     assert loader.source.pending() == 0
+
+
+def test_planning_ahead_reads_several_steps_at_once_and_trains_the_same_batches(server):
+    publish(server, "ahead", 95, end=True)
+    batches, reads = {}, {}
+    for ahead in (1, 4):
+        loader = loader_for(server, "ahead", group=f"a{ahead}", ahead=ahead)
+        claim, reads[ahead] = loader.source.claim, []
+        loader.source.claim = lambda n, block_s, claim=claim, log=reads[ahead]: log.append(n) or claim(n, block_s)
+        batches[ahead] = [list(loader.ids) for _ in loader]
+        loader.state_dict()
+        loader.close()
+        assert loader.source.pending() == 0
+    assert batches[1] == batches[4] and [len(b) for b in batches[4]] == [10] * 9 + [5]
+    assert len(reads[1]) >= 10 and max(reads[4]) == 40 and len(reads[4]) <= 4  # 4 steps' worth per read
+    with pytest.raises(ConfigError, match="ahead=0"):
+        loader_for(server, "ahead", ahead=0)
