@@ -98,6 +98,7 @@ class StreamLoader:
         self._planned: collections.deque[Plan] = collections.deque()  # planned, not yet trained (every worker)
         self._prefetch: ThreadPoolExecutor | None = None  # fetches this worker's parts; plans on the main worker
         self._ahead_plan: Future | None = None  # the main worker's next plans, being decided
+        self._iteration = 0  # which run of __iter__ is the current one
         self._cursor: tuple[int, str, int] = (0, START, -1)  # how far planning went: steps, position, offset
         self._claimed_to: str | None = None
         self._first_wait: float | None = None
@@ -145,6 +146,8 @@ class StreamLoader:
         self._events0 = self.events
         self._stop_planner()
         self._planned.clear()  # planned but untrained steps no commit covers: re-planned after the rewind
+        self._iteration += 1
+        iteration = self._iteration
         if self.rank == 0:
             self._start()
         try:
@@ -167,8 +170,10 @@ class StreamLoader:
                     self._acknowledge(quiet=True)  # the loop body ran, so a save that took a state_dict() is written
                 if plan.final:
                     return
-        finally:  # (an abandoned iteration may close late, during the next one: touch no shared state here)
+        finally:
             set_batch_weight(1.0)
+            if iteration == self._iteration:  # a loop left early: no planner may claim on after it. (An abandoned
+                self._stop_planner()          # iteration may close late, during the next one: then leave it be.)
 
     def close(self) -> None:
         """Acknowledge the last committed position and leave nothing pending (call it on every worker)."""
