@@ -246,3 +246,17 @@ def test_planning_ahead_reads_several_steps_at_once_and_trains_the_same_batches(
     assert len(reads[1]) >= 10 and max(reads[4]) == 40 and len(reads[4]) <= 4  # 4 steps' worth per read
     with pytest.raises(ConfigError, match="ahead=0"):
         loader_for(server, "ahead", ahead=0)
+
+
+def test_decoding_a_part_at_once_equals_decoding_each_event_and_refuses_a_mixed_part():
+    from torch.utils.data import default_collate
+
+    from phalanx.stream.codec import decode_samples, encode_sample
+    events = [encode_sample(torch.randn(3, 2), i % 3, index=i) for i in range(5)]
+    x, y = decode_samples(events)
+    ex, ey = default_collate([decode_sample(f) for f in events])
+    assert torch.equal(x, ex) and torch.equal(y, ey) and y.dtype == ey.dtype
+    with pytest.raises(ConfigError, match="different shapes"):
+        decode_samples(events + [encode_sample(torch.randn(2, 3), 0)])  # same size, another shape
+    with pytest.raises(ConfigError):
+        decode_samples(events + [{b"x": b"not a tensor", b"shape": b"3,2", b"y": b"1"}])

@@ -294,15 +294,17 @@ class StreamLoader:
             events = src.claim(self.ahead * want - len(self._log), self.block_s)
             if events:
                 self._last_event = time.monotonic()
+            data = []
             for event in events:
                 self._claimed_to = event.id
                 if END_FIELD in event.fields:
                     self._ended = True  # entries after the marker were claimed too: close() un-claims them
                     break
-                sample, reason = _decode(src, event)
-                if reason is not None:
-                    src.dead_letter(event, reason)
-                self._log.append((event.id, sample if reason is None else _DEAD))
+                data.append(event)
+            for event, payload in zip(data, self._payloads(data)):
+                if payload is _DEAD:
+                    src.dead_letter(event, _decode(src, event)[1] or "undecodable")
+                self._log.append((event.id, payload))
         return self._cut(want, ended)
 
     def _cut(self, want: int, ended: bool) -> list[Plan]:
@@ -342,7 +344,8 @@ class StreamLoader:
             plan = Plan(STEP, total=len(take), final=last and final, consumed=consumed, lag=self._lag(offset),
                         dead=len(part) - len(take), position=position, offset=offset,
                         parts=split([i for i, _ in take], self.world_size))
-            plan.mine = take[:plan.parts[0][2]]
+            mine = take[:plan.parts[0][2]]
+            plan.mine = ([i for i, _ in mine], self._collate([p for _, p in mine]))
             plans.append(plan)
         if not plans:  # the run ended with nothing to train: move past dead letters and the marker
             consumed = len(log) + (1 if self._ended else 0)
@@ -363,31 +366,44 @@ class StreamLoader:
             self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="phalanx-stream-prefetch")
         return self._prefetch
 
-    def _fetch_part(self, part: tuple[str, str, int]) -> list[tuple[str, Any]]:
+    def _payloads(self, events: list[Event]) -> list[Any]:
+        """What to keep of each event: ``_DEAD`` if it cannot be decoded; else its fields when the decoder
+        decodes whole parts at once (checked here for the lot in one call), or its decoded sample."""
+        batch = getattr(self.source.decode, "batch", None)
+        if batch is not None:
+            try:
+                batch([e.fields for e in events])
+                return [e.fields for e in events]
+            except Exception:  # noqa: BLE001 - some event is bad: find which, one by one
+                pass
+        decoded = [_decode(self.source, e) for e in events]
+        if batch is not None:
+            return [e.fields if reason is None else _DEAD for e, (_, reason) in zip(events, decoded)]
+        return [sample if reason is None else _DEAD for sample, reason in decoded]
+
+    def _collate(self, payloads: list[Any]) -> Any:
+        batch = getattr(self.source.decode, "batch", None)
+        return batch(payloads) if batch is not None else default_collate(payloads)
+
+    def _fetch_part(self, part: tuple[str, str, int]) -> tuple[list[str], Any]:
         first, last, count = part
-        good: list[tuple[str, Any]] = []
-        for event in self.source.fetch(first, last):
-            sample, reason = _decode(self.source, event)
-            if reason is None:
-                good.append((event.id, sample))
+        events = self.source.fetch(first, last)
+        good = [(e.id, p) for e, p in zip(events, self._payloads(events)) if p is not _DEAD]
         if count == 0:  # a stand-in with weight 0 (see split)
-            return good[:1]
+            return [], self._collate([p for _, p in good[:1]])
         if len(good) != count:
             raise StreamError(f"worker {self.rank} found {len(good)} good events in {first}..{last} of stream "
                               f"{self.source.stream!r} but the main worker claimed {count}; expected the same "
                               "entries and the same decoding everywhere. Do not delete entries that are not yet "
                               "acknowledged, and make decode deterministic.")
-        return good
+        return [i for i, _ in good], self._collate([p for _, p in good])
 
     def _my_part(self, plan: Plan) -> tuple[list[str], Any]:
         try:
             mine = plan.mine.result() if isinstance(plan.mine, Future) else plan.mine
         except StreamError as err:
             raise StreamError(f"worker {self.rank} lost the stream while fetching its part: {err}") from None
-        if mine is None:  # a single worker, or the main worker's stand-in: nothing decoded ahead
-            mine = self._fetch_part(plan.parts[self.rank])
-        ids = [] if plan.parts[self.rank][2] == 0 else [i for i, _ in mine]
-        return ids, default_collate([s for _, s in mine])
+        return mine
 
 
 def _decode(source: StreamSource, event: Event) -> tuple[Any, str | None]:
