@@ -1,17 +1,23 @@
-"""Streaming throughput: 2 workers train the digits CNN from a Redis stream vs from memory.
+"""Streaming throughput: 2 workers train the digits CNN from a Redis stream, and from memory, side by side.
 
-    python benchmarks/stream.py [--events 6000] [--batch-size 64] [--repeats 2]
+    python benchmarks/stream.py --out results/stream   # about 1-2 minutes on 2 idle cores
 
-A real redis-server starts on a unix socket in a temporary directory. For each repeat a
-producer publishes ``--events`` digits images at full speed (pipelined XADD) while two
-workers consume and train, and then the same two workers train on an in-memory
-dataset of the same images with the same batches (``px.shard``). Rates are global
-events (samples) per second with the first ``--warmup`` steps left out; the overhead
-is 1 - stream/memory on the medians.
+A real redis-server starts on a unix socket in a temporary directory, and a producer process
+publishes ``--repeats`` streams of ``--events`` digits images at full speed (pipelined XADD,
+one stream per repeat, each ending with the end-of-stream marker) before the workers start, so
+each run drains a backlog and measures what the workers consume. One group of 2 workers
+(gloo, one thread each) then runs, for every repeat, the same training twice: from that
+repeat's stream (``px.stream.StreamLoader``) and from an in-memory dataset of the same images
+in the same order (``px.shard``), the order alternating between repeats so that drift in the
+machine's speed hits both alike. Each run starts from the same initial model. Rates are global
+events (samples) per second, timed from the end of the ``--warmup``-th step to the last step.
+The overhead of a repeat is ``1 - stream/memory`` from its two runs; the table gives the median
+and the min-max over repeats, and ``--out`` gets the same figures as JSON.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -21,28 +27,19 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def worker(mode: str, url: str, group: str, events: int, batch_size: int, warmup: int) -> float:
-    """One worker's loop; returns the global events/s after warm-up (rank 0's measurement)."""
+def _train(loader, events: int, warmup: int) -> float:
+    """Train one run from ``loader``; returns the global events/s after warm-up (the same on every worker)."""
     import torch
     import torch.nn.functional as F
 
     import phalanx as px
-    from phalanx.models import digits_cnn, load_digits_split
-    from phalanx.stream import RedisStream, StreamLoader, decode_sample
+    from phalanx.models import digits_cnn
 
-    px.init()
     torch.manual_seed(0)
-    model = digits_cnn()
-    model, opt = px.wrap(model, torch.optim.Adam(model.parameters(), lr=3e-3))
-    if mode == "stream":
-        loader = StreamLoader(RedisStream(url, stream="bench", group=group, decode=decode_sample, create=True),
-                              batch_size)
-    else:
-        train, _ = load_digits_split()
-        idx = torch.arange(events) % len(train)
-        data = torch.utils.data.TensorDataset(train.tensors[0][idx], train.tensors[1][idx])
-        loader = px.shard(data, batch_size, shuffle=False)
-    step, start, seen = 0, 0.0, 0
+    net = digits_cnn()
+    model, opt = px.wrap(net, torch.optim.Adam(net.parameters(), lr=3e-3))
+    px.barrier()
+    step, start, seen = 0, time.perf_counter(), 0
     for x, y in loader:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -52,43 +49,92 @@ def worker(mode: str, url: str, group: str, events: int, batch_size: int, warmup
             start, seen = time.perf_counter(), 0
         elif step > warmup:
             seen += len(y)
-    elapsed = time.perf_counter() - start
+    elapsed = torch.tensor([time.perf_counter() - start])
     total = torch.tensor([float(seen)])
-    px.Comm().all_reduce_([total], op="sum")
-    return total.item() / elapsed
+    comm = px.Comm()
+    comm.all_reduce_([total], op="sum")
+    comm.all_reduce_([elapsed], op="max")  # the slower worker's clock: the group is done when both are
+    return total.item() / elapsed.item()
+
+
+def worker(url: str, events: int, batch_size: int, warmup: int, repeats: int) -> list[dict[str, float]]:
+    """Every repeat: one run from the stream and one from memory; returns the rates (rank 0's list)."""
+    import torch
+
+    import phalanx as px
+    from phalanx.models import load_digits_split
+    from phalanx.stream import RedisStream, StreamLoader, decode_sample
+
+    px.init()
+    train, _ = load_digits_split()
+    idx = torch.arange(events) % len(train)  # the producer's images, in its order
+    data = torch.utils.data.TensorDataset(train.tensors[0][idx], train.tensors[1][idx])
+    rates = []
+    for r in range(repeats):
+        rate = {}
+        for mode in ("stream", "memory") if r % 2 == 0 else ("memory", "stream"):
+            if mode == "stream":
+                loader = StreamLoader(RedisStream(url, stream=f"bench{r}", group="bench", decode=decode_sample,
+                                                  create=True), batch_size)
+                rate[mode] = _train(loader, events, warmup)
+                loader.close()
+            else:
+                rate[mode] = _train(px.shard(data, batch_size, shuffle=False), events, warmup)
+        rates.append(rate)
+    return rates
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--events", type=int, default=6000)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--events", type=int, default=20000, help="events per stream (default 20000)")
+    p.add_argument("--batch-size", type=int, default=64, help="events per worker per step (default 64)")
+    p.add_argument("--repeats", type=int, default=5, help="stream/memory pairs (default 5)")
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of each run's timing (default 10)")
+    p.add_argument("--out", default=None, help="folder for stream.json")
     a = p.parse_args(argv)
-    sys.path.insert(0, HERE)
     os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
     from phalanx.stream.broker import RedisServer
     from phalanx.testing import run_workers
 
-    rates: dict[str, list[float]] = {"stream": [], "memory": []}
+    began = time.monotonic()
     with RedisServer() as server:
-        for r in range(a.repeats):
-            producer = subprocess.Popen([sys.executable, "-m", "phalanx.stream.producer", server.url, "bench",
-                                         "--data", "digits", "--count", str(a.events), "--rate", "0", "--end"])
-            common = dict(url=server.url, events=a.events, batch_size=a.batch_size, warmup=a.warmup)
-            rates["stream"].append(run_workers("stream:worker", world_size=2, timeout=600, mode="stream",
-                                               group=f"g{r}", **common).results[0])
-            producer.wait()
-            import redis
-            redis.Redis.from_url(server.url).delete("bench")  # the next repeat streams afresh
-            rates["memory"].append(run_workers("stream:worker", world_size=2, timeout=600, mode="memory",
-                                               group="-", **common).results[0])
-            print(f"repeat {r + 1}: stream {rates['stream'][-1]:,.0f} events/s, "
-                  f"memory {rates['memory'][-1]:,.0f} samples/s", flush=True)
-    stream, memory = statistics.median(rates["stream"]), statistics.median(rates["memory"])
-    print(f"\n2 workers, digits CNN, batch {a.batch_size}/worker, {a.events} events, median of {a.repeats}:\n"
-          f"| source | events/s |\n|---|---:|\n| Redis stream (producer at full speed) | {stream:,.0f} |\n"
-          f"| in-memory dataset, same events | {memory:,.0f} |\n\noverhead of the stream: {1 - stream / memory:.1%}")
+        producers = [subprocess.Popen([sys.executable, "-m", "phalanx.stream.producer", server.url, f"bench{r}",
+                                       "--data", "digits", "--count", str(a.events), "--rate", "0", "--end"])
+                     for r in range(a.repeats)]
+        try:
+            for producer in producers:  # a backlog: the figure is what the workers consume, not the producer's pace
+                if producer.wait(timeout=600):
+                    raise SystemExit(f"benchmarks/stream.py: the producer failed (exit {producer.returncode})")
+            rates = run_workers("stream:worker", world_size=2, timeout=900, url=server.url, events=a.events,
+                                batch_size=a.batch_size, warmup=a.warmup, repeats=a.repeats).results[0]
+        finally:
+            for producer in producers:
+                if producer.poll() is None:
+                    producer.kill()
+                producer.wait()
+    for r, rate in enumerate(rates, 1):
+        print(f"repeat {r}: stream {rate['stream']:,.0f} events/s, memory {rate['memory']:,.0f} samples/s, "
+              f"overhead {1 - rate['stream'] / rate['memory']:.1%}")
+    stream = _summary([r["stream"] for r in rates])
+    memory = _summary([r["memory"] for r in rates])
+    overhead = _summary([1 - r["stream"] / r["memory"] for r in rates])
+    print(f"\n2 workers (gloo, 1 thread each), digits CNN, batch {a.batch_size}/worker, {a.events} events per run, "
+          f"{a.repeats} repeats:\n"
+          "| source | events/s, median | min-max |\n|---|---:|---:|\n"
+          f"| Redis stream (producer at full speed) | {stream['median']:,.0f} | "
+          f"{stream['min']:,.0f}-{stream['max']:,.0f} |\n"
+          f"| in-memory dataset, same events | {memory['median']:,.0f} | {memory['min']:,.0f}-{memory['max']:,.0f} |\n"
+          f"\noverhead of the stream (1 - stream/memory, per repeat): median {overhead['median']:.1%}, "
+          f"min-max {overhead['min']:.1%} to {overhead['max']:.1%}  ({time.monotonic() - began:.0f} s)")
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "stream.json"), "w") as f:
+            json.dump({"config": vars(a), "repeats": rates, "stream_events_per_s": stream,
+                       "memory_samples_per_s": memory, "overhead": overhead}, f, indent=2)
     return 0
 
 

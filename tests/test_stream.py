@@ -13,7 +13,7 @@ import torch
 
 from phalanx.errors import ConfigError
 from phalanx.stream import Deadline, RedisStream, Stop, StreamError, StreamLoader, WaitFull, decode_sample
-from phalanx.stream.loader import END, STEP, Plan, split
+from phalanx.stream.plan import END, STEP, Plan, split
 from phalanx.stream.source import MAX_SEQ, before
 
 
@@ -110,7 +110,9 @@ def test_events_after_the_commit_are_trained_again_once_after_a_crash(server):
             committed = first.state_dict()  # the commit after step 2 ...
         if step == 4:
             break  # ... then a crash after step 4: steps 3 and 4 were never committed
-    assert first.source.pending() == 20  # steps 3-4: claimed, never committed, so never acknowledged
+    # steps 3-4 and the steps planned ahead of them (all 61 entries were claimed in one read): claimed after the
+    # commit, so never acknowledged; the restart plans them again
+    assert first.source.pending() == 61 - 20
     second = loader_for(server, "crash")
     second.load_state_dict(committed)
     for _ in second:
@@ -146,14 +148,15 @@ def test_undecodable_events_go_to_the_dead_letter_stream_and_training_goes_on(se
 
 def test_progress_shows_lag_events_per_second_and_the_acknowledged_position(server):
     publish(server, "lag", 100, end=True)
-    loader = loader_for(server, "lag")
+    loader = loader_for(server, "lag", ahead=1)  # one step per plan: the planner's reads are deterministic
     it = iter(loader)
     next(it)
     assert loader.stats()["lag"] == 91  # 100 events and the marker, 10 trained
     committed = loader.state_dict()["position"]
+    next(it)  # step 2 was planned before the commit; the planner acknowledges it before it claims step 3
     next(it)
     stats = loader.stats()
-    assert stats["acknowledged"] == committed and stats["lag"] == 81 and stats["events"] == 20
+    assert stats["acknowledged"] == committed and stats["lag"] == 71 and stats["events"] == 30
     assert stats["events_per_s"] > 0
 
 
@@ -220,8 +223,40 @@ def test_the_trainer_fits_on_a_stream_and_its_history_shows_the_stream(server, o
     row = trainer.fit(loader, epochs=1, val_data=held_out, progress=False)[-1]
     assert row["steps"] == 4 and row["events"] == 64 and row["lag"] == 0 and row["dead_letters"] == 0
     assert row["events_per_s"] > 0 and row["val_samples"] == 20
-    # step 4's commit (by the callback) was acknowledged when the next read found the end marker
-    assert row["acknowledged"] == stream_ids(server, "fit")[63]
+    # step 4's commit (by the callback) is acknowledged once the step's body ran; the last step covers the marker
+    import redis
+    assert row["acknowledged"] == redis.Redis.from_url(server.url).xrevrange("fit", count=1)[0][0].decode()
     trainer.save_checkpoint(ckpt)
     loader.close()
     assert loader.source.pending() == 0
+
+
+def test_planning_ahead_reads_several_steps_at_once_and_trains_the_same_batches(server):
+    publish(server, "ahead", 95, end=True)
+    batches, reads = {}, {}
+    for ahead in (1, 4):
+        loader = loader_for(server, "ahead", group=f"a{ahead}", ahead=ahead)
+        claim, reads[ahead] = loader.source.claim, []
+        loader.source.claim = lambda n, block_s, claim=claim, log=reads[ahead]: log.append(n) or claim(n, block_s)
+        batches[ahead] = [list(loader.ids) for _ in loader]
+        loader.state_dict()
+        loader.close()
+        assert loader.source.pending() == 0
+    assert batches[1] == batches[4] and [len(b) for b in batches[4]] == [10] * 9 + [5]
+    assert len(reads[1]) >= 10 and max(reads[4]) == 40 and len(reads[4]) <= 4  # 4 steps' worth per read
+    with pytest.raises(ConfigError, match="ahead=0"):
+        loader_for(server, "ahead", ahead=0)
+
+
+def test_decoding_a_part_at_once_equals_decoding_each_event_and_refuses_a_mixed_part():
+    from torch.utils.data import default_collate
+
+    from phalanx.stream.codec import decode_samples, encode_sample
+    events = [encode_sample(torch.randn(3, 2), i % 3, index=i) for i in range(5)]
+    x, y = decode_samples(events)
+    ex, ey = default_collate([decode_sample(f) for f in events])
+    assert torch.equal(x, ex) and torch.equal(y, ey) and y.dtype == ey.dtype
+    with pytest.raises(ConfigError, match="different shapes"):
+        decode_samples(events + [encode_sample(torch.randn(2, 3), 0)])  # same size, another shape
+    with pytest.raises(ConfigError):
+        decode_samples(events + [{b"x": b"not a tensor", b"shape": b"3,2", b"y": b"1"}])

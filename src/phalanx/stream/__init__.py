@@ -13,11 +13,11 @@ redis-py is imported only when a ``RedisStream`` is made, so ``import phalanx`` 
 """
 from __future__ import annotations
 
-from .codec import decode_sample, encode_sample
+from .codec import decode_sample, decode_samples, encode_sample
 from .loader import StreamLoader
 from .policy import Deadline, Stop, WaitFull
 from .redis import RedisStream
 from .source import Event, StreamError, StreamSource
 
 __all__ = ["RedisStream", "StreamLoader", "WaitFull", "Deadline", "Stop", "StreamSource", "Event", "StreamError",
-           "encode_sample", "decode_sample"]
+           "encode_sample", "decode_sample", "decode_samples"]

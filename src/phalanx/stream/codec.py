@@ -38,3 +38,32 @@ def decode_sample(fields: dict[bytes, bytes]) -> tuple[torch.Tensor, torch.Tenso
                                 f"({type(err).__name__}: {err})", "fields x (float32 bytes), shape and y",
                                 "Publish events with encode_sample().")) from None
     return x, y
+
+
+def decode_samples(fields: list[dict[bytes, bytes]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Many events of :func:`encode_sample` at once, stacked: ``(x[n, ...], y[n])``, the same as decoding
+    each with :func:`decode_sample` and collating, with one buffer read instead of n.
+
+    Example:
+        >>> x, y = decode_samples([encode_sample(torch.ones(2), 1), encode_sample(torch.zeros(2), 0)])
+        >>> x.tolist(), y.tolist()
+        ([[1.0, 1.0], [0.0, 0.0]], [1, 0])
+    """
+    if not fields:
+        raise ConfigError(usage("no events", "at least one event", "Pass the events of a batch."))
+    shape = fields[0].get(b"shape")
+    first = decode_sample(fields[0])[0]
+    nbytes = first.numel() * 4
+    if any(f.get(b"shape") != shape or len(f.get(b"x", b"")) != nbytes for f in fields):
+        raise ConfigError(usage("events of different shapes or sizes", f"every event shaped {tuple(first.shape)}",
+                                "Decode them one by one with decode_sample()."))
+    try:
+        y = torch.tensor([int(f[b"y"]) for f in fields])
+    except (KeyError, ValueError) as err:
+        raise ConfigError(usage(f"an event without an integer y ({type(err).__name__}: {err})", "fields x, shape, y",
+                                "Publish events with encode_sample().")) from None
+    x = torch.from_numpy(np.frombuffer(b"".join(f[b"x"] for f in fields), dtype="<f4").copy())
+    return x.reshape(len(fields), *first.shape), y
+
+
+decode_sample.batch = decode_samples  # type: ignore[attr-defined]  # the stream loader's fast path for a part

@@ -1,22 +1,25 @@
 """Per-worker batches from a live stream, every event trained exactly once.
 
-Each step the main worker claims the next events from the source (in stream
-order, through the consumer group), sets aside the ones that cannot be decoded,
-and cuts the good ones into ``world_size`` contiguous parts: the step's global
-batch is exactly the one a single process would take with ``world_size *
-batch_size``. It broadcasts that plan (id ranges, one small tensor); every
-worker fetches and decodes its own part. Uneven parts set
-:func:`phalanx.batchweight.set_batch_weight`, so the averaged gradient equals
-one process's on the same events.
+The main worker claims events from the source (in stream order, through the
+consumer group), sets aside the ones that cannot be decoded, and cuts the good
+ones into steps and each step into ``world_size`` contiguous parts: a step's
+global batch is exactly the one a single process would take with
+``world_size * batch_size``. With a backlog, one read and one broadcast plan up
+to ``ahead`` steps (:mod:`phalanx.stream.plan`); the main worker decides the
+next plan on a background thread while the current one trains, and every other
+worker fetches and decodes its own parts on a background thread. Uneven parts
+set :func:`phalanx.batchweight.set_batch_weight`, so the averaged gradient
+equals one process's on the same events.
 
-The loader's position (the last entry id a step covered) is its whole state:
-``state_dict()`` is plain strings and ints that a checkpoint carries and that do
-not depend on the number of workers. Entries are acknowledged to the broker
-only after a commit covers them: the position a ``state_dict()`` returned is
-acknowledged on the next step, once the checkpoint that asked for it was
-written, and by :meth:`StreamLoader.close`. Restoring a state rewinds the group
-to that position, so events trained after the last commit are trained again,
-once.
+The loader's position (the last entry id a *trained* step covered, never a
+planned one) is its whole state: ``state_dict()`` is plain strings and ints
+that a checkpoint carries and that do not depend on the number of workers.
+Entries are acknowledged to the broker only after a commit covers them: the
+position a ``state_dict()`` returned is acknowledged by the planner before its
+next read (or after the last step), once the checkpoint that asked for it was
+written, and by :meth:`StreamLoader.close`. Restoring a state discards the
+planned steps and rewinds the group to that position, so events trained after
+the last commit are planned and trained again, once.
 
 Example (``source`` is a :class:`phalanx.stream.RedisStream`)::
 
@@ -30,8 +33,9 @@ Example (``source`` is a :class:`phalanx.stream.RedisStream`)::
 """
 from __future__ import annotations
 
+import collections
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 import torch
@@ -40,62 +44,13 @@ from torch.utils.data import default_collate
 from .. import group
 from ..batchweight import set_batch_weight
 from ..errors import ConfigError, usage
+from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Plan, pack_plans, unpack_plans, split
 from .policy import Stop, WaitFull
-from .source import END_FIELD, START, Event, StreamError, StreamSource, format_id, parse_id
+from .source import END_FIELD, START, Event, StreamError, StreamSource
 
-WAIT, STEP, END, ERROR = 0, 1, 2, 3
-_HEAD, _PER_RANK = 9, 5
 _KEEPALIVE_S = 1.0  # while waiting for events, tell the other workers at least this often (no collective timeout)
-
-
-@dataclass
-class Plan:
-    """One step, as the main worker decided it: ``parts[rank] = (first_id, last_id, count)``."""
-    status: int
-    total: int = 0
-    final: bool = False
-    consumed: int = 0  # entries the step moved past: good, dead-lettered and the end marker
-    lag: int = -1
-    dead: int = 0
-    position: str = START
-    offset: int = -1  # entries up to the position after this step, -1 when unknown
-    parts: tuple[tuple[str, str, int], ...] = ()
-
-    def pack(self, world_size: int) -> torch.Tensor:
-        t = torch.zeros(_HEAD + _PER_RANK * world_size, dtype=torch.int64)
-        t[:6] = torch.tensor([self.status, self.total, int(self.final), self.consumed, self.lag, self.dead])
-        t[6:8] = torch.tensor(_ints(self.position))
-        t[8] = self.offset
-        for r, (first, last, count) in enumerate(self.parts):
-            t[_HEAD + _PER_RANK * r:_HEAD + _PER_RANK * (r + 1)] = torch.tensor([*_ints(first), *_ints(last), count])
-        return t
-
-    @classmethod
-    def unpack(cls, t: torch.Tensor, world_size: int) -> "Plan":
-        v = t.tolist()
-        parts = tuple((_id(*v[i:i + 2]), _id(*v[i + 2:i + 4]), v[i + 4])
-                      for i in range(_HEAD, _HEAD + _PER_RANK * world_size, _PER_RANK))
-        return cls(v[0], v[1], bool(v[2]), v[3], v[4], v[5], _id(v[6], v[7]), v[8], parts)
-
-
-def split(ids: list[str], world_size: int) -> tuple[tuple[str, str, int], ...]:
-    """Contiguous, near-equal parts of a global batch, as ``(first, last, count)`` per rank.
-
-    A rank left without an event (fewer events than workers, only at the end of a
-    run) gets the batch's first event as a stand-in with count 0: weight 0, so it
-    adds nothing to the gradient but still joins the step's collectives.
-
-    Example:
-        >>> split(["1-0", "2-0", "3-0"], 2)
-        (('1-0', '2-0', 2), ('3-0', '3-0', 1))
-    """
-    q, r = divmod(len(ids), world_size)
-    parts, start = [], 0
-    for rank in range(world_size):
-        stop = start + q + (1 if rank < r else 0)
-        parts.append((ids[start], ids[stop - 1], stop - start) if stop > start else (ids[0], ids[0], 0))
-        start = stop
-    return tuple(parts)
+_CHECK_EVERY_S = 1.0  # XINFO (retention and lag) on a timer, not per step; always at the start of a run
+_DEAD = object()  # a claimed entry that was dead-lettered: it moves the position but is not trained
 
 
 class StreamLoader:
@@ -107,19 +62,24 @@ class StreamLoader:
         policy: :class:`WaitFull` (default) or :class:`Deadline`.
         stop: when the run ends besides an end-of-stream marker; :class:`Stop`.
         block_s: how long one read from the broker may wait.
+        ahead: at most this many steps planned per broadcast when a backlog allows (fewer when live).
 
     After each step: ``ids`` (the entry ids this worker trained on), ``steps``,
     ``position`` and :meth:`stats` (events/s, lag, acknowledged position, dead letters).
     """
 
     def __init__(self, source: StreamSource, batch_size: int, *, policy: Any = None, stop: Stop | None = None,
-                 block_s: float = 0.2, rank: int | None = None, world_size: int | None = None) -> None:
+                 block_s: float = 0.2, ahead: int = 8, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(usage(f"batch_size={batch_size!r}", "an integer >= 1 (events per worker per step)",
                                     "Pass e.g. batch_size=32."))
         if not (isinstance(block_s, (int, float)) and 0 < block_s <= 30):
             raise ConfigError(usage(f"block_s={block_s!r}", "seconds in (0, 30]", "Pass e.g. block_s=0.2."))
-        self.source, self.batch_size = source, batch_size
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or not 1 <= ahead <= 64:
+            raise ConfigError(usage(f"ahead={ahead!r}", "an integer in [1, 64] (steps planned per broadcast)",
+                                    "Pass e.g. ahead=8, or ahead=1 to plan one step at a time."))
+        self.source, self.batch_size, self.ahead = source, batch_size, ahead
         self.policy, self.stop = policy or WaitFull(), stop or Stop()
         self.block_s = float(block_s)
         self._given = (rank, world_size)  # None: read from the group at each iteration (it may have been rebuilt)
@@ -134,12 +94,16 @@ class StreamLoader:
         self.lag = -1
         self.acknowledged: str | None = None
         self._commit: tuple[str, int] | None = None
-        self._held: list[tuple[str, Any]] = []  # claimed, decoded, not yet in a step (main worker)
-        self._mine: list[tuple[str, Any]] = []  # the main worker's own part of the current step
+        self._log: list[tuple[str, Any]] = []  # claimed, decoded (or _DEAD), not yet planned (main worker)
+        self._planned: collections.deque[Plan] = collections.deque()  # planned, not yet trained (every worker)
+        self._prefetch: ThreadPoolExecutor | None = None  # fetches this worker's parts; plans on the main worker
+        self._ahead_plan: Future | None = None  # the main worker's next plans, being decided
+        self._iteration = 0  # which run of __iter__ is the current one
+        self._cursor: tuple[int, str, int] = (0, START, -1)  # how far planning went: steps, position, offset
         self._claimed_to: str | None = None
-        self._consumed = self._dead = 0
         self._first_wait: float | None = None
-        self._ended = False
+        self._ended = False  # the end marker was claimed
+        self._added, self._checked = 0, float("-inf")  # entries ever added, at the last XINFO
         self._t0 = self._last_event = time.monotonic()
         self._events0 = 0
 
@@ -147,7 +111,7 @@ class StreamLoader:
     def state_dict(self) -> dict[str, Any]:
         """The committed position: plain values, the same on every worker, for any world size."""
         if self.position is not None:
-            self._commit = (self.position, self.offset)  # acknowledged on the next step, once saved
+            self._commit = (self.position, self.offset)  # acknowledged later, once saved (one atomic assignment)
         return {"position": self.position or "", "offset": self.offset, "steps": self.steps,
                 "events": self.events, "dead": self.dead}
 
@@ -155,7 +119,9 @@ class StreamLoader:
         self.position = str(state["position"]) or None
         self.offset, self.steps = int(state["offset"]), int(state["steps"])
         self.events, self.dead = int(state["events"]), int(state["dead"])
-        self._held, self._ended, self._commit = [], False, None
+        self._log, self._ended, self._commit = [], False, None
+        self._stop_planner()
+        self._planned.clear()  # a rollback: steps planned after the restored position are planned again
 
     def stats(self) -> dict[str, Any]:
         """Progress for the bar and history: events trained, events/s this run, lag, acknowledged position."""
@@ -178,11 +144,17 @@ class StreamLoader:
         self.world_size = group.world_size() if world_size is None else world_size
         self._t0 = self._last_event = time.monotonic()
         self._events0 = self.events
+        self._stop_planner()
+        self._planned.clear()  # planned but untrained steps no commit covers: re-planned after the rewind
+        self._iteration += 1
+        iteration = self._iteration
         if self.rank == 0:
             self._start()
         try:
             while True:
-                plan = self._next_plan()
+                if not self._planned:
+                    self._planned.extend(self._next_plans())
+                plan = self._planned.popleft()
                 if plan.status == WAIT:
                     continue
                 # the main worker's view, so every worker's state_dict is the same
@@ -190,130 +162,248 @@ class StreamLoader:
                 self.lag = plan.lag
                 if plan.status == END:
                     return
-                first, last, count = plan.parts[self.rank]
-                self.ids, batch = self._my_part(first, last, count)
+                self.ids, batch = self._my_part(plan)
                 self.steps, self.events = self.steps + 1, self.events + plan.total
-                set_batch_weight(count * self.world_size / plan.total)
+                set_batch_weight(plan.parts[self.rank][2] * self.world_size / plan.total)
                 yield batch
+                if self.rank == 0 and self._ahead_plan is None:  # the last planned step (no planner runs):
+                    self._acknowledge(quiet=True)  # the loop body ran, so a save that took a state_dict() is written
                 if plan.final:
                     return
         finally:
             set_batch_weight(1.0)
+            if iteration == self._iteration:  # a loop left early: no planner may claim on after it. (An abandoned
+                self._stop_planner()          # iteration may close late, during the next one: then leave it be.)
 
     def close(self) -> None:
         """Acknowledge the last committed position and leave nothing pending (call it on every worker)."""
+        self._stop_planner()
         if self.rank == 0 and self._commit is not None:
             position, offset = self._commit
-            self.source.acknowledge(position)
+            self._acknowledge()
             self.source.rewind(position, offset if offset >= 0 else None)  # un-claim what no commit covers
-            self.acknowledged, self._commit = position, None
+        self._planned.clear()
+        if self._prefetch is not None:
+            self._prefetch.shutdown(wait=True, cancel_futures=True)
+            self._prefetch = None
+
+    def _acknowledge(self, quiet: bool = False) -> None:
+        """XACK up to the position a ``state_dict()`` returned: the save that asked for it is written by now.
+
+        ``quiet`` (between steps) keeps the commit for the next try if the broker does not answer: the next
+        claim then fails too, and reports it through the plan every worker hears, not on one worker alone."""
+        commit = self._commit  # (read once: the training thread may set a newer one meanwhile)
+        if commit is not None:
+            try:
+                self.source.acknowledge(commit[0])
+            except StreamError:
+                if quiet:
+                    return
+                raise
+            self.acknowledged = commit[0]
+            if self._commit is commit:
+                self._commit = None
 
     # -- the main worker's side -----------------------------------------------------------
     def _start(self) -> None:
         position, offset = self.source.rewind(self.position, self.offset if self.offset >= 0 else None)
         self.position, self.offset = position, -1 if offset is None else offset
-        self._held, self._claimed_to, self._consumed, self._dead, self._ended = [], None, 0, 0, False
+        self._log, self._claimed_to, self._ended, self._first_wait = [], None, False, None
+        self._cursor = (self.steps, position, self.offset)  # where planning stands: steps, position, offset
+        self._added, self._checked = self.source.check(position, self.offset if self.offset >= 0 else None), \
+            time.monotonic()
 
-    def _next_plan(self) -> Plan:
+    def _plan(self) -> list[Plan]:
+        """The main worker's next plans, decided in the background while the previous ones trained."""
+        ahead, self._ahead_plan = self._ahead_plan, None
+        plans = ahead.result() if ahead is not None else self._decide()
+        if plans[-1].status != END and not plans[-1].final:
+            self._ahead_plan = self._fetcher().submit(self._decide)
+        return plans
+
+    def _stop_planner(self) -> None:
+        """Wait for the background planner (bounded by one read): nothing may claim after a rewind."""
+        ahead, self._ahead_plan = self._ahead_plan, None
+        if ahead is not None:
+            try:
+                ahead.result()
+            except Exception:  # noqa: BLE001 - a failure of plans nobody will use; the caller's error wins
+                pass
+
+    def _next_plans(self) -> list[Plan]:
+        """The next planned steps: the main worker decides them, one broadcast tells every worker."""
         if self.world_size == 1:
-            return self._decide()
+            return self._plan()
         import torch.distributed as dist
 
         from ..comm import guarded
         on = group.device() if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors
+        size = 1 + self.ahead * (HEAD + PER_RANK * self.world_size)
         if self.rank == 0:
             try:
-                plan = self._decide()
+                plans = self._plan()
             except StreamError:
                 with guarded("telling the workers the stream failed"):
-                    dist.broadcast(Plan(ERROR).pack(self.world_size).to(on), src=0)
+                    dist.broadcast(pack_plans([Plan(ERROR)], self.world_size, size).to(on), src=0)
                 raise
             with guarded("sharing the stream plan"):
-                dist.broadcast(plan.pack(self.world_size).to(on), src=0)
-            return plan
-        t = torch.zeros(_HEAD + _PER_RANK * self.world_size, dtype=torch.int64, device=on)
+                dist.broadcast(pack_plans(plans, self.world_size, size).to(on), src=0)
+            return plans
+        t = torch.zeros(size, dtype=torch.int64, device=on)
         with guarded("receiving the stream plan"):
             dist.broadcast(t, src=0)
-        plan = Plan.unpack(t.cpu(), self.world_size)
-        if plan.status == ERROR:
+        plans = unpack_plans(t.cpu(), self.world_size)
+        if plans[0].status == ERROR:
             raise StreamError(f"the main worker lost the stream {self.source.stream!r} at {self.source.url}; "
                               "its log says why. Training resumes from the last checkpoint.")
-        return plan
+        for plan in plans:  # fetch and decode this worker's parts in the background while it trains
+            if plan.status == STEP:
+                plan.mine = self._fetcher().submit(self._fetch_part, plan.parts[self.rank])
+        return plans
 
-    def _decide(self) -> Plan:
-        """Claim events until the policy or the stop rule says step (main worker only)."""
+    def _decide(self) -> list[Plan]:
+        """Claim events until the policy or the stop rule says step; plan up to ``ahead`` steps (main worker).
+
+        It runs on the prefetch thread while the previous plans train: it reads and moves only the planning
+        cursor, never the trained position."""
         src = self.source
-        if self._commit is not None:  # the checkpoint that asked for this position has been written
-            src.acknowledge(self._commit[0])
-            self.acknowledged, self._commit = self._commit[0], None
-        base = self.position or START
-        # Raises if entries after the position were trimmed away: they would be skipped silently otherwise.
-        added = src.check(base, self.offset if self.offset >= 0 else None)
-        if self.stop.steps is not None and self.steps >= self.stop.steps:
-            self._held, self._claimed_to, self._consumed, self._dead = [], None, 0, 0  # close() un-claims them
-            return Plan(END, position=base, offset=self.offset, lag=self._lag(added, 0))
+        self._acknowledge()
+        steps, base, offset = self._cursor
+        now = time.monotonic()
+        if now - self._checked >= _CHECK_EVERY_S:
+            # Raises if entries after the position were trimmed away: they would be skipped silently otherwise.
+            self._added, self._checked = src.check(base, offset if offset >= 0 else None), now
+        if self.stop.steps is not None and steps >= self.stop.steps:
+            self._log, self._claimed_to = [], None  # close() un-claims them
+            return [Plan(END, position=base, offset=offset, lag=self._lag(offset))]
         want = self.world_size * self.batch_size
         keepalive = time.monotonic() + _KEEPALIVE_S
         while True:
             now = time.monotonic()
-            if self._held and self._first_wait is None:
+            have = sum(1 for _, s in self._log if s is not _DEAD)
+            if have and self._first_wait is None:
                 self._first_wait = now
-            ended = self._ended or self.stop.reached(steps=self.steps, elapsed_s=now - self._t0,
+            ended = self._ended or self.stop.reached(steps=steps, elapsed_s=now - self._t0,
                                                      idle_s=now - self._last_event)
-            if ended or self.policy.ready(have=len(self._held), want=want, world_size=self.world_size,
+            if ended or self.policy.ready(have=have, want=want, world_size=self.world_size,
                                           waited_s=now - (self._first_wait or now)):
                 break
             if now >= keepalive and self.world_size > 1:
-                return Plan(WAIT)  # what is held stays held; the other workers just hear we are alive
-            events = src.claim(want - len(self._held), self.block_s)
+                return [Plan(WAIT)]  # what is claimed stays claimed; the other workers just hear we are alive
+            # With a backlog one read brings `ahead` steps' worth; live, it returns what has arrived.
+            events = src.claim(self.ahead * want - len(self._log), self.block_s)
             if events:
                 self._last_event = time.monotonic()
+            data = []
             for event in events:
-                self._claimed_to, self._consumed = event.id, self._consumed + 1
+                self._claimed_to = event.id
                 if END_FIELD in event.fields:
                     self._ended = True  # entries after the marker were claimed too: close() un-claims them
                     break
-                sample, reason = _decode(src, event)
-                if reason is None:
-                    self._held.append((event.id, sample))
-                else:
-                    src.dead_letter(event, reason)
-                    self._dead += 1
-        position, consumed, dead = self._claimed_to or base, self._consumed, self._dead
-        take = self._held
-        self._held, self._claimed_to, self._consumed, self._dead, self._first_wait = [], None, 0, 0, None
-        if not take:
-            return Plan(END, consumed=consumed, lag=self._lag(added, consumed), dead=dead, position=position,
-                        offset=self._offset(consumed))
-        parts = split([i for i, _ in take], self.world_size)
-        self._mine = take[:parts[0][2]]
-        return Plan(STEP, total=len(take), final=ended, consumed=consumed, lag=self._lag(added, consumed),
-                    dead=dead, position=position, offset=self._offset(consumed), parts=parts)
+                data.append(event)
+            for event, payload in zip(data, self._payloads(data)):
+                if payload is _DEAD:
+                    src.dead_letter(event, _decode(src, event)[1] or "undecodable")
+                self._log.append((event.id, payload))
+        return self._cut(want, ended)
 
-    def _offset(self, consumed: int) -> int:
-        return self.offset + consumed if self.offset >= 0 else -1
+    def _cut(self, want: int, ended: bool) -> list[Plan]:
+        """Cut what was claimed into steps: every full global batch (up to ``ahead``), then, when the run ends or
+        the policy stepped on a partial batch, one last step of the rest."""
+        steps, base, offset = self._cursor
+        room = self.ahead if self.stop.steps is None else min(self.ahead, self.stop.steps - steps)
+        slices, log = [], self._log
+        while len(slices) < room:
+            good, cut = 0, None
+            for k, (_, sample) in enumerate(log):
+                good += sample is not _DEAD
+                if good == want:
+                    cut = k + 1
+                    break
+            if cut is None:
+                break
+            slices.append(log[:cut])
+            log = log[cut:]
+        rest = sum(1 for _, s in log if s is not _DEAD)
+        if rest and len(slices) < room and (ended or not slices):  # the end, or the policy stepped on a part
+            slices.append(log)
+            log = []
+        elif ended and not rest and slices:  # only dead letters after the last batch: the last step covers them
+            slices[-1] = slices[-1] + log
+            log = []
+        final = ended and not log
+        self._log = log
+        self._first_wait = time.monotonic() if log else None  # (approximate: the rest waits from now on)
+        plans = []
+        for n, part in enumerate(slices):
+            last = n == len(slices) - 1
+            position = self._claimed_to if last and final and self._claimed_to else part[-1][0]
+            consumed = len(part) + (1 if last and final and self._ended else 0)
+            offset = offset + consumed if offset >= 0 else -1
+            take = [(i, s) for i, s in part if s is not _DEAD]
+            plan = Plan(STEP, total=len(take), final=last and final, consumed=consumed, lag=self._lag(offset),
+                        dead=len(part) - len(take), position=position, offset=offset,
+                        parts=split([i for i, _ in take], self.world_size))
+            mine = take[:plan.parts[0][2]]
+            plan.mine = ([i for i, _ in mine], self._collate([p for _, p in mine]))
+            plans.append(plan)
+        if not plans:  # the run ended with nothing to train: move past dead letters and the marker
+            consumed = len(log) + (1 if self._ended else 0)
+            offset = offset + consumed if offset >= 0 else -1
+            self._log = []
+            plans.append(Plan(END, consumed=consumed, lag=self._lag(offset), dead=len(log),
+                              position=self._claimed_to or base, offset=offset))
+        self._cursor = (steps + sum(p.status == STEP for p in plans), plans[-1].position, plans[-1].offset)
+        return plans
 
-    def _lag(self, added: int, consumed: int) -> int:
-        """Entries the producer has added that no step has reached yet (-1 when the offset is unknown)."""
-        return max(0, added - self.offset - consumed) if self.offset >= 0 else -1
+    def _lag(self, offset: int) -> int:
+        """Entries the producer had added (at the last check) that no step reached yet; -1 when unknown."""
+        return max(0, self._added - offset) if offset >= 0 else -1
 
     # -- every worker's side ------------------------------------------------------------
-    def _my_part(self, first: str, last: str, count: int) -> tuple[list[str], Any]:
-        if self.rank == 0 and count > 0:  # the main worker decoded its part while claiming
-            return [i for i, _ in self._mine], default_collate([s for _, s in self._mine])
-        good: list[tuple[str, Any]] = []
-        for event in self.source.fetch(first, last):
-            sample, reason = _decode(self.source, event)
-            if reason is None:
-                good.append((event.id, sample))
+    def _fetcher(self) -> ThreadPoolExecutor:
+        if self._prefetch is None:
+            self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="phalanx-stream-prefetch")
+        return self._prefetch
+
+    def _payloads(self, events: list[Event]) -> list[Any]:
+        """What to keep of each event: ``_DEAD`` if it cannot be decoded; else its fields when the decoder
+        decodes whole parts at once (checked here for the lot in one call), or its decoded sample."""
+        batch = getattr(self.source.decode, "batch", None)
+        if batch is not None:
+            try:
+                batch([e.fields for e in events])
+                return [e.fields for e in events]
+            except Exception:  # noqa: BLE001 - some event is bad: find which, one by one
+                pass
+        decoded = [_decode(self.source, e) for e in events]
+        if batch is not None:
+            return [e.fields if reason is None else _DEAD for e, (_, reason) in zip(events, decoded)]
+        return [sample if reason is None else _DEAD for sample, reason in decoded]
+
+    def _collate(self, payloads: list[Any]) -> Any:
+        batch = getattr(self.source.decode, "batch", None)
+        return batch(payloads) if batch is not None else default_collate(payloads)
+
+    def _fetch_part(self, part: tuple[str, str, int]) -> tuple[list[str], Any]:
+        first, last, count = part
+        events = self.source.fetch(first, last)
+        good = [(e.id, p) for e, p in zip(events, self._payloads(events)) if p is not _DEAD]
         if count == 0:  # a stand-in with weight 0 (see split)
-            return [], default_collate([s for _, s in good[:1]])
+            return [], self._collate([p for _, p in good[:1]])
         if len(good) != count:
             raise StreamError(f"worker {self.rank} found {len(good)} good events in {first}..{last} of stream "
                               f"{self.source.stream!r} but the main worker claimed {count}; expected the same "
                               "entries and the same decoding everywhere. Do not delete entries that are not yet "
                               "acknowledged, and make decode deterministic.")
-        return [i for i, _ in good], default_collate([s for _, s in good])
+        return [i for i, _ in good], self._collate([p for _, p in good])
+
+    def _my_part(self, plan: Plan) -> tuple[list[str], Any]:
+        try:
+            mine = plan.mine.result() if isinstance(plan.mine, Future) else plan.mine
+        except StreamError as err:
+            raise StreamError(f"worker {self.rank} lost the stream while fetching its part: {err}") from None
+        return mine
 
 
 def _decode(source: StreamSource, event: Event) -> tuple[Any, str | None]:
@@ -321,12 +411,3 @@ def _decode(source: StreamSource, event: Event) -> tuple[Any, str | None]:
         return source.decode(event.fields), None
     except Exception as err:  # a bad event must not stop training: it is dead-lettered with the reason
         return None, f"{type(err).__name__}: {err}"
-
-
-def _ints(entry_id: str) -> tuple[int, int]:
-    ms, seq = parse_id(entry_id)
-    return ms, seq - 2**64 if seq >= 2**63 else seq  # int64 carries the full unsigned sequence
-
-
-def _id(ms: int, seq: int) -> str:
-    return format_id(ms, seq + 2**64 if seq < 0 else seq)
