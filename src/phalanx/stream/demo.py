@@ -2,10 +2,10 @@
 
 1. A real redis-server starts on a unix socket in a temporary directory (no persistence).
 2. A producer process publishes scikit-learn's bundled digits images as events at a set rate.
-3. ``phalanx run -n 3 --elastic --min-workers 2 --replace`` starts three workers that train a small
+3. ``phalanx run -n 2 --elastic --min-workers 1 --replace`` starts two workers that train a small
    CNN from the stream (:mod:`phalanx.stream.demo_worker`), committing in memory every few steps.
-   Three, because an elastic group goes on only while more than half of it answers (its guard
-   against a split brain): 2 of 3 survive a loss, 1 of 2 would not.
+   The lone survivor may go on because the launcher saw its peer die: the split-brain guard counts
+   only the members not known dead.
 4. Midway one worker is killed (SIGKILL). The survivors roll back to the last commit, rewind the
    stream to the committed position and go on; the launcher starts a new worker, which joins the
    group at a later commit point with rank 0's state.
@@ -28,7 +28,7 @@ STREAM, GROUP = "digits", "trainer"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="phalanx demo --stream", description="Train from a live Redis stream with "
-                                "3 workers; one dies midway, a new one joins, and no event is lost or repeated.")
+                                "2 workers; one dies midway, a new one joins, and no event is lost or repeated.")
     p.add_argument("--events", type=int, default=8000, help="digits images the producer publishes (default 8000)")
     p.add_argument("--rate", type=float, default=400.0, help="events per second (default 400)")
     p.add_argument("--batch-size", type=int, default=32, help="events per worker per step (default 32)")
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f.write("import sys\nfrom phalanx.stream.demo_worker import main\nsys.exit(main())\n")
         cli = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
         try:
-            run = subprocess.run([*cli, "run", "-n", "3", "--elastic", "--min-workers", "2", "--replace", script,
+            run = subprocess.run([*cli, "run", "-n", "2", "--elastic", "--min-workers", "1", "--replace", script,
                                   "--url", server.url, "--dir", tmp, "--stream", STREAM,
                                   "--batch-size", str(args.batch_size), "--lr", str(args.lr),
                                   "--every", str(args.every), "--idle", str(args.idle), "--seed", str(args.seed),

@@ -10,7 +10,7 @@ SIGKILLs itself once the group has trained ``--kill-after`` events; its replacem
 
 Run by the demo, not by hand::
 
-    phalanx run -n 3 --elastic --min-workers 2 --replace SCRIPT --url URL --dir DIR
+    phalanx run -n 2 --elastic --min-workers 1 --replace SCRIPT --url URL --dir DIR
 
 where SCRIPT calls :func:`main` (a script in this folder would shadow redis-py with redis.py).
 """
