@@ -139,7 +139,7 @@ def main() -> None:
     print(f"    ratio     {cell(summary(ratios), 1.0, '{:.3f}')}")
     print(f"(b, c) kill -9 of 1 of 3 workers at step 15, commits every 10; seconds, median (min-max) of {a.trials}")
     print(f"    {'mode':<12} {'kill -> first step':<22} {'kill -> back to 3':<22} {'steps redone':<14} new processes")
-    for mode, rs in runs.items():
+    for mode in runs:
         row = result["recovery_3_workers_kill_at_15_commit_every_10"][mode]
         print(f"    {mode:<12} {cell(row['kill_to_first_step_s']):<22} {cell(row['kill_to_back_to_3_s']):<22} "
               f"{cell(row['redone_steps'], 1.0, '{:g}'):<14} {cell(row['processes_started_after_kill'], 1.0, '{:g}')}")

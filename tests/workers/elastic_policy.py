@@ -16,7 +16,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from elastic import STRATEGIES, Record, dataset, model, optimizer  # this script's directory: tests/workers
+try:  # run as a script by `phalanx run`: this file's directory, tests/workers, is on sys.path
+    from elastic import STRATEGIES, Record, dataset, model, optimizer
+except ImportError:  # imported as workers.elastic_policy (pytest's doctest collection)
+    from workers.elastic import STRATEGIES, Record, dataset, model, optimizer
 
 import phalanx as px
 
