@@ -127,6 +127,14 @@ def test_targets_are_met_missed_or_not_measured():
     got = {e["measure"]: e for e in targets.check(rows)}
     assert got["best phalanx vs DDP, time to target, gpt, 100mbit"]["verdict"] == "missed"  # 8x < 10x
     assert got["DiLoCo (AdamW inner, H = 50) reaches the GPT target, 100mbit"]["verdict"] == "missed"  # 10x bytes
+    # DDP never reaches the target within its 60 s budget: the budget only bounds the ratio from below
+    rows = curves.rows(_record("ddp", "torch", [None] * 3) + _record("diloco", "phalanx", [10.0] * 3, nbytes=1e4)
+                       + _record("ddp", "torch", [None] * 3, link="1gbit")
+                       + _record("diloco", "phalanx", [1.0] * 3, link="1gbit"), {"gpt": 2.2}, {"gpt": False})
+    got = {e["measure"]: e for e in targets.check(rows)}
+    bound = got["best phalanx vs DDP, time to target, gpt, 100mbit"]
+    assert bound["verdict"].startswith("cannot tell") and "> 6.00×" in bound["who"]  # 60 s / 10 s < 10x
+    assert "best phalanx vs DDP, time to target, gpt, 1gbit" not in got  # the 10x target is the 100 Mbit one
 
 
 # -- the plan and bad input -------------------------------------------------------------------------

@@ -57,6 +57,8 @@ def headline(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                  "best_peer": peer_best and peer_best["setup"]}
         if px_best and ddp:
             entry["vs_ddp"] = ratio(ddp["time_to_target"], px_best["time_to_target"])
+            if entry["vs_ddp"]["median"] == INF:  # DDP missed within its budget: the budget gives a lower bound
+                entry["vs_ddp"]["lower_bound"] = ddp["budget_s"] / px_best["time_to_target"]["median"]
         if px_best and peer_best:
             entry["vs_best_peer"] = ratio(peer_best["time_to_target"], px_best["time_to_target"])
         out.append(entry)
@@ -67,6 +69,8 @@ def _r(x: dict[str, float] | None) -> str:
     if not x or math.isnan(x["median"]):
         return "n/a (a side never reached the target)"
     if x["median"] == INF:
+        if "lower_bound" in x:
+            return f"> {x['lower_bound']:.2f}× (DDP did not reach the target within the budget)"
         return "∞ (the other side never reached the target)"
     return f"{x['median']:.2f}× (range {x['low']:.2f}–{x['high']:.2f})"
 

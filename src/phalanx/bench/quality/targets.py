@@ -31,13 +31,19 @@ def check(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     links = list(dict.fromkeys(r["link"] for r in rows))
     present = set(r["task"] for r in rows)
-    for task, bar in (("gpt", 10.0), ("resnet20", 3.0)):
-        for link in links if task in present else ():
+    for task, bar in (("gpt", 10.0), ("resnet20", 3.0)):  # the issue sets these for the 100 Mbit/s link only
+        for link in [x for x in links if x == "100mbit"] if task in present else ():
             best, ddp = winner(rows, task, link, "phalanx"), _row(rows, task, link, "ddp")
             r = ratio(ddp["time_to_target"], best["time_to_target"]) if best and ddp else None
-            out.append({"measure": f"best phalanx vs DDP, time to target, {task}, {link}", "target": f"≥ {bar:g}×",
-                        "value": r, "who": best and best["setup"], "verdict": verdict(r["median"] if r else math.nan,
-                                                                                      bar)})
+            entry = {"measure": f"best phalanx vs DDP, time to target, {task}, {link}", "target": f"≥ {bar:g}×",
+                     "value": r, "who": best and best["setup"], "verdict": verdict(r["median"] if r else math.nan,
+                                                                                   bar)}
+            if r and r["median"] == INF:  # DDP missed the target within its budget: only a lower bound is measured
+                lower = ddp["budget_s"] / best["time_to_target"]["median"]
+                entry.update(value=None, who=f"{best['setup']}: > {lower:.2f}× (DDP missed the target in its "
+                                             f"{ddp['budget_s']:g} s budget)",
+                             verdict="met" if lower >= bar else "cannot tell from this run (a lower bound)")
+            out.append(entry)
     for task in dict.fromkeys(r["task"] for r in rows):
         for link in links:
             best, peer = winner(rows, task, link, "phalanx"), winner(rows, task, link, "torch")
