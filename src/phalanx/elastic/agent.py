@@ -64,7 +64,7 @@ def run_elastic(cfg: "RunConfig") -> int:
     if cfg.servers:
         from ..ps.launcher import start_servers
         servers = start_servers(cfg.servers, host=cfg.master_addr)
-    base = {**os.environ, **cfg.worker_env(), **(servers.env() if servers else {}),
+    base = {**os.environ, **quiet_store_env(cfg.debug), **cfg.worker_env(), **(servers.env() if servers else {}),
             "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),
             "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "true",
             "TORCHELASTIC_RESTART_COUNT": "0"}
@@ -92,6 +92,18 @@ def run_elastic(cfg: "RunConfig") -> int:
         _stop_all(workers)
         if servers is not None:
             servers.stop()
+
+
+def quiet_store_env(debug: bool = False) -> dict[str, str]:
+    """Keep torch's C++ store warnings (a backtrace per failed store call) off an elastic job's stderr.
+
+    An elastic worker expects its store calls to fail when a peer or the launcher goes:
+    phalanx says what happened in one line, and torch's own warnings would bury it under
+    dozens of C++ frames. Your own ``TORCH_CPP_LOG_LEVEL``, or ``--debug``, keeps them.
+    """
+    if debug or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return {}
+    return {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
 def joiner_env(wid: str) -> dict[str, str]:

@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import NoReturn, Sequence
 
 from ..errors import ConfigError, PhalanxError, usage
-from .agent import POLL_S, joiner_env
+from .agent import POLL_S, joiner_env, quiet_store_env
 from .watch import Watched, describe, poll
 
 PROBE_TIMEOUT_S = 5.0
@@ -101,8 +101,9 @@ def main(argv: Sequence[str]) -> int:
         print(f"phalanx: the job at {cfg.host}:{cfg.port} has finished training; nothing to join", file=sys.stderr)
         return 0
     tag = uuid.uuid4().hex[:6]
-    base = {**os.environ, "MASTER_ADDR": cfg.host, "MASTER_PORT": str(cfg.port), "OMP_NUM_THREADS": str(cfg.threads),
-            "PHALANX_THREADS": str(cfg.threads)}
+    quiet = quiet_store_env(os.environ.get("PHALANX_DEBUG", "") not in ("", "0"))
+    base = {**os.environ, **quiet, "MASTER_ADDR": cfg.host, "MASTER_PORT": str(cfg.port),
+            "OMP_NUM_THREADS": str(cfg.threads), "PHALANX_THREADS": str(cfg.threads)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         base.pop(name, None)
     procs = [subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],

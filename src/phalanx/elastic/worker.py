@@ -94,9 +94,13 @@ class ElasticWorker:
     def lost_host(self) -> None:
         """The launcher's store is gone: say so once (from whichever thread notices first) and end."""
         with _said:
-            print(f"phalanx: elastic: worker {self.me} lost the rendezvous host {self.addr}:{self.port} "
-                  "(the `phalanx run --elastic` launcher); stopping. Commits were in memory only: "
-                  "resume from your last disk checkpoint (px.save_checkpoint), if any.", file=sys.stderr, flush=True)
+            line = (f"phalanx: elastic: worker {self.me} lost the rendezvous host {self.addr}:{self.port} "
+                    "(the `phalanx run --elastic` launcher); stopping. Commits were in memory only: "
+                    "resume from your last disk checkpoint (px.save_checkpoint), if any.\n")
+            # One write, newline included: every worker says this at once into the same pipe, and print's
+            # separate write of the newline let two workers' lines run together.
+            sys.stderr.flush()
+            os.write(2, line.encode())
             os._exit(1)  # no exit handlers: they would wait on the store that is gone
 
     def host_alive(self) -> bool:
