@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from phalanx import ConfigError
 from phalanx.elastic.agent import ElasticConfig
@@ -36,16 +35,7 @@ def launch(tmp_path, *flags: str, n: int = 3, timeout: float = 120) -> tuple[sub
     return proc, results
 
 
-def oracle(record: list) -> list[torch.Tensor]:
-    """One process trained on the same global batches: N workers x batch b == 1 process x N*b."""
-    net, data = worker.model(), worker.dataset()
-    opt = worker.optimizer(net)
-    for _epoch, _world, ids in record:
-        x, y, _ = data[torch.tensor(ids)]
-        opt.zero_grad()
-        F.mse_loss(net(x), y).backward()
-        opt.step()
-    return [p.detach() for p in net.parameters()]
+oracle = worker.oracle  # one process on the same global batches
 
 
 def check_recovered(tmp_path, proc, results, victim: str, at: int, commit: int = 3) -> dict:

@@ -52,16 +52,7 @@ def check_survived(tmp_path, proc, results, victim: str, n: int = 3, epochs: int
     return record
 
 
-def oracle(record: list) -> list[torch.Tensor]:
-    """One process trained on the same global batches, uninterrupted."""
-    net, data = base.model(), base.dataset()
-    opt = base.optimizer(net)
-    for _epoch, _world, ids in record:
-        x, y, _ = data[torch.tensor(ids)]
-        opt.zero_grad()
-        F.mse_loss(net(x), y).backward()
-        opt.step()
-    return [p.detach() for p in net.parameters()]
+oracle = base.oracle  # one process on the same global batches
 
 
 # -- unit: the policies, without processes ---------------------------------------------------------------------------

@@ -64,6 +64,18 @@ class Record:
         self.steps = [list(s) for s in state["steps"]]
 
 
+def oracle(record: list) -> list[torch.Tensor]:
+    """The tests' oracle: one process trained on the same global batches (N workers x b == 1 process x N*b)."""
+    net, data = model(), dataset()
+    opt = optimizer(net)
+    for _epoch, _world, ids in record:
+        x, y, _ = data[torch.tensor(ids)]
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
 def digest(net: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
     """Sums of every parameter and momentum buffer, in float64: equal states give equal digests."""
     bufs = [s["momentum_buffer"] for s in opt.state.values() if s.get("momentum_buffer") is not None]

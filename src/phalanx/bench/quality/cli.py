@@ -307,8 +307,9 @@ def render(payload: dict[str, Any], pngs: list[str]) -> str:
     if payload["lr_sweep"]:
         parts += ["\n## Learning rates (the same sweep for every setup)\n\n| task | setup | chosen lr | tried: final "
                   "quality |\n|---|---|---|---|\n"]
-        parts += [f"| {e['task']} | {e['setup']} | {e['lr']:g} | " +
-                  ", ".join(f"{float(lr):g}: {q:.3f}" for lr, q in e["tried"].items()) + " |\n" for e in payload["lr_sweep"]]
+        parts += [f"| {e['task']} | {e['setup']} | {e['lr']:g} | " +  # JSON keys are strings: float() them
+                  ", ".join(f"{float(lr):g}: {q:.3f}" for lr, q in e["tried"].items()) + " |\n"
+                  for e in payload["lr_sweep"]]
     parts += ["\n## Peers left out\n\n"] + [f"* {k}: {v}\n" for k, v in payload["skipped_peers"].items()]
     if pngs:
         parts += ["\n## Plots\n\n"] + [f"![{p}]({p})\n" for p in pngs]
