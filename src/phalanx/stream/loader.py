@@ -39,18 +39,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import default_collate
 
 from .. import group
 from ..batchweight import set_batch_weight
 from ..errors import ConfigError, usage
 from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Plan, pack_plans, unpack_plans, split
+from .decoding import DEAD, collate, decode_one, payloads
 from .policy import Stop, WaitFull
-from .source import END_FIELD, START, Event, StreamError, StreamSource
+from .source import END_FIELD, START, StreamError, StreamSource
 
 _KEEPALIVE_S = 1.0  # while waiting for events, tell the other workers at least this often (no collective timeout)
 _CHECK_EVERY_S = 1.0  # XINFO (retention and lag) on a timer, not per step; always at the start of a run
-_DEAD = object()  # a claimed entry that was dead-lettered: it moves the position but is not trained
 
 
 class StreamLoader:
@@ -94,7 +93,7 @@ class StreamLoader:
         self.lag = -1
         self.acknowledged: str | None = None
         self._commit: tuple[str, int] | None = None
-        self._log: list[tuple[str, Any]] = []  # claimed, decoded (or _DEAD), not yet planned (main worker)
+        self._log: list[tuple[str, Any]] = []  # claimed, decoded (or DEAD), not yet planned (main worker)
         self._planned: collections.deque[Plan] = collections.deque()  # planned, not yet trained (every worker)
         self._prefetch: ThreadPoolExecutor | None = None  # fetches this worker's parts; plans on the main worker
         self._ahead_plan: Future | None = None  # the main worker's next plans, being decided
@@ -280,7 +279,7 @@ class StreamLoader:
         keepalive = time.monotonic() + _KEEPALIVE_S
         while True:
             now = time.monotonic()
-            have = sum(1 for _, s in self._log if s is not _DEAD)
+            have = sum(1 for _, s in self._log if s is not DEAD)
             if have and self._first_wait is None:
                 self._first_wait = now
             ended = self._ended or self.stop.reached(steps=steps, elapsed_s=now - self._t0,
@@ -301,9 +300,9 @@ class StreamLoader:
                     self._ended = True  # entries after the marker were claimed too: close() un-claims them
                     break
                 data.append(event)
-            for event, payload in zip(data, self._payloads(data)):
-                if payload is _DEAD:
-                    src.dead_letter(event, _decode(src, event)[1] or "undecodable")
+            for event, payload in zip(data, payloads(self.source, data)):
+                if payload is DEAD:
+                    src.dead_letter(event, decode_one(src, event)[1] or "undecodable")
                 self._log.append((event.id, payload))
         return self._cut(want, ended)
 
@@ -316,7 +315,7 @@ class StreamLoader:
         while len(slices) < room:
             good, cut = 0, None
             for k, (_, sample) in enumerate(log):
-                good += sample is not _DEAD
+                good += sample is not DEAD
                 if good == want:
                     cut = k + 1
                     break
@@ -324,7 +323,7 @@ class StreamLoader:
                 break
             slices.append(log[:cut])
             log = log[cut:]
-        rest = sum(1 for _, s in log if s is not _DEAD)
+        rest = sum(1 for _, s in log if s is not DEAD)
         if rest and len(slices) < room and (ended or not slices):  # the end, or the policy stepped on a part
             slices.append(log)
             log = []
@@ -340,12 +339,12 @@ class StreamLoader:
             position = self._claimed_to if last and final and self._claimed_to else part[-1][0]
             consumed = len(part) + (1 if last and final and self._ended else 0)
             offset = offset + consumed if offset >= 0 else -1
-            take = [(i, s) for i, s in part if s is not _DEAD]
+            take = [(i, s) for i, s in part if s is not DEAD]
             plan = Plan(STEP, total=len(take), final=last and final, consumed=consumed, lag=self._lag(offset),
                         dead=len(part) - len(take), position=position, offset=offset,
                         parts=split([i for i, _ in take], self.world_size))
             mine = take[:plan.parts[0][2]]
-            plan.mine = ([i for i, _ in mine], self._collate([p for _, p in mine]))
+            plan.mine = ([i for i, _ in mine], collate(self.source, [p for _, p in mine]))
             plans.append(plan)
         if not plans:  # the run ended with nothing to train: move past dead letters and the marker
             consumed = len(log) + (1 if self._ended else 0)
@@ -366,37 +365,18 @@ class StreamLoader:
             self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="phalanx-stream-prefetch")
         return self._prefetch
 
-    def _payloads(self, events: list[Event]) -> list[Any]:
-        """What to keep of each event: ``_DEAD`` if it cannot be decoded; else its fields when the decoder
-        decodes whole parts at once (checked here for the lot in one call), or its decoded sample."""
-        batch = getattr(self.source.decode, "batch", None)
-        if batch is not None:
-            try:
-                batch([e.fields for e in events])
-                return [e.fields for e in events]
-            except Exception:  # noqa: BLE001 - some event is bad: find which, one by one
-                pass
-        decoded = [_decode(self.source, e) for e in events]
-        if batch is not None:
-            return [e.fields if reason is None else _DEAD for e, (_, reason) in zip(events, decoded)]
-        return [sample if reason is None else _DEAD for sample, reason in decoded]
-
-    def _collate(self, payloads: list[Any]) -> Any:
-        batch = getattr(self.source.decode, "batch", None)
-        return batch(payloads) if batch is not None else default_collate(payloads)
-
     def _fetch_part(self, part: tuple[str, str, int]) -> tuple[list[str], Any]:
         first, last, count = part
         events = self.source.fetch(first, last)
-        good = [(e.id, p) for e, p in zip(events, self._payloads(events)) if p is not _DEAD]
+        good = [(e.id, p) for e, p in zip(events, payloads(self.source, events)) if p is not DEAD]
         if count == 0:  # a stand-in with weight 0 (see split)
-            return [], self._collate([p for _, p in good[:1]])
+            return [], collate(self.source, [p for _, p in good[:1]])
         if len(good) != count:
             raise StreamError(f"worker {self.rank} found {len(good)} good events in {first}..{last} of stream "
                               f"{self.source.stream!r} but the main worker claimed {count}; expected the same "
                               "entries and the same decoding everywhere. Do not delete entries that are not yet "
                               "acknowledged, and make decode deterministic.")
-        return [i for i, _ in good], self._collate([p for _, p in good])
+        return [i for i, _ in good], collate(self.source, [p for _, p in good])
 
     def _my_part(self, plan: Plan) -> tuple[list[str], Any]:
         try:
@@ -405,9 +385,3 @@ class StreamLoader:
             raise StreamError(f"worker {self.rank} lost the stream while fetching its part: {err}") from None
         return mine
 
-
-def _decode(source: StreamSource, event: Event) -> tuple[Any, str | None]:
-    try:
-        return source.decode(event.fields), None
-    except Exception as err:  # a bad event must not stop training: it is dead-lettered with the reason
-        return None, f"{type(err).__name__}: {err}"
