@@ -277,3 +277,18 @@ def test_environment_of_a_launched_worker_is_read_once():
         (1, 2, 1, 123, 7.5, 2)
     with pytest.raises(px.ConfigError):
         WorkerEnv.from_environ({"PHALANX_TIMEOUT": "0"})
+
+
+def test_more_nccl_workers_on_a_host_than_gpus_is_refused_before_anything_starts(monkeypatch):
+    # NCCL itself fails only in the first collective, with an "invalid usage" that reads like a lost peer.
+    from phalanx import group
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(group, "_group", None)
+    with pytest.raises(px.ConfigError) as err:
+        px.init()
+    line = one_clear_line(err.value)
+    assert "2 workers on this host on NCCL, with 1 GPU(s)" in line and "backend='gloo'" in line

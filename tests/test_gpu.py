@@ -44,7 +44,7 @@ def test_prefetch_position_counts_only_handed_out_batches():
     loader = px.shard(data, batch_size=4, shuffle=False, rank=0, world_size=1, device="cuda")
     it = iter(loader)
     next(it), next(it)  # the prefetcher has already read the third batch
-    assert loader.state_dict()["position"] == 2
+    assert loader.state_dict()["samples"] == 8  # 2 batches of 4, not the 3 read
 
 
 def test_prefetch_wraps_any_loader_and_nested_batches():

@@ -67,6 +67,14 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     if env.threads is not None:
         torch.set_num_threads(env.threads)
     use_cuda = torch.cuda.is_available()
+    if use_cuda and (backend or "nccl") == "nccl" and env.local_world_size > torch.cuda.device_count():
+        # NCCL refuses two ranks on one GPU, but only inside the first collective, as an "invalid usage"
+        # that reads like a lost peer: say what is wrong before anything starts.
+        raise ConfigError(usage(f"{env.local_world_size} workers on this host on NCCL, with "
+                                f"{torch.cuda.device_count()} GPU(s) visible",
+                                "at most one NCCL worker per GPU",
+                                f"Start at most {torch.cuda.device_count()} worker(s) per host (-n), or let workers "
+                                "share a GPU over gloo: px.init(backend='gloo')."))
     device = torch.device("cuda", env.local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
