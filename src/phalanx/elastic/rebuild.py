@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 from datetime import timedelta
@@ -39,6 +40,11 @@ def destroy() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group may fail to tear down; it is gone either way
             pass
+    # The failed collective's exception and traceback form reference cycles that hold the old group's
+    # work objects, and through them the group; its sockets close only when it is freed. Until the next
+    # automatic collection (seconds later, or never in a quiet loop) a peer blocked on us waits for its
+    # collective timeout (seen on torch 2.11: 4 workers, every recovery missed the quorum).
+    gc.collect()
 
 
 def release(pg: object) -> int:
