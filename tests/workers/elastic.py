@@ -95,6 +95,9 @@ def main() -> None:
     p.add_argument("--kill-in-step", action="store_true", help="die after the step's gather, not before it")
     p.add_argument("--slow-until-world", type=int, default=0,
                    help="steps take 0.4 s until the group has reached this size (joiners start slowly)")
+    p.add_argument("--slow-while-below", type=int, default=0,
+                   help="steps take 1 s while the group is smaller than this (a replacement is still starting), "
+                        "for at most 60 s")
     p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
@@ -124,6 +127,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
             time.sleep(60)  # a stopped worker never gets here before the launcher kills it
 
+    began = time.monotonic()
+
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
         for epoch in range(state.epoch, args.epochs):
@@ -150,7 +155,8 @@ def main() -> None:
                 if state.history and not first_after:
                     first_after.append(time.time())
                 reached.append(px.world_size() >= args.slow_until_world)
-                time.sleep(args.step_sleep if any(reached) else 0.4)
+                waiting = px.world_size() < args.slow_while_below and time.monotonic() < began + 60
+                time.sleep(1.0 if waiting else args.step_sleep if any(reached) else 0.4)
 
     started = time.perf_counter()
     train(state)
