@@ -204,7 +204,7 @@ def test_trainer_fit_elastic_survives_a_crash_and_shows_the_world_size(tmp_path)
 @pytest.mark.multiproc
 def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(tmp_path):
     proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", "--kill", "1@5", "--commit-every", "3",
-                           "--epochs", "4", "--step-sleep", "0.3")
+                           "--epochs", "4", "--step-sleep", "0.3", "--slow-while-below", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(results) == ["0", "2", "r1"] and "started worker r1" in proc.stderr
     joiner, main = results["r1"], results["0"]
@@ -216,6 +216,16 @@ def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(tmp_path):
     for epoch in range(4):  # nobody rolled back at the join: still every sample once per epoch
         ids = [i for e, _, step in main["record"] for i in step if e == epoch]
         assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+
+
+@pytest.mark.multiproc
+def test_replacements_that_fail_at_start_are_not_restarted_forever(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", "--kill", "1@3", "--epochs", "2",
+                           "--fail-replacements", "--step-sleep", "0.5")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the survivors finish the job
+    assert sorted(results) == ["0", "2"]
+    assert proc.stderr.count("started worker r") == 3 and "before it joined (3 in a row)" in proc.stderr
+    assert proc.stderr.count("replacements in a row died before joining; starting no more") == 1, proc.stderr[-3000:]
 
 
 def test_join_refuses_an_endpoint_with_no_job_within_seconds():

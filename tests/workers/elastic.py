@@ -12,12 +12,17 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
+if "--fail-replacements" in sys.argv and os.environ.get("PHALANX_ELASTIC_ID", "").startswith("r"):
+    # before importing torch: a script that fails at start usually fails fast (a typo, a missing file)
+    raise SystemExit(f"replacement {os.environ['PHALANX_ELASTIC_ID']}: failing at start, as the test asked")
 
-import phalanx as px
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import phalanx as px  # noqa: E402
 
 N, DIM, BATCH = 64, 5, 4
 
@@ -98,6 +103,8 @@ def main() -> None:
     p.add_argument("--slow-while-below", type=int, default=0,
                    help="steps take 1 s while the group is smaller than this (a replacement is still starting), "
                         "for at most 60 s")
+    p.add_argument("--fail-replacements", action="store_true",
+                   help="a replacement (r1, r2...) fails at start (checked at import)")
     p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ..launch import RunConfig
 
 POLL_S = 0.05
+MAX_FAILED_STARTS = 3  # replacements in a row that died before any generation admitted them
 
 
 # the watching code lives in watch.py, shared with `phalanx join`'s local watcher
@@ -111,6 +112,14 @@ def joiner_env(wid: str) -> dict[str, str]:
     return {"PHALANX_ELASTIC_ID": wid, "PHALANX_ELASTIC_JOIN": "1"}
 
 
+def _admitted(store) -> set[str]:
+    """Every worker some generation so far has included."""
+    from .membership import key
+
+    newest = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
+    return {m for g in range(newest + 1) for m in json.loads(store.get(key("gen", g, "members")))}
+
+
 def _members(store) -> list[str]:
     """The newest generation's workers (rank order)."""
     from .membership import key
@@ -132,6 +141,7 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
 
     first_failure: int | None = None
     replaced = 0
+    failed_starts = 0  # a script that fails at start would otherwise be replaced forever
     remotes = Remote()  # el-hosts
     while True:
         if stop["sig"] is not None:
@@ -157,14 +167,26 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                 print(f"phalanx: elastic: spare {w.id} (pid {w.proc.pid}) {_how(code)}; {len(reserve)} spare(s) "
                       "left", file=sys.stderr, flush=True)
                 continue
-            print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; the others regroup "
-                  "without it", file=sys.stderr, flush=True)
+            admitted = w.id in _admitted(store)
+            if not admitted:  # a replacement that never entered: no hole in the group, one failed start
+                failed_starts += 1
+                print(f"phalanx: elastic: replacement {w.id} (pid {w.proc.pid}) {_how(code)} before it joined "
+                      f"({failed_starts} in a row)", file=sys.stderr, flush=True)
+            else:
+                failed_starts = 0
+                print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; the others regroup "
+                      "without it", file=sys.stderr, flush=True)
             if reserve:
                 spare = next(s for s in workers if s.id == reserve[0])
                 reserve.pop(0)
                 print(f"phalanx: elastic: spare {spare.id} (pid {spare.proc.pid}, already started) takes its "
                       f"place at the regroup (at the next commit if it is still starting); {len(reserve)} spare(s) "
                       "left", file=sys.stderr, flush=True)
+            elif el.replace and failed_starts >= MAX_FAILED_STARTS:
+                if failed_starts == MAX_FAILED_STARTS:
+                    print(f"phalanx: elastic: {failed_starts} replacements in a row died before joining; starting "
+                          "no more (see their errors above); the job goes on with the workers it has",
+                          file=sys.stderr, flush=True)
             elif el.replace:
                 replaced += 1
                 workers.append(joiner(f"r{replaced}"))
