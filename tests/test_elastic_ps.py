@@ -146,3 +146,43 @@ def test_async_easgd_survives_a_kill_with_its_centre_rolled_back_to_the_commit(t
             [f"start{wid}-{r['pid']}.json"]
     check_rolled_back_together(results, servers, ["0", "2"])
     assert servers["0"]["final"] == servers["2"]["final"]  # finish(): both end with the centre
+
+
+@pytest.mark.multiproc
+def test_a_dead_server_ends_the_elastic_job_with_one_line_naming_it(tmp_path):
+    import signal
+    import time
+    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--servers", "1", ASYNC, "--out", str(tmp_path),
+           "--strategy", "downpour", "--epochs", "50", "--step-sleep", "0.2"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(glob.glob(str(tmp_path / "training*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    [server] = [pid for pid in children(launcher.pid) if "phalanx.ps" in cmdline(pid)]
+    os.kill(server, signal.SIGKILL)
+    killed = time.monotonic()
+    stderr = launcher.communicate(timeout=60)[1]
+    assert launcher.returncode != 0 and time.monotonic() - killed < 30  # generous: the launcher polls it
+    lines = [ln for ln in stderr.splitlines() if "parameter server" in ln]
+    assert len(lines) == 1 and f"pid {server}" in lines[0] and "checkpoint" in lines[0], stderr[-2000:]
+    assert "Traceback" not in stderr and not glob.glob(str(tmp_path / "worker*.json")), stderr[-2000:]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(stat.split("/")[2]))
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return ""
