@@ -27,6 +27,7 @@ from ..strategies import register
 from ..strategies.base import Strategy
 from ..strategies.gradients import fill_missing_grads, weigh_
 from .client import ParamTable
+from .elastic import FollowsElasticGroup
 from .link import Link, connect, follow_group
 from .optim import from_torch_sgd, server_rule
 from .placement import policy as placement_policy
@@ -34,7 +35,7 @@ from .shards import Policy
 from .wire import require_zmq
 
 
-class PSStrategy(Strategy):
+class PSStrategy(FollowsElasticGroup, Strategy):
     """What every PS strategy shares: connect, shard the parameters, account the traffic.
 
     Args:
@@ -146,52 +147,6 @@ class PSStrategy(Strategy):
             self.table.versions = {n: int(e["version"]) for n, e in servers.items()}  # type: ignore[union-attr]
         if not self._regroup_pending():  # a rollback's barrier is the one in regroup(), which joiners pass too
             self.link.barrier("restoring the parameter servers from a checkpoint")  # type: ignore[union-attr]
-
-    # -- under --elastic (see docs/elastic.md): a commit is one consistent cut of workers and servers --
-    def settle(self) -> None:
-        """Under ``--elastic``, just before and just after each commit: wait for every worker (collective).
-
-        Before: every worker's exchanges up to this step have reached the servers, so the
-        snapshot in the commit holds them all. After: no one's next exchange lands before
-        every worker took its snapshot. The commit is then one consistent cut of the data
-        position and the servers' shards, and a rollback to it trains each sample exactly
-        once in the final model's history. Elsewhere (no group, or servers holding no model)
-        it does nothing.
-        """
-        if self.servers_hold_the_model and group.is_elastic() and group.world_size() > 1:
-            self.comm.barrier()
-
-    def load_joiner_state_dict(self, state: dict[str, Any]) -> None:
-        """A worker joining a running ``--elastic`` job: rank 0's step count, and the servers as they are now.
-
-        Unlike :meth:`load_state_dict` (a rollback or a resume), this never puts the servers
-        back to the snapshot in ``state``: the members go on from the servers' current shards
-        and so does the joiner, whose model becomes those shards (a pull).
-        """
-        super().load_state_dict({k: v for k, v in state.items() if k != "servers"})
-        self._pull_at_regroup = self.servers_hold_the_model  # after every member passed regroup()'s barrier
-
-    def regroup(self) -> None:
-        """Under ``--elastic``, after a change, on every member of the new group: one barrier.
-
-        A rollback's ``set`` (rank 0, in :meth:`load_state_dict`) is on the servers before
-        anyone passes it, so no one's next push is overwritten and a joiner's pull sees it.
-        """
-        if not self.servers_hold_the_model:
-            return
-        self.comm.barrier()
-        from ..elastic.worker import generation
-        self._generation = generation()
-        if getattr(self, "_pull_at_regroup", False):
-            self._pull_at_regroup = False
-            self._exchange(self.table.pull)  # type: ignore[union-attr]
-
-    def _regroup_pending(self) -> bool:
-        """Under ``--elastic``: the group changed and :meth:`regroup` has not run yet (we are rolling back)."""
-        if not group.is_elastic():
-            return False
-        from ..elastic.worker import generation
-        return generation() != getattr(self, "_generation", 0)
 
     def _exchange(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one exchange with the servers and add its bytes and time to ``self.comm.stats``."""
