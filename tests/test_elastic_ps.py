@@ -149,23 +149,50 @@ def test_async_easgd_survives_a_kill_with_its_centre_rolled_back_to_the_commit(t
 
 
 @pytest.mark.multiproc
-def test_a_dead_server_ends_the_elastic_job_with_one_line_naming_it(tmp_path):
+def test_a_killed_server_is_started_again_and_the_workers_roll_back_its_shards_and_train_every_sample_once(tmp_path):
     import signal
     import time
     cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--servers", "1", ASYNC, "--out", str(tmp_path),
-           "--strategy", "downpour", "--epochs", "50", "--step-sleep", "0.2"]
+           "--strategy", "downpour", "--commit-every", "3", "--server-dies-at", "4"]
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(glob.glob(str(tmp_path / "training*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    deadline = time.monotonic() + 90
+    while not (tmp_path / "kill-server").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
     [server] = [pid for pid in children(launcher.pid) if "phalanx.ps" in cmdline(pid)]
-    os.kill(server, signal.SIGKILL)
-    killed = time.monotonic()
-    stderr = launcher.communicate(timeout=60)[1]
-    assert launcher.returncode != 0 and time.monotonic() - killed < 30  # generous: the launcher polls it
-    lines = [ln for ln in stderr.splitlines() if "parameter server" in ln]
-    assert len(lines) == 1 and f"pid {server}" in lines[0] and "checkpoint" in lines[0], stderr[-2000:]
-    assert "Traceback" not in stderr and not glob.glob(str(tmp_path / "worker*.json")), stderr[-2000:]
+    os.kill(server, signal.SIGKILL)  # worker 0 waits after step 4, so the kill lands mid-epoch
+    (tmp_path / "server-killed").touch()
+    stderr = launcher.communicate(timeout=120)[1]
+    assert launcher.returncode == 0, stderr[-3000:]
+    [line] = [ln for ln in stderr.splitlines() if "parameter server" in ln]
+    assert f"pid {server}" in line and "started it again" in line and "Traceback" not in stderr, stderr[-2000:]
+    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    servers = {os.path.basename(p)[7:-5]: json.load(open(p)) for p in glob.glob(str(tmp_path / "servers*.json"))}
+    assert sorted(results) == ["0", "1"]
+    [change] = results["0"]["history"]
+    assert (change["left"], change["joined"], change["step"]) == ([], [], 3) and "parameter server" in change["cause"]
+    record = results["0"]["record"]
+    for epoch in (0, 1):  # every sample once per epoch, across the server's death
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    for r in servers.values():  # the restarted server got the commit's shards back: it applied each sample once
+        [after] = r["after_rollback"]
+        assert after["servers"] == after["commit"], after
+        for got, w in zip(r["final"], elastic_ps.counted(2 * worker.N), strict=True):
+            torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_server_that_keeps_exiting_ends_the_job_instead_of_a_restart(capsys):
+    import torch.distributed as dist
+
+    from phalanx.ps.elastic import MAX_RESTARTS, restart_exited
+    from phalanx.ps.launcher import start_servers
+    store = dist.HashStore()
+    with start_servers(1) as servers:
+        servers.procs[0].kill()
+        servers.procs[0].wait()
+        servers.restarts = MAX_RESTARTS  # it was started again that many times already
+        assert not restart_exited(servers, store, servers.exited())
+        assert not servers.alive()[0]
 
 
 def children(pid: int) -> list[int]:

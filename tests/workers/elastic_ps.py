@@ -8,6 +8,7 @@ Run it like that script (``phalanx run --elastic -n 3 --servers 1 tests/workers/
   the servers (Downpour), the servers' final bias is ``b0 - lr * (samples applied)`` and their
   weight ``W0 - lr * (sum of their x)``, in any order and at any staleness: an exact oracle of
   an asynchronous run, which counts every sample the servers applied;
+* ``--server-dies-at S``: worker 0 waits after step S until the test has killed the server;
 * it writes ``servers<ID>.json``: the digest of the servers' snapshot in each commit it took,
   and, after each rollback, the digest of the servers right after the regroup next to the
   digest of the commit rolled back to.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -76,6 +78,15 @@ class RecordingState(px.elastic.State):
         if snap is not None and snap["strategy"].get("servers") is not None:
             LOG["commits"].append([self.step, digest(snap["strategy"]["servers"])])
 
+    def _after_step(self) -> None:
+        super()._after_step()
+        # --server-dies-at S: worker 0 stops after step S until the test has killed the server (SIGKILL)
+        if os.environ.get("PHALANX_ELASTIC_ID") == "0" and self.step == SERVER_DIES_AT and not self.history:
+            open(os.path.join(OUT, "kill-server"), "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(OUT, "server-killed")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
     def recover(self, failure: str, failed_at: float | None = None) -> None:
         super().recover(failure, failed_at)
         # Nobody pushes yet: the others wait for us in the next step's gather (tests/workers/elastic.py).
@@ -84,7 +95,16 @@ class RecordingState(px.elastic.State):
                                       "commit": digest(self.commits[self.step]["strategy"]["servers"])})
 
 
+SERVER_DIES_AT, OUT = 0, ""
+
+
 def main() -> None:
+    global SERVER_DIES_AT, OUT
+    OUT = sys.argv[sys.argv.index("--out") + 1]
+    if "--server-dies-at" in sys.argv:  # ours, not tests/workers/elastic.py's
+        at = sys.argv.index("--server-dies-at")
+        SERVER_DIES_AT = int(sys.argv[at + 1])
+        del sys.argv[at:at + 2]
     base.model, base.dataset = Counting, dataset
     base.optimizer = lambda net: torch.optim.SGD(net.parameters(), lr=LR)  # the servers apply it: plain SGD
     px.elastic.State = RecordingState  # main() builds its state through this name
@@ -93,7 +113,7 @@ def main() -> None:
     strategy.finish()  # every worker's last pushes, then the servers' final model on each
     LOG["final"] = [p.tolist() for p in strategy.params]
     me = os.environ.get("PHALANX_ELASTIC_ID", "0")
-    with open(os.path.join(sys.argv[sys.argv.index("--out") + 1], f"servers{me}.json"), "w") as f:
+    with open(os.path.join(OUT, f"servers{me}.json"), "w") as f:
         json.dump(LOG, f)
 
 

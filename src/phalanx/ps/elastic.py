@@ -55,6 +55,35 @@ class FollowsElasticGroup:
         super().load_state_dict({k: v for k, v in state.items() if k != "servers"})  # type: ignore[misc]
         self._pull_at_regroup = self.servers_hold_the_model  # after every member passed regroup()'s barrier
 
+    def watch_servers(self) -> None:
+        """Under ``--elastic`` with separate servers: a call that a restarted server will never answer gives up.
+
+        The launcher starts an exited server again, empty, on its address, and counts it in
+        the job's store; a worker waiting on it (or refused by it) then raises
+        :class:`~phalanx.WorkerLostError`, and the group rolls back to its last commit,
+        which holds the servers' shards.
+        """
+        if group.is_elastic() and self.link is not None and self.link.hosted is None:  # type: ignore[attr-defined]
+            from ..elastic.worker import servers_restarted
+            self._restarts_seen = servers_restarted()
+            self.link.client.abandon = self.server_restarted  # type: ignore[attr-defined]
+
+    def server_restarted(self) -> str | None:
+        """Why the servers lost their state since this worker last regrouped (a restart), or None."""
+        from ..elastic.worker import servers_restarted
+        if servers_restarted() > getattr(self, "_restarts_seen", servers_restarted()):
+            return ("a parameter server exited and the launcher started it again, empty; the workers roll back "
+                    "to their last commit, which holds its shards")
+        return None
+
+    def _servers_back(self, *, register: bool) -> None:
+        """After a regroup: a restarted server is known again (``register``: we send it our names and rule)."""
+        from ..elastic.worker import servers_restarted
+        restarted = self.server_restarted()
+        self._restarts_seen = servers_restarted()  # first: our own calls to it must not give up now
+        if register and restarted:
+            self._exchange(self.join)  # type: ignore[attr-defined]
+
     def regroup(self) -> None:
         """Under ``--elastic``, after a change, on every member of the new group: one barrier.
 
@@ -64,6 +93,7 @@ class FollowsElasticGroup:
         if not self.servers_hold_the_model:
             return
         self.comm.barrier()  # type: ignore[attr-defined]
+        self._servers_back(register=False)  # rank 0 registered and restored the shards before the barrier
         from ..elastic.worker import generation
         self._generation = generation()
         if getattr(self, "_pull_at_regroup", False):
@@ -76,3 +106,35 @@ class FollowsElasticGroup:
             return False
         from ..elastic.worker import generation
         return generation() != getattr(self, "_generation", 0)
+
+
+# -- the launcher's side ----------------------------------------------------------------------------------------
+MAX_RESTARTS = 3  # a server that keeps exiting (out of memory at every start) ends the job after this many
+
+
+def restart_exited(servers: Any, store: Any, exited: list[str]) -> bool:
+    """``phalanx run --elastic --servers K``: start exited servers again on their addresses; False if it cannot.
+
+    Each worker's commit holds the servers' shards (Downpour, async EASGD) or the servers
+    hold nothing (synchronous PS), so the workers roll back to their last commit and go
+    on. Says so in one line on stderr.
+    """
+    import sys
+
+    from ..elastic.membership import key
+    from .launcher import ServerStartError
+    if servers.restarts >= MAX_RESTARTS:
+        return False
+    # Counted first: a worker that the new, empty server refuses must already know why.
+    store.add(key("ps", "restarts"), 1)
+    try:
+        for i, alive in enumerate(servers.alive()):
+            if not alive:
+                servers.restart(i)
+    except ServerStartError as err:
+        print(f"phalanx: elastic: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
+        return False
+    print(f"phalanx: elastic: {exited[0]}; started it again on the same address (restart {servers.restarts} of "
+          f"at most {MAX_RESTARTS}); the workers roll back to their last commit, which holds its shards",
+          file=sys.stderr, flush=True)
+    return True

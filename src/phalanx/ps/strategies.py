@@ -67,6 +67,7 @@ class PSStrategy(FollowsElasticGroup, Strategy):
         self.link = connect(self.servers, timeout=self.timeout)
         self.table = ParamTable(named, self.link.client, self.placement)
         self._exchange(self.join)
+        self.watch_servers()
         if self._pending_servers is not None:
             self._restore_servers(self._pending_servers)
             self._pending_servers = None
@@ -142,6 +143,7 @@ class PSStrategy(FollowsElasticGroup, Strategy):
 
     def _restore_servers(self, servers: dict[str, Any]) -> None:
         if group.rank() == 0:
+            self._servers_back(register=True)  # a restarted server knows neither our shards nor their rule
             self._exchange(self.table.set, servers)  # type: ignore[union-attr]
         else:
             self.table.versions = {n: int(e["version"]) for n, e in servers.items()}  # type: ignore[union-attr]
@@ -349,7 +351,8 @@ class SyncParameterServer(PSStrategy):
         grads = self._grads()
         weigh_(grads)
         from ..elastic import worker  # under --elastic a round belongs to one group; a dead peer ends the wait
-        elastic = {"generation": worker.generation(), "abandon": worker.lost_peer} if group.is_elastic() else {}
+        elastic = {"generation": worker.generation(),
+                   "abandon": lambda: worker.lost_peer() or self.server_restarted()} if group.is_elastic() else {}
         self._exchange(self.table.reduce, grads, step=step - 1,  # type: ignore[union-attr]
                        workers=group.world_size(), **elastic)
 
@@ -360,6 +363,8 @@ class SyncParameterServer(PSStrategy):
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
             self.link, self.table = link, ParamTable(named, link.client, self.placement)
             self._exchange(self.join)
+        else:
+            self._servers_back(register=True)  # a restarted server must know the names again
 
     def __repr__(self) -> str:
         return "ParameterServer(sync=True)"
