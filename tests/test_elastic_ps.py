@@ -181,7 +181,25 @@ def test_a_killed_server_is_started_again_and_the_workers_roll_back_its_shards_a
             torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-5)
 
 
-def test_a_server_that_keeps_exiting_ends_the_job_instead_of_a_restart(capsys):
+def test_a_request_refused_by_a_restarted_server_gives_up_so_that_the_group_rolls_back():
+    from phalanx.errors import WorkerLostError
+    from phalanx.ps.client import Client, PSError
+    from phalanx.ps.server import Server
+    server = Server().start()  # empty, as a restarted one is: it knows no variable
+    client = Client([server.address], timeout=10)
+    try:
+        pull = {0: ({"op": "pull", "names": ["w"]}, [])}
+        with pytest.raises(PSError, match="refused"):
+            client.call(pull)  # nothing restarted: a refusal is an error
+        client.abandon = lambda: "a parameter server exited and the launcher started it again"
+        with pytest.raises(WorkerLostError, match="started it again"):
+            client.call(pull)  # a peer failure: the elastic group rolls back and restores the shards
+    finally:
+        client.close()
+        server.stop(save=False)
+
+
+def test_a_server_that_keeps_exiting_ends_the_job_instead_of_a_restart():
     import torch.distributed as dist
 
     from phalanx.ps.elastic import MAX_RESTARTS, restart_exited
