@@ -14,6 +14,12 @@ model. Three rules keep every sample trained exactly once in the final model's h
   it takes rank 0's step count, optimizer and data position and, as its model, the
   servers' shards as they are (a pull after the barrier). Nobody rolls back.
 
+A server that exits is started again, empty, on its address by the launcher
+(:func:`restart_exited`, at most ``MAX_RESTARTS`` times). The workers waiting on it or
+refused by it give up (:meth:`FollowsElasticGroup.server_restarted`), and the group
+rolls back as after a worker's crash: rank 0 registers the shards again and restores
+them from the commit (the synchronous PS holds no model: its workers only register).
+
 Outside ``--elastic`` all of this does nothing.
 
 Example (one worker, not elastic: nothing to wait for):
