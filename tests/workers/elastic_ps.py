@@ -89,6 +89,8 @@ class RecordingState(px.elastic.State):
 
     def recover(self, failure: str, failed_at: float | None = None) -> None:
         super().recover(failure, failed_at)
+        if self.commits[self.step]["strategy"].get("servers") is None:
+            return  # the synchronous PS: its servers hold no model
         # Nobody pushes yet: the others wait for us in the next step's gather (tests/workers/elastic.py).
         now = px.strategy_of(self.optimizer).table.snapshot()
         LOG["after_rollback"].append({"step": self.step, "servers": digest(now),

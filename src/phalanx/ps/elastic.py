@@ -141,6 +141,6 @@ def restart_exited(servers: Any, store: Any, exited: list[str]) -> bool:
         print(f"phalanx: elastic: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
         return False
     print(f"phalanx: elastic: {exited[0]}; started it again on the same address (restart {servers.restarts} of "
-          f"at most {MAX_RESTARTS}); the workers roll back to their last commit, which holds its shards",
+          f"at most {MAX_RESTARTS}); the workers roll back to their last commit (and its shards)",
           file=sys.stderr, flush=True)
     return True
