@@ -6,6 +6,11 @@ notice the death (its watcher marks it), abandon the round, regroup, and have th
 key the redone steps' rounds with the new group and its worker count. The checks are
 those of tests/test_elastic.py: same processes, exit 0, every sample once per epoch, and
 the final model equal to one process trained on the same global batches.
+
+Downpour and asynchronous EASGD hold the model on the servers: there the checks are that
+the servers are put back to the commit rolled back to (and never by a joiner), and, for
+Downpour, that the servers applied every sample exactly once (tests/workers/elastic_ps.py's
+counting model). A killed server is started again and the workers roll back to their commit.
 """
 from __future__ import annotations
 
@@ -88,8 +93,8 @@ ASYNC = os.path.join(os.path.dirname(__file__), "workers", "elastic_ps.py")
 def launch_async(tmp_path, strategy: str, *run_flags: str, epochs: int = 2, script: tuple = (), timeout: float = 150
                  ) -> tuple[subprocess.CompletedProcess, dict, dict]:
     cmd = [*CLI, "run", "-n", "3", "--elastic", "--min-workers", "2", "--servers", "1", *run_flags, ASYNC,
-           "--out", str(tmp_path), "--kill", "1@5", "--commit-every", "3", "--strategy", strategy, "--epochs", str(epochs),
-           *script]
+           "--out", str(tmp_path), "--kill", "1@5", "--commit-every", "3", "--strategy", strategy,
+           "--epochs", str(epochs), *script]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     servers = {os.path.basename(p)[7:-5]: json.load(open(p)) for p in glob.glob(str(tmp_path / "servers*.json"))}
