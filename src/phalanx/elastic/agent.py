@@ -150,6 +150,9 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
             return 128 + int(stop["sig"])
         dead_servers = servers.exited() if servers is not None else []  # el-hosts
         if dead_servers and not store.check([key("done")]):
+            from ..ps.elastic import restart_exited  # el-aps: started again, the workers roll back to a commit
+            if restart_exited(servers, store, dead_servers):
+                continue
             print(f"phalanx: elastic: {dead_servers[0]}; a lost server cannot be regrouped around, so the job "
                   "stops. Resume from your last disk checkpoint (px.save_checkpoint holds the servers' shards), "
                   "if any.", file=sys.stderr, flush=True)

@@ -108,7 +108,7 @@ class State:
         # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; commit only where
         # every worker stands at the same step with the same model.
         if self.step - last >= self.commit_every and (at_sync is None or at_sync(strategy.steps)):
-            self.commit()
+            self._commit_together()
             joiners = self.worker.admit(self.step)
             if joiners:
                 raise _Resize(joiners)  # out of opt.step() and the training function; run() re-enters it
@@ -128,6 +128,15 @@ class State:
         self.commits[self.step] = snap
         for old in sorted(self.commits)[:-KEEP]:
             del self.commits[old]
+
+    def _commit_together(self) -> None:
+        """A commit every member takes at the same step. el-aps: the async PS settles around it."""
+        settle = getattr(strategy_of(self.optimizer), "settle", None) if self.elastic else None
+        if settle is not None:
+            settle()  # every worker's pushes up to this step are on the servers before the snapshot
+        self.commit()
+        if settle is not None:
+            settle()  # and no one's next push lands before every worker took it
 
     def _check(self) -> None:
         self._checked = True
@@ -179,7 +188,14 @@ class State:
         snap = self._send_state()
         # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
         # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
-        self._restore(shared(snap))
+        mine = shared(snap)
+        strategy = strategy_of(self.optimizer)
+        adopt = getattr(strategy, "load_joiner_state_dict", None)  # el-aps: never puts the async PS back
+        if adopt is not None:
+            mine["strategy"] = None
+        self._restore(mine)
+        if adopt is not None and snap.get("strategy") is not None:
+            adopt(snap["strategy"])
         self._resplit(snap["elastic_world_size"])
         self.commits = {}
         self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
@@ -263,7 +279,7 @@ def run(fn: F) -> F:
         if state.elastic and state.worker.joining and not state.join():
             return None  # training ended before we got in: nothing to do
         if not state.commits:
-            state.commit()  # the start is always a commit every worker holds
+            state._commit_together()  # the start is always a commit every worker holds
         while True:
             failure, joiners, failed_at = None, None, 0.0
             try:

@@ -220,3 +220,11 @@ def lost_peer() -> str | None:
     return (f"worker(s) {', '.join(dead)} of generation {m.generation} died during a synchronous parameter-server "
             "round (marked dead by their watcher)")
 # -- end el-hosts ----------------------------------------------------------------------------------
+
+
+def servers_restarted() -> int:
+    """el-aps: how many times the launcher started an exited parameter server (``--servers``) again; 0 outside."""
+    if _current is None:
+        return 0
+    k = key("ps", "restarts")
+    return int(_current.store.get(k)) if _current.store.check([k]) else 0

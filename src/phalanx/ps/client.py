@@ -80,6 +80,8 @@ class Client:
         self._next_id = 0
         n = len(self.addrs)
         self.traffic = Traffic([0] * n, [0] * n, [0] * n)
+        # Under --elastic: why every answer will be lost or refused (a server was restarted empty), or None.
+        self.abandon: Callable[[], str | None] | None = None
 
     def _connect(self, addr: str) -> "zmq.Socket":
         zmq = self._zmq
@@ -97,6 +99,7 @@ class Client:
         waiting and raise :class:`~phalanx.WorkerLostError` with that reason.
         """
         start = time.perf_counter()
+        abandon = abandon if abandon is not None else self.abandon
         ids = {}
         for s, (control, tensors) in requests.items():
             self._next_id += 1
@@ -146,6 +149,9 @@ class Client:
                 f"if it is only slow, raise {TIMEOUT}.", missing, [self.addrs[s] for s in missing])
         for s, msg in replies.items():
             if not msg.control.get("ok"):
+                given_up = abandon() if abandon is not None else None
+                if given_up is not None:  # refused by a server started again, empty: the group rolls back
+                    raise WorkerLostError(given_up)
                 raise PSError(f"parameter server {s} ({self.addrs[s]}) refused {requests[s][0].get('op')!r}: "
                               f"{msg.control.get('error')}")
         return replies

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import check
 from ..errors import PhalanxError
@@ -38,6 +39,9 @@ class ServerGroup:
     token: str | None
     procs: list[subprocess.Popen] = field(repr=False)
     log_dir: str = field(repr=False, default="")
+    cmds: list[list[str]] = field(repr=False, default_factory=list)  # how each was started, to restart it
+    proc_env: dict[str, str] = field(repr=False, default_factory=dict)
+    restarts: int = 0
 
     def env(self) -> dict[str, str]:
         """The variables a worker needs: ``PHALANX_PS_ADDRS`` (and ``PHALANX_PS_TOKEN`` if there is one)."""
@@ -71,6 +75,22 @@ class ServerGroup:
             where = self.addrs[i].removeprefix("tcp://") or "not yet serving"
             lines.append(f"parameter server {i} ({where}, pid {p.pid}) exited with {how}")
         return lines
+
+    def restart(self, index: int, timeout: float = 60.0) -> None:
+        """Start server ``index`` again, empty, on the address it had (its clients reconnect by themselves).
+
+        Under ``phalanx run --elastic`` the workers then roll back to their last commit, which
+        holds its shards. Raises :class:`ServerStartError` if it cannot serve there again.
+        """
+        port = self.addrs[index].rsplit(":", 1)[1]
+        path = os.path.join(self.log_dir, f"ps{index}.addr")
+        if os.path.exists(path):
+            os.remove(path)
+        with open(os.path.join(self.log_dir, f"ps{index}.log"), "a") as log:
+            self.procs[index] = subprocess.Popen([*self.cmds[index], "--port", port], env=self.proc_env,
+                                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.restarts += 1
+        _wait_serving(self, [index], self.addrs[index], timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every server (each writes its checkpoint, if it has one), then SIGKILL stragglers."""
@@ -114,7 +134,7 @@ def start_servers(n: int, host: str = "127.0.0.1", token: str | None = None, *, 
     env.pop(TOKEN, None)
     if token:
         env[TOKEN] = token  # through the environment, not argv, which other users can read in `ps`
-    procs = []
+    procs, cmds = [], []
     for i in range(n):
         cmd = [sys.executable, "-m", "phalanx.ps", "serve", "--host", host, "--index", str(i),
                "--threads", str(threads), "--port-file", os.path.join(log_dir, f"ps{i}.addr")]
@@ -127,27 +147,33 @@ def start_servers(n: int, host: str = "127.0.0.1", token: str | None = None, *, 
             cmd += ["--checkpoint", os.path.join(checkpoint_dir, f"ps-shard-{i}.pt")]
             if checkpoint_every:
                 cmd += ["--checkpoint-every", str(checkpoint_every)]
+        cmds.append(cmd)
         with open(os.path.join(log_dir, f"ps{i}.log"), "w") as log:
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL))
-    group = ServerGroup([""] * n, token, procs, log_dir)
+    group = ServerGroup([""] * n, token, procs, log_dir, cmds, env)
+    _wait_serving(group, range(n), host, timeout)
+    return group
+
+
+def _wait_serving(group: ServerGroup, indices: Any, host: str, timeout: float) -> None:
+    """Wait until servers ``indices`` wrote their address; stop the group and raise if one exits or is late."""
     deadline = time.monotonic() + timeout
-    pending = set(range(n))
+    pending = set(indices)
     while pending:
         for i in sorted(pending):
-            path = os.path.join(log_dir, f"ps{i}.addr")
+            path = os.path.join(group.log_dir, f"ps{i}.addr")
             if os.path.exists(path):
                 group.addrs[i] = open(path).read().strip()
                 pending.discard(i)
-            elif procs[i].poll() is not None:
+            elif group.procs[i].poll() is not None:
                 text = group.log(i).strip()[-2000:]
                 group.stop()
-                raise ServerStartError(f"parameter server {i} exited with status {procs[i].returncode} while "
-                                       f"starting on {host}:\n{text}")
+                raise ServerStartError(f"parameter server {i} exited with status {group.procs[i].returncode} "
+                                       f"while starting on {host}:\n{text}")
         if pending and time.monotonic() > deadline:
             group.stop()
             raise ServerStartError(f"parameter server(s) {sorted(pending)} did not start within {timeout:g} s; "
                                    "is the machine overloaded?")
         if pending:
             time.sleep(0.05)
-    return group

@@ -27,6 +27,7 @@ from ..strategies import register
 from ..strategies.base import Strategy
 from ..strategies.gradients import fill_missing_grads, weigh_
 from .client import ParamTable
+from .elastic import FollowsElasticGroup
 from .link import Link, connect, follow_group
 from .optim import from_torch_sgd, server_rule
 from .placement import policy as placement_policy
@@ -34,7 +35,7 @@ from .shards import Policy
 from .wire import require_zmq
 
 
-class PSStrategy(Strategy):
+class PSStrategy(FollowsElasticGroup, Strategy):
     """What every PS strategy shares: connect, shard the parameters, account the traffic.
 
     Args:
@@ -66,6 +67,7 @@ class PSStrategy(Strategy):
         self.link = connect(self.servers, timeout=self.timeout)
         self.table = ParamTable(named, self.link.client, self.placement)
         self._exchange(self.join)
+        self.watch_servers()
         if self._pending_servers is not None:
             self._restore_servers(self._pending_servers)
             self._pending_servers = None
@@ -141,10 +143,12 @@ class PSStrategy(Strategy):
 
     def _restore_servers(self, servers: dict[str, Any]) -> None:
         if group.rank() == 0:
+            self._servers_back(register=True)  # a restarted server knows neither our shards nor their rule
             self._exchange(self.table.set, servers)  # type: ignore[union-attr]
         else:
             self.table.versions = {n: int(e["version"]) for n, e in servers.items()}  # type: ignore[union-attr]
-        self.link.barrier("restoring the parameter servers from a checkpoint")  # type: ignore[union-attr]
+        if not self._regroup_pending():  # a rollback's barrier is the one in regroup(), which joiners pass too
+            self.link.barrier("restoring the parameter servers from a checkpoint")  # type: ignore[union-attr]
 
     def _exchange(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one exchange with the servers and add its bytes and time to ``self.comm.stats``."""
@@ -293,11 +297,18 @@ class AsyncEASGD(PSStrategy):
             check.number("alpha", alpha, "The paper keeps alpha * workers near 0.9, e.g. alpha=0.45 for 2 workers.",
                          low=0, high=1, expected="0 < alpha < 1 (the elastic force)")
         self.alpha, self.lock = alpha, bool(lock)
+        self._default_alpha = alpha is None  # then it follows the world size
 
     def join(self) -> None:
-        if self.alpha is None:
+        if self._default_alpha:
             self.alpha = 0.9 / max(1, group.world_size())
         self.table.register(Policy(None, self.lock))  # type: ignore[union-attr]
+
+    def regroup(self) -> None:
+        """Under ``--elastic``, after a change: the default alpha follows the new p (beta = p * alpha stays 0.9)."""
+        super().regroup()
+        if self._default_alpha:
+            self.alpha = 0.9 / max(1, group.world_size())
 
     def after_step(self, step: int, taken: bool) -> None:
         if self.when(step):
@@ -340,7 +351,8 @@ class SyncParameterServer(PSStrategy):
         grads = self._grads()
         weigh_(grads)
         from ..elastic import worker  # under --elastic a round belongs to one group; a dead peer ends the wait
-        elastic = {"generation": worker.generation(), "abandon": worker.lost_peer} if group.is_elastic() else {}
+        elastic = {"generation": worker.generation(),
+                   "abandon": lambda: worker.lost_peer() or self.server_restarted()} if group.is_elastic() else {}
         self._exchange(self.table.reduce, grads, step=step - 1,  # type: ignore[union-attr]
                        workers=group.world_size(), **elastic)
 
@@ -351,6 +363,8 @@ class SyncParameterServer(PSStrategy):
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
             self.link, self.table = link, ParamTable(named, link.client, self.placement)
             self._exchange(self.join)
+        else:
+            self._servers_back(register=True)  # a restarted server must know the names again
 
     def __repr__(self) -> str:
         return "ParameterServer(sync=True)"
