@@ -27,8 +27,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _train(loader, events: int, warmup: int) -> float:
-    """Train one run from ``loader``; returns the global events/s after warm-up (the same on every worker)."""
+def _train(loader, events: int, warmup: int, redis_cpu=None) -> dict[str, float]:
+    """Train one run from ``loader``; returns the global events/s after warm-up (the same on every worker)
+    and, per timed step on this worker: the time the training thread waited for the loader, its own CPU,
+    the CPU of the process's other threads (prefetch, planning) and redis-server's CPU (``redis_cpu``)."""
     import torch
     import torch.nn.functional as F
 
@@ -39,26 +41,43 @@ def _train(loader, events: int, warmup: int) -> float:
     net = digits_cnn()
     model, opt = px.wrap(net, torch.optim.Adam(net.parameters(), lr=3e-3))
     px.barrier()
-    step, start, seen = 0, time.perf_counter(), 0
-    for x, y in loader:
+    step, seen, wait = 0, 0, 0.0
+    start = thread0 = process0 = server0 = 0.0
+    batches = iter(loader)
+    while True:
+        asked = time.perf_counter()
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            break
+        if step >= warmup:
+            wait += time.perf_counter() - asked
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
         step += 1
         if step == warmup:
-            start, seen = time.perf_counter(), 0
+            start, seen, wait = time.perf_counter(), 0, 0.0
+            thread0, process0 = time.thread_time(), time.process_time()
+            server0 = redis_cpu() if redis_cpu else 0.0
         elif step > warmup:
             seen += len(y)
+    thread, process = time.thread_time() - thread0, time.process_time() - process0
+    server = redis_cpu() - server0 if redis_cpu else 0.0
     elapsed = torch.tensor([time.perf_counter() - start])
     total = torch.tensor([float(seen)])
     comm = px.Comm()
     comm.all_reduce_([total], op="sum")
     comm.all_reduce_([elapsed], op="max")  # the slower worker's clock: the group is done when both are
-    return total.item() / elapsed.item()
+    timed = max(1, step - warmup) / 1000  # per-step figures in ms
+    return {"rate": total.item() / elapsed.item(), "wait_ms": wait / timed, "thread_cpu_ms": thread / timed,
+            "other_cpu_ms": (process - thread) / timed, "redis_cpu_ms": server / timed,
+            "step_ms": elapsed.item() / timed}
 
 
-def worker(url: str, events: int, batch_size: int, warmup: int, repeats: int) -> list[dict[str, float]]:
-    """Every repeat: one run from the stream and one from memory; returns the rates (rank 0's list)."""
+def worker(url: str, events: int, batch_size: int, warmup: int, repeats: int) -> list[dict[str, dict]]:
+    """Every repeat: one run from the stream and one from memory; returns this worker's figures per repeat."""
+    import redis
     import torch
 
     import phalanx as px
@@ -69,19 +88,37 @@ def worker(url: str, events: int, batch_size: int, warmup: int, repeats: int) ->
     train, _ = load_digits_split()
     idx = torch.arange(events) % len(train)  # the producer's images, in its order
     data = torch.utils.data.TensorDataset(train.tensors[0][idx], train.tensors[1][idx])
-    rates = []
+    server = redis.Redis.from_url(url)
+
+    def redis_cpu() -> float:  # seconds of CPU redis-server used so far (rank 0 reads it for the group)
+        info = server.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    runs = []
     for r in range(repeats):
-        rate = {}
+        run = {}
         for mode in ("stream", "memory") if r % 2 == 0 else ("memory", "stream"):
             if mode == "stream":
                 loader = StreamLoader(RedisStream(url, stream=f"bench{r}", group="bench", decode=decode_sample,
                                                   create=True), batch_size)
-                rate[mode] = _train(loader, events, warmup)
+                run[mode] = _train(loader, events, warmup, redis_cpu if px.rank() == 0 else None)
                 loader.close()
             else:
-                rate[mode] = _train(px.shard(data, batch_size, shuffle=False), events, warmup)
-        rates.append(rate)
-    return rates
+                run[mode] = _train(px.shard(data, batch_size, shuffle=False), events, warmup)
+        runs.append(run)
+    return runs
+
+
+def _costs(runs: list[list[dict[str, dict]]]) -> dict[str, dict]:
+    """Per source: the median over repeats of each per-step figure, per rank (redis-server's once)."""
+    med = statistics.median
+    out = {}
+    for mode in ("stream", "memory"):
+        out[mode] = {"step_ms": med(run[mode]["step_ms"] for run in runs[0]),
+                     "redis_cpu_ms": med(run[mode]["redis_cpu_ms"] for run in runs[0])}
+        for key in ("wait_ms", "thread_cpu_ms", "other_cpu_ms"):
+            out[mode][key] = [med(run[mode][key] for run in rank) for rank in runs]
+    return out
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -109,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
             for producer in producers:  # a backlog: the figure is what the workers consume, not the producer's pace
                 if producer.wait(timeout=600):
                     raise SystemExit(f"benchmarks/stream.py: the producer failed (exit {producer.returncode})")
-            rates = run_workers("stream:worker", world_size=2, timeout=900, url=server.url, events=a.events,
-                                batch_size=a.batch_size, warmup=a.warmup, repeats=a.repeats).results[0]
+            runs = run_workers("stream:worker", world_size=2, timeout=900, url=server.url, events=a.events,
+                               batch_size=a.batch_size, warmup=a.warmup, repeats=a.repeats).results
         finally:
             for producer in producers:
                 if producer.poll() is None:
                     producer.kill()
                 producer.wait()
+    rates = [{mode: run[mode]["rate"] for mode in run} for run in runs[0]]
     for r, rate in enumerate(rates, 1):
         print(f"repeat {r}: stream {rate['stream']:,.0f} events/s, memory {rate['memory']:,.0f} samples/s, "
               f"overhead {1 - rate['stream'] / rate['memory']:.1%}")
@@ -130,11 +168,20 @@ def main(argv: list[str] | None = None) -> int:
           f"| in-memory dataset, same events | {memory['median']:,.0f} | {memory['min']:,.0f}-{memory['max']:,.0f} |\n"
           f"\noverhead of the stream (1 - stream/memory, per repeat): median {overhead['median']:.1%}, "
           f"min-max {overhead['min']:.1%} to {overhead['max']:.1%}  ({time.monotonic() - began:.0f} s)")
+    costs = _costs(runs)
+    print("\nwhere a step's time goes (ms per step, median over repeats; rank 0 / rank 1):\n"
+          "| source | step | waiting for the loader | training thread CPU | other threads' CPU | redis-server CPU |\n"
+          "|---|---:|---:|---:|---:|---:|")
+    for mode, c in costs.items():
+        print(f"| {mode} | {c['step_ms']:.2f} | {c['wait_ms'][0]:.2f} / {c['wait_ms'][1]:.2f} | "
+              f"{c['thread_cpu_ms'][0]:.2f} / {c['thread_cpu_ms'][1]:.2f} | "
+              f"{c['other_cpu_ms'][0]:.2f} / {c['other_cpu_ms'][1]:.2f} | {c['redis_cpu_ms']:.2f} |")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "stream.json"), "w") as f:
             json.dump({"config": vars(a), "repeats": rates, "stream_events_per_s": stream,
-                       "memory_samples_per_s": memory, "overhead": overhead}, f, indent=2)
+                       "memory_samples_per_s": memory, "overhead": overhead, "ms_per_step": costs,
+                       "runs_per_rank": runs}, f, indent=2)
     return 0
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import collections
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -46,10 +46,16 @@ from ..errors import ConfigError, usage
 from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Plan, pack_plans, unpack_plans, split
 from .decoding import DEAD, collate, decode_one, payloads
 from .policy import Stop, WaitFull
-from .source import END_FIELD, START, StreamError, StreamSource
+from .source import END_FIELD, START, Event, StreamError, StreamSource
 
 _KEEPALIVE_S = 1.0  # while waiting for events, tell the other workers at least this often (no collective timeout)
 _CHECK_EVERY_S = 1.0  # XINFO (retention and lag) on a timer, not per step; always at the start of a run
+
+
+class _Fetched(NamedTuple):
+    """A step's part on a non-main worker: the ``index``-th of the parts one background fetch brings."""
+    parts: Future
+    index: int
 
 
 class StreamLoader:
@@ -255,9 +261,11 @@ class StreamLoader:
         if plans[0].status == ERROR:
             raise StreamError(f"the main worker lost the stream {self.source.stream!r} at {self.source.url}; "
                               "its log says why. Training resumes from the last checkpoint.")
-        for plan in plans:  # fetch and decode this worker's parts in the background while it trains
-            if plan.status == STEP:
-                plan.mine = self._fetcher().submit(self._fetch_part, plan.parts[self.rank])
+        steps = [plan for plan in plans if plan.status == STEP]
+        if steps:  # fetch (one round trip) and decode this worker's parts in the background while it trains
+            parts = self._fetcher().submit(self._fetch_parts, [plan.parts[self.rank] for plan in steps])
+            for k, plan in enumerate(steps):
+                plan.mine = _Fetched(parts, k)
         return plans
 
     def _decide(self) -> list[Plan]:
@@ -365,9 +373,15 @@ class StreamLoader:
             self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="phalanx-stream-prefetch")
         return self._prefetch
 
-    def _fetch_part(self, part: tuple[str, str, int]) -> tuple[list[str], Any]:
+    def _fetch_parts(self, parts: list[tuple[str, str, int]]) -> list[tuple[list[str], Any]]:
+        """This worker's parts of several planned steps, fetched in one call when the source can."""
+        ranges = [(first, last) for first, last, _ in parts]
+        many = getattr(self.source, "fetch_many", None)
+        fetched = many(ranges) if many is not None else [self.source.fetch(*r) for r in ranges]
+        return [self._decode_part(part, events) for part, events in zip(parts, fetched)]
+
+    def _decode_part(self, part: tuple[str, str, int], events: list[Event]) -> tuple[list[str], Any]:
         first, last, count = part
-        events = self.source.fetch(first, last)
         good = [(e.id, p) for e, p in zip(events, payloads(self.source, events)) if p is not DEAD]
         if count == 0:  # a stand-in with weight 0 (see split)
             return [], collate(self.source, [p for _, p in good[:1]])
@@ -380,7 +394,7 @@ class StreamLoader:
 
     def _my_part(self, plan: Plan) -> tuple[list[str], Any]:
         try:
-            mine = plan.mine.result() if isinstance(plan.mine, Future) else plan.mine
+            mine = plan.mine.parts.result()[plan.mine.index] if isinstance(plan.mine, _Fetched) else plan.mine
         except StreamError as err:
             raise StreamError(f"worker {self.rank} lost the stream while fetching its part: {err}") from None
         return mine
