@@ -233,17 +233,20 @@ def test_the_trainer_fits_on_a_stream_and_its_history_shows_the_stream(server, o
 
 def test_planning_ahead_reads_several_steps_at_once_and_trains_the_same_batches(server):
     publish(server, "ahead", 95, end=True)
-    batches, reads = {}, {}
+    batches, reads, planned = {}, {}, {}
     for ahead in (1, 4):
         loader = loader_for(server, "ahead", group=f"a{ahead}", ahead=ahead)
-        claim, reads[ahead] = loader.source.claim, []
+        claim, reads[ahead], planned[ahead] = loader.source.claim, [], []
         loader.source.claim = lambda n, block_s, claim=claim, log=reads[ahead]: log.append(n) or claim(n, block_s)
+        decide = loader._decide
+        loader._decide = lambda decide=decide, log=planned[ahead]: log.append(len(plans := decide())) or plans
         batches[ahead] = [list(loader.ids) for _ in loader]
         loader.state_dict()
         loader.close()
         assert loader.source.pending() == 0
     assert batches[1] == batches[4] and [len(b) for b in batches[4]] == [10] * 9 + [5]
-    assert len(reads[1]) >= 10 and max(reads[4]) == 40 and len(reads[4]) <= 4  # 4 steps' worth per read
+    assert max(planned[1]) == 1 and planned[4] == [4, 4, 2]  # up to 4 steps per plan (one broadcast)
+    assert max(reads[1] + reads[4]) == 10  # read one step's worth at a time (the GIL goes back in between)
     with pytest.raises(ConfigError, match="ahead=0"):
         loader_for(server, "ahead", ahead=0)
 

@@ -167,6 +167,10 @@ class StreamLoader:
                 self.lag = plan.lag
                 if plan.status == END:
                     return
+                if not self._planned and not plan.final and self.world_size > 1:
+                    # The next plans now, if the main worker has them ready: the other workers then fetch
+                    # their parts while this step trains, instead of waiting for them at the next one.
+                    self._planned.extend(self._next_plans(early=True))
                 self.ids, batch = self._my_part(plan)
                 self.steps, self.events = self.steps + 1, self.events + plan.total
                 set_batch_weight(plan.parts[self.rank][2] * self.world_size / plan.total)
@@ -235,8 +239,10 @@ class StreamLoader:
             except Exception:  # noqa: BLE001 - a failure of plans nobody will use; the caller's error wins
                 pass
 
-    def _next_plans(self) -> list[Plan]:
-        """The next planned steps: the main worker decides them, one broadcast tells every worker."""
+    def _next_plans(self, early: bool = False) -> list[Plan]:
+        """The next planned steps: the main worker decides them, one broadcast tells every worker.
+
+        ``early`` (a step is still at hand): no plans, rather than waiting, when the planner is not done."""
         if self.world_size == 1:
             return self._plan()
         import torch.distributed as dist
@@ -246,7 +252,8 @@ class StreamLoader:
         size = 1 + self.ahead * (HEAD + PER_RANK * self.world_size)
         if self.rank == 0:
             try:
-                plans = self._plan()
+                ready = not early or (self._ahead_plan is not None and self._ahead_plan.done())
+                plans = self._plan() if ready else []
             except StreamError:
                 with guarded("telling the workers the stream failed"):
                     dist.broadcast(pack_plans([Plan(ERROR)], self.world_size, size).to(on), src=0)
@@ -258,7 +265,7 @@ class StreamLoader:
         with guarded("receiving the stream plan"):
             dist.broadcast(t, src=0)
         plans = unpack_plans(t.cpu(), self.world_size)
-        if plans[0].status == ERROR:
+        if plans and plans[0].status == ERROR:
             raise StreamError(f"the main worker lost the stream {self.source.stream!r} at {self.source.url}; "
                               "its log says why. Training resumes from the last checkpoint.")
         steps = [plan for plan in plans if plan.status == STEP]
@@ -297,22 +304,34 @@ class StreamLoader:
                 break
             if now >= keepalive and self.world_size > 1:
                 return [Plan(WAIT)]  # what is claimed stays claimed; the other workers just hear we are alive
-            # With a backlog one read brings `ahead` steps' worth; live, it returns what has arrived.
-            events = src.claim(self.ahead * want - len(self._log), self.block_s)
-            if events:
-                self._last_event = time.monotonic()
-            data = []
-            for event in events:
-                self._claimed_to = event.id
-                if END_FIELD in event.fields:
-                    self._ended = True  # entries after the marker were claimed too: close() un-claims them
-                    break
-                data.append(event)
-            for event, payload in zip(data, payloads(self.source, data)):
+            self._claim(want)
+        return self._cut(want, ended)
+
+    def _claim(self, want: int) -> None:
+        """Claim up to ``ahead`` steps' worth into the log, one step's worth per read: the first read waits
+        up to ``block_s`` (live, it brings what has arrived), the next ones take only what is there (a
+        backlog). Reading in pieces hands the GIL back to the training thread at every round trip, so it
+        never waits for a whole plan's parsing and decoding to get it back."""
+        src, room, block_s = self.source, self.ahead * want - len(self._log), self.block_s
+        while room > 0 and not self._ended:
+            asked = min(want, room)
+            events = src.claim(asked, block_s)
+            if not events:
+                return
+            self._last_event, block_s, room = time.monotonic(), 0.0, room - len(events)
+            end = next((k for k, e in enumerate(events) if END_FIELD in e.fields), None)
+            if end is not None:
+                self._ended = True  # entries after the marker were claimed too: close() un-claims them
+                self._claimed_to, events = events[end].id, events[:end]
+            elif events:
+                self._claimed_to = events[-1].id
+            kept = payloads(src, events)
+            for event, payload in zip(events, kept):
                 if payload is DEAD:
                     src.dead_letter(event, decode_one(src, event)[1] or "undecodable")
-                self._log.append((event.id, payload))
-        return self._cut(want, ended)
+            self._log.extend(zip([e.id for e in events], kept))
+            if len(events) < asked:
+                return
 
     def _cut(self, want: int, ended: bool) -> list[Plan]:
         """Cut what was claimed into steps: every full global batch (up to ``ahead``), then, when the run ends or
@@ -374,11 +393,9 @@ class StreamLoader:
         return self._prefetch
 
     def _fetch_parts(self, parts: list[tuple[str, str, int]]) -> list[tuple[list[str], Any]]:
-        """This worker's parts of several planned steps, fetched in one call when the source can."""
-        ranges = [(first, last) for first, last, _ in parts]
-        many = getattr(self.source, "fetch_many", None)
-        fetched = many(ranges) if many is not None else [self.source.fetch(*r) for r in ranges]
-        return [self._decode_part(part, events) for part, events in zip(parts, fetched)]
+        """This worker's parts of several planned steps: one task (one thread wake-up), one read per part
+        (each read hands the GIL back to the training thread; one pipelined read of all parts held it longer)."""
+        return [self._decode_part(part, self.source.fetch(part[0], part[1])) for part in parts]
 
     def _decode_part(self, part: tuple[str, str, int], events: list[Event]) -> tuple[list[str], Any]:
         first, last, count = part

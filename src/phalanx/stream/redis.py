@@ -62,7 +62,6 @@ class RedisStream:
             self._redis.set_response_callback(command, _raw)
         self._call("connecting", self._redis.ping)
         self._claimed: list[str] = []  # claimed and not yet acknowledged, in order
-        self._claimed_keys: list[tuple[int, int]] = []  # the same, parsed (acknowledging bisects them)
         self._open_group(create)
 
     # -- setup -----------------------------------------------------------------------------
@@ -106,7 +105,7 @@ class RedisStream:
             offset = 0
         kwargs = {} if offset is None else {"entries_read": offset}
         self._call("rewinding the group", self._redis.xgroup_setid, self.stream, self.group, position, **kwargs)
-        self._claimed, self._claimed_keys = [], []
+        self._claimed = []
         return position, offset
 
     def claim(self, count: int, block_s: float) -> list[Event]:
@@ -116,24 +115,19 @@ class RedisStream:
         # one stream asked for: its entries (a map of stream to entries in RESP3, a list of pairs in RESP2)
         events = _events(next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]) if reply else []
         self._claimed.extend(e.id for e in events)
-        self._claimed_keys.extend(map(parse_id, self._claimed[len(self._claimed_keys):]))
         return events
 
     def fetch(self, first: str, last: str) -> list[Event]:
         return _events(self._call("fetching", self._redis.xrange, self.stream, min=first, max=last))
 
-    def fetch_many(self, ranges: list[tuple[str, str]]) -> list[list[Event]]:
-        """:meth:`fetch` for several id ranges in one round trip (a pipeline)."""
-        pipe = self._redis.pipeline(transaction=False)
-        for first, last in ranges:
-            pipe.xrange(self.stream, min=first, max=last)
-        return [_events(entries) for entries in self._call("fetching", pipe.execute)]
-
     def acknowledge(self, position: str) -> None:
-        n = bisect.bisect_right(self._claimed_keys, parse_id(position))  # claimed in order: a prefix is done
+        try:  # a position is almost always a claimed id: found without parsing every id
+            n = self._claimed.index(position) + 1
+        except ValueError:  # (claimed in order: the ones up to the position, by number, are a prefix)
+            n = bisect.bisect_right(self._claimed, parse_id(position), key=parse_id)
         if n:
             self._call("acknowledging", self._redis.xack, self.stream, self.group, *self._claimed[:n])
-            del self._claimed[:n], self._claimed_keys[:n]
+            del self._claimed[:n]
 
     def check(self, position: str, offset: int | None = None) -> int:
         info = self._call("reading the stream's info", self._redis.xinfo_stream, self.stream)
@@ -198,7 +192,12 @@ def _raw(reply: Any, **_: Any) -> Any:
 def _events(entries: list[Any]) -> list[Event]:
     """Events from raw stream entries ``[id, [field, value, ...]]`` (``None`` fields: an entry deleted
     while pending, which decodes as a bad event and is dead-lettered)."""
-    return [Event(i.decode(), dict(zip(f[::2], f[1::2])) if f else {}) for i, f in entries]
+    return [Event(i.decode(), _pairs(f) if f else {}) for i, f in entries]
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    it = iter(flat)
+    return dict(zip(it, it))
 
 
 def _text(value: Any) -> str:
