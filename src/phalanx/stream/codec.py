@@ -12,6 +12,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from operator import itemgetter
 
 import numpy as np
@@ -61,12 +62,16 @@ def decode_samples(fields: list[dict[bytes, bytes]]) -> tuple[torch.Tensor, torc
     except (KeyError, ValueError, TypeError) as err:
         raise ConfigError(usage(f"an event without fields x, shape and an integer y ({type(err).__name__}: {err})",
                                 "fields x (float32 bytes), shape and y", "Publish events with encode_sample().")) from None
-    first = decode_sample(fields[0])[0]
-    if len(shapes) != 1 or set(map(len, xs)) != {first.numel() * 4}:
-        raise ConfigError(usage("events of different shapes or sizes", f"every event shaped {tuple(first.shape)}",
+    try:
+        shape = tuple(int(d) for d in next(iter(shapes)).split(b",") if d)
+    except ValueError as err:
+        raise ConfigError(usage(f"an event with shape {next(iter(shapes))!r} ({err})", "a shape such as b'1,8,8'",
+                                "Publish events with encode_sample().")) from None
+    if len(shapes) != 1 or set(map(len, xs)) != {4 * math.prod(shape)}:
+        raise ConfigError(usage("events of different shapes or sizes", f"every event shaped {shape}",
                                 "Decode them one by one with decode_sample()."))
     x = torch.from_numpy(np.frombuffer(b"".join(xs), dtype="<f4").copy())
-    return x.reshape(len(fields), *first.shape), y
+    return x.reshape(len(fields), *shape), y
 
 
 _X, _Y, _SHAPE = itemgetter(b"x"), itemgetter(b"y"), itemgetter(b"shape")
