@@ -61,7 +61,8 @@ def decode_samples(fields: list[dict[bytes, bytes]]) -> tuple[torch.Tensor, torc
         y = torch.tensor(list(map(int, map(_Y, fields))))
     except (KeyError, ValueError, TypeError) as err:
         raise ConfigError(usage(f"an event without fields x, shape and an integer y ({type(err).__name__}: {err})",
-                                "fields x (float32 bytes), shape and y", "Publish events with encode_sample().")) from None
+                                "fields x (float32 bytes), shape and y",
+                                "Publish events with encode_sample().")) from None
     try:
         shape = tuple(int(d) for d in next(iter(shapes)).split(b",") if d)
     except ValueError as err:

@@ -36,26 +36,20 @@ from __future__ import annotations
 import collections
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 
 from .. import group
 from ..batchweight import set_batch_weight
 from ..errors import ConfigError, usage
-from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Plan, pack_plans, unpack_plans, split
-from .decoding import DEAD, collate, decode_one, payloads
+from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Fetched, Plan, pack_plans, unpack_plans, split
+from .decoding import DEAD, collate, decode_one, decode_part, payloads
 from .policy import Stop, WaitFull
 from .source import END_FIELD, START, Event, StreamError, StreamSource
 
 _KEEPALIVE_S = 1.0  # while waiting for events, tell the other workers at least this often (no collective timeout)
 _CHECK_EVERY_S = 1.0  # XINFO (retention and lag) on a timer, not per step; always at the start of a run
-
-
-class _Fetched(NamedTuple):
-    """A step's part on a non-main worker: the ``index``-th of the parts one background fetch brings."""
-    parts: Future
-    index: int
 
 
 class StreamLoader:
@@ -272,7 +266,7 @@ class StreamLoader:
         if steps:  # fetch (one round trip) and decode this worker's parts in the background while it trains
             parts = self._fetcher().submit(self._fetch_parts, [plan.parts[self.rank] for plan in steps])
             for k, plan in enumerate(steps):
-                plan.mine = _Fetched(parts, k)
+                plan.mine = Fetched(parts, k)
         return plans
 
     def _decide(self) -> list[Plan]:
@@ -398,26 +392,16 @@ class StreamLoader:
         return [self._decode_part(part, self.source.fetch(part[0], part[1])) for part in parts]
 
     def _decode_part(self, part: tuple[str, str, int], events: list[Event]) -> tuple[list[str], Any]:
-        first, last, count = part
-        batch = getattr(self.source.decode, "batch", None)
-        if batch is not None and 0 < count == len(events):  # the usual case: decode the part once, in one call
-            try:
-                return [e.id for e in events], batch([e.fields for e in events])
-            except Exception:  # noqa: BLE001 - some event is bad: the checks below find it and say so
-                pass
-        good = [(e.id, p) for e, p in zip(events, payloads(self.source, events)) if p is not DEAD]
-        if count == 0:  # a stand-in with weight 0 (see split)
-            return [], collate(self.source, [p for _, p in good[:1]])
-        if len(good) != count:
-            raise StreamError(f"worker {self.rank} found {len(good)} good events in {first}..{last} of stream "
-                              f"{self.source.stream!r} but the main worker claimed {count}; expected the same "
-                              "entries and the same decoding everywhere. Do not delete entries that are not yet "
-                              "acknowledged, and make decode deterministic.")
-        return [i for i, _ in good], collate(self.source, [p for _, p in good])
+        try:
+            return decode_part(self.source, events, part[2])
+        except ValueError as err:
+            raise StreamError(f"worker {self.rank} {err} in {part[0]}..{part[1]} of stream {self.source.stream!r}; "
+                              "expected the same entries and the same decoding everywhere. Do not delete entries "
+                              "that are not yet acknowledged, and make decode deterministic.") from None
 
     def _my_part(self, plan: Plan) -> tuple[list[str], Any]:
         try:
-            mine = plan.mine.parts.result()[plan.mine.index] if isinstance(plan.mine, _Fetched) else plan.mine
+            mine = plan.mine.parts.result()[plan.mine.index] if isinstance(plan.mine, Fetched) else plan.mine
         except StreamError as err:
             raise StreamError(f"worker {self.rank} lost the stream while fetching its part: {err}") from None
         return mine
