@@ -251,6 +251,23 @@ def test_planning_ahead_reads_several_steps_at_once_and_trains_the_same_batches(
         loader_for(server, "ahead", ahead=0)
 
 
+def test_acknowledging_takes_exactly_the_claimed_entries_up_to_a_position_claimed_or_not(server):
+    import redis
+    from phalanx.stream.codec import encode_sample
+    ids = ["5-8", "5-9", "5-20", "5-100", "5-101", "5-102"]  # ordered as numbers, not as strings
+    for i in ids:
+        redis.Redis.from_url(server.url).xadd("acks", encode_sample(torch.zeros(2), 0), id=i)
+    source = RedisStream(server.url, stream="acks", group="g", decode=decode_sample)
+    assert [e.id for e in source.claim(4, 0.05) + source.claim(2, 0.05)] == ids  # two reads, in order
+    source.acknowledge("5-9")  # a claimed id: it and the ones before
+    assert source.pending() == 4
+    source.acknowledge("5-50")  # between two claimed ids
+    assert source.pending() == 3
+    source.acknowledge("5-102")
+    assert source.pending() == 0
+    source.close()
+
+
 def test_decoding_a_part_at_once_equals_decoding_each_event_and_refuses_a_mixed_part():
     from torch.utils.data import default_collate
 
