@@ -4,10 +4,12 @@ The main worker claims events from the source (in stream order, through the
 consumer group), sets aside the ones that cannot be decoded, and cuts the good
 ones into steps and each step into ``world_size`` contiguous parts: a step's
 global batch is exactly the one a single process would take with
-``world_size * batch_size``. With a backlog, one read and one broadcast plan up
-to ``ahead`` steps (:mod:`phalanx.stream.plan`); the main worker decides the
-next plan on a background thread while the current one trains, and every other
-worker fetches and decodes its own parts on a background thread. Uneven parts
+``world_size * batch_size``. With a backlog, one broadcast plans up to
+``ahead`` steps (:mod:`phalanx.stream.plan`), claimed a step's worth per read;
+the main worker decides the next plan on a background thread while the current
+one trains, and broadcasts it one step early when it is ready, so every other
+worker fetches and decodes its own parts on a background thread before it needs
+them. Small reads give the GIL back to the training thread often. Uneven parts
 set :func:`phalanx.batchweight.set_batch_weight`, so the averaged gradient
 equals one process's on the same events.
 
@@ -225,7 +227,7 @@ class StreamLoader:
         return plans
 
     def _stop_planner(self) -> None:
-        """Wait for the background planner (bounded by one read): nothing may claim after a rewind."""
+        """Wait for the background planner (bounded by one blocking read): nothing may claim after a rewind."""
         ahead, self._ahead_plan = self._ahead_plan, None
         if ahead is not None:
             try:
