@@ -265,7 +265,7 @@ class StreamLoader:
             raise StreamError(f"the main worker lost the stream {self.source.stream!r} at {self.source.url}; "
                               "its log says why. Training resumes from the last checkpoint.")
         steps = [plan for plan in plans if plan.status == STEP]
-        if steps:  # fetch (one round trip) and decode this worker's parts in the background while it trains
+        if steps:  # fetch and decode this worker's parts in one background task while it trains
             parts = self._fetcher().submit(self._fetch_parts, [plan.parts[self.rank] for plan in steps])
             for k, plan in enumerate(steps):
                 plan.mine = Fetched(parts, k)
