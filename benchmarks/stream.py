@@ -1,6 +1,6 @@
 """Streaming throughput: 2 workers train the digits CNN from a Redis stream, and from memory, side by side.
 
-    python benchmarks/stream.py --out results/stream   # about 2 minutes on 2 idle cores
+    python benchmarks/stream.py --out results/stream   # 148 s on 2 shared cores at load 7-8 (under 4 minutes)
 
 A real redis-server starts on a unix socket in a temporary directory, and ``--events`` digits
 images are published to one stream at full speed (pipelined XADD, ending with the end-of-stream
