@@ -251,6 +251,23 @@ def test_planning_ahead_reads_several_steps_at_once_and_trains_the_same_batches(
         loader_for(server, "ahead", ahead=0)
 
 
+def test_a_commit_is_acknowledged_only_after_the_loop_body_that_took_it(server):
+    import time
+    publish(server, "late", 40, end=True)
+    loader = loader_for(server, "late", ahead=1)
+    decide = loader._decide
+    loader._decide = lambda: (time.sleep(0.1), decide())[1]  # a planner thread that starts late
+    for step, _ in enumerate(loader):
+        if step == 1:
+            pending = loader.source.pending()
+            loader.state_dict()  # a commit is taken ...
+            time.sleep(0.3)  # ... and written, while the late planner runs
+            assert loader.source.pending() >= pending  # claimed more, acknowledged nothing before the save is done
+    loader.state_dict()
+    loader.close()
+    assert loader.source.pending() == 0
+
+
 def test_acknowledging_takes_exactly_the_claimed_entries_up_to_a_position_claimed_or_not(server):
     import redis
     from phalanx.stream.codec import encode_sample

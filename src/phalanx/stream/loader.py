@@ -94,7 +94,8 @@ class StreamLoader:
         self.ids: list[str] = []
         self.lag = -1
         self.acknowledged: str | None = None
-        self._commit: tuple[str, int] | None = None
+        self._commit: tuple[str, int] | None = None  # the position the last state_dict() returned
+        self._written: tuple[str, int] | None = None  # the same, once the loop body that took it has run
         self._log: list[tuple[str, Any]] = []  # claimed, decoded (or DEAD), not yet planned (main worker)
         self._planned: collections.deque[Plan] = collections.deque()  # planned, not yet trained (every worker)
         self._prefetch: ThreadPoolExecutor | None = None  # fetches this worker's parts; plans on the main worker
@@ -120,7 +121,7 @@ class StreamLoader:
         self.position = str(state["position"]) or None
         self.offset, self.steps = int(state["offset"]), int(state["steps"])
         self.events, self.dead = int(state["events"]), int(state["dead"])
-        self._log, self._ended, self._commit = [], False, None
+        self._log, self._ended, self._commit, self._written = [], False, None, None
         self._stop_planner()
         self._planned.clear()  # a rollback: steps planned after the restored position are planned again
 
@@ -171,8 +172,11 @@ class StreamLoader:
                 self.steps, self.events = self.steps + 1, self.events + plan.total
                 set_batch_weight(plan.parts[self.rank][2] * self.world_size / plan.total)
                 yield batch
-                if self.rank == 0 and self._ahead_plan is None:  # the last planned step (no planner runs):
-                    self._acknowledge(quiet=True)  # the loop body ran, so a save that took a state_dict() is written
+                # The loop body ran, so a save that took a state_dict() in it is written: the planner may
+                # acknowledge it now (not before: it runs while the body does).
+                self._written = self._commit
+                if self.rank == 0 and self._ahead_plan is None:  # the last planned step (no planner runs)
+                    self._acknowledge(quiet=True)
                 if plan.final:
                     return
         finally:
@@ -185,19 +189,20 @@ class StreamLoader:
         self._stop_planner()
         if self.rank == 0 and self._commit is not None:
             position, offset = self._commit
-            self._acknowledge()
+            self._acknowledge(final=True)
             self.source.rewind(position, offset if offset >= 0 else None)  # un-claim what no commit covers
         self._planned.clear()
         if self._prefetch is not None:
             self._prefetch.shutdown(wait=True, cancel_futures=True)
             self._prefetch = None
 
-    def _acknowledge(self, quiet: bool = False) -> None:
-        """XACK up to the position a ``state_dict()`` returned: the save that asked for it is written by now.
+    def _acknowledge(self, quiet: bool = False, final: bool = False) -> None:
+        """XACK up to the position a ``state_dict()`` returned, once the save that asked for it is written:
+        after the loop body that took it, or (``final``, from :meth:`close`) the last one taken.
 
         ``quiet`` (between steps) keeps the commit for the next try if the broker does not answer: the next
         claim then fails too, and reports it through the plan every worker hears, not on one worker alone."""
-        commit = self._commit  # (read once: the training thread may set a newer one meanwhile)
+        commit = self._commit if final else self._written  # (read once: the training thread may move it)
         if commit is not None:
             try:
                 self.source.acknowledge(commit[0])
@@ -206,8 +211,8 @@ class StreamLoader:
                     return
                 raise
             self.acknowledged = commit[0]
-            if self._commit is commit:
-                self._commit = None
+            if self._written is commit:
+                self._written = None
 
     # -- the main worker's side -----------------------------------------------------------
     def _start(self) -> None:
