@@ -233,19 +233,56 @@ def test_the_trainer_fits_on_a_stream_and_its_history_shows_the_stream(server, o
 
 def test_planning_ahead_reads_several_steps_at_once_and_trains_the_same_batches(server):
     publish(server, "ahead", 95, end=True)
-    batches, reads = {}, {}
+    batches, reads, planned = {}, {}, {}
     for ahead in (1, 4):
         loader = loader_for(server, "ahead", group=f"a{ahead}", ahead=ahead)
-        claim, reads[ahead] = loader.source.claim, []
+        claim, reads[ahead], planned[ahead] = loader.source.claim, [], []
         loader.source.claim = lambda n, block_s, claim=claim, log=reads[ahead]: log.append(n) or claim(n, block_s)
+        decide = loader._decide
+        loader._decide = lambda decide=decide, log=planned[ahead]: log.append(len(plans := decide())) or plans
         batches[ahead] = [list(loader.ids) for _ in loader]
         loader.state_dict()
         loader.close()
         assert loader.source.pending() == 0
     assert batches[1] == batches[4] and [len(b) for b in batches[4]] == [10] * 9 + [5]
-    assert len(reads[1]) >= 10 and max(reads[4]) == 40 and len(reads[4]) <= 4  # 4 steps' worth per read
+    assert max(planned[1]) == 1 and planned[4] == [4, 4, 2]  # up to 4 steps per plan (one broadcast)
+    assert max(reads[1] + reads[4]) == 10  # read one step's worth at a time (the GIL goes back in between)
     with pytest.raises(ConfigError, match="ahead=0"):
         loader_for(server, "ahead", ahead=0)
+
+
+def test_a_commit_is_acknowledged_only_after_the_loop_body_that_took_it(server):
+    import time
+    publish(server, "late", 40, end=True)
+    loader = loader_for(server, "late", ahead=1)
+    decide = loader._decide
+    loader._decide = lambda: (time.sleep(0.1), decide())[1]  # a planner thread that starts late
+    for step, _ in enumerate(loader):
+        if step == 1:
+            pending = loader.source.pending()
+            loader.state_dict()  # a commit is taken ...
+            time.sleep(0.3)  # ... and written, while the late planner runs
+            assert loader.source.pending() >= pending  # claimed more, acknowledged nothing before the save is done
+    loader.state_dict()
+    loader.close()
+    assert loader.source.pending() == 0
+
+
+def test_acknowledging_takes_exactly_the_claimed_entries_up_to_a_position_claimed_or_not(server):
+    import redis
+    from phalanx.stream.codec import encode_sample
+    ids = ["5-8", "5-9", "5-20", "5-100", "5-101", "5-102"]  # ordered as numbers, not as strings
+    for i in ids:
+        redis.Redis.from_url(server.url).xadd("acks", encode_sample(torch.zeros(2), 0), id=i)
+    source = RedisStream(server.url, stream="acks", group="g", decode=decode_sample)
+    assert [e.id for e in source.claim(4, 0.05) + source.claim(2, 0.05)] == ids  # two reads, in order
+    source.acknowledge("5-9")  # a claimed id: it and the ones before
+    assert source.pending() == 4
+    source.acknowledge("5-50")  # between two claimed ids
+    assert source.pending() == 3
+    source.acknowledge("5-102")
+    assert source.pending() == 0
+    source.close()
 
 
 def test_decoding_a_part_at_once_equals_decoding_each_event_and_refuses_a_mixed_part():

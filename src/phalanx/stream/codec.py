@@ -12,6 +12,9 @@ Example:
 """
 from __future__ import annotations
 
+import math
+from operator import itemgetter
+
 import numpy as np
 import torch
 
@@ -51,19 +54,26 @@ def decode_samples(fields: list[dict[bytes, bytes]]) -> tuple[torch.Tensor, torc
     """
     if not fields:
         raise ConfigError(usage("no events", "at least one event", "Pass the events of a batch."))
-    shape = fields[0].get(b"shape")
-    first = decode_sample(fields[0])[0]
-    nbytes = first.numel() * 4
-    if any(f.get(b"shape") != shape or len(f.get(b"x", b"")) != nbytes for f in fields):
-        raise ConfigError(usage("events of different shapes or sizes", f"every event shaped {tuple(first.shape)}",
-                                "Decode them one by one with decode_sample()."))
+    # C-level maps over the whole part, no Python loop per event: this runs for every event trained
     try:
-        y = torch.tensor([int(f[b"y"]) for f in fields])
-    except (KeyError, ValueError) as err:
-        raise ConfigError(usage(f"an event without an integer y ({type(err).__name__}: {err})", "fields x, shape, y",
+        shapes = set(map(_SHAPE, fields))
+        xs = list(map(_X, fields))
+        y = torch.tensor(list(map(int, map(_Y, fields))))
+    except (KeyError, ValueError, TypeError) as err:
+        raise ConfigError(usage(f"an event without fields x, shape and an integer y ({type(err).__name__}: {err})",
+                                "fields x (float32 bytes), shape and y",
                                 "Publish events with encode_sample().")) from None
-    x = torch.from_numpy(np.frombuffer(b"".join(f[b"x"] for f in fields), dtype="<f4").copy())
-    return x.reshape(len(fields), *first.shape), y
+    try:
+        shape = tuple(int(d) for d in next(iter(shapes)).split(b",") if d)
+    except ValueError as err:
+        raise ConfigError(usage(f"an event with shape {next(iter(shapes))!r} ({err})", "a shape such as b'1,8,8'",
+                                "Publish events with encode_sample().")) from None
+    if len(shapes) != 1 or set(map(len, xs)) != {4 * math.prod(shape)}:
+        raise ConfigError(usage("events of different shapes or sizes", f"every event shaped {shape}",
+                                "Decode them one by one with decode_sample()."))
+    x = torch.from_numpy(np.frombuffer(b"".join(xs), dtype="<f4").copy())
+    return x.reshape(len(fields), *shape), y
 
 
+_X, _Y, _SHAPE = itemgetter(b"x"), itemgetter(b"y"), itemgetter(b"shape")
 decode_sample.batch = decode_samples  # type: ignore[attr-defined]  # the stream loader's fast path for a part

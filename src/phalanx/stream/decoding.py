@@ -51,3 +51,21 @@ def collate(source: StreamSource, items: list[Any]) -> Any:
     """One batch from kept payloads, with the decoder's batched form when it has one."""
     batch = getattr(source.decode, "batch", None)
     return batch(items) if batch is not None else default_collate(items)
+
+
+def decode_part(source: StreamSource, events: list[Event], count: int) -> tuple[list[str], Any]:
+    """A worker's part of a step: its good events' ids and their batch. ``count`` is how many good events the
+    main worker found there (0: a stand-in of weight 0, see :func:`phalanx.stream.plan.split`); raises
+    ValueError when this worker finds another number."""
+    batch = getattr(source.decode, "batch", None)
+    if batch is not None and 0 < count == len(events):  # the usual case: decode the part once, in one call
+        try:
+            return [e.id for e in events], batch([e.fields for e in events])
+        except Exception:  # noqa: BLE001 - some event is bad: the checks below find it and say so
+            pass
+    good = [(e.id, p) for e, p in zip(events, payloads(source, events)) if p is not DEAD]
+    if count == 0:
+        return [], collate(source, [p for _, p in good[:1]])
+    if len(good) != count:
+        raise ValueError(f"found {len(good)} good events but the main worker claimed {count}")
+    return [i for i, _ in good], collate(source, [p for _, p in good])

@@ -4,10 +4,12 @@ The main worker claims events from the source (in stream order, through the
 consumer group), sets aside the ones that cannot be decoded, and cuts the good
 ones into steps and each step into ``world_size`` contiguous parts: a step's
 global batch is exactly the one a single process would take with
-``world_size * batch_size``. With a backlog, one read and one broadcast plan up
-to ``ahead`` steps (:mod:`phalanx.stream.plan`); the main worker decides the
-next plan on a background thread while the current one trains, and every other
-worker fetches and decodes its own parts on a background thread. Uneven parts
+``world_size * batch_size``. With a backlog, one broadcast plans up to
+``ahead`` steps (:mod:`phalanx.stream.plan`), claimed a step's worth per read;
+the main worker decides the next plan on a background thread while the current
+one trains, and broadcasts it one step early when it is ready, so every other
+worker fetches and decodes its own parts on a background thread before it needs
+them. Small reads give the GIL back to the training thread often. Uneven parts
 set :func:`phalanx.batchweight.set_batch_weight`, so the averaged gradient
 equals one process's on the same events.
 
@@ -43,10 +45,10 @@ import torch
 from .. import group
 from ..batchweight import set_batch_weight
 from ..errors import ConfigError, usage
-from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Plan, pack_plans, unpack_plans, split
-from .decoding import DEAD, collate, decode_one, payloads
+from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Fetched, Plan, pack_plans, unpack_plans, split
+from .decoding import DEAD, collate, decode_one, decode_part, payloads
 from .policy import Stop, WaitFull
-from .source import END_FIELD, START, StreamError, StreamSource
+from .source import END_FIELD, START, Event, StreamError, StreamSource
 
 _KEEPALIVE_S = 1.0  # while waiting for events, tell the other workers at least this often (no collective timeout)
 _CHECK_EVERY_S = 1.0  # XINFO (retention and lag) on a timer, not per step; always at the start of a run
@@ -92,7 +94,8 @@ class StreamLoader:
         self.ids: list[str] = []
         self.lag = -1
         self.acknowledged: str | None = None
-        self._commit: tuple[str, int] | None = None
+        self._commit: tuple[str, int] | None = None  # the position the last state_dict() returned
+        self._written: tuple[str, int] | None = None  # the same, once the loop body that took it has run
         self._log: list[tuple[str, Any]] = []  # claimed, decoded (or DEAD), not yet planned (main worker)
         self._planned: collections.deque[Plan] = collections.deque()  # planned, not yet trained (every worker)
         self._prefetch: ThreadPoolExecutor | None = None  # fetches this worker's parts; plans on the main worker
@@ -118,7 +121,7 @@ class StreamLoader:
         self.position = str(state["position"]) or None
         self.offset, self.steps = int(state["offset"]), int(state["steps"])
         self.events, self.dead = int(state["events"]), int(state["dead"])
-        self._log, self._ended, self._commit = [], False, None
+        self._log, self._ended, self._commit, self._written = [], False, None, None
         self._stop_planner()
         self._planned.clear()  # a rollback: steps planned after the restored position are planned again
 
@@ -161,12 +164,19 @@ class StreamLoader:
                 self.lag = plan.lag
                 if plan.status == END:
                     return
+                if not self._planned and not plan.final and self.world_size > 1:
+                    # The next plans now, if the main worker has them ready: the other workers then fetch
+                    # their parts while this step trains, instead of waiting for them at the next one.
+                    self._planned.extend(self._next_plans(early=True))
                 self.ids, batch = self._my_part(plan)
                 self.steps, self.events = self.steps + 1, self.events + plan.total
                 set_batch_weight(plan.parts[self.rank][2] * self.world_size / plan.total)
                 yield batch
-                if self.rank == 0 and self._ahead_plan is None:  # the last planned step (no planner runs):
-                    self._acknowledge(quiet=True)  # the loop body ran, so a save that took a state_dict() is written
+                # The loop body ran, so a save that took a state_dict() in it is written: the planner may
+                # acknowledge it now (not before: it runs while the body does).
+                self._written = self._commit
+                if self.rank == 0 and self._ahead_plan is None:  # the last planned step (no planner runs)
+                    self._acknowledge(quiet=True)
                 if plan.final:
                     return
         finally:
@@ -179,19 +189,20 @@ class StreamLoader:
         self._stop_planner()
         if self.rank == 0 and self._commit is not None:
             position, offset = self._commit
-            self._acknowledge()
+            self._acknowledge(final=True)
             self.source.rewind(position, offset if offset >= 0 else None)  # un-claim what no commit covers
         self._planned.clear()
         if self._prefetch is not None:
             self._prefetch.shutdown(wait=True, cancel_futures=True)
             self._prefetch = None
 
-    def _acknowledge(self, quiet: bool = False) -> None:
-        """XACK up to the position a ``state_dict()`` returned: the save that asked for it is written by now.
+    def _acknowledge(self, quiet: bool = False, final: bool = False) -> None:
+        """XACK up to the position a ``state_dict()`` returned, once the save that asked for it is written:
+        after the loop body that took it, or (``final``, from :meth:`close`) the last one taken.
 
         ``quiet`` (between steps) keeps the commit for the next try if the broker does not answer: the next
         claim then fails too, and reports it through the plan every worker hears, not on one worker alone."""
-        commit = self._commit  # (read once: the training thread may set a newer one meanwhile)
+        commit = self._commit if final else self._written  # (read once: the training thread may move it)
         if commit is not None:
             try:
                 self.source.acknowledge(commit[0])
@@ -200,8 +211,8 @@ class StreamLoader:
                     return
                 raise
             self.acknowledged = commit[0]
-            if self._commit is commit:
-                self._commit = None
+            if self._written is commit:
+                self._written = None
 
     # -- the main worker's side -----------------------------------------------------------
     def _start(self) -> None:
@@ -221,7 +232,7 @@ class StreamLoader:
         return plans
 
     def _stop_planner(self) -> None:
-        """Wait for the background planner (bounded by one read): nothing may claim after a rewind."""
+        """Wait for the background planner (bounded by one blocking read): nothing may claim after a rewind."""
         ahead, self._ahead_plan = self._ahead_plan, None
         if ahead is not None:
             try:
@@ -229,8 +240,10 @@ class StreamLoader:
             except Exception:  # noqa: BLE001 - a failure of plans nobody will use; the caller's error wins
                 pass
 
-    def _next_plans(self) -> list[Plan]:
-        """The next planned steps: the main worker decides them, one broadcast tells every worker."""
+    def _next_plans(self, early: bool = False) -> list[Plan]:
+        """The next planned steps: the main worker decides them, one broadcast tells every worker.
+
+        ``early`` (a step is still at hand): no plans, rather than waiting, when the planner is not done."""
         if self.world_size == 1:
             return self._plan()
         import torch.distributed as dist
@@ -240,7 +253,8 @@ class StreamLoader:
         size = 1 + self.ahead * (HEAD + PER_RANK * self.world_size)
         if self.rank == 0:
             try:
-                plans = self._plan()
+                ready = not early or (self._ahead_plan is not None and self._ahead_plan.done())
+                plans = self._plan() if ready else []
             except StreamError:
                 with guarded("telling the workers the stream failed"):
                     dist.broadcast(pack_plans([Plan(ERROR)], self.world_size, size).to(on), src=0)
@@ -252,12 +266,14 @@ class StreamLoader:
         with guarded("receiving the stream plan"):
             dist.broadcast(t, src=0)
         plans = unpack_plans(t.cpu(), self.world_size)
-        if plans[0].status == ERROR:
+        if plans and plans[0].status == ERROR:
             raise StreamError(f"the main worker lost the stream {self.source.stream!r} at {self.source.url}; "
                               "its log says why. Training resumes from the last checkpoint.")
-        for plan in plans:  # fetch and decode this worker's parts in the background while it trains
-            if plan.status == STEP:
-                plan.mine = self._fetcher().submit(self._fetch_part, plan.parts[self.rank])
+        steps = [plan for plan in plans if plan.status == STEP]
+        if steps:  # fetch and decode this worker's parts in one background task while it trains
+            parts = self._fetcher().submit(self._fetch_parts, [plan.parts[self.rank] for plan in steps])
+            for k, plan in enumerate(steps):
+                plan.mine = Fetched(parts, k)
         return plans
 
     def _decide(self) -> list[Plan]:
@@ -289,22 +305,34 @@ class StreamLoader:
                 break
             if now >= keepalive and self.world_size > 1:
                 return [Plan(WAIT)]  # what is claimed stays claimed; the other workers just hear we are alive
-            # With a backlog one read brings `ahead` steps' worth; live, it returns what has arrived.
-            events = src.claim(self.ahead * want - len(self._log), self.block_s)
-            if events:
-                self._last_event = time.monotonic()
-            data = []
-            for event in events:
-                self._claimed_to = event.id
-                if END_FIELD in event.fields:
-                    self._ended = True  # entries after the marker were claimed too: close() un-claims them
-                    break
-                data.append(event)
-            for event, payload in zip(data, payloads(self.source, data)):
+            self._claim(want)
+        return self._cut(want, ended)
+
+    def _claim(self, want: int) -> None:
+        """Claim up to ``ahead`` steps' worth into the log, one step's worth per read: the first read waits
+        up to ``block_s`` (live, it brings what has arrived), the next ones take only what is there (a
+        backlog). Reading in pieces hands the GIL back to the training thread at every round trip, so it
+        never waits for a whole plan's parsing and decoding to get it back."""
+        src, room, block_s = self.source, self.ahead * want - len(self._log), self.block_s
+        while room > 0 and not self._ended:
+            asked = min(want, room)
+            events = src.claim(asked, block_s)
+            if not events:
+                return
+            self._last_event, block_s, room = time.monotonic(), 0.0, room - len(events)
+            end = next((k for k, e in enumerate(events) if END_FIELD in e.fields), None)
+            if end is not None:
+                self._ended = True  # entries after the marker were claimed too: close() un-claims them
+                self._claimed_to, events = events[end].id, events[:end]
+            elif events:
+                self._claimed_to = events[-1].id
+            kept = payloads(src, events)
+            for event, payload in zip(events, kept):
                 if payload is DEAD:
                     src.dead_letter(event, decode_one(src, event)[1] or "undecodable")
-                self._log.append((event.id, payload))
-        return self._cut(want, ended)
+            self._log.extend(zip([e.id for e in events], kept))
+            if len(events) < asked:
+                return
 
     def _cut(self, want: int, ended: bool) -> list[Plan]:
         """Cut what was claimed into steps: every full global batch (up to ``ahead``), then, when the run ends or
@@ -365,22 +393,22 @@ class StreamLoader:
             self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="phalanx-stream-prefetch")
         return self._prefetch
 
-    def _fetch_part(self, part: tuple[str, str, int]) -> tuple[list[str], Any]:
-        first, last, count = part
-        events = self.source.fetch(first, last)
-        good = [(e.id, p) for e, p in zip(events, payloads(self.source, events)) if p is not DEAD]
-        if count == 0:  # a stand-in with weight 0 (see split)
-            return [], collate(self.source, [p for _, p in good[:1]])
-        if len(good) != count:
-            raise StreamError(f"worker {self.rank} found {len(good)} good events in {first}..{last} of stream "
-                              f"{self.source.stream!r} but the main worker claimed {count}; expected the same "
-                              "entries and the same decoding everywhere. Do not delete entries that are not yet "
-                              "acknowledged, and make decode deterministic.")
-        return [i for i, _ in good], collate(self.source, [p for _, p in good])
+    def _fetch_parts(self, parts: list[tuple[str, str, int]]) -> list[tuple[list[str], Any]]:
+        """This worker's parts of several planned steps: one task (one thread wake-up), one read per part
+        (each read hands the GIL back to the training thread; one pipelined read of all parts held it longer)."""
+        return [self._decode_part(part, self.source.fetch(part[0], part[1])) for part in parts]
+
+    def _decode_part(self, part: tuple[str, str, int], events: list[Event]) -> tuple[list[str], Any]:
+        try:
+            return decode_part(self.source, events, part[2])
+        except ValueError as err:
+            raise StreamError(f"worker {self.rank} {err} in {part[0]}..{part[1]} of stream {self.source.stream!r}; "
+                              "expected the same entries and the same decoding everywhere. Do not delete entries "
+                              "that are not yet acknowledged, and make decode deterministic.") from None
 
     def _my_part(self, plan: Plan) -> tuple[list[str], Any]:
         try:
-            mine = plan.mine.result() if isinstance(plan.mine, Future) else plan.mine
+            mine = plan.mine.parts.result()[plan.mine.index] if isinstance(plan.mine, Fetched) else plan.mine
         except StreamError as err:
             raise StreamError(f"worker {self.rank} lost the stream while fetching its part: {err}") from None
         return mine

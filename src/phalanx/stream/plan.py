@@ -13,7 +13,8 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,6 +22,12 @@ from .source import START, format_id, parse_id
 
 WAIT, STEP, END, ERROR = 0, 1, 2, 3
 HEAD, PER_RANK = 9, 5
+
+
+class Fetched(NamedTuple):
+    """A step's part on a non-main worker: the ``index``-th of the parts one background fetch brings."""
+    parts: Future
+    index: int
 
 
 @dataclass
@@ -35,7 +42,7 @@ class Plan:
     position: str = START
     offset: int = -1  # entries up to the position after this step, -1 when unknown
     parts: tuple[tuple[str, str, int], ...] = ()
-    mine: Any = field(default=None, repr=False, compare=False)  # this worker's decoded part, or its Future
+    mine: Any = field(default=None, repr=False, compare=False)  # this worker's decoded part, or where it comes
 
     def pack(self, world_size: int) -> torch.Tensor:
         t = torch.zeros(HEAD + PER_RANK * world_size, dtype=torch.int64)
