@@ -17,17 +17,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.stream import RedisStream, Stop, StreamLoader, decode_sample
-
-
-class Record:
-    def __init__(self) -> None:
-        self.steps: list[list[str]] = []
-
-    def state_dict(self) -> dict:
-        return {"steps": [list(s) for s in self.steps]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = [list(s) for s in state["steps"]]
+from phalanx.stream.demo_worker import Record  # the ids of every step, rolled back with the commit
 
 
 def main() -> None:
