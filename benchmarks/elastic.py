@@ -1,10 +1,18 @@
 """Elastic training: the cost of ``--elastic`` with no failure, recovery time, steps redone.
 
-    python benchmarks/elastic.py --out results/elastic [--trials 3] [--steps 40]
+    python benchmarks/elastic.py --out results/elastic                      # (a), (b), (c)
+    python benchmarks/elastic.py --out results/elastic --parts overhead     # (a) alone, about 3 minutes
 
-(a) Step time of ResNet-20 (CIFAR shapes, batch 32 per worker, synthetic data), 2 workers:
-    plain ``phalanx run -n 2`` against ``phalanx run -n 2 --elastic`` (commits every 10
-    steps), interleaved runs, the median of each run's mean step time after 5 warm-up steps.
+(a) Step time of ResNet-20 (CIFAR shapes, batch 32 per worker, synthetic data), 2 workers,
+    each setup in fresh processes, ``--repeats`` interleaved runs (the order alternates), each
+    run's mean step time after 5 warm-up steps; ratios are taken run by run against ``ddp`` of
+    the same repeat. The setups (``--setups``) break the cost of ``--elastic`` down:
+    ``ddp`` (plain ``phalanx run -n 2``: DDP's reducer), ``hooks`` (plain ``phalanx run``, AllReduce
+    through the overlapped per-parameter hooks that ``--elastic`` uses), ``elastic`` (``phalanx
+    run -n 2 --elastic``, commits every 10 steps, heartbeats, the elastic launcher) and, on
+    request, ``elastic-no-commit`` (the same without commits). Beside wall time it prints each
+    worker's CPU time per step and the launcher's (which a loaded machine inflates less), the
+    hooks' exposed wait, and one commit's time.
 (b) Time from a kill -9 to the first step of the rebuilt group, one host, 3 workers
     (tests/workers/elastic.py, a small MLP, 50 ms per step), the worker started as rank 1
     killed at step 15, commits every 10: shrink (the survivors go on with 2), ``--replace``
@@ -12,8 +20,9 @@
     regroup). "back to 3" is the time until the group is at 3 workers again.
 (c) Work lost per failure: the steps redone after the rollback.
 
-It prints a table (median and min-max over the trials) and writes it as JSON to
-OUT/elastic.json. About 4-6 minutes on an idle 2-core machine with the defaults.
+It prints tables (median and min-max) and writes them as JSON to OUT/elastic.json; with
+``--profile``, cProfile files of both workers of the first repeat of each setup go to OUT.
+About 6 minutes on an idle 2-core machine with the defaults.
 """
 from __future__ import annotations
 
@@ -40,7 +49,7 @@ WARMUP = 5
 SETUPS = {
     "ddp": "`phalanx run -n 2`: AllReduce through DDP's reducer (the default)",
     "hooks": "`phalanx run -n 2`: AllReduce through the overlapped hooks (the --elastic path), no --elastic",
-    "elastic-no-commit": "`phalanx run -n 2 --elastic`, commit_every=None (one commit at the start)",
+    "elastic-no-commit": "`phalanx run -n 2 --elastic`, commit_every=None (only the commit at the start)",
     "elastic": "`phalanx run -n 2 --elastic`, commits every 10 steps",
 }
 
@@ -70,6 +79,17 @@ def worker(out: str, steps: int, setup: str, profile: bool) -> None:
     times: list[float] = []
     cpu: list[float] = []  # this process's CPU time (every thread) at the end of each step
     launcher: list[float] = []  # the launcher's (our parent's): it shares the cores with the workers
+    waited: list[float] = []  # the strategy's exposed communication so far (the hooks' final wait; DDP: none)
+    commits: list[float] = []  # each commit's own time (inside opt.step(), so in the step time too)
+    comm = px.strategy_of(opt).comm
+    commit = state.commit
+
+    def timed_commit() -> None:
+        started = time.perf_counter()
+        commit()
+        commits.append(time.perf_counter() - started)
+
+    state.commit = timed_commit  # type: ignore[method-assign]
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
@@ -81,6 +101,7 @@ def worker(out: str, steps: int, setup: str, profile: bool) -> None:
             times.append(time.perf_counter() - started)
             cpu.append(time.process_time())
             launcher.append(parent_cpu_s())
+            waited.append(comm.stats.seconds)
 
     profiler = None
     if profile:
@@ -97,7 +118,9 @@ def worker(out: str, steps: int, setup: str, profile: bool) -> None:
         # same steps (a second worker or another user on the same cores cannot inflate it as it does wall time)
         json.dump({"step_s": sum(timed) / len(timed), "steps": len(timed),
                    "cpu_s": (cpu[-1] - cpu[WARMUP - 1]) / (len(cpu) - WARMUP),
-                   "launcher_cpu_s": (launcher[-1] - launcher[WARMUP - 1]) / (len(cpu) - WARMUP)}, f)
+                   "launcher_cpu_s": (launcher[-1] - launcher[WARMUP - 1]) / (len(cpu) - WARMUP),
+                   "wait_s": (waited[-1] - waited[WARMUP - 1]) / (len(cpu) - WARMUP),
+                   "commit_s": statistics.median(commits[1:]) if len(commits) > 1 else None}, f)
 
 
 def parent_cpu_s() -> float:
@@ -123,7 +146,8 @@ def resnet_step(setup: str, steps: int, profile_to: str | None = None) -> dict:
             for f in glob.glob(os.path.join(out, "profile*.pstats")):
                 shutil.copy(f, os.path.join(profile_to, f"{setup}-{os.path.basename(f)}"))
         return {"step_s": ranks[0]["step_s"], "cpu_s": sum(r["cpu_s"] for r in ranks) / 2,
-                "launcher_cpu_s": ranks[0]["launcher_cpu_s"]}
+                "launcher_cpu_s": ranks[0]["launcher_cpu_s"], "wait_s": ranks[0]["wait_s"],
+                "commit_s": ranks[0]["commit_s"]}
 
 
 # -- (b), (c): kill the worker started as rank 1 at step 15 --------------------------------------
@@ -168,18 +192,24 @@ def overhead(trials: int, steps: int, setups: list[str], profile_to: str | None)
     for s, rs in runs.items():
         out[s] = {"step_s": summary([r["step_s"] for r in rs]), "cpu_s": summary([r["cpu_s"] for r in rs]),
                   "launcher_cpu_s": summary([r["launcher_cpu_s"] for r in rs]),
+                  "wait_s": summary([r["wait_s"] for r in rs]), "commit_s": summary([r["commit_s"] for r in rs]),
                   "wall_ratio": summary([r["step_s"] / b["step_s"] for r, b in zip(rs, runs[base], strict=True)]),
                   "cpu_ratio": summary([r["cpu_s"] / b["cpu_s"] for r, b in zip(rs, runs[base], strict=True)]),
                   "raw": rs}
     print(f"(a) ResNet-20, 2 workers, per step: median (min-max) of {trials} interleaved runs of {steps} steps; "
-          f"ratios to {base} in the same trial")
-    print(f"    {'setup':<18} {'wall ms':<20} {'wall ratio':<22} {'CPU ms/worker':<20} {'CPU ratio':<22} "
-          "launcher CPU ms")
-    for s in setups:
-        r = out[s]
-        print(f"    {s:<18} {cell(r['step_s'], 1e3, '{:.1f}'):<20} {cell(r['wall_ratio'], 1.0, '{:.3f}'):<22} "
-              f"{cell(r['cpu_s'], 1e3, '{:.1f}'):<20} {cell(r['cpu_ratio'], 1.0, '{:.3f}'):<22} "
-              f"{cell(r['launcher_cpu_s'], 1e3, '{:.1f}')}")
+          f"ratios to {base} in the same run")
+    head = ["setup", "wall ms", "wall ratio", "CPU ms/worker", "CPU ratio", "launcher CPU ms", "comm wait ms",
+            "commit ms"]
+    rows = [[s, cell(r["step_s"], 1e3, "{:.1f}"), cell(r["wall_ratio"], 1.0, "{:.3f}"),
+             cell(r["cpu_s"], 1e3, "{:.1f}"), cell(r["cpu_ratio"], 1.0, "{:.3f}"),
+             cell(r["launcher_cpu_s"], 1e3, "{:.2f}"), cell(r["wait_s"], 1e3, "{:.1f}"),
+             cell(r["commit_s"], 1e3, "{:.2f}")] for s, r in ((s, out[s]) for s in setups)]
+    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
+    for row in [head, *rows]:
+        print("    " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    print("    CPU: all threads of a worker, per step; launcher CPU: the launcher's per step (it shares the cores); "
+          "comm wait: the hooks' exposed wait at the end of backward (DDP waits inside its reducer: not counted); "
+          "commit: one in-memory commit, every 10 steps")
     for s in setups:
         print(f"    {s}: {SETUPS[s]}")
     return out
@@ -206,9 +236,10 @@ def main() -> None:
     p.add_argument("--out", required=True, help="folder for elastic.json (or, with --worker, the run's folder)")
     p.add_argument("--parts", default="overhead,recovery",
                    help="comma-separated: overhead (a), recovery (b, c); default both")
-    p.add_argument("--trials", type=int, default=3, help="interleaved repeats of every run")
-    p.add_argument("--steps", type=int, default=40, help="timed ResNet-20 steps per run (after 5 warm-up steps)")
-    p.add_argument("--setups", default="ddp,hooks,elastic-no-commit,elastic",
+    p.add_argument("--repeats", type=int, default=5, help="(a): interleaved runs of every setup")
+    p.add_argument("--trials", type=int, default=3, help="(b, c): kills per mode")
+    p.add_argument("--steps", type=int, default=40, help="(a): timed ResNet-20 steps per run (after 5 warm-up steps)")
+    p.add_argument("--setups", default="ddp,hooks,elastic",
                    help=f"comma-separated, the first is the ratios' baseline; of {', '.join(SETUPS)}")
     p.add_argument("--profile", action="store_true", help="(a): cProfile both workers of the first trial into OUT")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -219,13 +250,13 @@ def main() -> None:
     parts = a.parts.split(",")
     setups = a.setups.split(",")
     bad = [x for x in parts if x not in ("overhead", "recovery")] + [x for x in setups if x not in SETUPS]
-    if bad or a.trials < 1 or a.steps < 1:
-        p.error(f"got --parts {a.parts} --setups {a.setups} --trials {a.trials} --steps {a.steps}; expected parts "
-                f"of overhead,recovery, setups of {','.join(SETUPS)}, trials and steps >= 1")
+    if bad or min(a.repeats, a.trials, a.steps) < 1:
+        p.error(f"got --parts {a.parts} --setups {a.setups} --repeats {a.repeats} --trials {a.trials} --steps "
+                f"{a.steps}; expected parts of overhead,recovery, setups of {','.join(SETUPS)}, and counts >= 1")
     os.makedirs(a.out, exist_ok=True)
     result = {}
     if "overhead" in parts:
-        result["step_time_resnet20_2_workers"] = overhead(a.trials, a.steps, setups,
+        result["step_time_resnet20_2_workers"] = overhead(a.repeats, a.steps, setups,
                                                           a.out if a.profile else None)
     if "recovery" in parts:
         result["recovery_3_workers_kill_at_15_commit_every_10"] = recoveries(a.trials)
