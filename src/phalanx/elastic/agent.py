@@ -137,7 +137,7 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
     next_store_poll = 0.0
     while True:
         # The store is read every STORE_POLL_S, a process exit is seen every POLL_S: a dozen store round trips
-        # every 50 ms took CPU from the workers on the same cores (about 1.5 ms per ResNet-20 step, measured),
+        # every 50 ms took CPU from the workers on the same cores (1.5 ms per ResNet-20 step, measured under load),
         # while a heartbeat timeout is seconds long and a dead process is still found at once.
         exited = any(w.returncode is None and w.proc.poll() is not None for w in workers)
         if not exited and stop["sig"] is None and time.monotonic() < next_store_poll:
