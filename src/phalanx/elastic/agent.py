@@ -37,7 +37,8 @@ from .watch import Remote, Watched, describe, exit_note, poll
 if TYPE_CHECKING:
     from ..launch import RunConfig
 
-POLL_S = 0.05
+POLL_S = 0.05  # a process's exit is seen this soon (a waitpid, no store call): recovery starts from it
+STORE_POLL_S = 0.5  # heartbeats, members and remote workers are read from the store this often
 MAX_FAILED_STARTS = 3  # replacements in a row that died before any generation admitted them
 
 
@@ -143,7 +144,16 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
     replaced = 0
     failed_starts = 0  # a script that fails at start would otherwise be replaced forever
     remotes = Remote()  # el-hosts
+    next_store_poll = 0.0
     while True:
+        # The store is read every STORE_POLL_S, a process exit is seen every POLL_S: a dozen store round trips
+        # every 50 ms took CPU from the workers on the same cores (1.5 ms per ResNet-20 step, measured under load),
+        # while a heartbeat timeout is seconds long and a dead process is still found at once.
+        exited = any(w.returncode is None and w.proc.poll() is not None for w in workers)
+        if not exited and stop["sig"] is None and time.monotonic() < next_store_poll:
+            time.sleep(POLL_S)
+            continue
+        next_store_poll = time.monotonic() + STORE_POLL_S
         if stop["sig"] is not None:
             print(f"phalanx: received {signal.Signals(stop['sig']).name}; stopped all workers", file=sys.stderr,
                   flush=True)
