@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
-from .source import Event, StreamSource
+from .source import Event, StreamError, StreamSource
 
 DEAD = object()  # a claimed entry that was dead-lettered: it moves the position but is not trained
 
@@ -69,3 +69,18 @@ def decode_part(source: StreamSource, events: list[Event], count: int) -> tuple[
     if len(good) != count:
         raise ValueError(f"found {len(good)} good events but the main worker claimed {count}")
     return [i for i, _ in good], collate(source, [p for _, p in good])
+
+
+def fetch_parts(source: StreamSource, rank: int, parts: list[tuple[str, str, int]]) -> list[tuple[list[str], Any]]:
+    """Worker ``rank``'s parts of several planned steps, fetched and decoded: one task (one thread wake-up), one
+    read per part (each read hands the GIL back to the training thread; one pipelined read of all parts held it
+    longer)."""
+    out = []
+    for first, last, count in parts:
+        try:
+            out.append(decode_part(source, source.fetch(first, last), count))
+        except ValueError as err:
+            raise StreamError(f"worker {rank} {err} in {first}..{last} of stream {source.stream!r}; expected the "
+                              "same entries and the same decoding everywhere. Do not delete entries that are not "
+                              "yet acknowledged, and make decode deterministic.") from None
+    return out

@@ -1,17 +1,13 @@
 """Per-worker batches from a live stream, every event trained exactly once.
 
-The main worker claims events from the source (in stream order, through the
-consumer group), sets aside the ones that cannot be decoded, and cuts the good
-ones into steps and each step into ``world_size`` contiguous parts: a step's
-global batch is exactly the one a single process would take with
-``world_size * batch_size``. With a backlog, one broadcast plans up to
-``ahead`` steps (:mod:`phalanx.stream.plan`), claimed a step's worth per read;
-the main worker decides the next plan on a background thread while the current
-one trains, and broadcasts it one step early when it is ready, so every other
-worker fetches and decodes its own parts on a background thread before it needs
-them. Small reads give the GIL back to the training thread often. Uneven parts
-set :func:`phalanx.batchweight.set_batch_weight`, so the averaged gradient
-equals one process's on the same events.
+The main worker claims events from the source (in stream order, through the consumer group), sets aside the ones
+that cannot be decoded, and cuts the good ones into steps and each step into ``world_size`` contiguous parts: a
+step's global batch is exactly the one a single process would take with ``world_size * batch_size``. With a
+backlog, one broadcast plans up to ``ahead`` steps (:mod:`phalanx.stream.plan`), claimed a step's worth per
+read; the main worker decides the next plan on a background thread while the current one trains, and broadcasts
+it one step early when it is ready, so every other worker fetches and decodes its own parts on a background
+thread before it needs them. Small reads give the GIL back to the training thread often. Uneven parts set
+:func:`phalanx.batchweight.set_batch_weight`, so the averaged gradient equals one process's on the same events.
 
 The loader's position (the last entry id a *trained* step covered, never a
 planned one) is its whole state: ``state_dict()`` is plain strings and ints
@@ -19,9 +15,9 @@ that a checkpoint carries and that do not depend on the number of workers.
 Entries are acknowledged to the broker only after a commit covers them: the
 position a ``state_dict()`` returned is acknowledged by the planner before its
 next read (or after the last step), once the checkpoint that asked for it was
-written, and by :meth:`StreamLoader.close`. Restoring a state discards the
-planned steps and rewinds the group to that position, so events trained after
-the last commit are planned and trained again, once.
+written, and by :meth:`StreamLoader.close`. Restoring a state discards the planned
+steps and rewinds the group there: events trained after the last commit are trained
+again, once.
 
 Example (``source`` is a :class:`phalanx.stream.RedisStream`)::
 
@@ -46,9 +42,9 @@ from .. import group
 from ..batchweight import set_batch_weight
 from ..errors import ConfigError, usage
 from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Fetched, Plan, pack_plans, unpack_plans, split
-from .decoding import DEAD, collate, decode_one, decode_part, payloads
+from .decoding import DEAD, collate, decode_one, fetch_parts, payloads
 from .policy import Stop, WaitFull
-from .source import END_FIELD, START, Event, StreamError, StreamSource
+from .source import END_FIELD, START, StreamError, StreamSource
 
 _KEEPALIVE_S = 1.0  # while waiting for events, tell the other workers at least this often (no collective timeout)
 _CHECK_EVERY_S = 1.0  # XINFO (retention and lag) on a timer, not per step; always at the start of a run
@@ -103,8 +99,7 @@ class StreamLoader:
         self._iteration = 0  # which run of __iter__ is the current one
         self._cursor: tuple[int, str, int] = (0, START, -1)  # how far planning went: steps, position, offset
         self._claimed_to: str | None = None
-        self._first_wait: float | None = None
-        self._ended = False  # the end marker was claimed
+        self._first_wait, self._ended = None, False  # when the current wait began; the end marker was claimed
         self._added, self._checked = 0, float("-inf")  # entries ever added, at the last XINFO
         self._t0 = self._last_event = time.monotonic()
         self._events0 = 0
@@ -271,7 +266,8 @@ class StreamLoader:
                               "its log says why. Training resumes from the last checkpoint.")
         steps = [plan for plan in plans if plan.status == STEP]
         if steps:  # fetch and decode this worker's parts in one background task while it trains
-            parts = self._fetcher().submit(self._fetch_parts, [plan.parts[self.rank] for plan in steps])
+            parts = self._fetcher().submit(fetch_parts, self.source, self.rank,
+                                           [plan.parts[self.rank] for plan in steps])
             for k, plan in enumerate(steps):
                 plan.mine = Fetched(parts, k)
         return plans
@@ -393,23 +389,9 @@ class StreamLoader:
             self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="phalanx-stream-prefetch")
         return self._prefetch
 
-    def _fetch_parts(self, parts: list[tuple[str, str, int]]) -> list[tuple[list[str], Any]]:
-        """This worker's parts of several planned steps: one task (one thread wake-up), one read per part
-        (each read hands the GIL back to the training thread; one pipelined read of all parts held it longer)."""
-        return [self._decode_part(part, self.source.fetch(part[0], part[1])) for part in parts]
-
-    def _decode_part(self, part: tuple[str, str, int], events: list[Event]) -> tuple[list[str], Any]:
-        try:
-            return decode_part(self.source, events, part[2])
-        except ValueError as err:
-            raise StreamError(f"worker {self.rank} {err} in {part[0]}..{part[1]} of stream {self.source.stream!r}; "
-                              "expected the same entries and the same decoding everywhere. Do not delete entries "
-                              "that are not yet acknowledged, and make decode deterministic.") from None
-
     def _my_part(self, plan: Plan) -> tuple[list[str], Any]:
         try:
-            mine = plan.mine.parts.result()[plan.mine.index] if isinstance(plan.mine, Fetched) else plan.mine
+            return plan.mine.parts.result()[plan.mine.index] if isinstance(plan.mine, Fetched) else plan.mine
         except StreamError as err:
             raise StreamError(f"worker {self.rank} lost the stream while fetching its part: {err}") from None
-        return mine
 
