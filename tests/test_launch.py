@@ -11,6 +11,7 @@ import time
 import pytest
 
 from phalanx import ConfigError
+from phalanx.allocator import heap_env
 from phalanx.cli import main
 from phalanx.launch import RunConfig, _status
 from phalanx.testing import free_port
@@ -83,6 +84,19 @@ def test_config_defaults_to_a_standalone_local_run(script):
     assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.max_restarts) == ("static", "127.0.0.1:12345", 0)
 
 
+def test_workers_keep_freed_memory_in_the_heap_unless_the_user_chose_an_allocator_setting(script, monkeypatch):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "PHALANX_ALLOCATOR"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = RunConfig.from_argv(["-n", "2", script])
+    env = cfg.worker_env()
+    assert (env["MALLOC_MMAP_THRESHOLD_"], env["MALLOC_TRIM_THRESHOLD_"]) == (str(32 * 2**20), str(2 * 2**30))
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")  # the user's own setting wins, and nothing is added
+    assert not {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(cfg.worker_env())
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("PHALANX_ALLOCATOR", "system")
+    assert "MALLOC_MMAP_THRESHOLD_" not in cfg.worker_env()
+
+
 def test_config_for_several_hosts_means_what_torchrun_means(script):
     cfg = RunConfig.from_argv(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
                                "--master-port", "29501", "-n", "2", "--threads", "3", "--timeout", "30", script])
@@ -90,7 +104,8 @@ def test_config_for_several_hosts_means_what_torchrun_means(script):
     assert (launch.min_nodes, launch.max_nodes, launch.nproc_per_node) == (2, 2, 2)
     assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.rdzv_configs["rank"]) == ("static", "10.0.0.1:29501", 1)
     assert cfg.worker_env() == {"OMP_NUM_THREADS": "3", "PHALANX_THREADS": "3", "PHALANX_TIMEOUT": "30.0",
-                                "PHALANX_LAUNCHER": "run"}  # several hosts: gloo picks the routable interface
+                                "PHALANX_LAUNCHER": "run",  # several hosts: gloo picks the routable interface
+                                **heap_env(os.environ)}
     elastic = RunConfig.from_argv(["--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
                                    "--rdzv-id", "job7", "--max-restarts", "2", script]).launch_config()
     assert (elastic.min_nodes, elastic.max_nodes, elastic.rdzv_endpoint, elastic.run_id, elastic.max_restarts) == \

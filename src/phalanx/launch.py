@@ -37,6 +37,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
+from .allocator import heap_env
 from .errors import ConfigError, OneLineParser, usage
 from .launch_failures import failure_line, root_cause as _root_cause, status as _status
 
@@ -220,7 +221,7 @@ class RunConfig:
     def worker_env(self) -> dict[str, str]:
         """Variables every worker gets on top of the launcher's environment."""
         env = {"OMP_NUM_THREADS": str(self.threads), "PHALANX_THREADS": str(self.threads),
-               "PHALANX_LAUNCHER": "run"}
+               "PHALANX_LAUNCHER": "run", **heap_env(os.environ)}
         if self.timeout_s is not None:
             env["PHALANX_TIMEOUT"] = repr(self.timeout_s)
         if self.debug:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn, Sequence
 
+from ..allocator import heap_env
 from ..errors import ConfigError, PhalanxError, usage
 from .agent import POLL_S, joiner_env, quiet_store_env
 from .watch import Watched, describe, poll
@@ -102,7 +103,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     tag = uuid.uuid4().hex[:6]
     quiet = quiet_store_env(os.environ.get("PHALANX_DEBUG", "") not in ("", "0"))
-    base = {**os.environ, **quiet, "MASTER_ADDR": cfg.host, "MASTER_PORT": str(cfg.port),
+    base = {**os.environ, **quiet, **heap_env(os.environ), "MASTER_ADDR": cfg.host, "MASTER_PORT": str(cfg.port),
             "OMP_NUM_THREADS": str(cfg.threads), "PHALANX_THREADS": str(cfg.threads)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         base.pop(name, None)
