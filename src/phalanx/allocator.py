@@ -3,7 +3,7 @@
 A CPU training step frees its activations and gradients (megabytes each) and
 allocates them again at the next step. With glibc's defaults the large ones are
 mapped afresh or trimmed off the heap each time, so every step faults the same
-pages in again: on ResNet-20 with 2 workers that was about a fifth of the step
+pages in again: on ResNet-20 with 2 workers that was 14-22% of the step
 (docs/performance.md, section 8). Raising both thresholds keeps freed blocks in
 the heap for the next step to reuse; the workers' peak resident memory did not
 grow (455 MiB either way). Both are needed: the trim threshold alone switches
