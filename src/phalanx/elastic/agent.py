@@ -62,7 +62,7 @@ def run_elastic(cfg: "RunConfig") -> int:
     print(f"phalanx: elastic job: its store is at {cfg.master_addr}:{port}; add workers with "
           f"`phalanx join --rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`", file=sys.stderr, flush=True)
     store.set(key("gen", 0, "members"), json.dumps(ids))
-    servers = None  # el-hosts: `--servers K`: started before the workers, outlive every one of them
+    servers = None  # `--servers K`: started before the workers, outlive every one of them
     if cfg.servers:
         from ..ps.launcher import start_servers
         servers = start_servers(cfg.servers, host=cfg.master_addr)
@@ -143,7 +143,7 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
     first_failure: int | None = None
     replaced = 0
     failed_starts = 0  # a script that fails at start would otherwise be replaced forever
-    remotes = Remote()  # el-hosts
+    remotes = Remote()  # workers joined from other hosts
     next_store_poll = 0.0
     while True:
         # The store is read every STORE_POLL_S, a process exit is seen every POLL_S: a dozen store round trips
@@ -158,9 +158,9 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
             print(f"phalanx: received {signal.Signals(stop['sig']).name}; stopped all workers", file=sys.stderr,
                   flush=True)
             return 128 + int(stop["sig"])
-        dead_servers = servers.exited() if servers is not None else []  # el-hosts
+        dead_servers = servers.exited() if servers is not None else []
         if dead_servers and not store.check([key("done")]):
-            from ..ps.elastic import restart_exited  # el-aps: started again, the workers roll back to a commit
+            from ..ps.elastic import restart_exited  # started again, the workers roll back to a commit
             if restart_exited(servers, store, dead_servers):
                 continue
             print(f"phalanx: elastic: {dead_servers[0]}; a lost server cannot be regrouped around, so the job "
@@ -207,7 +207,7 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                       "replace it; it joins at the next commit", file=sys.stderr, flush=True)
         alive = [w for w in workers if w.returncode is None]
         ok = [w for w in workers if w.returncode == 0]
-        # el-hosts: members that joined from other hosts count too, and the store must outlive them
+        # members that joined from other hosts count too, and the store must outlive them
         remote = remotes.alive(store, {w.id for w in workers}, el.heartbeat_s, now=now)
         if not alive and not remote:
             if ok or store.check([key("done")]):

@@ -119,7 +119,7 @@ def main(argv: Sequence[str]) -> int:
     return 0 if not failed else (128 - failed[0] if failed[0] < 0 else failed[0])
 
 
-# -- el-hosts: the joiners' local watcher --------------------------------------------------------------
+# -- the joiners' local watcher --------------------------------------------------------------
 def watch_joiners(workers: list[Watched], host: str, port: int) -> list[int]:
     """Watch this host's joiners as the launcher watches its own; returns their exit statuses.
 
@@ -148,4 +148,3 @@ def watch_joiners(workers: list[Watched], host: str, port: int) -> list[int]:
             store = None
         time.sleep(POLL_S)
     return [w.proc.wait() if w.returncode is None else w.returncode for w in workers]
-# -- end el-hosts ----------------------------------------------------------------------------------------

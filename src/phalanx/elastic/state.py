@@ -130,7 +130,7 @@ class State:
             del self.commits[old]
 
     def _commit_together(self) -> None:
-        """A commit every member takes at the same step. el-aps: the async PS settles around it."""
+        """A commit every member takes at the same step. An async PS settles around it."""
         settle = getattr(strategy_of(self.optimizer), "settle", None) if self.elastic else None
         if settle is not None:
             settle()  # every worker's pushes up to this step are on the servers before the snapshot
@@ -190,7 +190,7 @@ class State:
         # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
         mine = shared(snap)
         strategy = strategy_of(self.optimizer)
-        adopt = getattr(strategy, "load_joiner_state_dict", None)  # el-aps: never puts the async PS back
+        adopt = getattr(strategy, "load_joiner_state_dict", None)  # a joiner never puts the async PS back
         if adopt is not None:
             mine["strategy"] = None
         self._restore(mine)

@@ -64,7 +64,7 @@ class ElasticWorker:
         self._stop = threading.Event()
         threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True).start()
         global _current
-        _current = self  # el-hosts: for generation() and lost_peer() below
+        _current = self  # for generation() and lost_peer() below
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "ElasticWorker | None":
@@ -196,7 +196,7 @@ class ElasticWorker:
             pass
 
 
-# -- el-hosts: what a strategy that waits outside gloo (the synchronous PS) asks -----------------
+# -- what a strategy that waits outside gloo (the synchronous PS) asks -----------------
 _current: ElasticWorker | None = None
 
 
@@ -219,11 +219,10 @@ def lost_peer() -> str | None:
         return None
     return (f"worker(s) {', '.join(dead)} of generation {m.generation} died during a synchronous parameter-server "
             "round (marked dead by their watcher)")
-# -- end el-hosts ----------------------------------------------------------------------------------
 
 
 def servers_restarted() -> int:
-    """el-aps: how many times the launcher started an exited parameter server (``--servers``) again; 0 outside."""
+    """How many times the launcher started an exited parameter server (``--servers``) again; 0 outside."""
     if _current is None:
         return 0
     k = key("ps", "restarts")
