@@ -59,7 +59,7 @@ def worker(out: str, steps: int, setup: str, profile: bool) -> None:
     import torch.nn.functional as F
 
     import phalanx as px
-    from phalanx.models import resnet_cifar
+    from phalanx.bench.models import resnet_cifar
 
     class HookedAllReduce(px.AllReduce):
         """AllReduce on the path --elastic takes (per-parameter hooks, no DDP), without --elastic."""

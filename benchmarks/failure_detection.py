@@ -80,7 +80,7 @@ def trial_launcher(mode: str, workers: int, path: str) -> tuple[float, str]:
 
 
 def trial_direct(workers: int, victim: int, slow: int | None, how: str) -> tuple[float | None, list[str]]:
-    from phalanx.testing import run_workers
+    from phalanx.bench.procs import run_workers
     if how == "kill":
         run = run_workers("workers.liveness:kill_one", world_size=workers, check=False, timeout=300,
                           env={"PHALANX_TIMEOUT": "20"}, victim=victim, slow=slow)

@@ -39,7 +39,7 @@ def _train(loader, events: int, warmup: int, redis_cpu=None) -> dict[str, float]
     import torch.nn.functional as F
 
     import phalanx as px
-    from phalanx.models import digits_cnn
+    from phalanx.bench.models import digits_cnn
 
     torch.manual_seed(0)
     net = digits_cnn()
@@ -85,7 +85,7 @@ def worker(url: str, events: int, batch_size: int, warmup: int, repeats: int) ->
     import torch
 
     import phalanx as px
-    from phalanx.models import load_digits_split
+    from phalanx.bench.models import load_digits_split
     from phalanx.stream import RedisStream, StreamLoader, decode_sample
 
     px.init()
@@ -140,14 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
     from phalanx.stream.broker import RedisServer
-    from phalanx.testing import run_workers
+    from phalanx.bench.procs import run_workers
 
     began = time.monotonic()
+    from phalanx.bench.stream_demo import digits
     from phalanx.stream.producer import publish
     with RedisServer() as server:
         # A backlog, published before the workers start: the figure is what the workers consume, not the
         # producer's pace. Every repeat reads the same stream through a consumer group of its own.
-        publish(server.url, "bench", data="digits", count=a.events, rate=0, end=True)
+        publish(server.url, "bench", data=digits(a.events), count=a.events, rate=0, end=True)
         runs = run_workers("stream:worker", world_size=2, timeout=900, url=server.url, events=a.events,
                            batch_size=a.batch_size, warmup=a.warmup, repeats=a.repeats).results
     rates = [{mode: run[mode]["rate"] for mode in run} for run in runs[0]]

@@ -15,7 +15,7 @@ from phalanx.bench import projection, report, stats, targets
 from phalanx.bench.breakdown import PHASES, StepProbe
 from phalanx.bench.spec import Setup, check_setup, parse_setup, plan, split_list
 from phalanx.errors import ConfigError
-from phalanx.testing import run_workers
+from support.procs import run_workers
 
 
 # -- statistics on known inputs ------------------------------------------------------------------

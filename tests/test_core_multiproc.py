@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.testing import run_workers
+from support.procs import run_workers
 from workers.core import OPTIMIZERS, dataset, net, train
 
 pytestmark = pytest.mark.multiproc

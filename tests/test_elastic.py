@@ -229,7 +229,7 @@ def test_replacements_that_fail_at_start_are_not_restarted_forever(tmp_path):
 
 
 def test_join_refuses_an_endpoint_with_no_job_within_seconds():
-    from phalanx.testing import free_port
+    from support.procs import free_port
     start = time.monotonic()
     proc = subprocess.run([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-n", "1", WORKER],
                           capture_output=True, text=True, timeout=60)

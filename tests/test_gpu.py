@@ -8,7 +8,7 @@ import torch
 
 import phalanx as px
 from phalanx.prefetch import prefetch
-from phalanx.testing import run_workers
+from support.procs import run_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA GPU (run benchmarks/gpu.sh there)")]

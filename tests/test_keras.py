@@ -22,7 +22,7 @@ import phalanx as px  # noqa: E402
 from phalanx.errors import ConfigError  # noqa: E402
 from phalanx.keras import detect, keras_api  # noqa: E402
 from phalanx.keras.fit import run_of  # noqa: E402
-from phalanx.testing import run_workers  # noqa: E402
+from support.procs import run_workers  # noqa: E402
 
 
 def _compiled(optimizer: str = "sgd") -> keras.Model:
@@ -247,7 +247,7 @@ def test_unsharded_arrays_and_inexact_metrics_are_called_out(two: tuple) -> None
 
 
 def test_demo_flag_reaches_the_keras_demo(capsys: pytest.CaptureFixture[str]) -> None:
-    from phalanx import demo
+    from phalanx.bench import demo
     with pytest.raises(SystemExit) as stop:
         demo.main(["--keras", "--help"])
     assert stop.value.code == 0 and "phalanx demo --keras" in capsys.readouterr().out

@@ -14,12 +14,12 @@ from phalanx import ConfigError
 from phalanx.allocator import heap_env
 from phalanx.cli import main
 from phalanx.launch import RunConfig, _status
-from phalanx.testing import free_port
+from support.procs import free_port
 
 SCRIPT = """\
 import json, os, sys, time
 import torch, phalanx as px
-from phalanx.testing import kill_at
+from support.procs import kill_at
 
 def say(obj):  # one write per line: print() writes the newline separately, and workers share stdout
     sys.stdout.write(json.dumps(obj) + "\\n")

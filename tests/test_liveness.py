@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from phalanx.liveness import Heartbeat, Liveness, Watch, alive_ranks, describe, record_exit, survey
-from phalanx.testing import free_port, run_workers
+from support.procs import free_port, run_workers
 
 
 @pytest.fixture

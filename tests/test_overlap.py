@@ -13,7 +13,7 @@ import torch
 import phalanx as px
 from phalanx.comm import Comm
 from phalanx.strategies.overlap import OverlappedMean, plan_buckets
-from phalanx.testing import run_workers
+from support.procs import run_workers
 from workers.overlap import B, dataset, flat, net, train
 
 EPOCHS, N_PLAIN, N_ACCUMULATE = 2, 45, 48  # 45: the last global batch of 5 splits 3 / 2 (batch weights)

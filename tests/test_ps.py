@@ -17,11 +17,11 @@ import zmq
 
 import phalanx as px
 from phalanx.errors import ConfigError
-from phalanx.models import mlp, resnet50
+from phalanx.bench.models import mlp, resnet50
 from phalanx.ps import Client, GreedyBytes, PSError, RoundRobin, Server, ServerUnreachable, imbalance, server_bytes
 from phalanx.ps.placement import specs
 from phalanx.ps.wire import Header, WireError, pack_header, recv_message, send_message, unpack_header
-from phalanx.testing import free_port
+from support.procs import free_port
 
 F32 = torch.float32
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from phalanx.ps import start_servers
-from phalanx.testing import run_workers
+from support.procs import run_workers
 
 pytestmark = pytest.mark.multiproc
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.testing import run_workers
+from support.procs import run_workers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

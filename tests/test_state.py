@@ -21,7 +21,7 @@ from workers import state as W
 
 import phalanx as px
 from phalanx.framing import read_verified, write_verified
-from phalanx.testing import run_workers
+from support.procs import run_workers
 from phalanx.trainer import Trainer
 
 

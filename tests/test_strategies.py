@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.models import digits_cnn
+from phalanx.bench.models import digits_cnn
 from phalanx.strategies import REGISTRY, by_name
-from phalanx.testing import run_workers
+from support.procs import run_workers
 
 EPOCHS = 8  # the budget AllReduce is given, and every other strategy must live within
 BAR = 0.93

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from phalanx.checkpoint import read_checkpoint
-from phalanx.testing import run_workers
+from support.procs import run_workers
 
 pytestmark = pytest.mark.multiproc
 

@@ -16,7 +16,7 @@ from workers import trainer as W
 import phalanx as px
 from phalanx.callbacks import Callback, LambdaCallback, ModelCheckpoint
 from phalanx.metrics import Accuracy, MeanLoss, ThroughputMeter, reduce_all, resolve
-from phalanx.testing import run_workers
+from support.procs import run_workers
 from phalanx.trainer import History
 
 TIMING_KEYS = {"samples_per_s", "time_s"}
@@ -204,7 +204,7 @@ def test_callback_base_hooks_are_no_ops():
 
 # -- the demo -------------------------------------------------------------------------------------------------
 def test_demo_table_has_speedup_and_efficiency():
-    from phalanx.demo import table
+    from phalanx.bench.demo import table
     text = table([{"workers": 1, "test_accuracy": 0.981, "samples_per_s": 1000.0},
                   {"workers": 2, "test_accuracy": 0.975, "samples_per_s": 1700.0}])
     assert "| workers | test accuracy | samples/s | speedup | efficiency |" in text
@@ -213,7 +213,7 @@ def test_demo_table_has_speedup_and_efficiency():
 
 @pytest.mark.multiproc
 def test_demo_runs_end_to_end_on_one_then_two_worker_processes(capsys):
-    from phalanx.demo import main
+    from phalanx.bench.demo import main
     assert main(["--epochs", "1", "--batch-size", "16", "--limit", "256", "--no-progress"]) == 0  # 16 / 8 steps
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("|") and line[2:].strip()[:1].isdigit()]
@@ -222,7 +222,7 @@ def test_demo_runs_end_to_end_on_one_then_two_worker_processes(capsys):
 
 
 def test_demo_refuses_bad_options(capsys):
-    from phalanx.demo import main
+    from phalanx.bench.demo import main
     assert main(["--epochs", "0"]) == 2
     assert "--epochs=0" in capsys.readouterr().err
 

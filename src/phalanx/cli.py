@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from typing import Callable, Sequence
@@ -21,9 +22,11 @@ from .errors import ConfigError, PhalanxError, usage
 COMMANDS = {
     "run": ("phalanx.launch", "start N workers running a script (like torchrun); see `phalanx run --help`"),
     "join": ("phalanx.elastic.join", "add workers to a running `phalanx run --elastic` job"),  # elastic
-    "demo": ("phalanx.demo", "train a small CNN on bundled digits with 1, then 2 workers, and compare"),
+    "demo": ("phalanx.bench.demo", "train a small CNN on bundled digits with 1, then 2 workers, and compare"),
     "bench": ("phalanx.bench.cli", "measure throughput and scaling of the strategies"),
 }
+# The apps in phalanx.bench need the packages of the extra phalanx[bench], which a core install lacks.
+NEEDS = {"demo": ("sklearn",), "bench": ("sklearn", "matplotlib")}
 
 HELP = "usage: phalanx [--help] [--version] COMMAND [args]\n\n" \
        "Data-parallel training for any PyTorch model.\n\ncommands:\n" + \
@@ -34,6 +37,11 @@ HELP = "usage: phalanx [--help] [--version] COMMAND [args]\n\n" \
 def _entry(command: str) -> Callable[[list[str]], int | None]:
     """``main`` of the command's module, imported now; a module this installation lacks is a usage error."""
     module = COMMANDS[command][0]
+    missing = [name for name in NEEDS.get(command, ()) if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(usage(f"`phalanx {command}` without {' and '.join(missing)}",
+                                "the packages of the extra phalanx[bench] (scikit-learn, matplotlib)",
+                                "pip install 'phalanx[bench]'"))
     try:
         return importlib.import_module(module).main
     except ImportError as err:

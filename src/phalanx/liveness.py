@@ -18,8 +18,7 @@ decides with its own clock, so hosts need not agree on the time:
 
 Example (a store of our own; in a job use ``phalanx.group.store()``):
     >>> import torch.distributed as dist
-    >>> from phalanx.testing import free_port
-    >>> store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    >>> store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     >>> beat = Heartbeat(store, rank=0, every_s=0.05).start()
     >>> record_exit(store, 1, "ValueError: boom")
     >>> survey(store, world_size=3, stale_after_s=0.5)
@@ -71,8 +70,7 @@ class Heartbeat:
 
     Example:
         >>> import torch.distributed as dist
-        >>> from phalanx.testing import free_port
-        >>> store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+        >>> store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         >>> beat = Heartbeat(store, rank=0, every_s=0.01).start()
         >>> time.sleep(0.2); beat.stop(); beats(store, 1)[0] > 1
         True
@@ -158,8 +156,7 @@ class Watch:
 
     Example:
         >>> import torch.distributed as dist
-        >>> from phalanx.testing import free_port
-        >>> store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+        >>> store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         >>> watch = Watch(store, world_size=2, stale_after_s=0.1); watch.poll(); watch.stale()
         []
         >>> time.sleep(0.2); watch.poll(); watch.stale()
@@ -231,8 +228,7 @@ def alive_ranks(store: dist.Store, world_size: int, stale_after_s: float = STALE
 
     Example:
         >>> import torch.distributed as dist
-        >>> from phalanx.testing import free_port
-        >>> store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+        >>> store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         >>> beat = Heartbeat(store, rank=1, every_s=0.05).start()
         >>> alive_ranks(store, world_size=2, stale_after_s=0.3)
         [1]

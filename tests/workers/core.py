@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
-from phalanx.testing import kill_at
+from support.procs import kill_at
 
 N_SAMPLES, IN, CLASSES = 48, 6, 3
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import phalanx as px
-from phalanx.testing import kill_at
+from support.procs import kill_at
 
 IN, CLASSES, B = 6, 3, 4
 BUCKET_MB = 0.0003  # ~300 bytes: several buckets for this small net, so their order matters

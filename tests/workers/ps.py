@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.models import digits_cnn, load_digits_split
+from phalanx.bench.models import digits_cnn, load_digits_split
 from phalanx.ps.config import PSConfig
-from phalanx.testing import kill_at
+from support.procs import kill_at
 
 BATCH = 32  # per worker
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import phalanx as px
 
 from workers.core import train as train_epochs
-from phalanx.models import digits_cnn, load_digits_split
+from phalanx.bench.models import digits_cnn, load_digits_split
 
 BATCH = 32  # per worker
 

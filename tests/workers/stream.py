@@ -16,7 +16,7 @@ from torch import nn
 import phalanx as px
 from phalanx.batchweight import batch_weight
 from phalanx.stream import Deadline, RedisStream, Stop, StreamLoader, WaitFull, decode_sample
-from phalanx.testing import kill_at
+from support.procs import kill_at
 
 
 def net(seed: int = 0) -> nn.Module:

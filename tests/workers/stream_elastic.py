@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.stream import RedisStream, Stop, StreamLoader, decode_sample
-from phalanx.stream.demo_worker import Record  # the ids of every step, rolled back with the commit
+from phalanx.bench.stream_demo_worker import Record  # the ids of every step, rolled back with the commit
 
 
 def main() -> None:

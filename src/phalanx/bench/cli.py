@@ -41,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
                "--link 100mbit --models mlp --out results/link\n"
                "  phalanx bench --quality --help    (time to quality on slow links; its own options)\n"
                "  phalanx bench --keras --help      (Keras 3 through px.keras beside plain PyTorch; its own options)")
-    p.add_argument("--models", help=f"comma list from phalanx.models.ZOO (default {FULL['models']})")
+    p.add_argument("--models", help=f"comma list from phalanx.bench.models.ZOO (default {FULL['models']})")
     p.add_argument("--workers", help="comma list of worker process counts (default 1,2)")
     p.add_argument("--strategies", help="comma list of setups (default allreduce,ddp)")
     p.add_argument("--threads", help="plain loop in 1 process x T threads, comma list (default: worker counts above 1)")
@@ -78,7 +78,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 def resolve(args: argparse.Namespace) -> dict[str, Any]:
     """Validate everything before the first process starts."""
-    from ..models import ZOO
+    from .models import ZOO
 
     preset = QUICK if args.quick else FULL
     models = split_list(args.models or preset["models"])

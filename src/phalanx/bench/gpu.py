@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import models
+from . import models
 from . import report, stats
 
 MODELS: dict[str, dict[str, Any]] = {

@@ -41,7 +41,7 @@ def label(framework: str, wrapped: bool) -> str:
 
 
 def worker(framework: str, wrapped: bool, steps: int, warmup: int, batch: int, width: int, depth: int) -> float:
-    """One worker's timed run (under ``phalanx.testing.run_workers``); returns all workers' samples/s."""
+    """One worker's timed run (under ``phalanx.bench.procs.run_workers``); returns all workers' samples/s."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
     import numpy as np
     import torch
@@ -93,7 +93,7 @@ def worker(framework: str, wrapped: bool, steps: int, warmup: int, batch: int, w
 
 
 def measure(framework: str, wrapped: bool, workers: int, args: argparse.Namespace) -> float:
-    from ..testing import run_workers
+    from .procs import run_workers
     kwargs = dict(framework=framework, wrapped=wrapped, steps=args.steps, warmup=args.warmup, batch=args.batch,
                   width=args.width, depth=args.depth)
     env = {} if wrapped else {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ..errors import PhalanxError
-from ..testing import free_port
+from .procs import free_port
 from .netns import Link
 from .spec import Run
 

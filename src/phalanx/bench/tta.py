@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..data import global_batches
-from ..models import digits_cnn, load_digits_split
+from .models import digits_cnn, load_digits_split
 from .report import fmt, fmt_bytes, setup_name
 from .spec import Setup
 from .worker import main, setup_training, wire_bytes

@@ -1,7 +1,7 @@
 """One benchmark worker process: ``python -m phalanx.bench.worker CONFIG.json OUT.json``.
 
 The runner starts one of these per rank with the standard variables (``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``...). It builds the model from :data:`phalanx.models.ZOO`,
+``WORLD_SIZE``, ``MASTER_ADDR``...). It builds the model from :data:`phalanx.bench.models.ZOO`,
 trains it on synthetic data with the configured setup (plain loop, raw DDP, or a
 phalanx strategy), times every step, warm-up included, and writes the raw numbers.
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import models
+from . import models
 from .breakdown import StepProbe
 from .spec import Setup, build_strategy
 

@@ -17,7 +17,7 @@ from .client import Client, ParamTable, PSError, ServerUnreachable
 from .launcher import ServerGroup, ServerStartError, start_servers
 from .optim import SGD, Adagrad
 from .placement import GreedyBytes, RoundRobin, imbalance, server_bytes
-from .report import LoadReport, load_report, placement_table, save_shards
+from .report import LoadReport, load_report, save_shards
 from .server import Server
 from .shards import Policy, RejectError
 from .strategies import AsyncEASGD, Downpour, ParameterServer, PSStrategy, SyncParameterServer
@@ -27,5 +27,5 @@ __all__ = [
     "Adagrad", "AsyncEASGD", "Client", "Downpour", "GreedyBytes", "Header", "LoadReport", "PSError", "PSStrategy",
     "ParamTable", "ParameterServer", "Policy", "RejectError", "RoundRobin", "SGD", "Server", "ServerGroup",
     "ServerStartError", "ServerUnreachable", "SyncParameterServer", "WireError", "imbalance", "load_report",
-    "placement_table", "save_shards", "server_bytes", "start_servers",
+    "save_shards", "server_bytes", "start_servers",
 ]

@@ -2,8 +2,7 @@
 
 ``python -m phalanx.ps serve [--host H] [--port P] [--checkpoint F] ...`` runs one server
 until SIGTERM. This is what :func:`phalanx.ps.launcher.start_servers` starts.
-``python -m phalanx.ps placement [--models resnet50,mlp] [--servers 2,3,4]`` prints
-how much each placement policy unbalances the reference models.
+(How each placement policy spreads the reference models: ``python -m phalanx.bench.placement``.)
 
 These live here, not in ``server.py``, so that ``python -m`` does not run a module the
 package has already imported.
@@ -18,7 +17,6 @@ import torch
 
 from ..errors import PhalanxError
 from .config import PSConfig
-from .report import placement_table
 from .server import Server
 from .wire import require_zmq
 
@@ -58,14 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-mb", type=float, default=None, help="bound what registrations may allocate (MiB)")
     s.add_argument("--round-timeout", type=float, default=None,
                    help="abandon a synchronous round after this many seconds (default PHALANX_PS_TIMEOUT)")
-    p = sub.add_parser("placement", help="imbalance of round_robin vs greedy_bytes on reference models")
-    p.add_argument("--models", default="resnet50,mlp")
-    p.add_argument("--servers", default="2,3,4")
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        serve(args)
-    else:
-        print(placement_table(args.models.split(","), [int(n) for n in args.servers.split(",")]))
+    serve(args)
 
 
 if __name__ == "__main__":

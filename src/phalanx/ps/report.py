@@ -1,7 +1,7 @@
 """Load per server: bytes, requests and imbalance, measured by the servers themselves.
 
 ``load_report(strategy)`` (or a :class:`~phalanx.ps.launcher.ServerGroup`, or a list of
-addresses) asks every server for its counters. ``python -m phalanx.ps placement`` prints
+addresses) asks every server for its counters. ``python -m phalanx.bench.placement`` prints
 how round-robin and greedy placement spread the reference models over 2 to 4 servers.
 
 Example:
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from .client import Client
 from .config import PSConfig
-from .placement import GreedyBytes, RoundRobin, imbalance, server_bytes, specs
+from .placement import imbalance
 
 
 @dataclass
@@ -103,16 +103,3 @@ def save_shards(source: Any, *, token: str | None = None, timeout: float | None 
     """Make every server of ``source`` write its shard checkpoint now (each needs ``--checkpoint``)."""
     with _client_for(source, token, timeout) as client:
         client.broadcast({"op": "save"})
-
-
-def placement_table(models: Sequence[str] = ("resnet50", "mlp"), servers: Sequence[int] = (2, 3, 4)) -> str:
-    """Bytes imbalance (max/mean) of round-robin and greedy placement on the reference models."""
-    from ..models import build
-    rows = ["| model | tensors | servers | round_robin | greedy_bytes | greedy pieces |", "|---|---|---|---|---|---|"]
-    for name in models:
-        tensors = specs([(n, p) for n, p in build(name)[0].named_parameters() if p.requires_grad])
-        for s in servers:
-            rr, gb = RoundRobin().place(tensors, s), GreedyBytes().place(tensors, s)
-            rows.append(f"| {name} | {len(tensors)} | {s} | {imbalance(server_bytes(rr, s)):.3f} "
-                        f"| {imbalance(server_bytes(gb, s)):.3f} | {len(gb)} |")
-    return "\n".join(rows)

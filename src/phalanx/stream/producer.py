@@ -2,7 +2,7 @@
 
 Run it as a process of its own::
 
-    python -m phalanx.stream.producer unix:///tmp/redis.sock events --data digits --count 3000 --rate 1000
+    python -m phalanx.stream.producer unix:///tmp/redis.sock events --count 3000 --rate 1000
 
 ``--rate 0`` publishes as fast as Redis takes pipelined XADDs. ``--end`` appends the
 end-of-stream marker, ``--pause-at N --pause-s S`` pauses once after N events, and
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -21,16 +21,11 @@ from .codec import encode_sample
 from .source import END_FIELD
 
 
-def samples(data: str, count: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, int]]:
-    """``count`` samples of ``data``: "digits" (sklearn's bundled training split, cycled) or "synthetic"."""
-    if data == "digits":
-        from ..models import load_digits_split
-        train, _ = load_digits_split()
-        x, y = train.tensors
-    else:  # a small separable problem: 8 features, 3 classes
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(min(count, 4096), 8, generator=gen)
-        y = (x[:, :3].argmax(1))
+def samples(count: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, int]]:
+    """``count`` samples of a small separable problem: 8 features, 3 classes."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(min(count, 4096), 8, generator=gen)
+    y = (x[:, :3].argmax(1))
     for i in range(count):
         yield x[i % len(x)], int(y[i % len(y)])
 
@@ -40,14 +35,17 @@ def end_of_stream() -> dict[bytes, bytes]:
     return {END_FIELD: b"1"}
 
 
-def publish(url: str, stream: str, *, data: str = "synthetic", count: int = 1000, rate: float = 0.0,
-            end: bool = True, pause_at: int | None = None, pause_s: float = 0.0, bad_every: int = 0,
+def publish(url: str, stream: str, *, data: Iterable[tuple[torch.Tensor, int]] | None = None, count: int = 1000,
+            rate: float = 0.0, end: bool = True, pause_at: int | None = None, pause_s: float = 0.0, bad_every: int = 0,
             seed: int = 0) -> int:
-    """Publish ``count`` events (plus the marker with ``end``); returns how many were published."""
+    """Publish ``count`` events of ``data`` (default :func:`samples`), plus the marker with ``end``; returns how many.
+
+    The demo's digits come from :mod:`phalanx.bench.stream_demo`, which passes them as ``data``.
+    """
     import redis
     r = redis.Redis.from_url(url, socket_timeout=10)
     start, sent, chunk = time.monotonic(), 0, 64
-    source = samples(data, count, seed)
+    source = iter(samples(count, seed) if data is None else data)
     paused = False
     while sent < count:
         if pause_at is not None and not paused and sent >= pause_at:
@@ -77,7 +75,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m phalanx.stream.producer", description=__doc__.split("\n")[0])
     p.add_argument("url")
     p.add_argument("stream")
-    p.add_argument("--data", choices=["synthetic", "digits"], default="synthetic")
     p.add_argument("--count", type=int, default=1000)
     p.add_argument("--rate", type=float, default=0.0, help="events per second; 0 = as fast as possible")
     p.add_argument("--end", action="store_true", help="append the end-of-stream marker")
@@ -86,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bad-every", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    publish(a.url, a.stream, data=a.data, count=a.count, rate=a.rate, end=a.end, pause_at=a.pause_at,
+    publish(a.url, a.stream, count=a.count, rate=a.rate, end=a.end, pause_at=a.pause_at,
             pause_s=a.pause_s, bad_every=a.bad_every, seed=a.seed)
     return 0
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...testing import free_port
+from ..procs import free_port
 from ..netns import Link
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...models import gpt, resnet_cifar
+from ..models import gpt, resnet_cifar
 
 
 @dataclass(frozen=True)

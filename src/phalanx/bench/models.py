@@ -7,7 +7,7 @@
 * :func:`gpt`: a small decoder-only transformer (GPT-2 layout: pre-norm, causal attention, tied head).
 
 Example:
-    >>> import torch, phalanx.models as M
+    >>> import torch, phalanx.bench.models as M
     >>> M.resnet_cifar(20)(torch.randn(2, 3, 32, 32)).shape
     torch.Size([2, 10])
 """
@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .errors import ConfigError, usage
+from ..errors import ConfigError, usage
 
 
 def mlp(in_features: int = 784, hidden: int = 1024, depth: int = 5, classes: int = 10) -> nn.Sequential:

@@ -16,15 +16,15 @@ import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from .demo_table import MIN_ACCURACY, table  # noqa: F401  (table: re-exported for callers of phalanx.demo)
-from .errors import OneLineParser
+from ..errors import OneLineParser
+from .demo_table import MIN_ACCURACY, table  # noqa: F401  (table: re-exported for callers of this module)
+from .procs import free_port
 
 
 
@@ -38,7 +38,7 @@ def train(*, epochs: int = 10, batch_size: int = 128, lr: float = 3e-3, seed: in
     import torch.nn.functional as F
 
     import phalanx as px
-    from phalanx.models import digits_cnn, load_digits_split
+    from phalanx.bench.models import digits_cnn, load_digits_split
     from phalanx.trainer import Trainer
 
     px.init()
@@ -56,12 +56,6 @@ def train(*, epochs: int = 10, batch_size: int = 128, lr: float = 3e-3, seed: in
             "seconds": sum(history["time_s"])}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(workers: int, worker_args: list[str], threads: int) -> int:
     """Start ``workers`` local worker processes of this module; the first failure's code, else 0.
 
@@ -72,14 +66,14 @@ def _launch(workers: int, worker_args: list[str], threads: int) -> int:
     base = {k: v for k, v in os.environ.items() if k not in group_vars and not k.startswith("TORCHELASTIC_")}
     base.update(OMP_NUM_THREADS=str(threads), PHALANX_THREADS=str(threads),
                 CUDA_VISIBLE_DEVICES="")  # the demo is about CPU workers
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(workers):
         env = dict(base)
         if workers > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(workers), LOCAL_WORLD_SIZE=str(workers),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "phalanx.demo", "--worker", *worker_args], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "phalanx.bench.demo", "--worker", *worker_args], env=env))
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -122,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo (or, with the internal ``--worker``, one of its workers); returns the exit status."""
     if argv is None:
         argv = sys.argv[1:]
-    if "--keras" in argv:  # the same demo with a Keras 3 model: phalanx.keras.demo
-        from .keras.demo import main as keras_demo
+    if "--keras" in argv:  # the same demo with a Keras 3 model: phalanx.bench.keras_demo
+        from .keras_demo import main as keras_demo
         return keras_demo([a for a in argv if a != "--keras"])
-    if "--stream" in argv:  # `phalanx demo --stream`: phalanx.stream.demo
-        return importlib.import_module("phalanx.stream.demo").main([x for x in argv if x != "--stream"])
+    if "--stream" in argv:  # `phalanx demo --stream`: phalanx.bench.stream_demo
+        return importlib.import_module("phalanx.bench.stream_demo").main([x for x in argv if x != "--stream"])
     args = _parser().parse_args(argv)
     for name in ("epochs", "batch_size", "threads"):
         if getattr(args, name) < 1:

@@ -26,7 +26,7 @@ def digits_cnn_keras(keras: Any) -> Any:
 
 def digits_arrays() -> tuple[Any, Any, Any, Any]:
     """The main demo's train/test split as NumPy arrays, channels last."""
-    from phalanx.models import load_digits_split
+    from phalanx.bench.models import load_digits_split
     train, test = load_digits_split()
     x, y = train.tensors
     xt, yt = test.tensors
@@ -39,8 +39,8 @@ def train(*, epochs: int = 10, batch_size: int = 128, lr: float = 3e-3, seed: in
     import phalanx as px
 
     px.init()
-    from .keras_api import keras
-    from .throughput import Throughput
+    from phalanx.keras.keras_api import keras
+    from phalanx.keras.throughput import Throughput
 
     keras.utils.set_random_seed(seed)
     x, y, xt, yt = digits_arrays()
@@ -57,7 +57,7 @@ def train(*, epochs: int = 10, batch_size: int = 128, lr: float = 3e-3, seed: in
 
 def _launch(workers: int, worker_args: list[str]) -> int:
     """``workers`` local processes of this module with the variables ``phalanx run`` sets; worst exit code."""
-    from phalanx.testing import free_port
+    from phalanx.bench.procs import free_port
     port = str(free_port())
     procs = []
     for rank in range(workers):
@@ -65,14 +65,14 @@ def _launch(workers: int, worker_args: list[str]) -> int:
         if workers > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(workers), LOCAL_WORLD_SIZE=str(workers),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, "-m", "phalanx.keras.demo", "--worker", *worker_args],
+        procs.append(subprocess.Popen([sys.executable, "-m", "phalanx.bench.keras_demo", "--worker", *worker_args],
                                       env=env))
     return max(p.wait() for p in procs)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``phalanx demo --keras``; returns the exit status."""
-    from phalanx.demo_table import MIN_ACCURACY, table
+    from phalanx.bench.demo_table import MIN_ACCURACY, table
 
     p = argparse.ArgumentParser(prog="phalanx demo --keras", description="A Keras CNN on scikit-learn's digits "
                                 "with px.keras.wrap, on 1 worker then on 2.")

@@ -1,4 +1,4 @@
-"""Test utilities: start real worker processes, inject failures in one line.
+"""Start real worker processes on this machine: what the benchmarks and demos launch with.
 
 ``run_workers("mypkg.mod:fn", world_size=2)`` starts one Python process per rank
 with the same variables ``phalanx run`` and torchrun set (``RANK``, ``WORLD_SIZE``,
@@ -7,8 +7,8 @@ what each rank's call returned (tensors and plain values, moved with
 ``torch.save``/``weights_only`` loads). Nothing is mocked: the workers talk gloo.
 
 Example:
-    >>> from phalanx.testing import run_workers
-    >>> run_workers("phalanx.testing:_echo_rank", world_size=2).results
+    >>> from phalanx.bench.procs import run_workers
+    >>> run_workers("phalanx.bench.procs:_echo_rank", world_size=2).results
     [0, 1]
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run_workers(target: str, world_size: int = 2, *, timeout: float = 120.0, env
                           "OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1", **(env or {})}
             log = open(os.path.join(out, f"rank{rank}.log"), "w+")
             logs.append(log)
-            argv = [sys.executable, "-m", "phalanx.testing", target, json.dumps(kwargs),
+            argv = [sys.executable, "-m", "phalanx.bench.procs", target, json.dumps(kwargs),
                     os.path.join(out, f"rank{rank}.pt")]
             procs.append(subprocess.Popen(argv, env=worker_env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
@@ -89,17 +89,8 @@ def run_workers(target: str, world_size: int = 2, *, timeout: float = 120.0, env
     return run
 
 
-def kill_at(step: int, *, rank: int, now: int, my_rank: int | None = None, code: int = 1) -> None:
-    """Failure injection in one line: ``kill_at(5, rank=1, now=step)`` exits rank 1 at step 5."""
-    from . import group
-    me = group.rank() if my_rank is None else my_rank
-    if me == rank and now == step:
-        sys.stdout.flush()
-        os._exit(code)
-
-
 def _echo_rank() -> int:
-    from . import group
+    from .. import group
     group.init()
     return group.rank()
 
@@ -109,7 +100,7 @@ def _main(argv: list[str]) -> None:
     module, _, name = target.partition(":")
     result = getattr(importlib.import_module(module), name)(**kwargs)
     torch.save(result, out)
-    from . import group
+    from .. import group
     group.shutdown()
 
 

@@ -3,7 +3,7 @@
 1. A real redis-server starts on a unix socket in a temporary directory (no persistence).
 2. A producer process publishes scikit-learn's bundled digits images as events at a set rate.
 3. ``phalanx run -n 2 --elastic --min-workers 1 --replace`` starts two workers that train a small
-   CNN from the stream (:mod:`phalanx.stream.demo_worker`), committing in memory every few steps.
+   CNN from the stream (:mod:`phalanx.bench.stream_demo_worker`), committing in memory every few steps.
    The lone survivor may go on because the launcher saw its peer die: the split-brain guard counts
    only the members not known dead.
 4. Midway one worker is killed (SIGKILL). The survivors roll back to the last commit, rewind the
@@ -21,9 +21,26 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Sequence
+from typing import Iterator, Sequence
+
+import torch
 
 STREAM, GROUP = "digits", "trainer"
+
+
+def digits(count: int) -> Iterator[tuple[torch.Tensor, int]]:
+    """``count`` images of scikit-learn's bundled digits training split, cycled: what the demo publishes."""
+    from .models import load_digits_split
+    train, _ = load_digits_split()
+    x, y = train.tensors
+    for i in range(count):
+        yield x[i % len(x)], int(y[i % len(y)])
+
+
+def produce(url: str, stream: str, count: int, rate: float) -> int:
+    """The demo's producer process: publish ``count`` digits at ``rate`` per second, then the end marker."""
+    from phalanx.stream.producer import publish
+    return publish(url, stream, data=digits(count), count=count, rate=rate, end=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,8 +60,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the streaming demo; returns the exit status."""
     args = _parser().parse_args(argv)
-    from .broker import RedisServer
-    from .source import END_FIELD
+    from phalanx.stream.broker import RedisServer
+    from phalanx.stream.source import END_FIELD
 
     kill_after = args.events // 3
     print(f"phalanx demo --stream: a producer publishes {args.events} digits images at {args.rate:.0f}/s to a "
@@ -53,11 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           "its place.", flush=True)
     with RedisServer() as server, tempfile.TemporaryDirectory(prefix="phalanx-stream-demo-") as tmp:
         print(f"redis-server on {server.url}\n", flush=True)
-        producer = subprocess.Popen([sys.executable, "-m", "phalanx.stream.producer", server.url, STREAM, "--data",
-                                     "digits", "--count", str(args.events), "--rate", str(args.rate), "--end"])
+        producer = subprocess.Popen([sys.executable, "-c", "import sys; from phalanx.bench.stream_demo import produce; "
+                                     "produce(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))",
+                                     server.url, STREAM, str(args.events), str(args.rate)])
         script = os.path.join(tmp, "stream_demo_worker.py")  # not run from the package folder: its redis.py
         with open(script, "w") as f:                              # would shadow redis-py on sys.path
-            f.write("import sys\nfrom phalanx.stream.demo_worker import main\nsys.exit(main())\n")
+            f.write("import sys\nfrom phalanx.bench.stream_demo_worker import main\nsys.exit(main())\n")
         cli = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
         try:
             run = subprocess.run([*cli, "run", "-n", "2", "--elastic", "--min-workers", "1", "--replace", script,

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
 
     import phalanx as px
-    from phalanx.models import digits_cnn, load_digits_split
+    from phalanx.bench.models import digits_cnn, load_digits_split
     from phalanx.stream import Deadline, RedisStream, Stop, StreamLoader, decode_sample
 
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))

@@ -1,0 +1,1 @@
+"""Helpers for phalanx's own tests (not part of the package)."""

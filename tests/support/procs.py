@@ -1,0 +1,24 @@
+"""Test utilities: start real worker processes, inject failures in one line.
+
+``run_workers("workers.mod:fn", world_size=2)`` starts one Python process per rank with the
+variables ``phalanx run`` and torchrun set and returns what each rank's ``fn(**kwargs)``
+returned; nothing is mocked, the workers talk gloo. It is the runner the benchmarks use
+(:mod:`phalanx.bench.procs`), so a test and a benchmark start their workers alike.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from phalanx.bench.procs import WorkerRun, free_port, run_workers
+
+__all__ = ["WorkerRun", "free_port", "kill_at", "run_workers"]
+
+
+def kill_at(step: int, *, rank: int, now: int, my_rank: int | None = None, code: int = 1) -> None:
+    """Failure injection in one line: ``kill_at(5, rank=1, now=step)`` exits rank 1 at step 5."""
+    from phalanx import group
+    me = group.rank() if my_rank is None else my_rank
+    if me == rank and now == step:
+        sys.stdout.flush()
+        os._exit(code)

@@ -1,0 +1,109 @@
+"""The package is the product: a training job imports no benchmark, demo or plotting code.
+
+``phalanx demo`` and ``phalanx bench`` live in ``phalanx.bench`` behind the extra
+``phalanx[bench]`` (scikit-learn, matplotlib); nothing else in the package imports them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(ROOT, "src", "phalanx")
+APPS = ("sklearn", "matplotlib", "phalanx.bench")
+
+
+def product_modules() -> list[str]:
+    """Every module of the package outside ``phalanx.bench`` (``__main__`` entries excluded: they run a command)."""
+    names = []
+    for folder, dirs, files in os.walk(SRC):
+        dirs[:] = sorted(d for d in dirs if d not in ("bench", "__pycache__"))
+        for f in sorted(files):
+            if f.endswith(".py") and f != "__main__.py":
+                rel = os.path.relpath(os.path.join(folder, f), os.path.dirname(SRC))[:-3].replace(os.sep, ".")
+                names.append(rel.removesuffix(".__init__"))
+    return names
+
+
+def loaded_after(modules: list[str], *, block: bool = False) -> dict:
+    """In a fresh interpreter: import ``modules``; which of APPS got loaded, and which modules could not import.
+
+    With ``block``, scikit-learn and matplotlib count as absent (as after ``pip install phalanx``), and a
+    module that needs either fails the import.
+    """
+    prelude = "import sys; sys.modules['sklearn'] = sys.modules['matplotlib'] = None" if block else ""
+    code = f"""{prelude}
+import importlib, json, sys
+skipped = {{}}
+for name in {modules!r}:
+    try:
+        importlib.import_module(name)
+    except ImportError as err:  # an optional package (keras, redis...) this machine lacks
+        if (err.name or "").startswith(("phalanx", "sklearn", "matplotlib")):
+            raise
+        skipped[name] = err.name
+print(json.dumps({{"loaded": [m for m in {APPS!r} if sys.modules.get(m) is not None], "skipped": skipped}}))
+"""
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_phalanx_loads_no_app_and_no_plotting_or_sklearn() -> None:
+    assert loaded_after(["phalanx"])["loaded"] == []
+
+
+def test_no_core_or_feature_module_imports_the_apps() -> None:
+    modules = product_modules()
+    assert "phalanx.trainer" in modules and "phalanx.keras.fit" in modules and "phalanx.ps.server" in modules
+    assert not any(m.startswith("phalanx.bench") for m in modules)
+    # Keras itself imports scikit-learn and matplotlib when they are installed, so px.keras is checked with
+    # both absent; every other module must not even load them.
+    plain = [m for m in modules if not m.startswith("phalanx.keras")]
+    assert loaded_after(plain)["loaded"] == []
+    assert loaded_after(modules, block=True)["loaded"] == []
+
+
+def test_core_requirements_hold_neither_sklearn_nor_matplotlib() -> None:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+
+    def names(reqs: list[str]) -> set[str]:
+        return {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower() for r in reqs}
+
+    assert names(project["dependencies"]) == {"torch", "numpy", "tqdm"}
+    extras = project["optional-dependencies"]
+    assert names(extras["bench"]) == {"scikit-learn", "matplotlib"}
+    assert names(extras["ps"]) == {"pyzmq"}
+    assert "phalanx[bench,ps,keras,stream]" in extras["dev"]  # the tests use every extra
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_an_app_without_its_extra_says_what_to_install_in_one_line(command: str) -> None:
+    # sys.modules[name] = None is how Python marks a package as absent: find_spec says None, import fails
+    code = ("import sys; sys.modules['sklearn'] = sys.modules['matplotlib'] = None\n"
+            f"from phalanx.cli import main; sys.exit(main([{command!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'phalanx[bench]'" in lines[0], out.stderr
+
+
+def test_a_parameter_server_without_pyzmq_says_what_to_install() -> None:
+    code = ("import sys; sys.modules['zmq'] = None\n"
+            "import phalanx as px\n"
+            "from phalanx.errors import ConfigError\n"
+            "try:\n"
+            "    px.Downpour()\n"
+            "except ConfigError as err:\n"
+            "    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pyzmq" in out.stdout and "phalanx[ps]" in out.stdout, out.stdout
