@@ -12,6 +12,7 @@ import torch
 from phalanx.bench.quality import advisor, cli, corpus, curves, plan, sessions, targets
 from phalanx.bench.quality.tasks import TASKS
 from phalanx.errors import ConfigError
+from support.procs import run_workers
 
 
 # -- the corpus --------------------------------------------------------------------------------------
@@ -178,6 +179,21 @@ def test_a_session_run_repeated_after_other_setups_gives_the_same_curve():
     finals = [r["ranks"][0]["final"] for r in records]
     assert finals[0] == finals[3]  # topk, before and after the others: bit for bit
     assert finals[0] != finals[4] and all(r["ranks"][0]["steps"] == 8 for r in records)
+
+
+# -- torch's post-local SGD peer is local SGD, and averages after the same steps as px.LocalSGD ---------
+@pytest.mark.multiproc
+def test_torch_post_local_sgd_peer_is_local_sgd_in_phase_with_ours_and_counts_its_bytes():
+    """Warm-up W=3, period K=4, 13 steps, each rank on its own data: both setups are synchronous for steps 1-3,
+    then the replicas differ except right after the averages at steps 7 and 11; bytes: 3 gradients + 2 averages."""
+    (r0, r1) = run_workers("workers.bench:post_local_phases", warmup=3, every=4, steps=13, timeout=240).results
+    want = [1, 2, 3, 7, 11]
+    assert r0["torch"]["equal_after"] == want, r0["torch"]
+    assert r0["phalanx"]["equal_after"] == want, r0["phalanx"]
+    assert r0["torch"]["averaged_at"] == [7, 11]
+    size = r0["torch"]["param_bytes"]  # a gradient is as large as the parameters
+    assert r0["torch"]["bytes"] == r0["phalanx"]["bytes"] == (3 + 2) * size
+    assert r1["torch"]["equal_after"] == want and r1["torch"]["bytes"] == (3 + 2) * size
 
 
 # -- the smoke run: 2 real workers, 2 setups (torch and phalanx), a second each ----------------------

@@ -13,11 +13,14 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.model_averaging import utils as averaging
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ..spec import Setup
 from ..worker import _PeerAccountant, _StrategyAccountant, setup_training
@@ -54,35 +57,79 @@ def _phalanx(make: Callable[[float], Any]):
     return build
 
 
-def _torch_post_local(model, opt, lr):
-    """PyTorch's post-local SGD: DDP with post_localSGD_hook, then PostLocalSGDOptimizer + PeriodicModelAverager."""
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plh
-    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-    from torch.distributed.optim import PostLocalSGDOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def torch_post_local(warmup: int = WARMUP, every: int = LOCAL_EVERY) -> Callable[..., tuple]:
+    """PyTorch's post-local SGD as local SGD: ``post_localSGD_hook``, then ``PostLocalSGDOptimizer``.
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    ddp = DDP(model)
-    # subgroup=None would make torch split the world into per-GPU-count subgroups, which it refuses without CUDA;
-    # the whole world is the group local SGD averages over here.
-    state = plh.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD, start_localSGD_iter=WARMUP)
-    ddp.register_comm_hook(state, plh.post_localSGD_hook)
-    averager = PeriodicModelAverager(period=LOCAL_EVERY, warmup_steps=WARMUP)
-    wrapped = PostLocalSGDOptimizer(optim=opt, averager=averager)
-    acc = _PostLocalAccountant(sum(p.numel() * p.element_size() for p in model.parameters()))
-    wrapped.optim.register_step_post_hook(acc.count_step)
-    return ddp, wrapped, acc
+    The hook all-reduces gradients for the first ``warmup`` steps and, with
+    ``post_local_gradient_allreduce=False``, none after (torch's default, True, would keep
+    all-reducing every gradient: synchronous SGD). Torch's averager averages after steps
+    ``s`` with ``s - 1 >= warmup_steps`` and ``(s - 1 - warmup_steps) % period == 0``; its
+    ``warmup_steps = warmup + every - 1`` makes that steps warmup + every, warmup + 2·every, ...:
+    the steps ``px.LocalSGD(every=every, warmup_steps=warmup)`` averages after.
+    """
+    def build(model: nn.Module, opt: torch.optim.Optimizer, lr: float) -> tuple:
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plh
+        from torch.distributed.optim import PostLocalSGDOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        ddp = DDP(model)
+        acc = _PostLocalAccountant()
+        # subgroup=None would make torch split the world into per-GPU-count subgroups, which it refuses without
+        # CUDA; the whole world is the group local SGD averages over here.
+        state = plh.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD, start_localSGD_iter=warmup,
+                                      post_local_gradient_allreduce=False)
+        ddp.register_comm_hook(state, acc.counting_hook)
+        wrapped = PostLocalSGDOptimizer(optim=opt, averager=_CountingAverager(every, warmup + every - 1, acc))
+        wrapped.optim.register_step_post_hook(acc.count_step)
+        return ddp, wrapped, acc
+    return build
 
 
 class _PostLocalAccountant(_PeerAccountant):
-    """Counted bytes: the gradient every step during the warm-up, then the parameters every LOCAL_EVERY steps."""
+    """The bytes torch's post-local SGD hands to its all-reduces, counted where it sends them.
+
+    Gradients: each bucket the comm hook all-reduces (the warm-up). Parameters: the one
+    flat buffer of each average the averager takes. ``averaged_at`` lists those steps.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.sent, self.averaged_at = 0, []
+
+    def counting_hook(self, state, bucket):  # noqa: ANN001, ANN201 - DDP checks a hook's annotations against
+        # dist.GradBucket itself, and under `from __future__ import annotations` they would be strings
+        """torch's post_localSGD_hook; counts the bucket when the hook all-reduces it (its two documented cases)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plh
+
+        if state.iter < state.start_localSGD_iter or state.post_local_gradient_allreduce:
+            buffer = bucket.buffer()
+            self.sent += buffer.numel() * buffer.element_size()
+        return plh.post_localSGD_hook(state, bucket)
 
     def bytes_sent(self) -> float:
-        warm = min(self.steps, WARMUP)
-        later = max(0, self.steps - WARMUP) // LOCAL_EVERY
-        return float(self.grad_bytes * (warm + later))
+        return float(self.sent)
+
+
+class _CountingAverager(PeriodicModelAverager):
+    """torch's PeriodicModelAverager, unchanged; counts the buffer of each all-reduce it issues."""
+
+    def __init__(self, period: int, warmup_steps: int, acc: _PostLocalAccountant) -> None:
+        super().__init__(period=period, warmup_steps=warmup_steps)
+        self.acc = acc
+
+    def average_parameters(self, params: Any) -> None:
+        params = list(params)
+        flat = list(averaging.get_params_to_average(params))
+        before, step = [p.data_ptr() for p in flat], self.step + 1  # its step counts from 0
+        super().average_parameters(params)
+        # An average all-reduces one flat copy of every parameter and points each parameter into it.
+        if flat and [p.data_ptr() for p in flat] != before:
+            dtype = functools.reduce(torch.promote_types, (p.dtype for p in flat))
+            self.acc.sent += sum(p.numel() for p in flat) * dtype.itemsize
+            self.acc.averaged_at.append(step)
 
 
 def _make() -> dict[str, QSetup]:
@@ -93,8 +140,10 @@ def _make() -> dict[str, QSetup]:
         QSetup("ddp", "torch", _peer("ddp")),
         QSetup("ddp-fp16", "torch", _peer("ddp-fp16")),
         QSetup("ddp-powersgd", "torch", _peer("ddp-powersgd", rank=4)),
-        QSetup("torch-post-local-sgd", "torch", _torch_post_local,
-               note=f"PostLocalSGDOptimizer + PeriodicModelAverager(period={LOCAL_EVERY}, warmup_steps={WARMUP})"),
+        QSetup("torch-post-local-sgd", "torch", torch_post_local(),
+               note=f"post_localSGD_hook(start_localSGD_iter={WARMUP}, post_local_gradient_allreduce=False) + "
+                    f"PostLocalSGDOptimizer + PeriodicModelAverager(period={LOCAL_EVERY}, "
+                    f"warmup_steps={WARMUP + LOCAL_EVERY - 1}): averages after the steps px.LocalSGD does"),
         QSetup("allreduce", "phalanx", _phalanx(lambda lr: px.AllReduce())),
         QSetup("fp16", "phalanx", _phalanx(lambda lr: px.AllReduce(compression=px.FP16()))),
         QSetup("powersgd", "phalanx", _phalanx(lambda lr: px.AllReduce(compression=px.PowerSGD(rank=4)))),
