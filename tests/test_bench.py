@@ -2,6 +2,7 @@
 clear errors, and a smoke run of `phalanx bench --quick` (reduced by flags)."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -45,21 +46,25 @@ def test_warmup_steps_are_left_out_of_the_statistics():
     assert stats.summary(thpt)["median"] == pytest.approx(100.0) and stats.summary(thpt)["std"] == pytest.approx(0.0)
 
 
-def test_a_real_run_is_slower_in_its_first_steps_and_the_row_leaves_them_out():
+def test_a_real_run_times_every_step_and_the_row_leaves_the_warmup_out():
     from phalanx.bench.worker import run
 
+    # Synthetic step times through the injected clock: slow warm-up steps (allocation, lazy init), then steady
+    # ones. The real loop runs; only its clock is scripted, so no load on the machine can reorder the times.
+    given = [0.5, 0.3, 0.2, 0.125, 0.25, 0.125, 0.0625, 0.125, 0.125]
+    readings = iter(itertools.accumulate([10.0, *given]))
     threads = torch.get_num_threads()
     try:
-        raw = run({"model": "mlp", "setup": {"name": "plain"}, "batch": 32, "threads": 1, "warmup": 3, "steps": 6})
+        raw = run({"model": "mlp", "setup": {"name": "plain"}, "batch": 32, "threads": 1, "warmup": 3, "steps": 6},
+                  clock=lambda: next(readings))
     finally:
         torch.set_num_threads(threads)
-    assert len(raw["step_s"]) == 9 and len(raw["phases"]) == 9
-    assert raw["step_s"][0] > statistics.median(raw["step_s"][3:])  # allocation, lazy init: warm-up is real
+    assert raw["step_s"] == pytest.approx(given) and len(raw["phases"]) == 9
     record = {"run": {"model": "mlp", "setup": {"name": "plain", "label": "plain", "kwargs": {}}, "workers": 1,
                       "threads": 1, "link": "loopback", "batch": 32}, "repeat": 0, "error": None, "ranks": [raw]}
     row = report.aggregate([record])[0]
-    assert row["windows"] == pytest.approx([32 / s for s in raw["step_s"][3:]])
-    assert row["samples_per_s"]["median"] == pytest.approx(statistics.median(32 / s for s in raw["step_s"][3:]))
+    assert row["windows"] == pytest.approx([256, 128, 256, 512, 256, 256])  # batch 32 / each step after warm-up
+    assert row["samples_per_s"]["median"] == pytest.approx(256)
 
 
 # -- the breakdown -------------------------------------------------------------------------------
