@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@# the streaming tests and `phalanx demo --stream` need a real redis-server (skipped with a reason if absent)
 	command -v redis-server >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update && apt-get install -y redis-server)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@# .[dev]: every extra (bench: the demo's scikit-learn and matplotlib; ps, keras, stream) plus pytest and ruff
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	@touch $@
 
