@@ -42,7 +42,7 @@ from .. import group
 from ..batchweight import set_batch_weight
 from ..errors import ConfigError, usage
 from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Fetched, Plan, pack_plans, unpack_plans, split
-from .decoding import DEAD, collate, decode_one, fetch_parts, payloads
+from .decoding import DEAD, Decoder, fetch_parts
 from .policy import Stop, WaitFull
 from .source import END_FIELD, START, StreamError, StreamSource
 
@@ -86,12 +86,14 @@ class StreamLoader:
         self.position: str | None = None  # None: start after what the group acknowledged
         self.offset = -1  # entries up to the position, -1 when unknown
         self.steps = self.events = self.dead = 0
+        self.structure = 0  # the fingerprint of the structure every batch has (decoding.Decoder), 0: not fixed
         # progress (not checkpointed)
         self.ids: list[str] = []
         self.lag = -1
         self.acknowledged: str | None = None
         self._commit: tuple[str, int] | None = None  # the position the last state_dict() returned
         self._written: tuple[str, int] | None = None  # the same, once the loop body that took it has run
+        self._decoder = Decoder(source.decode)  # the main worker's, for planning (its structure may run ahead)
         self._log: list[tuple[str, Any]] = []  # claimed, decoded (or DEAD), not yet planned (main worker)
         self._planned: collections.deque[Plan] = collections.deque()  # planned, not yet trained (every worker)
         self._prefetch: ThreadPoolExecutor | None = None  # fetches this worker's parts; plans on the main worker
@@ -110,12 +112,13 @@ class StreamLoader:
         if self.position is not None:
             self._commit = (self.position, self.offset)  # acknowledged later, once saved (one atomic assignment)
         return {"position": self.position or "", "offset": self.offset, "steps": self.steps,
-                "events": self.events, "dead": self.dead}
+                "events": self.events, "dead": self.dead, "structure": self.structure}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = str(state["position"]) or None
         self.offset, self.steps = int(state["offset"]), int(state["steps"])
         self.events, self.dead = int(state["events"]), int(state["dead"])
+        self.structure = int(state.get("structure", 0))  # (absent from checkpoints written before it existed)
         self._log, self._ended, self._commit, self._written = [], False, None, None
         self._stop_planner()
         self._planned.clear()  # a rollback: steps planned after the restored position are planned again
@@ -156,6 +159,7 @@ class StreamLoader:
                     continue
                 # the main worker's view, so every worker's state_dict is the same
                 self.position, self.offset, self.dead = plan.position, plan.offset, self.dead + plan.dead
+                self.structure = plan.structure or self.structure
                 self.lag = plan.lag
                 if plan.status == END:
                     return
@@ -214,6 +218,7 @@ class StreamLoader:
         position, offset = self.source.rewind(self.position, self.offset if self.offset >= 0 else None)
         self.position, self.offset = position, -1 if offset is None else offset
         self._log, self._claimed_to, self._ended, self._first_wait = [], None, False, None
+        self._decoder = Decoder(self.source.decode, self.structure)  # planning starts from the trained state
         self._cursor = (self.steps, position, self.offset)  # where planning stands: steps, position, offset
         self._added, self._checked = self.source.check(position, self.offset if self.offset >= 0 else None), \
             time.monotonic()
@@ -250,7 +255,7 @@ class StreamLoader:
             try:
                 ready = not early or (self._ahead_plan is not None and self._ahead_plan.done())
                 plans = self._plan() if ready else []
-            except StreamError:
+            except Exception:  # the broker, or the user's decode: the others must not wait for a plan forever
                 with guarded("telling the workers the stream failed"):
                     dist.broadcast(pack_plans([Plan(ERROR)], self.world_size, size).to(on), src=0)
                 raise
@@ -266,7 +271,7 @@ class StreamLoader:
                               "its log says why. Training resumes from the last checkpoint.")
         steps = [plan for plan in plans if plan.status == STEP]
         if steps:  # fetch and decode this worker's parts in one background task while it trains
-            parts = self._fetcher().submit(fetch_parts, self.source, self.rank,
+            parts = self._fetcher().submit(fetch_parts, self.source, steps[0].structure, self.rank,
                                            [plan.parts[self.rank] for plan in steps])
             for k, plan in enumerate(steps):
                 plan.mine = Fetched(parts, k)
@@ -309,7 +314,9 @@ class StreamLoader:
         up to ``block_s`` (live, it brings what has arrived), the next ones take only what is there (a
         backlog). Reading in pieces hands the GIL back to the training thread at every round trip, so it
         never waits for a whole plan's parsing and decoding to get it back."""
-        src, room, block_s = self.source, self.ahead * want - len(self._log), self.block_s
+        # Room counts good events only: dead letters in the log must not stop the claims that complete a step.
+        have = sum(1 for _, s in self._log if s is not DEAD)
+        src, room, block_s = self.source, self.ahead * want - have, self.block_s
         while room > 0 and not self._ended:
             asked = min(want, room)
             events = src.claim(asked, block_s)
@@ -322,11 +329,12 @@ class StreamLoader:
                 self._claimed_to, events = events[end].id, events[:end]
             elif events:
                 self._claimed_to = events[-1].id
-            kept = payloads(src, events)
-            for event, payload in zip(events, kept):
-                if payload is DEAD:
-                    src.dead_letter(event, decode_one(src, event)[1] or "undecodable")
+            kept, reasons = self._decoder.check(events)
+            for event, why in zip(events, reasons):
+                if why is not None:
+                    src.dead_letter(event, why)  # at most once per entry, even when a rewind reads it again
             self._log.extend(zip([e.id for e in events], kept))
+            room += len(events) - sum(1 for k in kept if k is not DEAD)  # dead letters take no room
             if len(events) < asked:
                 return
 
@@ -366,16 +374,16 @@ class StreamLoader:
             take = [(i, s) for i, s in part if s is not DEAD]
             plan = Plan(STEP, total=len(take), final=last and final, consumed=consumed, lag=self._lag(offset),
                         dead=len(part) - len(take), position=position, offset=offset,
-                        parts=split([i for i, _ in take], self.world_size))
+                        parts=split([i for i, _ in take], self.world_size), structure=self._decoder.expected)
             mine = take[:plan.parts[0][2]]
-            plan.mine = ([i for i, _ in mine], collate(self.source, [p for _, p in mine]))
+            plan.mine = ([i for i, _ in mine], self._decoder.collate([p for _, p in mine]))
             plans.append(plan)
         if not plans:  # the run ended with nothing to train: move past dead letters and the marker
             consumed = len(log) + (1 if self._ended else 0)
             offset = offset + consumed if offset >= 0 else -1
             self._log = []
             plans.append(Plan(END, consumed=consumed, lag=self._lag(offset), dead=len(log),
-                              position=self._claimed_to or base, offset=offset))
+                              position=self._claimed_to or base, offset=offset, structure=self._decoder.expected))
         self._cursor = (steps + sum(p.status == STEP for p in plans), plans[-1].position, plans[-1].offset)
         return plans
 
