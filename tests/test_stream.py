@@ -252,20 +252,32 @@ def test_planning_ahead_reads_several_steps_at_once_and_trains_the_same_batches(
 
 
 def test_a_commit_is_acknowledged_only_after_the_loop_body_that_took_it(server):
-    import time
+    import threading
     publish(server, "late", 40, end=True)
     loader = loader_for(server, "late", ahead=1)
-    decide = loader._decide
-    loader._decide = lambda: (time.sleep(0.1), decide())[1]  # a planner thread that starts late
+    decide, calls = loader._decide, []
+    taken, planned = threading.Event(), threading.Event()
+
+    def late_decide():  # the 3rd plan (step 2's) is decided in the background while step 1's body runs
+        calls.append(1)
+        if len(calls) != 3:
+            return decide()
+        assert taken.wait(30)  # ... and starts only once that body has taken a commit
+        plans = decide()
+        planned.set()
+        return plans
+
+    loader._decide = late_decide
     for step, _ in enumerate(loader):
         if step == 1:
             pending = loader.source.pending()
             loader.state_dict()  # a commit is taken ...
-            time.sleep(0.3)  # ... and written, while the late planner runs
+            taken.set()
+            assert planned.wait(30)  # ... and while it is written, the planner acknowledges and claims
             assert loader.source.pending() >= pending  # claimed more, acknowledged nothing before the save is done
     loader.state_dict()
     loader.close()
-    assert loader.source.pending() == 0
+    assert loader.source.pending() == 0 and len(calls) > 3
 
 
 def test_acknowledging_takes_exactly_the_claimed_entries_up_to_a_position_claimed_or_not(server):

@@ -171,10 +171,11 @@ def test_redis_stopped_mid_run_is_a_clear_error_in_bounded_time_and_the_last_com
     ckpt = tmp_path / "ckpt.pt"
 
     def kill_redis_after_a_commit():
-        deadline = time.monotonic() + 60
-        while not ckpt.exists() and time.monotonic() < deadline:
+        # Real processes: poll (bounded) for the first commit and two steps past it, then kill the broker.
+        log, deadline = tmp_path / "logs" / "inc0.rank0.log", time.monotonic() + 60
+        while time.monotonic() < deadline and not (ckpt.exists() and log.exists() and
+                                                   log.read_text().count("\n") >= 5):
             time.sleep(0.05)
-        time.sleep(0.5)
         server.process.kill()
 
     killer = threading.Thread(target=kill_redis_after_a_commit)
