@@ -387,3 +387,19 @@ def test_dead_letters_take_no_room_a_step_needs(server):
     publish(server, "room", 30, bad_every=4, end=True)  # ahead=1 claims one step's worth: 10 entries, 8 good
     loader = loader_for(server, "room", ahead=1, stop=Stop(idle_s=5))  # (the stop only bounds a regression)
     assert [len(loader.ids) for _ in loader] == [10, 10, 3] and loader.dead == 7
+
+
+def test_the_custom_decode_example_of_the_docs_runs_on_a_real_stream(server):
+    import os
+    import re
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "streaming.md")
+    text = open(docs).read()
+    section = text[text.index("## Your own events"):]
+    produce, consume = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:2]
+    scope = {"url": server.url}
+    exec(produce, scope)  # the producer's str keys ...
+    exec(consume, scope)
+    loader = scope["loader"]
+    x, y = next(iter(loader))  # ... arrive as bytes keys in decode; the first step (the third event waits)
+    assert x.shape == (2, 3) and y.tolist() == [1, 0] and loader.dead == 0
+    loader.close()

@@ -32,6 +32,7 @@ Example (``source`` is a :class:`phalanx.stream.RedisStream`)::
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
@@ -98,6 +99,7 @@ class StreamLoader:
         self._planned: collections.deque[Plan] = collections.deque()  # planned, not yet trained (every worker)
         self._prefetch: ThreadPoolExecutor | None = None  # fetches this worker's parts; plans on the main worker
         self._ahead_plan: Future | None = None  # the main worker's next plans, being decided
+        self._halt = threading.Event()  # set while a planner nobody will use must give up waiting for events
         self._iteration = 0  # which run of __iter__ is the current one
         self._cursor: tuple[int, str, int] = (0, START, -1)  # how far planning went: steps, position, offset
         self._claimed_to: str | None = None
@@ -235,10 +237,13 @@ class StreamLoader:
         """Wait for the background planner (bounded by one blocking read): nothing may claim after a rewind."""
         ahead, self._ahead_plan = self._ahead_plan, None
         if ahead is not None:
+            self._halt.set()  # a planner waiting for events that may never come (one process, no stop rule)
             try:
                 ahead.result()
             except Exception:  # noqa: BLE001 - a failure of plans nobody will use; the caller's error wins
                 pass
+            finally:
+                self._halt.clear()
 
     def _next_plans(self, early: bool = False) -> list[Plan]:
         """The next planned steps: the main worker decides them, one broadcast tells every worker.
@@ -304,7 +309,7 @@ class StreamLoader:
             if ended or self.policy.ready(have=have, want=want, world_size=self.world_size,
                                           waited_s=now - (self._first_wait or now)):
                 break
-            if now >= keepalive and self.world_size > 1:
+            if self._halt.is_set() or (now >= keepalive and self.world_size > 1):
                 return [Plan(WAIT)]  # what is claimed stays claimed; the other workers just hear we are alive
             self._claim(want)
         return self._cut(want, ended)
