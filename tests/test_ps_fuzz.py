@@ -189,3 +189,44 @@ def test_an_abandoned_synchronous_round_is_dropped_and_its_worker_told(server):
     first = peer.reply()
     assert not first["ok"] and "rounds are already open" in first["error"], first
     peer.sock.close(), ctx.term()
+
+
+@pytest.fixture
+def fresh():
+    """A server of its own, with one registered shard "v" (the module's server is sealed by another test)."""
+    with start_servers(1, token=TOKEN.decode()) as group:
+        ctx = zmq.Context()
+        peer = Peer(ctx, group.addrs[0])
+        assert peer.ask([TOKEN, pack_control({"op": "init", "policy": SGD1, "seal": True}),
+                         *_tensor_frames("v", torch.ones(4))])["ok"]
+        yield peer
+        peer.sock.close(), ctx.term()
+
+
+def _pull_v(peer: Peer) -> tuple[dict, torch.Tensor]:
+    peer.send([TOKEN, pack_control({"op": "pull", "names": ["v"]})])
+    assert peer.sock.poll(10_000), "the server did not answer the pull: the shard is silenced"
+    frames = peer.sock.recv_multipart()
+    reply = json.loads(frames[0])
+    return reply, torch.frombuffer(bytearray(frames[2]), dtype=torch.float32) if reply["ok"] else None
+
+
+def test_a_token_holder_cannot_silence_a_shard_with_the_largest_version(fresh):
+    for version in (2**64 - 1, 2**63, 2**63 - 1):  # a set with a version at or past what travels, then a push
+        raw = _raw_header(b"v", 1, (4,), version)
+        reply = fresh.ask([TOKEN, pack_control({"op": "set"}), raw, torch.zeros(4).numpy().tobytes()])
+        assert not reply["ok"] and "version" in reply["error"], reply
+        fresh.ask([TOKEN, pack_control({"op": "push"}), *_tensor_frames("v", torch.ones(4))])
+        reply, value = _pull_v(fresh)
+        assert reply["ok"], reply
+    assert torch.equal(value, torch.full((4,), -2.0))  # ones, then three pushes of ones at lr 1: every set refused
+    with pytest.raises(Exception, match="version"):
+        pack_header(Header("v", torch.float32, (4,), version=2**64))  # refused on the way out too, as a WireError
+
+
+def test_an_update_whose_result_is_not_finite_is_refused_and_the_shard_stays(fresh):
+    big = torch.full((4,), 1e10)  # finite, and so is lr: their product (1e40) is not, in float32
+    reply = fresh.ask([TOKEN, pack_control({"op": "push", "lr": [1e30]}), *_tensor_frames("v", big)])
+    assert not reply["ok"] and "result of this update of 'v' holds NaN or inf" in reply["error"], reply
+    reply, value = _pull_v(fresh)
+    assert reply["ok"] and torch.equal(value, torch.ones(4))  # untouched, and still served

@@ -252,3 +252,30 @@ def test_restoring_an_in_memory_capture_replays_the_same_steps_scheduler_scaler_
     first = steps(3)
     state.restore(snapshot)
     assert steps(3) == first and state.extra == {"note": "x"}  # bit for bit: weights, moments, lr, scale, data, RNG
+
+
+@pytest.mark.parametrize("case", ["no ranks", "ranks not a list", "a rank not a dict", "world_size disagrees",
+                                  "rank 0 points to itself", "a marker for a part rank 0 lacks"])
+def test_a_checkpoint_with_valid_framing_but_the_wrong_structure_is_one_clear_checkpoint_error(tmp_path, case):
+    import warnings
+
+    from phalanx.checkpoint import FORMAT, SAME_AS_RANK0
+    from phalanx.errors import CheckpointError
+    model = W.net(seed=0)
+    path = str(tmp_path / "ckpt.pt")
+    px.save_checkpoint(path, model)
+    body = read_verified(path)
+    rank0 = body["ranks"][0]
+    body.update({"no ranks": {"ranks": []}, "ranks not a list": {"ranks": {"0": rank0}},
+                 "a rank not a dict": {"ranks": [rank0, 7], "world_size": 2},
+                 "world_size disagrees": {"world_size": 3},
+                 "rank 0 points to itself": {"ranks": [{**rank0, "model": SAME_AS_RANK0}]},
+                 "a marker for a part rank 0 lacks": {"ranks": [rank0, {**rank0, "nope": SAME_AS_RANK0}],
+                                                      "world_size": 2}}[case])
+    assert body["format"] == FORMAT
+    write_verified(path, body)  # the framing is valid and its hash recomputed: only the structure is wrong
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "taken with 0 workers" warning before the error
+        with pytest.raises(CheckpointError) as err:
+            px.load_checkpoint(path, W.net(seed=1))
+    assert path in str(err.value) and "structure" in str(err.value) and "\n" not in str(err.value)

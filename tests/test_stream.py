@@ -252,20 +252,32 @@ def test_planning_ahead_reads_several_steps_at_once_and_trains_the_same_batches(
 
 
 def test_a_commit_is_acknowledged_only_after_the_loop_body_that_took_it(server):
-    import time
+    import threading
     publish(server, "late", 40, end=True)
     loader = loader_for(server, "late", ahead=1)
-    decide = loader._decide
-    loader._decide = lambda: (time.sleep(0.1), decide())[1]  # a planner thread that starts late
+    decide, calls = loader._decide, []
+    taken, planned = threading.Event(), threading.Event()
+
+    def late_decide():  # the 3rd plan (step 2's) is decided in the background while step 1's body runs
+        calls.append(1)
+        if len(calls) != 3:
+            return decide()
+        assert taken.wait(30)  # ... and starts only once that body has taken a commit
+        plans = decide()
+        planned.set()
+        return plans
+
+    loader._decide = late_decide
     for step, _ in enumerate(loader):
         if step == 1:
             pending = loader.source.pending()
             loader.state_dict()  # a commit is taken ...
-            time.sleep(0.3)  # ... and written, while the late planner runs
+            taken.set()
+            assert planned.wait(30)  # ... and while it is written, the planner acknowledges and claims
             assert loader.source.pending() >= pending  # claimed more, acknowledged nothing before the save is done
     loader.state_dict()
     loader.close()
-    assert loader.source.pending() == 0
+    assert loader.source.pending() == 0 and len(calls) > 3
 
 
 def test_acknowledging_takes_exactly_the_claimed_entries_up_to_a_position_claimed_or_not(server):
@@ -297,3 +309,97 @@ def test_decoding_a_part_at_once_equals_decoding_each_event_and_refuses_a_mixed_
         decode_samples(events + [encode_sample(torch.randn(2, 3), 0)])  # same size, another shape
     with pytest.raises(ConfigError):
         decode_samples(events + [{b"x": b"not a tensor", b"shape": b"3,2", b"y": b"1"}])
+
+
+# -- bad events: a poisoned stream must not stop training, nor a restart ----------------------------
+def json_decode(fields):
+    """The docs' custom decode (docs/streaming.md): fields arrive with bytes keys and bytes values."""
+    import json
+    x = torch.tensor(json.loads(fields[b"x"]), dtype=getattr(torch, fields.get(b"dtype", b"float32").decode()))
+    return x, int(fields[b"y"])
+
+
+def xadd_json(server, stream, rows):
+    import json
+
+    import redis
+    r = redis.Redis.from_url(server.url)
+    for row in rows:
+        r.xadd(stream, {k: (v if isinstance(v, bytes) else json.dumps(v)) for k, v in row.items()})
+    r.xadd(stream, {b"phalanx-end": b"1"})
+
+
+def dead_letters(server, stream):
+    import redis
+    return [(f[b"phalanx-id"].decode(), f[b"phalanx-reason"].decode())
+            for _, f in redis.Redis.from_url(server.url).xrange(f"{stream}:dead")]
+
+
+def test_a_well_formed_event_of_another_shape_is_dead_lettered_and_a_restart_goes_on_past_it(server):
+    import redis
+
+    from phalanx.stream.codec import encode_sample
+    r = redis.Redis.from_url(server.url)
+    publish(server, "odd", 25, end=False)
+    odd = r.xadd("odd", encode_sample(torch.zeros(3), 1)).decode()  # decodes fine alone; stacks with nothing
+    publish(server, "odd", 25, end=True)
+    loader = loader_for(server, "odd")
+    seen = [i for _ in loader for i in loader.ids]
+    assert odd not in seen and len(seen) == 50 and loader.dead == 1
+    assert [i for i, _ in dead_letters(server, "odd")] == [odd]
+    assert "shape" in dead_letters(server, "odd")[0][1]
+    again = loader_for(server, "odd", group="again")  # a restart reads it again: no crash, no second letter
+    assert sum(len(again.ids) for _ in again) == 50 and [i for i, _ in dead_letters(server, "odd")] == [odd]
+
+
+def test_a_custom_decode_dead_letters_another_shape_another_dtype_and_its_own_exceptions(server):
+    good = [{b"x": [float(i), 1.0], b"y": i % 3} for i in range(12)]
+    rows = good[:4] + [{b"x": [1.0, 2.0, 3.0], b"y": 0},                     # another shape
+                       {b"x": [1.0, 2.0], b"y": 1, b"dtype": b"float64"},  # another dtype
+                       {b"x": [1.0, 2.0], b"y": b"not a number"}] + good[4:]  # decode raises
+    xadd_json(server, "json", rows)
+    source = RedisStream(server.url, stream="json", group="g", decode=json_decode)
+    loader = StreamLoader(source, 4, block_s=0.05)
+    batches = [(x.clone(), y.clone()) for x, y in loader]
+    assert [tuple(x.shape) for x, _ in batches] == [(4, 2)] * 3 and loader.dead == 3
+    assert torch.equal(torch.cat([x for x, _ in batches]), torch.tensor([r[b"x"] for r in good]))
+    reasons = [why for _, why in dead_letters(server, "json")]
+    assert len(reasons) == 3 and "shape" in reasons[0] and "float64" in reasons[1] and "ValueError" in reasons[2]
+
+
+def test_dead_letters_are_written_once_after_a_rollback(server):
+    publish(server, "twice", 60, bad_every=4, end=True)  # 15 bad events
+    first = loader_for(server, "twice", ahead=2)
+    committed = None
+    for step, _ in enumerate(first, 1):
+        if step == 1:
+            committed = first.state_dict()
+        if step == 3:
+            break
+    first.load_state_dict(committed)  # a rollback: steps 2-3 and their dead letters come again
+    assert sum(len(first.ids) for _ in first) == 45 - 10 and first.dead == 15
+    again = loader_for(server, "twice", group="restart")  # a restart from nothing reads all of them again
+    assert sum(len(again.ids) for _ in again) == 45 and again.dead == 15
+    assert len(dead_letters(server, "twice")) == 15
+
+
+def test_dead_letters_take_no_room_a_step_needs(server):
+    publish(server, "room", 30, bad_every=4, end=True)  # ahead=1 claims one step's worth: 10 entries, 8 good
+    loader = loader_for(server, "room", ahead=1, stop=Stop(idle_s=5))  # (the stop only bounds a regression)
+    assert [len(loader.ids) for _ in loader] == [10, 10, 3] and loader.dead == 7
+
+
+def test_the_custom_decode_example_of_the_docs_runs_on_a_real_stream(server):
+    import os
+    import re
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "streaming.md")
+    text = open(docs).read()
+    section = text[text.index("## Your own events"):]
+    produce, consume = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:2]
+    scope = {"url": server.url}
+    exec(produce, scope)  # the producer's str keys ...
+    exec(consume, scope)
+    loader = scope["loader"]
+    x, y = next(iter(loader))  # ... arrive as bytes keys in decode; the first step (the third event waits)
+    assert x.shape == (2, 3) and y.tolist() == [1, 0] and loader.dead == 0
+    loader.close()

@@ -115,6 +115,26 @@ def test_exactly_once_after_every_worker_dies_and_everything_restarts(server, tm
     assert_exactly_once(server, tmp_path, stream, restarted)
 
 
+def test_odd_and_undecodable_events_are_dropped_by_every_worker_and_dead_lettered_once_across_a_crash(server,
+                                                                                                     tmp_path):
+    import redis
+
+    from phalanx.stream.producer import publish
+    stream = "poison"
+    publish(server.url, stream, count=300, bad_every=13, odd_every=7, end=True)  # shapes (3,) among (8,)
+    entries = redis.Redis.from_url(server.url).xrange(stream)
+    good = [i.decode() for i, f in entries if f.get(b"shape") == b"8"]
+    bad = sorted(i.decode() for i, f in entries if f.get(b"shape") != b"8" and b"phalanx-end" not in f)
+    crashed = run(server, tmp_path, stream, 2, 0, batch_size=8, kill_step=12, kill_rank=1, check=False)
+    assert crashed.returncodes[1] == 1
+    restarted = run(server, tmp_path, stream, 2, 1, batch_size=8).results[0]
+    assert restarted["resumed"] == 10 and restarted["dead"] == len(bad) == 62
+    trained = final_history(tmp_path / "logs")
+    assert sorted(trained) == sorted(good) and len(trained) == len(set(trained))  # rank 1 dropped the same ones
+    dead = redis.Redis.from_url(server.url).xrange(f"{stream}:dead")
+    assert sorted(f[b"phalanx-id"].decode() for _, f in dead) == bad  # each once, though steps 11-12 ran twice
+
+
 def test_two_workers_equal_one_process_on_the_same_global_batches(server, tmp_path):
     from phalanx.stream.producer import publish
     from workers.stream import train
@@ -151,10 +171,11 @@ def test_redis_stopped_mid_run_is_a_clear_error_in_bounded_time_and_the_last_com
     ckpt = tmp_path / "ckpt.pt"
 
     def kill_redis_after_a_commit():
-        deadline = time.monotonic() + 60
-        while not ckpt.exists() and time.monotonic() < deadline:
+        # Real processes: poll (bounded) for the first commit and two steps past it, then kill the broker.
+        log, deadline = tmp_path / "logs" / "inc0.rank0.log", time.monotonic() + 60
+        while time.monotonic() < deadline and not (ckpt.exists() and log.exists() and
+                                                   log.read_text().count("\n") >= 5):
             time.sleep(0.05)
-        time.sleep(0.5)
         server.process.kill()
 
     killer = threading.Thread(target=kill_redis_after_a_commit)

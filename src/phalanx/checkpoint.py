@@ -144,6 +144,7 @@ def load_state(path: str | os.PathLike, state: TrainingState, *, restore_rng: bo
         raise CheckpointError(f"{path!r} is a phalanx file of format {body.get('format', 'phalanx-checkpoint-1')!r}; "
                               f"expected {FORMAT!r} (from px.save_checkpoint of this version). Resume from a "
                               "checkpoint written by this version, or start afresh.")
+    _check_structure(body, path)
     ranks, me, world = body["ranks"], group.rank(), group.world_size()
     if len(ranks) == world:
         snapshot = {k: (ranks[0][k] if isinstance(v, str) and v == SAME_AS_RANK0 else v)
@@ -160,6 +161,32 @@ def load_state(path: str | os.PathLike, state: TrainingState, *, restore_rng: bo
                               "Build the same architecture (and optimizer) before loading; it holds weights "
                               "for another model otherwise.") from err
     return body
+
+
+def _check_structure(body: dict[str, Any], path: str) -> None:
+    """Refuse a checkpoint whose framing and hash are valid but whose body is not what save_state writes
+    (edited by hand, or by another program), with one line, before anything is restored or warned about."""
+    ranks = body.get("ranks")
+    problem = None
+    if not isinstance(ranks, list) or not ranks:
+        problem = f"'ranks' is {type(ranks).__name__ if not isinstance(ranks, list) else 'an empty list'}, " \
+                  "not a list of one snapshot per worker"
+    elif not all(isinstance(r, dict) for r in ranks):
+        problem = "a worker's snapshot is not a dict"
+    elif body.get("world_size") != len(ranks) or isinstance(body.get("world_size"), bool):
+        problem = f"'world_size' is {body.get('world_size')!r} but {len(ranks)} snapshots are stored"
+    elif isinstance(body.get("step"), bool) or not isinstance(body.get("step"), int):
+        problem = f"'step' is {body.get('step')!r}, not an integer"
+    elif any(v == SAME_AS_RANK0 for v in ranks[0].values() if isinstance(v, str)):
+        problem = "rank 0's snapshot refers to itself"
+    else:
+        lacking = sorted({k for r in ranks[1:] for k, v in r.items()
+                          if isinstance(v, str) and v == SAME_AS_RANK0 and k not in ranks[0]})
+        if lacking:
+            problem = f"a worker's part {lacking[0]!r} refers to rank 0's, which rank 0 lacks"
+    if problem:
+        raise CheckpointError(f"{path!r} has the framing of a phalanx checkpoint but not its structure: {problem}. "
+                              "Resume from a checkpoint px.save_checkpoint wrote, unedited.")
 
 
 # -- the collective entry check ------------------------------------------------------------------------------------

@@ -47,12 +47,14 @@ def main() -> None:
         for x, y in loader:
             if me == victim and state.step + 1 == int(at) and not state.history:
                 os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(60)
+                signal.pause()  # (SIGKILL is not handled: the process is gone before this returns)
             record.steps.append([i for ids in comm.all_gather_state(loader.ids) for i in ids])
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
             if state.history and len(state.history) < 2:
+                # A real process is being started (the replacement): the survivors slow down, bounded (only
+                # until it has joined), so the stream still lasts when it arrives. Not a synchronisation.
                 time.sleep(args.slow_after_loss)
 
     train(state)

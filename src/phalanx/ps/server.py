@@ -240,8 +240,19 @@ class Server:
             replies = [(identity, rid, ({"ok": False, "error": f"internal error: {type(err).__name__}: "
                                                               f"{str(err)[:2000]}"}, []))]
         for who, req_id, (reply, tensors) in replies:
-            sent = send_message(sock, {"ok": True, **reply, "id": req_id}, tensors, prefix=[who])
-            self._count(bytes_out=sent)
+            self._reply(sock, who, req_id, reply, tensors)
+
+    def _reply(self, sock: "zmq.Socket", who: bytes, rid: Any, reply: dict[str, Any],
+               tensors: list[tuple[Header, torch.Tensor]]) -> None:
+        """Send one answer; if it cannot be packed (a field out of range), send that error instead, so a
+        request is never left without an answer."""
+        try:
+            sent = send_message(sock, {"ok": True, **reply, "id": rid}, tensors, prefix=[who])
+        except (WireError, ValueError, OverflowError, TypeError) as err:
+            self._count(rejected=1)
+            sent = send_message(sock, {"ok": False, "error": f"the reply could not be sent: {str(err)[:2000]}",
+                                       "id": rid}, prefix=[who])
+        self._count(bytes_out=sent)
 
     def _count(self, **amounts: int) -> None:
         with self._stats_lock:

@@ -9,7 +9,9 @@ A shard is one variable, or one piece of a variable that placement split. It car
   the policy.
 
 Every request is checked whole before anything changes. An unknown name, a wrong dtype,
-a wrong shape or a non-finite value (NaN, inf) rejects the request, and no shard moves.
+a wrong shape, a non-finite value (NaN, inf), an update whose *result* would not be finite
+(a finite gradient at a huge lr) or a version past :data:`VERSION_LIMIT` rejects the
+request, and no shard moves.
 :meth:`ShardStore.admit` runs on each tensor header before its tensor is even allocated.
 
 The shards a server may hold are bounded: a strategy registers its whole set at once and
@@ -43,9 +45,14 @@ from .. import check
 from ..framing import read_verified, write_verified
 from ..errors import ConfigError, PhalanxError, usage
 from .optim import SGD, Adagrad, from_spec
-from .wire import Header
+from .wire import MAX_VERSION, Header
 
 Tensors = Sequence[tuple[Header, torch.Tensor]]
+
+
+# Updates stop here, far below what the wire carries (MAX_VERSION): a concurrent update or two past the check
+# still travels, so no reply can fail to pack and no shard can be silenced by a `set` near the limit.
+VERSION_LIMIT = MAX_VERSION // 2
 
 
 class RejectError(PhalanxError, ValueError):
@@ -92,11 +99,11 @@ class Policy:
         return cls(None if rule is None else from_spec(rule), bool(spec.get("lock", True)), stale)
 
 
-def _finite(tensors: Tensors, what: str) -> None:
+def _finite(tensors: Tensors, what: str,
+            fix: str = "Check the loss for overflow (or skip the step, as GradScaler does).") -> None:
     for header, t in tensors:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise RejectError(f"{what} of {header.name!r} holds NaN or inf; refused, nothing changed. "
-                              "Check the loss for overflow (or skip the step, as GradScaler does).")
+            raise RejectError(f"{what} of {header.name!r} holds NaN or inf; refused, nothing changed. {fix}")
 
 
 def _lr(value: Any) -> float:
@@ -116,35 +123,70 @@ class Shard:
         self.state = (policy.rule.init_state(value) if policy.rule else {}) if state is None else state
         self.guard = (ShardLock() if policy.lock else NoLock()).new()
 
-    def push(self, grad: torch.Tensor, computed_from: int, lr: float | None = None) -> bool:
+    def stale(self, computed_from: int) -> bool:
+        """Whether a push computed from version ``computed_from`` is too stale to apply (hold the guard)."""
+        limit = self.policy.max_staleness
+        return limit is not None and self.version - computed_from > limit
+
+    def propose(self, name: str, grad: torch.Tensor, lr: float | None = None) -> tuple[torch.Tensor, dict]:
+        """The value and state after ``grad``, computed aside (hold the guard); raises :class:`RejectError`
+        when the result is not finite: finite inputs can still overflow (a finite push at lr 1e30)."""
+        value, state = self.value.clone(), {k: v.clone() for k, v in self.state.items()}
+        self.policy.rule.apply_(value, grad, state, lr=lr)  # type: ignore[union-attr]
+        _finite([(Header(name, value.dtype, tuple(value.shape)), value),
+                 *((Header(f"{name}{STATE_SEP}{k}", v.dtype, tuple(v.shape)), v) for k, v in state.items())],
+                "the result of this update", "The inputs were finite: the learning rate or the gradient is too "
+                "large for the shard's dtype.")
+        return value, state
+
+    def commit(self, value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Install a proposed update (hold the guard)."""
+        self.value, self.state = value, state
+        self.version += 1
+
+    def push(self, name: str, grad: torch.Tensor, computed_from: int, lr: float | None = None) -> bool:
         """Apply ``grad`` (at ``lr``, when the worker sends its current one) unless too stale; True if applied."""
         with self.guard:
-            stale = self.policy.max_staleness
-            if stale is not None and self.version - computed_from > stale:
+            if self.stale(computed_from):
                 return False
-            self.policy.rule.apply_(self.value, grad, self.state, lr=lr)  # type: ignore[union-attr]
-            self.version += 1
+            self.commit(*self.propose(name, grad, lr))
             return True
 
-    def elastic(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        """EASGD's elastic move: ``d = α(x − c); c ← c + d``. The worker then subtracts ``d``."""
-        with self.guard:
-            d = (x - self.value).mul_(alpha)
-            self.value.add_(d)
-            self.version += 1
-            return d
+    def propose_elastic(self, name: str, x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """EASGD's elastic move ``d = α(x − c)`` and the new centre ``c + d``, refused unless both are finite."""
+        d = (x - self.value).mul_(alpha)
+        centre = self.value + d
+        _finite([(Header(name, d.dtype, tuple(d.shape)), d), (Header(name, centre.dtype, tuple(centre.shape)), centre)],
+                "the result of this elastic move", "The inputs were finite: the worker's parameter and the centre "
+                "are too far apart for the shard's dtype.")
+        return d, centre
 
     def snapshot(self) -> tuple[torch.Tensor, int]:
         with self.guard:
             return self.value.clone(), self.version
 
     def set(self, value: torch.Tensor, version: int, state: dict[str, torch.Tensor]) -> None:
-        """Replace value, version and the rule's state (a job resuming from its checkpoint)."""
+        """Replace value, version (at most :data:`VERSION_LIMIT`) and the rule's state (a job resuming)."""
         with self.guard:
             self.value.copy_(value)
             self.version = version
             for key, saved in state.items():
                 self.state[key].copy_(saved)
+
+
+def _below_limit(name: str, version: int) -> None:
+    if version >= VERSION_LIMIT:
+        raise RejectError(f"{name!r} is at version {version}, the limit (2^62): it takes no more updates. "
+                          "Restore it from a checkpoint.")
+
+
+@contextlib.contextmanager
+def _holding(shards: Sequence[Shard]) -> Any:
+    """Hold the guards of several shards, in one global order (by identity), so two requests cannot deadlock."""
+    with contextlib.ExitStack() as stack:
+        for shard in sorted(set(shards), key=id):
+            stack.enter_context(shard.guard)
+        yield
 
 
 def mismatch(header: Header, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
@@ -260,8 +302,17 @@ class ShardStore:
             if header.version > shard.version:
                 raise RejectError(f"{header.name!r} pushed from version {header.version} but the server is at "
                                   f"{shard.version}; pull before pushing (did the server restart from a checkpoint?)")
-        dropped = [h.name for (h, g), shard, rate in zip(tensors, shards, rates, strict=True)
-                   if not shard.push(g, h.version, rate)]
+            _below_limit(header.name, shard.version)
+        dropped: list[str] = []
+        with _holding(shards):  # every result is computed and checked before any shard changes
+            proposed = []
+            for (header, g), shard, rate in zip(tensors, shards, rates, strict=True):
+                if shard.stale(header.version):
+                    dropped.append(header.name)
+                else:
+                    proposed.append((shard, shard.propose(header.name, g, rate)))
+            for shard, (value, state) in proposed:
+                shard.commit(value, state)
         with self._counts_lock:
             self.counts.update(applied=len(tensors) - len(dropped), dropped_stale=len(dropped))
         return dropped, len(tensors) - len(dropped)
@@ -271,10 +322,16 @@ class ShardStore:
             raise RejectError(f"elastic alpha={alpha!r}; expected 0 < alpha < 1")
         shards = self.check(tensors)
         _finite(tensors, "the parameter")
+        for (header, _), shard in zip(tensors, shards, strict=True):
+            _below_limit(header.name, shard.version)
         out = []
-        for (header, x), shard in zip(tensors, shards, strict=True):
-            d = shard.elastic(x, float(alpha))
-            out.append((Header(header.name, d.dtype, tuple(d.shape), shard.version), d))
+        with _holding(shards):  # every move is computed and checked before any centre changes
+            moves = [shard.propose_elastic(header.name, x, float(alpha))
+                     for (header, x), shard in zip(tensors, shards, strict=True)]
+            for (header, _), shard, (d, centre) in zip(tensors, shards, moves, strict=True):
+                shard.value = centre
+                shard.version += 1
+                out.append((Header(header.name, d.dtype, tuple(d.shape), shard.version), d))
         with self._counts_lock:
             self.counts.update(elastic=len(tensors))
         return out
@@ -320,6 +377,9 @@ class ShardStore:
                     raise RejectError(f"state {header.name!r}: {problem or 'sent twice'}")
                 states.setdefault(name, {})[key] = t
             else:
+                if header.version > VERSION_LIMIT:
+                    raise RejectError(f"{name!r} set to version {header.version}; expected at most 2^62 "
+                                      "(a version no job reaches)")
                 values[name] = (t, header.version)
         for name in states.keys() - values.keys():
             raise RejectError(f"state of {name!r} sent without its value")

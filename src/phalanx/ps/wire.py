@@ -9,8 +9,10 @@ Nothing read from the network is unpickled. A message is a list of ZeroMQ frames
 * ``control``: a small JSON object (at most 64 KiB), e.g. ``{"op": "push", "id": 7}``.
 * ``header``: a fixed little-endian struct, then the shape and the UTF-8 name::
 
-      magic "PXT1" | dtype code u8 | ndim u8 | reserved u16 | version u64 | name length u16
-      | ndim × i64 dims | name
+      magic "PXT1" | dtype code u8 | ndim u8 | reserved u16 (0) | version u64 (< 2^63) | name length u16
+      | ndim × i64 dims (>= 0) | name
+
+  Both ends check every field's range (:func:`pack_header` as well as :func:`unpack_header`).
 
 * ``data``: exactly ``numel × itemsize`` bytes, received straight into a fresh tensor
   (``recv_into``), so a frame of the wrong size is refused, never reinterpreted.
@@ -47,6 +49,8 @@ MAX_CONTROL_BYTES = 64 * 1024
 MAX_NAME_BYTES = 1024
 MAX_NDIM = 8
 MAX_PREFIX_BYTES = 1024
+MAX_VERSION = 2**63 - 1  # versions fit an int64 everywhere; the u64 field's upper half is refused both ways
+MAX_DIM = 2**63 - 1
 
 # Codes are part of the protocol: never renumber, only append.
 DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float64, 3: torch.float16, 4: torch.bfloat16,
@@ -91,11 +95,14 @@ class Header:
 
 
 def pack_header(h: Header) -> bytes:
+    """The header's bytes; raises :class:`WireError` (never ``struct.error``) for a field out of its range, so a
+    server answers that request with an error instead of losing the reply."""
     name = h.name.encode()
     if h.dtype not in CODES:
         raise WireError(f"dtype {h.dtype} cannot travel; expected one of {sorted(map(str, CODES))}")
     if len(name) > MAX_NAME_BYTES or len(h.shape) > MAX_NDIM:
         raise WireError(f"tensor {h.name[:80]!r}: name over {MAX_NAME_BYTES} bytes or over {MAX_NDIM} dims")
+    _check_ranges(h.name, h.version, h.shape)
     dims = struct.pack(f"<{len(h.shape)}q", *h.shape)
     return _HEAD.pack(MAGIC, CODES[h.dtype], len(h.shape), 0, h.version, len(name)) + dims + name
 
@@ -103,21 +110,30 @@ def pack_header(h: Header) -> bytes:
 def unpack_header(buf: bytes) -> Header:
     if len(buf) < _HEAD.size:
         raise WireError(f"tensor header of {len(buf)} bytes; expected at least {_HEAD.size}")
-    magic, code, ndim, _, version, name_len = _HEAD.unpack_from(buf)
+    magic, code, ndim, reserved, version, name_len = _HEAD.unpack_from(buf)
     if magic != MAGIC:
         raise WireError(f"tensor header starts with {magic!r}; expected {MAGIC!r} (another protocol?)")
     if code not in DTYPES:
         raise WireError(f"unknown dtype code {code}; expected one of {sorted(DTYPES)}")
+    if reserved:
+        raise WireError(f"tensor header with reserved field {reserved}; expected 0 (a newer protocol?)")
     if ndim > MAX_NDIM or name_len > MAX_NAME_BYTES or len(buf) != _HEAD.size + 8 * ndim + name_len:
         raise WireError(f"tensor header of {len(buf)} bytes does not match ndim={ndim}, name length={name_len}")
     shape = struct.unpack_from(f"<{ndim}q", buf, _HEAD.size)
-    if any(d < 0 for d in shape):
-        raise WireError(f"negative dimension in shape {shape}")
     try:
         name = buf[_HEAD.size + 8 * ndim:].decode()
     except UnicodeDecodeError:
         raise WireError("tensor name is not UTF-8") from None
+    _check_ranges(name, version, shape)
     return Header(name, DTYPES[code], tuple(shape), version)
+
+
+def _check_ranges(name: str, version: Any, shape: Sequence[Any]) -> None:
+    """Every numeric field of a header within its range, on the way in and on the way out."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise WireError(f"tensor {name[:80]!r}: version {version!r}; expected an integer in [0, 2^63 - 1]")
+    if any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_DIM for d in shape):
+        raise WireError(f"tensor {name[:80]!r}: shape {list(shape)}; expected dimensions in [0, 2^63 - 1]")
 
 
 def pack_control(control: dict[str, Any]) -> bytes:

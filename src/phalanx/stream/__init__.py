@@ -16,7 +16,7 @@ from __future__ import annotations
 from .codec import decode_sample, decode_samples, encode_sample
 from .loader import StreamLoader
 from .policy import Deadline, Stop, WaitFull
-from .redis import RedisStream
+from .redis_stream import RedisStream
 from .source import Event, StreamError, StreamSource
 
 __all__ = ["RedisStream", "StreamLoader", "WaitFull", "Deadline", "Stop", "StreamSource", "Event", "StreamError",

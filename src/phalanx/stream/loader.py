@@ -32,6 +32,7 @@ Example (``source`` is a :class:`phalanx.stream.RedisStream`)::
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
@@ -42,7 +43,7 @@ from .. import group
 from ..batchweight import set_batch_weight
 from ..errors import ConfigError, usage
 from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Fetched, Plan, pack_plans, unpack_plans, split
-from .decoding import DEAD, collate, decode_one, fetch_parts, payloads
+from .decoding import DEAD, Decoder, fetch_parts
 from .policy import Stop, WaitFull
 from .source import END_FIELD, START, StreamError, StreamSource
 
@@ -86,16 +87,19 @@ class StreamLoader:
         self.position: str | None = None  # None: start after what the group acknowledged
         self.offset = -1  # entries up to the position, -1 when unknown
         self.steps = self.events = self.dead = 0
+        self.structure = 0  # the fingerprint of the structure every batch has (decoding.Decoder), 0: not fixed
         # progress (not checkpointed)
         self.ids: list[str] = []
         self.lag = -1
         self.acknowledged: str | None = None
         self._commit: tuple[str, int] | None = None  # the position the last state_dict() returned
         self._written: tuple[str, int] | None = None  # the same, once the loop body that took it has run
+        self._decoder = Decoder(source.decode)  # the main worker's, for planning (its structure may run ahead)
         self._log: list[tuple[str, Any]] = []  # claimed, decoded (or DEAD), not yet planned (main worker)
         self._planned: collections.deque[Plan] = collections.deque()  # planned, not yet trained (every worker)
         self._prefetch: ThreadPoolExecutor | None = None  # fetches this worker's parts; plans on the main worker
         self._ahead_plan: Future | None = None  # the main worker's next plans, being decided
+        self._halt = threading.Event()  # set while a planner nobody will use must give up waiting for events
         self._iteration = 0  # which run of __iter__ is the current one
         self._cursor: tuple[int, str, int] = (0, START, -1)  # how far planning went: steps, position, offset
         self._claimed_to: str | None = None
@@ -110,12 +114,13 @@ class StreamLoader:
         if self.position is not None:
             self._commit = (self.position, self.offset)  # acknowledged later, once saved (one atomic assignment)
         return {"position": self.position or "", "offset": self.offset, "steps": self.steps,
-                "events": self.events, "dead": self.dead}
+                "events": self.events, "dead": self.dead, "structure": self.structure}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = str(state["position"]) or None
         self.offset, self.steps = int(state["offset"]), int(state["steps"])
         self.events, self.dead = int(state["events"]), int(state["dead"])
+        self.structure = int(state.get("structure", 0))  # (absent from checkpoints written before it existed)
         self._log, self._ended, self._commit, self._written = [], False, None, None
         self._stop_planner()
         self._planned.clear()  # a rollback: steps planned after the restored position are planned again
@@ -156,6 +161,7 @@ class StreamLoader:
                     continue
                 # the main worker's view, so every worker's state_dict is the same
                 self.position, self.offset, self.dead = plan.position, plan.offset, self.dead + plan.dead
+                self.structure = plan.structure or self.structure
                 self.lag = plan.lag
                 if plan.status == END:
                     return
@@ -214,6 +220,7 @@ class StreamLoader:
         position, offset = self.source.rewind(self.position, self.offset if self.offset >= 0 else None)
         self.position, self.offset = position, -1 if offset is None else offset
         self._log, self._claimed_to, self._ended, self._first_wait = [], None, False, None
+        self._decoder = Decoder(self.source.decode, self.structure)  # planning starts from the trained state
         self._cursor = (self.steps, position, self.offset)  # where planning stands: steps, position, offset
         self._added, self._checked = self.source.check(position, self.offset if self.offset >= 0 else None), \
             time.monotonic()
@@ -230,10 +237,13 @@ class StreamLoader:
         """Wait for the background planner (bounded by one blocking read): nothing may claim after a rewind."""
         ahead, self._ahead_plan = self._ahead_plan, None
         if ahead is not None:
+            self._halt.set()  # a planner waiting for events that may never come (one process, no stop rule)
             try:
                 ahead.result()
             except Exception:  # noqa: BLE001 - a failure of plans nobody will use; the caller's error wins
                 pass
+            finally:
+                self._halt.clear()
 
     def _next_plans(self, early: bool = False) -> list[Plan]:
         """The next planned steps: the main worker decides them, one broadcast tells every worker.
@@ -250,7 +260,7 @@ class StreamLoader:
             try:
                 ready = not early or (self._ahead_plan is not None and self._ahead_plan.done())
                 plans = self._plan() if ready else []
-            except StreamError:
+            except Exception:  # the broker, or the user's decode: the others must not wait for a plan forever
                 with guarded("telling the workers the stream failed"):
                     dist.broadcast(pack_plans([Plan(ERROR)], self.world_size, size).to(on), src=0)
                 raise
@@ -266,7 +276,7 @@ class StreamLoader:
                               "its log says why. Training resumes from the last checkpoint.")
         steps = [plan for plan in plans if plan.status == STEP]
         if steps:  # fetch and decode this worker's parts in one background task while it trains
-            parts = self._fetcher().submit(fetch_parts, self.source, self.rank,
+            parts = self._fetcher().submit(fetch_parts, self.source, steps[0].structure, self.rank,
                                            [plan.parts[self.rank] for plan in steps])
             for k, plan in enumerate(steps):
                 plan.mine = Fetched(parts, k)
@@ -299,7 +309,7 @@ class StreamLoader:
             if ended or self.policy.ready(have=have, want=want, world_size=self.world_size,
                                           waited_s=now - (self._first_wait or now)):
                 break
-            if now >= keepalive and self.world_size > 1:
+            if self._halt.is_set() or (now >= keepalive and self.world_size > 1):
                 return [Plan(WAIT)]  # what is claimed stays claimed; the other workers just hear we are alive
             self._claim(want)
         return self._cut(want, ended)
@@ -309,7 +319,9 @@ class StreamLoader:
         up to ``block_s`` (live, it brings what has arrived), the next ones take only what is there (a
         backlog). Reading in pieces hands the GIL back to the training thread at every round trip, so it
         never waits for a whole plan's parsing and decoding to get it back."""
-        src, room, block_s = self.source, self.ahead * want - len(self._log), self.block_s
+        # Room counts good events only: dead letters in the log must not stop the claims that complete a step.
+        have = sum(1 for _, s in self._log if s is not DEAD)
+        src, room, block_s = self.source, self.ahead * want - have, self.block_s
         while room > 0 and not self._ended:
             asked = min(want, room)
             events = src.claim(asked, block_s)
@@ -322,11 +334,12 @@ class StreamLoader:
                 self._claimed_to, events = events[end].id, events[:end]
             elif events:
                 self._claimed_to = events[-1].id
-            kept = payloads(src, events)
-            for event, payload in zip(events, kept):
-                if payload is DEAD:
-                    src.dead_letter(event, decode_one(src, event)[1] or "undecodable")
+            kept, reasons = self._decoder.check(events)
+            for event, why in zip(events, reasons):
+                if why is not None:
+                    src.dead_letter(event, why)  # at most once per entry, even when a rewind reads it again
             self._log.extend(zip([e.id for e in events], kept))
+            room += len(events) - sum(1 for k in kept if k is not DEAD)  # dead letters take no room
             if len(events) < asked:
                 return
 
@@ -366,16 +379,16 @@ class StreamLoader:
             take = [(i, s) for i, s in part if s is not DEAD]
             plan = Plan(STEP, total=len(take), final=last and final, consumed=consumed, lag=self._lag(offset),
                         dead=len(part) - len(take), position=position, offset=offset,
-                        parts=split([i for i, _ in take], self.world_size))
+                        parts=split([i for i, _ in take], self.world_size), structure=self._decoder.expected)
             mine = take[:plan.parts[0][2]]
-            plan.mine = ([i for i, _ in mine], collate(self.source, [p for _, p in mine]))
+            plan.mine = ([i for i, _ in mine], self._decoder.collate([p for _, p in mine]))
             plans.append(plan)
         if not plans:  # the run ended with nothing to train: move past dead letters and the marker
             consumed = len(log) + (1 if self._ended else 0)
             offset = offset + consumed if offset >= 0 else -1
             self._log = []
             plans.append(Plan(END, consumed=consumed, lag=self._lag(offset), dead=len(log),
-                              position=self._claimed_to or base, offset=offset))
+                              position=self._claimed_to or base, offset=offset, structure=self._decoder.expected))
         self._cursor = (steps + sum(p.status == STEP for p in plans), plans[-1].position, plans[-1].offset)
         return plans
 

@@ -21,7 +21,7 @@ import torch
 from .source import START, format_id, parse_id
 
 WAIT, STEP, END, ERROR = 0, 1, 2, 3
-HEAD, PER_RANK = 9, 5
+HEAD, PER_RANK = 10, 5
 
 
 class Fetched(NamedTuple):
@@ -42,13 +42,14 @@ class Plan:
     position: str = START
     offset: int = -1  # entries up to the position after this step, -1 when unknown
     parts: tuple[tuple[str, str, int], ...] = ()
+    structure: int = 0  # the fingerprint of the structure every batch has (decoding.fingerprint), 0 if not fixed
     mine: Any = field(default=None, repr=False, compare=False)  # this worker's decoded part, or where it comes
 
     def pack(self, world_size: int) -> torch.Tensor:
         t = torch.zeros(HEAD + PER_RANK * world_size, dtype=torch.int64)
         t[:6] = torch.tensor([self.status, self.total, int(self.final), self.consumed, self.lag, self.dead])
         t[6:8] = torch.tensor(_ints(self.position))
-        t[8] = self.offset
+        t[8], t[9] = self.offset, self.structure
         for r, (first, last, count) in enumerate(self.parts):
             t[HEAD + PER_RANK * r:HEAD + PER_RANK * (r + 1)] = torch.tensor([*_ints(first), *_ints(last), count])
         return t
@@ -58,7 +59,7 @@ class Plan:
         v = t.tolist()
         parts = tuple((_id(*v[i:i + 2]), _id(*v[i + 2:i + 4]), v[i + 4])
                       for i in range(HEAD, HEAD + PER_RANK * world_size, PER_RANK))
-        return cls(v[0], v[1], bool(v[2]), v[3], v[4], v[5], _id(v[6], v[7]), v[8], parts)
+        return cls(v[0], v[1], bool(v[2]), v[3], v[4], v[5], _id(v[6], v[7]), v[8], parts, v[9])
 
 
 def pack_plans(plans: list[Plan], world_size: int, size: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ Run it as a process of its own::
 
 ``--rate 0`` publishes as fast as Redis takes pipelined XADDs. ``--end`` appends the
 end-of-stream marker, ``--pause-at N --pause-s S`` pauses once after N events, and
-``--bad-every K`` makes every K-th event undecodable (to exercise dead letters).
+``--bad-every K`` makes every K-th event undecodable and ``--odd-every K`` every K-th a
+well-formed sample of another shape (to exercise dead letters).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def end_of_stream() -> dict[bytes, bytes]:
 
 def publish(url: str, stream: str, *, data: Iterable[tuple[torch.Tensor, int]] | None = None, count: int = 1000,
             rate: float = 0.0, end: bool = True, pause_at: int | None = None, pause_s: float = 0.0, bad_every: int = 0,
-            seed: int = 0) -> int:
+            odd_every: int = 0, seed: int = 0) -> int:
     """Publish ``count`` events of ``data`` (default :func:`samples`), plus the marker with ``end``; returns how many.
 
     The demo's digits come from :mod:`phalanx.bench.stream_demo`, which passes them as ``data``.
@@ -60,7 +61,7 @@ def publish(url: str, stream: str, *, data: Iterable[tuple[torch.Tensor, int]] |
         pipe = r.pipeline(transaction=False)
         for _ in range(min(due, chunk)):
             x, y = next(source)
-            fields = encode_sample(x, y, index=sent)
+            fields = encode_sample(x[:3] if odd_every and (sent + 1) % odd_every == 0 else x, y, index=sent)
             if bad_every and (sent + 1) % bad_every == 0:
                 fields = {b"x": b"not a tensor", b"i": str(sent).encode()}
             pipe.xadd(stream, fields)
@@ -81,10 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pause-at", type=int, default=None)
     p.add_argument("--pause-s", type=float, default=0.0)
     p.add_argument("--bad-every", type=int, default=0)
+    p.add_argument("--odd-every", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     publish(a.url, a.stream, count=a.count, rate=a.rate, end=a.end, pause_at=a.pause_at,
-            pause_s=a.pause_s, bad_every=a.bad_every, seed=a.seed)
+            pause_s=a.pause_s, bad_every=a.bad_every, odd_every=a.odd_every, seed=a.seed)
     return 0
 
 

@@ -33,8 +33,9 @@ class RedisStream:
         stream: the stream's key. It must exist unless ``create=True``.
         group: the consumer group; created at the start of the stream if missing.
             A group read by consumers other than phalanx's is refused.
-        decode: ``fields -> sample``, e.g. :func:`phalanx.stream.decode_sample`;
-            an event it raises on goes to the dead-letter stream ``<stream>:dead``.
+        decode: ``fields -> sample``, e.g. :func:`phalanx.stream.decode_sample`; fields arrive as they were
+            sent, with bytes keys and bytes values. An event it raises on, or whose sample has another
+            shape or dtype than the batch, goes to the dead-letter stream ``<stream>:dead``, once.
         timeout_s: bound on every call to Redis beyond its own blocking read.
     """
 
@@ -147,8 +148,16 @@ class RedisStream:
         return added
 
     def dead_letter(self, event: Event, reason: str) -> None:
+        """Add the event to ``<stream>:dead`` under its own entry id, so that reading it again (after a rollback
+        or a restart) does not write it twice: Redis refuses an id that is not past the dead stream's last."""
+        import redis
         fields = {b"phalanx-id": event.id.encode(), b"phalanx-reason": reason[:500].encode(), **event.fields}
-        self._call("writing a dead letter", self._redis.xadd, self.dead_stream, fields)
+        try:
+            self._call("writing a dead letter", self._redis.xadd, self.dead_stream, fields, id=event.id)
+        except redis.ResponseError:  # not past the last dead letter: usually this very one, written before
+            if not self._call("reading the dead letters", self._redis.xrange, self.dead_stream, min=event.id,
+                              max=event.id):  # an earlier event judged bad only now (another decode): add it
+                self._call("writing a dead letter", self._redis.xadd, self.dead_stream, fields)
 
     # -- helpers ---------------------------------------------------------------------------
     def pending(self) -> int:
