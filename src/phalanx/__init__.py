@@ -54,7 +54,8 @@ def __getattr__(name: str):  # noqa: ANN202 - px.keras imports Keras (seconds), 
 __all__ = [
     # the loop
     "init", "wrap", "unwrap", "shard", "save", "rank", "world_size", "local_rank", "is_main", "is_initialized",
-    "barrier", "device", "shutdown", "Group", "current_group", "scale_lr", "warmup", "strategy_of", "no_sync", "ShardedLoader",
+    "barrier", "device", "shutdown", "scale_lr", "warmup", "strategy_of", "no_sync", "ShardedLoader",
+    "Group", "current_group",
     # strategies, sync conditions and compressors
     "Strategy", "Periodic", "Exchange", "ParameterAverage", "SyncCondition", "every", "schedule",
     "AllReduce", "LocalSGD", "DiLoCo", "EASGD", "AsyncEASGD", "Downpour", "ParameterServer",
