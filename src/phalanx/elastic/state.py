@@ -184,13 +184,7 @@ class State:
         snap = self._send_state()
         # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
         # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
-        mine = shared(snap)
-        strategy = strategy_of(self.optimizer)
-        if strategy is not None:
-            mine["strategy"] = None
-        self._restore(mine)
-        if strategy is not None and snap.get("strategy") is not None:  # a joiner never puts the async PS back
-            strategy.load_state_with_step(snap["strategy"], joining=True)
+        self._restore(shared(snap), joining=True)  # a joiner never puts the async PS back
         self._resplit(snap["elastic_world_size"])
         self.commits = {}
         self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
@@ -202,8 +196,8 @@ class State:
         mine = self.commits[max(self.commits)] if group.rank() == 0 else None
         return broadcast_object(mine, 0, "newest commit")
 
-    def _restore(self, snap: dict) -> None:
-        self.training.restore(snap)
+    def _restore(self, snap: dict, joining: bool = False) -> None:
+        self.training.restore(snap, joining=joining)
         for k, v in snap["elastic_extra"].items():
             self.extra[k].load_state_dict(copy.deepcopy(v))
         self.resize.load_state_dict(snap["elastic_resize"])
