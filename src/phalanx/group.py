@@ -256,7 +256,7 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
                                 timeout=timedelta(seconds=timeout_s))
     _group = g
     if g.store is not None:
-        atexit.register(_at_exit)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
+        atexit.register(_at_exit, g)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
         _install_excepthook(g)
     return g
 
@@ -277,7 +277,7 @@ def _install_excepthook(g: Group) -> None:
     sys.excepthook = hook
 
 
-def _at_exit() -> None:
+def _at_exit(g: Group) -> None:
     """Leave the group at interpreter exit; after an uncaught exception, end the process at once.
 
     Tearing down an interpreter that holds a process group takes from half a second to
@@ -285,8 +285,8 @@ def _at_exit() -> None:
     process is gone. Exit handlers registered after ``px.init()`` have already run by
     now (they run last-in, first-out); logging is flushed here.
     """
-    uncaught = _group.uncaught if _group is not None else None
     shutdown()
+    uncaught = g.uncaught  # set by the excepthook, even when the script called shutdown() itself first
     if uncaught is not None:
         import logging
         logging.shutdown()
