@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
+from phalanx import group
 from phalanx.checkpoint import MAGIC
 from phalanx.workerenv import WorkerEnv
 from workers.core import OPTIMIZERS, dataset, flat, net, train
@@ -292,3 +293,143 @@ def test_more_nccl_workers_on_a_host_than_gpus_is_refused_before_anything_starts
         px.init()
     line = one_clear_line(err.value)
     assert "2 workers on this host on NCCL, with 1 GPU(s)" in line and "backend='gloo'" in line
+
+
+# -- the Group: one owner of the run --------------------------------------------------------------------------------
+
+def test_init_returns_the_group_and_the_module_functions_read_it():
+    g = px.init()
+    assert isinstance(g, px.Group) and g is px.current_group() and px.init() is g
+    assert (g.rank, g.world_size, g.generation, g.elastic, g.lost_peers()) == (px.rank(), px.world_size(), 0, False, [])
+
+
+def test_elastic_is_read_from_the_environment_once_into_the_group():
+    from phalanx.workerenv import WorkerEnv
+    env = WorkerEnv.from_environ({"PHALANX_ELASTIC_ID": "3", "PHALANX_PS_ADDRS": "tcp://a:1,tcp://b:2"})
+    g = group.Group(env, torch.device("cpu"))
+    assert (g.elastic, env.elastic_id, env.ps_servers) == (True, "3", 2)
+    assert not hasattr(group, "is_elastic")  # no call site reads the variable any more
+
+
+def test_a_rebuild_must_go_to_a_later_generation():
+    g = group.Group(WorkerEnv(), torch.device("cpu"))
+    with pytest.raises(px.ConfigError, match="rebuild to generation 0; expected a generation after 0"):
+        g.rebuild(0, 1, None, generation=0)
+
+
+@pytest.mark.multiproc
+def test_a_rebuilt_group_has_new_ranks_a_new_generation_its_subscribers_told_and_objects_cross_it():
+    from phalanx.testing import run_workers
+    run = run_workers("workers.group:rebuild_and_objects", world_size=2)
+    for rank, r in enumerate(run.results):
+        assert r["init_is_current"] and r["rank_before"] == rank
+        assert [(o["rank"], o["t"].tolist()) for o in r["all"]] == [(0, [0]), (1, [0, 1])]
+        assert r["gather"] == ([[0, 0, 0], [1, 1, 1, 1]] if rank == 1 else None)
+        assert r["bcast"]["from"] == 1 and r["bcast"]["t"].tolist() == [1.0, 1.0]
+        # after the rebuild: ranks swapped, generation 1, the subscriber told once, collectives on the new group
+        assert (r["rank_after"], r["module_rank"], r["generation"]) == (1 - rank, 1 - rank, 1)
+        assert r["seen"] == [(1 - rank, 2, 1)]
+        assert r["sum_after"] == 3.0 and r["all_after"] == [0, 1]
+        assert min(r["beats_after"]) >= 1  # the one heartbeat moved to the new generation's store
+
+
+@pytest.mark.multiproc
+def test_lost_peers_names_a_rank_that_failed_without_any_collective():
+    from phalanx.testing import run_workers
+    run = run_workers("workers.group:note_then_wait", world_size=2, check=False, timeout=90)
+    assert run.returncodes[1] != 0 and run.returncodes[0] == 0, run.log(0)
+    assert run.results[0]["after"] == [1]
+
+
+# -- typed failures -------------------------------------------------------------------------------------------------
+
+def test_a_failure_inside_a_guarded_collective_is_a_worker_lost_error_with_lost_ranks():
+    from phalanx.comm import guarded
+    with pytest.raises(px.WorkerLostError) as info:
+        with guarded("a test collective"):
+            raise RuntimeError("Connection reset by peer")
+    assert info.value.lost_ranks == [] and "during a test collective" in str(info.value)
+    with pytest.raises(TypeError):  # not a failure of the group: passes through as it is
+        with guarded("a test collective"):
+            raise TypeError("bad argument")
+
+
+def test_elastic_reacts_to_the_type_of_a_failure_never_to_its_words():
+    from phalanx.elastic.state import is_peer_failure
+    assert is_peer_failure(px.WorkerLostError("rank 1 is gone", lost_ranks=[1]))
+    # A user's own error that happens to mention sockets and peers is the user's error: no rollback.
+    assert not is_peer_failure(RuntimeError("my socket to the peer timed out; connection reset"))
+
+
+def test_a_resize_cannot_be_swallowed_by_except_exception():
+    from phalanx.elastic.state import _Resize
+    with pytest.raises(_Resize):
+        try:
+            raise _Resize(["j1"])
+        except Exception:  # what a user's loop may wrap opt.step() in
+            pass
+
+
+# -- the strategy protocol ------------------------------------------------------------------------------------------
+
+class _Counting(px.Exchange):
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def exchange(self, params, comm, step):
+        self.calls.append(step)
+
+
+def _pending_step(strategy):
+    """Wrap a tiny model under ``strategy`` and leave step 1 pending: a backward with no optimizer step."""
+    net = torch.nn.Linear(2, 1)
+    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=strategy)
+    model(torch.ones(1, 2)).sum().backward()
+    return model, opt
+
+
+def test_reading_a_strategys_state_is_a_pure_read_and_settling_is_explicit():
+    exchange = _Counting()
+    strategy = px.Periodic(px.every(1), exchange)
+    _pending_step(strategy)
+    assert strategy.state_dict() == {"exchange": {}} and strategy.state_with_step()["step"] == 0
+    assert exchange.calls == [] and strategy.clock.pending  # reading ran nothing
+    strategy.settle()
+    assert exchange.calls == [1] and strategy.state_with_step()["step"] == 1
+
+
+def test_finish_closes_a_skipped_last_step_before_reconciling():
+    exchange = _Counting()
+    strategy = px.Periodic(px.every(2), exchange)
+    _pending_step(strategy)
+    strategy.finish()
+    assert strategy.steps == 1 and exchange.calls == [1]  # the skipped step counts, so the last average runs
+
+
+def test_a_checkpoint_closes_a_skipped_step_and_holds_the_framework_step(tmp_path):
+    exchange = _Counting()
+    strategy = px.Periodic(px.every(1), exchange)
+    model, opt = _pending_step(strategy)
+    px.save_checkpoint(tmp_path / "c.pt", model, opt)
+    assert exchange.calls == [1]
+    other = px.Periodic(px.every(1), _Counting())
+    net = torch.nn.Linear(2, 1)
+    model2, opt2 = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=other)
+    px.load_checkpoint(tmp_path / "c.pt", model2, opt2)
+    assert other.steps == 1
+
+
+def test_every_optional_hook_has_a_default_on_the_base_class():
+    strategy = px.Strategy()
+    strategy.regroup()
+    strategy.commit_point()
+    strategy.load_joiner_state_dict({})
+    assert strategy.replicas_agree(3) and not strategy.uses_servers
+    assert px.Periodic(px.every(4), px.ParameterAverage()).replicas_agree(4)
+    assert not px.Periodic(px.every(4), px.ParameterAverage()).replicas_agree(3)
+
+
+def test_a_strategy_that_uses_no_servers_warns_when_the_launcher_started_some():
+    from phalanx.workerenv import WorkerEnv
+    with pytest.warns(UserWarning, match="names 2 parameter servers"):
+        px.AllReduce().launched_with(WorkerEnv(ps_servers=2))

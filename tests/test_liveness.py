@@ -93,3 +93,4 @@ def test_killing_one_rank_blames_it_and_never_a_live_rank(world_size, victim, sl
         message = run.results[rank]["message"]
         assert message is not None and blamed(message) == {victim}, message
         assert "heartbeat stopped" in message, message
+        assert run.results[rank]["lost_ranks"] == [victim]  # the error carries them: no one parses the message

@@ -169,7 +169,7 @@ def test_diloco_keeps_its_anchor_and_outer_momentum_in_fp32_for_a_bf16_model():
         model(torch.ones(3, 4, dtype=torch.bfloat16)).float().sum().backward()
         opt.step()
     strategy = px.strategy_of(opt)
-    state = strategy.state_dict()
+    state = strategy.state_with_step()
     assert {a.dtype for a in strategy.anchor} == {torch.float32}
     assert {t.dtype for t in state["exchange"]["anchor"] + state["exchange"]["momentum"]} == {torch.float32}
     assert {p.dtype for p in net.parameters()} == {torch.bfloat16} and state["step"] == 2

@@ -28,7 +28,8 @@ from .comm import Comm, CommStats, barrier, scatter_back
 from .compression import FP16, Compressor, PowerSGD, Threshold, TopK
 from .data import ShardedLoader, shard
 from .errors import CheckpointError, ConfigError, PhalanxError, WorkerLostError
-from .group import device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
+from .group import Group, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
+from .group import current as current_group
 from .lr import scale_lr, warmup
 from .metrics import Accuracy, MeanLoss, Metric, ThroughputMeter
 from .ps import AsyncEASGD, Downpour, ParameterServer
@@ -54,6 +55,7 @@ __all__ = [
     # the loop
     "init", "wrap", "unwrap", "shard", "save", "rank", "world_size", "local_rank", "is_main", "is_initialized",
     "barrier", "device", "shutdown", "scale_lr", "warmup", "strategy_of", "no_sync", "ShardedLoader",
+    "Group", "current_group",
     # strategies, sync conditions and compressors
     "Strategy", "Periodic", "Exchange", "ParameterAverage", "SyncCondition", "every", "schedule",
     "AllReduce", "LocalSGD", "DiLoCo", "EASGD", "AsyncEASGD", "Downpour", "ParameterServer",

@@ -99,6 +99,7 @@ def save_state(path: str | os.PathLike, state: TrainingState) -> None:
     when writing failed (a full disk), so no worker runs on believing it was saved.
     """
     key = _all_enter("save_checkpoint")
+    state.settle()  # a step this worker skipped is closed (its exchange runs on every worker) before capture
     snapshots = gather_to_main(state.capture())
     if snapshots is None:
         _wait_for_write(key)

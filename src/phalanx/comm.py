@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import io
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -22,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from . import group, liveness
-from .errors import WorkerLostError
+from .errors import StoreLostError, WorkerLostError
+from .framing import from_bytes, to_bytes
 
 
 @dataclass
@@ -37,7 +37,7 @@ class CommStats:
         return CommStats(self.bytes_sent, self.calls, self.seconds)
 
 
-# -- diagnosis of a failed collective: liveness read from the group's own store -------------------------------------
+# -- the guard: a failed collective or store wait becomes a typed WorkerLostError -------------------------------------
 # It lives here, beside the collectives it guards, so that liveness.py stays a leaf that knows no group.
 
 def lost_ranks(timeout_s: float = liveness.STALE_AFTER_S) -> list[int] | None:
@@ -45,16 +45,21 @@ def lost_ranks(timeout_s: float = liveness.STALE_AFTER_S) -> list[int] | None:
 
     Never names a rank whose heartbeat still advances. Blocks at most about ``timeout_s``.
     """
-    store = group.probe_store()
-    if store is None:
+    g = group.current()
+    if g.probe is None:
         return None
-    seen = liveness.survey(store, group.world_size(), timeout_s, me=group.rank())
+    seen = liveness.survey(g.probe, g.world_size, timeout_s, me=g.rank)
     return None if seen is None else seen.lost
 
 
 @contextlib.contextmanager
 def guarded(what: str) -> Iterator[None]:
-    """Turn a peer's disappearance during a collective into one clear :class:`WorkerLostError`.
+    """Turn a failure inside a collective or a store wait into one :class:`WorkerLostError` naming the lost ranks.
+
+    Whatever torch raises there (a gloo socket error, NCCL's ``DistBackendError``, a store's
+    ``DistStoreError`` or timeout) is a failure of the group, so it is re-raised as that one
+    type with ``lost_ranks`` read from the heartbeats; :class:`StoreLostError` when the store
+    itself no longer answers. Errors of other types (a bad argument) pass through as they are.
 
     Example:
         >>> with guarded("nothing"):
@@ -62,20 +67,98 @@ def guarded(what: str) -> Iterator[None]:
     """
     try:
         yield
-    except (RuntimeError, dist.DistBackendError) as err:
+    except RuntimeError as err:  # torch's distributed errors (DistBackendError, DistStoreError...) derive from it
         if isinstance(err, WorkerLostError):
             raise
-        me = group.rank()
-        store = group.probe_store()
-        seen = None if store is None else liveness.survey(store, group.world_size(), liveness.STALE_AFTER_S, me=me)
-        if seen is not None:
-            liveness.record_losses([r for r in seen.lost if r != me])
-        raise WorkerLostError(
+        g = group.current()
+        me = g.rank
+        seen = None if g.probe is None else liveness.survey(g.probe, g.world_size, liveness.STALE_AFTER_S, me=me)
+        lost = [] if seen is None else [r for r in seen.lost if r != me]
+        g.losses = lost
+        kind = StoreLostError if seen is None and g.probe is not None else WorkerLostError
+        raise kind(
             f"rank {me} lost contact with {liveness.describe(seen, me)} during {what} "
-            f"(timeout {group.timeout_s():.0f}s): {str(err).splitlines()[0][:200]}. "
+            f"(timeout {g.timeout_s:.0f}s): {str(err).splitlines()[0][:200] if str(err) else type(err).__name__}. "
             "See that rank's own log for its error. If it was only slow, raise the bound with "
-            "PHALANX_TIMEOUT or px.init(timeout=...)."
+            "PHALANX_TIMEOUT or px.init(timeout=...).", lost_ranks=lost,
         ) from err
+
+
+# -- Python objects through collectives ------------------------------------------------------------------------------
+
+def _wire_device() -> torch.device:
+    """Where a byte tensor must be for the default group: NCCL moves CUDA tensors only; gloo takes CPU ones."""
+    return group.device() if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+
+
+def _objects(kind: str, obj: Any, root: int, what: str) -> Any:
+    """The one way objects cross the group: ``torch.save`` bytes in a uint8 tensor, read back weights-only.
+
+    ``kind`` is "all_gather" (every rank's object on every rank), "gather" (on ``root``
+    only; None elsewhere) or "broadcast" (``root``'s object on every rank). Nothing
+    received is unpickled freely: ``torch.load(weights_only=True)`` builds tensors and
+    plain containers only, so tensors and plain values (numbers, strings, lists,
+    dicts) travel; received tensors are on the CPU. Guarded: a lost peer raises
+    :class:`WorkerLostError`.
+    """
+    g = group.current()
+    if g.world_size == 1:
+        return [obj] if kind in ("all_gather", "gather") else obj
+    device, world, me = _wire_device(), g.world_size, g.rank
+    sending = kind != "broadcast" or me == root
+    blob = torch.frombuffer(bytearray(to_bytes(obj)), dtype=torch.uint8) if sending else \
+        torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
+    with guarded(what):
+        if kind == "broadcast":
+            dist.broadcast(size, root)
+            buf = blob.to(device) if me == root else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+            dist.broadcast(buf, root)
+            return obj if me == root else from_bytes(buf.cpu().numpy().tobytes(), f"rank {root}'s {what}")
+        sizes = [torch.zeros_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size)
+        padded = torch.zeros(int(max(int(s.item()) for s in sizes)), dtype=torch.uint8, device=device)
+        padded[:blob.numel()] = blob.to(device)
+        if kind == "all_gather":
+            out: list[torch.Tensor] | None = [torch.empty_like(padded) for _ in range(world)]
+            dist.all_gather(out, padded)
+        else:
+            out = [torch.empty_like(padded) for _ in range(world)] if me == root else None
+            dist.gather(padded, out, dst=root)
+    if out is None:
+        return None
+    return [from_bytes(t[:int(n.item())].cpu().numpy().tobytes(), f"rank {r}'s {what}")
+            for r, (t, n) in enumerate(zip(out, sizes, strict=True))]
+
+
+def all_gather_object(obj: Any, what: str = "an all-gather of objects") -> list[Any]:
+    """Every rank's ``obj`` (tensors and plain values), in rank order, on every rank. Collective.
+
+    Example:
+        >>> all_gather_object({"step": 3})
+        [{'step': 3}]
+    """
+    return _objects("all_gather", obj, 0, what)
+
+
+def gather_object(obj: Any, dst: int = 0, what: str = "a gather of objects") -> list[Any] | None:
+    """Every rank's ``obj`` on rank ``dst``, in rank order; None on the others. Collective.
+
+    Example:
+        >>> gather_object([1, 2])
+        [[1, 2]]
+    """
+    return _objects("gather", obj, dst, what)
+
+
+def broadcast_object(obj: Any, src: int = 0, what: str = "a broadcast of an object") -> Any:
+    """Rank ``src``'s ``obj`` on every rank (the others pass anything, e.g. None). Collective.
+
+    Example:
+        >>> broadcast_object("hello")
+        'hello'
+    """
+    return _objects("broadcast", obj, src, what)
 
 
 def _coalesced(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -155,23 +238,8 @@ class Comm:
             scatter_back(flat, ts)
 
     def all_gather_state(self, state: Any) -> list[Any]:
-        """Every worker's state dict (tensors and plain values), in rank order.
-
-        Unlike ``dist.all_gather_object`` nothing is unpickled freely: each state travels as
-        ``torch.save`` bytes and is read back with ``weights_only=True``, which only builds
-        tensors and plain containers.
-        """
-        if self.world_size == 1:
-            return [state]
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        mine = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        sizes = self.all_gather(torch.tensor([mine.numel()], dtype=torch.int64))
-        longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[:mine.numel()] = mine
-        return [torch.load(io.BytesIO(blob[:int(n.item())].numpy().tobytes()), weights_only=True)
-                for blob, n in zip(self.all_gather(padded), sizes, strict=True)]
+        """Every worker's state dict (tensors and plain values), in rank order (see :func:`all_gather_object`)."""
+        return all_gather_object(state, "an all-gather of state")
 
     def record(self, nbytes: int, seconds: float = 0.0) -> None:
         """Account traffic that went through another transport (parameter servers), as one call.

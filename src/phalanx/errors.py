@@ -18,7 +18,25 @@ class ConfigError(PhalanxError, ValueError):
 
 
 class WorkerLostError(PhalanxError, RuntimeError):
-    """A peer stopped answering in the middle of a collective."""
+    """A peer stopped answering in the middle of a collective or a store wait.
+
+    ``lost_ranks`` names the ranks known to be gone (empty when nobody can tell, e.g.
+    the store itself is gone). ``phalanx.elastic`` recovers from this type, and only
+    from it: a failure is recognised by its type, never by its message.
+
+    Example:
+        >>> err = WorkerLostError("rank 0 lost contact with rank 1", lost_ranks=[1])
+        >>> err.lost_ranks, isinstance(err, RuntimeError)
+        ([1], True)
+    """
+
+    def __init__(self, message: str = "", lost_ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.lost_ranks: list[int] = sorted(lost_ranks or [])
+
+
+class StoreLostError(WorkerLostError):
+    """The group's store no longer answers: its host (rank 0, or the launcher) is gone."""
 
 
 class CheckpointError(PhalanxError, RuntimeError):

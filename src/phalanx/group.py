@@ -4,22 +4,29 @@ A script launched by ``phalanx run`` or ``torchrun`` sees ``RANK``, ``LOCAL_RANK
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. A plain ``python script.py``
 sees none of them and is a group of one, which needs no process group at all.
 
+Everything about the group lives on one object, :class:`Group`, which ``px.init()``
+returns; the module functions (``px.rank()``, ``px.world_size()`` ...) read the
+current one. The current group is the only module-level state.
+
 Example:
     >>> import phalanx as px
-    >>> px.init()
-    >>> px.rank(), px.world_size()
-    (0, 1)
+    >>> g = px.init()
+    >>> px.rank(), px.world_size(), g is px.current_group()
+    (0, 1, True)
 """
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+import warnings
+from dataclasses import replace
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,32 +35,188 @@ from . import liveness
 from .errors import ConfigError, PhalanxError, WorkerLostError, usage
 from .workerenv import DEFAULT_TIMEOUT_S, WorkerEnv  # noqa: F401 (re-exported: older imports)
 
-@dataclass
-class _Group:
-    env: WorkerEnv
-    device: torch.device
-    store: dist.Store | None = None
-    probe: dist.Store | None = None  # a second store connection with a short timeout, for diagnosis and exit notes
-    heartbeat: liveness.Heartbeat | None = None
-    failed: BaseException | None = None  # the exception this worker is exiting with, if any
+class Group:
+    """The worker group this process belongs to: the one owner of who is in the run now.
+
+    ``px.init()`` returns it; ``px.current_group()`` returns it later. It holds this
+    worker's rank, the world size, its device, the group's store, the bound on every
+    collective and the **generation**: 0 at start, bumped by every :meth:`rebuild`
+    (``phalanx.elastic`` rebuilds the group when a worker is lost or joins). One
+    heartbeat per worker tells peers it is alive; :meth:`lost_peers` names the ranks
+    known to be gone; :meth:`on_regroup` callbacks run after each rebuild.
+
+    The object stays the same across rebuilds: hold it and read ``rank`` and
+    ``world_size`` when you need them.
+
+    Example:
+        >>> import phalanx as px
+        >>> g = px.init(); (g.rank, g.world_size, g.generation, g.elastic)
+        (0, 1, 0, False)
+        >>> g.lost_peers()
+        []
+    """
+
+    def __init__(self, env: WorkerEnv, device: torch.device, *, store: dist.Store | None = None,
+                 job_store: dist.Store | None = None, backend: str | None = None) -> None:
+        self.env, self.device, self.backend = env, device, backend
+        self.store: dist.Store | None = None  # this generation's key space
+        self.probe: dist.Store | None = None  # a second connection with a short timeout, for diagnosis and exit notes
+        # The store that outlives every generation (the launcher's, under `phalanx run`/torchrun): features keep
+        # job-wide keys there, under job_key().
+        self.job_store = job_store
+        self.heartbeat: liveness.Heartbeat | None = None
+        self.generation = 0
+        self.elastic = env.elastic_id is not None  # `phalanx run --elastic` / `phalanx join`: the group may change
+        self.failed: BaseException | None = None  # the exception this worker is exiting with, if any
+        self.uncaught: BaseException | None = None  # ...when the interpreter exits because nobody caught it
+        self.losses: list[int] = []  # the ranks this worker's last WorkerLostError blamed
+        self._on_regroup: list[Callable[["Group"], None]] = []
+        if store is not None:
+            self._attach_store(store)
+
+    # -- who and where --------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current generation."""
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        """Workers in the current generation."""
+        return self.env.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank within this host; picks the GPU."""
+        return self.env.local_rank
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound on every collective and store wait, in seconds."""
+        return self.env.timeout_s
+
+    def lost_peers(self) -> list[int]:
+        """Ranks of this generation known to be gone now: they left a failure note in the group's store.
+
+        Cheap and non-blocking (one store round trip per rank, no waiting for heartbeats to go
+        stale): a worker waiting outside a collective (on a parameter server) asks it now and
+        then. A rank that ended normally is not counted. Empty in a group of one, or when the
+        store does not answer.
+        """
+        if self.probe is None:
+            return []
+        try:
+            notes = liveness.exit_records(self.probe, self.world_size)
+        except Exception:  # the store's host is gone: nobody can tell
+            return []
+        return sorted(r for r, why in notes.items() if r != self.rank and not why.startswith("ok"))
+
+    # -- membership changes ---------------------------------------------------------------------------------
+    def on_regroup(self, callback: Callable[["Group"], None]) -> Callable[[], None]:
+        """Call ``callback(group)`` after every :meth:`rebuild`, with the new rank and size; returns an unsubscribe.
+
+        Example:
+            >>> import phalanx as px
+            >>> seen = []; stop = px.current_group().on_regroup(lambda g: seen.append(g.world_size)); stop()
+        """
+        self._on_regroup.append(callback)
+        return lambda: self._on_regroup.remove(callback) if callback in self._on_regroup else None
+
+    def rebuild(self, rank: int, world_size: int, store: dist.Store, *, generation: int | None = None,
+                job_store: dist.Store | None = None, backend: str | None = None) -> None:
+        """Leave the current process group and form the next generation's: ``rank`` of ``world_size`` on ``store``.
+
+        Collective across the new members. ``generation`` is the number the members agreed
+        on (default: the next one); it must grow. The heartbeat and the probe connection
+        move to ``store`` under the new rank, then the :meth:`on_regroup` callbacks run.
+        gloo's group cannot shrink, so the old one is destroyed first: a peer blocked on
+        our sockets then fails at once instead of at its timeout.
+        """
+        generation = self.generation + 1 if generation is None else int(generation)
+        if generation <= self.generation:
+            raise ConfigError(usage(f"rebuild to generation {generation}", f"a generation after {self.generation}",
+                                    "Pass the next generation number the members agreed on."))
+        destroy_process_group()
+        backend = backend or self.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=self.timeout_s))
+        self.backend, self.generation = backend, generation
+        self.env = replace(self.env, rank=rank, world_size=world_size)
+        self.job_store = job_store if job_store is not None else self.job_store
+        self.losses = []
+        self._attach_store(store)
+        for callback in list(self._on_regroup):
+            callback(self)
+
+    def _attach_store(self, store: dist.Store) -> None:
+        """Beat and probe on ``store`` (the first one, or the next generation's) under the current rank."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.store = store
+        self.heartbeat = liveness.Heartbeat(store, self.rank).start()
+        self.probe = liveness.second_connection(store)
+
+    # -- failure ----------------------------------------------------------------------------------------------
+    def fail(self, exc: BaseException) -> None:
+        """This worker is ending with ``exc``: tell peers (store) and the launcher (error file), once."""
+        if self.failed is not None:
+            return
+        self.failed = exc
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.probe is not None:
+            try:
+                liveness.record_exit(self.probe, self.rank, _reason(exc))
+            except Exception:
+                pass  # the store's host is gone; the launcher or a stale heartbeat will tell
+        path = self.env.error_file
+        if path:
+            # torch.distributed.elastic's error-file format, read by torchrun and `phalanx run`;
+            # "phalanx" carries what our launcher needs for its one line.
+            data = {"message": _reason(exc), "timestamp": int(time.time()),
+                    "phalanx": {"rank": self.rank, "type": type(exc).__name__, "time": time.time(),
+                                "text": " ".join(str(exc).split())[:2000],
+                                # WorkerLostError reports another rank's failure, not a cause of its own
+                                "usage": isinstance(exc, PhalanxError) and not isinstance(exc, WorkerLostError),
+                                "consequence": isinstance(exc, WorkerLostError),
+                                "traceback": "".join(traceback.format_exception(exc))[-20000:]}}
+            try:
+                with open(path, "w") as f:
+                    json.dump(data, f)
+            except OSError:
+                pass
+
+    def __repr__(self) -> str:
+        return (f"Group(rank={self.rank}, world_size={self.world_size}, generation={self.generation}, "
+                f"device={self.device}, elastic={self.elastic})")
 
 
-_group: _Group | None = None
+_group: Group | None = None  # the current group: the one piece of module state
 
 
-def init(backend: str | None = None, timeout: float | None = None, threads: int | None = None) -> None:
-    """Join the worker group described by the environment; idempotent.
+def job_key(*parts: object) -> str:
+    """A key in the job's store (:attr:`Group.job_store`) that every generation and the launcher agree on.
+
+    Example:
+        >>> job_key("ps", "restarts")
+        'phalanx/job/ps/restarts'
+    """
+    return "/".join(["phalanx/job", *map(str, parts)])
+
+
+def init(backend: str | None = None, timeout: float | None = None, threads: int | None = None) -> Group:
+    """Join the worker group described by the environment and return it; idempotent.
 
     ``backend`` defaults to NCCL when CUDA is available and gloo otherwise.
     ``timeout`` bounds every collective (seconds), so a lost peer fails fast.
 
     Example:
-        >>> import phalanx as px; px.init(); px.world_size()
+        >>> import phalanx as px; px.init().world_size
         1
     """
     global _group
     if _group is not None:
-        return
+        return _group
     env = WorkerEnv.from_environ()
     if timeout is not None:
         if not float(timeout) > 0:
@@ -78,38 +241,35 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     device = torch.device("cuda", env.local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    store = probe = heartbeat = None
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    g = Group(env, device, backend=backend)
     if env.world_size > 1 and not dist.is_initialized():
         # We own the store so that failure diagnosis (which rank is gone?) has a side channel
         # that does not depend on the broken process group.
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                              is_master=env.rank == 0 and not env.agent_store,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        store = dist.PrefixStore(f"phalanx/{env.attempt}", store)
+        job = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                            is_master=env.rank == 0 and not env.agent_store,
+                            timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        g.job_store = job
         # Beat before joining: once the process group exists, every rank is visibly alive.
-        heartbeat = liveness.Heartbeat(store, env.rank).start()
-        probe = liveness.second_connection(store)
-        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), store=store,
-                                rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
-    _group = _Group(env=env, device=device, store=store, probe=probe, heartbeat=heartbeat)
-    if store is not None:
-        atexit.register(_at_exit)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
-        _install_excepthook(env)
+        g._attach_store(dist.PrefixStore(f"phalanx/{env.attempt}", job))
+        dist.init_process_group(backend, store=g.store, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    _group = g
+    if g.store is not None:
+        atexit.register(_at_exit, g)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
+        _install_excepthook(g)
+    return g
 
 
-_uncaught: BaseException | None = None  # what ends this worker, once the interpreter is exiting because of it
-
-
-def _install_excepthook(env: WorkerEnv) -> None:
+def _install_excepthook(g: Group) -> None:
     """Record an uncaught exception at once, so peers and the launcher learn who failed and why."""
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb) -> None:  # type: ignore[no-untyped-def]
-        global _uncaught
-        _uncaught = exc
-        _fail(exc)
+        g.uncaught = exc
+        g.fail(exc)
         # Under `phalanx run` the launcher prints a usage error (or a Ctrl-C) in one line, once.
-        quiet = env.launched_by_phalanx and not env.debug and isinstance(exc, (PhalanxError, KeyboardInterrupt))
+        quiet = g.env.launched_by_phalanx and not g.env.debug and isinstance(exc, (PhalanxError, KeyboardInterrupt))
         if not quiet:
             previous(exc_type, exc, tb)
         sys.stderr.flush()
@@ -117,7 +277,7 @@ def _install_excepthook(env: WorkerEnv) -> None:
     sys.excepthook = hook
 
 
-def _at_exit() -> None:
+def _at_exit(g: Group) -> None:
     """Leave the group at interpreter exit; after an uncaught exception, end the process at once.
 
     Tearing down an interpreter that holds a process group takes from half a second to
@@ -126,47 +286,18 @@ def _at_exit() -> None:
     now (they run last-in, first-out); logging is flushed here.
     """
     shutdown()
-    if _uncaught is not None:
+    uncaught = g.uncaught  # set by the excepthook, even when the script called shutdown() itself first
+    if uncaught is not None:
         import logging
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130 if isinstance(_uncaught, KeyboardInterrupt) else 1)
+        os._exit(130 if isinstance(uncaught, KeyboardInterrupt) else 1)
 
 
 def _reason(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _fail(exc: BaseException) -> None:
-    """This worker is ending with ``exc``: tell peers (store) and the launcher (error file), once."""
-    if _group is None or _group.failed is not None:
-        return
-    _group.failed = exc
-    if _group.heartbeat is not None:
-        _group.heartbeat.stop()
-    if _group.probe is not None:
-        try:
-            liveness.record_exit(_group.probe, _group.env.rank, _reason(exc))
-        except Exception:
-            pass  # the store's host is gone; the launcher or a stale heartbeat will tell
-    path = _group.env.error_file
-    if path:
-        # torch.distributed.elastic's error-file format, read by torchrun and `phalanx run`;
-        # "phalanx" carries what our launcher needs for its one line.
-        data = {"message": _reason(exc), "timestamp": int(time.time()),
-                "phalanx": {"rank": _group.env.rank, "type": type(exc).__name__, "time": time.time(),
-                            "text": " ".join(str(exc).split())[:2000],
-                            # WorkerLostError reports another rank's failure, not a cause of its own
-                            "usage": isinstance(exc, PhalanxError) and not isinstance(exc, WorkerLostError),
-                            "consequence": isinstance(exc, WorkerLostError),
-                            "traceback": "".join(traceback.format_exception(exc))[-20000:]}}
-        try:
-            with open(path, "w") as f:
-                json.dump(data, f)
-        except OSError:
-            pass
 
 
 def shutdown() -> None:
@@ -192,7 +323,7 @@ def shutdown() -> None:
     if g is not None and g.store is not None:
         pending = sys.exc_info()[1]
         if g.failed is not None or (pending is not None and not isinstance(pending, SystemExit)):
-            _fail(g.failed or pending)  # type: ignore[arg-type]
+            g.fail(g.failed or pending)  # type: ignore[arg-type]
             _group = None
             if _hosts_store(g) and dist.is_initialized():
                 dist.destroy_process_group()  # peers blocked on us in a collective see it fail now
@@ -206,8 +337,8 @@ def shutdown() -> None:
                 pass  # a peer is gone or went elsewhere; leave anyway
         if g.probe is not None:
             try:
-                lost = liveness.losses_seen()  # ended normally, but only after losing a peer: not a cause
-                liveness.record_exit(g.probe, g.env.rank,
+                lost = g.losses  # ended normally, but only after losing a peer: not a cause
+                liveness.record_exit(g.probe, g.rank,
                                      f"ok after losing rank(s) {', '.join(map(str, lost))}" if lost else "ok")
             except Exception:
                 pass
@@ -220,11 +351,11 @@ def shutdown() -> None:
     _group = None
 
 
-def _hosts_store(g: _Group) -> bool:
+def _hosts_store(g: Group) -> bool:
     return g.env.rank == 0 and not g.env.agent_store
 
 
-def _linger_for_peers(g: _Group) -> None:
+def _linger_for_peers(g: Group) -> None:
     """Keep the store up until every peer has left a note or gone silent (bounded)."""
     store, world = g.probe, g.env.world_size
     if store is None:
@@ -242,7 +373,7 @@ def _linger_for_peers(g: _Group) -> None:
         return
 
 
-def _everyone_leaving(g: _Group) -> bool:
+def _everyone_leaving(g: Group) -> bool:
     """Meet in the store before the exit barrier; False as soon as a peer failed or went silent."""
     store, world = g.probe, g.env.world_size
     if store is None:
@@ -265,36 +396,65 @@ def _everyone_leaving(g: _Group) -> bool:
     return False
 
 
-# --- elastic hook (phalanx.elastic): re-point the group at a rebuilt generation -------------
-def regroup(rank: int, world_size: int, store: dist.Store | None) -> None:
-    """After ``phalanx.elastic`` rebuilt the process group: this worker's new rank, size and store.
+def destroy_process_group() -> None:
+    """Drop the current process group; errors from a group whose peers died are expected."""
+    if not dist.is_initialized():
+        return
+    release(dist.group.WORLD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may fail to tear down; it is gone either way
+            pass
+    # The failed collective's exception and traceback form reference cycles that hold the old group's
+    # work objects, and through them the group; its sockets close only when it is freed. Until the next
+    # automatic collection (seconds later, or never in a quiet loop) a peer blocked on us waits for its
+    # collective timeout (seen on torch 2.11: 4 workers, every recovery missed the quorum).
+    gc.collect()
 
-    The heartbeat and the probe connection move to the new generation's store, under the new rank.
+
+def release(pg: object) -> int:
+    """Drop the references to ``pg`` that outlive ``destroy_process_group``; returns how many were dropped.
+
+    gloo closes a group's sockets only when the group object dies. While it lives, a
+    survivor blocked in a collective on us (not on the dead worker: with 4 workers,
+    rank 0 when rank 2 dies) waits for its collective timeout instead of failing at once.
+    ``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument when it
+    is first imported (torch imports it lazily, e.g. on the first ``px.wrap``); a default
+    of None means the same group there, the default one.
+
+    Example:
+        >>> release(object())
+        0
     """
-    global _group
-    current = _current()
-    if current.heartbeat is not None:
-        current.heartbeat.stop()
-    heartbeat = liveness.Heartbeat(store, rank).start() if store is not None else None
-    probe = liveness.second_connection(store) if store is not None else None
-    _group = _Group(env=replace(current.env, rank=rank, world_size=world_size), device=current.device,
-                    store=store, probe=probe, heartbeat=heartbeat)
+    module = sys.modules.get("torch.distributed.nn.functional")
+    dropped = 0
+    for fn in list(vars(module).values()) if module is not None else []:
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(d is pg for d in defaults):
+            fn.__defaults__ = tuple(None if d is pg else d for d in defaults)
+            dropped += 1
+    return dropped
 
 
-def is_elastic() -> bool:
-    """True under ``phalanx run --elastic`` or ``phalanx join``: the group may be rebuilt with another size."""
-    return "PHALANX_ELASTIC_ID" in os.environ
-# --- end of elastic hook ------------------------------------------------------------------
+def current() -> Group:
+    """The current group (``px.current_group()``): the one ``px.init()`` returned, or a group of one.
 
+    Refuses a multi-worker run that skipped ``px.init()``.
 
-def _current() -> _Group:
+    Example:
+        >>> import phalanx as px
+        >>> px.current_group().world_size
+        1
+    """
     if _group is not None:
         return _group
     env = WorkerEnv.from_environ()
     if env.world_size > 1:
         raise ConfigError(usage(f"a phalanx call in a {env.world_size}-worker run before px.init()",
                                 "px.init() first", "Call px.init() at the top of the script."))
-    return _Group(env=env, device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return Group(env, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def is_initialized() -> bool:
@@ -304,17 +464,17 @@ def is_initialized() -> bool:
 
 def rank() -> int:
     """This worker's global rank (0 in a plain process)."""
-    return _current().env.rank
+    return current().rank
 
 
 def world_size() -> int:
     """Number of workers in the group (1 in a plain process)."""
-    return _current().env.world_size
+    return current().world_size
 
 
 def local_rank() -> int:
     """Rank within this host; picks the GPU."""
-    return _current().env.local_rank
+    return current().local_rank
 
 
 def is_main() -> bool:
@@ -324,19 +484,19 @@ def is_main() -> bool:
 
 def device() -> torch.device:
     """The device this worker computes on: its own GPU, or the CPU."""
-    return _current().device
+    return current().device
 
 
 def timeout_s() -> float:
     """The bound on every collective, in seconds."""
-    return _current().env.timeout_s
+    return current().timeout_s
 
 
 def store() -> dist.Store | None:
     """The group's key-value store (None in a group of one)."""
-    return _current().store
+    return current().store
 
 
 def probe_store() -> dist.Store | None:
     """A connection to the group's store with a short timeout, for liveness checks (None in a group of one)."""
-    return _current().probe
+    return current().probe

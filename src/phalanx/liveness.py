@@ -276,16 +276,3 @@ def describe(seen: Liveness | None, me: int) -> str:
     for r, why in sorted(after.items()):
         how.append(f"rank {r} has also ended, {why[3:] if why.startswith('ok ') else 'having lost contact too'}")
     return f"rank(s) {', '.join(map(str, lost))} ({'; '.join(how)})"
-
-
-_lost_seen: list[int] = []  # the ranks this process's last WorkerLostError blamed
-
-
-def losses_seen() -> list[int]:
-    """Ranks this process has lost contact with (its exit note then says so, so peers blame the cause)."""
-    return list(_lost_seen)
-
-
-def record_losses(ranks: list[int]) -> None:
-    """Remember the ranks this process just blamed (its exit note then says so)."""
-    _lost_seen[:] = list(ranks)

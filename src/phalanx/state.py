@@ -37,11 +37,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import group
-from .framing import from_bytes, to_bytes
+from .comm import gather_object
 
 FORMAT = "phalanx-state-1"
 #: The parts of a snapshot that belong to one worker only; the rest is shared by all.
@@ -76,17 +75,24 @@ class TrainingState:
         # A Keras run passes px.keras.optimizer_of(model), which carries its strategy itself.
         return strategy_of(self.optimizer) or getattr(self.optimizer, "strategy", None)
 
+    def settle(self) -> None:
+        """Close a step this worker skipped, so the snapshot counts it (collective: call on every worker)."""
+        if self.strategy is not None:
+            self.strategy.settle()
+
     def capture(self) -> dict[str, Any]:
-        """This worker's snapshot: detached CPU copies of tensors and plain values; no collective."""
+        """This worker's snapshot: detached CPU copies of tensors and plain values; no collective.
+
+        A step this worker skipped and has not closed yet is not in it: call :meth:`settle` first.
+        """
         from .wrap import unwrap
         strategy = self.strategy
-        replica = strategy.replica_state_dict() if strategy is not None and \
-            hasattr(strategy, "replica_state_dict") else None
+        replica = strategy.replica_state_dict() if strategy is not None else None
         return {
             "format": FORMAT, "rank": group.rank(), "world_size": group.world_size(), "step": self.step,
             "model": cpu_copy(unwrap(self.model).state_dict()),
             "optimizer": cpu_copy(self.optimizer.state_dict()) if self.optimizer is not None else None,
-            "strategy": cpu_copy(strategy.state_dict()) if strategy is not None else None,
+            "strategy": cpu_copy(strategy.state_with_step()) if strategy is not None else None,
             "replica": cpu_copy(replica) if replica else None,
             "loader": copy.deepcopy(self.loader.state_dict()) if self.loader is not None else None,
             "scheduler": cpu_copy(self.scheduler.state_dict()) if self.scheduler is not None else None,
@@ -95,12 +101,13 @@ class TrainingState:
             "extra": cpu_copy(self.extra),
         }
 
-    def restore(self, snapshot: dict[str, Any]) -> None:
+    def restore(self, snapshot: dict[str, Any], *, joining: bool = False) -> None:
         """Apply ``snapshot`` to this worker; parts it lacks (see :func:`shared`) are left as they are.
 
         The order matters: the optimizer after the model (it maps its state onto the
         parameters' devices), the strategy's replica state after its shared state, the
-        RNG last (loading anything must not shift the streams).
+        RNG last (loading anything must not shift the streams). ``joining``: this worker enters
+        a running elastic job (see :meth:`phalanx.Strategy.load_joiner_state_dict`).
         """
         from .wrap import unwrap
         unwrap(self.model).load_state_dict(snapshot["model"])
@@ -110,8 +117,8 @@ class TrainingState:
         if strategy is not None:
             device = _device_of(self.model)
             if snapshot.get("strategy") is not None:
-                strategy.load_state_dict(to_device(snapshot["strategy"], device))
-            if snapshot.get("replica") and hasattr(strategy, "load_replica_state_dict"):
+                strategy.load_state_with_step(to_device(snapshot["strategy"], device), joining=joining)
+            if snapshot.get("replica"):
                 strategy.load_replica_state_dict(to_device(snapshot["replica"], device))
         if self.loader is not None and snapshot.get("loader") is not None:
             self.loader.load_state_dict(snapshot["loader"])
@@ -147,29 +154,9 @@ def resize_warning(saved: int, now: int, what: str) -> None:
 def gather_to_main(obj: Any) -> list[Any] | None:
     """Every worker's ``obj`` (tensors and plain values) on rank 0, in rank order; None elsewhere. Collective.
 
-    ``obj`` travels as ``torch.save`` bytes in a uint8 tensor on the group's device
-    (NCCL moves device tensors only; gloo takes either) and is read back with
-    ``weights_only=True``, so nothing received can run code.
+    See :func:`phalanx.comm.gather_object`: device-aware, guarded, read back weights-only.
     """
-    world = group.world_size()
-    if world == 1:
-        return [obj]
-    from .comm import guarded
-    device = group.device()
-    blob = torch.frombuffer(bytearray(to_bytes(obj)), dtype=torch.uint8)
-    size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    with guarded("gathering every worker's state"):
-        dist.all_gather(sizes, size)
-        longest = int(max(int(s.item()) for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-        padded[:blob.numel()] = blob.to(device)
-        out = [torch.empty_like(padded) for _ in range(world)] if group.rank() == 0 else None
-        dist.gather(padded, out, dst=0)
-    if out is None:
-        return None
-    return [from_bytes(t[:int(n.item())].cpu().numpy().tobytes(), f"rank {r}'s state")
-            for r, (t, n) in enumerate(zip(out, sizes, strict=True))]
+    return gather_object(obj, 0, "every worker's state")
 
 
 # -- copies --------------------------------------------------------------------------------------------------------

@@ -359,7 +359,7 @@ class Trainer:
     # -- helpers -----------------------------------------------------------------------
     def _finish(self) -> None:
         """The strategy's finish condition, once per fit: replicas that drift reconcile (collective)."""
-        if not self._finished and self.strategy is not None and hasattr(self.strategy, "finish"):
+        if not self._finished and self.strategy is not None:
             self.strategy.finish()
         self._finished = True
 

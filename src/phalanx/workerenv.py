@@ -34,6 +34,9 @@ class WorkerEnv:
     launched_by_phalanx: bool = False  # `phalanx run` prints a failing worker's error itself, in one line
     debug: bool = False  # PHALANX_DEBUG=1: full tracebacks even for usage errors
     error_file: str | None = None  # torchrun/phalanx run read a failed worker's error from here
+    elastic_id: str | None = None  # `phalanx run --elastic` / `phalanx join`: this worker's stable id; ranks change
+    elastic_join: bool = False  # started by `phalanx join` or `--replace`: enters the running group at a commit
+    ps_servers: int = 0  # parameter servers `phalanx run --servers N` started (PHALANX_PS_ADDRS)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -45,7 +48,10 @@ class WorkerEnv:
                       threads=_opt_int(env, "PHALANX_THREADS"),
                       launched_by_phalanx=env.get("PHALANX_LAUNCHER") == "run",
                       debug=env.get("PHALANX_DEBUG", "").lower() not in ("", "0", "false", "no"),
-                      error_file=env.get("TORCHELASTIC_ERROR_FILE") or None)
+                      error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
+                      elastic_id=env.get("PHALANX_ELASTIC_ID"),
+                      elastic_join=env.get("PHALANX_ELASTIC_JOIN") == "1",
+                      ps_servers=len([a for a in env.get("PHALANX_PS_ADDRS", "").split(",") if a.strip()]))
         if not present:
             return cls(**common)
         if len(present) != len(names):

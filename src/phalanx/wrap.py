@@ -40,7 +40,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         >>> net = torch.nn.Linear(4, 2)
         >>> model, opt = px.wrap(net, torch.optim.Adam(net.parameters()), strategy="allreduce")
     """
-    group._current()  # refuses a multi-worker run that skipped px.init()
+    g = group.current()  # refuses a multi-worker run that skipped px.init()
     if not isinstance(model, nn.Module):
         raise ConfigError(usage(f"model of type {type(model).__name__}", "a torch.nn.Module",
                                 "Pass your network object itself."))
@@ -48,13 +48,12 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage(f"{type(model).__name__} with no trainable parameters",
                                 "at least one parameter with requires_grad=True",
                                 "Unfreeze some layers or check that the model was built."))
-    if group.world_size() > 1 and group.device().type == "cpu" and \
+    if g.world_size > 1 and g.device.type == "cpu" and \
             any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
         raise ConfigError(usage("nn.SyncBatchNorm on CPU workers", "GPU workers (torch's SyncBatchNorm needs them)",
                                 "Keep plain BatchNorm: each worker then normalises with its own batch statistics."))
     if not isinstance(optimizer, torch.optim.Optimizer):
-        from .keras.detect import is_keras_optimizer  # class names only: Keras is not imported
-        if is_keras_optimizer(optimizer):
+        if _from_keras(optimizer):
             raise ConfigError(usage(f"a Keras optimizer ({type(optimizer).__name__}) passed to px.wrap",
                                     "a torch.optim.Optimizer (px.wrap is for PyTorch models)",
                                     "For a Keras model: model.compile(optimizer=...), then px.keras.wrap(model)."))
@@ -73,14 +72,18 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage("an optimizer that px.wrap already wrapped", "a fresh optimizer",
                                 "Call px.wrap once per model/optimizer pair."))
     strategy = _resolve(strategy)
-    from .ps.config import warn_unused_servers  # here: phalanx.ps imports the checkpoint, which imports us
-    warn_unused_servers(strategy, group.rank())  # `phalanx run --servers N` with a strategy that uses none
-    model.to(group.device())
+    strategy.launched_with(g.env)  # e.g. `phalanx run --servers N` with a strategy that uses none
+    model.to(g.device)
     module = strategy.attach(model, optimizer)
     strategy.clock.bind(strategy, model, module, optimizer)
     _strategies[optimizer] = strategy
     _clocks[model] = strategy.clock
     return module, optimizer
+
+
+def _from_keras(obj: object) -> bool:
+    """A Keras object, told by its classes' modules: importing Keras to ask would cost seconds."""
+    return any((getattr(cls, "__module__", "") or "").startswith("keras.") for cls in type(obj).__mro__)
 
 
 def _resolve(strategy: Strategy | str | None) -> Strategy:

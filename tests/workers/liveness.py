@@ -43,8 +43,8 @@ def _until_lost(victim: int, step: int, sig: signal.Signals, steps: int, slow: i
     except px.WorkerLostError as err:
         if on_lost is not None:
             on_lost()
-        return {"message": str(err), "after_s": time.time() - at}
-    return {"message": None, "after_s": None}
+        return {"message": str(err), "after_s": time.time() - at, "lost_ranks": err.lost_ranks}
+    return {"message": None, "after_s": None, "lost_ranks": None}
 
 
 def kill_one(victim: int, step: int = 3, slow: int | None = None, steps: int = 200) -> dict[str, Any]:

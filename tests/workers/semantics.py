@@ -97,7 +97,7 @@ def amp_run(strategy: px.Strategy | None, steps: int, bad: set[int], replica: in
         out["steps_before_finish"] = strategy.steps
         strategy.finish()
         out["steps"] = strategy.steps
-        out["state_step"] = strategy.state_dict()["step"]
+        out["state_step"] = strategy.state_with_step()["step"]
         if isinstance(strategy, px.EASGD):
             out["centre"] = [c.clone() for c in strategy.centre]
     out["params"] = params(model)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import group
+from ..comm import broadcast_object
 from ..errors import ConfigError, WorkerLostError, usage
 from ..wrap import strategy_of
 from .membership import QuorumError
@@ -46,10 +47,6 @@ from ..state import TrainingState, shared
 DEFAULT_COMMIT_EVERY = 10
 KEEP = 2  # commits held; survivors roll back to the newest one they all hold
 F = TypeVar("F", bound=Callable[..., Any])
-
-# gloo's words for a peer that went away (its errors are plain RuntimeErrors)
-_PEER_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "gloo",
-               "socket", "peer", "closed", "no route")
 
 
 class State:
@@ -104,10 +101,9 @@ class State:
             return
         last = max(self.commits, default=0)
         strategy = strategy_of(self.optimizer)
-        at_sync = getattr(strategy, "sync", None)
         # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; commit only where
         # every worker stands at the same step with the same model.
-        if self.step - last >= self.commit_every and (at_sync is None or at_sync(strategy.steps)):
+        if self.step - last >= self.commit_every and (strategy is None or strategy.replicas_agree(strategy.steps)):
             self._commit_together()
             joiners = self.worker.admit(self.step)
             if joiners:
@@ -131,12 +127,12 @@ class State:
 
     def _commit_together(self) -> None:
         """A commit every member takes at the same step. An async PS settles around it."""
-        settle = getattr(strategy_of(self.optimizer), "settle", None) if self.elastic else None
-        if settle is not None:
-            settle()  # every worker's pushes up to this step are on the servers before the snapshot
+        strategy = strategy_of(self.optimizer) if self.elastic else None
+        if strategy is not None:
+            strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
         self.commit()
-        if settle is not None:
-            settle()  # and no one's next push lands before every worker took it
+        if strategy is not None:
+            strategy.commit_point()  # and no one's next push lands before every worker took it
 
     def _check(self) -> None:
         self._checked = True
@@ -188,14 +184,7 @@ class State:
         snap = self._send_state()
         # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
         # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
-        mine = shared(snap)
-        strategy = strategy_of(self.optimizer)
-        adopt = getattr(strategy, "load_joiner_state_dict", None)  # a joiner never puts the async PS back
-        if adopt is not None:
-            mine["strategy"] = None
-        self._restore(mine)
-        if adopt is not None and snap.get("strategy") is not None:
-            adopt(snap["strategy"])
+        self._restore(shared(snap), joining=True)  # a joiner never puts the async PS back
         self._resplit(snap["elastic_world_size"])
         self.commits = {}
         self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
@@ -204,20 +193,11 @@ class State:
 
     def _send_state(self) -> dict:
         """Rank 0's newest commit on every worker (a broadcast of its bytes; loaded weights-only)."""
-        from ..framing import from_bytes, to_bytes
-        if group.rank() == 0:
-            blob = to_bytes(self.commits[max(self.commits)])
-            size = torch.tensor([len(blob)], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, 0)
-        buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if group.rank() == 0 else \
-            torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.broadcast(buf, 0)
-        return from_bytes(buf.numpy().tobytes(), "the state sent by rank 0")
+        mine = self.commits[max(self.commits)] if group.rank() == 0 else None
+        return broadcast_object(mine, 0, "newest commit")
 
-    def _restore(self, snap: dict) -> None:
-        self.training.restore(snap)
+    def _restore(self, snap: dict, joining: bool = False) -> None:
+        self.training.restore(snap, joining=joining)
         for k, v in snap["elastic_extra"].items():
             self.extra[k].load_state_dict(copy.deepcopy(v))
         self.resize.load_state_dict(snap["elastic_resize"])
@@ -230,7 +210,7 @@ class State:
             sampler.rank, sampler.world_size = group.rank(), group.world_size()
         self.resize.resized(self.loader, before=before, after=group.world_size())
         strategy = strategy_of(self.optimizer)
-        if strategy is not None and hasattr(strategy, "regroup"):
+        if strategy is not None:
             strategy.regroup()
 
     def _note(self, plan: dict, before: int, started: float, *, redone: int, cause: str,
@@ -248,8 +228,12 @@ class State:
                   f"{seconds:.2f}s", file=sys.stderr, flush=True)
 
 
-class _Resize(Exception):
-    """Raised at a commit point where joiners are admitted: the training function is re-entered."""
+class _Resize(BaseException):
+    """Raised at a commit point where joiners are admitted: the training function is re-entered.
+
+    A BaseException, as KeyboardInterrupt is: it is control flow out of ``opt.step()``, and a
+    user's ``except Exception:`` around the step must not swallow it.
+    """
 
     def __init__(self, joiners: list[str]) -> None:
         super().__init__(f"admitting {joiners}")
@@ -257,10 +241,13 @@ class _Resize(Exception):
 
 
 def is_peer_failure(err: BaseException) -> bool:
-    """A failure a rebuilt group can survive: a peer died or stopped answering."""
-    if isinstance(err, (WorkerLostError, dist.DistBackendError, dist.DistNetworkError)):
-        return True
-    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in _PEER_WORDS)
+    """A failure a rebuilt group can survive: a peer died or stopped answering. Told by type, never by message.
+
+    Every collective and store wait raises :class:`~phalanx.WorkerLostError` through
+    :func:`phalanx.comm.guarded`; torch's own distributed errors count too, for a collective
+    a user's code ran outside phalanx.
+    """
+    return isinstance(err, (WorkerLostError, dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError))
 
 
 def run(fn: F) -> F:

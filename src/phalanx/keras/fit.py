@@ -62,7 +62,7 @@ def wrap(model: keras.Model, strategy: Strategy | str | None = None) -> keras.Mo
         True
     """
     check_backend()
-    group._current()  # refuses a multi-worker run that skipped px.init()
+    group.current()  # refuses a multi-worker run that skipped px.init()
     if not is_keras_model(model):
         raise ConfigError(usage(f"a {type(model).__name__}", "a keras.Model", "For a torch.nn.Module use px.wrap."))
     if model in _runs:

@@ -95,6 +95,8 @@ def save_checkpoint(path: str | os.PathLike, model: Any, *, epoch: int) -> None:
     run = run_of(model)
     comm = run.comm if run is not None else Comm()
     strategy = run.strategy if run is not None else None
+    if strategy is not None:
+        strategy.settle()  # a skipped step is closed on every worker before the state is read
     rngs = comm.all_gather(torch.get_rng_state())
     replicas = comm.all_gather_state(strategy.replica_state_dict()) if strategy is not None else None
     if not group.is_main():
@@ -102,7 +104,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, *, epoch: int) -> None:
     write_verified(path, {
         "keras_model": model_state_dict(model),
         "keras_optimizer": OptimizerState(model.optimizer).state_dict(),
-        "strategy": strategy.state_dict() if strategy is not None else None,
+        "strategy": strategy.state_with_step() if strategy is not None else None,
         "replicas": replicas,
         "torch_rng_per_rank": rngs,
         "epoch": int(epoch),
@@ -122,7 +124,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any) -> int:
     OptimizerState(model.optimizer).load_state_dict(body["keras_optimizer"])
     run = run_of(model)
     if run is not None and body["strategy"] is not None:
-        run.strategy.load_state_dict(body["strategy"])
+        run.strategy.load_state_with_step(body["strategy"])
         replicas = body["replicas"] or []
         if len(replicas) == group.world_size():
             run.strategy.load_replica_state_dict(replicas[group.rank()])

@@ -3,7 +3,7 @@
 Under ``phalanx run --elastic --servers K`` the servers outlive every worker, and hold the
 model. Three rules keep every sample trained exactly once in the final model's history:
 
-* **A commit is one consistent cut** (:meth:`FollowsElasticGroup.settle`): every worker
+* **A commit is one consistent cut** (:meth:`FollowsElasticGroup.commit_point`): every worker
   waits for the others just before and just after it, so the servers' snapshot in each
   worker's commit holds every push up to the commit's step and none after it.
 * **A rollback puts the servers back** to that snapshot (rank 0 sends it), before anyone
@@ -20,13 +20,16 @@ refused by it give up (:meth:`FollowsElasticGroup.server_restarted`), and the gr
 rolls back as after a worker's crash: rank 0 registers the shards again and restores
 them from the commit (the synchronous PS holds no model: its workers only register).
 
-Outside ``--elastic`` all of this does nothing.
+Outside ``--elastic`` all of this does nothing. What it needs of the membership (is the
+group elastic, its generation, the job's store that outlives generations) it reads from
+the worker group (:class:`phalanx.group.Group`), which ``phalanx.elastic`` rebuilds: this
+module never imports ``phalanx.elastic``.
 
 Example (one worker, not elastic: nothing to wait for):
     >>> import torch, phalanx as px
     >>> net = torch.nn.Linear(2, 1)
     >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=px.Downpour())
-    >>> px.strategy_of(opt).settle(); px.strategy_of(opt).finish()
+    >>> px.strategy_of(opt).commit_point(); px.strategy_of(opt).finish()
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from .. import group
 class FollowsElasticGroup:
     """What a PS strategy does around commits, rollbacks and joins (mixed into ``PSStrategy``)."""
 
-    def settle(self) -> None:
+    def commit_point(self) -> None:
         """Under ``--elastic``, just before and just after each commit: wait for every worker (collective).
 
         Before: every worker's exchanges up to this step have reached the servers, so the
@@ -48,7 +51,7 @@ class FollowsElasticGroup:
         once in the final model's history. Elsewhere (no group, or servers holding no model)
         it does nothing.
         """
-        if self.servers_hold_the_model and group.is_elastic() and group.world_size() > 1:
+        if self.servers_hold_the_model and group.current().elastic and group.world_size() > 1:
             self.comm.barrier()  # type: ignore[attr-defined]
 
     def load_joiner_state_dict(self, state: dict[str, Any]) -> None:
@@ -69,14 +72,12 @@ class FollowsElasticGroup:
         :class:`~phalanx.WorkerLostError`, and the group rolls back to its last commit,
         which holds the servers' shards.
         """
-        if group.is_elastic() and self.link is not None and self.link.hosted is None:  # type: ignore[attr-defined]
-            from ..elastic.worker import servers_restarted
+        if group.current().elastic and self.link is not None and self.link.hosted is None:  # type: ignore[attr-defined]
             self._restarts_seen = servers_restarted()
             self.link.client.abandon = self.server_restarted  # type: ignore[attr-defined]
 
     def server_restarted(self) -> str | None:
         """Why the servers lost their state since this worker last regrouped (a restart), or None."""
-        from ..elastic.worker import servers_restarted
         if servers_restarted() > getattr(self, "_restarts_seen", servers_restarted()):
             return ("a parameter server exited and the launcher started it again, empty; the workers roll back "
                     "to their last commit, which holds its shards")
@@ -84,7 +85,6 @@ class FollowsElasticGroup:
 
     def _servers_back(self, *, register: bool) -> None:
         """After a regroup: a restarted server is known again (``register``: we send it our names and rule)."""
-        from ..elastic.worker import servers_restarted
         restarted = self.server_restarted()
         self._restarts_seen = servers_restarted()  # first: our own calls to it must not give up now
         if register and restarted:
@@ -100,21 +100,30 @@ class FollowsElasticGroup:
             return
         self.comm.barrier()  # type: ignore[attr-defined]
         self._servers_back(register=False)  # rank 0 registered and restored the shards before the barrier
-        from ..elastic.worker import generation
-        self._generation = generation()
+        self._generation = group.current().generation
         if getattr(self, "_pull_at_regroup", False):
             self._pull_at_regroup = False
             self._exchange(self.table.pull)  # type: ignore[attr-defined]
 
     def _regroup_pending(self) -> bool:
         """Under ``--elastic``: the group changed and :meth:`regroup` has not run yet (we are rolling back)."""
-        if not group.is_elastic():
-            return False
-        from ..elastic.worker import generation
-        return generation() != getattr(self, "_generation", 0)
+        g = group.current()
+        return g.elastic and g.generation != getattr(self, "_generation", 0)
+
+
+def servers_restarted() -> int:
+    """How many times the launcher started an exited parameter server (``--servers``) again; 0 outside ``--elastic``.
+
+    Read from the job's store, which outlives every generation of the group.
+    """
+    store = group.current().job_store
+    if store is None or not group.current().elastic:
+        return 0
+    return int(store.get(RESTARTS)) if store.check([RESTARTS]) else 0
 
 
 # -- the launcher's side ----------------------------------------------------------------------------------------
+RESTARTS = group.job_key("ps", "restarts")  # counted by the launcher in the job's store, read by the workers
 MAX_RESTARTS = 3  # a server that keeps exiting (out of memory at every start) ends the job after this many
 
 
@@ -127,12 +136,11 @@ def restart_exited(servers: Any, store: Any, exited: list[str]) -> bool:
     """
     import sys
 
-    from ..elastic.membership import key
     from .launcher import ServerStartError
     if servers.restarts >= MAX_RESTARTS:
         return False
     # Counted first: a worker that the new, empty server refuses must already know why.
-    store.add(key("ps", "restarts"), 1)
+    store.add(RESTARTS, 1)
     try:
         for i, alive in enumerate(servers.alive()):
             if not alive:

@@ -106,8 +106,8 @@ def connect(servers: str | Sequence[str] | None = None, *, timeout: float | None
 
 def _colocated(cfg: PSConfig, timeout: float, key: str | None = None) -> Link:
     # An elastic joiner's local world size says nothing about where the others run (a joiner is alone here).
-    if is_loopback(cfg.host) and group._current().env.local_world_size < group.world_size() \
-            and not group.is_elastic():
+    g = group.current()
+    if is_loopback(cfg.host) and g.env.local_world_size < g.world_size and not g.elastic:
         raise ConfigError(usage(f"colocated parameter servers on {cfg.host} in a multi-host run",
                                 "an address the other hosts can reach",
                                 f"Set {HOST}=<this host's IP> and {TOKEN} on every worker, or start servers "
@@ -135,8 +135,7 @@ def follow_group(link: Link, servers: str | Sequence[str] | None, timeout: float
     """
     if link.hosted is None:
         return link
-    from ..elastic.worker import generation
     link.client.close()
     link.hosted.stop(save=False)
     link.released = True
-    return connect(servers, timeout=timeout, key=f"ps/colocated/elastic/{generation()}")
+    return connect(servers, timeout=timeout, key=f"ps/colocated/elastic/{group.current().generation}")

@@ -83,7 +83,7 @@ class PSStrategy(FollowsElasticGroup, Strategy):
     #: The servers hold the trained model (Downpour's parameters, EASGD's centre): finish() pulls it.
     servers_hold_the_model = True
 
-    def finish(self) -> None:
+    def reconcile(self) -> None:
         """End of training, on every worker: leave each one holding the same final model.
 
         Each worker sends what it has not pushed yet, then waits (through the rendezvous
@@ -350,9 +350,9 @@ class SyncParameterServer(PSStrategy):
         """
         grads = self._grads()
         weigh_(grads)
-        from ..elastic import worker  # under --elastic a round belongs to one group; a dead peer ends the wait
-        elastic = {"generation": worker.generation(),
-                   "abandon": lambda: worker.lost_peer() or self.server_restarted()} if group.is_elastic() else {}
+        g = group.current()  # under --elastic a round belongs to one generation; a dead peer ends the wait
+        elastic = {"generation": g.generation,
+                   "abandon": lambda: _lost(g) or self.server_restarted()} if g.elastic else {}
         self._exchange(self.table.reduce, grads, step=step - 1,  # type: ignore[union-attr]
                        workers=group.world_size(), **elastic)
 
@@ -368,6 +368,15 @@ class SyncParameterServer(PSStrategy):
 
     def __repr__(self) -> str:
         return "ParameterServer(sync=True)"
+
+
+def _lost(g: group.Group) -> str | None:
+    """Why a member of the current generation will never send its part of a synchronous round, or None."""
+    lost = g.lost_peers()
+    if not lost:
+        return None
+    return (f"rank(s) {', '.join(map(str, lost))} of generation {g.generation} died during a synchronous "
+            "parameter-server round")
 
 
 def ParameterServer(sync: bool = True, **kwargs: Any) -> PSStrategy:  # noqa: N802 - reads as a strategy class

@@ -85,7 +85,7 @@ class AllReduce(Strategy):
         returned (``px.keras.wrap``): the average then comes from the overlapped hooks.
         """
         super().attach(model, optimizer)
-        elastic = group.is_elastic()  # a joiner attaches alone: it needs the hooks once the group grows
+        elastic = group.current().elastic  # a joiner attaches alone: it needs the hooks once the group grows
         if self.compression is not None or (self.comm.world_size == 1 and not elastic):
             return model  # a group of one is plain PyTorch, bit for bit; compression runs in after_backward
         bucket_bytes = int((self.bucket_mb or fitted_bucket_mb(model)) * 2**20)

@@ -25,10 +25,10 @@ Example (a complete custom rule: average parameters every 4 steps):
 """
 from __future__ import annotations
 
-import functools
 import itertools
+import warnings
 import zlib
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from torch import nn
 from ..comm import Comm
 from ..errors import ConfigError, usage
 from ..steps import StepClock
+from ..workerenv import WorkerEnv
 
 
 @runtime_checkable
@@ -90,51 +91,20 @@ def _device_of(model: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _with_step(method: Callable[..., Any], kind: str) -> Callable[..., Any]:
-    """Add the framework's step count to a (load_)state_dict, and close a skipped step before ``finish``.
-
-    Applied to every subclass's own definitions, so no strategy must remember ``super()`` for them.
-    """
-    if getattr(method, "_phalanx_step", False):
-        return method
-
-    @functools.wraps(method)
-    def state_dict(self: "Strategy") -> dict[str, Any]:
-        self.clock.settle()  # a step this rank skipped is closed before its state is read
-        return {**method(self), "step": self.clock.step}
-
-    @functools.wraps(method)
-    def load_state_dict(self: "Strategy", state: dict[str, Any]) -> None:
-        method(self, state)
-        step = state["step"] if "step" in state else state.get("steps", 0)  # "steps": files from older versions
-        self.clock.step, self.clock.pending = int(step), False
-
-    @functools.wraps(method)
-    def finish(self: "Strategy") -> None:
-        self.clock.settle()  # the last step's exchange runs on every rank before the final reconcile
-        method(self)
-
-    wrapped = {"state_dict": state_dict, "load_state_dict": load_state_dict, "finish": finish}[kind]
-    wrapped._phalanx_step = True  # type: ignore[attr-defined]
-    return wrapped
-
-
 class Strategy:
-    """Base of every strategy: attach, then the two per-step hooks.
+    """Base of every strategy: attach, then the two per-step hooks; every other hook has a no-op default.
 
     The base class broadcasts rank 0's parameters and buffers on attach, so replicas
-    start identical even when the workers' seeds differ. ``state_dict()`` always holds
-    the framework's ``"step"``, whatever a subclass returns.
+    start identical even when the workers' seeds differ. Nothing here rewrites a
+    subclass's methods: ``state_dict()`` is the subclass's own pure read, and whoever
+    captures state adds the framework's step (:meth:`state_with_step`) after closing
+    a skipped step explicitly (:meth:`settle`).
     """
 
     #: Name used by ``px.wrap(..., strategy="name")`` and the benchmark.
     name = "custom"
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for name in _FRAMEWORK_WRAPPED:
-            if name in cls.__dict__:
-                setattr(cls, name, _with_step(cls.__dict__[name], name))
+    #: True for strategies that talk to parameter servers (``phalanx run --servers N``).
+    uses_servers = False
 
     def __init__(self) -> None:
         self.comm = Comm()
@@ -161,13 +131,48 @@ class Strategy:
         """Training steps so far (the framework's count, identical on every rank)."""
         return self.clock.step
 
+    def settle(self) -> None:
+        """Close a step this rank skipped (its ``optimizer.step()`` never ran): collective, explicit.
+
+        ``after_step(step, taken=False)`` runs now rather than at the next forward pass, so
+        every rank has run the same exchanges. Whoever captures state or ends training calls
+        it first (:func:`phalanx.save_checkpoint`, :meth:`finish`); a no-op when nothing is pending.
+        """
+        self.clock.settle()
+
     # -- state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Shared state, identical on every rank (tensors and plain values only); holds ``"step"``."""
+        """Shared state, identical on every rank (tensors and plain values only). A pure read: no collective."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (rank 0's, on every rank)."""
+
+    def state_with_step(self) -> dict[str, Any]:
+        """:meth:`state_dict` plus the framework's ``"step"``: what checkpoints and commits hold. A pure read.
+
+        Example:
+            >>> import torch, phalanx as px
+            >>> net = torch.nn.Linear(2, 1)
+            >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            >>> px.strategy_of(opt).state_with_step()
+            {'step': 0}
+        """
+        return {**self.state_dict(), "step": self.clock.step}
+
+    def load_state_with_step(self, state: dict[str, Any], *, joining: bool = False) -> None:
+        """Restore what :meth:`state_with_step` returned: the subclass's state, then the step count.
+
+        ``joining``: this worker enters a running elastic job and takes rank 0's state through
+        :meth:`load_joiner_state_dict` instead of :meth:`load_state_dict`.
+        """
+        (self.load_joiner_state_dict if joining else self.load_state_dict)(state)
+        step = state["step"] if "step" in state else state.get("steps", 0)  # "steps": files from older versions
+        self.clock.step, self.clock.pending = int(step), False
+
+    def load_joiner_state_dict(self, state: dict[str, Any]) -> None:
+        """A worker joining a running elastic job takes rank 0's shared state; by default as a rollback does."""
+        self.load_state_dict(state)
 
     def replica_state_dict(self) -> dict[str, Any]:
         """This rank's own state that the other replicas do not share.
@@ -193,14 +198,49 @@ class Strategy:
         bytes0, steps0 = getattr(self, "_attach_mark", (0, 0))
         return (self.comm.stats.bytes_sent - bytes0) / max(1, self.steps - steps0)
 
+    # -- membership changes (phalanx.elastic); no-ops by default ----------------------------------------------
     def regroup(self) -> None:
         """Called by ``phalanx.elastic`` after the worker group was rebuilt with a new size.
 
         Strategies whose state depends on the world size (a divisor, a per-rank buffer) refresh it here.
         """
 
+    def replicas_agree(self, step: int) -> bool:
+        """True when, after ``step``, every replica holds the same model at the same step (a commit may be taken).
+
+        Synchronous strategies agree after every step; periodic ones only at their sync points.
+        """
+        return True
+
+    def commit_point(self) -> None:
+        """Called on every rank just before and just after an elastic commit; collective where overridden.
+
+        A strategy whose model lives outside the workers (asynchronous parameter servers) makes
+        the commit one consistent cut here.
+        """
+
+    def launched_with(self, env: WorkerEnv) -> None:
+        """Called once by ``px.wrap`` with what the launcher set up; warns about what this strategy ignores.
+
+        By default: servers that ``phalanx run --servers N`` started, which only a parameter-server
+        strategy uses.
+        """
+        if env.ps_servers and not self.uses_servers and env.rank == 0:
+            warnings.warn(f"PHALANX_PS_ADDRS names {env.ps_servers} parameter servers (phalanx run --servers "
+                          f"{env.ps_servers}) but strategy {type(self).__name__} uses none; drop --servers, or use "
+                          "px.Downpour, px.AsyncEASGD or px.ParameterServer", stacklevel=4)
+
+    # -- the end -------------------------------------------------------------------------------------------------
     def finish(self) -> None:
-        """Collective, once when training ends: leave every replica holding the model to keep.
+        """Collective, once when training ends: close a skipped last step, then :meth:`reconcile`.
+
+        Override :meth:`reconcile`, not this: the last step's exchange must run on every rank first.
+        """
+        self.settle()
+        self.reconcile()
+
+    def reconcile(self) -> None:
+        """Leave every replica holding the model to keep (called by :meth:`finish`).
 
         Strategies whose replicas drift apart between syncs reconcile here (a last
         average, or EASGD's centre variable); synchronous ones have nothing to do.
@@ -208,11 +248,6 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-_FRAMEWORK_WRAPPED = ("state_dict", "load_state_dict", "finish")
-for _name in _FRAMEWORK_WRAPPED:
-    setattr(Strategy, _name, _with_step(getattr(Strategy, _name), _name))
 
 
 class Periodic(Strategy):
@@ -248,7 +283,10 @@ class Periodic(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.exchange.load_state_dict(state["exchange"])
 
-    def finish(self) -> None:
+    def replicas_agree(self, step: int) -> bool:
+        return bool(self.sync(step))
+
+    def reconcile(self) -> None:
         """Exchange once more if local steps were taken since the last sync."""
         if self.steps and not self.sync(self.steps):
             self.exchange.exchange(self.params, self.comm, self.steps)

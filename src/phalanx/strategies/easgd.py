@@ -117,7 +117,7 @@ class EASGD(Periodic):
             self.exchange.alpha = RECOMMENDED_BETA / self.comm.world_size
 
     @torch.no_grad()
-    def finish(self) -> None:
+    def reconcile(self) -> None:
         for x, c in zip(self.params, self.centre, strict=True):
             x.copy_(c)
 
