@@ -18,8 +18,10 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+import weakref
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,9 @@ class _Group:
     probe: dist.Store | None = None  # a second store connection with a short timeout, for diagnosis and exit notes
     heartbeat: liveness.Heartbeat | None = None
     failed: BaseException | None = None  # the exception this worker is exiting with, if any
+    # The step clocks of the models px.wrap attached in this group: the loaders tell them each batch's weight
+    # (phalanx.steps.set_batch_weight). Weak, so a model dropped by the user is forgotten.
+    clocks: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
 
 
 _group: _Group | None = None
@@ -278,7 +283,7 @@ def regroup(rank: int, world_size: int, store: dist.Store | None) -> None:
     heartbeat = liveness.Heartbeat(store, rank).start() if store is not None else None
     probe = liveness.second_connection(store) if store is not None else None
     _group = _Group(env=replace(current.env, rank=rank, world_size=world_size), device=current.device,
-                    store=store, probe=probe, heartbeat=heartbeat)
+                    store=store, probe=probe, heartbeat=heartbeat, clocks=current.clocks)
 
 
 def is_elastic() -> bool:
@@ -335,6 +340,16 @@ def timeout_s() -> float:
 def store() -> dist.Store | None:
     """The group's key-value store (None in a group of one)."""
     return _current().store
+
+
+def clocks() -> "weakref.WeakSet[Any]":
+    """The step clocks of the models wrapped in this group (``phalanx.steps``).
+
+    Empty in a plain process before px.init().
+
+    A plain process that never called px.init() has no lasting group; its batches all weigh 1, so nothing is lost.
+    """
+    return _current().clocks
 
 
 def probe_store() -> dist.Store | None:

@@ -25,7 +25,7 @@ from .. import check, group, sync
 from ..errors import ConfigError, usage
 from ..strategies import register
 from ..strategies.base import Strategy
-from ..strategies.gradients import fill_missing_grads, weigh_
+from ..strategies.gradients import fill_missing_grads
 from .client import ParamTable
 from .elastic import FollowsElasticGroup
 from .link import Link, connect, follow_group
@@ -342,14 +342,16 @@ class SyncParameterServer(PSStrategy):
         # The servers only average, but they accept a tensor only under a registered name and shape.
         self.table.register(Policy(None))  # type: ignore[union-attr]
 
+    def weighs_gradients(self, step: int) -> bool:
+        return True
+
     def after_backward(self, step: int) -> None:
         """Inside ``backward()``: replace every gradient by the mean over all workers (batch-weighted).
 
         Non-finite gradients are averaged like any other, so when GradScaler finds inf on one
         rank, every rank sees it in the mean and skips that step, as under ``px.AllReduce``.
         """
-        grads = self._grads()
-        weigh_(grads)
+        grads = self._grads()  # weighted by this rank's batch share as backward accumulated them (phalanx.steps)
         from ..elastic import worker  # under --elastic a round belongs to one group; a dead peer ends the wait
         elastic = {"generation": worker.generation(),
                    "abandon": lambda: worker.lost_peer() or self.server_restarted()} if group.is_elastic() else {}

@@ -56,6 +56,9 @@ class LocalSGD(Periodic):
                           "px.AllReduce(), or every > 1 to communicate less.", UserWarning, stacklevel=2)
         super().__init__(sync, ParameterAverage())
 
+    def weighs_gradients(self, step: int) -> bool:
+        return is_synchronous(self.sync, step)  # the warm-up averages gradients; local steps keep their own
+
     def after_backward(self, step: int) -> None:
         if is_synchronous(self.sync, step):  # the warm-up: plain synchronous SGD, averaged inside backward()
             average_gradients_(self.params, self.comm)
