@@ -150,8 +150,8 @@ class ShardedLoader:
 
     On every step it tells the step clocks of the wrapped models this worker's weight in
     the global mean (:func:`phalanx.steps.set_batch_weight`; also ``self.batch_weight``):
-    1 on full steps; on the short last step ``n_i * world_size / total``, so the averaged gradient is exactly that of one
-    process on the same samples. A worker whose part of that step is empty gets a
+    1 on full steps; on the short last step ``n_i * world_size / total``, so the averaged gradient is exactly
+    that of one process on the same samples. A worker whose part of that step is empty gets a
     zero-length batch (same shapes and dtypes, zero rows) and weight 0: it still
     takes the step, so no collective is skipped. Models whose forward refuses zero
     rows, and losses that return nan on them with a plain mean, are fine as long as
