@@ -11,7 +11,7 @@ import pytest
 
 from phalanx.testing import run_workers
 
-NAMES = ["allreduce", "topk1", "powersgd", "local-warmup"]
+NAMES = ["allreduce", "topk1", "powersgd", "local-warmup", "ps-sync"]
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,7 @@ STRATEGIES: dict[str, Callable[[], px.Strategy]] = {
     "topk1": lambda: px.AllReduce(compression=px.TopK(1.0)),
     "powersgd": lambda: px.AllReduce(compression=px.PowerSGD(rank=1)),
     "local-warmup": lambda: px.LocalSGD(every=4, warmup_steps=10**6),
+    "ps-sync": lambda: px.ParameterServer(sync=True, servers="colocated"),
 }
 
 
