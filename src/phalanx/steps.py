@@ -70,6 +70,7 @@ class StepClock:
         self.strategy: Strategy | None = None
         self.module: nn.Module | None = None
         self.weight = 1.0      # this worker's share of the batch the next backward pass computes on
+        self.step_weight = 1.0  # the weight of the step's synchronising backward pass (its share, for LocalSGD)
         self.reached: set[int] = set()  # ids of the parameters the current backward pass gave a gradient
         self._handles: list[Any] = []
 
@@ -109,6 +110,7 @@ class StepClock:
         if not self.syncing():
             return
         self.settle()  # two synchronising passes with no step and no forward between: the first step was skipped
+        self.step_weight = self.weight
         try:
             self.strategy.after_backward(self.step + 1)  # type: ignore[union-attr]
         finally:

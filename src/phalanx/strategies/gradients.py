@@ -65,4 +65,31 @@ def average_gradients_(params: Sequence[torch.Tensor], comm: Comm, compression: 
     set_averaged_grads_(params, grads, flags)
 
 
-__all__ = ["average_gradients_", "fill_missing_grads", "local_grads", "set_averaged_grads_"]
+@torch.no_grad()
+def share_weighted_mean_(tensors: Sequence[torch.Tensor], comm: Comm, share: float) -> None:
+    """Replace ``tensors`` by their mean over the ranks, each rank weighted by its ``share`` of the samples.
+
+    Collective, one message (the shares ride with the tensors). Equal shares give the plain
+    mean; a rank with share 0 (it held no samples) contributes nothing, not even a NaN.
+    """
+    if comm.world_size == 1:
+        return
+    for t in tensors:
+        t.zero_() if share == 0 else t.mul_(share)
+    total = torch.tensor([float(share)], dtype=tensors[0].dtype, device=tensors[0].device)
+    comm.all_reduce_([*tensors, total], op="sum")
+    for t in tensors:
+        t.div_(total)
+
+
+def share_total(comm: Comm, share: float) -> float:
+    """The sum of every rank's share (collective: one scalar), for a weight that must be known before sending."""
+    if comm.world_size == 1:
+        return float(share)
+    total = torch.tensor([float(share)], dtype=torch.float64)
+    comm.all_reduce_([total], op="sum")
+    return float(total.item())
+
+
+__all__ = ["average_gradients_", "fill_missing_grads", "local_grads", "set_averaged_grads_", "share_total",
+           "share_weighted_mean_"]
