@@ -345,9 +345,8 @@ def store() -> dist.Store | None:
 def clocks() -> "weakref.WeakSet[Any]":
     """The step clocks of the models wrapped in this group (``phalanx.steps``).
 
-    Empty in a plain process before px.init().
-
-    A plain process that never called px.init() has no lasting group; its batches all weigh 1, so nothing is lost.
+    A plain process that never called px.init() has no lasting group, so this is empty
+    there; its batches all weigh 1, so nothing is lost.
     """
     return _current().clocks
 
