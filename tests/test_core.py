@@ -50,13 +50,12 @@ def test_every_sample_goes_to_exactly_one_worker_and_steps_are_equal(n, world, b
 
 
 def test_short_last_batch_weights_each_part_by_its_share_and_the_weighted_mean_is_one_process_mean():
-    from phalanx.batchweight import batch_weight
     data = torch.utils.data.TensorDataset(torch.arange(10.))
     weights, values = [], []
     for rank in range(4):  # 10 samples, 4 workers x batch 1: steps of 4, 4 and 2 (two workers get nothing)
         loader = px.shard(data, batch_size=1, seed=0, rank=rank, world_size=4)
         for step, (x,) in enumerate(loader):
-            weights.append((step, rank, batch_weight()))
+            weights.append((step, rank, loader.batch_weight))
             values.append((step, rank, x))
     last = [(r, w) for s, r, w in weights if s == 2]
     assert last == [(0, 2.0), (1, 2.0), (2, 0.0), (3, 0.0)]

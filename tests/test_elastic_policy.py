@@ -69,7 +69,6 @@ def test_keep_global_batch_re_splits_the_loader_and_weights_the_uneven_parts():
     policy = px.elastic.KeepGlobalBatch()
     policy.start(loaders[0], world_size=3)
     assert policy.global_batch == 9 and policy.state_dict() == {"global_batch": 9}
-    from phalanx.batchweight import batch_weight
     weights = []
     for rank in range(2):  # one worker left: the two others keep the global batch of 9, as 5 + 4
         loader = loaders[rank]
@@ -78,7 +77,7 @@ def test_keep_global_batch_re_splits_the_loader_and_weights_the_uneven_parts():
         sizes = []
         for (x,) in loader:
             sizes.append(len(x))
-            weights.append(batch_weight())
+            weights.append(loader.batch_weight)
         assert sizes == ([5, 5, 1] if rank == 0 else [4, 4, 1])
     assert weights == [5 * 2 / 9, 5 * 2 / 9, 1.0, 4 * 2 / 9, 4 * 2 / 9, 1.0]
 

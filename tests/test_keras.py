@@ -271,3 +271,19 @@ def test_the_bench_setup_reports_overhead_and_efficiency_side_by_side(tmp_path) 
     assert "| phalanx-Keras | 1 | 98 | 97-99 |" in text and "Keras 75%, PyTorch 80%: -5 points" in text
     with pytest.raises(px.ConfigError, match="--steps 0"):
         cli.main(["--keras", "--steps", "0", "--out", str(tmp_path)])
+
+
+@pytest.fixture(scope="module")
+def tail() -> list[dict]:
+    return run_workers("workers.keras_fit:short_tail", world_size=2, timeout=300).results
+
+
+@pytest.mark.multiproc
+def test_a_tail_smaller_than_the_workers_is_its_own_step_as_in_plain_keras(tail: list[dict]) -> None:
+    """89 samples, 2 x 4: plain Keras takes 12 steps, the last on 1 sample; so do the workers (one on nothing)."""
+    r = tail[0]
+    assert _max_diff(r["final"], r["oracle_final"]) < 1e-5
+    assert _max_diff(r["final"], tail[1]["final"]) == 0.0
+    for key, values in r["history"].items():
+        assert all(np.isfinite(values)), key
+        assert values == pytest.approx(r["oracle_history"][key], abs=1e-6), key

@@ -7,7 +7,7 @@ seed, which is what makes distributed training checkable against one process.
 Every sample of an epoch goes to exactly one worker and every worker takes the
 same number of steps, as many as one process with batch N·b: a short last global
 batch is split as evenly as possible (a part may be empty), and each worker's
-gradient is weighted by its share of it (:mod:`phalanx.batchweight`), so the step
+gradient is weighted by its share of it (:func:`phalanx.steps.set_batch_weight`), so the step
 is exactly one process's step on the same samples.
 
 Example:
@@ -25,9 +25,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from . import check, group
-from .batchweight import set_batch_weight
 from .errors import ConfigError, usage
 from .prefetch import prefetch
+from .steps import set_batch_weight
 
 
 def epoch_order(n: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
@@ -148,10 +148,10 @@ def _empty_like(batch: Any) -> Any:
 class ShardedLoader:
     """A DataLoader over this worker's shard, with ``set_epoch`` and a checkpointable position.
 
-    On every step it tells the gradient exchange this worker's weight in the global
-    mean (:mod:`phalanx.batchweight`): 1 on full steps; on the short last step
-    ``n_i * world_size / total``, so the averaged gradient is exactly that of one
-    process on the same samples. A worker whose part of that step is empty gets a
+    On every step it tells the step clocks of the wrapped models this worker's weight in
+    the global mean (:func:`phalanx.steps.set_batch_weight`; also ``self.batch_weight``):
+    1 on full steps; on the short last step ``n_i * world_size / total``, so the averaged gradient is exactly
+    that of one process on the same samples. A worker whose part of that step is empty gets a
     zero-length batch (same shapes and dtypes, zero rows) and weight 0: it still
     takes the step, so no collective is skipped. Models whose forward refuses zero
     rows, and losses that return nan on them with a plain mean, are fine as long as
@@ -175,6 +175,7 @@ class ShardedLoader:
         self._generator = loader_kwargs["generator"]
         loader_kwargs["collate_fn"] = _EmptySafeCollate(loader_kwargs.get("collate_fn") or default_collate, dataset)
         self._loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
+        self.batch_weight = 1.0  # this worker's share of the batch last yielded
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for ``epoch``; call it at the top of every epoch, as with DistributedSampler."""
@@ -189,8 +190,10 @@ class ShardedLoader:
         for step, batch in enumerate(prefetch(self._loader, self.device)):
             total = sum(sizes[step])
             s.samples += total
-            set_batch_weight(sizes[step][s.rank] * s.world_size / total)
+            self.batch_weight = sizes[step][s.rank] * s.world_size / total
+            set_batch_weight(self.batch_weight)
             yield batch
+        self.batch_weight = 1.0
         set_batch_weight(1.0)
         s.samples = 0  # the epoch is done; iterating again replays it unless set_epoch moves on
 

@@ -26,7 +26,8 @@ import traceback
 import warnings
 from dataclasses import replace
 from datetime import timedelta
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,9 @@ class Group:
         self.uncaught: BaseException | None = None  # ...when the interpreter exits because nobody caught it
         self.losses: list[int] = []  # the ranks this worker's last WorkerLostError blamed
         self._on_regroup: list[Callable[["Group"], None]] = []
+        # The step clocks of the models px.wrap attached in this group: the loaders tell them each batch's weight
+        # (phalanx.steps.set_batch_weight). Weak, so a model dropped by the user is forgotten.
+        self.clocks: "weakref.WeakSet[Any]" = weakref.WeakSet()
         if store is not None:
             self._attach_store(store)
 
@@ -495,6 +499,24 @@ def timeout_s() -> float:
 def store() -> dist.Store | None:
     """The group's key-value store (None in a group of one)."""
     return current().store
+
+
+def clocks() -> "weakref.WeakSet[Any]":
+    """The step clocks of the models wrapped in this group (``phalanx.steps``).
+
+    A plain process that never called px.init() has no lasting group, so this is empty
+    there; its batches all weigh 1, so nothing is lost.
+    """
+    return current().clocks
+
+
+def clocks() -> "weakref.WeakSet[Any]":
+    """The step clocks of the models wrapped in this group (``phalanx.steps``).
+
+    A plain process that never called px.init() has no lasting group, so this is empty
+    there; its batches all weigh 1, so nothing is lost.
+    """
+    return current().clocks
 
 
 def probe_store() -> dist.Store | None:

@@ -19,6 +19,23 @@ A forward pass of the model between a synchronising backward and ``optimizer.ste
 therefore closes the step as skipped. Two-pass methods (SAM) count two steps per
 iteration; every rank counts the same, so nothing desynchronises.
 
+**The batch weight travels with the step.** Gradient averaging takes the plain mean
+of the workers' gradients; that is one process's gradient on the same samples only
+when every worker holds as many samples. So each clock holds ``weight``, this
+worker's share of the global batch its next backward pass computes on
+(``n_i * world_size / total``: 1 on every even step, 0 for an empty part). The
+loader sets it as it yields a batch, through :func:`set_batch_weight`, which reaches
+the clocks of every model wrapped in the current group (``group.clocks()``: the
+group, the one piece of module-level state, owns the registry; no other global is
+involved). While a strategy averages gradients (:meth:`Strategy.weighs_gradients`),
+the clock scales each backward pass's gradient by the weight *as it arrives*, before
+it is accumulated into ``.grad`` (a tensor hook per parameter), so with gradient
+accumulation every micro-batch counts by its own share, and an empty part (whose
+mean loss is NaN) contributes exact zeros. The exchange then only sums and divides by
+the world size. A rank's weight is its own; the others' are never needed.
+(``torch.autograd.grad`` with respect to the parameters sees the same scaling on an
+uneven step, as it passes through the same tensor hooks.)
+
 Example:
     >>> import torch, phalanx as px
     >>> net = torch.nn.Linear(2, 1)
@@ -31,11 +48,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
 
+from . import group
 from .backward import after_backward
 
 if TYPE_CHECKING:
@@ -50,6 +69,9 @@ class StepClock:
         self.pending = False   # a synchronising backward ended and its step is not closed yet
         self.strategy: Strategy | None = None
         self.module: nn.Module | None = None
+        self.weight = 1.0      # this worker's share of the batch the next backward pass computes on
+        self.step_weight = 1.0  # the weight of the step's synchronising backward pass (its share, for LocalSGD)
+        self.reached: set[int] = set()  # ids of the parameters the current backward pass gave a gradient
         self._handles: list[Any] = []
 
     def bind(self, strategy: "Strategy", model: nn.Module, module: nn.Module,
@@ -58,7 +80,17 @@ class StepClock:
         self.strategy, self.module = strategy, module
         self.backward = after_backward(strategy.params, self._backward_done)
         self._handles = [optimizer.register_step_post_hook(self._stepped),
-                         model.register_forward_pre_hook(self._forward)]
+                         model.register_forward_pre_hook(self._forward),
+                         *(p.register_hook(functools.partial(self._weigh, id(p))) for p in strategy.params)]
+        group.clocks().add(self)
+
+    def _weigh(self, key: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Scale one backward pass's gradient of one parameter by this worker's batch weight, before accumulation."""
+        self.reached.add(key)
+        w = self.weight
+        if w == 1.0 or not self.strategy.weighs_gradients(self.step + 1):  # type: ignore[union-attr]
+            return None  # unchanged: a group of one, and every even step, stay plain PyTorch bit for bit
+        return torch.zeros_like(grad) if w == 0 else grad * w  # an empty part's gradient may be NaN
 
     def syncing(self) -> bool:
         """False inside ``px.no_sync`` (or DDP's own ``no_sync()``): the backward pass only accumulates."""
@@ -78,7 +110,11 @@ class StepClock:
         if not self.syncing():
             return
         self.settle()  # two synchronising passes with no step and no forward between: the first step was skipped
-        self.strategy.after_backward(self.step + 1)  # type: ignore[union-attr]
+        self.step_weight = self.weight
+        try:
+            self.strategy.after_backward(self.step + 1)  # type: ignore[union-attr]
+        finally:
+            self.reached.clear()
         self.pending = True
 
     def _stepped(self, *_: Any) -> None:
@@ -87,6 +123,7 @@ class StepClock:
         self.strategy.after_step(self.step, True)  # type: ignore[union-attr]
 
     def _forward(self, *_: Any) -> None:
+        self.reached.clear()  # a new pass begins (with accumulation, only the synchronising one's count)
         self.settle()
 
     def settle(self) -> None:
@@ -97,7 +134,27 @@ class StepClock:
             self.strategy.after_step(self.step, False)  # type: ignore[union-attr]
 
     def remove(self) -> None:
+        group.clocks().discard(self)
         for h in self._handles:
             h.remove()
         if getattr(self, "backward", None) is not None:
             self.backward.remove()
+
+
+def set_batch_weight(weight: float) -> None:
+    """This worker's share of the batch just handed out: ``n_i * world_size / total`` (1 when parts are equal).
+
+    Called by the loaders (``px.shard``, ``phalanx.stream.StreamLoader``) as they yield a
+    batch, and by your own loader if it splits global batches unevenly. It reaches the
+    clock of every model wrapped in the current group; the next backward pass of each is
+    weighted by it while its strategy averages gradients.
+
+    Example:
+        >>> import torch, phalanx as px
+        >>> from phalanx.steps import set_batch_weight
+        >>> net = torch.nn.Linear(2, 1)
+        >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> set_batch_weight(1.0)
+    """
+    for clock in list(group.clocks()):
+        clock.weight = float(weight)

@@ -165,6 +165,18 @@ def everything(tmp: str) -> dict:
     }
 
 
+def short_tail() -> dict:
+    """89 samples: 11 global batches of 8, then 1 sample, fewer than the 2 workers (one gets an empty part)."""
+    px.init()
+    torch.set_num_threads(1)
+    import keras
+
+    x, y, xv, yv = _data()
+    out = _oracle_vs_wrapped(keras, lambda: keras.optimizers.SGD(0.1, momentum=0.9), x[:89], y[:89], xv, yv)
+    out["history"] = {k: [float(v) for v in vs] for k, vs in out["history"].items()}
+    return out
+
+
 def _bench_setup() -> dict:
     """``phalanx bench --keras``'s own worker, tiny, on both paths (a smoke run: it trains and times)."""
     from phalanx.bench.keras_setup import worker

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
-from phalanx.batchweight import batch_weight
 from phalanx.stream import Deadline, RedisStream, Stop, StreamLoader, WaitFull, decode_sample
 from support.procs import kill_at
 
@@ -53,7 +52,7 @@ def train(url: str, stream: str, group: str, *, batch_size: int, ckpt: str, log_
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-        log.write(f"{step} {batch_weight():.6f} {' '.join(loader.ids)}\n")
+        log.write(f"{step} {loader.batch_weight:.6f} {' '.join(loader.ids)}\n")
         log.flush()
         if step % every == 0:
             px.save_checkpoint(ckpt, model, opt, loader=loader, step=step)

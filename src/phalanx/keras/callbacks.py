@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..batchweight import set_batch_weight
 from ..comm import Comm
+from ..steps import set_batch_weight
 from .keras_api import keras
 
 WRITERS = tuple(c for c in (getattr(keras.callbacks, n, None) for n in ("ModelCheckpoint", "CSVLogger", "TensorBoard"))
@@ -38,6 +38,9 @@ class EpochSync(keras.callbacks.Callback):
     def __init__(self, train: Any, *others: Any) -> None:
         super().__init__()
         self.train, self.others = train, [d for d in others if d is not None]
+        if hasattr(train, "keep_short_tail"):
+            train.keep_short_tail()  # a tail smaller than the workers is its own step, as in plain Keras
+        self._saved: list[tuple[Any, Any]] | None = None
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         for data in (self.train, *self.others):
@@ -46,7 +49,16 @@ class EpochSync(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if hasattr(self.train, "batch_weight"):
-            set_batch_weight(self.train.batch_weight(batch))
+            weight = self.train.batch_weight(batch)
+            set_batch_weight(weight)
+            if weight == 0:  # a stand-in for an empty part: it must count in no metric (loss, accuracy...)
+                self._saved = [(v, v.numpy()) for m in self.model.metrics for v in m.variables]
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._saved is not None:
+            for variable, value in self._saved:
+                variable.assign(value)
+            self._saved = None
 
     def on_train_end(self, logs: Any = None) -> None:
         set_batch_weight(1.0)

@@ -7,6 +7,14 @@ process sees with batch N*b and the same seed. Every sample of an epoch goes to 
 worker and every worker takes the same number of steps; a short last batch is split
 as evenly as possible (never padded), which keeps validation metrics exact.
 
+A training tail smaller than the number of workers is its own step, as in plain Keras
+(same step count, same schedule): a worker whose part is empty gets a stand-in, one
+sample with sample weight 0 and batch weight 0, since a Keras step cannot be empty (its
+loss of zero samples is an empty tensor). Every batch of that dataset then carries a
+sample weight (ones where the user gave none: the same loss), and ``px.keras.wrap``'s
+``fit`` leaves the stand-in out of every metric. Validation data merges such a tail
+into the step before it instead; evaluation has no schedule, and its metrics stay exact.
+
 Accepted sources: NumPy arrays (``x``, optional ``y`` and ``sample_weight``; ``x`` may
 be a list or dict of arrays), a map-style torch ``Dataset`` (samples collated with
 torch's ``default_collate``), and a ``keras.utils.PyDataset`` whose items are batches
@@ -59,12 +67,27 @@ class ShardedDataset(keras.utils.PyDataset):
         self.source, self.n, self.batch_size = source, n, batch_size
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
         self.epoch = 0
+        self.empty_parts = False  # True for training data (keep_short_tail): a short tail is its own step
         self._plan = self._make_plan()
+
+    def keep_short_tail(self) -> None:
+        """Train on a tail smaller than the number of workers as its own step (stand-ins for empty parts).
+
+        Called by ``px.keras.wrap``'s ``fit`` for the training data, so the step count and the
+        schedule are plain Keras's.
+        """
+        self.empty_parts = True
+        self._plan = self._make_plan()
+
+    @property
+    def has_stand_ins(self) -> bool:
+        """Some worker's part of some step is empty: every batch then carries a sample weight."""
+        return any(not part for parts in self._plan for part in parts)
 
     def _make_plan(self) -> list[list[list[int]]]:
         plan = global_batches(self.n, self.batch_size, self.world_size, shuffle=self.shuffle,
                               seed=self.seed, epoch=self.epoch)
-        if len(plan) > 1 and any(not part for part in plan[-1]):
+        if not self.empty_parts and len(plan) > 1 and any(not part for part in plan[-1]):
             # A tail smaller than the number of workers would leave some worker an empty batch, and Keras
             # reports nan for the mean loss of zero samples (nan * 0 is still nan in its Mean tracker).
             # Keras steps cannot be empty, so such a tail joins the step before it, split evenly.
@@ -90,11 +113,25 @@ class ShardedDataset(keras.utils.PyDataset):
         return len(self._plan)
 
     def __getitem__(self, step: int) -> Any:
-        idx = self._plan[step][self.rank]
+        parts = self._plan[step]
+        idx = parts[self.rank]
         x, y, w = self.source
+        if not self.has_stand_ins:
+            if y is None and w is None:
+                return _rows(x, idx)  # a torch Dataset's collated (x, y[, w]), or inputs alone for predict
+            return tuple(part for part in (_rows(x, idx), _rows(y, idx), _rows(w, idx)) if part is not None)
+        stand_in = not idx
+        if stand_in:  # one sample of this step, weighted 0: a finite loss of 0 and a zero gradient
+            idx = next(part for part in parts if part)[:1]
         if y is None and w is None:
-            return _rows(x, idx)  # a torch Dataset's collated (x, y[, w]), or inputs alone for predict
-        return tuple(part for part in (_rows(x, idx), _rows(y, idx), _rows(w, idx)) if part is not None)
+            batch = _rows(x, idx)
+            if not isinstance(batch, tuple) or len(batch) not in (2, 3):
+                return batch  # inputs alone: nothing to weight (batch weight 0 still zeroes the gradient)
+            bx, by, bw = batch if len(batch) == 3 else (*batch, None)
+        else:
+            bx, by, bw = _rows(x, idx), _rows(y, idx), _rows(w, idx)
+        weights = np.ones(len(idx), dtype="float32") if bw is None else np.asarray(bw, dtype="float32")
+        return bx, by, weights * 0 if stand_in else weights
 
 
 class _TorchSource:

@@ -25,7 +25,7 @@ from .. import check, group, sync
 from ..errors import ConfigError, usage
 from ..strategies import register
 from ..strategies.base import Strategy
-from ..strategies.gradients import fill_missing_grads, weigh_
+from ..strategies.gradients import local_grads, set_averaged_grads_
 from .client import ParamTable
 from .elastic import FollowsElasticGroup
 from .link import Link, connect, follow_group
@@ -161,8 +161,8 @@ class PSStrategy(FollowsElasticGroup, Strategy):
         return result
 
     def _grads(self) -> list[torch.Tensor]:
-        """Every parameter's gradient; a parameter the loss did not touch gets zeros."""
-        return fill_missing_grads(self.params)
+        """Every parameter's gradient to send; zeros for one the loss did not touch (its ``.grad`` stays None)."""
+        return local_grads(self.params)[0]
 
 
 class Downpour(PSStrategy):
@@ -342,19 +342,25 @@ class SyncParameterServer(PSStrategy):
         # The servers only average, but they accept a tensor only under a registered name and shape.
         self.table.register(Policy(None))  # type: ignore[union-attr]
 
+    def weighs_gradients(self, step: int) -> bool:
+        return True
+
     def after_backward(self, step: int) -> None:
         """Inside ``backward()``: replace every gradient by the mean over all workers (batch-weighted).
 
         Non-finite gradients are averaged like any other, so when GradScaler finds inf on one
         rank, every rank sees it in the mean and skips that step, as under ``px.AllReduce``.
         """
-        grads = self._grads()
-        weigh_(grads)
+        # Weighted by this rank's batch share as backward accumulated them (phalanx.steps). The flags say which
+        # parameters had a gradient here; one no rank reached keeps grad None, as in one process.
+        grads, flags = local_grads(self.params)
         g = group.current()  # under --elastic a round belongs to one generation; a dead peer ends the wait
         elastic = {"generation": g.generation,
                    "abandon": lambda: _lost(g) or self.server_restarted()} if g.elastic else {}
         self._exchange(self.table.reduce, grads, step=step - 1,  # type: ignore[union-attr]
                        workers=group.world_size(), **elastic)
+        self.comm.all_reduce_([flags])  # a few bytes over the workers' own group (the servers take named tensors)
+        set_averaged_grads_(self.params, grads, flags)
 
     def regroup(self) -> None:
         """Under ``--elastic``: rounds now count the new group; colocated servers follow it (re-placed)."""

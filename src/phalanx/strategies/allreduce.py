@@ -41,7 +41,7 @@ from ..comm import Comm, guarded
 from ..compression import check_compressor
 from .. import check
 from .base import Strategy
-from .gradients import average_gradients_, weigh_
+from .gradients import average_gradients_
 from .overlap import OverlappedMean
 
 
@@ -63,8 +63,9 @@ class AllReduce(Strategy):
         compression: a compressor object (``px.FP16()``, ``px.PowerSGD(rank=4)``...) or None.
         bucket_mb: gradient bucket size; by default fitted to the model.
 
-    Each rank's gradient is weighted by its share of the global batch
-    (``phalanx.batchweight``), so an uneven last batch gives one process's gradient.
+    Each rank's gradient is weighted by its share of the global batch as backward
+    accumulates it (the step clock's ``weight``, :mod:`phalanx.steps`), so an uneven last
+    batch, and uneven micro-batches under ``px.no_sync``, give one process's gradient.
     """
 
     name = "allreduce"
@@ -100,11 +101,39 @@ class AllReduce(Strategy):
                                       **_NO_FORWARD_BUFFER_SYNC,  # BatchNorm statistics stay per worker
                                       gradient_as_bucket_view=True)
         self._hook = _GuardedMean(self.comm)
-        ddp.register_comm_hook(None, self._hook.hook)
+        ddp.register_comm_hook(self._hook, guarded_mean_hook)  # torch's way: the hook's per-step data is its state
         return ddp
+
+    def weighs_gradients(self, step: int) -> bool:
+        return True
+
+    def _reduce_unreached(self, missed: list[nn.Parameter]) -> None:
+        """This pass left ``missed`` without a gradient here: let DDP's reducer finish as one process would.
+
+        DDP (without ``find_unused_parameters``) waits for a gradient of every parameter: its
+        bucket holding ``missed`` never starts, a peer that reached them waits on it, and the
+        next forward fails ("Expected to have finished reduction in the prior iteration").
+        A zero gradient sent through autograd (a second, tiny backward pass from the
+        parameters themselves) marks them ready, so every bucket goes out and pairs with the
+        peers'; this rank's share of the batch did not touch them, so zeros are its true
+        contribution to the batch-weighted mean. No cost on a step where every parameter was
+        reached, unlike ``find_unused_parameters=True``'s graph walk and extra all-reduce.
+
+        A parameter that had no gradient here and averages to exactly zero was, save a
+        coincidence of exact zeros on every rank that reached it, reached by no rank: it gets
+        ``.grad = None`` back, so the optimizer skips it, as in one process.
+        """
+        fresh = [p for p in missed if p.grad is None]
+        with self.clock.backward.paused():  # no second end-of-backward callback for this pass
+            torch.autograd.backward(missed, [torch.zeros_like(p) for p in missed])
+        for p in fresh:
+            if p.grad is not None and not bool(p.grad.any()):
+                p.grad = None
 
     def after_backward(self, step: int) -> None:
         if self._hook is not None:  # DDP's reducer averaged the buckets; it runs before this callback
+            if len(self.clock.reached) < len(self.params):
+                self._reduce_unreached([p for p in self.params if id(p) not in self.clock.reached])
             if self._hook.error is not None:
                 err, self._hook.error = self._hook.error, None
                 with guarded("the gradient all-reduce in backward"):
@@ -114,7 +143,8 @@ class AllReduce(Strategy):
             self._overlap.finish()
         elif self.compression is not None and self.comm.world_size > 1:  # alone, nothing to send: plain torch
             average_gradients_(self.params, self.comm, self.compression)
-            if not bool(torch.stack([torch.isfinite(p.grad).all() for p in self.params]).all()):  # one sync
+            if not bool(torch.stack([torch.isfinite(p.grad).all() for p in self.params
+                                     if p.grad is not None]).all()):  # one sync
                 # inf/nan reached the average (AMP overflow on some rank): the same on every rank, so every
                 # GradScaler skips this step; the residuals and warm starts hold it too, and are dropped.
                 self.compression.reset()
@@ -143,7 +173,7 @@ class AllReduce(Strategy):
 
 
 class _GuardedMean:
-    """DDP comm hook: the batch-weighted bucket all-reduce and mean, keeping a failure for ``after_backward``.
+    """State of :func:`guarded_mean_hook`: the group to average over, and a failure kept for ``after_backward``.
 
     A peer that dies mid-backward makes gloo fail the bucket's future; raised inside
     the reducer, that error would surface from ``loss.backward()`` as a bare RuntimeError.
@@ -154,29 +184,34 @@ class _GuardedMean:
         self.comm = comm
         self.error: BaseException | None = None
 
-    # No annotations: DDP checks them by identity, and this module's are strings (PEP 563).
-    def hook(self, state, bucket):  # noqa: ANN001, ANN201
-        buffer = bucket.buffer()
-        weigh_([buffer])
-        try:
-            future = self.comm.all_reduce_async(buffer)
-        except RuntimeError as err:
-            return self._failed(err, buffer)
-
-        def mean(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            try:
-                return done.value()[0].div_(self.comm.world_size)
-            except RuntimeError as err:
-                self.error = self.error or err
-                return buffer
-
-        return future.then(mean)
-
-    def _failed(self, err: BaseException, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def failed(self, err: BaseException, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         self.error = self.error or err
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(buffer)
         return future
+
+
+# No annotations: DDP checks them by identity, and this module's are strings (PEP 563).
+def guarded_mean_hook(state, bucket):  # noqa: ANN001, ANN201
+    """DDP comm hook: the bucket's all-reduce and mean over ``state.comm``.
+
+    The gradients in the bucket are already weighted by each rank's batch share (the
+    step clock did it as backward accumulated them), so the plain mean is one process's.
+    """
+    buffer = bucket.buffer()
+    try:
+        future = state.comm.all_reduce_async(buffer)
+    except RuntimeError as err:
+        return state.failed(err, buffer)
+
+    def mean(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            return done.value()[0].div_(state.comm.world_size)
+        except RuntimeError as err:
+            state.error = state.error or err
+            return buffer
+
+    return future.then(mean)
 
 
 # torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers and deprecated the old name; torch 2.11

@@ -126,6 +126,11 @@ class Strategy:
     def after_step(self, step: int, taken: bool) -> None:
         """After step ``step`` on every rank: ``taken`` is False where ``optimizer.step()`` was skipped."""
 
+    def weighs_gradients(self, step: int) -> bool:
+        """True where step ``step``'s gradients are averaged over the workers (``phalanx.steps`` then weights
+        each backward pass by this worker's share of the batch); local steps keep their own mean gradient."""
+        return False
+
     @property
     def steps(self) -> int:
         """Training steps so far (the framework's count, identical on every rank)."""

@@ -25,6 +25,7 @@ from ..compression import Compressor, check_compressor
 from .. import check
 from ..sync import as_condition
 from .base import Exchange, Periodic
+from .gradients import share_total, share_weighted_mean_
 
 
 def _outer_dtype(p: torch.Tensor) -> torch.dtype:
@@ -38,6 +39,7 @@ class OuterStep(Exchange):
         self.lr, self.momentum, self.nesterov, self.compression = lr, momentum, nesterov, compression
         self.anchor: list[torch.Tensor] = []
         self.buffers: list[torch.Tensor] = []
+        self.share = 0.0  # this replica's samples since the last round, in batch weights (DiLoCo adds them)
 
     def setup(self, params: list[nn.Parameter], comm: Comm) -> None:
         # fp32 for bf16/fp16 models: inner steps of size ~lr*grad vanish against a half-precision anchor.
@@ -47,10 +49,18 @@ class OuterStep(Exchange):
     @torch.no_grad()
     def exchange(self, params: list[nn.Parameter], comm: Comm, step: int) -> None:
         delta = [a - p.to(a.dtype) for a, p in zip(self.anchor, params, strict=True)]  # the pseudo-gradient
+        # Each replica's pseudo-gradient counts by its share of the round's samples (outer_lr 1 and no momentum
+        # is LocalSGD, whose average weights the same way); equal shares give the plain mean.
+        share, self.share = self.share, 0.0
         if self.compression is not None:
+            total = share_total(comm, share)  # known before compressing: one scalar
+            weight = share * comm.world_size / total if total > 0 else 1.0
+            if weight != 1.0:
+                for d in delta:
+                    d.zero_() if weight == 0 else d.mul_(weight)
             self.compression.average_(delta, comm, key="pseudo")
         else:
-            comm.all_reduce_(delta)
+            share_weighted_mean_(delta, comm, share)
         for a, buf, d, p in zip(self.anchor, self.buffers, delta, params, strict=True):
             if self.momentum:  # torch.optim.SGD's rule, dampening 0
                 buf.mul_(self.momentum).add_(d)
@@ -92,6 +102,17 @@ class DiLoCo(Periodic):
         self.compression = check_compressor(compression, "DiLoCo")
         super().__init__(as_condition(every), OuterStep(float(outer_lr), float(outer_momentum), bool(nesterov),
                                                         self.compression))
+
+    def after_step(self, step: int, taken: bool) -> None:
+        self.exchange.share += self.clock.step_weight  # a skipped step still held its samples
+        super().after_step(step, taken)
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        return {**super().replica_state_dict(), "share": self.exchange.share}
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_replica_state_dict(state)
+        self.exchange.share = float(state.get("share", 0.0))
 
     @property
     def anchor(self) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ from .. import check
 from ..errors import ConfigError, usage
 from ..sync import as_condition, is_synchronous, schedule
 from .base import ParameterAverage, Periodic
-from .gradients import average_gradients_
+from .gradients import average_gradients_, share_weighted_mean_
 
 
 class LocalSGD(Periodic):
@@ -34,6 +34,11 @@ class LocalSGD(Periodic):
             The warm-up averages gradients by the end of ``backward()``, as ``px.AllReduce`` does.
 
     Optimizer state (momentum, Adam moments) stays local to each worker, as in the papers.
+
+    The average weights each replica by its share of the samples trained since the last
+    one (the sum of its steps' batch weights, :mod:`phalanx.steps`): equal shares give the
+    plain mean; on a short last global batch ``every=1`` is then ``px.AllReduce`` with plain
+    SGD, and a worker that held no samples does not halve the others' update.
     """
 
     name = "local-sgd"
@@ -55,14 +60,37 @@ class LocalSGD(Periodic):
                           "px.AllReduce() without AllReduce's overlap of communication and backward. Use "
                           "px.AllReduce(), or every > 1 to communicate less.", UserWarning, stacklevel=2)
         super().__init__(sync, ParameterAverage())
+        self.share = 0.0  # this replica's samples since the last average, in batch weights
+
+    def weighs_gradients(self, step: int) -> bool:
+        return is_synchronous(self.sync, step)  # the warm-up averages gradients; local steps keep their own
 
     def after_backward(self, step: int) -> None:
         if is_synchronous(self.sync, step):  # the warm-up: plain synchronous SGD, averaged inside backward()
             average_gradients_(self.params, self.comm)
 
     def after_step(self, step: int, taken: bool) -> None:
-        if not is_synchronous(self.sync, step) and self.sync(step):
-            self.exchange.exchange(self.params, self.comm, step)
+        if is_synchronous(self.sync, step):
+            return
+        self.share += self.clock.step_weight  # a skipped step still held its samples: shares stay equal
+        if self.sync(step):
+            self._average()
+
+    def _average(self) -> None:
+        share_weighted_mean_([p.data for p in self.params], self.comm, self.share)
+        self.share = 0.0
+
+    def reconcile(self) -> None:
+        """Average once more if local steps were taken since the last average."""
+        if self.steps and not self.sync(self.steps) and not is_synchronous(self.sync, self.steps):
+            self._average()
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        return {**super().replica_state_dict(), "share": self.share}
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_replica_state_dict(state)
+        self.share = float(state.get("share", 0.0))
 
     def __repr__(self) -> str:
         return f"LocalSGD({self.sync!r})"

@@ -6,9 +6,9 @@ model, whose ``train_step`` calls the model itself; an elastic group, where a jo
 attaches alone) this does the same from public hooks:
 
 * every parameter gets ``Tensor.register_post_accumulate_grad_hook``; when its
-  ``.grad`` is complete the hook copies it into its bucket's flat buffer, scaled by
-  this rank's batch weight over the world size (``phalanx.batchweight``, as
-  ``weigh_`` does), so that the buckets' sum is the global mean;
+  ``.grad`` is complete the hook copies it into its bucket's flat buffer, divided by
+  the world size, so that the buckets' sum is the global mean (the step clock already
+  weighted each backward pass's gradient by this rank's batch share, :mod:`phalanx.steps`);
 * the buckets are fixed once, from the parameter list in reverse registration order
   (roughly the order backward produces gradients), split by size and dtype/device.
   The list is the same on every rank, because the model is (``px.wrap`` checks);
@@ -49,7 +49,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..batchweight import batch_weight
 from ..comm import Comm, guarded
 
 
@@ -82,11 +81,10 @@ class Bucket:
     def take(self, i: int, grad: torch.Tensor | None, scale: float) -> None:
         """Put ``scale`` times parameter ``i``'s gradient into the buffer (None: it got none, so zeros).
 
-        Scaling while copying saves a second pass over the gradient. A scale of 0 (this rank holds
-        no samples: its gradient may be NaN) gives zeros, and says that this rank reached nothing.
+        Scaling while copying saves a second pass over the gradient.
         """
         slot = self.slots[i]
-        if grad is None or scale == 0:
+        if grad is None:
             slot.zero_()
             self.reached[i] = 0.0
         else:
@@ -139,7 +137,6 @@ class OverlappedMean:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
                          for b in self.buckets for p in b.params]
         self._sent = 0  # buckets started in this pass; always a prefix of self.buckets
-        self._pass_scale: float | None = None  # the batch weight cannot change within a backward pass
         self.error: BaseException | None = None
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -149,18 +146,11 @@ class OverlappedMean:
         bucket, i = self._where[id(param)]
         if bucket.ready[i]:  # twice in one pass cannot happen; a pass whose finish() never ran is reset by regroup()
             return
-        scale = self._pass_scale
-        if scale is None:
-            scale = self._pass_scale = self._scale()
-        bucket.take(i, param.grad, scale)
+        bucket.take(i, param.grad, 1.0 / self.comm.world_size)
         if bucket.waiting == 0:
             buckets = self.buckets
             while self._sent < len(buckets) and buckets[self._sent].waiting == 0:
                 self._send(buckets[self._sent])
-
-    def _scale(self) -> float:
-        """This rank's batch weight over the world size: the buckets' sum is then the global mean gradient."""
-        return batch_weight() / self.comm.world_size
 
     def _send(self, bucket: Bucket) -> None:
         self._sent += 1
@@ -180,7 +170,7 @@ class OverlappedMean:
             for bucket in self.buckets[self._sent:]:
                 for i, p in enumerate(bucket.params):
                     if not bucket.ready[i]:  # no gradient in this pass: what it holds (accumulated), or zeros
-                        bucket.take(i, p.grad, self._scale())
+                        bucket.take(i, p.grad, 1.0 / self.comm.world_size)
                 self._send(bucket)
             start = time.perf_counter()
             with guarded("the gradient all-reduce in backward"):
@@ -202,7 +192,7 @@ class OverlappedMean:
         """Forget this pass (after a failure, or once the elastic group was rebuilt): nothing old is awaited."""
         for bucket in self.buckets:
             bucket.reset()
-        self._sent, self.error, self._pass_scale = 0, None, None
+        self._sent, self.error = 0, None
 
     def remove(self) -> None:
         """Take the hooks off the parameters."""

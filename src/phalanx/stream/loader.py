@@ -7,7 +7,7 @@ backlog, one broadcast plans up to ``ahead`` steps (:mod:`phalanx.stream.plan`),
 read; the main worker decides the next plan on a background thread while the current one trains, and broadcasts
 it one step early when it is ready, so every other worker fetches and decodes its own parts on a background
 thread before it needs them. Small reads give the GIL back to the training thread often. Uneven parts set
-:func:`phalanx.batchweight.set_batch_weight`, so the averaged gradient equals one process's on the same events.
+:func:`phalanx.steps.set_batch_weight`, so the averaged gradient equals one process's on the same events.
 
 The loader's position (the last entry id a *trained* step covered, never a
 planned one) is its whole state: ``state_dict()`` is plain strings and ints
@@ -40,7 +40,7 @@ from typing import Any, Iterator
 import torch
 
 from .. import group
-from ..batchweight import set_batch_weight
+from ..steps import set_batch_weight
 from ..errors import ConfigError, usage
 from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Fetched, Plan, pack_plans, unpack_plans, split
 from .decoding import DEAD, Decoder, fetch_parts
@@ -91,6 +91,7 @@ class StreamLoader:
         # progress (not checkpointed)
         self.ids: list[str] = []
         self.lag = -1
+        self.batch_weight = 1.0  # this worker's share of the batch last yielded (phalanx.steps.set_batch_weight)
         self.acknowledged: str | None = None
         self._commit: tuple[str, int] | None = None  # the position the last state_dict() returned
         self._written: tuple[str, int] | None = None  # the same, once the loop body that took it has run
@@ -171,7 +172,8 @@ class StreamLoader:
                     self._planned.extend(self._next_plans(early=True))
                 self.ids, batch = self._my_part(plan)
                 self.steps, self.events = self.steps + 1, self.events + plan.total
-                set_batch_weight(plan.parts[self.rank][2] * self.world_size / plan.total)
+                self.batch_weight = plan.parts[self.rank][2] * self.world_size / plan.total
+                set_batch_weight(self.batch_weight)
                 yield batch
                 # The loop body ran, so a save that took a state_dict() in it is written: the planner may
                 # acknowledge it now (not before: it runs while the body does).
@@ -181,6 +183,7 @@ class StreamLoader:
                 if plan.final:
                     return
         finally:
+            self.batch_weight = 1.0
             set_batch_weight(1.0)
             if iteration == self._iteration:  # a loop left early: no planner may claim on after it. (An abandoned
                 self._stop_planner()          # iteration may close late, during the next one: then leave it be.)

@@ -1,0 +1,33 @@
+"""Parameters without a gradient, as one process treats them (2 real workers, issue 20 item 8).
+
+torch's optimizers skip a parameter whose ``.grad`` is None. A parameter no rank reached
+must keep None (momentum and weight decay leave it alone); one that some ranks reached
+gets the batch-weighted average. DDP's reducer must not fail when one rank leaves a
+parameter unused.
+"""
+from __future__ import annotations
+
+import pytest
+
+from phalanx.testing import run_workers
+
+NAMES = ["allreduce", "topk1", "powersgd", "local-warmup", "ps-sync"]
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_workers("workers.unused:unused", world_size=2, timeout=180, names=NAMES).results
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", NAMES)
+def test_a_parameter_reached_by_some_ranks_or_none_moves_as_in_one_process(runs, name):
+    for rank in (0, 1):
+        got, oracle = runs[rank][name], runs[rank]["oracle"]
+        assert "error" not in got, got.get("error")
+        assert (got["params"]["never"] - oracle["params"]["never"]).abs().max().item() == 0.0  # never moved
+        assert got["never_grad"] is None
+        if name == "powersgd":
+            continue  # rank-1 PowerSGD approximates the 2-D gradients: only the untouched parameter is exact
+        for key in ("branch.weight", "branch.bias", "body.weight", "body.bias"):
+            assert (got["params"][key] - oracle["params"][key]).abs().max().item() <= 1e-6, key
