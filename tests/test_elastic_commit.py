@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from workers import elastic as base
 from workers import elastic_commit as worker
 from workers.elastic import N
 
@@ -72,3 +73,34 @@ def test_rank_0_killed_inside_a_commit_the_others_roll_back_and_go_on(tmp_path, 
     proc, results = launch(tmp_path, "--die-in-commit", f"0@{at}")
     check_survivors_match_the_oracle(proc, results, "0", rolled_back_to=at)
     assert "DistStoreError" not in proc.stderr
+
+
+LOOP = os.path.join(os.path.dirname(__file__), "workers", "elastic_loop.py")
+
+
+def test_the_module_level_loop_runs_plainly_outside_phalanx_run(tmp_path):
+    subprocess.run([sys.executable, LOOP, "--out", str(tmp_path)], check=True, timeout=120)
+    result = json.load(open(tmp_path / "worker0.json"))
+    assert [row[1] for row in result["record"]] == [1] * 32 and result["history"] == []
+    for got, want in zip(result["params"], base.oracle(result["record"]), strict=True):
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_a_module_level_loop_survives_a_kill_and_matches_the_oracle(tmp_path):
+    # `for epoch in state.epochs(n): with state:` and no training function; worker 1 dies before step 5,
+    # the survivors roll back to the commit of step 3 and go on from there, mid-epoch.
+    proc, results = launch(tmp_path, "--kill", "1@5", script=LOOP)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2"]
+    record = results["0"]["record"]
+    for r in results.values():
+        assert r["record"] == record and r["world_size"] == 2
+        assert [(h["left"], h["step"]) for h in r["history"]] == [(["1"], 3)]
+    for epoch in (0, 1):
+        ids = [i for row in record if row[0] == epoch for i in row[2]]
+        assert ids == torch.randperm(N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    assert [row[1] for row in record] == [3] * 3 + [2] * (len(record) - 3)
+    for r in results.values():
+        for got, want in zip(r["params"], base.oracle(record), strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
