@@ -204,3 +204,24 @@ def test_topk_on_a_large_tensor_is_the_exact_top_k():
     expected = x.abs().topk(3000).indices
     assert torch.equal(idx.long().sort().values, expected.sort().values)
     assert torch.equal(values, x[idx.long()])
+
+
+def test_a_checkpoint_loaded_on_another_world_size_keeps_rank_0s_warm_start_and_no_residuals(tmp_path):
+    from phalanx.checkpoint import FORMAT, write_verified
+    from phalanx.state import TrainingState
+
+    def wrapped():
+        net = torch.nn.Linear(12, 10)
+        c = px.PowerSGD(rank=2)
+        return (c, *px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=px.AllReduce(compression=c)))
+
+    c0, model0, opt0 = wrapped()
+    c0.compress(torch.randn(10, 12), "w")
+    snap = TrainingState(model0, opt0).capture()
+    # a file as 2 workers write it, loaded here by 1: every worker takes rank 0's shared part
+    write_verified(tmp_path / "ckpt.pt", {"format": FORMAT, "world_size": 2, "step": 0, "extra": {},
+                                          "ranks": [snap, {**snap, "rank": 1}]})
+    c1, model1, opt1 = wrapped()
+    with pytest.warns(UserWarning, match="taken with 2 workers"):
+        px.load_checkpoint(tmp_path / "ckpt.pt", model1, opt1)
+    assert c1.residuals == {} and torch.equal(c1.qs["w"], c0.qs["w"])
