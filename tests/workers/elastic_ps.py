@@ -81,7 +81,8 @@ class RecordingState(px.elastic.State):
     def at_commit_point(self) -> None:
         super().at_commit_point()
         # --server-dies-at S: worker 0 stops after step S (before step S+1) until the test has killed the server
-        if os.environ.get("PHALANX_ELASTIC_ID") == "0" and self.step == SERVER_DIES_AT and not self.history:
+        if SERVER_DIES_AT and os.environ.get("PHALANX_ELASTIC_ID") == "0" and self.step == SERVER_DIES_AT \
+                and not self.history:
             open(os.path.join(OUT, "kill-server"), "w").close()
             deadline = time.monotonic() + 60
             while not os.path.exists(os.path.join(OUT, "server-killed")) and time.monotonic() < deadline:
