@@ -134,9 +134,43 @@ def test_state_dict_resumes_exactly(name):
         a.compress(grad, "w")
     b = EF[name]()
     b.load_state_dict(a.state_dict())
+    b.load_replica_state_dict(a.replica_state_dict())
     for grad in grads[3:]:
         out_a, out_b = a.decompress(*a.compress(grad, "w")), b.decompress(*b.compress(grad, "w"))
         assert torch.equal(out_a, out_b)
+
+
+@pytest.mark.parametrize("name", sorted(EF))
+def test_residuals_are_this_workers_own_and_only_the_warm_start_is_shared(name):
+    c = EF[name]()
+    c.compress(torch.randn(12, 10, generator=torch.Generator().manual_seed(3)), "w")
+    assert "residuals" not in c.state_dict() and set(c.replica_state_dict()) == {"residuals"}
+    assert set(c.state_dict()) == ({"qs"} if name == "powersgd" else set())
+    joiner = EF[name]()  # takes the shared part only, as a joiner or a resize takes rank 0's
+    joiner.load_state_dict(c.state_dict())
+    assert joiner.residuals == {} and joiner.replica_state_dict() == {"residuals": {}}
+    c.load_state_dict(joiner.state_dict())  # loading shared state leaves this worker's residuals alone
+    assert set(c.residuals) == {"w"}
+
+
+@pytest.mark.parametrize("strategy", [lambda c: px.AllReduce(compression=c),
+                                      lambda c: px.DiLoCo(every=2, compression=c)])
+def test_a_joiner_takes_rank_0s_warm_start_but_starts_with_zero_residuals(strategy):
+    from phalanx.state import TrainingState, shared
+
+    def wrapped():
+        net = torch.nn.Linear(12, 10)
+        c = px.PowerSGD(rank=2)
+        return (c, *px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=strategy(c)))
+
+    c0, model0, opt0 = wrapped()
+    c0.compress(torch.randn(10, 12), "w")  # rank 0's residual and warm start
+    snapshot = TrainingState(model0, opt0).capture()
+    c1, model1, opt1 = wrapped()
+    TrainingState(model1, opt1).restore(shared(snapshot))  # what a joiner (or a resume on another world size) takes
+    assert c1.residuals == {} and set(c1.qs) == {"w"} and torch.equal(c1.qs["w"], c0.qs["w"])
+    TrainingState(model0, opt0).restore(snapshot)  # a worker's own rollback keeps both
+    assert set(c0.residuals) == {"w"} and set(c0.qs) == {"w"}
 
 
 @pytest.mark.parametrize("make, says", [
@@ -170,3 +204,24 @@ def test_topk_on_a_large_tensor_is_the_exact_top_k():
     expected = x.abs().topk(3000).indices
     assert torch.equal(idx.long().sort().values, expected.sort().values)
     assert torch.equal(values, x[idx.long()])
+
+
+def test_a_checkpoint_loaded_on_another_world_size_keeps_rank_0s_warm_start_and_no_residuals(tmp_path):
+    from phalanx.checkpoint import FORMAT, write_verified
+    from phalanx.state import TrainingState
+
+    def wrapped():
+        net = torch.nn.Linear(12, 10)
+        c = px.PowerSGD(rank=2)
+        return (c, *px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=px.AllReduce(compression=c)))
+
+    c0, model0, opt0 = wrapped()
+    c0.compress(torch.randn(10, 12), "w")
+    snap = TrainingState(model0, opt0).capture()
+    # a file as 2 workers write it, loaded here by 1: every worker takes rank 0's shared part
+    write_verified(tmp_path / "ckpt.pt", {"format": FORMAT, "world_size": 2, "step": 0, "extra": {},
+                                          "ranks": [snap, {**snap, "rank": 1}]})
+    c1, model1, opt1 = wrapped()
+    with pytest.warns(UserWarning, match="taken with 2 workers"):
+        px.load_checkpoint(tmp_path / "ckpt.pt", model1, opt1)
+    assert c1.residuals == {} and torch.equal(c1.qs["w"], c0.qs["w"])

@@ -115,7 +115,7 @@ def test_a_state_without_the_optimizer_is_refused_at_the_first_commit():
 def test_outside_phalanx_run_elastic_the_loop_runs_plainly():
     import phalanx as px
     net = torch.nn.Linear(2, 1)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
     state = px.elastic.State(net, opt, commit_every=1)
 
     @px.elastic.run

@@ -9,8 +9,11 @@ A compressor is an object with Horovod's two methods plus one collective:
 
 Error feedback (Seide et al. 2014; Karimireddy et al. 2019): what a lossy compressor
 leaves out of a tensor stays in a local residual, keyed by ``key``, and is added to
-the next tensor under the same key, so nothing is lost, only delayed. Residuals and
-PowerSGD's warm-start matrices are state: ``state_dict`` / ``load_state_dict``.
+the next tensor under the same key, so nothing is lost, only delayed. A compressor's
+state comes in two parts, kept apart here and nowhere else: ``state_dict()`` is what every
+worker shares (PowerSGD's warm-start Q), ``replica_state_dict()`` is this worker's own (the
+residuals). A worker that joins, or resumes on another world size, takes rank 0's shared part
+and starts with zero residuals: taking rank 0's would count its error feedback twice.
 
 Pass a compressor to ``px.AllReduce(compression=...)`` (gradients) or
 ``px.DiLoCo(compression=...)`` (the pseudo-gradient). Bytes go through
@@ -62,14 +65,23 @@ class Compressor:
         scatter_back(self.decompress(payload, ctx), tensors)
 
     def state_dict(self) -> dict[str, Any]:
+        """The state every worker shares (the same on every rank): what a joiner takes from rank 0."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Restore what :meth:`state_dict` returned; this worker's own state is left as it is."""
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        """This worker's own state (error-feedback residuals): never sent to another worker."""
+        return {}
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`replica_state_dict` returned on this worker."""
 
     def reset(self) -> None:
-        """Forget what is kept between rounds (residuals, warm starts): an empty ``load_state_dict``."""
+        """Forget what is kept between rounds (residuals, warm starts): both parts loaded empty."""
         self.load_state_dict({})
+        self.load_replica_state_dict({})
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -140,10 +152,10 @@ class _ErrorFeedback(Compressor):
             residual.add_(tensor.detach())
         return residual
 
-    def state_dict(self) -> dict[str, Any]:
+    def replica_state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
 
 
@@ -338,10 +350,10 @@ class PowerSGD(_ErrorFeedback):
             self._round(tensors, comm, key)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "qs": {k: v.clone() for k, v in self.qs.items()}}
+        return {"qs": {k: v.clone() for k, v in self.qs.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        # Files written before the split also hold "residuals" here (rank 0's): they are not this worker's.
         self.qs = {k: v.clone() for k, v in state.get("qs", {}).items()}
 
     def __repr__(self) -> str:

@@ -19,10 +19,12 @@ Example:
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable, Iterator, Sized
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.hooks import RemovableHandle
 
 from . import check, group
 from .errors import ConfigError, usage
@@ -176,6 +178,7 @@ class ShardedLoader:
         loader_kwargs["collate_fn"] = _EmptySafeCollate(loader_kwargs.get("collate_fn") or default_collate, dataset)
         self._loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
         self.batch_weight = 1.0  # this worker's share of the batch last yielded
+        self._before_batch: OrderedDict[int, Callable[[], None]] = OrderedDict()  # RemovableHandle: weakref-able
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for ``epoch``; call it at the top of every epoch, as with DistributedSampler."""
@@ -188,6 +191,8 @@ class ShardedLoader:
         sizes = [[len(part) for part in parts] for parts in s.plan()]
         # The prefetcher reads one batch ahead; the position and the weight follow what was handed out.
         for step, batch in enumerate(prefetch(self._loader, self.device)):
+            for hook in list(self._before_batch.values()):
+                hook()
             total = sum(sizes[step])
             s.samples += total
             self.batch_weight = sizes[step][s.rank] * s.world_size / total
@@ -199,6 +204,16 @@ class ShardedLoader:
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+    def before_batch(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call ``hook()`` each time a batch is about to be handed out, before the position moves past it.
+
+        The step before is then over on every rank, whether its ``optimizer.step()`` ran or was
+        skipped: ``px.elastic`` commits here. Returns a handle whose ``remove()`` undoes it.
+        """
+        handle = RemovableHandle(self._before_batch)
+        self._before_batch[handle.id] = hook
+        return handle
 
     def steps_left(self) -> int:
         """Steps the next iteration will take (fewer than ``len`` when resumed mid-epoch)."""

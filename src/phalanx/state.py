@@ -11,7 +11,7 @@ a variable. A snapshot holds:
 * ``strategy``: the strategy's shared state (``state_dict()``, the same on every
   worker: step count, anchor, centre, outer momentum...);
 * ``replica``: the strategy's own state for this worker
-  (``replica_state_dict()``: compressor residuals, PowerSGD's warm start...);
+  (``replica_state_dict()``: compressor residuals, a drifting replica...);
 * ``loader``: the data position, world-size independent (epoch, seed, samples
   trained on), re-split over the current workers on restore;
 * ``rng``: this worker's Python, NumPy, torch and CUDA generators;

@@ -178,7 +178,7 @@ class Trainer:
         def epochs_loop(state: Any = None) -> None:
             first = start
             if state is not None and state.elastic:  # (re-)entered at the commit every worker holds
-                self.step, first = step0 + state.step, max(start, state.epoch)
+                self.step, first = step0 + state.step - clock0, max(start, state.epoch)
                 del self.history[sum(1 for r in self.history if r["epoch"] <= state.epoch):]
             for epoch in range(first, epochs):
                 self.epoch = epoch
@@ -195,6 +195,7 @@ class Trainer:
             from .elastic import State, run
             state = State(self.model, self.optimizer, self.loader,
                           commit_every=10 if elastic is True else int(elastic), resize=resize)
+            clock0 = state.step  # state.step is the framework's count, which may not start at 0 (a resume)
             self.history.membership = state.history
             run(epochs_loop)(state)
         else:

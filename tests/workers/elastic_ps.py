@@ -78,10 +78,11 @@ class RecordingState(px.elastic.State):
         if snap is not None and snap["strategy"].get("servers") is not None:
             LOG["commits"].append([self.step, digest(snap["strategy"]["servers"])])
 
-    def _after_step(self) -> None:
-        super()._after_step()
-        # --server-dies-at S: worker 0 stops after step S until the test has killed the server (SIGKILL)
-        if os.environ.get("PHALANX_ELASTIC_ID") == "0" and self.step == SERVER_DIES_AT and not self.history:
+    def at_commit_point(self) -> None:
+        super().at_commit_point()
+        # --server-dies-at S: worker 0 stops after step S (before step S+1) until the test has killed the server
+        if SERVER_DIES_AT and os.environ.get("PHALANX_ELASTIC_ID") == "0" and self.step == SERVER_DIES_AT \
+                and not self.history:
             open(os.path.join(OUT, "kill-server"), "w").close()
             deadline = time.monotonic() + 60
             while not os.path.exists(os.path.join(OUT, "server-killed")) and time.monotonic() < deadline:

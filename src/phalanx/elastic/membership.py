@@ -21,6 +21,7 @@ Keys (all under ``elastic/`` in the launcher's TCPStore):
     gen/<g>/members        JSON list of ids, rank order
     gen/<g>/arrive/<id>    JSON {"commits": [...]} of a survivor
     gen/<g>/join/<id>      a joiner asking to enter generation g
+    admit/<g>/<step>       JSON list of the joiners admitted at the commit of <step> in generation g
     finished/<id>          worker <id> finished training (its heartbeat may stop while it exits)
     done                   set when training finished (late joiners leave)
 
@@ -128,6 +129,18 @@ class Membership:
         self.store.set(key("gen"), str(g))
         self.members, self.generation = members, g
         return {"generation": g, "members": members, "step": step}
+
+    def admit(self, step: int, proposal: Callable[[], list[str]]) -> list[str]:
+        """Who joins at the commit of ``step``: the first member to get there decides for all.
+
+        Every member proposes (``proposal()``: the joiners waiting now) and a compare-and-set
+        keeps the first proposal, so all members read one decision and none waits for
+        another's word: a member that dies inside the commit (rank 0 included) holds nobody up.
+        """
+        decision = key("admit", self.generation, step)
+        if not self.store.check([decision]):
+            self.store.compare_set(decision, "", json.dumps(proposal()))
+        return json.loads(self.store.get(decision))
 
     def _joiners(self, g: int) -> list[str]:
         raw = self.store.get(key("joiners")) if self.store.check([key("joiners")]) else b"[]"

@@ -13,7 +13,8 @@ runs unchanged: commits are skipped and a failure ends the job as usual.
 
 Example:
     >>> import torch, phalanx as px
-    >>> net = torch.nn.Linear(2, 1); opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> net = torch.nn.Linear(2, 1)
+    >>> net, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
     >>> state = px.elastic.State(net, opt, commit_every=5)
     >>> @px.elastic.run
     ... def train(state):
@@ -29,7 +30,7 @@ import copy
 import functools
 import sys
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,14 +54,21 @@ class State:
     """What a worker rolls back to: a :class:`TrainingState` captured in memory every ``commit_every`` steps.
 
     Args:
-        model, optimizer, loader, scheduler: the objects to capture (the optimizer is required).
-        commit_every: commit after every this many optimizer steps (counted by a step hook),
-            at the strategy's next sync point; None commits only when you call :meth:`commit`.
+        model, optimizer, loader, scheduler: the objects to capture (the optimizer is required,
+            as ``px.wrap`` returned it: its strategy counts the steps).
+        commit_every: commit after every this many steps of the framework's step count
+            (``px.strategy_of(optimizer).steps``, the same on every rank, steps a GradScaler
+            skipped included), at the strategy's next sync point; None commits only when you
+            call :meth:`commit`.
         extra: more objects with ``state_dict``/``load_state_dict`` to roll back with the rest
             (their state is deep-copied at every commit).
         resize: what a membership change keeps: ``px.elastic.KeepWorkerBatch()`` (default: the
             global batch follows the world size) or ``px.elastic.KeepGlobalBatch()`` (the
             per-worker batch is re-split); see :mod:`phalanx.elastic.resize`.
+
+    A commit is taken between two steps: where a ``px.shard`` loader is about to hand out
+    the next batch (the step before is over on every rank, and the loader's position still
+    points at that batch), or, with any other loader, right after ``optimizer.step()``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, loader: Any = None,
@@ -76,13 +84,17 @@ class State:
         self.extra = dict(extra or {})
         self.resize = check_policy(resize)
         self.commit_every = commit_every
-        self.step = 0  # optimizer steps taken, rolled back with the commit
-        self.commits: dict[int, dict] = {}
+        self.commits: dict[int, dict] = {}  # keyed by the framework's step
         self.history: list[dict] = []  # one entry per membership change
         self._checked = False
+        # what ended the last attempt, kept until the group is rebuilt outside the except block that caught it:
+        # ("failure", text, time) or ("joiners", ids)
+        self._pending: tuple | None = None
+        self._in_epochs = False
+        self._handles: list[Any] = []
         self.worker = ElasticWorker.from_environ()
-        if optimizer is not None:
-            optimizer.register_step_post_hook(lambda *_: self._after_step())
+        if self.elastic:
+            self._hook_commit_point()
 
     @property
     def elastic(self) -> bool:
@@ -90,24 +102,47 @@ class State:
         return self.worker is not None
 
     @property
+    def step(self) -> int:
+        """The framework's step count (``px.strategy_of(optimizer).steps``), rolled back with the commit.
+
+        It advances identically on every rank, a step a GradScaler skipped on one rank included,
+        so every rank commits at the same steps. 0 for an optimizer that ``px.wrap`` did not return.
+        """
+        clock = self._clock()
+        return int(clock.step) if clock is not None else 0
+
+    @property
     def epoch(self) -> int:
         """The epoch the loader is in (restored with the commit): start your epoch loop here."""
         sampler = getattr(self.loader, "sampler", None)
         return int(getattr(sampler, "epoch", 0))
 
-    def _after_step(self) -> None:
-        self.step += 1
-        if self.commit_every is None or not self.elastic:
+    def _clock(self) -> Any:
+        return getattr(self.training.strategy, "clock", None)
+
+    def _hook_commit_point(self) -> None:
+        before_batch = getattr(self.loader, "before_batch", None)
+        if callable(before_batch):  # px.shard: between two steps, before the position moves past the next batch
+            self._handles.append(before_batch(self.at_commit_point))
+        elif self.optimizer is not None:  # any other loader: right after the step (a skipped step takes none)
+            self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self.at_commit_point()))
+
+    def at_commit_point(self) -> None:
+        """Between two steps: commit when one is due and admit the joiners waiting (``px.elastic`` calls it)."""
+        clock = self._clock()
+        if self.commit_every is None or not self.elastic or clock is None:
             return
-        last = max(self.commits, default=0)
-        strategy = strategy_of(self.optimizer)
+        clock.settle()  # a step this rank's GradScaler skipped is closed: every rank now counts the same
+        step = clock.step
+        strategy = self.training.strategy
         # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; commit only where
         # every worker stands at the same step with the same model.
-        if self.step - last >= self.commit_every and (strategy is None or strategy.replicas_agree(strategy.steps)):
+        if step - max(self.commits, default=0) >= self.commit_every and (strategy is None or
+                                                                          strategy.replicas_agree(step)):
             self._commit_together()
-            joiners = self.worker.admit(self.step)
+            joiners = self.worker.membership.admit(step, self.worker.pending_joiners)
             if joiners:
-                raise _Resize(joiners)  # out of opt.step() and the training function; run() re-enters it
+                raise _Resize(joiners)  # out of the loop and the training function; the group grows outside it
 
     def commit(self) -> None:
         """Capture this worker's state in memory (no collective); keeps the newest two."""
@@ -115,13 +150,15 @@ class State:
             self._check()
         if not self.elastic:
             return
+        clock = self._clock()
+        clock.settle()  # a skipped step is closed before the step count is read
         snap = self.training.capture()
-        snap["elastic_step"] = self.step
+        snap["elastic_step"] = step = clock.step
         snap["elastic_extra"] = {k: copy.deepcopy(v.state_dict()) for k, v in self.extra.items()}
         # the world the commit was taken in (its lr is that world's) and when: a rollback's cost in seconds
         snap["elastic_world_size"], snap["elastic_time"] = group.world_size(), time.time()
         snap["elastic_resize"] = self.resize.state_dict()
-        self.commits[self.step] = snap
+        self.commits[step] = snap
         for old in sorted(self.commits)[:-KEEP]:
             del self.commits[old]
 
@@ -141,6 +178,10 @@ class State:
                                     "State(model, optimizer, loader, ...)",
                                     "Pass the optimizer: a rollback without its state (momentum, Adam moments) "
                                     "would not continue the run you had."))
+        if self.elastic and self._clock() is None:
+            raise ConfigError(usage("px.elastic.State with an optimizer px.wrap did not return",
+                                    "the optimizer from model, opt = px.wrap(model, opt)",
+                                    "Wrap first: the strategy's step count is the one every worker commits at."))
         ours = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in ours]
         if missing:
@@ -158,7 +199,7 @@ class State:
         snap = self.commits[plan["step"]]
         for newer in [s for s in self.commits if s > plan["step"]]:
             del self.commits[newer]
-        lost_steps = self.step - plan["step"]
+        lost_steps = max(0, self.step - plan["step"])
         self._restore(snap)
         if plan["joined"]:  # spares/joiners the quorum admitted wait in join() for rank 0's commit
             self._send_state()
@@ -201,7 +242,9 @@ class State:
         for k, v in snap["elastic_extra"].items():
             self.extra[k].load_state_dict(copy.deepcopy(v))
         self.resize.load_state_dict(snap["elastic_resize"])
-        self.step = snap["elastic_step"]
+        clock = self._clock()
+        if clock is not None:
+            clock.step, clock.pending = int(snap["elastic_step"]), False
 
     def _resplit(self, before: int) -> None:
         """The rest of the epoch, re-split over the new group; ``before``: the world the live state was built for."""
@@ -212,6 +255,37 @@ class State:
         strategy = strategy_of(self.optimizer)
         if strategy is not None:
             strategy.regroup()
+
+    # -- a loop kept at module level: `for epoch in state.epochs(n): with state: ...` --------------------------
+    def epochs(self, epochs: int) -> Iterator[int]:
+        """The epochs to train, for a loop kept at module level; re-entered after a membership change.
+
+        Replace ``for epoch in range(epochs):`` by ``for epoch in state.epochs(epochs):`` and put the
+        epoch's body under ``with state:``. A lost peer or an admitted joiner ends that block; the
+        group is rebuilt, every worker rolls back to the newest commit they all hold, and the loop
+        goes on from the commit's epoch, mid-epoch (the loader keeps its position). Outside
+        ``phalanx run --elastic`` this is ``range(epochs)``, and ``with state:`` does nothing.
+
+        Example:
+            >>> import torch, phalanx as px
+            >>> net = torch.nn.Linear(2, 1)
+            >>> net, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            >>> state = px.elastic.State(net, opt)
+            >>> for epoch in state.epochs(2):
+            ...     with state:
+            ...         opt.zero_grad(); net(torch.ones(1, 2)).sum().backward(); opt.step()
+            >>> state.step
+            2
+        """
+        return _epochs(self, epochs)
+
+    def __enter__(self) -> "State":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or not self._in_epochs:
+            return False  # outside `for epoch in state.epochs(n)` nothing would re-enter the loop: let it end
+        return _caught(self, exc)  # True: the epoch ends here; epochs() regroups and resumes at the commit
 
     def _note(self, plan: dict, before: int, started: float, *, redone: int, cause: str,
               redone_s: float = 0.0) -> None:
@@ -250,11 +324,73 @@ def is_peer_failure(err: BaseException) -> bool:
     return isinstance(err, (WorkerLostError, dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError))
 
 
+# -- re-entering the training after a membership change: one machinery for both forms ------------------------------
+
+def _begin(state: State) -> bool:
+    """Before the first attempt: a joiner waits to be admitted; the start is a commit every worker holds.
+
+    False when a joiner arrives after training ended (nothing to do).
+    """
+    if state.elastic and state.worker.joining and not state.join():
+        return False
+    if not state.commits:
+        state._commit_together()
+    return True
+
+
+def _caught(state: State, err: BaseException) -> bool:
+    """Note what ended an attempt, to act on outside the except block; False: not ours, re-raise it."""
+    if isinstance(err, _Resize):
+        state._pending = ("joiners", err.joiners)
+        return True
+    if not isinstance(err, Exception) or not state.elastic or not is_peer_failure(err):
+        return False
+    if not state.worker.host_alive():
+        state.worker.lost_host()
+    state._pending = ("failure", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                      time.time())
+    return True
+
+
+def _change(state: State) -> None:
+    """Grow with the admitted joiners, or regroup after a loss and roll back; again if a peer is lost meanwhile.
+
+    Runs outside the except block that caught the failure: a live exception keeps the dead group's
+    tensors (and the collectives other ranks are blocked in) alive. A peer lost while the group is
+    being rebuilt (rank 0 killed inside the commit or the regroup) is one more failure of the same
+    kind: the survivors regroup again and roll back to the newest commit they all hold.
+    """
+    while state._pending is not None:
+        pending, state._pending = state._pending, None
+        try:
+            if pending[0] == "joiners":
+                state.grow(pending[1])
+            else:
+                state.recover(pending[1], pending[2])
+        except QuorumError as err:
+            print(f"phalanx: elastic: worker {state.worker.me}: {err}; stopping", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except Exception as err:  # noqa: BLE001 - a lost peer is noted by _caught; anything else is raised
+            if not _caught(state, err):
+                if not state.worker.host_alive():
+                    state.worker.lost_host()
+                raise
+
+
+def _end(state: State) -> None:
+    for handle in state._handles:
+        handle.remove()
+    state._handles = []
+    if state.elastic:
+        state.worker.finished()
+
+
 def run(fn: F) -> F:
     """Decorate the training function ``fn(state, ...)``: it is re-entered after every membership change.
 
     Start your loops from the state (``for epoch in range(state.epoch, epochs)``): after a
-    rollback the loader resumes mid-epoch where the commit left it.
+    rollback the loader resumes mid-epoch where the commit left it. To keep the loop at
+    module level instead, see :meth:`State.epochs`.
     """
     @functools.wraps(fn)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
@@ -263,38 +399,34 @@ def run(fn: F) -> F:
                                     "a px.elastic.State as the first argument",
                                     "Build state = px.elastic.State(model, opt, loader) and call "
                                     f"{fn.__name__}(state)."))
-        if state.elastic and state.worker.joining and not state.join():
+        if not _begin(state):
             return None  # training ended before we got in: nothing to do
-        if not state.commits:
-            state._commit_together()  # the start is always a commit every worker holds
         while True:
-            failure, joiners, failed_at = None, None, 0.0
             try:
                 result = fn(state, *args, **kwargs)
-            except _Resize as resize:
-                joiners = resize.joiners
-            except Exception as err:  # noqa: BLE001 - sorted just below
-                if not state.elastic or not is_peer_failure(err):
+            except BaseException as err:  # noqa: BLE001 - _caught keeps a lost peer and a resize; the rest is raised
+                if not _caught(state, err):
                     raise
-                if not state.worker.host_alive():
-                    state.worker.lost_host()
-                failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                failed_at = time.time()
-            if failure is None and joiners is None:
-                state.worker.finished() if state.elastic else None
+            else:
+                _end(state)
                 return result
-            # Outside the except block: a live exception keeps the dead group's tensors (and the
-            # collectives other ranks are blocked in) alive.
-            try:
-                if joiners is not None:
-                    state.grow(joiners)
-                    continue
-                state.recover(failure, failed_at)
-            except QuorumError as err:
-                print(f"phalanx: elastic: worker {state.worker.me}: {err}; stopping", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
-            except Exception:
-                if not state.worker.host_alive():
-                    state.worker.lost_host()
-                raise
+            _change(state)
     return wrapper  # type: ignore[return-value]
+
+
+def _epochs(state: State, epochs: int) -> Iterator[int]:
+    if not _begin(state):
+        return  # training ended before we got in
+    state._in_epochs = True
+    try:
+        epoch = state.epoch
+        while epoch < epochs:
+            yield epoch
+            if state._pending is not None:  # `with state:` ended the epoch early: regroup, resume at the commit
+                _change(state)
+                epoch = state.epoch
+            else:
+                epoch += 1
+    finally:
+        state._in_epochs = False
+    _end(state)

@@ -153,22 +153,16 @@ class ElasticWorker:
         """Rank 0, at a commit point: joiners to admit now (up to --max-workers), in arrival order."""
         return self.joiners_for(self.membership.members)
 
-    def admit(self, step: int) -> list[str]:
-        """Collective in effect (every member calls it at the same commit): who joins now."""
-        decision = key("admit", self.membership.generation, step)
-        if self.membership.rank == 0:
-            self.store.set(decision, json.dumps(self.pending_joiners()))
-        return json.loads(self.store.get(decision))  # the others wait for rank 0's word
-
     def grow(self, joiners: list[str], *, backend: str) -> dict:
         """Members and joiners form the next generation; nobody rolls back."""
         g = self.membership.generation + 1
         members = self.membership.members + joiners
-        if self.membership.rank == 0:
-            self.store.set(key("gen", g, "members"), json.dumps(members))
-            self.store.set(key("gen"), str(g))
-        rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s, backend=backend)
+        # Every member writes the same list (no one waits for rank 0's word), and takes generation g before
+        # the rebuild: if a member dies during it, the survivors regroup from g, joiners counted.
+        self.store.compare_set(key("gen", g, "members"), "", json.dumps(members))
+        self.store.set(key("gen"), str(g))
         self.membership.members, self.membership.generation = members, g
+        rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s, backend=backend)
         return {"generation": g, "members": members, "left": [], "joined": joiners}
 
     def wait_for_admission(self, poll_s: float = 0.05) -> dict | None:

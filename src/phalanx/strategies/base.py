@@ -182,15 +182,16 @@ class Strategy:
     def replica_state_dict(self) -> dict[str, Any]:
         """This rank's own state that the other replicas do not share.
 
-        By default: the compressor's residuals, when the strategy has a ``compression``.
+        By default: the compressor's own part (its residuals), when the strategy has a ``compression``;
+        the shared part (PowerSGD's Q) is in the subclass's ``state_dict``.
         """
         compression = getattr(self, "compression", None)
-        return {"compression": compression.state_dict()} if hasattr(compression, "state_dict") else {}
+        return {"compression": compression.replica_state_dict()} if compression is not None else {}
 
     def load_replica_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`replica_state_dict` returned on this rank."""
         if "compression" in state:
-            self.compression.load_state_dict(state["compression"])
+            self.compression.load_replica_state_dict(state["compression"])
 
     @property
     def bytes_sent(self) -> int:
