@@ -31,6 +31,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from ..errors import PhalanxError
 from .options import DEFAULT_HEARTBEAT_S, ElasticConfig, add_arguments  # noqa: F401 - re-exported
 from .watch import Remote, Watched, describe, exit_note, poll
 
@@ -53,8 +54,7 @@ def run_elastic(cfg: "RunConfig") -> int:
     from .membership import key
 
     el: ElasticConfig = cfg.elastic
-    store = dist.TCPStore(cfg.master_addr if cfg.master_addr != "127.0.0.1" else "127.0.0.1", cfg.master_port or 0,
-                          is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store, listener = listening_store(cfg.master_addr, cfg.master_port or 0)
     port = store.port
     ids, spares = [str(r) for r in range(cfg.nproc)], [f"s{i}" for i in range(el.spares)]
     store.set(key("config"), json.dumps({"min_workers": el.min_workers, "max_workers": el.max_workers,
@@ -94,6 +94,32 @@ def run_elastic(cfg: "RunConfig") -> int:
         _stop_all(workers)
         if servers is not None:
             servers.stop()
+        listener.close()
+
+
+def listening_store(host: str, port: int = 0, timeout_s: float = 30.0):  # -> (TCPStore, socket): keep both
+    """Host the job's store listening on ``host`` only (``--master-addr``; loopback by default).
+
+    torch's TCPStore listens on every interface, IPv4 and IPv6, whatever address it is
+    given: we bind the socket ourselves and hand it over, as the non-elastic launcher does.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise PhalanxError(f"the elastic store cannot listen on {host}:{port} ({err.strerror}); pass an address "
+                           "of this host as --master-addr and a free --master-port") from None
+    sock.listen(512)
+    store = dist.TCPStore(host, sock.getsockname()[1], None, True, timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    return store, sock
 
 
 def quiet_store_env(debug: bool = False) -> dict[str, str]:
