@@ -19,6 +19,7 @@ import time
 import pytest
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "elastic.py")
+DOOR = os.path.join(os.path.dirname(__file__), "workers", "elastic_door.py")  # trains until OUT/stop exists
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 
 pytestmark = pytest.mark.multiproc
@@ -69,3 +70,104 @@ def test_the_elastic_store_listens_on_loopback_only_by_default(tmp_path):
         assert set(addrs) <= loopback, addrs
     finally:
         stop(launcher)
+
+
+def results_of(tmp_path) -> dict:
+    return {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+
+
+def assert_untouched(tmp_path, launcher: subprocess.Popen, stderr: str, workers: tuple[str, ...] = ("0", "1")) -> None:
+    """The job ended as if nobody had tried to enter: its own workers, its own world size, the oracle's weights."""
+    from test_elastic import oracle
+    assert launcher.returncode == 0, stderr[-3000:]
+    results = results_of(tmp_path)
+    assert sorted(results) == sorted(workers), stderr[-3000:]
+    record = results["0"]["record"]
+    assert {w for _, w, _ in record} == {len(workers)} and all(r["record"] == record for r in results.values())
+    for r in results.values():
+        for got, want in zip(r["params"], oracle(record), strict=True):
+            torch_close(got, want)
+
+
+def torch_close(got, want) -> None:
+    import torch
+    torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+SECRET = "0123456789abcdef" * 4  # the tests' job secret (the launcher takes PHALANX_SECRET when it is set)
+
+
+def start_door(tmp_path, *flags: str) -> tuple[subprocess.Popen, int]:
+    """``workers/elastic_door.py`` on 2 workers, training until :func:`end_door`; returns the launcher and port."""
+    env = {**os.environ, "PHALANX_SECRET": SECRET}
+    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", *flags, DOOR, "--out", str(tmp_path)]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    port = int(re.search(r"its store is at \S+:(\d+)", launcher.stderr.readline()).group(1))
+    deadline = time.monotonic() + 90
+    while len(glob.glob(str(tmp_path / "training*"))) < 2:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-2000:]
+        time.sleep(0.1)
+    return launcher, port
+
+
+def end_door(tmp_path, launcher: subprocess.Popen) -> str:
+    """Tell the job to stop (every worker at the same step) and return the launcher's stderr."""
+    open(tmp_path / "stop", "w").close()
+    return launcher.communicate(timeout=120)[1]
+
+
+def test_a_join_without_the_secret_or_with_a_wrong_one_is_refused_and_the_job_is_untouched(tmp_path):
+    launcher, port = start_door(tmp_path)
+    join = [*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", DOOR, "--out", str(tmp_path)]
+    bare = {k: v for k, v in os.environ.items() if k != "PHALANX_SECRET"}
+    without = subprocess.run(join, capture_output=True, text=True, timeout=60, env=bare)
+    wrong = subprocess.run(join, capture_output=True, text=True, timeout=60, env={**bare, "PHALANX_SECRET": "x" * 64})
+    time.sleep(1.0)  # let the job train on: a joiner let in would be admitted at the next commit
+    stderr = end_door(tmp_path, launcher)
+    assert without.returncode == 2 and "secret" in without.stderr and len(without.stderr.splitlines()) == 1, \
+        without.stderr[-2000:]
+    assert wrong.returncode == 1 and "secret" in wrong.stderr and len(wrong.stderr.splitlines()) == 1, \
+        wrong.stderr[-2000:]
+    assert_untouched(tmp_path, launcher, stderr)
+
+
+def ghost(port: int, name: str, secret: str | None):  # -> its store connection
+    """What an intruder (or a joiner that dies at once) leaves: its name in the store's joiners list, no process."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phalanx.elastic import secret as job_secret
+    from phalanx.elastic.membership import key
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    if secret is not None:
+        config = json.loads(store.get(key("config")))
+        store.set(key("proof", name), job_secret.proof(secret, config["nonce"], name))
+    while True:
+        old = store.get(key("joiners")).decode() if store.check([key("joiners")]) else ""
+        new = json.dumps(sorted(set(json.loads(old or "[]")) | {name}))
+        if store.compare_set(key("joiners"), old, new).decode() == new:
+            return store
+
+
+@pytest.mark.parametrize("proven", [False, True], ids=["raw-write", "with-the-secret"])
+def test_a_joiner_that_never_arrives_cannot_end_the_job(tmp_path, proven):
+    launcher, port = start_door(tmp_path, "--heartbeat-timeout", "3", "--max-workers", "3")  # room for it
+    store = ghost(port, "ghost", SECRET if proven else None)
+    from phalanx.elastic.membership import key
+    if proven:  # admitted at the next commit, then dropped after the heartbeat timeout (3 s), not gloo's 60 s
+        deadline = time.monotonic() + 60
+        while not store.check([key("dead", "ghost")]):
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    else:  # never admitted: it proved nothing; the job trains on for a while with the name in its store
+        step = len(glob.glob(str(tmp_path / "training*")))
+        time.sleep(3.0)
+        assert step and launcher.poll() is None
+    time.sleep(1.0)  # and the members go on training after it
+    stderr = end_door(tmp_path, launcher)
+    assert_untouched(tmp_path, launcher, stderr)
+    if proven:
+        assert "ghost" in stderr and "dropped" in stderr, stderr[-3000:]
+    else:
+        assert "ghost" not in stderr, stderr[-3000:]

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ..errors import PhalanxError
+from . import secret
 from .options import DEFAULT_HEARTBEAT_S, ElasticConfig, add_arguments  # noqa: F401 - re-exported
 from .watch import Remote, Watched, describe, exit_note, poll
 
@@ -49,18 +52,21 @@ _Worker, _how, _exit_note = Watched, describe, exit_note
 
 def run_elastic(cfg: "RunConfig") -> int:
     """Host the store, start ``cfg.nproc`` workers and the spares, watch them; returns the exit status."""
-    import torch.distributed as dist
-
     from .membership import key
 
     el: ElasticConfig = cfg.elastic
     store, listener = listening_store(cfg.master_addr, cfg.master_port or 0)
     port = store.port
     ids, spares = [str(r) for r in range(cfg.nproc)], [f"s{i}" for i in range(el.spares)]
+    job_secret, secret_file = _job_secret()
+    job_nonce = secret.nonce()
     store.set(key("config"), json.dumps({"min_workers": el.min_workers, "max_workers": el.max_workers,
-                                         "heartbeat_s": el.heartbeat_s, "workers": cfg.nproc, "spares": spares}))
+                                         "heartbeat_s": el.heartbeat_s, "workers": cfg.nproc, "spares": spares,
+                                         "nonce": job_nonce, "check": secret.verifier(job_secret, job_nonce)}))
+    how = f"--secret-file {secret_file} " if secret_file else ""
     print(f"phalanx: elastic job: its store is at {cfg.master_addr}:{port}; add workers with "
-          f"`phalanx join --rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`", file=sys.stderr, flush=True)
+          f"`phalanx join {how}--rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`"
+          f"{'' if secret_file else f' and the {secret.ENV} you set'}", file=sys.stderr, flush=True)
     store.set(key("gen", 0, "members"), json.dumps(ids))
     servers = None  # `--servers K`: started before the workers, outlive every one of them
     if cfg.servers:
@@ -69,7 +75,7 @@ def run_elastic(cfg: "RunConfig") -> int:
     base = {**os.environ, **quiet_store_env(cfg.debug), **cfg.worker_env(), **(servers.env() if servers else {}),
             "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),
             "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "true",
-            "TORCHELASTIC_RESTART_COUNT": "0"}
+            "TORCHELASTIC_RESTART_COUNT": "0", secret.ENV: job_secret}
     command = [sys.executable, "-u", cfg.script, *cfg.script_args]
     workers = [_Worker(w, subprocess.Popen(command, env={**base, "RANK": w, "LOCAL_RANK": w,
                                                           "PHALANX_ELASTIC_ID": w})) for w in ids]
@@ -95,6 +101,25 @@ def run_elastic(cfg: "RunConfig") -> int:
         if servers is not None:
             servers.stop()
         listener.close()
+        if secret_file:
+            shutil.rmtree(os.path.dirname(secret_file), ignore_errors=True)
+
+
+def _job_secret() -> tuple[str, str | None]:
+    """The job's secret and the file a joiner reads it from (None: the user set PHALANX_SECRET and holds it).
+
+    The file is in a directory of its own, readable by this user only (mkdtemp makes it 0700), and is
+    removed when the job ends.
+    """
+    given = os.environ.get(secret.ENV)
+    if given:
+        return given, None
+    made = secret.make()
+    path = os.path.join(tempfile.mkdtemp(prefix="phalanx-elastic-"), "secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(made + "\n")
+    return made, path
 
 
 def listening_store(host: str, port: int = 0, timeout_s: float = 30.0):  # -> (TCPStore, socket): keep both
