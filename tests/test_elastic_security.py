@@ -171,3 +171,40 @@ def test_a_joiner_that_never_arrives_cannot_end_the_job(tmp_path, proven):
         assert "ghost" in stderr and "dropped" in stderr, stderr[-3000:]
     else:
         assert "ghost" not in stderr, stderr[-3000:]
+
+
+def test_a_joiner_arriving_after_the_end_exits_0_at_once_with_no_thread_left(tmp_path):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phalanx.elastic import secret as job_secret
+    from phalanx.elastic.membership import key
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    nonce = job_secret.nonce()
+    store.set(key("config"), json.dumps({"min_workers": 1, "max_workers": 3, "heartbeat_s": 5.0, "workers": 2,
+                                         "spares": [], "nonce": nonce, "check": job_secret.verifier(SECRET, nonce)}))
+    store.set(key("gen", 0, "members"), json.dumps(["0", "1"]))
+    store.set(key("done"), "1")  # training ended; the launcher is still up while its workers exit
+    env = {**os.environ, "PHALANX_ELASTIC_ID": "r1", "PHALANX_ELASTIC_JOIN": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port), "PHALANX_SECRET": SECRET}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    threads = tmp_path / "threads.json"
+    proc = subprocess.run([sys.executable, "-u", DOOR, "--out", str(tmp_path), "--threads-at-exit", str(threads)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(threads.read_text()) == []  # the heartbeat thread was stopped and joined before exit
+
+
+@pytest.mark.parametrize("save", [True, False], ids=["saved", "never-saved"])
+def test_when_every_worker_is_gone_the_launcher_says_the_job_ended_and_where_to_resume(tmp_path, save):
+    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", DOOR, "--out", str(tmp_path), "--fail-at", "5",
+           *(["--save"] if save else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("phalanx: elastic:")]
+    assert "it was the last worker" in lines[-2], lines
+    assert "the job ended" in lines[-1] and "exited with status 3" in lines[-1], lines
+    where = str(tmp_path / "ckpt.pt") if save else "no disk checkpoint was saved"
+    assert where in lines[-1], lines

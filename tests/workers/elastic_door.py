@@ -10,9 +10,11 @@ At the end each worker writes ``D/worker<id>.json`` as ``workers/elastic.py`` do
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--commit-every", type=int, default=2)
+    p.add_argument("--fail-at", type=int, default=0, help="every worker exits with status 3 at this step")
+    p.add_argument("--save", action="store_true", help="px.save_checkpoint to OUT/ckpt.pt just before --fail-at")
+    p.add_argument("--threads-at-exit", default=None, help="write the threads still running at exit to this file")
     args = p.parse_args()
+    if args.threads_at_exit:  # registered first, so it runs last of the exit handlers: after phalanx's own
+        atexit.register(lambda: open(args.threads_at_exit, "w").write(json.dumps(
+            [t.name for t in threading.enumerate() if t is not threading.main_thread()])))
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     px.init()
     net, data = model(), dataset()
@@ -46,6 +54,11 @@ def main() -> None:
                 dist.all_reduce(stop)
                 if stop.item() > 0:
                     return
+                if state.step + 1 == args.fail_at:  # a bug every worker hits: the whole job is gone
+                    if args.save:
+                        px.save_checkpoint(os.path.join(args.out, "ckpt.pt"), model_, opt, loader=loader,
+                                           step=state.step)
+                    raise SystemExit(3)
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])
                 everyone = torch.cat(comm.all_gather(padded))
                 record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])

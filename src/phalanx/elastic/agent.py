@@ -238,8 +238,12 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                       f"({failed_starts} in a row)", file=sys.stderr, flush=True)
             else:
                 failed_starts = 0
-                print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; the others regroup "
-                      "without it", file=sys.stderr, flush=True)
+                members = set(_members(store))
+                others = [x for x in workers if x is not w and x.id in members and x.proc.poll() is None]
+                others += remotes.alive(store, {x.id for x in workers}, el.heartbeat_s, now=now)
+                print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; "
+                      f"{'the others regroup without it' if others else 'it was the last worker'}",
+                      file=sys.stderr, flush=True)
             if reserve:
                 spare = next(s for s in workers if s.id == reserve[0])
                 reserve.pop(0)
@@ -263,16 +267,39 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
         if not alive and not remote:
             if ok or store.check([key("done")]):
                 return 0
+            print(f"phalanx: elastic: the job ended before training finished: every worker is gone (the first "
+                  f"{_how(first_failure or 1)}); {last_checkpoint(store)}", file=sys.stderr, flush=True)
             return 128 - first_failure if first_failure and first_failure < 0 else (first_failure or 1)
         if not ok:  # a spare or a replacement is a worker once a generation includes it, not before
             members = set(_members(store))
             alive = [w for w in alive if w.id in members]
         if not ok and len(alive) + len(remote) < el.min_workers and not store.check([key("done")]):
             print(f"phalanx: elastic: {len(alive) + len(remote)} worker(s) left, below --min-workers "
-                  f"{el.min_workers}; stopping the job. Commits are in memory only: resume from your last disk "
-                  "checkpoint (px.save_checkpoint), if any.", file=sys.stderr, flush=True)
+                  f"{el.min_workers}; stopping the job (commits are in memory only); {last_checkpoint(store)}",
+                  file=sys.stderr, flush=True)
             return 1
         time.sleep(POLL_S)
+
+
+def last_checkpoint(store) -> str:
+    """Where to resume from, in words: the newest file ``px.save_checkpoint`` wrote in this job, if any.
+
+    The workers leave its path in their group's store (each generation has its own key space),
+    so the newest generation that saved one names it.
+    """
+    from ..checkpoint import LAST_SAVED_KEY
+    from .membership import key
+    from .rebuild import generation_prefix
+
+    try:
+        newest = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
+        for g in range(newest, -1, -1):
+            k = f"{'phalanx/0' if g == 0 else generation_prefix(g)}/{LAST_SAVED_KEY}"
+            if store.check([k]):
+                return f"resume from the last disk checkpoint, {store.get(k).decode()}"
+    except Exception:  # noqa: BLE001 - our own store; unreadable only if it broke, and this is the last line
+        pass
+    return "no disk checkpoint was saved (px.save_checkpoint), so the job restarts from the beginning"
 
 
 def _stop_all(workers: list[_Worker], grace_s: float = 3.0) -> None:

@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -70,6 +71,10 @@ class ElasticWorker:
         self._stop = threading.Event()
         self._beating = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
         self._beating.start()
+        # Stopped before the interpreter exits, on every path: a daemon thread still inside a store call
+        # while the interpreter is torn down aborts the process ("terminate called without an active
+        # exception", SIGABRT; a late --replace worker 2 runs in 4).
+        atexit.register(self.close)
         global _current
         _current = self  # for generation() and lost_peer() below
 
@@ -97,6 +102,12 @@ class ElasticWorker:
                     self.lost_host()
             if self._stop.wait(HEARTBEAT_EVERY_S):
                 return
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the heartbeat thread and wait for it (at most ``wait_s``: a store call it is inside times out)."""
+        self._stop.set()
+        if self._beating.is_alive() and self._beating is not threading.current_thread():
+            self._beating.join(wait_s)
 
     def lost_host(self) -> None:
         """The launcher's store is gone: say so once (from whichever thread notices first) and end."""
@@ -261,6 +272,7 @@ class ElasticWorker:
         seen = -1
         while True:
             if self.store.check([key("done")]):
+                self.close()  # training ended before we got in: nothing of ours runs any more
                 return None
             g = int(self.store.get(key("gen"))) if self.store.check([key("gen")]) else -1
             if g > seen:
@@ -284,12 +296,13 @@ class ElasticWorker:
         return self.store.get(key("gen", generation, "go")) == b"yes"
 
     def finished(self) -> None:
-        """Training is over on this worker: late joiners may leave."""
+        """Training is over on this worker: late joiners may leave; our heartbeat stops."""
         try:
             self.store.set(key("finished", self.me), "1")
             self.store.set(key("done"), "1")
         except Exception:  # noqa: BLE001 - the launcher may already be gone at exit
             pass
+        self.close()
 
 
 # -- what a strategy that waits outside gloo (the synchronous PS) asks -----------------
