@@ -208,3 +208,20 @@ def test_when_every_worker_is_gone_the_launcher_says_the_job_ended_and_where_to_
     assert "the job ended" in lines[-1] and "exited with status 3" in lines[-1], lines
     where = str(tmp_path / "ckpt.pt") if save else "no disk checkpoint was saved"
     assert where in lines[-1], lines
+
+
+def test_a_joiner_that_never_reaches_training_is_never_admitted_and_stalls_nobody(tmp_path):
+    """nanoGPT's joiner: it builds its State but never enters the training function (it believed it was alone)."""
+    launcher, port = start_door(tmp_path, "--heartbeat-timeout", "3", "--max-workers", "3")  # room for it
+    join = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", DOOR, "--out",
+                             str(tmp_path), "--idle-joiner"], env={**os.environ, "PHALANX_SECRET": SECRET},
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not glob.glob(str(tmp_path / "idle*")):
+        assert join.poll() is None and launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(4.0)  # several commits: the members would admit a waiting joiner at each
+    assert launcher.poll() is None
+    stderr = end_door(tmp_path, launcher)
+    assert join.wait(timeout=60) == 0, join.stderr.read()[-2000:]
+    assert_untouched(tmp_path, launcher, stderr)

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ def main() -> None:
     p.add_argument("--commit-every", type=int, default=2)
     p.add_argument("--fail-at", type=int, default=0, help="every worker exits with status 3 at this step")
     p.add_argument("--save", action="store_true", help="px.save_checkpoint to OUT/ckpt.pt just before --fail-at")
+    p.add_argument("--idle-joiner", action="store_true",
+                   help="a joiner builds its State, then never trains (never calls train(state)) until OUT/stop")
     p.add_argument("--threads-at-exit", default=None, help="write the threads still running at exit to this file")
     args = p.parse_args()
     if args.threads_at_exit:  # registered first, so it runs last of the exit handlers: after phalanx's own
@@ -44,6 +47,11 @@ def main() -> None:
     record = Record()
     state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record})
     comm = px.Comm()
+    if args.idle_joiner and os.environ.get("PHALANX_ELASTIC_JOIN") == "1":
+        open(os.path.join(args.out, f"idle{me}"), "w").close()
+        while not os.path.exists(os.path.join(args.out, "stop")):  # a script that believed it was alone
+            time.sleep(0.1)
+        return
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:

@@ -104,7 +104,16 @@ class ElasticWorker:
                 return
 
     def close(self, wait_s: float = 5.0) -> None:
-        """Stop the heartbeat thread and wait for it (at most ``wait_s``: a store call it is inside times out)."""
+        """Stop the heartbeat thread and wait for it (at most ``wait_s``: a store call it is inside times out).
+
+        First we say we are leaving (``finished/<id>``): the watcher must not take the silence
+        of a process that is exiting for a hang and kill it.
+        """
+        if not self._stop.is_set():
+            try:
+                self.store.set(key("finished", self.me), "1")
+            except Exception:  # noqa: BLE001 - the launcher may be gone; then nobody is watching
+                pass
         self._stop.set()
         if self._beating.is_alive() and self._beating is not threading.current_thread():
             self._beating.join(wait_s)
