@@ -22,6 +22,7 @@ Example:
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -115,7 +116,9 @@ def _job_secret() -> tuple[str, str | None]:
     if given:
         return given, None
     made = secret.make()
-    path = os.path.join(tempfile.mkdtemp(prefix="phalanx-elastic-"), "secret")
+    folder = tempfile.mkdtemp(prefix="phalanx-elastic-")
+    atexit.register(shutil.rmtree, folder, True)  # also when the launcher fails before its watch loop
+    path = os.path.join(folder, "secret")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(made + "\n")
