@@ -37,7 +37,8 @@ HEARTBEAT_S = 30  # long: a recovery much faster than this was found by a watche
 def start(link: netns.Link, side: int, args: list[str], out) -> subprocess.Popen:
     """Run ``phalanx ARGS`` in namespace ``side``; its stderr goes to OUT/host<side>.err."""
     iface = link.interfaces[side]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": iface, "PHALANX_TIMEOUT": "60"}
+    # both hosts hold the job's secret: the launcher takes it from PHALANX_SECRET, `phalanx join` presents it
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": iface, "PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "6e7" * 16}
     flags = [WORKER, "--out", str(out), "--epochs", str(EPOCHS), "--commit-every", "3", "--step-sleep", "0.1",
              "--mark-world", "--slow-until-world", "4"]  # host A's 2 workers go slowly until B's have joined
     with open(out / f"host{side}.err", "w") as err:

@@ -106,10 +106,22 @@ def test_config_for_several_hosts_means_what_torchrun_means(script):
     assert cfg.worker_env() == {"OMP_NUM_THREADS": "3", "PHALANX_THREADS": "3", "PHALANX_TIMEOUT": "30.0",
                                 "PHALANX_LAUNCHER": "run",  # several hosts: gloo picks the routable interface
                                 **heap_env(os.environ)}
-    elastic = RunConfig.from_argv(["--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
-                                   "--rdzv-id", "job7", "--max-restarts", "2", script]).launch_config()
-    assert (elastic.min_nodes, elastic.max_nodes, elastic.rdzv_endpoint, elastic.run_id, elastic.max_restarts) == \
+    ranged = RunConfig.from_argv(["--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
+                                  "--rdzv-id", "job7", "--max-restarts", "2", script]).launch_config()
+    assert (ranged.min_nodes, ranged.max_nodes, ranged.rdzv_endpoint, ranged.run_id, ranged.max_restarts) == \
         (1, 4, "h:29400", "job7", 2)
+
+
+def test_help_says_elastic_only_of_elastic():
+    """One meaning: "elastic" is membership changing while the workers run (--elastic), not --nnodes MIN:MAX."""
+    from phalanx.launch import build_parser
+    text = build_parser().format_help()
+    before_group = text.split("\nelastic (")[0]  # everything outside the --elastic group and its examples
+    outside = [ln for ln in before_group.splitlines() + text.split("examples:")[1].splitlines()
+               if "elastic" in ln.lower() and "--elastic" not in ln]
+    assert outside == [], outside
+    nnodes = text.split("  --nnodes N|MIN:MAX ")[1].split("--node-rank")[0]  # its help: what MIN:MAX does instead
+    assert "restarts the whole group" in " ".join(nnodes.split()), nnodes
 
 
 @pytest.mark.parametrize("argv,given", [

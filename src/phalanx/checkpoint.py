@@ -52,6 +52,9 @@ __all__ = ["MAGIC", "load_checkpoint", "load_state", "read_checkpoint", "rng_sta
            "save_state", "set_rng_state", "write_verified", "check_plain", "atomic_write"]
 
 
+LAST_SAVED_KEY = "checkpoint/last"  # in the group's store: the newest px.save_checkpoint file (absolute path)
+
+
 def save(model: nn.Module, path: str | os.PathLike) -> None:
     """Save the plain model's weights from the main worker only (others return at once).
 
@@ -115,6 +118,17 @@ def save_state(path: str | os.PathLike, state: TrainingState) -> None:
         _post_write(key, f"{type(err).__name__}\n{err}")
         raise
     _post_write(key, "ok")
+    _post_saved(path)
+
+
+def _post_saved(path: str | os.PathLike) -> None:
+    """Leave the newest checkpoint's path in the group's store: a launcher whose job ends names it."""
+    store = group.store()
+    if store is not None:
+        try:
+            store.set(LAST_SAVED_KEY, os.path.abspath(os.fspath(path)))
+        except Exception:  # noqa: BLE001 - only a hint for the launcher's last line; the file is written
+            pass
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,

@@ -54,7 +54,9 @@ examples:
   phalanx run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -n 2 train.py
                                                 host 0 of 2 (run the same with --node-rank 1 on host 1)
   phalanx run --nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job7 -n 2 train.py
-                                                elastic: 1 to 4 hosts meet at an endpoint
+                                                1 to 4 hosts meet at an endpoint (torchrun's rendezvous)
+  phalanx run -n 3 --elastic --min-workers 2 train.py
+                                                a lost worker leaves, the others train on (--elastic)
 
 The same script also runs under `torchrun --nproc-per-node N train.py` or as a plain `python train.py`.
 """
@@ -75,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true",
                    help="show full tracebacks for workers' usage errors (same as PHALANX_DEBUG=1)")
     hosts = p.add_argument_group("several hosts (same meaning as torchrun's)")
-    hosts.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of hosts (default 1)")
+    hosts.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                       help="number of hosts (default 1); MIN:MAX starts with MIN to MAX hosts, and a host added "
+                            "or lost restarts the whole group (torchrun's rendezvous, up to --max-restarts)")
     hosts.add_argument("--node-rank", default="0", metavar="R", help="this host's rank for --rdzv-backend static")
     hosts.add_argument("--master-addr", default=None, metavar="HOST",
                        help=f"address of host 0 (default {DEFAULT_MASTER_ADDR})")

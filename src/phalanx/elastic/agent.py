@@ -22,15 +22,20 @@ Example:
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from ..errors import PhalanxError
+from . import secret
 from .options import DEFAULT_HEARTBEAT_S, ElasticConfig, add_arguments  # noqa: F401 - re-exported
 from .watch import Remote, Watched, describe, exit_note, poll
 
@@ -48,19 +53,21 @@ _Worker, _how, _exit_note = Watched, describe, exit_note
 
 def run_elastic(cfg: "RunConfig") -> int:
     """Host the store, start ``cfg.nproc`` workers and the spares, watch them; returns the exit status."""
-    import torch.distributed as dist
-
     from .membership import key
 
     el: ElasticConfig = cfg.elastic
-    store = dist.TCPStore(cfg.master_addr if cfg.master_addr != "127.0.0.1" else "127.0.0.1", cfg.master_port or 0,
-                          is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store, listener = listening_store(cfg.master_addr, cfg.master_port or 0)
     port = store.port
     ids, spares = [str(r) for r in range(cfg.nproc)], [f"s{i}" for i in range(el.spares)]
+    job_secret, secret_file = _job_secret()
+    job_nonce = secret.nonce()
     store.set(key("config"), json.dumps({"min_workers": el.min_workers, "max_workers": el.max_workers,
-                                         "heartbeat_s": el.heartbeat_s, "workers": cfg.nproc, "spares": spares}))
+                                         "heartbeat_s": el.heartbeat_s, "workers": cfg.nproc, "spares": spares,
+                                         "nonce": job_nonce, "check": secret.verifier(job_secret, job_nonce)}))
+    how = f"--secret-file {secret_file} " if secret_file else ""
     print(f"phalanx: elastic job: its store is at {cfg.master_addr}:{port}; add workers with "
-          f"`phalanx join --rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`", file=sys.stderr, flush=True)
+          f"`phalanx join {how}--rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`"
+          f"{'' if secret_file else f' and the {secret.ENV} you set'}", file=sys.stderr, flush=True)
     store.set(key("gen", 0, "members"), json.dumps(ids))
     servers = None  # `--servers K`: started before the workers, outlive every one of them
     if cfg.servers:
@@ -69,7 +76,7 @@ def run_elastic(cfg: "RunConfig") -> int:
     base = {**os.environ, **quiet_store_env(cfg.debug), **cfg.worker_env(), **(servers.env() if servers else {}),
             "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),
             "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "true",
-            "TORCHELASTIC_RESTART_COUNT": "0"}
+            "TORCHELASTIC_RESTART_COUNT": "0", secret.ENV: job_secret}
     command = [sys.executable, "-u", cfg.script, *cfg.script_args]
     workers = [_Worker(w, subprocess.Popen(command, env={**base, "RANK": w, "LOCAL_RANK": w,
                                                           "PHALANX_ELASTIC_ID": w})) for w in ids]
@@ -94,6 +101,53 @@ def run_elastic(cfg: "RunConfig") -> int:
         _stop_all(workers)
         if servers is not None:
             servers.stop()
+        listener.close()
+        if secret_file:
+            shutil.rmtree(os.path.dirname(secret_file), ignore_errors=True)
+
+
+def _job_secret() -> tuple[str, str | None]:
+    """The job's secret and the file a joiner reads it from (None: the user set PHALANX_SECRET and holds it).
+
+    The file is in a directory of its own, readable by this user only (mkdtemp makes it 0700), and is
+    removed when the job ends.
+    """
+    given = os.environ.get(secret.ENV)
+    if given:
+        return given, None
+    made = secret.make()
+    folder = tempfile.mkdtemp(prefix="phalanx-elastic-")
+    atexit.register(shutil.rmtree, folder, True)  # also when the launcher fails before its watch loop
+    path = os.path.join(folder, "secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(made + "\n")
+    return made, path
+
+
+def listening_store(host: str, port: int = 0, timeout_s: float = 30.0):  # -> (TCPStore, socket): keep both
+    """Host the job's store listening on ``host`` only (``--master-addr``; loopback by default).
+
+    torch's TCPStore listens on every interface, IPv4 and IPv6, whatever address it is
+    given: we bind the socket ourselves and hand it over, as the non-elastic launcher does.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise PhalanxError(f"the elastic store cannot listen on {host}:{port} ({err.strerror}); pass an address "
+                           "of this host as --master-addr and a free --master-port") from None
+    sock.listen(512)
+    store = dist.TCPStore(host, sock.getsockname()[1], None, True, timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    return store, sock
 
 
 def quiet_store_env(debug: bool = False) -> dict[str, str]:
@@ -187,8 +241,12 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                       f"({failed_starts} in a row)", file=sys.stderr, flush=True)
             else:
                 failed_starts = 0
-                print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; the others regroup "
-                      "without it", file=sys.stderr, flush=True)
+                members = set(_members(store))
+                others = [x for x in workers if x is not w and x.id in members and x.proc.poll() is None]
+                others += remotes.alive(store, {x.id for x in workers}, el.heartbeat_s, now=now)
+                print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; "
+                      f"{'the others regroup without it' if others else 'it was the last worker'}",
+                      file=sys.stderr, flush=True)
             if reserve:
                 spare = next(s for s in workers if s.id == reserve[0])
                 reserve.pop(0)
@@ -212,16 +270,39 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
         if not alive and not remote:
             if ok or store.check([key("done")]):
                 return 0
+            print(f"phalanx: elastic: the job ended before training finished: every worker is gone (the first "
+                  f"{_how(first_failure or 1)}); {last_checkpoint(store)}", file=sys.stderr, flush=True)
             return 128 - first_failure if first_failure and first_failure < 0 else (first_failure or 1)
         if not ok:  # a spare or a replacement is a worker once a generation includes it, not before
             members = set(_members(store))
             alive = [w for w in alive if w.id in members]
         if not ok and len(alive) + len(remote) < el.min_workers and not store.check([key("done")]):
             print(f"phalanx: elastic: {len(alive) + len(remote)} worker(s) left, below --min-workers "
-                  f"{el.min_workers}; stopping the job. Commits are in memory only: resume from your last disk "
-                  "checkpoint (px.save_checkpoint), if any.", file=sys.stderr, flush=True)
+                  f"{el.min_workers}; stopping the job (commits are in memory only); {last_checkpoint(store)}",
+                  file=sys.stderr, flush=True)
             return 1
         time.sleep(POLL_S)
+
+
+def last_checkpoint(store) -> str:
+    """Where to resume from, in words: the newest file ``px.save_checkpoint`` wrote in this job, if any.
+
+    The workers leave its path in their group's store (each generation has its own key space),
+    so the newest generation that saved one names it.
+    """
+    from ..checkpoint import LAST_SAVED_KEY
+    from .membership import key
+    from .rebuild import generation_prefix
+
+    try:
+        newest = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
+        for g in range(newest, -1, -1):
+            k = f"{'phalanx/0' if g == 0 else generation_prefix(g)}/{LAST_SAVED_KEY}"
+            if store.check([k]):
+                return f"resume from the last disk checkpoint, {store.get(k).decode()}"
+    except Exception:  # noqa: BLE001 - our own store; unreadable only if it broke, and this is the last line
+        pass
+    return "no disk checkpoint was saved (px.save_checkpoint), so the job restarts from the beginning"
 
 
 def _stop_all(workers: list[_Worker], grace_s: float = 3.0) -> None:

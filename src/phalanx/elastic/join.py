@@ -1,12 +1,15 @@
 """``phalanx join``: add workers to a running elastic job, from any host.
 
-    phalanx join --rdzv-endpoint HOST:PORT -n K train.py [args]
+    phalanx join --secret-file PATH --rdzv-endpoint HOST:PORT -n K train.py [args]
 
-HOST:PORT is the store of a ``phalanx run --elastic`` launcher (it prints it). The K
+HOST:PORT is the store of a ``phalanx run --elastic`` launcher (it prints it, with the
+file holding the job's secret; ``PHALANX_SECRET`` may hold the secret instead). The K
 new workers run the same script; each one enters at the job's next commit point and
 receives the current state from rank 0; nobody rolls back. The group grows up to
 the job's ``--max-workers``. An endpoint with no job, or a job that is not elastic, is
 refused within seconds; a job that already finished makes the joiners exit 0 at once.
+Without the job's secret, or with another one, ``phalanx join`` is refused with one
+line and the job never hears of it.
 Like the launcher, ``phalanx join`` watches the workers it started: one that exits is
 reported to the job at once, and one whose heartbeat stops is killed.
 
@@ -30,6 +33,7 @@ from typing import NoReturn, Sequence
 
 from ..allocator import heap_env
 from ..errors import ConfigError, PhalanxError, usage
+from . import secret
 from .agent import POLL_S, joiner_env, quiet_store_env
 from .watch import Watched, describe, poll
 
@@ -50,6 +54,7 @@ class JoinConfig:
     script: str
     script_args: tuple[str, ...] = ()
     threads: int = 1
+    secret_file: str | None = None
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> "JoinConfig":
@@ -57,6 +62,8 @@ class JoinConfig:
         p.add_argument("--rdzv-endpoint", required=True, metavar="HOST:PORT", help="the elastic job's store")
         p.add_argument("-n", "--nproc-per-node", dest="nproc", default="1", metavar="K", help="workers to add")
         p.add_argument("--threads", default="1", metavar="T", help="intra-op threads per worker (default 1)")
+        p.add_argument("--secret-file", default=None, metavar="PATH",
+                       help=f"file holding the job's secret (the launcher names it); or set {secret.ENV}")
         p.add_argument("script")
         p.add_argument("args", nargs=argparse.REMAINDER)
         a = p.parse_args(list(argv))
@@ -70,7 +77,7 @@ class JoinConfig:
         if not os.path.isfile(a.script):
             raise ConfigError(usage(f"script {a.script!r} (not found, cwd {os.getcwd()})", "an existing Python file",
                                     "Run the same script as the job, e.g. `phalanx join ... train.py`."))
-        return cls(host, int(port), int(a.nproc), a.script, tuple(a.args), int(a.threads))
+        return cls(host, int(port), int(a.nproc), a.script, tuple(a.args), int(a.threads), a.secret_file)
 
 
 def probe(host: str, port: int) -> str:
@@ -95,16 +102,36 @@ def probe(host: str, port: int) -> str:
     return "done" if store.check([key("done")]) else "running"
 
 
+def check_secret(host: str, port: int, given: str | None) -> str:
+    """The secret we present, checked against the one the job at ``host:port`` published; one line if not."""
+    import torch.distributed as dist
+
+    from .membership import key
+    if given is None:
+        raise ConfigError(usage(f"`phalanx join` to {host}:{port} without the job's secret",
+                                f"--secret-file PATH (the file the launcher named) or {secret.ENV} in the environment",
+                                "Copy the secret file the launcher printed to this host; never pass the secret "
+                                "on the command line."))
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
+                          wait_for_workers=False)
+    config = json.loads(store.get(key("config")))
+    if "check" not in config or not secret.matches(given, config["nonce"], config["check"]):
+        raise PhalanxError(f"the secret given does not match the one of the elastic job at {host}:{port}; the job "
+                           "refuses this joiner. Use the secret file that job's launcher printed")
+    return given
+
+
 def main(argv: Sequence[str]) -> int:
     """``phalanx join``: start the joiners, wait for them; returns the exit status."""
     cfg = JoinConfig.from_argv(argv)
     if probe(cfg.host, cfg.port) == "done":
         print(f"phalanx: the job at {cfg.host}:{cfg.port} has finished training; nothing to join", file=sys.stderr)
         return 0
+    job = check_secret(cfg.host, cfg.port, secret.load(os.environ, cfg.secret_file))
     tag = uuid.uuid4().hex[:6]
     quiet = quiet_store_env(os.environ.get("PHALANX_DEBUG", "") not in ("", "0"))
     base = {**os.environ, **quiet, **heap_env(os.environ), "MASTER_ADDR": cfg.host, "MASTER_PORT": str(cfg.port),
-            "OMP_NUM_THREADS": str(cfg.threads), "PHALANX_THREADS": str(cfg.threads)}
+            "OMP_NUM_THREADS": str(cfg.threads), "PHALANX_THREADS": str(cfg.threads), secret.ENV: job}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         base.pop(name, None)
     procs = [subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],

@@ -25,7 +25,8 @@ _FLAGS = {"min_workers": "--min-workers", "max_workers": "--max-workers", "heart
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The elastic flags of ``phalanx run`` (read as text; checked in :meth:`ElasticConfig.from_flags`)."""
-    g = parser.add_argument_group("elastic (survive lost workers; see docs/elastic.md)")
+    g = parser.add_argument_group("elastic (workers leave and join while the others keep training, no restart; "
+                                  "see docs/elastic.md)")
     g.add_argument("--elastic", action="store_true",
                    help="keep training when a worker is lost: survivors regroup and roll back to the last commit")
     g.add_argument("--min-workers", default=None, metavar="M", help="stop when fewer than M workers are left "

@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -24,6 +25,8 @@ from typing import Mapping
 import torch.distributed as dist
 
 from .. import group
+from ..errors import PhalanxError
+from . import secret as job_secret
 from .membership import Membership, QuorumError, key
 from .rebuild import destroy, rebuild
 
@@ -52,17 +55,26 @@ _said = threading.Lock()  # held for good by the thread that reports a lost rend
 
 
 class ElasticWorker:
-    def __init__(self, me: str, addr: str, port: int, timeout_s: float, joining: bool = False) -> None:
+    def __init__(self, me: str, addr: str, port: int, timeout_s: float, joining: bool = False,
+                 secret: str | None = None) -> None:
         self.me, self.addr, self.port, self.timeout_s = me, addr, port, timeout_s
         self.joining = joining  # started by `phalanx join` or `--replace`: enters at the next commit point
+        self.secret = secret  # the job's secret: a joiner proves it holds it, a member checks joiners' proofs
+        self._proven: set[str] = set()  # joiners whose proof this member has checked
         self.store = self._connect()
         members = [] if joining else json.loads(self.store.get(key("gen", 0, "members")))
         self.membership = Membership(self.store, me, members)
         self.config = self.membership.config()
-        if joining:
-            self._ask_to_join()
+        if joining and not self._holds_secret():
+            raise PhalanxError(f"worker {me} does not hold the secret of the elastic job at {addr}:{port}; "
+                               f"set {job_secret.ENV} (or `phalanx join --secret-file`) to the job's secret")
         self._stop = threading.Event()
-        threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True).start()
+        self._beating = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
+        self._beating.start()
+        # Stopped before the interpreter exits, on every path: a daemon thread still inside a store call
+        # while the interpreter is torn down aborts the process ("terminate called without an active
+        # exception", SIGABRT; a late --replace worker 2 runs in 4).
+        atexit.register(self.close)
         global _current
         _current = self  # for generation() and lost_peer() below
 
@@ -72,7 +84,7 @@ class ElasticWorker:
         if "PHALANX_ELASTIC_ID" not in env:
             return None
         return cls(env["PHALANX_ELASTIC_ID"], env["MASTER_ADDR"], int(env["MASTER_PORT"]), group.timeout_s(),
-                   joining=env.get("PHALANX_ELASTIC_JOIN") == "1")
+                   joining=env.get("PHALANX_ELASTIC_JOIN") == "1", secret=env.get(job_secret.ENV) or None)
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s),
@@ -90,6 +102,21 @@ class ElasticWorker:
                     self.lost_host()
             if self._stop.wait(HEARTBEAT_EVERY_S):
                 return
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the heartbeat thread and wait for it (at most ``wait_s``: a store call it is inside times out).
+
+        First we say we are leaving (``finished/<id>``): the watcher must not take the silence
+        of a process that is exiting for a hang and kill it.
+        """
+        if not self._stop.is_set():
+            try:
+                self.store.set(key("finished", self.me), "1")
+            except Exception:  # noqa: BLE001 - the launcher may be gone; then nobody is watching
+                pass
+        self._stop.set()
+        if self._beating.is_alive() and self._beating is not threading.current_thread():
+            self._beating.join(wait_s)
 
     def lost_host(self) -> None:
         """The launcher's store is gone: say so once (from whichever thread notices first) and end."""
@@ -118,8 +145,13 @@ class ElasticWorker:
         """
         destroy()  # first: peers blocked on our sockets fail now instead of at their timeout
         before = list(self.membership.members)
-        plan = self.membership.next_generation(commits, timeout_s=self.config["heartbeat_s"] + 10.0,
-                                               joiners=self.joiners_for)
+        while True:
+            plan = self.membership.next_generation(commits, timeout_s=self.config["heartbeat_s"] + 10.0,
+                                                   joiners=self.joiners_for)
+            if self._entered(plan["generation"], [m for m in plan["members"] if m not in before]):
+                break
+            # an admitted spare or joiner never came: that generation is void; the next one goes without it
+            self.membership.members = before
         members = plan["members"]
         survivors = [m for m in members if m in before]  # spares and joiners never count toward the minimum
         if len(survivors) < self.config["min_workers"]:
@@ -131,20 +163,43 @@ class ElasticWorker:
         return plan
 
     # -- joining ------------------------------------------------------------------------------
+    def _holds_secret(self) -> bool:
+        """Does our secret match the one the launcher published (as an HMAC of its nonce)?"""
+        if self.secret is None or "check" not in self.config:
+            return False
+        return job_secret.matches(self.secret, self.config["nonce"], self.config["check"])
+
     def _ask_to_join(self) -> None:
+        """Present our proof of the secret, then append ourselves to the joiners (compare-and-set: they race)."""
+        self.store.set(key("proof", self.me), job_secret.proof(self.secret or "", self.config["nonce"], self.me))
         joiners_key = key("joiners")
-        while True:  # append ourselves to the list with compare-and-set (several joiners may race)
+        while True:
             old = self.store.get(joiners_key).decode() if self.store.check([joiners_key]) else ""
             new = json.dumps(sorted(set(json.loads(old or "[]")) | {self.me}))
             if self.store.compare_set(joiners_key, old, new).decode() == new:
                 return
 
+    def _proves(self, joiner: str) -> bool:
+        """The first check of admission: did ``joiner`` prove it holds the job's secret? (constant-time compare)"""
+        if joiner in self._proven:
+            return True
+        k = key("proof", joiner)
+        if self.secret is None or "nonce" not in self.config or not self.store.check([k]):
+            return False
+        if job_secret.proves(self.secret, self.config["nonce"], joiner, self.store.get(k).decode()):
+            self._proven.add(joiner)
+            return True
+        return False
+
     def joiners_for(self, members: list[str]) -> list[str]:
-        """Who enters a group of ``members`` now: waiting joiners and spares, by :func:`admissible`."""
+        """Who enters a group of ``members`` now: waiting joiners and spares, by :func:`admissible`.
+
+        Only joiners that proved they hold the job's secret are considered at all.
+        """
         if not self.store.check([key("joiners")]):
             return []
         waiting = [j for j in json.loads(self.store.get(key("joiners")))
-                   if j not in members and not self.membership.is_dead(j)]
+                   if j not in members and self._proves(j) and not self.membership.is_dead(j)]
         return admissible(members, waiting, spares=set(self.config.get("spares", [])),
                           workers=self.config.get("workers", self.config["max_workers"]),
                           max_workers=self.config["max_workers"])
@@ -153,27 +208,79 @@ class ElasticWorker:
         """Rank 0, at a commit point: joiners to admit now (up to --max-workers), in arrival order."""
         return self.joiners_for(self.membership.members)
 
+    def _entered(self, generation: int, joiners: list[str], poll_s: float = 0.02) -> bool:
+        """Members: did every joiner admitted to ``generation`` arrive? False (and they are marked dead) if not.
+
+        Each admitted joiner claims ``gen/<g>/entered/<id>`` with a compare-and-set when it arrives;
+        a member that waited the heartbeat timeout for it claims the key for "out" instead. The key
+        holds whichever came first, so every member and the joiner read the same verdict, and so
+        the same answer in ``gen/<g>/go``. A joiner that never connects (a stray name written into
+        the store, a process that died after asking) therefore costs the members at most the
+        heartbeat timeout, never the job.
+        """
+        if not joiners:
+            return True
+        go = key("gen", generation, "go")
+        deadline = time.monotonic() + float(self.config["heartbeat_s"])
+        pending = list(joiners)
+        while pending:
+            late = time.monotonic() > deadline
+            for j in list(pending):
+                verdict = key("gen", generation, "entered", j)
+                if self.store.check([verdict]):
+                    pending.remove(j)
+                elif late or self.membership.is_dead(j):
+                    self.store.compare_set(verdict, "", "out")
+            if pending:
+                time.sleep(poll_s)
+        lost = [j for j in joiners if self.store.get(key("gen", generation, "entered", j)) != b"in"]
+        for j in lost:
+            self.store.set(key("dead", j), "1")  # never admitted again
+        self.store.compare_set(go, "", "no" if lost else "yes")
+        if lost and self.membership.rank == 0:
+            print(f"phalanx: elastic: {', '.join(lost)} admitted to generation {generation} but never arrived "
+                  f"within the heartbeat timeout ({self.config['heartbeat_s']:g}s); dropped, the others go on "
+                  "without", file=sys.stderr, flush=True)
+        return not lost
+
     def grow(self, joiners: list[str], *, backend: str) -> dict:
-        """Members and joiners form the next generation; nobody rolls back."""
+        """Members and joiners form the next generation; nobody rolls back.
+
+        If an admitted joiner never arrives (see :meth:`_entered`) the members form the
+        generation after it without the joiners instead, so every process agrees on the group.
+        """
         g = self.membership.generation + 1
-        members = self.membership.members + joiners
+        before = list(self.membership.members)
+        members = before + joiners
         # Every member writes the same list (no one waits for rank 0's word), and takes generation g before
         # the rebuild: if a member dies during it, the survivors regroup from g, joiners counted.
         self.store.compare_set(key("gen", g, "members"), "", json.dumps(members))
         self.store.set(key("gen"), str(g))
+        if not self._entered(g, joiners):
+            g, members, joiners = g + 1, before, []
+            self.store.compare_set(key("gen", g, "members"), "", json.dumps(members))
+            self.store.set(key("gen"), str(g))
         self.membership.members, self.membership.generation = members, g
         rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s, backend=backend)
         return {"generation": g, "members": members, "left": [], "joined": joiners}
 
     def wait_for_admission(self, poll_s: float = 0.05) -> dict | None:
-        """A joiner: block until a generation includes us; None when training already ended."""
+        """A joiner: ask to join, then block until a generation includes us; None when training already ended.
+
+        We ask only now, parked with nothing left to do but wait, so that the members who admit
+        us find us within milliseconds (they wait at most the heartbeat timeout for an admitted joiner).
+        """
+        self._ask_to_join()
+        seen = -1
         while True:
             if self.store.check([key("done")]):
+                self.close()  # training ended before we got in: nothing of ours runs any more
                 return None
-            if self.store.check([key("gen")]):
-                g = int(self.store.get(key("gen")))
+            g = int(self.store.get(key("gen"))) if self.store.check([key("gen")]) else -1
+            if g > seen:
+                seen = g
                 members = json.loads(self.store.get(key("gen", g, "members")))
-                if self.me in members:
+                if self.me in members and self._enter(g):
                     rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s,
                             backend="gloo")
                     self.membership.members, self.membership.generation = members, g
@@ -181,13 +288,23 @@ class ElasticWorker:
                     return {"generation": g, "members": members, "left": [], "joined": [self.me]}
             time.sleep(poll_s)
 
+    def _enter(self, generation: int) -> bool:
+        """Claim our place in ``generation``; True once the members agree it forms with us (``gen/<g>/go``)."""
+        verdict = key("gen", generation, "entered", self.me)
+        if self.store.compare_set(verdict, "", "in").decode() != "in":
+            raise PhalanxError(f"worker {self.me} was admitted to generation {generation} but arrived after the "
+                               "heartbeat timeout; the others went on without it")
+        self.store.wait([key("gen", generation, "go")])  # the members decide within the heartbeat timeout
+        return self.store.get(key("gen", generation, "go")) == b"yes"
+
     def finished(self) -> None:
-        """Training is over on this worker: late joiners may leave."""
+        """Training is over on this worker: late joiners may leave; our heartbeat stops."""
         try:
             self.store.set(key("finished", self.me), "1")
             self.store.set(key("done"), "1")
         except Exception:  # noqa: BLE001 - the launcher may already be gone at exit
             pass
+        self.close()
 
 
 # -- what a strategy that waits outside gloo (the synchronous PS) asks -----------------
