@@ -510,15 +510,6 @@ def clocks() -> "weakref.WeakSet[Any]":
     return current().clocks
 
 
-def clocks() -> "weakref.WeakSet[Any]":
-    """The step clocks of the models wrapped in this group (``phalanx.steps``).
-
-    A plain process that never called px.init() has no lasting group, so this is empty
-    there; its batches all weigh 1, so nothing is lost.
-    """
-    return current().clocks
-
-
 def probe_store() -> dist.Store | None:
     """A connection to the group's store with a short timeout, for liveness checks (None in a group of one)."""
     return current().probe
