@@ -41,3 +41,7 @@ def needs_root_netns() -> pytest.MarkDecorator:
     import shutil
     ok = hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
     return pytest.mark.skipif(not ok, reason="needs root, `ip netns` and `tc` to build a rate-limited veth link")
+
+# A worker written as a module-level script (the point of the test that runs it): importing it would run it,
+# so doctest collection leaves it out.
+collect_ignore = ["workers/elastic_loop.py"]

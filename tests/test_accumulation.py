@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.testing import run_workers
+from support.procs import run_workers
 
 NAMES = ["allreduce", "topk1", "local-warmup"]
 

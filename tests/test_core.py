@@ -318,7 +318,7 @@ def test_a_rebuild_must_go_to_a_later_generation():
 
 @pytest.mark.multiproc
 def test_a_rebuilt_group_has_new_ranks_a_new_generation_its_subscribers_told_and_objects_cross_it():
-    from phalanx.testing import run_workers
+    from support.procs import run_workers
     run = run_workers("workers.group:rebuild_and_objects", world_size=2)
     for rank, r in enumerate(run.results):
         assert r["init_is_current"] and r["rank_before"] == rank
@@ -334,7 +334,7 @@ def test_a_rebuilt_group_has_new_ranks_a_new_generation_its_subscribers_told_and
 
 @pytest.mark.multiproc
 def test_lost_peers_names_a_rank_that_failed_without_any_collective():
-    from phalanx.testing import run_workers
+    from support.procs import run_workers
     run = run_workers("workers.group:note_then_wait", world_size=2, check=False, timeout=90)
     assert run.returncodes[1] != 0 and run.returncodes[0] == 0, run.log(0)
     assert run.results[0]["after"] == [1]

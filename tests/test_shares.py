@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.testing import run_workers
+from support.procs import run_workers
 
 SIZES = [13, 9]
 NAMES = ["allreduce", "local-sgd", "diloco"]

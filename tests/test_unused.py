@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.testing import run_workers
+from support.procs import run_workers
 
 NAMES = ["allreduce", "topk1", "powersgd", "local-warmup", "ps-sync"]
 
