@@ -73,7 +73,7 @@ def guarded(what: str) -> Iterator[None]:
         g = group.current()
         me = g.rank
         seen = None if g.probe is None else liveness.survey(g.probe, g.world_size, liveness.STALE_AFTER_S, me=me)
-        lost = [] if seen is None else [r for r in seen.lost if r != me]
+        lost = [] if seen is None else liveness.culprits(seen, me)  # the ranks the message blames
         g.losses = lost
         kind = StoreLostError if seen is None and g.probe is not None else WorkerLostError
         raise kind(

@@ -245,6 +245,21 @@ def _consequence(note: str) -> bool:
     return note.startswith(("ok after losing", "WorkerLostError"))
 
 
+def culprits(seen: Liveness, me: int) -> list[int]:
+    """The ranks that caused a loss: those that failed or went silent; failing that, those that ended after one.
+
+    A rank that ended only because it lost another is not blamed while a cause is known.
+
+    Example:
+        >>> culprits(Liveness(alive=[0], exited={1: "ok after losing rank(s) 2"}, stopped=[2]), me=0)
+        [2]
+    """
+    exited = {r: why for r, why in seen.exited.items() if r != me}
+    causes = [r for r, why in exited.items() if not _consequence(why)]
+    return sorted([*causes, *(r for r in seen.stopped if r != me)]) or sorted(r for r, why in exited.items()
+                                                                          if _consequence(why))
+
+
 def describe(seen: Liveness | None, me: int) -> str:
     """Who is gone and how, in words (the middle of a WorkerLostError message).
 
@@ -263,7 +278,7 @@ def describe(seen: Liveness | None, me: int) -> str:
     exited = {r: why for r, why in seen.exited.items() if r != me}
     causes = {r: why for r, why in exited.items() if not _consequence(why)}
     after = {r: why for r, why in exited.items() if _consequence(why)}
-    lost = sorted([*causes, *seen.stopped]) or sorted(after)
+    lost = culprits(seen, me)
     if not lost:  # everyone is alive: nobody died; the collective itself failed
         return ("a peer, although every rank is still running (they may have called different collectives, "
                 "or one was slower than the timeout)")
