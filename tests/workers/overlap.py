@@ -6,7 +6,6 @@ the test itself from the same data and the same loop (:func:`train`).
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -87,11 +86,12 @@ def flat(model: nn.Module) -> torch.Tensor:
 def _wrapped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, px.AllReduce]:
     model = net(seed)
     strategy = px.AllReduce(bucket_mb=BUCKET_MB)
-    os.environ["PHALANX_ELASTIC_ID"] = str(px.rank())  # what `phalanx run --elastic` sets: no DDP wrapper
+    group = px.current_group()
+    group.elastic = True  # what `phalanx run --elastic` makes the group: no DDP wrapper, the overlapped hooks
     try:
         model, opt = px.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), strategy=strategy)
     finally:
-        del os.environ["PHALANX_ELASTIC_ID"]
+        group.elastic = False
     return model, opt, strategy
 
 
