@@ -33,8 +33,9 @@ from .group import current as current_group
 from .lr import scale_lr, warmup
 from .metrics import Accuracy, MeanLoss, Metric, ThroughputMeter
 from .ps import AsyncEASGD, Downpour, ParameterServer
+from .quantize import Quantize
 from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, ParameterAverage, Periodic, Strategy,
-                         SyncCondition, fill_missing_grads)
+                         StreamingDiLoCo, SyncCondition, fill_missing_grads)
 from .sync import every, schedule
 from .state import TrainingState
 from .trainer import History, Trainer
@@ -58,8 +59,9 @@ __all__ = [
     "Group", "current_group",
     # strategies, sync conditions and compressors
     "Strategy", "Periodic", "Exchange", "ParameterAverage", "SyncCondition", "every", "schedule",
-    "AllReduce", "LocalSGD", "DiLoCo", "EASGD", "AsyncEASGD", "Downpour", "ParameterServer",
-    "Compressor", "FP16", "TopK", "Threshold", "PowerSGD", "Comm", "CommStats", "scatter_back", "fill_missing_grads",
+    "AllReduce", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "EASGD", "AsyncEASGD", "Downpour", "ParameterServer",
+    "Compressor", "FP16", "TopK", "Threshold", "PowerSGD", "Quantize", "Comm", "CommStats", "scatter_back",
+    "fill_missing_grads",
     # the Trainer
     "Trainer", "History", "Callback", "LambdaCallback", "ModelCheckpoint", "Metric", "Accuracy", "MeanLoss",
     "ThroughputMeter",

@@ -11,6 +11,7 @@ from .diloco import DiLoCo, OuterStep
 from .easgd import EASGD, Elastic
 from .gradients import average_gradients_, fill_missing_grads
 from .local_sgd import LocalSGD
+from .streaming_diloco import StreamingDiLoCo
 
 # name -> factory with the literature's defaults; the benchmark and CLI use these names.
 REGISTRY: dict[str, Callable[[], Strategy]] = {
@@ -19,6 +20,7 @@ REGISTRY: dict[str, Callable[[], Strategy]] = {
     "post-local-sgd": lambda: LocalSGD(every=16, warmup_steps=500),      # Lin et al. 2020
     "diloco": DiLoCo,                                                   # every=50, Nesterov 0.7 / 0.9
     "easgd": EASGD,                                                     # every=4, beta = 0.9
+    "streaming-diloco": StreamingDiLoCo,                                # H=100, P=4, tau=1 (Douillard 2025)
     "fp16": lambda: AllReduce(compression=FP16()),
     "topk": lambda: AllReduce(compression=TopK(0.01)),
     "threshold": lambda: AllReduce(compression=Threshold(1e-3)),
@@ -42,4 +44,4 @@ def by_name(name: str) -> Strategy:
 
 __all__ = ["average_gradients_", "fill_missing_grads",
            "AllReduce", "DiLoCo", "EASGD", "Elastic", "Exchange", "LocalSGD", "OuterStep", "ParameterAverage",
-           "Periodic", "Strategy", "SyncCondition", "REGISTRY", "by_name", "register"]
+           "Periodic", "StreamingDiLoCo", "Strategy", "SyncCondition", "REGISTRY", "by_name", "register"]

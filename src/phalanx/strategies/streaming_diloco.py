@@ -1,0 +1,329 @@
+"""Streaming DiLoCo: DiLoCo by fragments, each on its own staggered schedule, its exchange overlapped.
+
+Douillard et al. 2025 ("Streaming DiLoCo with overlapping communication: Towards a
+Distributed Free Lunch", arXiv 2501.18512, Algorithm 1):
+
+* the parameters are cut into ``P`` fragments (here: consecutive in parameter order,
+  balanced by bytes); fragment ``p`` takes its outer step every ``H`` inner steps, at the
+  steps ``t`` with ``t % H == p * H // P``, so only about ``1/P`` of the model travels at once
+  (the peak bandwidth falls ``P``-fold);
+* at its step the fragment's pseudo-gradient ``anchor - weights`` is sent without waiting
+  (a gloo ``async_op`` collective) and training goes on; ``τ`` (``overlap``) inner steps
+  later the average is taken, the outer optimiser (Nesterov SGD, lr 0.7, momentum 0.9, as
+  DiLoCo) moves the fragment's anchor, and the worker's fragment becomes
+  ``α · local + (1 - α) · anchor`` (``mixing``: the local steps taken during the overlap
+  are kept in part);
+* the pseudo-gradient may be quantised (``quantize=4``: :class:`phalanx.Quantize`); the
+  paper found 4-bit outer gradients lose nothing measurable.
+
+With ``fragments=1, overlap=0`` and no quantisation this is ``px.DiLoCo(every=H)``, bit for bit.
+
+Elastic runs: an exchange in flight is state. ``state_dict()`` names the fragments in
+flight (and holds each anchor and momentum); ``replica_state_dict()`` holds the message
+this worker sent. After a regroup (or a restore) the old work handles are dropped, not
+waited for, and every worker sends its message again, in fragment order, at its next
+step: the survivors' average, without the lost worker's part. A joiner sends an empty
+message (weight 0). Synchronous compressors (FP16, PowerSGD) finish their exchange at
+once, so their result, the same on every worker, is shared state.
+
+Example:
+    >>> import phalanx as px
+    >>> s = px.StreamingDiLoCo(every=100, fragments=4, overlap=2, quantize=4)
+    >>> s.mixing, s.compression
+    (0.5, Quantize(bits=4, block=128))
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import check
+from ..comm import guarded
+from ..compression import Compressor, check_compressor
+from ..errors import ConfigError, usage
+from ..quantize import Quantize, check_floating
+from .base import Strategy
+from .diloco import _outer_dtype
+from .gradients import share_total
+
+
+def balanced_split(sizes: list[int], parts: int) -> list[range]:
+    """``parts`` consecutive, non-empty index ranges over ``sizes`` whose sums are as equal as the cuts allow.
+
+    Example:
+        >>> balanced_split([32, 8, 16, 2], 2)
+        [range(0, 1), range(1, 4)]
+    """
+    cum = list(itertools.accumulate(sizes))
+    total, cuts = cum[-1] if cum else 0, [0]
+    for k in range(1, parts):
+        lo, hi = cuts[-1] + 1, len(sizes) - (parts - k)
+        cuts.append(min(range(lo, hi + 1), key=lambda c: abs(cum[c - 1] - total * k / parts)))
+    cuts.append(len(sizes))
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+class Fragment:
+    """One fragment: its parameters, anchor and outer momentum, its schedule offset and its exchange in flight."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], offset: int) -> None:
+        self.index, self.params, self.offset = index, params, offset
+        self.anchor = [p.detach().to(_outer_dtype(p), copy=True) for p in params]
+        self.momentum = [torch.zeros_like(a) for a in self.anchor]
+        self.share = 0.0  # this replica's samples since the fragment's last send, in batch weights
+        self.sent_at = -1  # the step its exchange in flight was sent at; -1: none
+        self.synced_at = 0  # the last step after which every replica held the anchor (an apply with mixing 0)
+        self.message: torch.Tensor | None = None  # what this worker sent (re-sent after a regroup)
+        self.result: list[torch.Tensor] | None = None  # the average, once known on every worker
+        self.pending: Any = None  # the collective's handle (a future, or a quantize.Pending)
+        self.buffer: torch.Tensor | None = None  # the all-reduce's own copy of the message (summed in place)
+        self.resend = False  # a regroup or restore dropped the handle: send the message again
+
+    @property
+    def numel(self) -> int:
+        return sum(a.numel() for a in self.anchor)
+
+
+class StreamingDiLoCo(Strategy):
+    """DiLoCo by fragments on staggered schedules, each outer exchange overlapped with ``overlap`` inner steps.
+
+    Args:
+        every: inner steps between two outer steps of one fragment (H).
+        fragments: how many pieces the parameters are cut into (P; consecutive, balanced bytes);
+            fragment ``p`` syncs at the steps ``t % H == p * H // P``.
+        overlap: inner steps an exchange has to travel before it is applied (τ, ``0 <= τ < H``).
+        quantize: None (float32 all-reduce), 8 or 4 (``px.Quantize(bits)``: all-gather of packed
+            values), or any compressor object (``px.Quantize(4, block=64, rounding="stochastic")``,
+            ``px.FP16()``; those without an asynchronous exchange finish it at once).
+        mixing: α, the local weights' part when the average lands (``α · local + (1-α) · global``);
+            default 0.5 with overlap (kept local progress), 0 without (DiLoCo: the global replaces it).
+        outer_lr, outer_momentum, nesterov: the outer optimiser, as ``px.DiLoCo``.
+    """
+
+    name = "streaming-diloco"
+
+    def __init__(self, every: int = 100, fragments: int = 4, overlap: int = 1, quantize: Any = None, *,
+                 mixing: float | None = None, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True) -> None:
+        super().__init__()
+        self.every = check.positive_int("StreamingDiLoCo(every", every, "Pass the inner steps between a "
+                                        "fragment's outer steps, e.g. every=100.", close=")")
+        self.num_fragments = check.positive_int("StreamingDiLoCo(fragments", fragments, "Pass the number of "
+                                                "fragments, e.g. fragments=4; 1 is DiLoCo.", close=")")
+        self.overlap = check.integer("StreamingDiLoCo(overlap", overlap, "Pass the inner steps an exchange may "
+                                     "take, e.g. overlap=1; 0 waits for it.", close=")")
+        if self.overlap >= self.every:
+            raise ConfigError(usage(f"StreamingDiLoCo(every={self.every}, overlap={self.overlap})",
+                                    "overlap < every (an exchange lands before its fragment's next one starts)",
+                                    f"Pass overlap <= {self.every - 1}, or a larger every."))
+        default = 0.5 if self.overlap else 0.0
+        self.mixing = check.number("StreamingDiLoCo(mixing", default if mixing is None else mixing,
+                                   "Pass α in [0, 1]: 0 takes the global weights, 1 keeps the local ones.",
+                                   low=0, high=1, low_open=False, high_open=False, close=")")
+        self.outer_lr = check.positive_float("StreamingDiLoCo(outer_lr", outer_lr, "The paper uses 0.7.", close=")")
+        self.outer_momentum = check.number("StreamingDiLoCo(outer_momentum", outer_momentum, "The paper uses 0.9.",
+                                           low=0, high=1, low_open=False, close=")")
+        self.nesterov = bool(nesterov)
+        if isinstance(quantize, int) and not isinstance(quantize, bool) and quantize in (4, 8):
+            quantize = Quantize(bits=quantize)
+        elif isinstance(quantize, (int, float, str, bool)):
+            raise ConfigError(usage(f"StreamingDiLoCo(quantize={quantize!r})", "None, 8, 4 or a compressor object",
+                                    "Pass quantize=4 (packed 4-bit, as the paper) or px.Quantize(bits, block=...)."))
+        self.compression: Compressor | None = check_compressor(quantize, "StreamingDiLoCo")
+        self.fragments: list[Fragment] = []
+
+    # -- the template ---------------------------------------------------------------------------------------------
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        module = super().attach(model, optimizer)
+        if self.num_fragments > len(self.params):
+            raise ConfigError(usage(f"StreamingDiLoCo(fragments={self.num_fragments}) for a model with "
+                                    f"{len(self.params)} trainable parameter tensors",
+                                    f"fragments <= {len(self.params)} (a fragment holds whole tensors)",
+                                    f"Pass fragments={len(self.params)} or fewer."))
+        if self.compression is not None:
+            for p in self.params:
+                check_floating(p, f"StreamingDiLoCo(quantize={self.compression!r})")
+        P, H = self.num_fragments, self.every
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        self.fragments = [Fragment(i, [self.params[j] for j in idx], i * H // P)
+                          for i, idx in enumerate(balanced_split(sizes, P))]
+        return module
+
+    def after_step(self, step: int, taken: bool) -> None:
+        self._resend()
+        weight = self.clock.step_weight  # a skipped step still held its samples
+        for f in self.fragments:
+            f.share += weight
+            if step % self.every == f.offset:
+                self._send(f, step)
+        for f in self.fragments:
+            if f.sent_at >= 0 and step >= f.sent_at + self.overlap:
+                self._apply(f)
+
+    def replicas_agree(self, step: int) -> bool:
+        """Always: each replica's own weights and message are in its replica state, the rest is shared;
+        a commit taken with an exchange in flight sends it again after a rollback."""
+        return True
+
+    def reconcile(self) -> None:
+        """Apply what is in flight, then one last synchronous outer step for every fragment whose replicas differ
+        (local steps, or a mix, since the anchor was last copied into it): every replica ends on the anchors."""
+        self._resend()
+        for f in self.fragments:
+            if f.sent_at >= 0:  # sent at the last step: no local step to keep, the anchor replaces the replica
+                self._apply(f, mixing=0.0 if f.sent_at == self.steps else None)
+        for f in self.fragments:
+            if self.steps and f.synced_at != self.steps:  # the same on every rank: shared state
+                self._send(f, self.steps)
+                self._apply(f, mixing=0.0)
+
+    # -- one fragment's exchange -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _send(self, f: Fragment, step: int) -> None:
+        delta = [a - p.to(a.dtype) for a, p in zip(f.anchor, f.params, strict=True)]  # the pseudo-gradient
+        share, f.share = f.share, 0.0
+        f.sent_at, f.result, f.resend = step, None, False
+        comm, c = self.comm, self.compression
+        if c is None:
+            if comm.world_size == 1:
+                f.result, f.message = delta, None
+                return
+            # DiLoCo's share-weighted mean, as one flat message: the shares ride at its end.
+            for d in delta:
+                d.zero_() if share == 0 else d.mul_(share)
+            f.message = torch.cat([*(d.reshape(-1) for d in delta),
+                                   torch.tensor([float(share)], dtype=delta[0].dtype, device=delta[0].device)])
+            f.pending = self._start(f)
+        elif isinstance(c, Quantize):  # the weight travels inside the message: no extra collective
+            f.message = c.encode(torch.cat([d.reshape(-1) for d in delta]), f"fragment{f.index}", share)
+            f.pending = c.send(f.message, f.numel, comm)
+        else:  # a compressor without an asynchronous exchange: as DiLoCo, finished now
+            total = share_total(comm, share)
+            weight = share * comm.world_size / total if total > 0 else 1.0
+            if weight != 1.0:
+                for d in delta:
+                    d.zero_() if weight == 0 else d.mul_(weight)
+            c.average_(delta, comm, key=f"fragment{f.index}")
+            f.result, f.message = delta, None
+
+    def _start(self, f: Fragment) -> Any:
+        # A copy is summed, so the message stays this worker's own part: an abandoned handle may still write.
+        f.buffer = f.message.clone()
+        with guarded("the streaming outer all-reduce"):
+            return self.comm.all_reduce_async(f.buffer)
+
+    def _resend(self) -> None:
+        """After a regroup or restore: send the messages in flight again, in fragment order, on every worker."""
+        for f in self.fragments:
+            if not f.resend:
+                continue
+            f.resend = False
+            if f.message is None:  # a joiner took part in none: an empty message of weight 0
+                f.message = self._empty_message(f)
+            if isinstance(self.compression, Quantize):
+                f.pending = self.compression.send(f.message, f.numel, self.comm)
+            else:
+                f.buffer = None
+                f.pending = self._start(f) if self.comm.world_size > 1 else None
+
+    def _empty_message(self, f: Fragment) -> torch.Tensor:
+        if isinstance(self.compression, Quantize):
+            return torch.zeros(self.compression.message_bytes(f.numel), dtype=torch.uint8)
+        return torch.zeros(f.numel + 1, dtype=f.anchor[0].dtype, device=f.anchor[0].device)
+
+    @torch.no_grad()
+    def _apply(self, f: Fragment, mixing: float | None = None) -> None:
+        """The average has landed: the outer step on the anchor, then mix it into the worker's fragment."""
+        delta = f.result if f.result is not None else self._wait(f)
+        alpha = self.mixing if mixing is None else mixing
+        for a, buf, d, p in zip(f.anchor, f.momentum, delta, f.params, strict=True):
+            if self.outer_momentum:  # torch.optim.SGD's rule, dampening 0 (as px.DiLoCo)
+                buf.mul_(self.outer_momentum).add_(d)
+                d = d.add(buf, alpha=self.outer_momentum) if self.nesterov else buf
+            a.sub_(d, alpha=self.outer_lr)
+            if alpha == 0:
+                p.copy_(a)
+            else:
+                p.copy_(torch.lerp(a, p.to(a.dtype), alpha))
+        if alpha == 0:
+            f.synced_at = self.steps
+        f.sent_at, f.message, f.result, f.pending, f.buffer = -1, None, None, None, None
+
+    def _wait(self, f: Fragment) -> list[torch.Tensor]:
+        if isinstance(self.compression, Quantize):
+            flat = f.pending.wait() if f.pending is not None else self.compression.sum_messages([f.message],
+                                                                                                f.numel)
+        else:
+            if f.pending is not None:
+                start = time.perf_counter()
+                with guarded("the streaming outer all-reduce"):
+                    f.pending.wait()
+                self.comm.stats.seconds += time.perf_counter() - start  # what the overlap did not hide
+            flat = f.buffer if f.buffer is not None else f.message
+            flat = flat[:-1] / flat[-1]
+        out, offset = [], 0
+        for a in f.anchor:
+            out.append(flat[offset:offset + a.numel()].view_as(a).to(a.dtype))
+            offset += a.numel()
+        return out
+
+    # -- state ------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Per fragment: anchor, outer momentum, the step its exchange in flight was sent at (-1: none) and,
+        where every worker already holds it, that exchange's result; the compressor's shared state."""
+        state: dict[str, Any] = {"fragments": [
+            {"anchor": [a.clone() for a in f.anchor], "momentum": [b.clone() for b in f.momentum],
+             "sent_at": f.sent_at, "synced_at": f.synced_at,
+             "result": None if f.result is None else [r.clone() for r in f.result]}
+            for f in self.fragments]}
+        if self.compression is not None:
+            state["compression"] = self.compression.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "compression" in state and self.compression is not None:
+            self.compression.load_state_dict(state["compression"])
+        for f, saved in zip(self.fragments, state["fragments"], strict=True):
+            for mine, theirs in zip(f.anchor + f.momentum, saved["anchor"] + saved["momentum"], strict=True):
+                mine.copy_(theirs)
+            f.sent_at, f.pending, f.message = int(saved["sent_at"]), None, None
+            f.synced_at = int(saved.get("synced_at", 0))
+            f.result = None if saved["result"] is None else [r.clone() for r in saved["result"]]
+            f.resend = f.sent_at >= 0 and f.result is None  # sent again at the next step, by every worker
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        """This worker's weights, optimizer state, shares and the messages it has in flight."""
+        return {**super().replica_state_dict(), "params": [p.detach().clone() for p in self.params],
+                "optimizer": self.optimizer.state_dict(), "shares": [f.share for f in self.fragments],
+                "messages": [None if f.message is None or f.result is not None else f.message.clone()
+                             for f in self.fragments]}
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_replica_state_dict(state)
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"], strict=True):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        for f, share, message in zip(self.fragments, state["shares"], state["messages"], strict=True):
+            f.share = float(share)
+            if f.resend:
+                f.message = None if message is None else message.clone()
+
+    def regroup(self) -> None:
+        """The group was rebuilt: drop every handle in flight (a lost worker's part is not waited for); each
+        worker sends its message again at its next step."""
+        for f in self.fragments:
+            if f.sent_at >= 0 and f.result is None:
+                f.pending, f.resend = None, True
+
+    def __repr__(self) -> str:
+        return (f"StreamingDiLoCo(every={self.every}, fragments={self.num_fragments}, overlap={self.overlap}, "
+                f"mixing={self.mixing:g}, outer_lr={self.outer_lr:g}, outer_momentum={self.outer_momentum:g}, "
+                f"quantize={self.compression!r})")
+
+
+__all__ = ["Fragment", "StreamingDiLoCo", "balanced_split"]

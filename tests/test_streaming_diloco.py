@@ -1,0 +1,226 @@
+"""Streaming DiLoCo (arXiv 2501.18512) and the block quantiser.
+
+Unit: bad input, the fragment split, the quantiser's round-trip bounds on any shape, one
+process equal to DiLoCo. Multi-process (2 gloo workers): P = 1, τ = 0 equals px.DiLoCo
+bit for bit; P = 2, τ = 1 follows the paper's Algorithm 1 computed in one process; the
+quantised exchanges train. Elastic (3 workers): a kill while an exchange is in flight.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import phalanx as px
+from phalanx.strategies.streaming_diloco import balanced_split
+from support.procs import run_workers
+
+STEPS = 10
+
+
+# -- bad input: one clear line each -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("make, says", [
+    (lambda: px.StreamingDiLoCo(every=4, overlap=4), "overlap < every"),
+    (lambda: px.StreamingDiLoCo(every=4, overlap=-1), "overlap=-1"),
+    (lambda: px.StreamingDiLoCo(fragments=0), "fragments=0"),
+    (lambda: px.StreamingDiLoCo(quantize=3), "None, 8, 4 or a compressor"),
+    (lambda: px.StreamingDiLoCo(mixing=1.5), "mixing=1.5"),
+    (lambda: px.Quantize(bits=2), "4 or 8"),
+    (lambda: px.Quantize(block=63), "even block"),
+    (lambda: px.Quantize(rounding="up"), "'nearest' or 'stochastic'"),
+])
+def test_bad_arguments_get_one_line(make, says):
+    with pytest.raises(px.ConfigError, match=None) as err:
+        make()
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_more_fragments_than_parameters_is_refused_at_wrap():
+    net = torch.nn.Linear(2, 1)  # two tensors
+    with pytest.raises(px.ConfigError) as err:
+        px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=px.StreamingDiLoCo(every=4, fragments=3))
+    assert "fragments <= 2" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_quantising_an_integer_buffer_is_refused():
+    with pytest.raises(px.ConfigError) as err:
+        px.Quantize(8).compress(torch.arange(10))
+    assert "torch.int64" in str(err.value) and "\n" not in str(err.value)
+
+
+# -- the fragment split -----------------------------------------------------------------------------------------------
+def test_fragments_are_consecutive_nonempty_and_balanced_by_bytes():
+    sizes = [100, 1, 1, 50, 50, 1, 97]
+    parts = balanced_split(sizes, 3)
+    assert [list(r) for r in parts] == [[0], [1, 2, 3, 4], [5, 6]]
+    assert [len(r) for r in balanced_split([5] * 4, 4)] == [1, 1, 1, 1]
+
+
+# -- the quantiser --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (3, 5), (2, 3, 4, 5), (130,)])
+def test_round_trip_stays_within_half_a_level_per_block(bits, shape):
+    q = px.Quantize(bits, block=16)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    payload, ctx = q.compress(x)
+    back = q.decompress(payload, ctx)
+    assert back.shape == x.shape and back.dtype == x.dtype
+    flat, err = x.reshape(-1), (back - x).reshape(-1).abs()
+    levels = 2 ** (bits - 1) - 1
+    for start in range(0, flat.numel(), 16):  # per block: half a level of that block's own scale
+        block = flat[start:start + 16]
+        assert err[start:start + 16].max() <= block.abs().max() / levels / 2 * (1 + 1e-6) + 1e-12
+    assert payload.numel() == q.message_bytes(max(1, x.numel()))
+
+
+def test_four_bits_travel_two_to_a_byte():
+    q = px.Quantize(4, block=128)
+    assert q.message_bytes(1024) == 1024 // 2 + 4 * 8 + 4  # values, 8 float32 scales, the weight
+    assert px.Quantize(8, block=128).message_bytes(1024) == 1024 + 4 * 8 + 4
+
+
+def test_stochastic_rounding_is_unbiased_and_within_one_level():
+    q = px.Quantize(4, block=8, rounding="stochastic", seed=1)
+    x = torch.linspace(-1, 1, 8)
+    backs = torch.stack([q.decompress(*q.compress(x)) for _ in range(2000)])
+    assert (backs - x).abs().max() <= 1 / 7 + 1e-6
+    assert (backs.mean(0) - x).abs().max() < 0.01
+
+
+def test_error_feedback_keeps_what_rounding_left_out():
+    q = px.Quantize(4, block=4, error_feedback=True)
+    x = torch.tensor([1.0, 0.3, -0.2, 0.05])
+    sent = q.decompress(*q.compress(x, "k"))
+    torch.testing.assert_close(sent + q.residuals["k"], x)
+
+
+def test_one_process_streaming_with_one_fragment_and_no_overlap_is_diloco():
+    def run(strategy):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        model, opt = px.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), strategy=strategy)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(11):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(5, 4, generator=g)), torch.randn(5, 2, generator=g)).backward()
+            opt.step()
+        strategy.finish()
+        return [p.detach().clone() for p in net.parameters()]
+
+    for a, b in zip(run(px.DiLoCo(every=3)), run(px.StreamingDiLoCo(every=3, fragments=1, overlap=0)), strict=True):
+        assert torch.equal(a, b)
+
+
+# -- two workers ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def results():
+    return run_workers("workers.streaming:exchanges", world_size=2, timeout=240, steps=STEPS).results
+
+
+def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: float) -> dict:
+    """Algorithm 1 of arXiv 2501.18512 for 2 workers, in ONE process: plain SGD inner steps, Nesterov outer."""
+    from phalanx.bench.models import digits_cnn, load_digits_split
+    from workers.streaming import BATCH
+
+    train_set, _ = load_digits_split()
+    torch.manual_seed(0)
+    replicas = [digits_cnn(), digits_cnn()]
+    replicas[1].load_state_dict(replicas[0].state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in replicas]
+    loaders = [px.shard(train_set, batch_size=BATCH, seed=0, rank=r, world_size=2) for r in range(2)]
+    # fragments: consecutive parameters, one cut where the bytes before it come closest to half
+    sizes = [p.numel() for p in replicas[0].parameters()]
+    cut = min(range(1, len(sizes)), key=lambda c: abs(sum(sizes[:c]) - sum(sizes) / 2))
+    frags = [list(range(cut)), list(range(cut, len(sizes)))]
+    offsets = [p * every // fragments for p in range(fragments)]
+    params = [list(m.parameters()) for m in replicas]
+    anchor = [p.detach().clone() for p in params[0]]
+    momentum = [torch.zeros_like(a) for a in anchor]
+    in_flight: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    for loader in loaders:
+        loader.set_epoch(0)
+    for t, batches in enumerate(zip(*loaders, strict=True), start=1):
+        for model, opt, (x, y) in zip(replicas, opts, batches, strict=True):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        with torch.no_grad():
+            for p, idx in enumerate(frags):
+                if t % every == offsets[p]:  # the outer gradient, averaged over the workers, starts travelling
+                    in_flight[p] = (t, [sum(anchor[i] - w[i] for w in params) / 2 for i in idx])
+            for p, idx in enumerate(frags):
+                if p in in_flight and t == in_flight[p][0] + overlap:  # it lands: outer Nesterov, then mix
+                    for i, d in zip(idx, in_flight.pop(p)[1], strict=True):
+                        momentum[i] = 0.9 * momentum[i] + d
+                        anchor[i] -= 0.7 * (d + 0.9 * momentum[i])
+                        for w in params:
+                            w[i].copy_(alpha * w[i] + (1 - alpha) * anchor[i])
+        if t == steps:
+            break
+    return {"replicas": [[p.detach().clone() for p in ps] for ps in params], "anchor": anchor,
+            "layout": [len(f) for f in frags]}
+
+
+@pytest.mark.multiproc
+def test_one_fragment_without_overlap_is_diloco_bit_for_bit(results):
+    for rank in results:
+        for key in ("before_finish", "params"):
+            for a, b in zip(rank["diloco"][key], rank["streaming1"][key], strict=True):
+                assert torch.equal(a, b)
+        assert rank["diloco"]["bytes_per_step"] == rank["streaming1"]["bytes_per_step"]
+
+
+@pytest.mark.multiproc
+def test_two_fragments_overlapped_by_one_step_follow_the_papers_algorithm(results):
+    oracle = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5)
+    for rank, got in enumerate(results):
+        assert got["paper_layout"] == oracle["layout"]
+        for a, b in zip(got["paper"]["before_finish"], oracle["replicas"][rank], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        for a, b in zip(got["paper_anchor"], oracle["anchor"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_quantised_exchanges_keep_replicas_in_step_and_send_fewer_bytes(results):
+    r0, r1 = results
+    for a, b in zip(r0["q4_anchor"], r1["q4_anchor"], strict=True):  # the dequantised sum is the same bits
+        assert torch.equal(a, b)
+    for a, b in zip(r0["q4"]["params"], r1["q4"]["params"], strict=True):  # finish() reconciles the replicas
+        assert torch.equal(a, b)
+    # 4 bits + a float32 scale per 128 values against 32 bits: about 7.5x fewer bytes than the float32 exchange
+    assert r0["q4"]["bytes_per_step"] < r0["paper"]["bytes_per_step"] / 7
+    # int8 gradients: close to the float32 average, and 4x fewer bytes (all-gather of 2 messages of n + n/16 bytes)
+    for a, b in zip(r0["allreduce_int8"]["params"], r0["allreduce"]["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+    assert r0["allreduce_int8"]["bytes_per_step"] < r0["allreduce"]["bytes_per_step"] / 3
+    assert all(math.isfinite(float(p.sum())) for p in r0["diloco_int8"]["params"])
+
+
+# -- elastic: a kill while an exchange is in flight -------------------------------------------------------------------
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "streaming.py")
+CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+
+
+@pytest.mark.multiproc
+def test_a_kill_mid_overlap_drops_the_lost_workers_part_and_the_survivors_go_on(tmp_path):
+    cmd = [*CLI, "run", "-n", "3", "--elastic", "--min-workers", "2", WORKER, "--out", str(tmp_path),
+           "--kill", "2@4", "--commit-every", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    assert sorted(got) == ["0", "1"]
+    for r in got.values():
+        assert r["world_size"] == 2 and [h["left"] for h in r["history"]] == [["2"]]
+    # Worker 2 dies before step 4: the survivors' fragment-0 exchange of step 4 never completes (it is dropped);
+    # they roll back to the commit of step 3, which held fragment 1's exchange in flight: the two send it again.
+    assert got["0"]["history"][0]["step"] == 3 and got["0"]["in_flight_at_commit"] == [[1]]
+    assert got["0"]["params"] == got["1"]["params"] and got["0"]["anchors"] == got["1"]["anchors"]
+    assert all(math.isfinite(v) for t in got["0"]["params"] for v in torch.tensor(t).reshape(-1).tolist())
