@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Time to quality on slow links (docs/performance.md, "Time to quality on slow links").
 # Run as root (the shaped links are network namespaces + veth + tc tbf) on an otherwise idle machine:
-#   benchmarks/quality.sh [OUT]     2 tasks x {13 setups at 100 Mbit/s, 7 at 1 Gbit/s} x 3 repeats, 14 s of training
-#                                   per run, at the learning rates of the committed sweep (src/phalanx/bench/quality/
-#                                   lrs.json); about 35 minutes on an idle 2-core machine
+#   benchmarks/quality.sh [OUT]     2 tasks x {15 setups at 100 Mbit/s, 7 at 1 Gbit/s, 3 at 10 Mbit/s} x 3 repeats,
+#                                   14 s of training per run, at the learning rates of the committed sweep
+#                                   (src/phalanx/bench/quality/lrs.json); about 44 minutes on an idle 2-core machine
 # EXTRA=--dry-run prints every run and the estimate without running anything; EXTRA="--sweep 0.5,1,2" redoes the
-# lr sweep first (about 15 more minutes). Progress goes to stderr, one line per finished run; OUT/quality.json is
-# rewritten after every run and OUT/quality.md every 8 runs (plots at the end), so a late stop still leaves tables.
-# torchft's DiLoCo joins as a peer when benchmarks/torchft/setup.sh has built its own environment.
+# lr sweep first (about 15 more minutes). TASKS=gpt-large adds (or, alone, runs) the 12.4M-parameter GPT, whose
+# target is provisional (see its `why`); LINKS overrides the links. Progress goes to stderr, one line per finished
+# run; OUT/quality.json is rewritten after every run and OUT/quality.md every 8 runs (plots at the end), so a late
+# stop still leaves tables. Each table reports time to target / the compute-only bound (DDP's steps to target x one
+# worker's compute step). torchft's DiLoCo joins as a peer when benchmarks/torchft/setup.sh has built its own
+# environment.
 set -uo pipefail  # a failed run is reported in its table; keep measuring the rest
 cd "$(dirname "$0")/.."
 OUT=${1:-results/quality}
 PY=${PY:-.venv/bin/python}
-exec $PY -m phalanx.bench.quality --tasks gpt,resnet20 --link 100mbit,1gbit --repeats 3 --out "$OUT" ${EXTRA:-}
+exec $PY -m phalanx.bench.quality --tasks "${TASKS:-gpt,resnet20}" --link "${LINKS:-10mbit,100mbit,1gbit}" \
+  --repeats 3 --out "$OUT" ${EXTRA:-}

@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default="gpt,resnet20", help="comma list from " + ", ".join(TASKS))
     p.add_argument("--setups", default=",".join(plan.ALL_SETUPS), help="comma list (default: all)")
-    p.add_argument("--link", default="100mbit,1gbit", help="comma list: rates (root) and/or loopback")
+    p.add_argument("--link", default="10mbit,100mbit,1gbit", help="comma list: rates (root) and/or loopback")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every run (default 3)")
     p.add_argument("--budget", type=float, help="training seconds per run (default: each task's own)")
     p.add_argument("--targets", default="", help="override targets, e.g. gpt=2.2,resnet20=0.6")
@@ -245,7 +245,8 @@ def analyse(payload: dict[str, Any], out: str, quiet: bool = False, plots: bool 
     tgt = {t: v["target"] for t, v in tasks.items()}
     higher = {t: v["higher_is_better"] for t, v in tasks.items()}
     rows = curves.rows(payload["raw"], tgt, higher)
-    payload.update(rows=rows, headline=report.headline(rows), targets=targets.check(rows),
+    bounds = curves.add_bounds(rows, {t: v["compute_s_per_step"] for t, v in tasks.items()})
+    payload.update(rows=rows, bounds=bounds, headline=report.headline(rows), targets=targets.check(rows, bounds),
                    advisor=advisor.check(rows, {t: v["compute_s_per_step"] for t, v in tasks.items()},
                                          {t: v["per_worker"] for t, v in tasks.items()}))
     os.makedirs(out, exist_ok=True)
@@ -298,7 +299,8 @@ def render(payload: dict[str, Any], pngs: list[str]) -> str:
     parts += ["\n## Targets\n\n", targets.markdown(payload["targets"])]
     rows = payload["rows"]
     for task, link in dict.fromkeys((r["task"], r["link"]) for r in rows):
-        parts += [f"\n## {task}, {link}\n\n", report.table(rows, task, link)]
+        parts += [f"\n## {task}, {link}\n\n", report.bound_line(payload.get("bounds", {}).get(task)),
+                  report.table(rows, task, link)]
     parts += ["\nTimes are training seconds (evaluation excluded), median over repeats (min–max); a repeat that "
               "missed the target counts as infinitely slow. Bytes: what one worker put into collectives "
               "(counted) and what its veth sent (tx_bytes, headers included).\n",

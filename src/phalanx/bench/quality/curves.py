@@ -73,6 +73,35 @@ def rows(records: list[dict[str, Any]], targets: dict[str, float],
     return out
 
 
+def add_bounds(rows_: list[dict[str, Any]], compute_s: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """The compute-only bound per task, and each row's time to target over it (``row["vs_bound"]``).
+
+    The bound is the time to target of a run that pays no communication at all: DDP's steps to target
+    (synchronous SGD: the same steps on any link; the fewest of the links where it reached, median over
+    repeats) times one worker's measured compute step. None where DDP never reached the target.
+
+    Example:
+        >>> rows_ = [{"task": "t", "link": "1gbit", "setup": "ddp", "ok": 1, "steps_to_target": spread([100]),
+        ...           "time_to_target": spread([30.0])}]
+        >>> add_bounds(rows_, {"t": 0.2})["t"]["bound_s"], rows_[0]["vs_bound"]["median"]
+        (20.0, 1.5)
+    """
+    bounds: dict[str, dict[str, Any]] = {}
+    for task in dict.fromkeys(r["task"] for r in rows_):
+        steps = [r["steps_to_target"]["median"] for r in rows_ if r["task"] == task and r["setup"] == "ddp"
+                 and r["ok"] and r["steps_to_target"]["median"] < INF]
+        if not steps or task not in compute_s:
+            bounds[task] = {"bound_s": None, "ddp_steps": None, "compute_s": compute_s.get(task)}
+            continue
+        bounds[task] = {"bound_s": min(steps) * compute_s[task], "ddp_steps": min(steps),
+                        "compute_s": compute_s[task]}
+    for r in rows_:
+        b = bounds[r["task"]]["bound_s"]
+        r["vs_bound"] = {k: (v / b if isinstance(v, float) and b else math.nan) if k != "n" else v
+                         for k, v in r["time_to_target"].items()} if b else spread([])
+    return bounds
+
+
 def ratio(slow: dict[str, float], fast: dict[str, float]) -> dict[str, float]:
     """How many times sooner ``fast`` is than ``slow``: median ratio with its range (worst, best pairing)."""
     def div(a: float, b: float) -> float:

@@ -24,21 +24,28 @@ from .tasks import get
 OVERHEAD_S = 3.5
 SESSION_S = 12.0  # per session (one per link): two interpreters importing torch, the group's rendezvous
 ALL_SETUPS = ("ddp", "ddp-fp16", "ddp-powersgd", "torch-post-local-sgd", "allreduce", "fp16", "powersgd", "topk",
-              "local-sgd", "post-local-sgd", "diloco", "easgd", "downpour")
+              "local-sgd", "post-local-sgd", "diloco", "streaming-diloco", "streaming-diloco-4bit", "easgd", "downpour")
 SWEEP = (0.5, 1.0, 2.0)  # multipliers of the family's base lr, the same for every setup
 # On links of 1 Gbit/s and faster only these run: the 1 Gbit target compares phalanx's best with DDP's best
 # setting, and communication there is a small share of a step, so the setups built to send less (TopK, EASGD,
 # Downpour, the post-local variants) have nothing to win; they all run on the slow link.
 FAST_SETUPS = ("ddp", "ddp-fp16", "ddp-powersgd", "allreduce", "fp16", "local-sgd", "diloco")
 FAST_BITS = 1e9
+# On links slower than SLOW_BITS (10 Mbit/s) a step of DDP on the GPT costs seconds: only DDP (the reference whose
+# miss gives a lower bound), the best low-communication setups of the 100 Mbit/s runs and Streaming DiLoCo run.
+SLOW_SETUPS = ("ddp", "diloco", "streaming-diloco-4bit")
+SLOW_BITS = 50e6
 LRS_PATH = os.path.join(os.path.dirname(__file__), "lrs.json")
 
 
 def setups_for(link: str, setups: list[str], fast: tuple[str, ...] | None = FAST_SETUPS) -> list[str]:
-    """The setups that run on ``link``: all of ``setups`` on slow links and loopback, the fast subset otherwise."""
+    """The setups that run on ``link``: the fast subset on fast links, the slow subset on the slowest (< 50 Mbit/s),
+    all of ``setups`` in between and on loopback (``fast=None``: all everywhere)."""
     from .advisor import rate_bits
 
     bits = rate_bits(link)
+    if fast is not None and bits < SLOW_BITS:
+        return [s for s in setups if s in SLOW_SETUPS]
     if fast is None or not bits >= FAST_BITS:
         return list(setups)
     return [s for s in setups if s in fast]

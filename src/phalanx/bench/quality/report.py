@@ -28,12 +28,13 @@ def table(rows: list[dict[str, Any]], task: str, link: str) -> str:
     mine = [r for r in rows if r["task"] == task and r["link"] == link]
     ddp = next((r for r in mine if r["setup"] == "ddp"), None)
     out = ["| setup | by | lr | time to target (s) | steps to target | reached | samples/s | "
-           "final quality at budget | bytes/step counted | bytes/step on the wire | × sooner than DDP |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "final quality at budget | bytes/step counted | bytes/step on the wire | × sooner than DDP | "
+           "time to target / compute-only bound |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(mine, key=lambda r: (r["time_to_target"]["median"], r["setup"])):
         if not r["ok"]:
             out.append(f"| {r['setup']} | {r['provider']} | {r['lr']:g} | failed: {r['errors'][0][:120]} |"
-                       " | | | | | | |")
+                       " | | | | | | | |")
             continue
         vs = ratio(ddp["time_to_target"], r["time_to_target"]) if ddp and ddp["ok"] else None
         vs_cell = "" if vs is None or math.isnan(vs["median"]) else (
@@ -43,8 +44,16 @@ def table(rows: list[dict[str, Any]], task: str, link: str) -> str:
                    f"{cell(r['steps_to_target'], '.0f')} | {r['reached']}/{r['runs']} | "
                    f"{cell(r['samples_per_s'], ',.0f')} | {cell(r['final'], '.3f')} | "
                    f"{fmt_bytes(r['bytes_per_step']['median'])} | {fmt_bytes(r['wire_bytes_per_step']['median'])} | "
-                   f"{vs_cell} |")
+                   f"{vs_cell} | {cell(r.get('vs_bound') or {'n': 0}, '.2f')} |")
     return "\n".join(out) + "\n"
+
+
+def bound_line(bound: dict[str, Any] | None) -> str:
+    """One sentence: the task's compute-only bound and where it comes from."""
+    if not bound or bound.get("bound_s") is None:
+        return "Compute-only bound: cannot tell (DDP did not reach the target on any link).\n\n"
+    return (f"Compute-only bound: {bound['bound_s']:.1f} s = DDP's {bound['ddp_steps']:.0f} steps to target (the "
+            f"fewest over the links) × one worker's compute step, {1e3 * bound['compute_s']:.0f} ms.\n\n")
 
 
 def headline(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

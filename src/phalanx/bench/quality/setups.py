@@ -26,6 +26,10 @@ from ..spec import Setup
 from ..worker import _PeerAccountant, _StrategyAccountant, setup_training
 
 WARMUP, LOCAL_EVERY, DILOCO_EVERY = 50, 16, 50
+# Streaming DiLoCo (arXiv 2501.18512): DiLoCo's H, 4 fragments (one syncs every H/4 = 12 steps), each exchange
+# given 5 inner steps to travel (the paper's τ ranges over 1-10; a 4-bit fragment of the GPT is ~40 kB, of the
+# larger GPT ~1.6 MB: about 1.3 s at 10 Mbit/s, a few of its steps).
+STREAM_FRAGMENTS, STREAM_OVERLAP = 4, 5
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,14 @@ def _make() -> dict[str, QSetup]:
                _phalanx(lambda lr: px.LocalSGD(every=LOCAL_EVERY, warmup_steps=WARMUP))),
         QSetup("diloco", "phalanx", _phalanx(lambda lr: px.DiLoCo(every=DILOCO_EVERY)), optim="adamw",
                note=f"H={DILOCO_EVERY}, AdamW inner, Nesterov outer lr 0.7 momentum 0.9"),
+        QSetup("streaming-diloco", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
+            every=DILOCO_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP)), optim="adamw",
+               note=f"H={DILOCO_EVERY}, P={STREAM_FRAGMENTS} fragments, overlap τ={STREAM_OVERLAP}, mixing 0.5, "
+                    "AdamW inner, Nesterov outer lr 0.7 momentum 0.9, float32 exchange"),
+        QSetup("streaming-diloco-4bit", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
+            every=DILOCO_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP, quantize=4)), optim="adamw",
+               note="as streaming-diloco, outer gradients as packed 4-bit values with a float32 scale per 128 "
+                    "(px.Quantize(4)), all-gathered"),
         QSetup("easgd", "phalanx", _phalanx(lambda lr: px.EASGD(every=4))),
         QSetup("downpour", "phalanx", _phalanx(lambda lr: px.Downpour(server_optimizer=Adagrad(lr))), optim="sgd",
                note="push/pull every step; Adagrad on the servers at the swept lr (from the SGD base lr)"),

@@ -26,8 +26,8 @@ def _row(rows: list[dict[str, Any]], task: str, link: str, setup: str) -> dict[s
     return next((r for r in rows if (r["task"], r["link"], r["setup"]) == (task, link, setup) and r["ok"]), None)
 
 
-def check(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per target and link present in the rows."""
+def check(rows: list[dict[str, Any]], bounds: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One entry per target and link present in the rows (``bounds``: :func:`.curves.add_bounds`)."""
     out: list[dict[str, Any]] = []
     links = list(dict.fromkeys(r["link"] for r in rows))
     present = set(r["task"] for r in rows)
@@ -67,6 +67,7 @@ def check(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "target": "yes, ≥ 50× fewer bytes than DDP", "value": None,
                         "who": f"reached {dil['reached']}/{dil['runs']}, {fewer:.0f}× fewer bytes per step",
                         "verdict": "met" if ok else "missed"})
+    out += _bound_targets(rows, links, bounds or {})
     for task in dict.fromkeys(r["task"] for r in rows):
         if "1gbit" in links:
             best = winner(rows, task, "1gbit", "phalanx")
@@ -76,6 +77,37 @@ def check(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"measure": f"1 Gbit/s: best phalanx vs DDP with its best setting, {task}", "target": "≥ 1.0",
                         "value": r, "who": best and ddp_best and f"{best['setup']} vs {ddp_best['setup']}",
                         "verdict": verdict(r["median"] if r else math.nan, 1.0)})
+    return out
+
+
+def _bound_targets(rows: list[dict[str, Any]], links: list[str], bounds: dict[str, dict[str, Any]]) -> list[dict]:
+    """Issue 23's: the best phalanx setup within 1.15× of the compute-only bound at 100 Mbit/s and 1.3× at
+    10 Mbit/s; Streaming DiLoCo + 4-bit reaches the target with >= 400× fewer bytes per step than DDP."""
+    out: list[dict[str, Any]] = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        for link, bar in (("100mbit", 1.15), ("10mbit", 1.3)):
+            if link not in links:
+                continue
+            best = winner(rows, task, link, "phalanx")
+            b = (bounds.get(task) or {}).get("bound_s")
+            v = best["vs_bound"] if best and b else None
+            out.append({"measure": f"best phalanx time to target / compute-only bound, {task}, {link}",
+                        "target": f"≤ {bar:g}×", "value": v, "who": best and best["setup"],
+                        "verdict": "cannot tell (no bound: DDP never reached the target)" if not b else
+                        "missed (no phalanx setup reached the target)" if not best else
+                        "met" if v["median"] <= bar else "missed"})
+        for link in links:
+            q, ddp = _row(rows, task, link, "streaming-diloco-4bit"), _row(rows, task, link, "ddp")
+            if not (q and ddp):
+                continue
+            key = "wire_bytes_per_step" if q["wire_bytes_per_step"]["n"] and ddp["wire_bytes_per_step"]["n"] \
+                else "bytes_per_step"
+            fewer = ddp[key]["median"] / max(q[key]["median"], 1e-9)
+            ok = q["time_to_target"]["median"] < INF and fewer >= 400
+            out.append({"measure": f"Streaming DiLoCo + 4-bit reaches the target, {task}, {link}",
+                        "target": "yes, ≥ 400× fewer bytes per step than DDP", "value": None,
+                        "who": f"reached {q['reached']}/{q['runs']}, {fewer:.0f}× fewer bytes per step ({key})",
+                        "verdict": "met" if ok else "missed"})
     return out
 
 
