@@ -120,8 +120,10 @@ def test_one_process_streaming_with_one_fragment_and_no_overlap_is_diloco():
 
 # -- two workers ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def results():
-    return run_workers("workers.streaming:exchanges", world_size=2, timeout=240, steps=STEPS).results
+def results(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("streaming-ckpt")
+    return run_workers("workers.streaming:exchanges", world_size=2, timeout=300, steps=STEPS,
+                       ckpt_dir=str(ckpt)).results
 
 
 def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: float) -> dict:
@@ -186,6 +188,14 @@ def test_two_fragments_overlapped_by_one_step_follow_the_papers_algorithm(result
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         for a, b in zip(got["paper_anchor"], oracle["anchor"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_with_an_exchange_in_flight_resumes_exactly(results):
+    for rank in results:
+        for name, pair in rank["resume"].items():
+            for a, b in zip(pair["straight"], pair["resumed"], strict=True):
+                assert torch.equal(a, b), name
 
 
 @pytest.mark.multiproc

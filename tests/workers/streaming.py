@@ -60,10 +60,19 @@ def adamw(ps: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(ps, lr=1e-3)
 
 
-def exchanges(steps: int = 10) -> dict[str, Any]:
-    """DiLoCo beside StreamingDiLoCo(P=1, τ=0); P=2, τ=1 for the paper's oracle; the quantised exchanges."""
+def exchanges(ckpt_dir: str, steps: int = 10) -> dict[str, Any]:
+    """DiLoCo beside StreamingDiLoCo(P=1, τ=0); P=2, τ=1 for the paper's oracle; the quantised exchanges;
+    a checkpoint taken with an exchange in flight, resumed in new objects."""
+    from phalanx.bench.models import load_digits_split
+    from workers.strategies import resume_pair
+
     px.init()
     out: dict[str, Any] = {}
+    train_set, _ = load_digits_split()
+    # cut at step 5: fragment 0 was sent at step 4 and lands at step 6, so the checkpoint holds it in flight
+    out["resume"] = {name: resume_pair(factory, ckpt_dir, name, train_set, total=8, cut=5) for name, factory in {
+        "float": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2),
+        "4bit": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, quantize=4)}.items()}
     out["diloco"] = train(px.DiLoCo(every=3), adamw, steps)
     out["streaming1"] = train(px.StreamingDiLoCo(every=3, fragments=1, overlap=0), adamw, steps)
     paper = px.StreamingDiLoCo(every=4, fragments=2, overlap=1, mixing=0.5)
