@@ -22,7 +22,7 @@ import phalanx as px
 from phalanx.strategies.streaming_diloco import balanced_split
 from support.procs import run_workers
 
-STEPS = 10
+STEPS = 8
 
 
 # -- bad input: one clear line each -----------------------------------------------------------------------------------
@@ -89,9 +89,9 @@ def test_four_bits_travel_two_to_a_byte():
 def test_stochastic_rounding_is_unbiased_and_within_one_level():
     q = px.Quantize(4, block=8, rounding="stochastic", seed=1)
     x = torch.linspace(-1, 1, 8)
-    backs = torch.stack([q.decompress(*q.compress(x)) for _ in range(2000)])
+    backs = torch.stack([q.decompress(*q.compress(x)) for _ in range(500)])
     assert (backs - x).abs().max() <= 1 / 7 + 1e-6
-    assert (backs.mean(0) - x).abs().max() < 0.01
+    assert (backs.mean(0) - x).abs().max() < 0.015  # the mean's standard error is at most 0.0032 here
 
 
 def test_error_feedback_keeps_what_rounding_left_out():
@@ -116,6 +116,19 @@ def test_one_process_streaming_with_one_fragment_and_no_overlap_is_diloco():
 
     for a, b in zip(run(px.DiLoCo(every=3)), run(px.StreamingDiLoCo(every=3, fragments=1, overlap=0)), strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_registered_name_wraps_and_trains_in_a_group_of_one():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.05), strategy="streaming-diloco")
+    for _ in range(3):
+        opt.zero_grad()
+        F.mse_loss(model(torch.ones(3, 4)), torch.zeros(3, 2)).backward()
+        opt.step()
+    got = px.strategy_of(opt)
+    assert isinstance(got, px.StreamingDiLoCo) and got.steps == 3 and got.bytes_sent == 0
+    got.finish()
+    assert all(torch.equal(a, p) for f in got.fragments for a, p in zip(f.anchor, f.params, strict=True))
 
 
 # -- two workers ------------------------------------------------------------------------------------------------------

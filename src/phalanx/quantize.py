@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import check
+from . import check, group
 from .comm import Comm, guarded, scatter_back
 from .compression import Context, Payload, _ErrorFeedback, _flatten
 from .errors import ConfigError, usage
@@ -121,7 +121,7 @@ class Quantize(_ErrorFeedback):
         if self.rounding == "nearest":
             return scaled.round_()
         if self._gen is None or self._gen.device != scaled.device:
-            from . import group  # the rank offsets the stream: workers' rounding errors must be independent
+            # the rank offsets the stream: the workers' rounding errors must be independent
             self._gen = torch.Generator(device=scaled.device).manual_seed(self.seed * 1_000_003 + group.rank())
         noise = torch.rand(scaled.shape, generator=self._gen, device=scaled.device, dtype=scaled.dtype)
         return scaled.add_(noise).floor_()
