@@ -232,7 +232,7 @@ class StreamingDiLoCo(Strategy):
 
     def _empty_message(self, f: Fragment) -> torch.Tensor:
         if isinstance(self.compression, Quantize):
-            return torch.zeros(self.compression.message_bytes(f.numel), dtype=torch.uint8)
+            return torch.zeros(self.compression.message_bytes(f.numel), dtype=torch.uint8, device=f.anchor[0].device)
         return torch.zeros(f.numel + 1, dtype=f.anchor[0].dtype, device=f.anchor[0].device)
 
     @torch.no_grad()
@@ -264,7 +264,8 @@ class StreamingDiLoCo(Strategy):
                     f.pending.wait()
                 self.comm.stats.seconds += time.perf_counter() - start  # what the overlap did not hide
             flat = f.buffer if f.buffer is not None else f.message
-            flat = flat[:-1] / flat[-1]
+            # no rank held a sample since the send (weights 0 everywhere): nothing to average, not a NaN
+            flat = flat[:-1] / flat[-1] if float(flat[-1]) != 0 else torch.zeros_like(flat[:-1])
         out, offset = [], 0
         for a in f.anchor:
             out.append(flat[offset:offset + a.numel()].view_as(a).to(a.dtype))
