@@ -69,6 +69,7 @@ class Timeline:
         self.directory, self.steps, self.skip = directory, steps, skip
         self.written: list[Path] = []
         self.seen = 0  # the last clock step that moved the schedule
+        self._stopping = False  # the window's last step closed: the profiler stops as the next step begins
         self._ready = False  # the window is over; its trace waits for the next step to be written
         self._done = False
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -88,21 +89,32 @@ class Timeline:
 
     def span(self, name: str) -> ContextManager[Any]:
         """A named span in the trace while recording; a no-op context otherwise."""
+        if self._stopping:
+            self._stop()
         return record_function(name) if self.recording else _OFF
+
+    def _stop(self) -> None:
+        """End the window: stopping the profiler takes tens of milliseconds, charged to the step after it."""
+        self._stopping = False
+        self.prof.step()
 
     def step(self, step: int) -> None:
         """Called by the step clock when step ``step`` closes (every wrapped model: the first moves the schedule)."""
         if self._done:
             return
+        if self._stopping:
+            self._stop()
         if self._ready:
             self.close()
             return
         if step <= self.seen:
             return
+        self.seen = step
         if step == self.skip + self.steps:  # the window's last step: a barrier whose end every rank shares
             with record_function("phalanx/clock sync"):
                 _barrier()
-        self.seen = step
+            self._stopping = True  # not now: the window's last step would pay for it
+            return
         self.prof.step()
 
     def _on_ready(self, _prof: Any) -> None:
@@ -281,6 +293,8 @@ class Spans:
     def begin(self, name: str) -> None:
         """Open ``name`` unless it is open already (or nothing records)."""
         timeline = active()
+        if timeline is not None and timeline._stopping:
+            timeline._stop()  # the step after the window begins here
         if name in self.open or timeline is None or not timeline.recording:
             return
         rf = record_function(name)
