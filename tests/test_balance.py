@@ -88,7 +88,8 @@ def test_bad_balance_arguments_are_one_line():
         px.shard(data, batch_size=2, balance="speed", speed=0.5)
 
 
-@pytest.mark.parametrize("strategy", [lambda: px.EASGD(every=2), lambda: px.Periodic(px.every(2), px.ParameterAverage())])
+@pytest.mark.parametrize("strategy", [lambda: px.EASGD(every=2),
+                                      lambda: px.Periodic(px.every(2), px.ParameterAverage())])
 def test_balance_refuses_strategies_that_count_workers_alike(strategy):
     px.init()
     try:
