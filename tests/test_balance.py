@@ -111,3 +111,18 @@ def test_balance_refused_when_the_model_is_wrapped_after_the_loader():
             next(iter(loader))
     finally:
         px.shutdown()
+
+
+def test_split_returns_to_equal_after_a_regroup_or_a_resize():
+    loader = px.shard(torch.utils.data.TensorDataset(torch.arange(16.)), batch_size=4, shuffle=False, balance="speed",
+                      rank=0, world_size=2)
+    state = {**loader.state_dict(), "balance": {"shares": [0.75, 0.25], "since": 3, "generation": 0}}
+    loader.load_state_dict(state)  # the same group: resume exact
+    assert loader.sampler.shares == [0.75, 0.25] and loader.balance.since == 3
+    assert [len(p) for p in loader.sampler.plan()[0]] == [6, 2]
+    loader.sampler.world_size = 3  # phalanx.elastic re-split the rest of the epoch over 3 workers
+    assert [len(p) for p in loader.sampler.plan()[0]] == [4, 4, 4]
+    loader.sampler.world_size = 2
+    loader.load_state_dict({**state, "balance": {**state["balance"], "generation": 1}})  # taken in another group
+    assert loader.sampler.shares is None and loader.balance.since == 0
+    assert [len(p) for p in loader.sampler.plan()[0]] == [4, 4]

@@ -67,6 +67,7 @@ class Timeline:
         from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
 
         self.directory, self.steps, self.skip = directory, steps, skip
+        self.rank = group.rank()  # kept: the group may be gone when the trace is written at exit
         self.written: list[Path] = []
         self.seen = 0  # the last clock step that moved the schedule
         self._stopping = False  # the window's last step closed: the profiler stops as the next step begins
@@ -132,7 +133,7 @@ class Timeline:
             warnings.simplefilter("ignore")
             self.prof.stop()  # a window cut short by the end of training is written as far as it got
         g = group.current() if group.is_initialized() else None
-        rank = g.rank if g is not None else 0
+        rank = g.rank if g is not None else self.rank
         mine = self.directory / f"rank{rank}.json"
         try:
             self.prof.export_chrome_trace(str(mine))
