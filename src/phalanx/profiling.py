@@ -43,6 +43,8 @@ from typing import Any, ContextManager
 
 import torch
 from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerActivity, schedule
+from torch.profiler import profile as torch_profile
 
 from . import check, group
 from .errors import usage
@@ -64,8 +66,6 @@ class Timeline:
     """
 
     def __init__(self, directory: Path, *, steps: int, skip: int) -> None:
-        from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
-
         self.directory, self.steps, self.skip = directory, steps, skip
         self.rank = group.rank()  # kept: the group may be gone when the trace is written at exit
         self.written: list[Path] = []
