@@ -32,6 +32,7 @@ from .group import Group, device, init, is_initialized, is_main, local_rank, ran
 from .group import current as current_group
 from .lr import scale_lr, warmup
 from .metrics import Accuracy, MeanLoss, Metric, ThroughputMeter
+from .profiling import Timeline, profile
 from .ps import AsyncEASGD, Downpour, ParameterServer
 from .quantize import Quantize
 from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, ParameterAverage, Periodic, Strategy,
@@ -65,6 +66,8 @@ __all__ = [
     # the Trainer
     "Trainer", "History", "Callback", "LambdaCallback", "ModelCheckpoint", "Metric", "Accuracy", "MeanLoss",
     "ThroughputMeter",
+    # the timeline (phalanx.profiling)
+    "profile", "Timeline",
     # checkpoints and errors
     "save_checkpoint", "load_checkpoint", "read_checkpoint", "TrainingState",
     "PhalanxError", "ConfigError", "WorkerLostError", "CheckpointError",

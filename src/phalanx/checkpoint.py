@@ -35,6 +35,7 @@ from torch import nn
 
 from . import group
 from .errors import CheckpointError, ConfigError, usage
+from .profiling import span
 from .framing import MAGIC, atomic_write, check_plain, read_verified, to_bytes, write_verified
 from .state import TrainingState, gather_to_main, resize_warning, rng_state, set_rng_state, shared
 from .wrap import unwrap
@@ -91,8 +92,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         3
     """
     check_plain(extra or {}, "extra")  # refuse before any collective, on every worker alike
-    save_state(path, TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler,
-                                   extra=extra, step=step))
+    with span("phalanx/checkpoint"):  # the timeline (phalanx.profiling)
+        save_state(path, TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler,
+                                       extra=extra, step=step))
 
 
 def save_state(path: str | os.PathLike, state: TrainingState) -> None:

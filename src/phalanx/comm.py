@@ -23,6 +23,7 @@ import torch.distributed as dist
 from . import group, liveness
 from .errors import StoreLostError, WorkerLostError
 from .framing import from_bytes, to_bytes
+from .profiling import span
 
 
 @dataclass
@@ -210,7 +211,7 @@ class Comm:
     @contextlib.contextmanager
     def _timed(self, what: str, nbytes: int) -> Iterator[None]:
         start = time.perf_counter()
-        with guarded(what):
+        with guarded(what), span(f"phalanx/{what}"):  # the timeline (phalanx.profiling)
             yield
         self.stats.seconds += time.perf_counter() - start
         self.stats.bytes_sent += nbytes
@@ -257,7 +258,8 @@ class Comm:
 
         The bytes are counted now; the time is not (it overlaps the caller's work, e.g. backward).
         """
-        future = dist.all_reduce(tensor, async_op=True).get_future()
+        with span("phalanx/bucket"):  # the timeline: the send; the wait is in the exchange's span
+            future = dist.all_reduce(tensor, async_op=True).get_future()
         self.record(tensor.numel() * tensor.element_size())
         return future
 

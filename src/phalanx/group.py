@@ -75,6 +75,7 @@ class Group:
         # The step clocks of the models px.wrap attached in this group: the loaders tell them each batch's weight
         # (phalanx.steps.set_batch_weight). Weak, so a model dropped by the user is forgotten.
         self.clocks: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.timeline: Any = None  # phalanx.profiling.Timeline while `--profile` / px.profile() records
         if store is not None:
             self._attach_store(store)
 
@@ -324,6 +325,8 @@ def shutdown() -> None:
     """
     global _group
     g, met = _group, True
+    if g is not None and g.timeline is not None and g.failed is None and sys.exc_info()[1] is None:
+        g.timeline.close()  # collective: written while the group is still up (a no-op once written)
     if g is not None and g.store is not None:
         pending = sys.exc_info()[1]
         if g.failed is not None or (pending is not None and not isinstance(pending, SystemExit)):

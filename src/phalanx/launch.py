@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", default=None, metavar="S",
                    help="seconds a collective may wait for a lost peer before failing (default 60)")
     p.add_argument("--servers", default="0", metavar="S", help="parameter-server processes to start (default 0)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="record a timeline of a few steps per worker into DIR (Chrome-trace JSON; see px.profile)")
     p.add_argument("--debug", action="store_true",
                    help="show full tracebacks for workers' usage errors (same as PHALANX_DEBUG=1)")
     hosts = p.add_argument_group("several hosts (same meaning as torchrun's)")
@@ -134,6 +136,7 @@ class RunConfig:
     servers: int = 0
     standalone: bool = False  # one host, no rendezvous options: we host the store, on loopback
     debug: bool = False
+    profile_dir: str | None = None  # --profile DIR: the workers record a timeline there (phalanx.profiling)
     elastic: "ElasticConfig | None" = None  # --elastic: phalanx.elastic.agent runs the job
 
     @classmethod
@@ -207,7 +210,8 @@ class RunConfig:
                    max_nodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                    rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=a.rdzv_id or "none",
                    max_restarts=max_restarts, threads=threads, timeout_s=timeout_s, servers=servers,
-                   standalone=standalone, debug=bool(getattr(a, "debug", False)))
+                   standalone=standalone, debug=bool(getattr(a, "debug", False)),
+                   profile_dir=getattr(a, "profile", None) or None)
 
     def warnings(self) -> list[str]:
         """Lines to print before starting: launcher options written after the script go to the script."""
@@ -230,6 +234,8 @@ class RunConfig:
             env["PHALANX_TIMEOUT"] = repr(self.timeout_s)
         if self.debug:
             env["PHALANX_DEBUG"] = "1"
+        if self.profile_dir:  # read once by the workers (WorkerEnv); rank 0 says in one line if it cannot write
+            env["PHALANX_PROFILE"] = os.path.abspath(self.profile_dir)
         if self.standalone and "GLOO_SOCKET_IFNAME" not in os.environ and _loopback_interface():
             env["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # one host: gloo listens on loopback only
         return env

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -56,6 +57,7 @@ from torch import nn
 
 from . import group
 from .backward import after_backward
+from .profiling import Spans, span, step_closed
 
 if TYPE_CHECKING:
     from .strategies.base import Strategy
@@ -72,6 +74,11 @@ class StepClock:
         self.weight = 1.0      # this worker's share of the batch the next backward pass computes on
         self.step_weight = 1.0  # the weight of the step's synchronising backward pass (its share, for LocalSGD)
         self.reached: set[int] = set()  # ids of the parameters the current backward pass gave a gradient
+        # Seconds this rank spent in its exchanges (from its last local gradient to the end of the averaging,
+        # and in after_step): time spent waiting for peers, which px.shard(balance="speed") leaves out.
+        self.waited = 0.0
+        self._grad_at = 0.0
+        self.spans = Spans()  # the timeline's forward+backward and optimizer spans (phalanx.profiling)
         self._handles: list[Any] = []
 
     def bind(self, strategy: "Strategy", model: nn.Module, module: nn.Module,
@@ -79,7 +86,8 @@ class StepClock:
         """Called once by ``px.wrap``: hook the end of backward, the optimizer step and the next forward."""
         self.strategy, self.module = strategy, module
         self.backward = after_backward(strategy.params, self._backward_done)
-        self._handles = [optimizer.register_step_post_hook(self._stepped),
+        self._handles = [optimizer.register_step_pre_hook(self._stepping),
+                         optimizer.register_step_post_hook(self._stepped),
                          model.register_forward_pre_hook(self._forward),
                          *(p.register_hook(functools.partial(self._weigh, id(p))) for p in strategy.params)]
         group.clocks().add(self)
@@ -87,6 +95,7 @@ class StepClock:
     def _weigh(self, key: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Scale one backward pass's gradient of one parameter by this worker's batch weight, before accumulation."""
         self.reached.add(key)
+        self._grad_at = time.perf_counter()
         w = self.weight
         if w == 1.0 or not self.strategy.weighs_gradients(self.step + 1):  # type: ignore[union-attr]
             return None  # unchanged: a group of one, and every even step, stay plain PyTorch bit for bit
@@ -112,26 +121,45 @@ class StepClock:
         self.settle()  # two synchronising passes with no step and no forward between: the first step was skipped
         self.step_weight = self.weight
         try:
-            self.strategy.after_backward(self.step + 1)  # type: ignore[union-attr]
+            with span("phalanx/exchange"):
+                self.strategy.after_backward(self.step + 1)  # type: ignore[union-attr]
         finally:
             self.reached.clear()
+            self.spans.end("phalanx/forward+backward")
+        self.waited += time.perf_counter() - self._grad_at if self._grad_at else 0.0
         self.pending = True
 
+    def _stepping(self, *_: Any) -> None:
+        self.spans.begin("phalanx/optimizer step")
+
     def _stepped(self, *_: Any) -> None:
+        self.spans.end("phalanx/optimizer step")
         self.pending = False
         self.step += 1
-        self.strategy.after_step(self.step, True)  # type: ignore[union-attr]
+        self._after_step(True)
+
+    def _after_step(self, taken: bool) -> None:
+        start = time.perf_counter()
+        with span("phalanx/exchange after step"):
+            self.strategy.after_step(self.step, taken)  # type: ignore[union-attr]
+        self.waited += time.perf_counter() - start
+        self.spans.end("phalanx/forward+backward")  # a forward that no backward followed
+        self._grad_at = 0.0
+        step_closed(self.step)  # the timeline's window moves with the step (phalanx.profiling)
 
     def _forward(self, *_: Any) -> None:
         self.reached.clear()  # a new pass begins (with accumulation, only the synchronising one's count)
         self.settle()
+        if torch.is_grad_enabled():
+            self.spans.begin("phalanx/forward+backward")
 
     def settle(self) -> None:
         """Close a step this rank skipped (its ``optimizer.step()`` never ran); a no-op otherwise."""
         if self.pending:
+            self.spans.end("phalanx/optimizer step")
             self.pending = False
             self.step += 1
-            self.strategy.after_step(self.step, False)  # type: ignore[union-attr]
+            self._after_step(False)
 
     def remove(self) -> None:
         group.clocks().discard(self)

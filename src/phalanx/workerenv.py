@@ -37,6 +37,7 @@ class WorkerEnv:
     elastic_id: str | None = None  # `phalanx run --elastic` / `phalanx join`: this worker's stable id; ranks change
     elastic_join: bool = False  # started by `phalanx join` or `--replace`: enters the running group at a commit
     ps_servers: int = 0  # parameter servers `phalanx run --servers N` started (PHALANX_PS_ADDRS)
+    profile_dir: str | None = None  # `phalanx run --profile DIR` (PHALANX_PROFILE): record a timeline there
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -51,7 +52,8 @@ class WorkerEnv:
                       error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
                       elastic_id=env.get("PHALANX_ELASTIC_ID"),
                       elastic_join=env.get("PHALANX_ELASTIC_JOIN") == "1",
-                      ps_servers=len([a for a in env.get("PHALANX_PS_ADDRS", "").split(",") if a.strip()]))
+                      ps_servers=len([a for a in env.get("PHALANX_PS_ADDRS", "").split(",") if a.strip()]),
+                      profile_dir=env.get("PHALANX_PROFILE") or None)
         if not present:
             return cls(**common)
         if len(present) != len(names):

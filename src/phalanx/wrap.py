@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import group
+from . import group, profiling
 from .errors import ConfigError, usage
 from .steps import StepClock
 from .strategies import AllReduce, Strategy, by_name
@@ -73,6 +73,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
                                 "Call px.wrap once per model/optimizer pair."))
     strategy = _resolve(strategy)
     strategy.launched_with(g.env)  # e.g. `phalanx run --servers N` with a strategy that uses none
+    if g.env.profile_dir and g.timeline is None:  # `phalanx run --profile DIR`: the first model starts the timeline
+        profiling.profile(g.env.profile_dir)
     model.to(g.device)
     module = strategy.attach(model, optimizer)
     strategy.clock.bind(strategy, model, module, optimizer)

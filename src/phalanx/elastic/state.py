@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .. import group
 from ..comm import broadcast_object
 from ..errors import ConfigError, WorkerLostError, usage
+from ..profiling import span
 from ..wrap import strategy_of
 from .membership import QuorumError
 from .resize import ResizePolicy, check_policy
@@ -167,7 +168,8 @@ class State:
         strategy = strategy_of(self.optimizer) if self.elastic else None
         if strategy is not None:
             strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
-        self.commit()
+        with span("phalanx/commit"):  # the timeline (phalanx.profiling)
+            self.commit()
         if strategy is not None:
             strategy.commit_point()  # and no one's next push lands before every worker took it
 

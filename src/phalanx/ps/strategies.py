@@ -331,6 +331,7 @@ class SyncParameterServer(PSStrategy):
     """
 
     name = "ps-sync"
+    uneven_batches = True  # the servers average batch-weighted gradients, as AllReduce does
     servers_hold_the_model = False  # the servers only reduce; the weights live on the workers
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:

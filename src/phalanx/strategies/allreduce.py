@@ -69,6 +69,7 @@ class AllReduce(Strategy):
     """
 
     name = "allreduce"
+    uneven_batches = True  # each rank's gradient is weighted by its batch share (phalanx.steps)
 
     def __init__(self, compression: Any = None, *, bucket_mb: float | None = None) -> None:
         super().__init__()

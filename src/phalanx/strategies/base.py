@@ -105,6 +105,9 @@ class Strategy:
     name = "custom"
     #: True for strategies that talk to parameter servers (``phalanx run --servers N``).
     uses_servers = False
+    #: True when the rule weights each worker by its share of the global batch, so workers may hold parts of
+    #: different sizes (``px.shard(..., balance="speed")``); a rule that counts every worker alike keeps False.
+    uneven_batches = False
 
     def __init__(self) -> None:
         self.comm = Comm()

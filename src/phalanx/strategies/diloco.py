@@ -92,6 +92,7 @@ class DiLoCo(Periodic):
     """
 
     name = "diloco"
+    uneven_batches = True  # the pseudo-gradients are weighted by each replica's samples since the last round
 
     def __init__(self, every: Any = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  compression: Any = None) -> None:

@@ -42,6 +42,7 @@ class LocalSGD(Periodic):
     """
 
     name = "local-sgd"
+    uneven_batches = True  # the average weights each replica by its samples since the last one
 
     def __init__(self, every: Any = 8, warmup_steps: int = 0, *, compression: Any = None) -> None:
         if compression is not None:
