@@ -75,6 +75,7 @@ class Group:
         # The step clocks of the models px.wrap attached in this group: the loaders tell them each batch's weight
         # (phalanx.steps.set_batch_weight). Weak, so a model dropped by the user is forgotten.
         self.clocks: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.preemption: Any = None  # phalanx.preempt.Preemption, made by the first px.wrap / px.preempted()
         if store is not None:
             self._attach_store(store)
 

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
-from . import group
+from . import group, preempt
 from .backward import after_backward
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class StepClock:
         self.step_weight = 1.0  # the weight of the step's synchronising backward pass (its share, for LocalSGD)
         self.reached: set[int] = set()  # ids of the parameters the current backward pass gave a gradient
         self._handles: list[Any] = []
+        self.preemption: preempt.Preemption | None = None
 
     def bind(self, strategy: "Strategy", model: nn.Module, module: nn.Module,
              optimizer: torch.optim.Optimizer) -> None:
@@ -83,6 +84,7 @@ class StepClock:
                          model.register_forward_pre_hook(self._forward),
                          *(p.register_hook(functools.partial(self._weigh, id(p))) for p in strategy.params)]
         group.clocks().add(self)
+        self.preemption = preempt.of()  # the step boundary is where a preemption signal is acted on
 
     def _weigh(self, key: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Scale one backward pass's gradient of one parameter by this worker's batch weight, before accumulation."""
@@ -121,6 +123,7 @@ class StepClock:
         self.pending = False
         self.step += 1
         self.strategy.after_step(self.step, True)  # type: ignore[union-attr]
+        self.preemption.at_boundary(self.step)
 
     def _forward(self, *_: Any) -> None:
         self.reached.clear()  # a new pass begins (with accumulation, only the synchronising one's count)
@@ -132,6 +135,7 @@ class StepClock:
             self.pending = False
             self.step += 1
             self.strategy.after_step(self.step, False)  # type: ignore[union-attr]
+            self.preemption.at_boundary(self.step)
 
     def remove(self) -> None:
         group.clocks().discard(self)

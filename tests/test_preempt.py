@@ -1,0 +1,89 @@
+"""Preemption: SIGTERM to `phalanx run` stops every worker after the same step, saves, exits 75; --resume-from auto."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import phalanx as px
+from phalanx.preempt import PREEMPTED_EXIT, latest_checkpoint
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "preempt.py")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                                     os.environ.get("PYTHONPATH", "")])}
+
+
+def phalanx(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())",
+                             "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, **kw)
+
+
+def wait_for(path: str, proc: subprocess.Popen, deadline_s: float = 120) -> None:
+    """Until the worker writes ``path`` (polling a file; the launcher ending first is a failure)."""
+    end = time.monotonic() + deadline_s
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"the job ended first: {proc.returncode} {proc.stderr.read()}"
+        assert time.monotonic() < end, "the worker never reached the step"
+        time.sleep(0.05)
+
+
+def weights(path: str) -> list[torch.Tensor]:
+    return list(torch.load(path, weights_only=True).values())
+
+
+def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_oracle(tmp_path):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
+    oracle = subprocess.run([sys.executable, WORKER, str(tmp_path / "oracle.pt"), "--batch", "8"], env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert oracle.returncode == 0, oracle.stderr
+    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, WORKER, out, "5")
+    try:
+        wait_for(out + ".reached", job)  # rank 0 finished step 5 and waits for the signal
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == PREEMPTED_EXIT, err
+    assert "received SIGTERM; the workers stopped after step 7" in err, err
+    assert os.listdir(ckpt) == ["step-7.pt"] and latest_checkpoint(ckpt) == os.path.join(ckpt, "step-7.pt")
+    assert px.read_checkpoint(os.path.join(ckpt, "step-7.pt"))["step"] == 7 and not os.path.exists(out)
+
+    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", WORKER, out)
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err
+    assert f"resuming from {os.path.join(ckpt, 'step-7.pt')}" in err
+    for a, b in zip(weights(out), weights(str(tmp_path / "oracle.pt"))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
+    assert latest_checkpoint(tmp_path) is None and latest_checkpoint(tmp_path / "missing") is None
+    net = torch.nn.Linear(2, 1)
+    old, new = str(tmp_path / "step-1.pt"), str(tmp_path / "step-2.pt")
+    px.save_checkpoint(old, net, step=1)
+    px.save_checkpoint(new, net, step=2)
+    os.utime(old, (1, 1))
+    (tmp_path / ".step-3.pt.tmp-host-123-x").write_bytes(b"half")  # a write in progress
+    (tmp_path / "step-4.pt").write_bytes(open(new, "rb").read()[:-10])  # truncated: fails verification
+    assert latest_checkpoint(tmp_path) == new
+    (tmp_path / "dcp").mkdir()  # a DCP directory counts once its .metadata is written
+    assert latest_checkpoint(tmp_path) == new
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"")
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "dcp")
+
+
+@pytest.mark.parametrize("argv, given", [
+    (["--resume-from", "auto"], "--resume-from auto without --checkpoint-dir"),
+    (["--resume-from", "nope.pt"], "--resume-from nope.pt (not found"),
+])
+def test_bad_resume_flags_are_one_line(argv, given, tmp_path):
+    from phalanx.launch import RunConfig
+    with pytest.raises(px.ConfigError, match=None) as err:
+        RunConfig.from_argv([*argv, WORKER])
+    assert str(err.value).startswith(given) and "\n" not in str(err.value)
