@@ -36,6 +36,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
@@ -281,9 +282,12 @@ class RunConfig:
             if backend == "static":
                 configs["rank"] = self.node_rank
                 endpoint = endpoint or f"{self.master_addr}:{self.master_port or DEFAULT_MASTER_PORT}"
+        # The agent turns these signals into stopping the workers with the same signal and waits for them
+        # (shutdown_timeout, 30 s) before SIGKILL: SIGTERM and SLURM's `--signal=USR1@N` are preemptions.
         return LaunchConfig(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=self.nproc,
                             run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
-                            max_restarts=self.max_restarts, local_addr=local_addr)
+                            max_restarts=self.max_restarts, local_addr=local_addr,
+                            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
 
 
 def _apply_slurm(a: argparse.Namespace, slurm: SlurmEnv) -> argparse.Namespace:
@@ -440,9 +444,10 @@ def run(cfg: RunConfig) -> int:
     launch = cfg.launch_config(store[0].port if store else 0)
     env, servers, watching = cfg.worker_env(), None, None
     notes = tempfile.mkdtemp(prefix="phalanx-preempt-")  # a preempted worker leaves its step here
-    # torch's agent turns these signals into stopping the workers with the same signal, then waits for them
-    # (shutdown_timeout, 30 s) before SIGKILL: SIGUSR1 is SLURM's `--signal=USR1@N` warning.
-    env.update(PHALANX_PREEMPT_NOTES=notes, TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    env["PHALANX_PREEMPT_NOTES"] = notes
+    if threading.current_thread() is threading.main_thread():
+        # SLURM's early warning must not kill the launcher before torch's agent handles it (once workers run)
+        signal.signal(signal.SIGUSR1, lambda *_: None)
     try:
         if cfg.servers:
             servers = _start_servers(cfg)
@@ -495,6 +500,8 @@ def _preempted(cfg: RunConfig, notes: str, signame: str | None) -> int:
           file=sys.stderr, flush=True)
     if cfg.requeue and cfg.slurm is not None and cfg.node_rank == 0:
         from .launch_slurm import requeue
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # the requeue stops this job step, this launcher included
+            signal.signal(sig, signal.SIG_IGN)
         print(requeue(cfg.slurm.job_id), file=sys.stderr, flush=True)
     return PREEMPTED_EXIT
 

@@ -16,6 +16,7 @@ Example:
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 import shutil
 import subprocess
@@ -101,6 +102,11 @@ class SlurmEnv:
 
 def node_address(name: str) -> str:
     """The address SLURM reaches node ``name`` at (its ``NodeAddr``; the name itself when scontrol says nothing)."""
+    try:
+        ipaddress.ip_address(name)
+        return name
+    except ValueError:
+        pass
     if shutil.which("scontrol") is None:
         return name
     try:

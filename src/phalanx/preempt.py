@@ -20,8 +20,8 @@ status 75: nothing was trained, nothing is written half (every checkpoint write 
 atomic rename).
 
 Every worker of the job must hear the signal (a launcher forwards it to all of them;
-SLURM and Kubernetes signal every process). Under ``phalanx run`` a worker signalled
-alone passes it to its launcher, which forwards it to the others. The agreement needs
+SLURM and Kubernetes signal every process); a worker signalled alone trains on until the
+others hear it too. The agreement needs
 workers that meet every step (``px.AllReduce`` and the other per-step strategies); with
 periodic ones (``px.LocalSGD``, ``px.DiLoCo``) workers drift apart between syncs and
 must be stopped by the launcher's signal at the same time.
@@ -126,8 +126,6 @@ class Preemption:
                 # peer finishes step s+1 before this post, since step s+1 meets this worker)
                 seen = [int(v) for v in store.multi_get([f"{_KEY}/seen/{r}" for r in range(world)])]
                 store.set(f"{_KEY}/stop", str(max(seen) + 1))
-            elif g.env.launched_by_phalanx and not g.elastic and self.signal is not None:
-                _tell_launcher(self.signal)  # it forwards the signal to every worker (a no-op if it already did)
         if self.stop_at is None and store is not None and world > 1 and store.check([f"{_KEY}/stop"]):
             self.stop_at = int(store.get(f"{_KEY}/stop"))
         self.due = self.stop_at is not None and step >= self.stop_at
@@ -141,13 +139,6 @@ class Preemption:
         if notes and os.path.isdir(notes):
             with open(os.path.join(notes, f"rank-{self.group.rank}"), "w") as f:
                 f.write(str(step))
-
-
-def _tell_launcher(sig: int) -> None:
-    try:
-        os.kill(os.getppid(), sig)
-    except OSError:
-        pass
 
 
 def of(g: "Group | None" = None) -> Preemption:

@@ -1,7 +1,6 @@
 """A user's own loop that a preemption stops and ``--resume-from auto`` continues (run by tests/test_preempt.py).
 
     phalanx run -n 2 --checkpoint-dir CKPT [--resume-from auto] preempt.py OUT [WAIT_AT]
-    python preempt.py OUT --batch 8            (the one-process oracle: one worker, the global batch)
 
 Rank 0 writes ``OUT.reached`` after step WAIT_AT and waits for the signal there (the test sends it
 when it sees the file), so the stop step is deterministic without sleeps: rank 0 hears it at
@@ -25,17 +24,20 @@ def data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g))
 
 
+def make_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("wait_at", nargs="?", type=int, default=-1)
-    p.add_argument("--batch", type=int, default=BATCH)
     a = p.parse_args()
     px.init()
     torch.manual_seed(1)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    net = make_model()
     model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
-    loader = px.shard(data(), batch_size=a.batch, shuffle=True, seed=0)
+    loader = px.shard(data(), batch_size=BATCH, shuffle=True, seed=0)
     step = 0
     if px.resume_from() is not None:
         step = int(px.load_checkpoint(px.resume_from(), model, opt, loader=loader)["step"])
