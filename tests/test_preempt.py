@@ -106,3 +106,27 @@ def test_bad_resume_flags_are_one_line(argv, given, tmp_path):
     with pytest.raises(px.ConfigError, match=None) as err:
         RunConfig.from_argv([*argv, WORKER])
     assert str(err.value).startswith(given) and "\n" not in str(err.value)
+
+
+# -- under --elastic: SIGTERM to one worker is a graceful leave ---------------------------------------------------
+
+@pytest.mark.multiproc
+def test_sigterm_to_one_elastic_worker_leaves_at_the_commit_and_the_others_redo_nothing(tmp_path):
+    from test_elastic import launch, oracle as elastic_oracle
+    from workers import elastic as worker
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@5", "--term", "--commit-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker 1 leaves the group after step 6" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2"]
+    record = results["0"]["record"]
+    assert all(r["record"] == record for r in results.values())
+    history = results["0"]["history"]
+    assert [h["left"] for h in history] == [["1"]] and history[0]["step"] == 6 and history[0]["redone_steps"] == 0
+    for epoch in (0, 1):  # every sample exactly once per epoch
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    worlds = [w for _, w, _ in record]
+    assert worlds == [3] * 6 + [2] * (len(worlds) - 6)  # steps 1-6 by three workers, the rest by two, none twice
+    for r in results.values():
+        for got, want in zip(r["params"], elastic_oracle(record), strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)

@@ -116,6 +116,8 @@ class Preemption:
             return True
         g = self.group
         store, world = g.store, g.world_size
+        if g.elastic:
+            return False  # under --elastic a signalled worker leaves at the next commit (phalanx.elastic.State)
         if store is None or world == 1:
             self.stop_at = step
         elif self.posted_at is None:
