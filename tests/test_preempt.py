@@ -114,7 +114,8 @@ def test_bad_resume_flags_are_one_line(argv, given, tmp_path):
 def test_sigterm_to_one_elastic_worker_leaves_at_the_commit_and_the_others_redo_nothing(tmp_path):
     from test_elastic import launch, oracle as elastic_oracle
     from workers import elastic as worker
-    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@5", "--term", "--commit-every", "3")
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@5", "--term", "--commit-every", "3",
+                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "worker 1 leaves the group after step 6" in proc.stderr, proc.stderr[-3000:]
     assert sorted(results) == ["0", "2"]
