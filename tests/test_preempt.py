@@ -131,3 +131,41 @@ def test_sigterm_to_one_elastic_worker_leaves_at_the_commit_and_the_others_redo_
     for r in results.values():
         for got, want in zip(r["params"], elastic_oracle(record), strict=True):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_trainer_saves_on_sigterm_exits_75_and_resume_auto_ends_as_the_uninterrupted_fit(tmp_path, monkeypatch):
+    import torch.nn.functional as F
+    from phalanx import group, preempt
+    from phalanx.callbacks import LambdaCallback, ModelCheckpoint
+
+    g = group.current() if group.is_initialized() else group.init()
+    data = torch.utils.data.TensorDataset(torch.randn(48, 4, generator=torch.Generator().manual_seed(0)),
+                                          torch.randint(0, 3, (48,), generator=torch.Generator().manual_seed(1)))
+
+    def fit(**kw):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 3)
+        saves = ModelCheckpoint(str(tmp_path / "ckpt" / "epoch-{epoch}.pt"))
+        trainer = px.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), F.cross_entropy,
+                             callbacks=[saves, *kw.pop("cb", [])])
+        trainer.fit(data, epochs=2, batch_size=8, progress=False, **kw)
+        return net
+
+    try:
+        want = fit()
+        g.preemption = None  # a fresh preemption state, as in a new process
+        term = LambdaCallback(on_step_end=lambda t, step, logs: step == 7 and os.kill(os.getpid(), signal.SIGTERM))
+        with pytest.raises(SystemExit) as stop:
+            fit(cb=[term])
+        assert stop.value.code == PREEMPTED_EXIT and stop.value.checkpoint.endswith("step-00000009.pt")
+        assert latest_checkpoint(tmp_path / "ckpt") == stop.value.checkpoint  # newer than epoch-1.pt
+        g.preemption.uninstall()
+        g.preemption = None
+        got = fit(resume_from="auto")
+    finally:
+        if g.preemption is not None:
+            g.preemption.uninstall()
+        g.preemption = None
+        del preempt
+    for a, b in zip(got.parameters(), want.parameters()):
+        torch.testing.assert_close(a, b)

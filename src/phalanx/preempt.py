@@ -89,7 +89,12 @@ class Preemption:
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
         for sig in SIGNALS:
-            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            current = signal.getsignal(sig)
+            older = getattr(current, "__self__", None)
+            if isinstance(older, Preemption):  # a previous group's (px.shutdown(), then px.init() again)
+                self._installed[sig] = older._installed.get(sig, signal.SIG_DFL)
+                signal.signal(sig, self._handler)
+            elif current in (signal.SIG_DFL, None):
                 self._installed[sig] = signal.signal(sig, self._handler)
 
     def uninstall(self) -> None:
