@@ -2,6 +2,7 @@
 
     python benchmarks/preempt.py                      # digits CNN and a ~100M-parameter GPT
     python benchmarks/preempt.py --models digits_cnn  # just one
+    python benchmarks/preempt.py --models gpt100m --grace 120   # a longer window before SIGKILL
 
 For each model: start the job (Trainer-free user loop, AllReduce, SGD), wait until rank 0
 has taken a few steps (a file it writes), send SIGTERM to the launcher, and time until the
@@ -53,11 +54,12 @@ while True:
 '''
 
 
-def one(model: str, workdir: str) -> None:
+def one(model: str, workdir: str, grace: str) -> None:
     script, ready, ckpt = (os.path.join(workdir, n) for n in (f"{model}.py", f"{model}.ready", f"ckpt-{model}"))
     with open(script, "w") as f:
         f.write(WORKER)
-    cmd = [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--checkpoint-dir", ckpt, script, model, ready]
+    cmd = [sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--grace", grace, "--checkpoint-dir", ckpt,
+           script, model, ready]
     job = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while not os.path.exists(ready):
@@ -88,11 +90,12 @@ def boundary_cost() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="digits_cnn,gpt100m")
+    ap.add_argument("--grace", default="30", help="phalanx run --grace: seconds before SIGKILL (default 30)")
     a = ap.parse_args()
     boundary_cost()
     with tempfile.TemporaryDirectory(prefix="phalanx-preempt-bench-") as d:
         for m in a.models.split(","):
-            one(m, d)
+            one(m, d, a.grace)
 
 
 if __name__ == "__main__":

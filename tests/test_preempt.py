@@ -1,6 +1,7 @@
 """Preemption: SIGTERM to `phalanx run` stops every worker after the same step, saves, exits 75; --resume-from auto."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -139,6 +140,7 @@ def test_the_trainer_saves_on_sigterm_exits_75_and_resume_auto_ends_as_the_unint
     from phalanx.callbacks import LambdaCallback, ModelCheckpoint
 
     g = group.current() if group.is_initialized() else group.init()
+    monkeypatch.setattr(g, "env", dataclasses.replace(g.env, launched_by_phalanx=True))  # as `phalanx run -n 1`
     data = torch.utils.data.TensorDataset(torch.randn(48, 4, generator=torch.Generator().manual_seed(0)),
                                           torch.randint(0, 3, (48,), generator=torch.Generator().manual_seed(1)))
 

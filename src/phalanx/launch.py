@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--resume-from", default=None, metavar="auto|PATH",
                      help="continue from this checkpoint (workers: px.resume_from()); auto: the newest complete "
                           "one in --checkpoint-dir, or a fresh start when there is none")
+    pre.add_argument("--grace", default="30", metavar="S",
+                     help="seconds the workers get to save and exit after SIGTERM/SIGUSR1 before SIGKILL (default 30)")
     pre.add_argument("--requeue", action="store_true",
                      help="under SLURM, `scontrol requeue` the job when it was preempted")
     from .elastic.options import add_arguments as add_elastic_arguments  # elastic: --elastic and its flags
@@ -152,6 +154,7 @@ class RunConfig:
     checkpoint_dir: str | None = None  # --checkpoint-dir
     resume_from: str | None = None  # --resume-from, resolved: a checkpoint path, or None for a fresh start
     requeue: bool = False
+    grace_s: int = 30  # --grace: torch's agent waits this long for stopping workers, then SIGKILL
     slurm: SlurmEnv | None = None  # inside a SLURM allocation: the hosts came from its variables
 
     @classmethod
@@ -219,6 +222,7 @@ class RunConfig:
             raise ConfigError(usage(f"script {a.script!r} ({what}, cwd {os.getcwd()})", "an existing Python file",
                                     "Check the path, e.g. `phalanx run -n 2 train.py`."))
         checkpoint_dir, resume_from = _preemption_flags(a)
+        grace_s = _int("--grace", a.grace, 1, "Pass the seconds workers get to save, e.g. --grace 30.")
         standalone = max_nodes == 1 and all(
             v is None for v in (a.master_addr, a.master_port, a.rdzv_backend, a.rdzv_endpoint))
         if servers and max_nodes > 1:
@@ -235,7 +239,7 @@ class RunConfig:
                    rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=a.rdzv_id or "none",
                    max_restarts=max_restarts, threads=threads, timeout_s=timeout_s, servers=servers,
                    standalone=standalone, debug=bool(getattr(a, "debug", False)), checkpoint_dir=checkpoint_dir,
-                   resume_from=resume_from, requeue=bool(a.requeue), slurm=slurm)
+                   resume_from=resume_from, requeue=bool(a.requeue), grace_s=grace_s, slurm=slurm)
 
     def warnings(self) -> list[str]:
         """Lines to print before starting: launcher options written after the script go to the script."""
@@ -283,11 +287,11 @@ class RunConfig:
                 configs["rank"] = self.node_rank
                 endpoint = endpoint or f"{self.master_addr}:{self.master_port or DEFAULT_MASTER_PORT}"
         # The agent turns these signals into stopping the workers with the same signal and waits for them
-        # (shutdown_timeout, 30 s) before SIGKILL: SIGTERM and SLURM's `--signal=USR1@N` are preemptions.
+        # (shutdown_timeout: --grace) before SIGKILL: SIGTERM and SLURM's `--signal=USR1@N` are preemptions.
         return LaunchConfig(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=self.nproc,
                             run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
                             max_restarts=self.max_restarts, local_addr=local_addr,
-                            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+                            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", shutdown_timeout=self.grace_s)
 
 
 def _apply_slurm(a: argparse.Namespace, slurm: SlurmEnv) -> argparse.Namespace:

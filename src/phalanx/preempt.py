@@ -16,8 +16,9 @@ SIGKILL. phalanx turns that signal into a clean stop:
    75 too (and, with ``--requeue`` under SLURM, requeues the job).
 
 A signal that arrives before the first step (start-up) ends the worker at once with
-status 75: nothing was trained, nothing is written half (every checkpoint write is an
-atomic rename).
+status 75: nothing is written half (every checkpoint
+write is an atomic rename). Only launched workers (``phalanx run``, torchrun) handle the
+signals; a plain ``python`` process keeps the default.
 
 Every worker of the job must hear the signal (a launcher forwards it to all of them;
 SLURM and Kubernetes signal every process); a worker signalled alone trains on until the
@@ -85,8 +86,14 @@ class Preemption:
 
     # -- the signal --------------------------------------------------------------------------------------
     def install(self) -> None:
-        """Handle SIGTERM and SIGUSR1 in this process, unless the program installed its own handler."""
-        if self._installed or threading.current_thread() is not threading.main_thread():
+        """Handle SIGTERM and SIGUSR1 in a launched worker, unless the program installed its own handler.
+
+        Only workers a launcher started (``phalanx run``, torchrun, ``srun phalanx run``) defer the
+        signal: a plain process (a notebook, a test runner) keeps the default, so a SIGTERM after its
+        training ended still ends it.
+        """
+        launched = self.group.env.launched_by_phalanx or self.group.env.world_size > 1
+        if self._installed or not launched or threading.current_thread() is not threading.main_thread():
             return
         for sig in SIGNALS:
             current = signal.getsignal(sig)
@@ -104,6 +111,8 @@ class Preemption:
         self._installed.clear()
 
     def _handler(self, signum: int, frame: Any) -> None:
+        # A second signal only repeats the first: SLURM signals every process of the step and the launcher
+        # forwards it too, so a worker commonly hears it twice.
         if not self.armed or group._group is not self.group:
             raise Preempted()  # start-up (nothing trained, nothing to save) or after shutdown: leave now
         if self.signal is None:
