@@ -92,7 +92,8 @@ class Preemption:
         signal: a plain process (a notebook, a test runner) keeps the default, so a SIGTERM after its
         training ended still ends it.
         """
-        launched = self.group.env.launched_by_phalanx or self.group.env.world_size > 1
+        env = self.group.env
+        launched = env.launched_by_phalanx or env.world_size > 1 or env.elastic_id is not None  # (a joiner too)
         if self._installed or not launched or threading.current_thread() is not threading.main_thread():
             return
         for sig in SIGNALS:
