@@ -400,7 +400,7 @@ def _dead_server(servers) -> str | None:
 def _watch_servers(servers):  # -> threading.Event: set it before stopping the servers on purpose
     """Stop the workers as soon as a parameter server dies (they would wait out their timeout on it).
 
-    A daemon thread polls the servers; on a death it sends this process SIGTERM, which torch's
+    A daemon thread polls the servers; on a death it sends this process SIGINT, which torch's
     agent turns into stopping every worker, and :func:`run` then names the server.
     """
     import threading
@@ -410,7 +410,7 @@ def _watch_servers(servers):  # -> threading.Event: set it before stopping the s
     def watch() -> None:
         while not done.wait(0.2):
             if not all(servers.alive()):
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGINT)  # not SIGTERM: workers take that as a preemption and save
                 return
 
     threading.Thread(target=watch, name="phalanx-server-watch", daemon=True).start()
