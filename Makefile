@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	@mkdir -p $(TMPDIR) $(HOME) $(MPLCONFIGDIR)
 	@# the streaming tests and `phalanx demo --stream` need a real redis-server (skipped with a reason if absent)
 	command -v redis-server >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update && apt-get install -y redis-server)
+	@# tests/test_slurm.py runs a two-node SLURM cluster on this machine (skipped with a reason if absent or not root)
+	command -v slurmctld >/dev/null || [ -x /usr/sbin/slurmctld ] || [ "$$(id -u)" != 0 ] || (apt-get update && apt-get install -y slurm-wlm)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@# .[dev]: every extra (bench: the demo's scikit-learn and matplotlib; ps, keras, stream) plus pytest and ruff
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'

@@ -31,6 +31,7 @@ from .errors import CheckpointError, ConfigError, PhalanxError, WorkerLostError
 from .group import Group, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from .group import current as current_group
 from .lr import scale_lr, warmup
+from .preempt import PREEMPTED_EXIT, latest_checkpoint, preempted, resume_from
 from .metrics import Accuracy, MeanLoss, Metric, ThroughputMeter
 from .profiling import Timeline, profile
 from .ps import AsyncEASGD, Downpour, ParameterServer
@@ -72,5 +73,5 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "read_checkpoint", "TrainingState",
     "PhalanxError", "ConfigError", "WorkerLostError", "CheckpointError",
     # fault tolerance
-    "elastic", "stream",
+    "elastic", "stream", "preempted", "PREEMPTED_EXIT", "latest_checkpoint", "resume_from",
 ]

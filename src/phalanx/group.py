@@ -76,6 +76,7 @@ class Group:
         # (phalanx.steps.set_batch_weight). Weak, so a model dropped by the user is forgotten.
         self.clocks: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.timeline: Any = None  # phalanx.profiling.Timeline while `--profile` / px.profile() records
+        self.preemption: Any = None  # phalanx.preempt.Preemption, made by the first px.wrap / px.preempted()
         if store is not None:
             self._attach_store(store)
 

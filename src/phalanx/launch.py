@@ -31,15 +31,20 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .allocator import heap_env
 from .errors import ConfigError, OneLineParser, usage
 from .launch_failures import failure_line, root_cause as _root_cause, status as _status
+from .launch_slurm import SlurmEnv, node_address
+from .preempt import PREEMPTED_EXIT, latest_checkpoint
 
 if TYPE_CHECKING:
     from .elastic.options import ElasticConfig
@@ -68,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Start N data-parallel workers running script.py. Ctrl-C or SIGTERM stops them;\n"
                             "if one fails, the others are stopped and its exit status is returned.")
     # Everything is read as text and checked in RunConfig.from_args, so each error is one clear line.
-    p.add_argument("-n", "--nproc-per-node", dest="nproc", default="1", metavar="N",
-                   help="workers on this machine (default 1)")
+    p.add_argument("-n", "--nproc-per-node", dest="nproc", default=None, metavar="N",
+                   help="workers on this machine (default 1; under SLURM, SLURM_GPUS_ON_NODE when set)")
     p.add_argument("--threads", default="1", metavar="T", help="intra-op threads per CPU worker (default 1)")
     p.add_argument("--timeout", default=None, metavar="S",
                    help="seconds a collective may wait for a lost peer before failing (default 60)")
@@ -79,10 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true",
                    help="show full tracebacks for workers' usage errors (same as PHALANX_DEBUG=1)")
     hosts = p.add_argument_group("several hosts (same meaning as torchrun's)")
-    hosts.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+    hosts.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
                        help="number of hosts (default 1); MIN:MAX starts with MIN to MAX hosts, and a host added "
                             "or lost restarts the whole group (torchrun's rendezvous, up to --max-restarts)")
-    hosts.add_argument("--node-rank", default="0", metavar="R", help="this host's rank for --rdzv-backend static")
+    hosts.add_argument("--node-rank", default=None, metavar="R", help="this host's rank for --rdzv-backend static")
     hosts.add_argument("--master-addr", default=None, metavar="HOST",
                        help=f"address of host 0 (default {DEFAULT_MASTER_ADDR})")
     hosts.add_argument("--master-port", default=None, metavar="PORT",
@@ -93,6 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all hosts (c10d/etcd)")
     hosts.add_argument("--max-restarts", default="0", metavar="K",
                        help="restart the whole group up to K times after a failure (default 0)")
+    pre = p.add_argument_group("preemption (SIGTERM or SIGUSR1: stop at a step boundary, save, exit "
+                               f"{PREEMPTED_EXIT}; see docs/launching.md)")
+    pre.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                     help="where a preempted job writes its checkpoint (workers: px.checkpoint_dir())")
+    pre.add_argument("--resume-from", default=None, metavar="auto|PATH",
+                     help="continue from this checkpoint (workers: px.resume_from()); auto: the newest complete "
+                          "one in --checkpoint-dir, or a fresh start when there is none")
+    pre.add_argument("--grace", default="30", metavar="S",
+                     help="seconds the workers get to save and exit after SIGTERM/SIGUSR1 before SIGKILL (default 30)")
+    pre.add_argument("--requeue", action="store_true",
+                     help="under SLURM, `scontrol requeue` the job when it was preempted")
     from .elastic.options import add_arguments as add_elastic_arguments  # elastic: --elastic and its flags
     add_elastic_arguments(p)
     p.add_argument("script", nargs="?", help="the training script")
@@ -138,6 +154,11 @@ class RunConfig:
     debug: bool = False
     profile_dir: str | None = None  # --profile DIR: the workers record a timeline there (phalanx.profiling)
     elastic: "ElasticConfig | None" = None  # --elastic: phalanx.elastic.agent runs the job
+    checkpoint_dir: str | None = None  # --checkpoint-dir
+    resume_from: str | None = None  # --resume-from, resolved: a checkpoint path, or None for a fresh start
+    requeue: bool = False
+    grace_s: int = 30  # --grace: torch's agent waits this long for stopping workers, then SIGKILL
+    slurm: SlurmEnv | None = None  # inside a SLURM allocation: the hosts came from its variables
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> "RunConfig":
@@ -146,7 +167,10 @@ class RunConfig:
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "RunConfig":
         """The one place where ``phalanx run``'s input is validated."""
-        nproc = _int("-n", a.nproc, 1, "Pass the number of workers, e.g. -n 2.")
+        slurm = SlurmEnv.from_environ(os.environ)
+        if slurm is not None:
+            a = _apply_slurm(a, slurm)
+        nproc = _int("-n", a.nproc or "1", 1, "Pass the number of workers, e.g. -n 2.")
         threads = _int("--threads", a.threads, 1, "Pass e.g. --threads 1 (one per worker fits one core each).")
         servers = _int("--servers", a.servers, 0, "Pass e.g. --servers 2, or leave it out.")
         max_restarts = _int("--max-restarts", a.max_restarts, 0, "Pass e.g. --max-restarts 0.")
@@ -160,6 +184,7 @@ class RunConfig:
                 raise ConfigError(usage(f"--timeout {a.timeout}", "a positive number of seconds",
                                         "Pass e.g. --timeout 60."))
         fix = "Pass e.g. --nnodes 2 or --nnodes 1:4."
+        a.nnodes, a.node_rank = a.nnodes or "1", a.node_rank or "0"
         parts = a.nnodes.split(":")
         if len(parts) > 2:
             raise ConfigError(usage(f"--nnodes {a.nnodes}", "N or MIN:MAX", fix))
@@ -199,18 +224,25 @@ class RunConfig:
             what = "a directory" if os.path.isdir(a.script) else "not found"
             raise ConfigError(usage(f"script {a.script!r} ({what}, cwd {os.getcwd()})", "an existing Python file",
                                     "Check the path, e.g. `phalanx run -n 2 train.py`."))
+        checkpoint_dir, resume_from = _preemption_flags(a)
+        grace_s = _int("--grace", a.grace, 1, "Pass the seconds workers get to save, e.g. --grace 30.")
         standalone = max_nodes == 1 and all(
             v is None for v in (a.master_addr, a.master_port, a.rdzv_backend, a.rdzv_endpoint))
         if servers and max_nodes > 1:
             raise ConfigError(usage(f"--servers {servers} with --nnodes {a.nnodes}",
                                     "parameter servers in a one-host run", "Run on one host, or drop --servers."))
         from .elastic.options import ElasticConfig  # elastic
-        elastic = ElasticConfig.from_args(a, nproc, max_nodes)
+        elastic = ElasticConfig.from_args(a, nproc, 1 if slurm is not None else max_nodes)
+        if elastic is not None and slurm is not None and slurm.nnodes > 1 and not os.environ.get("PHALANX_SECRET"):
+            raise ConfigError(usage("--elastic on several SLURM nodes without PHALANX_SECRET",
+                                    "the job's secret in PHALANX_SECRET on every node",
+                                    "Add `export PHALANX_SECRET=$(openssl rand -hex 32)` to the job script."))
         return cls(elastic=elastic, script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
                    max_nodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                    rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=a.rdzv_id or "none",
                    max_restarts=max_restarts, threads=threads, timeout_s=timeout_s, servers=servers,
-                   standalone=standalone, debug=bool(getattr(a, "debug", False)),
+                   standalone=standalone, debug=bool(getattr(a, "debug", False)), checkpoint_dir=checkpoint_dir,
+                   resume_from=resume_from, requeue=bool(a.requeue), grace_s=grace_s, slurm=slurm,
                    profile_dir=getattr(a, "profile", None) or None)
 
     def warnings(self) -> list[str]:
@@ -236,6 +268,10 @@ class RunConfig:
             env["PHALANX_DEBUG"] = "1"
         if self.profile_dir:  # read once by the workers (WorkerEnv); rank 0 says in one line if it cannot write
             env["PHALANX_PROFILE"] = os.path.abspath(self.profile_dir)
+        if self.checkpoint_dir is not None:
+            env["PHALANX_CHECKPOINT_DIR"] = self.checkpoint_dir
+        if self.resume_from is not None:
+            env["PHALANX_RESUME_FROM"] = self.resume_from
         if self.standalone and "GLOO_SOCKET_IFNAME" not in os.environ and _loopback_interface():
             env["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # one host: gloo listens on loopback only
         return env
@@ -256,9 +292,57 @@ class RunConfig:
             if backend == "static":
                 configs["rank"] = self.node_rank
                 endpoint = endpoint or f"{self.master_addr}:{self.master_port or DEFAULT_MASTER_PORT}"
+        # The agent turns these signals into stopping the workers with the same signal and waits for them
+        # (shutdown_timeout: --grace) before SIGKILL: SIGTERM and SLURM's `--signal=USR1@N` are preemptions.
         return LaunchConfig(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=self.nproc,
                             run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
-                            max_restarts=self.max_restarts, local_addr=local_addr)
+                            max_restarts=self.max_restarts, local_addr=local_addr,
+                            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", shutdown_timeout=self.grace_s)
+
+
+def _apply_slurm(a: argparse.Namespace, slurm: SlurmEnv) -> argparse.Namespace:
+    """Fill the host flags from SLURM's variables; a flag that disagrees with them is refused in one line."""
+    slurm.check_launchers()
+    fix = "Drop the flag: inside a SLURM allocation phalanx run reads it from SLURM."
+    for flag, given, value in (("--nnodes", a.nnodes, str(slurm.nnodes)), ("--node-rank", a.node_rank,
+                                                                           str(slurm.node_id))):
+        if given is not None and given != value:
+            raise ConfigError(usage(f"{flag} {given} inside SLURM job {slurm.job_id}",
+                                    f"{flag} {value} (from SLURM_{'NNODES' if flag == '--nnodes' else 'NODEID'})",
+                                    fix))
+    if a.rdzv_backend not in (None, "static") or a.rdzv_endpoint:
+        raise ConfigError(usage("--rdzv-backend/--rdzv-endpoint inside a SLURM allocation",
+                                "the hosts of the allocation (SLURM_JOB_NODELIST)", fix))
+    if a.nproc is None and slurm.gpus_on_node:
+        a.nproc = str(slurm.gpus_on_node)
+    a.nnodes, a.node_rank = str(slurm.nnodes), str(slurm.node_id)
+    if slurm.nnodes > 1:
+        first = node_address(slurm.hosts[0])
+        if a.master_addr is not None and a.master_addr not in (first, slurm.hosts[0]):
+            raise ConfigError(usage(f"--master-addr {a.master_addr} inside SLURM job {slurm.job_id}",
+                                    f"the first node of SLURM_JOB_NODELIST ({slurm.hosts[0]}, at {first})", fix))
+        a.master_addr = first
+        a.master_port = a.master_port or str(slurm.port)
+    return a
+
+
+def _preemption_flags(a: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``--checkpoint-dir`` and ``--resume-from`` resolved: ``auto`` becomes the newest checkpoint, or None."""
+    directory = os.path.abspath(a.checkpoint_dir) if a.checkpoint_dir else None
+    if a.resume_from is None:
+        return directory, None
+    if a.resume_from == "auto":
+        if directory is None:
+            raise ConfigError(usage("--resume-from auto without --checkpoint-dir", "the directory to look in",
+                                    "Pass e.g. --checkpoint-dir ckpt --resume-from auto."))
+        found = latest_checkpoint(directory)
+        print(f"phalanx: resuming from {found}" if found else f"phalanx: no checkpoint in {directory}; starting "
+              "fresh", file=sys.stderr, flush=True)
+        return directory, found
+    if not os.path.exists(a.resume_from):
+        raise ConfigError(usage(f"--resume-from {a.resume_from} (not found, cwd {os.getcwd()})",
+                                "an existing checkpoint, or auto", "Check the path, or pass --resume-from auto."))
+    return directory, os.path.abspath(a.resume_from)
 
 
 @contextlib.contextmanager
@@ -322,7 +406,7 @@ def _dead_server(servers) -> str | None:
 def _watch_servers(servers):  # -> threading.Event: set it before stopping the servers on purpose
     """Stop the workers as soon as a parameter server dies (they would wait out their timeout on it).
 
-    A daemon thread polls the servers; on a death it sends this process SIGTERM, which torch's
+    A daemon thread polls the servers; on a death it sends this process SIGINT, which torch's
     agent turns into stopping every worker, and :func:`run` then names the server.
     """
     import threading
@@ -332,7 +416,7 @@ def _watch_servers(servers):  # -> threading.Event: set it before stopping the s
     def watch() -> None:
         while not done.wait(0.2):
             if not all(servers.alive()):
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGINT)  # not SIGTERM: workers take that as a preemption and save
                 return
 
     threading.Thread(target=watch, name="phalanx-server-watch", daemon=True).start()
@@ -359,6 +443,8 @@ def run(cfg: RunConfig) -> int:
     from torch.distributed.launcher.api import elastic_launch
 
     if cfg.elastic is not None:  # elastic: our own agent keeps survivors running
+        if cfg.slurm is not None and cfg.node_rank > 0:  # the other nodes of the allocation join node 0's job
+            return _join_slurm_job(cfg)
         from .elastic.agent import run_elastic
         return run_elastic(cfg)
     _quiet_torch_elastic()
@@ -367,6 +453,11 @@ def run(cfg: RunConfig) -> int:
     store = _loopback_store() if cfg.standalone else None
     launch = cfg.launch_config(store[0].port if store else 0)
     env, servers, watching = cfg.worker_env(), None, None
+    notes = tempfile.mkdtemp(prefix="phalanx-preempt-")  # a preempted worker leaves its step here
+    env["PHALANX_PREEMPT_NOTES"] = notes
+    if threading.current_thread() is threading.main_thread():
+        # SLURM's early warning must not kill the launcher before torch's agent handles it (once workers run)
+        signal.signal(signal.SIGUSR1, lambda *_: None)
     try:
         if cfg.servers:
             servers = _start_servers(cfg)
@@ -377,6 +468,8 @@ def run(cfg: RunConfig) -> int:
             elastic_launch(launch, sys.executable)("-u", cfg.script, *cfg.script_args)
         return 0
     except ChildFailedError as err:
+        if all(f.exitcode == PREEMPTED_EXIT for f in err.failures.values()):
+            return _preempted(cfg, notes, None)
         rank, failure = _root_cause(err.failures)
         server = _dead_server(servers)
         line = server or failure_line(rank, failure, others=cfg.nproc * cfg.max_nodes > 1)
@@ -392,15 +485,56 @@ def run(cfg: RunConfig) -> int:
         if server:
             print(server, file=sys.stderr, flush=True)
             return 1
+        if err.sigval in (signal.SIGTERM, signal.SIGUSR1) and os.listdir(notes):  # they stopped at a step
+            return _preempted(cfg, notes, err.sigval.name)
         print(f"phalanx: received {err.sigval.name}; stopped all workers", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
+        shutil.rmtree(notes, ignore_errors=True)
         if watching is not None:
             watching.set()
         if servers is not None:
             servers.stop()
         if store is not None:
             store[1].close()
+
+
+def _preempted(cfg: RunConfig, notes: str, signame: str | None) -> int:
+    """The one line (and the SLURM requeue) of a preempted job; returns :data:`PREEMPTED_EXIT`."""
+    steps = sorted({open(os.path.join(notes, n)).read().strip() for n in os.listdir(notes)})
+    how = f"received {signame}" if signame else "the workers were preempted"
+    where = f" in {cfg.checkpoint_dir}" if cfg.checkpoint_dir else ""
+    after = f" after step {', '.join(steps)}" if steps else ""
+    print(f"phalanx: {how}; the workers stopped{after} to save a checkpoint{where}; resume with "
+          f"`phalanx run --resume-from auto ...` (exit status {PREEMPTED_EXIT}: preempted, resumable)",
+          file=sys.stderr, flush=True)
+    if cfg.requeue and cfg.slurm is not None and cfg.node_rank == 0:
+        from .launch_slurm import requeue
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # the requeue stops this job step, this launcher included
+            signal.signal(sig, signal.SIG_IGN)
+        print(requeue(cfg.slurm.job_id), file=sys.stderr, flush=True)
+    return PREEMPTED_EXIT
+
+
+def _join_slurm_job(cfg: RunConfig) -> int:
+    """A node other than the first of an elastic SLURM job: ``phalanx join`` node 0's store once it is up."""
+    import time
+
+    from .elastic import join
+
+    deadline = time.monotonic() + 120  # node 0's launcher imports torch and opens its store first
+    while True:
+        try:
+            with socket.create_connection((cfg.master_addr, int(cfg.master_port or 0)), timeout=5):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                print(f"phalanx: the first node's elastic store at {cfg.master_addr}:{cfg.master_port} did not "
+                      "come up within 120 s", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.5)  # polling a port that is not open yet; nothing to wait on instead
+    return join.main(["--rdzv-endpoint", f"{cfg.master_addr}:{cfg.master_port}", "-n", str(cfg.nproc),
+                      "--threads", str(cfg.threads), cfg.script, *cfg.script_args])
 
 
 def main(argv: Sequence[str]) -> int:

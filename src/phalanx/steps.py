@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
-from . import group
+from . import group, preempt
 from .backward import after_backward
 from .profiling import Spans, span, step_closed
 
@@ -80,6 +80,7 @@ class StepClock:
         self._grad_at = 0.0
         self.spans = Spans()  # the timeline's forward+backward and optimizer spans (phalanx.profiling)
         self._handles: list[Any] = []
+        self.preemption: preempt.Preemption | None = None
 
     def bind(self, strategy: "Strategy", model: nn.Module, module: nn.Module,
              optimizer: torch.optim.Optimizer) -> None:
@@ -91,6 +92,7 @@ class StepClock:
                          model.register_forward_pre_hook(self._forward),
                          *(p.register_hook(functools.partial(self._weigh, id(p))) for p in strategy.params)]
         group.clocks().add(self)
+        self.preemption = preempt.of()  # the step boundary is where a preemption signal is acted on
 
     def _weigh(self, key: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Scale one backward pass's gradient of one parameter by this worker's batch weight, before accumulation."""
@@ -146,6 +148,7 @@ class StepClock:
         self.spans.end("phalanx/forward+backward")  # a forward that no backward followed
         self._grad_at = 0.0
         step_closed(self.step)  # the timeline's window moves with the step (phalanx.profiling)
+        self.preemption.at_boundary(self.step)
 
     def _forward(self, *_: Any) -> None:
         self.reached.clear()  # a new pass begins (with accumulation, only the synchronising one's count)

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from . import check, group
-from .callbacks import Callback
+from . import check, group, preempt
+from .callbacks import Callback, ModelCheckpoint
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Comm
 from .data import ShardedLoader, shard
@@ -140,6 +140,10 @@ class Trainer:
         instead of a dataset; its own batch size and seed then apply. ``resume_from`` continues from a
         checkpoint (``ModelCheckpoint`` or :meth:`save_checkpoint`) as the uninterrupted run would;
         ``epochs`` is then the total, counting the epochs done before the checkpoint.
+        ``resume_from="auto"``: the checkpoint ``phalanx run --resume-from`` chose, else the newest in the
+        preemption directory (a fresh start when there is none). A SIGTERM or SIGUSR1 (preemption) makes
+        every worker stop after the same step, save to ``--checkpoint-dir`` (else the folder of a
+        ``ModelCheckpoint``, else ``checkpoints/``) and exit with ``px.PREEMPTED_EXIT``.
 
         Each history row holds ``epoch`` (counted from 1, as the progress bar), ``loss``, each metric, ``val_loss`` and
         ``val_<metric>`` (with ``val_samples``), ``samples_per_s`` (global, warm-up
@@ -166,6 +170,9 @@ class Trainer:
             self.loader = shard(train_data, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                 device=self.device, **(loader_kwargs or {}))
         self.history, self.step, start = History(), 0, 0
+        self._preemption = preempt.of()
+        if resume_from == "auto":  # the launcher's --resume-from, else the newest checkpoint of this run's directory
+            resume_from = preempt.resume_from() or preempt.latest_checkpoint(self._checkpoint_dir())
         if resume_from is not None:
             start = self._resume(resume_from)
         self.meter = ThroughputMeter(self.warmup_steps)
@@ -250,6 +257,8 @@ class Trainer:
             self._call("on_step_end", step, {
                 "loss": value, "batch_size": n, "data_s": t_data - mark, "forward_backward_s": t1 - t0,
                 "optimizer_s": t2 - t1, "step_s": (t_data - mark) + (t2 - t0)})
+            if self._preemption.due:  # every worker agreed to stop after this step (SIGTERM / SIGUSR1)
+                self._preempted()
             if self.stop_training:
                 break
             mark = self._now()
@@ -347,6 +356,19 @@ class Trainer:
         next_epoch = self.epoch if self._in_epoch else self.epoch + 1
         save_checkpoint(path, self.model, self.optimizer, loader=self.loader, step=self.step,
                         extra={"trainer": {"epoch": next_epoch, "history": [dict(row) for row in self.history]}})
+
+    def _checkpoint_dir(self) -> str:
+        """Where a preempted fit saves: ``phalanx run --checkpoint-dir``, else a ModelCheckpoint's folder."""
+        folders = [os.path.dirname(cb.path) or "." for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+        return preempt.checkpoint_dir(folders[0] if folders else "checkpoints")
+
+    def _preempted(self) -> None:
+        """Save where the run stands and end this worker with status ``px.PREEMPTED_EXIT`` (every worker)."""
+        path = preempt.checkpoint_name(self._checkpoint_dir(), self.step)
+        self.save_checkpoint(path)
+        if group.is_main():
+            print(f"phalanx: preempted after step {self.step}; saved {path}", flush=True)
+        raise preempt.Preempted(path)
 
     def _resume(self, path: str | os.PathLike) -> int:
         body = load_checkpoint(path, self.model, self.optimizer, loader=self.loader)

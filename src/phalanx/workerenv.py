@@ -38,6 +38,9 @@ class WorkerEnv:
     elastic_join: bool = False  # started by `phalanx join` or `--replace`: enters the running group at a commit
     ps_servers: int = 0  # parameter servers `phalanx run --servers N` started (PHALANX_PS_ADDRS)
     profile_dir: str | None = None  # `phalanx run --profile DIR` (PHALANX_PROFILE): record a timeline there
+    checkpoint_dir: str | None = None  # `phalanx run --checkpoint-dir`: where a preempted job saves
+    resume_from: str | None = None  # `phalanx run --resume-from`: the checkpoint to continue from (resolved)
+    preempt_notes: str | None = None  # a directory where a preempted worker tells its launcher what it saved
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -52,6 +55,9 @@ class WorkerEnv:
                       error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
                       elastic_id=env.get("PHALANX_ELASTIC_ID"),
                       elastic_join=env.get("PHALANX_ELASTIC_JOIN") == "1",
+                      checkpoint_dir=env.get("PHALANX_CHECKPOINT_DIR") or None,
+                      resume_from=env.get("PHALANX_RESUME_FROM") or None,
+                      preempt_notes=env.get("PHALANX_PREEMPT_NOTES") or None,
                       ps_servers=len([a for a in env.get("PHALANX_PS_ADDRS", "").split(",") if a.strip()]),
                       profile_dir=env.get("PHALANX_PROFILE") or None)
         if not present:

@@ -94,6 +94,7 @@ def main() -> None:
     p.add_argument("--commit-every", type=int, default=2)
     p.add_argument("--kill", default="", help="ID@STEP: the worker started as rank ID dies at STEP")
     p.add_argument("--stop", action="store_true", help="SIGSTOP instead of SIGKILL")
+    p.add_argument("--term", action="store_true", help="SIGTERM instead of SIGKILL: a graceful leave (preemption)")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--trainer", action="store_true", help="train with px.Trainer.fit(elastic=...) instead")
     p.add_argument("--strategy", default="allreduce", help="allreduce, fp16, powersgd, local-sgd, diloco, easgd")
@@ -131,6 +132,9 @@ def main() -> None:
             wait_for_spares(state)  # so that the kill finds them parked (hot), not still importing
             with open(os.path.join(args.out, "killed.json"), "w") as f:
                 json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
+            if args.term:  # the handler only notes it; the worker leaves at the next commit
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
             os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
             time.sleep(60)  # a stopped worker never gets here before the launcher kills it
 

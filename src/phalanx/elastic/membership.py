@@ -23,6 +23,8 @@ Keys (all under ``elastic/`` in the launcher's TCPStore):
     gen/<g>/join/<id>      a joiner asking to enter generation g
     admit/<g>/<step>       JSON list of the joiners admitted at the commit of <step> in generation g
     finished/<id>          worker <id> finished training (its heartbeat may stop while it exits)
+    leaving/<id>           worker <id> was sent SIGTERM/SIGUSR1 and asks to leave at the next commit
+    leave/<g>/<step>       JSON list of the members leaving at the commit of <step> in generation g
     done                   set when training finished (late joiners leave)
 
 Example:
@@ -140,6 +142,18 @@ class Membership:
         decision = key("admit", self.generation, step)
         if not self.store.check([decision]):
             self.store.compare_set(decision, "", json.dumps(proposal()))
+        return json.loads(self.store.get(decision))
+
+    def ask_to_leave(self) -> None:
+        """This worker was told to stop (SIGTERM: its node is drained): it leaves at the next commit."""
+        self.store.set(key("leaving", self.me), "1")
+
+    def leavers(self, step: int) -> list[str]:
+        """Who leaves at the commit of ``step``: the first member there decides for all (as :meth:`admit`)."""
+        decision = key("leave", self.generation, step)
+        if not self.store.check([decision]):
+            asked = [m for m in self.members if self.store.check([key("leaving", m)])]
+            self.store.compare_set(decision, "", json.dumps(asked))
         return json.loads(self.store.get(decision))
 
     def _joiners(self, g: int) -> list[str]:

@@ -92,6 +92,7 @@ class State:
         # ("failure", text, time) or ("joiners", ids)
         self._pending: tuple | None = None
         self._in_epochs = False
+        self._leaving = False  # this worker asked to leave (it was sent SIGTERM/SIGUSR1)
         self._handles: list[Any] = []
         self.worker = ElasticWorker.from_environ()
         if self.elastic:
@@ -136,11 +137,20 @@ class State:
         clock.settle()  # a step this rank's GradScaler skipped is closed: every rank now counts the same
         step = clock.step
         strategy = self.training.strategy
+        preemption = group.current().preemption
+        if preemption is not None and preemption.signal is not None and not self._leaving:
+            self._leaving = True  # SIGTERM to this worker (a node drained): leave at the next commit
+            self.worker.membership.ask_to_leave()
         # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; commit only where
         # every worker stands at the same step with the same model.
         if step - max(self.commits, default=0) >= self.commit_every and (strategy is None or
                                                                           strategy.replicas_agree(step)):
             self._commit_together()
+            leavers = self.worker.membership.leavers(step)
+            if self.worker.me in leavers:
+                self.worker.leave(step)  # says goodbye and ends this process with PREEMPTED_EXIT
+            if leavers:
+                raise _Leave(leavers)  # the others regroup at this very commit: nothing is redone
             joiners = self.worker.membership.admit(step, self.worker.pending_joiners)
             if joiners:
                 raise _Resize(joiners)  # out of the loop and the training function; the group grows outside it
@@ -316,6 +326,14 @@ class _Resize(BaseException):
         self.joiners = joiners
 
 
+class _Leave(BaseException):
+    """Raised at a commit point where workers leave gracefully: the others regroup at that commit."""
+
+    def __init__(self, leavers: list[str]) -> None:
+        super().__init__(f"{', '.join(leavers)} leaving")
+        self.leavers = leavers
+
+
 def is_peer_failure(err: BaseException) -> bool:
     """A failure a rebuilt group can survive: a peer died or stopped answering. Told by type, never by message.
 
@@ -344,6 +362,9 @@ def _caught(state: State, err: BaseException) -> bool:
     """Note what ended an attempt, to act on outside the except block; False: not ours, re-raise it."""
     if isinstance(err, _Resize):
         state._pending = ("joiners", err.joiners)
+        return True
+    if isinstance(err, _Leave):
+        state._pending = ("failure", f"worker(s) {', '.join(err.leavers)} left (preempted)", time.time())
         return True
     if not isinstance(err, Exception) or not state.elastic or not is_peer_failure(err):
         return False

@@ -20,12 +20,13 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Mapping
+from typing import Mapping, NoReturn
 
 import torch.distributed as dist
 
 from .. import group
 from ..errors import PhalanxError
+from ..preempt import PREEMPTED_EXIT
 from . import secret as job_secret
 from .membership import Membership, QuorumError, key
 from .rebuild import destroy, rebuild
@@ -296,6 +297,24 @@ class ElasticWorker:
                                "heartbeat timeout; the others went on without it")
         self.store.wait([key("gen", generation, "go")])  # the members decide within the heartbeat timeout
         return self.store.get(key("gen", generation, "go")) == b"yes"
+
+    def leave(self, step: int) -> NoReturn:
+        """Leave the group gracefully at the commit of ``step`` (this worker was preempted) and end the process.
+
+        The goodbye is ``dead/<id>`` written by the worker itself: the survivors' quorum counts it
+        gone at once instead of waiting for its process to be reaped. Its state is in the commit
+        every survivor holds, so nothing is lost or redone; the process ends at once with status
+        ``PREEMPTED_EXIT`` (no exit barrier: the others are not leaving).
+        """
+        print(f"phalanx: elastic: worker {self.me} leaves the group after step {step} (preempted; the others go "
+              "on from this commit, nothing redone)", file=sys.stderr, flush=True)
+        try:
+            self.store.set(key("dead", self.me), "left")
+        except Exception:  # noqa: BLE001 - the launcher is gone: nobody is left to tell
+            pass
+        self._stop.set()
+        sys.stdout.flush()
+        os._exit(PREEMPTED_EXIT)
 
     def finished(self) -> None:
         """Training is over on this worker: late joiners may leave; our heartbeat stops."""

@@ -1,0 +1,173 @@
+"""Preemption: SIGTERM to `phalanx run` stops every worker after the same step, saves, exits 75; --resume-from auto."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import phalanx as px
+from phalanx.preempt import PREEMPTED_EXIT, latest_checkpoint
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "preempt.py")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                                     os.environ.get("PYTHONPATH", "")])}
+
+
+def phalanx(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())",
+                             "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, **kw)
+
+
+def wait_for(path: str, proc: subprocess.Popen, deadline_s: float = 120) -> None:
+    """Until the worker writes ``path`` (polling a file; the launcher ending first is a failure)."""
+    end = time.monotonic() + deadline_s
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"the job ended first: {proc.returncode} {proc.stderr.read()}"
+        assert time.monotonic() < end, "the worker never reached the step"
+        time.sleep(0.05)
+
+
+def oracle() -> torch.nn.Module:
+    """The worker's model trained by one plain-torch process on the global batches (2 x 4 samples)."""
+    from phalanx.data import global_batches
+    from workers import preempt as w
+    torch.manual_seed(1)
+    net = w.make_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = w.data().tensors
+    for epoch in range(w.EPOCHS):
+        for parts in global_batches(w.N, 2 * w.BATCH, 1, shuffle=True, seed=0, epoch=epoch):
+            idx = torch.tensor(parts[0])
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+            opt.step()
+    return net
+
+
+def weights(path: str) -> list[torch.Tensor]:
+    return list(torch.load(path, weights_only=True).values())
+
+
+def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_oracle(tmp_path):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
+    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, WORKER, out, "5")
+    try:
+        wait_for(out + ".reached", job)  # rank 0 finished step 5 and waits for the signal
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == PREEMPTED_EXIT, err
+    # Both workers name one step (the launcher lists every distinct one): the step after the last one heard it.
+    stopped = re.search(r"received SIGTERM; the workers stopped after step (\d+) to save", err)
+    assert stopped, err
+    step = int(stopped.group(1))
+    saved = os.path.join(ckpt, f"step-{step}.pt")
+    assert step > 5 and os.listdir(ckpt) == [os.path.basename(saved)] and latest_checkpoint(ckpt) == saved
+    assert px.read_checkpoint(saved)["step"] == step and not os.path.exists(out)
+
+    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", WORKER, out)
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err
+    assert f"resuming from {saved}" in err
+    for a, b in zip(weights(out), oracle().state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
+    assert latest_checkpoint(tmp_path) is None and latest_checkpoint(tmp_path / "missing") is None
+    net = torch.nn.Linear(2, 1)
+    old, new = str(tmp_path / "step-1.pt"), str(tmp_path / "step-2.pt")
+    px.save_checkpoint(old, net, step=1)
+    px.save_checkpoint(new, net, step=2)
+    os.utime(old, (1, 1))
+    (tmp_path / ".step-3.pt.tmp-host-123-x").write_bytes(b"half")  # a write in progress
+    (tmp_path / "step-4.pt").write_bytes(open(new, "rb").read()[:-10])  # truncated: fails verification
+    assert latest_checkpoint(tmp_path) == new
+    (tmp_path / "dcp").mkdir()  # a DCP directory counts once its .metadata is written
+    assert latest_checkpoint(tmp_path) == new
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"")
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "dcp")
+
+
+@pytest.mark.parametrize("argv, given", [
+    (["--resume-from", "auto"], "--resume-from auto without --checkpoint-dir"),
+    (["--resume-from", "nope.pt"], "--resume-from nope.pt (not found"),
+])
+def test_bad_resume_flags_are_one_line(argv, given, tmp_path):
+    from phalanx.launch import RunConfig
+    with pytest.raises(px.ConfigError, match=None) as err:
+        RunConfig.from_argv([*argv, WORKER])
+    assert str(err.value).startswith(given) and "\n" not in str(err.value)
+
+
+# -- under --elastic: SIGTERM to one worker is a graceful leave ---------------------------------------------------
+
+@pytest.mark.multiproc
+def test_sigterm_to_one_elastic_worker_leaves_at_the_commit_and_the_others_redo_nothing(tmp_path):
+    from test_elastic import launch, oracle as elastic_oracle
+    from workers import elastic as worker
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@5", "--term", "--commit-every", "3",
+                           timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker 1 leaves the group after step 6" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2"]
+    record = results["0"]["record"]
+    assert all(r["record"] == record for r in results.values())
+    history = results["0"]["history"]
+    assert [h["left"] for h in history] == [["1"]] and history[0]["step"] == 6 and history[0]["redone_steps"] == 0
+    for epoch in (0, 1):  # every sample exactly once per epoch
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    worlds = [w for _, w, _ in record]
+    assert worlds == [3] * 6 + [2] * (len(worlds) - 6)  # steps 1-6 by three workers, the rest by two, none twice
+    for r in results.values():
+        for got, want in zip(r["params"], elastic_oracle(record), strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_trainer_saves_on_sigterm_exits_75_and_resume_auto_ends_as_the_uninterrupted_fit(tmp_path, monkeypatch):
+    import torch.nn.functional as F
+    from phalanx import group, preempt
+    from phalanx.callbacks import LambdaCallback, ModelCheckpoint
+
+    g = group.current() if group.is_initialized() else group.init()
+    monkeypatch.setattr(g, "env", dataclasses.replace(g.env, launched_by_phalanx=True))  # as `phalanx run -n 1`
+    data = torch.utils.data.TensorDataset(torch.randn(48, 4, generator=torch.Generator().manual_seed(0)),
+                                          torch.randint(0, 3, (48,), generator=torch.Generator().manual_seed(1)))
+
+    def fit(**kw):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 3)
+        saves = ModelCheckpoint(str(tmp_path / "ckpt" / "epoch-{epoch}.pt"))
+        trainer = px.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), F.cross_entropy,
+                             callbacks=[saves, *kw.pop("cb", [])])
+        trainer.fit(data, epochs=2, batch_size=8, progress=False, **kw)
+        return net
+
+    try:
+        want = fit()
+        g.preemption = None  # a fresh preemption state, as in a new process
+        term = LambdaCallback(on_step_end=lambda t, step, logs: step == 7 and os.kill(os.getpid(), signal.SIGTERM))
+        with pytest.raises(SystemExit) as stop:
+            fit(cb=[term])
+        assert stop.value.code == PREEMPTED_EXIT and stop.value.checkpoint.endswith("step-00000009.pt")
+        assert latest_checkpoint(tmp_path / "ckpt") == stop.value.checkpoint  # newer than epoch-1.pt
+        g.preemption.uninstall()
+        g.preemption = None
+        got = fit(resume_from="auto")
+    finally:
+        if g.preemption is not None:
+            g.preemption.uninstall()
+        g.preemption = None
+        del preempt
+    for a, b in zip(got.parameters(), want.parameters()):
+        torch.testing.assert_close(a, b)
