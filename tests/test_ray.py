@@ -30,11 +30,12 @@ from workers import ray_train as worker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """A head and two worker nodes, one CPU each: Ray places one phalanx worker per node."""
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # Ray's controller polls its workers this often
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # Ray's controller polls its workers this often
     small = {"num_cpus": 1, "object_store_memory": 80 * 1024 ** 2, "include_dashboard": False}
     c = Cluster(initialize_head=True, head_node_args=dict(small))
     for _ in range(2):
@@ -43,6 +44,7 @@ def cluster(tmp_path_factory):
     yield c
     ray.shutdown()
     c.shutdown()
+    mp.undo()
 
 
 def results(out) -> dict:
