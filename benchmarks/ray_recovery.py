@@ -50,7 +50,8 @@ def _note(out: str, name: str, data: dict) -> None:
 def _park_if_victim(out: str, rank: int, step: int, kill_at: int) -> None:
     """The worker of rank 1 writes its pid before step ``kill_at`` (first time only) and waits to be killed."""
     if rank == 1 and step + 1 == kill_at and not os.path.exists(os.path.join(out, "victim.json")):
-        _note(out, "victim.json", {"pid": os.getpid()})
+        _note(out, "victim.tmp", {"pid": os.getpid()})
+        os.replace(os.path.join(out, "victim.tmp"), os.path.join(out, "victim.json"))  # the killer reads it whole
         time.sleep(3600)
 
 
@@ -131,7 +132,7 @@ def killer(out: str, done: threading.Event, settle_s: float) -> dict:
             time.sleep(0.02)
         if done.is_set():
             return
-        time.sleep(settle_s)
+        time.sleep(settle_s)  # after the file appeared: the victim is parked
         os.kill(json.load(open(path))["pid"], signal.SIGKILL)
         killed["time"] = time.time()
 

@@ -21,7 +21,9 @@ the node of the driver (``trainer.fit()``'s caller), not on any worker: a lost w
 rank 0 included, never takes it along. The controller writes what Ray's fault detection
 sees into it (``elastic/dead/<id>`` when a worker's actor died), as the launcher of
 ``phalanx run --elastic`` does for its processes. Losing the controller (the driver's
-node) ends the job: every worker says so in one line and exits.
+node) ends the job: ``train`` raises one :class:`~phalanx.PhalanxError` line, and the
+workers end (Ray ends the actors of a lost owner; a worker whose heartbeat no longer
+reaches the store says so in one line and exits).
 
 Elastic bounds map onto Ray's worker counts: Ray Train runs ``num_workers + spares``
 workers; ``min_workers`` is phalanx's floor (fewer survivors end the job); spares are
@@ -326,3 +328,7 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     except ray.train.TrainingFailedError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PhalanxError(f"phalanx: ray: the job failed ({type(err).__name__}: {first})") from err
+    except ray.exceptions.RayActorError as err:  # the controller, and the job's store with it
+        raise PhalanxError("phalanx: ray: Ray Train's controller, which held the job's store, was lost "
+                           f"({type(err).__name__}); the workers end with it. Commits were in memory only: resume "
+                           "from your last disk checkpoint (px.save_checkpoint), if any") from err

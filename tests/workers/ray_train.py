@@ -34,6 +34,7 @@ def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
 def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_below: int = 0) -> dict:
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = kill.partition("@")
+    open(os.path.join(out, f"start{me}-{os.getpid()}"), "w").close()  # a restarted worker would leave a second one
     px.init()
     net, data = model(), dataset()
     model_, opt = px.wrap(net, optimizer(net), strategy=px.AllReduce())
@@ -49,8 +50,9 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
             loader.set_epoch(epoch)
             for x, y, ids in loader:
                 if me == victim and state.step + 1 == int(at) and not state.history:
-                    with open(os.path.join(out, "victim.json"), "w") as f:
+                    with open(os.path.join(out, "victim.tmp"), "w") as f:
                         json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
+                    os.replace(os.path.join(out, "victim.tmp"), os.path.join(out, "victim.json"))  # whole or absent
                     time.sleep(3600)  # parked until the test kills this process (kill -9)
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])
                 everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
@@ -62,8 +64,7 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
                     wait_for_joiner(state, deadline=began + 120)
 
     train(state)
-    result = {"id": me, "began": time.time() - (time.monotonic() - began),
-              "pid": os.getpid(), "rank": px.rank(), "world_size": px.world_size(),
+    result = {"id": me, "pid": os.getpid(), "rank": px.rank(), "world_size": px.world_size(),
               "record": record.steps, "params": [t.tolist() for t in px.unwrap(model_).parameters()],
               "history": state.history}
     with open(os.path.join(out, f"worker{me}.json"), "w") as f:
