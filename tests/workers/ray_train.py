@@ -4,13 +4,15 @@ It is tests/workers/elastic.py's loop as a function: each worker records, per st
 sample ids the whole group trained on (rolled back with the commits) and writes its id,
 pid, final parameters and that record to ``out``. ``kill="1@5"``: the worker started as
 rank 1 writes ``victim.json`` (its pid) before step 5 and parks there; the test kills its
-actor process with SIGKILL. ``slow_below=3``: while fewer than 3 workers train, each step
-waits until Ray's replacement has asked to join, so it enters before training ends.
+actor process with SIGKILL (``stop=True``: it stops itself with SIGSTOP, and the heartbeat
+watcher in Ray's controller kills it). ``slow_below=3``: while fewer than 3 workers train,
+each step waits until Ray's replacement has asked to join, so it enters before training ends.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import torch
@@ -31,7 +33,8 @@ def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
         time.sleep(0.05)
 
 
-def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_below: int = 0) -> dict:
+def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_below: int = 0,
+         stop: bool = False) -> dict:
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = kill.partition("@")
     open(os.path.join(out, f"start{me}-{os.getpid()}"), "w").close()  # a restarted worker would leave a second one
@@ -53,6 +56,8 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
                     with open(os.path.join(out, "victim.tmp"), "w") as f:
                         json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
                     os.replace(os.path.join(out, "victim.tmp"), os.path.join(out, "victim.json"))  # whole or absent
+                    if stop:  # hung: only the heartbeat watcher in Ray's controller can free the others
+                        os.kill(os.getpid(), signal.SIGSTOP)
                     time.sleep(3600)  # parked until the test kills this process (kill -9)
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])
                 everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
