@@ -1,0 +1,77 @@
+"""The training function the Ray tests run on Ray Train workers (``phalanx.raytrain.train(main, ...)``).
+
+It is tests/workers/elastic.py's loop as a function: each worker records, per step, the
+sample ids the whole group trained on (rolled back with the commits) and writes its id,
+pid, final parameters and that record to ``out``. ``kill="1@5"``: the worker started as
+rank 1 writes ``victim.json`` (its pid) before step 5 and parks there; the test kills its
+actor process with SIGKILL (``stop=True``: it stops itself with SIGSTOP, and the heartbeat
+watcher in Ray's controller kills it). ``slow_below=3``: while fewer than 3 workers train,
+each step waits until Ray's replacement has asked to join, so it enters before training ends.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+
+import phalanx as px
+from workers.elastic import BATCH, Record, dataset, model, optimizer
+
+
+def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
+    """Block until a worker Ray started asks to join (it then enters at the next commit), or the deadline."""
+    from phalanx.elastic.membership import key
+
+    store, members = state.worker.store, set(state.worker.membership.members)
+    while time.monotonic() < deadline:
+        if store.check([key("joiners")]) and set(json.loads(store.get(key("joiners")))) - members:
+            return
+        time.sleep(0.05)
+
+
+def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_below: int = 0,
+         stop: bool = False) -> dict:
+    me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
+    victim, _, at = kill.partition("@")
+    open(os.path.join(out, f"start{me}-{os.getpid()}"), "w").close()  # a restarted worker would leave a second one
+    px.init()
+    net, data = model(), dataset()
+    model_, opt = px.wrap(net, optimizer(net), strategy=px.AllReduce())
+    loader = px.shard(data, batch_size=BATCH, seed=0)
+    record = Record()
+    state = px.elastic.State(model_, opt, loader, commit_every=commit_every, extra={"record": record})
+    comm = px.Comm()
+    began = time.monotonic()
+
+    @px.elastic.run
+    def train(state: px.elastic.State) -> None:
+        for epoch in range(state.epoch, epochs):
+            loader.set_epoch(epoch)
+            for x, y, ids in loader:
+                if me == victim and state.step + 1 == int(at) and not state.history:
+                    with open(os.path.join(out, "victim.tmp"), "w") as f:
+                        json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
+                    os.replace(os.path.join(out, "victim.tmp"), os.path.join(out, "victim.json"))  # whole or absent
+                    if stop:  # hung: only the heartbeat watcher in Ray's controller can free the others
+                        os.kill(os.getpid(), signal.SIGSTOP)
+                    time.sleep(3600)  # parked until the test kills this process (kill -9)
+                padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])
+                everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
+                record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
+                opt.zero_grad()
+                F.mse_loss(model_(x), y).backward()
+                opt.step()
+                if px.world_size() < slow_below:
+                    wait_for_joiner(state, deadline=began + 120)
+
+    train(state)
+    result = {"id": me, "pid": os.getpid(), "rank": px.rank(), "world_size": px.world_size(),
+              "record": record.steps, "params": [t.tolist() for t in px.unwrap(model_).parameters()],
+              "history": state.history}
+    with open(os.path.join(out, f"worker{me}.json"), "w") as f:
+        json.dump(result, f)
+    return {"id": me, "steps": state.step}
