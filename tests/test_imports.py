@@ -105,14 +105,14 @@ def test_the_cycle_finder_finds_a_cycle():
 # -- layers ----------------------------------------------------------------------------------------------------------
 CORE = ("_engine", "allocator", "backward", "callbacks", "check", "checkpoint", "comm",
         "compression", "data", "epoch_report", "errors", "framing", "group", "liveness", "lr", "metrics",
-        "prefetch", "profiling", "progress", "quantize", "state", "steps", "strategies", "sync", "workerenv", "wrap")
+        "preempt", "prefetch", "profiling", "progress", "quantize", "state", "steps", "strategies", "sync", "workerenv", "wrap")
 FEATURES = ("elastic", "ps", "stream", "keras")
 # The Trainer composes features (Trainer.fit(elastic=...)); nothing below it imports it.
 COMPOSED = ("trainer",)
 # The launcher's side, the CLI, benchmarks and demos. phalanx.elastic.agent and .join are the launcher processes
 # of `phalanx run --elastic` and `phalanx join` (the agent starts and restarts parameter servers too); no worker
 # imports them. phalanx.raytrain is the Ray Train backend: it runs in Ray's controller, and no worker imports it.
-APPS = ("bench", "cli", "launch", "launch_failures", "demo", "demo_table", "models", "testing", "__main__",
+APPS = ("bench", "cli", "launch", "launch_failures", "launch_slurm", "demo", "demo_table", "models", "testing", "__main__",
         "elastic.agent", "elastic.join", "raytrain")
 LEVEL = {"core": 0, "feature": 1, "composed": 2, "app": 3}
 
