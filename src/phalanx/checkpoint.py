@@ -44,6 +44,7 @@ import shutil
 import socket
 import time
 import uuid
+import warnings
 from concurrent.futures import Future
 from typing import Any, Iterator
 
@@ -209,7 +210,8 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     handle = SaveHandle(path, None, key, me, pg, g.generation)
     if blocking:
         try:
-            dcp.save(tensors, **kwargs)
+            with _quiet():
+                dcp.save(tensors, **kwargs)
         except Exception as err:  # noqa: BLE001 - DCP raises every rank's failure on every rank
             if me == 0:
                 _abandon(tmp, key)
@@ -221,6 +223,14 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     if me == 0:
         handle._future.add_done_callback(lambda fut: _finish(handle, tmp, world, state.step, blocking=False))
     return handle
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Without DCP's warning that a process-local save or load is process-local: that is what we asked for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _writer(tmp: str) -> dcp.FileSystemWriter:
@@ -632,7 +642,8 @@ def _load_directory(path: str, state: TrainingState, *, restore_rng: bool) -> di
     _split({"model": msd, "optim": osd}, "", live)
     targets = {k: _target(k, metadata.state_dict_metadata[k], live, msd) for k in keys}
     if targets:
-        dcp.load(targets, storage_reader=_SafeReader(path), no_dist=True)
+        with _quiet():
+            dcp.load(targets, storage_reader=_SafeReader(path), no_dist=True)
     parts = _join(wanted, targets)
     try:
         with _grads_present(optimizer):
@@ -703,7 +714,8 @@ def _load_whole(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
                               "every tensor its workers' files name. Resume from an earlier checkpoint.")
     tensors = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
     if tensors:
-        dcp.load(tensors, storage_reader=_SafeReader(path), no_dist=True)
+        with _quiet():
+            dcp.load(tensors, storage_reader=_SafeReader(path), no_dist=True)
     return tensors
 
 
