@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from typing import Any
 
 import torch
@@ -121,14 +122,15 @@ def killed(ckpt: str) -> dict[str, Any]:
     import phalanx.checkpoint as checkpoint
     g = px.init()
     store = g.store
+    held = threading.Event()  # set by DCP's writer thread; the main thread talks to the store (one connection)
 
     class HeldWriter(dcp.FileSystemWriter):
         def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
             for item in plan.items[:1]:  # a part of this rank's data reaches the disk...
                 with open(os.path.join(self.path, f"partial-{px.rank()}"), "wb") as f:
                     f.write(b"x" * 1024)
-            store.set(f"held/{px.rank()}", "1")  # ...then the write stops until the process is killed
-            store.wait(["never"], __import__("datetime").timedelta(hours=1))
+            held.set()  # ...then the write stops until the process is killed
+            threading.Event().wait()
             return super().write_data(plan, planner)
 
     model, opt = _wrapped(1)
@@ -141,6 +143,8 @@ def killed(ckpt: str) -> dict[str, Any]:
     checkpoint._writer = lambda tmp: HeldWriter(tmp)  # the test's hook into DCP's writer
     handle = px.save_checkpoint(ckpt, model, opt, loader=loader, step=4, blocking=False)
     loop(model, opt, loader, 4, 6)  # training goes on while the checkpoint is being written
+    held.wait()
+    store.set(f"held/{px.rank()}", "1")
     store.wait([f"held/{r}" for r in range(px.world_size())])  # every worker is half-way through its write
     torch.save({"done": handle.done(), "trained": flat(model)}, f"{ckpt}-held-{px.rank()}.pt")
     store.set(f"killing/{px.rank()}", "1")
