@@ -126,9 +126,8 @@ def killed(ckpt: str) -> dict[str, Any]:
 
     class HeldWriter(dcp.FileSystemWriter):
         def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
-            for item in plan.items[:1]:  # a part of this rank's data reaches the disk...
-                with open(os.path.join(self.path, f"partial-{px.rank()}"), "wb") as f:
-                    f.write(b"x" * 1024)
+            with open(os.path.join(self.path, f"partial-{px.rank()}"), "wb") as f:
+                f.write(b"x" * 1024)  # a part of this rank's data reaches the disk...
             held.set()  # ...then the write stops until the process is killed
             threading.Event().wait()
             return super().write_data(plan, planner)
