@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -133,7 +134,7 @@ class SaveHandle:
             if self._future is not None:
                 try:
                     self._future.result()
-                except Exception as err:  # noqa: BLE001 - DCP's CheckpointException wraps every rank's failure
+                except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank's failure
                     if self.rank != 0:
                         raise _write_error(self.path, err) from err
             if self.rank == 0:
@@ -212,7 +213,7 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
         try:
             with _quiet():
                 dcp.save(tensors, **kwargs)
-        except Exception as err:  # noqa: BLE001 - DCP raises every rank's failure on every rank
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - raised on every rank
             if me == 0:
                 _abandon(tmp, key)
             raise _write_error(path, err) from err
@@ -247,7 +248,7 @@ def _finish(handle: SaveHandle, tmp: str, world: int, step: int, *, blocking: bo
         if handle._future is not None:
             try:
                 handle._future.result()
-            except Exception as err:  # noqa: BLE001
+            except (Exception, CheckpointException) as err:  # noqa: BLE001
                 raise _write_error(handle.path, err) from err
         _commit(tmp, handle.path, world, step)
     except BaseException as err:
@@ -292,14 +293,18 @@ def _write_error(path: str, err: BaseException) -> CheckpointError:
     """One line for a failed DCP write, naming the path, the rank and the OS error (a full disk)."""
     if isinstance(err, CheckpointError):
         return err
-    failures = getattr(err, "failures", None) or {}  # DCP's CheckpointException: {rank: exception}
+    failures = getattr(err, "failures", None) or {}  # DCP's CheckpointException: {rank: (exception, stack)}
     for rank, cause in sorted(failures.items()):
-        cause = getattr(cause, "exc", cause)
-        if isinstance(cause, OSError) and cause.errno is not None:
-            code = errno.errorcode.get(cause.errno, str(cause.errno))
-            return CheckpointError(f"rank {rank} could not write the checkpoint {path!r}: "
-                                   f"{os.strerror(cause.errno)} ({code}); expected room for every worker's part. "
-                                   "The previous checkpoint at that path is untouched: free space or save elsewhere.")
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        os_error = cause
+        while os_error is not None and not isinstance(os_error, OSError):
+            os_error = os_error.__cause__ or os_error.__context__
+        if isinstance(os_error, OSError) and os_error.errno is not None:
+            return CheckpointError(_file_error(path, rank, os_error).args[0])
+        first = next(iter(str(cause).strip().splitlines()), "")
+        return CheckpointError(f"rank {rank} could not write the checkpoint {path!r}: {type(cause).__name__}: "
+                               f"{first[:200]}. The previous checkpoint at that path is untouched (a full disk "
+                               "shows this way too): free space or save elsewhere.")
     first = next(iter(str(err).strip().splitlines()), type(err).__name__)
     return CheckpointError(f"the checkpoint {path!r} could not be written: {first[:300]}. The previous "
                            "checkpoint at that path is untouched.")
@@ -308,11 +313,7 @@ def _write_error(path: str, err: BaseException) -> CheckpointError:
 def _snapshot(state: TrainingState, me: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Split this worker's state into DCP's flat tensors and the small per-worker file (skeleton and the rest)."""
     model = unwrap(state.model)
-    with _grads_present(state.optimizer):  # keeps DCP from stepping the optimizer (and phalanx's hooks) to init it
-        if state.optimizer is not None:
-            msd, osd = get_state_dict(model, state.optimizer)
-        else:
-            msd, osd = get_model_state_dict(model), None
+    msd, osd = _live_state(model, state.optimizer)
     params = {name for name, _ in model.named_parameters()}
     # A worker's own buffers (BatchNorm statistics differ per worker): kept per worker, restored on the same size.
     buffers = {k: v for k, v in msd.items() if k not in params and isinstance(v, torch.Tensor)
@@ -331,6 +332,19 @@ def _snapshot(state: TrainingState, me: int) -> tuple[dict[str, torch.Tensor], d
                  "scaler": cpu_copy(state.scaler.state_dict()) if state.scaler is not None else None,
                  "rng": rng_state(), "extra": cpu_copy(state.extra)}
     return tensors, rank_file
+
+
+def _live_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
+    """torch's ``get_state_dict``: parameter names as keys, plain or sharded (DTensor) values; no copies."""
+    with _grads_present(optimizer):  # keeps DCP from stepping the optimizer (and phalanx's hooks) to init it
+        if optimizer is None:
+            return get_model_state_dict(model), None
+        try:
+            return get_state_dict(model, optimizer)
+        except KeyError as err:
+            raise ConfigError(usage("an optimizer holding parameters that are not the model's",
+                                    "the optimizer built from this model's parameters",
+                                    "Pass the model and optimizer px.wrap returned together.")) from err
 
 
 TENSOR = "<dcp>"  # a skeleton leaf ("<dcp>", key): the tensor stored under DCP's ``key``
@@ -624,11 +638,7 @@ def _load_directory(path: str, state: TrainingState, *, restore_rng: bool) -> di
     metadata = _SafeReader(path).read_metadata()
     model = unwrap(state.model)
     optimizer = state.optimizer if skeleton.get("optim") is not None else None
-    with _grads_present(optimizer):
-        if optimizer is not None:
-            msd, osd = get_state_dict(model, optimizer)
-        else:
-            msd, osd = get_model_state_dict(model), None
+    msd, osd = _live_state(model, optimizer)
     _check_same_model(path, skeleton["model"], msd, metadata)
     wanted = {"model": skeleton["model"], "optim": skeleton.get("optim") if optimizer is not None else None,
               "strategy": skeleton.get("strategy") if state.strategy is not None else None,
@@ -642,8 +652,7 @@ def _load_directory(path: str, state: TrainingState, *, restore_rng: bool) -> di
     _split({"model": msd, "optim": osd}, "", live)
     targets = {k: _target(k, metadata.state_dict_metadata[k], live, msd) for k in keys}
     if targets:
-        with _quiet():
-            dcp.load(targets, storage_reader=_SafeReader(path), no_dist=True)
+        _dcp_load(path, targets)
     parts = _join(wanted, targets)
     try:
         with _grads_present(optimizer):
@@ -714,9 +723,22 @@ def _load_whole(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
                               "every tensor its workers' files name. Resume from an earlier checkpoint.")
     tensors = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
     if tensors:
-        with _quiet():
-            dcp.load(tensors, storage_reader=_SafeReader(path), no_dist=True)
+        _dcp_load(path, tensors)
     return tensors
+
+
+def _dcp_load(path: str, targets: dict[str, torch.Tensor]) -> None:
+    """DCP's load into ``targets``, in this process alone; a damaged data file is one CheckpointError."""
+    try:
+        with _quiet():
+            dcp.load(targets, storage_reader=_SafeReader(path), no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - a damaged file
+        first = next(iter(str(err).strip().splitlines()), type(err).__name__)
+        raise CheckpointError(f"{path!r} could not be read: its DCP data is truncated or corrupted "
+                              f"({type(err).__name__}: {first[:200]}); expected an intact checkpoint. Resume from "
+                              "an earlier checkpoint.") from None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
