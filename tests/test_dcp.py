@@ -55,22 +55,28 @@ def test_a_checkpoint_of_2_workers_resumes_on_1_equal_to_the_uninterrupted_run(s
 
 
 @pytest.mark.multiproc
-def test_a_model_sharded_by_fully_shard_on_2_workers_loads_unsharded(tmp_path):
+def test_a_2x2_hsdp_checkpoint_loads_unsharded_on_1_and_sharded_on_1x2_equal_to_one_process(tmp_path):
     ckpt = str(tmp_path / "sharded")
-    results = run_workers("workers.dcp:sharded", world_size=2, timeout=120, ckpt=ckpt).results
-    full = results[0]["full"]
-    assert results[0]["shards"]["0.weight"] == W.HIDDEN * W.IN // 2  # each worker held half of each parameter
-    assert "__1_0.distcp" in results[0]["files"]
-    model = W.net(seed=99)  # plain, one process
+    saved = run_workers("workers.dcp:sharded", world_size=4, timeout=180, ckpt=ckpt, mesh=[2, 2], load=False).results
+    assert saved[0]["shards"]["0.weight"] == W.HIDDEN * W.IN // 2  # each worker held half of each parameter
+    assert [f for f in saved[0]["files"] if f.endswith(".distcp")] == [f"__{r}_0.distcp" for r in range(4)]
+    torch.testing.assert_close(saved[0]["full"], W.oracle(W.SAVE_AT), rtol=1e-5, atol=1e-5)  # HSDP = one process
+
+    model = W.net(seed=99)  # 2 x 2 -> 1: plain, unsharded, in this process
     opt = W.optimizer(model)
     loader = px.shard(W.dataset(), batch_size=W.GLOBAL_BATCH, seed=7, rank=0, world_size=1)
-    with pytest.warns(UserWarning, match="taken with 2 workers"):
+    with pytest.warns(UserWarning, match="taken with 4 workers"):
         assert px.load_checkpoint(ckpt, model, opt, loader=loader)["step"] == W.SAVE_AT
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), full[name], rtol=0, atol=0)
-    torch.testing.assert_close(W.flat(model), W.oracle(W.SAVE_AT), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(W.flat(model), saved[0]["full"], rtol=0, atol=0)
     W.loop(model, opt, loader, W.SAVE_AT, W.STEPS)  # the optimizer's moments came back too: the run goes on exactly
     torch.testing.assert_close(W.flat(model), W.oracle(), rtol=1e-5, atol=1e-5)
+
+    resumed = run_workers("workers.dcp:sharded", world_size=2, timeout=180, ckpt=ckpt, mesh=[2], load=True).results
+    for r in resumed:  # 2 x 2 -> 1 x 2: resharded onto another mesh
+        assert r["shards"]["0.weight"] == W.HIDDEN * W.IN // 2 and r["steps"] == W.STEPS
+        torch.testing.assert_close(torch.cat([t.reshape(-1) for t in r["at_load"].values()]), saved[0]["full"],
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(r["full"], W.oracle(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.multiproc

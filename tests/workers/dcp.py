@@ -90,28 +90,36 @@ def _wrapped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return px.wrap(model, optimizer(model), strategy=px.AllReduce())
 
 
-def sharded(ckpt: str) -> dict[str, Any]:
-    """A model sharded over the workers by torch's ``fully_shard``: train SAVE_AT steps, save, and report."""
+def sharded(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
+    """A model sharded by torch's ``fully_shard`` over ``mesh`` (replicas x shards: [2, 2] is HSDP, [2] is FSDP).
+
+    ``load=False``: train SAVE_AT steps and save. ``load=True``: resume from ``ckpt`` (written on another mesh)
+    and train on to STEPS. Reports each parameter whole, and how much of it this worker held.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     px.init()
-    model = net(seed=1)
-    mesh = init_device_mesh("cpu", (px.world_size(),))
+    model = net(seed=99 if load else 1)
+    device_mesh = init_device_mesh("cpu", tuple(mesh), mesh_dim_names=("replicate", "shard")[-len(mesh):])
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=device_mesh)
+    fully_shard(model, mesh=device_mesh)
     opt = optimizer(model)
     loader = px.shard(dataset(), batch_size=GLOBAL_BATCH // px.world_size(), seed=7)
-    for _, (x, y) in zip(range(SAVE_AT), loader, strict=False):
-        opt.zero_grad()
-        # fully_shard averages gradients over the mesh: each rank's mean over its part makes the global mean
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    px.save_checkpoint(ckpt, model, opt, loader=loader, step=SAVE_AT)
-    shards = {name: p.to_local().numel() for name, p in model.named_parameters()}
-    full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
-    return {"shards": shards, "full": full, "files": sorted(os.listdir(ckpt))}
+    step = px.load_checkpoint(ckpt, model, opt, loader=loader)["step"] if load else 0
+    at_load = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+    def save(now: int) -> None:
+        if not load and now == SAVE_AT:
+            px.save_checkpoint(ckpt, model, opt, loader=loader, step=now)
+
+    # fully_shard averages gradients over every worker: each one's mean over its part makes the global mean
+    step = loop(model, opt, loader, step, STEPS if load else SAVE_AT, save)
+    return {"shards": {name: p.to_local().numel() for name, p in model.named_parameters()},
+            "at_load": at_load, "steps": step,
+            "full": torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()]),
+            "files": sorted(os.listdir(ckpt))}
 
 
 def killed(ckpt: str) -> dict[str, Any]:
