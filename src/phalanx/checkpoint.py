@@ -139,7 +139,7 @@ class SaveHandle:
                         raise _write_error(self.path, err) from err
             if self.rank == 0:
                 self._committed.result()
-            else:
+            elif group.current().generation == self.generation:  # (a regrouped job has a new store: rank 0 wrote)
                 _wait_for_write(self.key)
         except Exception as err:
             self._error = err
@@ -183,9 +183,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool = True) -> SaveHandle:
     """Write ``state`` of every worker as one DCP checkpoint directory at ``path``; see :func:`save_checkpoint`."""
     g = group.current()
-    previous = g.saving
+    previous, g.saving = g.saving, None
     if previous is not None:
-        previous.wait()  # one checkpoint in flight at a time: its errors surface here, before the next starts
+        previous.wait()  # one checkpoint in flight at a time: its error surfaces here (once), before the next starts
     path = os.path.abspath(os.fspath(path))
     key = _all_enter("save_checkpoint")
     state.settle()  # a step this worker skipped is closed (its exchange runs on every worker) before capture
@@ -218,6 +218,7 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
                 _abandon(tmp, key)
             raise _write_error(path, err) from err
         _finish(handle, tmp, world, state.step, blocking=True)
+        g.saving = handle  # done; kept for its process group
         return handle
     handle._future = dcp.async_save(tensors, **kwargs)  # stages (copies) now, writes in a thread
     g.saving = handle
