@@ -1,4 +1,4 @@
-"""The ``phalanx`` command: ``run``, ``demo`` and ``bench``.
+"""The ``phalanx`` command: ``run``, ``join``, ``demo``, ``bench`` and ``export``.
 
 Each subcommand's module is imported only when it is used, so ``phalanx --help``
 is quick. A usage error (:class:`phalanx.ConfigError`) is printed as one line and
