@@ -174,28 +174,38 @@ def file_size_limit(nbytes: int):
 
 
 def test_damaged_checkpoint_is_refused_and_the_previous_one_is_untouched(tmp_path):
+    import shutil
     path = tmp_path / "ckpt.pt"
     model = net(seed=2)
     opt = OPTIMIZERS["sgd"](model.parameters())
     px.save_checkpoint(path, model, opt, step=4)
-    good = path.read_bytes()
+    good = {name: (path / name).read_bytes() for name in os.listdir(path)}  # a checkpoint is a directory
 
     with pytest.raises(px.ConfigError, match="holds a value of type object"):  # refused before writing
         px.save_checkpoint(path, model, opt, step=5, extra={"oops": object()})
-    with file_size_limit(len(good) // 2), pytest.raises(px.CheckpointError) as full:  # the disk fills up half-way
-        px.save_checkpoint(path, model, opt, step=5)
+    with file_size_limit(max(map(len, good.values())) // 2), pytest.raises(px.CheckpointError) as full:
+        px.save_checkpoint(path, model, opt, step=5)  # the disk fills up half-way
     assert str(path) in str(full.value) and "\n" not in str(full.value) and "File too large" in str(full.value)
-    assert path.read_bytes() == good  # the previous checkpoint is as it was
-    assert os.listdir(tmp_path) == ["ckpt.pt"]  # and no temporary file is left behind
+    assert {name: (path / name).read_bytes() for name in os.listdir(path)} == good  # the previous one is as it was
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # and no temporary is left behind
 
-    for name, data in [("truncated", good[: len(good) // 2]),
-                       ("flipped", good[:-10] + bytes([good[-10] ^ 0xFF]) + good[-9:]),
-                       ("foreign", b"not a checkpoint at all")]:
-        bad = tmp_path / f"{name}.pt"
-        bad.write_bytes(data)
+    def damaged(name: str, part: str, change) -> str:  # noqa: ANN001
+        bad = tmp_path / name
+        shutil.copytree(path, bad)
+        data = (bad / part).read_bytes()
+        (bad / part).write_bytes(change(data))
+        return str(bad)
+
+    for bad in [damaged("truncated", "rank-0.pt", lambda d: d[: len(d) // 2]),
+                damaged("flipped", "rank-0.pt", lambda d: d[:-10] + bytes([d[-10] ^ 0xFF]) + d[-9:]),
+                damaged("truncated-data", "__0_0.distcp", lambda d: d[: len(d) // 2])]:
+        fresh = net(seed=2)
         with pytest.raises(px.CheckpointError) as err:
-            px.load_checkpoint(bad, net(seed=2), opt)
-        assert "\n" not in str(err.value) and str(bad) in str(err.value)
+            px.load_checkpoint(bad, fresh, OPTIMIZERS["sgd"](fresh.parameters()))
+        assert "\n" not in str(err.value) and bad in str(err.value)
+    (tmp_path / "foreign.pt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(px.CheckpointError, match="bad header"):
+        px.load_checkpoint(tmp_path / "foreign.pt", net(seed=2), opt)
     assert px.load_checkpoint(path, model, opt)["step"] == 4
 
 

@@ -62,7 +62,7 @@ def test_every_ranks_python_numpy_and_torch_rng_streams_continue_after_resume(ru
 @pytest.mark.multiproc
 def test_a_checkpoint_of_2_workers_resumes_1_from_rank_0_with_the_epoch_re_split(runs, state_dir):
     path = os.path.join(state_dir, "allreduce.pt")
-    saved = read_verified(path)["ranks"][0]
+    saved = px.read_checkpoint(path)["ranks"][0]
     model = W.net(seed=77)
     model, opt = px.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), strategy=px.AllReduce())
     loader = px.shard(W.dataset(), batch_size=W.BATCH, seed=11)  # now 1 worker x 4 per step
@@ -261,11 +261,11 @@ def test_a_checkpoint_with_valid_framing_but_the_wrong_structure_is_one_clear_ch
 
     from phalanx.checkpoint import FORMAT, SAME_AS_RANK0
     from phalanx.errors import CheckpointError
+    from phalanx.state import TrainingState
     model = W.net(seed=0)
-    path = str(tmp_path / "ckpt.pt")
-    px.save_checkpoint(path, model)
-    body = read_verified(path)
-    rank0 = body["ranks"][0]
+    path = str(tmp_path / "ckpt.pt")  # a one-file checkpoint of the earlier format (still loaded)
+    rank0 = TrainingState(model).capture()
+    body = {"format": FORMAT, "world_size": 1, "step": 0, "extra": {}, "ranks": [rank0]}
     body.update({"no ranks": {"ranks": []}, "ranks not a list": {"ranks": {"0": rank0}},
                  "a rank not a dict": {"ranks": [rank0, 7], "world_size": 2},
                  "world_size disagrees": {"world_size": 3},

@@ -88,9 +88,10 @@ class ModelCheckpoint(Callback):
     """Write a resumable checkpoint every ``every`` epochs; resume with ``fit(resume_from=path)``.
 
     ``path`` may contain ``{epoch}``, the number of epochs completed, to keep one
-    file per save; otherwise each save replaces the last (atomically). Every
-    worker takes part (every worker's state is gathered, see ``px.save_checkpoint``);
-    rank 0 writes.
+    checkpoint per save; otherwise each save replaces the last (atomically). Every
+    worker takes part and writes its own part (a DCP directory, see ``px.save_checkpoint``).
+    ``blocking=False`` writes it in the background while the next epoch trains; the
+    next save and the end of training wait for it.
 
     Example:
         >>> from phalanx.callbacks import ModelCheckpoint
@@ -98,15 +99,22 @@ class ModelCheckpoint(Callback):
         ModelCheckpoint('ckpt/epoch-{epoch}.pt', every=2)
     """
 
-    def __init__(self, path: str | os.PathLike, every: int = 1) -> None:
+    def __init__(self, path: str | os.PathLike, every: int = 1, *, blocking: bool = True) -> None:
         check.positive_int("ModelCheckpoint(every", every, "Pass e.g. every=1 (epochs between saves).", close=")")
-        self.path, self.every = os.fspath(path), every
+        self.path, self.every, self.blocking = os.fspath(path), every, blocking
         self.last_path: str | None = None
+        self.pending: Any = None  # the SaveHandle of a save being written in the background
 
     def on_epoch_end(self, trainer: "Trainer", epoch: int, logs: dict[str, Any]) -> None:
         if (epoch + 1) % self.every == 0:
             self.last_path = self.path.format(epoch=epoch + 1)
-            trainer.save_checkpoint(self.last_path)
+            self.pending = trainer.save_checkpoint(self.last_path, blocking=self.blocking)
+
+    def on_train_end(self, trainer: "Trainer") -> None:
+        if self.pending is not None:
+            self.pending, pending = None, self.pending
+            pending.wait()  # fit() returns with its last checkpoint written
 
     def __repr__(self) -> str:
-        return f"ModelCheckpoint({self.path!r}, every={self.every})"
+        tail = "" if self.blocking else ", blocking=False"
+        return f"ModelCheckpoint({self.path!r}, every={self.every}{tail})"

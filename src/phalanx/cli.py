@@ -1,4 +1,4 @@
-"""The ``phalanx`` command: ``run``, ``demo`` and ``bench``.
+"""The ``phalanx`` command: ``run``, ``join``, ``demo``, ``bench`` and ``export``.
 
 Each subcommand's module is imported only when it is used, so ``phalanx --help``
 is quick. A usage error (:class:`phalanx.ConfigError`) is printed as one line and
@@ -24,6 +24,7 @@ COMMANDS = {
     "join": ("phalanx.elastic.join", "add workers to a running `phalanx run --elastic` job"),  # elastic
     "demo": ("phalanx.bench.demo", "train a small CNN on bundled digits with 1, then 2 workers, and compare"),
     "bench": ("phalanx.bench.cli", "measure throughput and scaling of the strategies"),
+    "export": ("phalanx.cli:export_main", "write a checkpoint's model as a plain state_dict file (CKPT OUT)"),
 }
 # The apps in phalanx.bench need the packages of the extra phalanx[bench], which a core install lacks.
 NEEDS = {"demo": ("sklearn",), "bench": ("sklearn", "matplotlib")}
@@ -36,14 +37,14 @@ HELP = "usage: phalanx [--help] [--version] COMMAND [args]\n\n" \
 
 def _entry(command: str) -> Callable[[list[str]], int | None]:
     """``main`` of the command's module, imported now; a module this installation lacks is a usage error."""
-    module = COMMANDS[command][0]
+    module, _, function = COMMANDS[command][0].partition(":")
     missing = [name for name in NEEDS.get(command, ()) if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(usage(f"`phalanx {command}` without {' and '.join(missing)}",
                                 "the packages of the extra phalanx[bench] (scikit-learn, matplotlib)",
                                 "pip install 'phalanx[bench]'"))
     try:
-        return importlib.import_module(module).main
+        return getattr(importlib.import_module(module), function or "main")
     except ImportError as err:
         if err.name is None or not module.startswith(err.name):  # a missing dependency inside: show it
             raise
@@ -76,6 +77,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("phalanx: interrupted", file=sys.stderr)
         return 130
+
+
+def export_main(argv: list[str]) -> int:
+    """``phalanx export CKPT OUT``: the model of a checkpoint as the plain ``state_dict`` ``px.save`` writes."""
+    import argparse
+
+    from .checkpoint import export
+    parser = argparse.ArgumentParser(prog="phalanx export", description="Write the model of a px.save_checkpoint "
+                                     "checkpoint (a DCP directory, or a one-file checkpoint of an earlier version) "
+                                     "as a plain state_dict that loads into the unwrapped model.")
+    parser.add_argument("checkpoint", help="the checkpoint directory (or file)")
+    parser.add_argument("out", help="the file to write, e.g. model.pt")
+    args = parser.parse_args(argv)
+    state = export(args.checkpoint, args.out)
+    numel = sum(v.numel() for v in state.values() if hasattr(v, "numel"))
+    print(f"wrote {len(state)} entries ({numel:,} values) to {args.out}; load with "
+          "Net().load_state_dict(torch.load(path, weights_only=True))")
+    return 0
 
 
 def _exit_now(status: int) -> None:

@@ -72,6 +72,9 @@ class Group:
         self.uncaught: BaseException | None = None  # ...when the interpreter exits because nobody caught it
         self.losses: list[int] = []  # the ranks this worker's last WorkerLostError blamed
         self._on_regroup: list[Callable[["Group"], None]] = []
+        # The checkpoint this worker is writing in the background (phalanx.checkpoint.SaveHandle): the next save
+        # and shutdown() wait for it.
+        self.saving: Any = None
         # The step clocks of the models px.wrap attached in this group: the loaders tell them each batch's weight
         # (phalanx.steps.set_batch_weight). Weak, so a model dropped by the user is forgotten.
         self.clocks: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -326,6 +329,13 @@ def shutdown() -> None:
     """
     global _group
     g, met = _group, True
+    if g is not None and g.saving is not None:
+        saving, g.saving, leaving_with = g.saving, None, sys.exc_info()[1]
+        try:
+            saving.wait()  # an asynchronous checkpoint is finished (or has failed) before the worker leaves
+        except Exception:
+            if leaving_with is None and g.failed is None:
+                raise
     if g is not None and g.timeline is not None and g.failed is None and sys.exc_info()[1] is None:
         g.timeline.close()  # collective: written while the group is still up (a no-op once written)
     if g is not None and g.store is not None:

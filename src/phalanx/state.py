@@ -110,7 +110,8 @@ class TrainingState:
         a running elastic job (see :meth:`phalanx.Strategy.load_joiner_state_dict`).
         """
         from .wrap import unwrap
-        unwrap(self.model).load_state_dict(snapshot["model"])
+        if snapshot.get("model") is not None:  # None: a checkpoint directory restored the model already
+            unwrap(self.model).load_state_dict(snapshot["model"])
         if self.optimizer is not None and snapshot.get("optimizer") is not None:
             self.optimizer.load_state_dict(snapshot["optimizer"])
         strategy = self.strategy

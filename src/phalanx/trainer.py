@@ -346,16 +346,18 @@ class Trainer:
                 t.copy_(mine)
 
     # -- checkpoints -----------------------------------------------------------------
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """A resumable checkpoint of the run so far; call it on every worker (rank 0 writes).
+    def save_checkpoint(self, path: str | os.PathLike, *, blocking: bool = True) -> Any:
+        """A resumable checkpoint of the run so far; call it on every worker (each writes its part).
+
+        ``blocking=False`` returns a handle at once and writes in the background (``px.save_checkpoint``).
 
         From ``on_epoch_end`` it resumes at the next epoch; from ``on_step_end``
         at the next step (the resumed epoch's training loss then covers only the
         steps after the checkpoint; weights are unaffected).
         """
         next_epoch = self.epoch if self._in_epoch else self.epoch + 1
-        save_checkpoint(path, self.model, self.optimizer, loader=self.loader, step=self.step,
-                        extra={"trainer": {"epoch": next_epoch, "history": [dict(row) for row in self.history]}})
+        return save_checkpoint(path, self.model, self.optimizer, loader=self.loader, step=self.step, blocking=blocking,
+                               extra={"trainer": {"epoch": next_epoch, "history": [dict(row) for row in self.history]}})
 
     def _checkpoint_dir(self) -> str:
         """Where a preempted fit saves: ``phalanx run --checkpoint-dir``, else a ModelCheckpoint's folder."""

@@ -1,0 +1,160 @@
+"""Worker functions for tests/test_dcp.py: DCP checkpoints written and read by real gloo groups.
+
+``train`` runs the user's loop (AdamW, AllReduce) over ``px.shard`` data with a fixed
+global batch, saving at ``SAVE_AT`` or resuming from a checkpoint; the test compares it
+with one process over the same global batches. ``sharded`` saves a model sharded with
+torch's own ``fully_shard``; ``killed`` holds an asynchronous save half-way through its
+write (a storage writer that waits on a store key) and kills every worker with SIGKILL.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx as px
+
+IN, HIDDEN, CLASSES, N = 6, 12, 3, 48
+GLOBAL_BATCH, STEPS, SAVE_AT = 12, 8, 3  # 4 steps per epoch; step 3 is inside epoch 0; 12 = 2 x 6 = 3 x 4
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    gen = torch.Generator().manual_seed(1234)
+    return torch.utils.data.TensorDataset(torch.randn(N, IN, generator=gen), torch.randint(0, CLASSES, (N,),
+                                                                                          generator=gen))
+
+
+def net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
+
+
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in px.unwrap(model).parameters()]).clone()
+
+
+def loop(model: nn.Module, opt: torch.optim.Optimizer, loader: Any, step: int, until: int,
+         on_step: Any = lambda step: None) -> int:
+    """The user's loop, by global step: ``until`` steps in all, whatever the step it starts from."""
+    while step < until:
+        loader.set_epoch(loader.state_dict()["epoch"])
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            step += 1
+            on_step(step)
+            if step == until:
+                break
+        else:
+            loader.set_epoch(loader.state_dict()["epoch"] + 1)
+    return step
+
+
+def oracle(until: int = STEPS) -> torch.Tensor:
+    """One process, the whole global batch, plain torch: the weights after ``until`` steps."""
+    model = net(seed=1)
+    opt = optimizer(model)
+    loader = px.shard(dataset(), batch_size=GLOBAL_BATCH, seed=7, rank=0, world_size=1)
+    loop(model, opt, loader, 0, until)
+    return flat(model)
+
+
+def train(ckpt: str, resume: bool) -> dict[str, Any]:
+    """Save at SAVE_AT and go on to STEPS (``resume=False``), or resume from ``ckpt`` and go on to STEPS."""
+    px.init()
+    model, opt = _wrapped(99 if resume else 1)  # a resumed run starts from other weights: the checkpoint must win
+    loader = px.shard(dataset(), batch_size=GLOBAL_BATCH // px.world_size(), seed=7)
+    step = px.load_checkpoint(ckpt, model, opt, loader=loader)["step"] if resume else 0
+    at_load = flat(model)
+
+    def save(now: int) -> None:
+        if not resume and now == SAVE_AT:
+            px.save_checkpoint(ckpt, model, opt, loader=loader, step=now)
+
+    step = loop(model, opt, loader, step, STEPS, save)
+    return {"weights": flat(model), "steps": step, "at_load": at_load}
+
+
+def _wrapped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = net(seed)
+    return px.wrap(model, optimizer(model), strategy=px.AllReduce())
+
+
+def sharded(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
+    """A model sharded by torch's ``fully_shard`` over ``mesh`` (replicas x shards: [2, 2] is HSDP, [2] is FSDP).
+
+    ``load=False``: train SAVE_AT steps and save. ``load=True``: resume from ``ckpt`` (written on another mesh)
+    and train on to STEPS. Reports each parameter whole, and how much of it this worker held.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    px.init()
+    model = net(seed=99 if load else 1)
+    device_mesh = init_device_mesh("cpu", tuple(mesh), mesh_dim_names=("replicate", "shard")[-len(mesh):])
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=device_mesh)
+    fully_shard(model, mesh=device_mesh)
+    opt = optimizer(model)
+    loader = px.shard(dataset(), batch_size=GLOBAL_BATCH // px.world_size(), seed=7)
+    step = px.load_checkpoint(ckpt, model, opt, loader=loader)["step"] if load else 0
+    at_load = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+    def save(now: int) -> None:
+        if not load and now == SAVE_AT:
+            px.save_checkpoint(ckpt, model, opt, loader=loader, step=now)
+
+    # fully_shard averages gradients over every worker: each one's mean over its part makes the global mean
+    step = loop(model, opt, loader, step, STEPS if load else SAVE_AT, save)
+    return {"shards": {name: p.to_local().numel() for name, p in model.named_parameters()},
+            "at_load": at_load, "steps": step,
+            "full": torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()]),
+            "files": sorted(os.listdir(ckpt))}
+
+
+def killed(ckpt: str) -> dict[str, Any]:
+    """Save (blocking) at step 2; start an asynchronous save at step 4, train on while it is held half-way
+    through its write, then every worker kills itself with SIGKILL. The test then loads ``ckpt``."""
+    import torch.distributed.checkpoint as dcp
+
+    import phalanx.checkpoint as checkpoint
+    g = px.init()
+    store = g.store
+    held = threading.Event()  # set by DCP's writer thread; the main thread talks to the store (one connection)
+
+    class HeldWriter(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            with open(os.path.join(self.path, f"partial-{px.rank()}"), "wb") as f:
+                f.write(b"x" * 1024)  # a part of this rank's data reaches the disk...
+            held.set()  # ...then the write stops until the process is killed
+            threading.Event().wait()
+            return super().write_data(plan, planner)
+
+    model, opt = _wrapped(1)
+    loader = px.shard(dataset(), batch_size=GLOBAL_BATCH // px.world_size(), seed=7)
+    loop(model, opt, loader, 0, 2)
+    px.save_checkpoint(ckpt, model, opt, loader=loader, step=2)
+    saved = flat(model)
+    torch.save(saved, f"{ckpt}-weights-{px.rank()}.pt")
+    loop(model, opt, loader, 2, 4)
+    checkpoint._writer = lambda tmp: HeldWriter(tmp)  # the test's hook into DCP's writer
+    handle = px.save_checkpoint(ckpt, model, opt, loader=loader, step=4, blocking=False)
+    loop(model, opt, loader, 4, 6)  # training goes on while the checkpoint is being written
+    held.wait()
+    store.set(f"held/{px.rank()}", "1")
+    store.wait([f"held/{r}" for r in range(px.world_size())])  # every worker is half-way through its write
+    torch.save({"done": handle.done(), "trained": flat(model)}, f"{ckpt}-held-{px.rank()}.pt")
+    store.set(f"killing/{px.rank()}", "1")
+    store.wait([f"killing/{r}" for r in range(px.world_size())])  # nobody dies while a peer still needs the store
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}
