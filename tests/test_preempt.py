@@ -89,12 +89,19 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     px.save_checkpoint(old, net, step=1)
     px.save_checkpoint(new, net, step=2)
     os.utime(old, (1, 1))
-    (tmp_path / ".step-3.pt.tmp-host-123-x").write_bytes(b"half")  # a write in progress
-    (tmp_path / "step-4.pt").write_bytes(open(new, "rb").read()[:-10])  # truncated: fails verification
+    half = tmp_path / "step-3.pt.tmp-host-123-x"  # a save in progress: DCP's files, no marker yet
+    half.mkdir()
+    (half / ".metadata").write_bytes(b"")
+    (tmp_path / "step-4.pt").write_bytes(b"not a checkpoint")  # a one-file checkpoint that fails verification
     assert latest_checkpoint(tmp_path) == new
-    (tmp_path / "dcp").mkdir()  # a DCP directory counts once its .metadata is written
-    assert latest_checkpoint(tmp_path) == new
+    (tmp_path / "dcp").mkdir()  # a directory counts once the marker px.save_checkpoint writes last is there
     (tmp_path / "dcp" / ".metadata").write_bytes(b"")
+    assert latest_checkpoint(tmp_path) == new
+    (tmp_path / "dcp" / "phalanx.json").write_bytes(b"{}")
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "dcp")
+    superseded = tmp_path / "step-5.pt.old-abcd1234"  # the copy a newer save replaced
+    superseded.mkdir()
+    (superseded / "phalanx.json").write_bytes(b"{}")
     assert latest_checkpoint(tmp_path) == str(tmp_path / "dcp")
 
 

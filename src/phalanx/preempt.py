@@ -198,22 +198,24 @@ def checkpoint_dir(default: str = "checkpoints") -> str:
 
 
 def latest_checkpoint(directory: str | os.PathLike | None) -> str | None:
-    """The newest complete checkpoint in ``directory`` (a file, or a directory with DCP's ``.metadata``).
+    """The newest complete checkpoint in ``directory`` (a checkpoint directory, or a one-file checkpoint).
 
-    Files are written by an atomic rename, so any file present is complete; temporaries
-    (``.name.tmp-*``) and hidden files are skipped, and a file that fails verification
-    is passed over for the next newest. None when there is none.
+    Both are put in place by an atomic rename, so a checkpoint present under its own name is complete; a directory
+    counts only with the marker ``px.save_checkpoint`` writes last. Temporaries (``*.tmp-*``), superseded copies
+    (``*.old-*``) and hidden files are skipped, and a file that fails verification is passed over for the next
+    newest. None when there is none.
     """
     if directory is None or not os.path.isdir(directory):
         return None
+    from .checkpoint import MARKER
     from .framing import read_verified
 
     found = []
     for path in glob.glob(os.path.join(glob.escape(os.fspath(directory)), "*")):
         name = os.path.basename(path)
-        if name.startswith("."):
+        if name.startswith(".") or ".tmp-" in name or ".old-" in name:
             continue
-        if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, MARKER)):
             continue
         found.append((os.path.getmtime(path), name, path))
     for _, _, path in sorted(found, reverse=True):
