@@ -81,7 +81,8 @@ class StepClock:
         self.backward = after_backward(strategy.params, self._backward_done)
         self._handles = [optimizer.register_step_post_hook(self._stepped),
                          model.register_forward_pre_hook(self._forward),
-                         *(p.register_hook(functools.partial(self._weigh, id(p))) for p in strategy.params)]
+                         *(p.register_hook(functools.partial(self._weigh, id(p)))
+                           for p in strategy.params if p.requires_grad)]  # a sharded model's are its shards
         group.clocks().add(self)
 
     def _weigh(self, key: int, grad: torch.Tensor) -> torch.Tensor | None:
