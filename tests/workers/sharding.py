@@ -38,7 +38,8 @@ def full(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in parts])
 
 
-def _train_global(shard: px.FullyShard | None, n: int, batch: int, *, unweighted: bool = False) -> nn.Module:
+def _train_global(shard: px.FullyShard | None, n: int, batch: int, *, unweighted: bool = False,
+                  accumulate: bool = False) -> nn.Module:
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     if shard is None:  # the oracle: one process, the whole global batch
@@ -53,14 +54,21 @@ def _train_global(shard: px.FullyShard | None, n: int, batch: int, *, unweighted
             if unweighted:  # the break: every part counts the same, whatever its size
                 px.steps.set_batch_weight(1.0)
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            if accumulate:  # two micro-batches, the first under px.no_sync; each loss a sum over the part's size
+                half = len(x) // 2
+                with px.no_sync(model):
+                    (F.cross_entropy(model(x[:half]), y[:half], reduction="sum") / max(1, len(x))).backward()
+                (F.cross_entropy(model(x[half:]), y[half:], reduction="sum") / max(1, len(x))).backward()
+            else:
+                F.cross_entropy(model(x), y).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
             opt.step()
             sched.step()
     return model
 
 
-def gradient_oracle(n: int, batch: int, group_size: int, path: str, unweighted: bool = False) -> dict[str, Any]:
+def gradient_oracle(n: int, batch: int, group_size: int, path: str, unweighted: bool = False,
+                    accumulate: bool = False) -> dict[str, Any]:
     px.init()
     torch.set_num_threads(1)
     oracle = full(_train_global(None, n, batch))
@@ -68,6 +76,9 @@ def gradient_oracle(n: int, batch: int, group_size: int, path: str, unweighted: 
     px.save(model, path)  # collective for a sharded model; rank 0 writes a plain state_dict
     out = {"diff": (full(model) - oracle).abs().max().item(),
            "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())}
+    if accumulate:
+        out["accumulated_diff"] = (full(_train_global(px.FullyShard(group_size=group_size), n, batch,
+                                                      accumulate=True)) - oracle).abs().max().item()
     if px.rank() == 0:
         plain = net()
         plain.load_state_dict(torch.load(path, weights_only=True))
