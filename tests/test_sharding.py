@@ -37,7 +37,7 @@ def test_fsdp_equals_one_process_on_the_global_batch(tmp_path):
 @pytest.fixture(scope="module")
 def two_by_two(tmp_path_factory) -> list[dict]:
     return run_workers("workers.sharding:hsdp_and_groups", world_size=4, timeout=300, n=N, batch=2,
-                       path=str(tmp_path_factory.mktemp("hsdp") / "model.pt"), rules=RULES, steps=5).results
+                       path=str(tmp_path_factory.mktemp("hsdp") / "model.pt"), rules=RULES, steps=4).results
 
 
 @pytest.mark.multiproc
