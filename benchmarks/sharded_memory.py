@@ -13,6 +13,10 @@ DDP; sharded: ``shard=px.FullyShard(group_size=S)``, HSDP), resets the kernel's 
 the end minus the resident set before the model: the parameters, gradients, optimizer state and
 the transient full weights of one FSDP unit, measured. "process peak" is ``ru_maxrss``, which
 also holds the start (the whole model is built on every worker before it is sharded).
+
+Workers run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (``--mmap-threshold``; 0 keeps glibc's default) in every
+layout: FSDP allocates and frees a unit's full weights and gradients every step, and with glibc's default
+(a threshold that grows up to 32 MiB) those freed buffers stay in the heap and count in the resident set.
 """
 from __future__ import annotations
 
@@ -76,19 +80,22 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--shards", default="1,2,4", help="comma list of group sizes S (1: replicated)")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--mmap-threshold", type=int, default=1 << 20,
+                        help="MALLOC_MMAP_THRESHOLD_ for the workers, bytes (0: glibc's default)")
     args = parser.parse_args()
     from phalanx.bench.procs import run_workers
 
     rows = []
     for s in (int(v) for v in args.shards.split(",")):
-        out = run_workers("sharded_memory:worker", world_size=args.workers, timeout=args.timeout,
+        env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
+        out = run_workers("sharded_memory:worker", world_size=args.workers, timeout=args.timeout, env=env,
                           shard=s, layers=args.layers, width=args.width, steps=args.steps).results
         rows.append({"shard": s, "params": out[0]["params"],
                      "training_peak": max(r["training_peak"] for r in out),
                      "process_peak": max(r["process_peak"] for r in out)})
     base = next((r for r in rows if r["shard"] == 1), rows[0])
     print(f"{args.workers} workers, {rows[0]['params'] / 1e6:.1f}M parameters, AdamW, {args.steps} steps "
-          "(max over workers)")
+          f"(max over workers), MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}")
     print("| layout | training peak per worker | x replicated | process peak per worker |\n|---|---|---|---|")
     for r in rows:
         name = "replicated (AllReduce)" if r["shard"] == 1 else \
