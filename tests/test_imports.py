@@ -105,7 +105,8 @@ def test_the_cycle_finder_finds_a_cycle():
 # -- layers ----------------------------------------------------------------------------------------------------------
 CORE = ("_engine", "allocator", "backward", "callbacks", "check", "checkpoint", "comm",
         "compression", "data", "epoch_report", "errors", "framing", "group", "liveness", "lr", "metrics",
-        "preempt", "prefetch", "profiling", "progress", "quantize", "state", "steps", "strategies", "sync", "workerenv", "wrap")
+        "preempt", "prefetch", "profiling", "progress", "quantize", "sharding", "state", "steps", "strategies", "sync",
+        "workerenv", "wrap")
 FEATURES = ("elastic", "ps", "stream", "keras")
 # The Trainer composes features (Trainer.fit(elastic=...)); nothing below it imports it.
 COMPOSED = ("trainer",)

@@ -38,6 +38,7 @@ from .ps import AsyncEASGD, Downpour, ParameterServer
 from .quantize import Quantize
 from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, ParameterAverage, Periodic, Strategy,
                          StreamingDiLoCo, SyncCondition, fill_missing_grads)
+from .sharding import FullyShard
 from .sync import every, schedule
 from .state import TrainingState
 from .trainer import History, Trainer
@@ -58,7 +59,7 @@ __all__ = [
     # the loop
     "init", "wrap", "unwrap", "shard", "save", "rank", "world_size", "local_rank", "is_main", "is_initialized",
     "barrier", "device", "shutdown", "scale_lr", "warmup", "strategy_of", "no_sync", "ShardedLoader",
-    "Group", "current_group",
+    "Group", "current_group", "FullyShard",
     # strategies, sync conditions and compressors
     "Strategy", "Periodic", "Exchange", "ParameterAverage", "SyncCondition", "every", "schedule",
     "AllReduce", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "EASGD", "AsyncEASGD", "Downpour", "ParameterServer",

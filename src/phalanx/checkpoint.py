@@ -63,6 +63,7 @@ from .errors import CheckpointError, ConfigError, usage
 from .profiling import span
 from .framing import MAGIC, atomic_write, check_plain, read_verified, to_bytes, write_verified
 from .state import TrainingState, cpu_copy, resize_warning, rng_state, set_rng_state, shared
+from .sharding import is_sharded
 from .wrap import unwrap
 
 FORMAT = "phalanx-checkpoint-2"  # the one-file format of earlier versions, still loaded
@@ -85,14 +86,18 @@ LAST_SAVED_KEY = "checkpoint/last"  # in the group's store: the newest px.save_c
 def save(model: nn.Module, path: str | os.PathLike) -> None:
     """Save the plain model's weights from the main worker only (others return at once).
 
-    Not collective: call it on every worker or under ``if px.is_main():``, as you like.
+    Not collective: call it on every worker or under ``if px.is_main():``, as you like; except for a
+    model sharded by ``px.wrap(..., shard=...)``, whose weights are gathered: call it on every worker.
 
     Example:
         >>> import torch, phalanx as px, tempfile, os
         >>> px.save(torch.nn.Linear(1, 1), os.path.join(tempfile.mkdtemp(), "m.pt"))
     """
-    if group.is_main():
+    if is_sharded(model):  # collective: the whole weights, on rank 0's CPU only, no DTensors
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif group.is_main():
         state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+    if group.is_main():
         atomic_write(path, to_bytes(state))
 
 

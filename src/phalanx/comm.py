@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from . import group, liveness
 from .errors import StoreLostError, WorkerLostError
@@ -92,7 +93,7 @@ def _wire_device() -> torch.device:
     return group.device() if "nccl" in str(dist.get_backend()) else torch.device("cpu")
 
 
-def _objects(kind: str, obj: Any, root: int, what: str) -> Any:
+def _objects(kind: str, obj: Any, root: int, what: str, pg: Any = None) -> Any:
     """The one way objects cross the group: ``torch.save`` bytes in a uint8 tensor, read back weights-only.
 
     ``kind`` is "all_gather" (every rank's object on every rank), "gather" (on ``root``
@@ -100,32 +101,33 @@ def _objects(kind: str, obj: Any, root: int, what: str) -> Any:
     received is unpickled freely: ``torch.load(weights_only=True)`` builds tensors and
     plain containers only, so tensors and plain values (numbers, strings, lists,
     dicts) travel; received tensors are on the CPU. Guarded: a lost peer raises
-    :class:`WorkerLostError`.
+    :class:`WorkerLostError`. ``pg``: a process group other than the default one (ranks are in it).
     """
     g = group.current()
-    if g.world_size == 1:
+    world, me = (g.world_size, g.rank) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
+    if world == 1:
         return [obj] if kind in ("all_gather", "gather") else obj
-    device, world, me = _wire_device(), g.world_size, g.rank
+    device = _wire_device()
     sending = kind != "broadcast" or me == root
     blob = torch.frombuffer(bytearray(to_bytes(obj)), dtype=torch.uint8) if sending else \
         torch.empty(0, dtype=torch.uint8)
     size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
     with guarded(what):
         if kind == "broadcast":
-            dist.broadcast(size, root)
+            dist.broadcast(size, group=pg, group_src=root)
             buf = blob.to(device) if me == root else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-            dist.broadcast(buf, root)
+            dist.broadcast(buf, group=pg, group_src=root)
             return obj if me == root else from_bytes(buf.cpu().numpy().tobytes(), f"rank {root}'s {what}")
         sizes = [torch.zeros_like(size) for _ in range(world)]
-        dist.all_gather(sizes, size)
+        dist.all_gather(sizes, size, group=pg)
         padded = torch.zeros(int(max(int(s.item()) for s in sizes)), dtype=torch.uint8, device=device)
         padded[:blob.numel()] = blob.to(device)
         if kind == "all_gather":
             out: list[torch.Tensor] | None = [torch.empty_like(padded) for _ in range(world)]
-            dist.all_gather(out, padded)
+            dist.all_gather(out, padded, group=pg)
         else:
             out = [torch.empty_like(padded) for _ in range(world)] if me == root else None
-            dist.gather(padded, out, dst=root)
+            dist.gather(padded, out, group=pg, group_dst=root)
     if out is None:
         return None
     return [from_bytes(t[:int(n.item())].cpu().numpy().tobytes(), f"rank {r}'s {what}")
@@ -162,10 +164,23 @@ def broadcast_object(obj: Any, src: int = 0, what: str = "a broadcast of an obje
     return _objects("broadcast", obj, src, what)
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (sharing its storage), ``t`` itself otherwise.
+
+    A sharded model's tensors cross a :class:`Comm` as their local shards: over the mesh's
+    "replicate" group each rank meets the same shard of the other replica groups.
+
+    Example:
+        >>> local_shard(torch.ones(2))
+        tensor([1., 1.])
+    """
+    return t.detach().to_local() if isinstance(t, DTensor) else t
+
+
 def _coalesced(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """Group by dtype/device and flatten, so one collective moves many small tensors."""
+    """Group by dtype/device and flatten, so one collective moves many small tensors (DTensors: their shards)."""
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
+    for t in map(local_shard, tensors):
         buckets.setdefault((t.dtype, t.device), []).append(t)
     for ts in buckets.values():
         yield torch.cat([t.reshape(-1) for t in ts]), ts
@@ -190,23 +205,28 @@ def scatter_back(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
 
 
 class Comm:
-    """All-reduce, broadcast and all-gather over the default group, accounted.
+    """All-reduce, broadcast and all-gather over the default group, or over ``process_group``, accounted.
+
+    ``process_group`` (for example a device mesh's "replicate" group, :mod:`phalanx.sharding`)
+    makes a strategy run among that group's ranks only: ``rank``, ``world_size`` and every
+    rank argument (``src``, ``peer``) are then the group's.
 
     Example:
         >>> comm = Comm(); x = torch.arange(4.); comm.broadcast_([x]); x.tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
 
-    def __init__(self) -> None:
+    def __init__(self, process_group: Any = None) -> None:
         self.stats = CommStats()
+        self.group = process_group  # None: the default group, wherever phalanx.elastic moves it
 
     @property
     def world_size(self) -> int:
-        return group.world_size()
+        return group.world_size() if self.group is None else dist.get_world_size(self.group)
 
     @property
     def rank(self) -> int:
-        return group.rank()
+        return group.rank() if self.group is None else dist.get_rank(self.group)
 
     @contextlib.contextmanager
     def _timed(self, what: str, nbytes: int) -> Iterator[None]:
@@ -223,7 +243,7 @@ class Comm:
             return
         for flat, ts in _coalesced(tensors):
             with self._timed("all_reduce", flat.numel() * flat.element_size()):
-                dist.all_reduce(flat)  # gloo has no AVG, so sum then scale
+                dist.all_reduce(flat, group=self.group)  # gloo has no AVG, so sum then scale
             if op == "mean":
                 flat.div_(self.world_size)
             scatter_back(flat, ts)
@@ -235,12 +255,12 @@ class Comm:
         for flat, ts in _coalesced(tensors):
             sent = flat.numel() * flat.element_size() if self.rank == src else 0
             with self._timed("broadcast", sent):
-                dist.broadcast(flat, src)
+                dist.broadcast(flat, group=self.group, group_src=src)
             scatter_back(flat, ts)
 
     def all_gather_state(self, state: Any) -> list[Any]:
         """Every worker's state dict (tensors and plain values), in rank order (see :func:`all_gather_object`)."""
-        return all_gather_object(state, "an all-gather of state")
+        return _objects("all_gather", state, 0, "an all-gather of state", self.group)
 
     def record(self, nbytes: int, seconds: float = 0.0) -> None:
         """Account traffic that went through another transport (parameter servers), as one call.
@@ -259,7 +279,7 @@ class Comm:
         The bytes are counted now; the time is not (it overlaps the caller's work, e.g. backward).
         """
         with span("phalanx/bucket"):  # the timeline: the send; the wait is in the exchange's span
-            future = dist.all_reduce(tensor, async_op=True).get_future()
+            future = dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
         self.record(tensor.numel() * tensor.element_size())
         return future
 
@@ -280,7 +300,8 @@ class Comm:
         for flat, ts in _coalesced(tensors):
             theirs = torch.empty_like(flat)
             with self._timed(f"exchange with rank {peer}", flat.numel() * flat.element_size()):
-                ops = [dist.P2POp(dist.isend, flat, peer), dist.P2POp(dist.irecv, theirs, peer)]
+                to = peer if self.group is None else dist.get_global_rank(self.group, peer)
+                ops = [dist.P2POp(dist.isend, flat, to), dist.P2POp(dist.irecv, theirs, to)]
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
             outs = [torch.empty_like(t) for t in ts]
@@ -292,15 +313,16 @@ class Comm:
         """Wait for every worker; a no-op in a group of one."""
         if self.world_size > 1:
             with self._timed("barrier", 0):
-                dist.barrier()
+                dist.barrier(group=self.group)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's ``tensor`` (same shape on all), in rank order."""
         if self.world_size == 1:
             return [tensor]
+        tensor = local_shard(tensor).contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         with self._timed("all_gather", tensor.numel() * tensor.element_size()):
-            dist.all_gather(out, tensor.contiguous())
+            dist.all_gather(out, tensor, group=self.group)
         return out
 
 

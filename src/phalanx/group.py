@@ -80,6 +80,7 @@ class Group:
         self.clocks: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.timeline: Any = None  # phalanx.profiling.Timeline while `--profile` / px.profile() records
         self.preemption: Any = None  # phalanx.preempt.Preemption, made by the first px.wrap / px.preempted()
+        self._meshes: dict[int, Any] = {}  # shard size -> this generation's DeviceMesh (phalanx.sharding)
         if store is not None:
             self._attach_store(store)
 
@@ -120,6 +121,23 @@ class Group:
             return []
         return sorted(r for r, why in notes.items() if r != self.rank and not why.startswith("ok"))
 
+    def mesh(self, shard_size: int) -> Any:
+        """The 2-D ``DeviceMesh`` of this generation: dims ("replicate", "shard"), R = world_size // shard_size.
+
+        Rank ``r * shard_size + s`` is shard ``s`` of replica group ``r``. Built once per generation
+        (collective the first time: every rank must ask for the same sizes in the same order) and
+        dropped by :meth:`rebuild`.
+        """
+        if shard_size < 1 or self.world_size % shard_size:
+            raise ConfigError(usage(f"a mesh of shards of {shard_size} over {self.world_size} workers",
+                                    "a shard size that divides the world size",
+                                    f"Pick a divisor of {self.world_size}."))
+        if shard_size not in self._meshes:
+            from torch.distributed.device_mesh import init_device_mesh  # torch's, imported on first use only
+            self._meshes[shard_size] = init_device_mesh(
+                self.device.type, (self.world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+        return self._meshes[shard_size]
+
     # -- membership changes ---------------------------------------------------------------------------------
     def on_regroup(self, callback: Callable[["Group"], None]) -> Callable[[], None]:
         """Call ``callback(group)`` after every :meth:`rebuild`, with the new rank and size; returns an unsubscribe.
@@ -146,6 +164,7 @@ class Group:
             raise ConfigError(usage(f"rebuild to generation {generation}", f"a generation after {self.generation}",
                                     "Pass the next generation number the members agreed on."))
         destroy_process_group()
+        self._meshes = {}  # their process groups went with the old generation
         backend = backend or self.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=self.timeout_s))

@@ -90,7 +90,8 @@ class StepClock:
         self._handles = [optimizer.register_step_pre_hook(self._stepping),
                          optimizer.register_step_post_hook(self._stepped),
                          model.register_forward_pre_hook(self._forward),
-                         *(p.register_hook(functools.partial(self._weigh, id(p))) for p in strategy.params)]
+                         *(p.register_hook(functools.partial(self._weigh, id(p)))
+                           for p in strategy.params if p.requires_grad)]  # a sharded model's are its shards
         group.clocks().add(self)
         self.preemption = preempt.of()  # the step boundary is where a preemption signal is acted on
 
@@ -113,7 +114,7 @@ class StepClock:
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: no exchange, and the step does not end, until the context exits."""
         ddp_no_sync = getattr(self.module, "no_sync", None)
-        with self.backward.paused(), (ddp_no_sync() if callable(ddp_no_sync) else contextlib.nullcontext()):
+        with self.backward.paused(), (ddp_no_sync() if callable(ddp_no_sync) else _fsdp_no_sync(self.module)):
             yield
 
     # -- the three moments ----------------------------------------------------------------------------
@@ -170,6 +171,20 @@ class StepClock:
             h.remove()
         if getattr(self, "backward", None) is not None:
             self.backward.remove()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module: Any) -> Iterator[None]:
+    """FSDP2's public switch (a sharded model, phalanx.sharding): keep the unsharded gradients, reduce-scatter later."""
+    switch = getattr(module, "set_requires_gradient_sync", None)
+    if not callable(switch):
+        yield
+        return
+    switch(False)
+    try:
+        yield
+    finally:
+        switch(True)
 
 
 def set_batch_weight(weight: float) -> None:

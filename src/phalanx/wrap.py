@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import group, profiling
 from .errors import ConfigError, usage
+from .sharding import FullyShard
 from .steps import StepClock
 from .strategies import AllReduce, Strategy, by_name
 
@@ -32,8 +33,14 @@ _clocks: "weakref.WeakKeyDictionary[nn.Module, StepClock]" = weakref.WeakKeyDict
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
-         strategy: Strategy | str | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+         strategy: Strategy | str | None = None, *,
+         shard: FullyShard | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Make ``model`` and ``optimizer`` data-parallel under ``strategy`` (default ``px.AllReduce()``).
+
+    ``shard=px.FullyShard(group_size=S)`` shards the model, its gradients and the optimizer's
+    state over groups of S workers (FSDP2), and ``strategy`` agrees across the groups
+    (:mod:`phalanx.sharding`); the model is then sharded in place and the optimizer points at
+    its sharded parameters.
 
     Example:
         >>> import torch, phalanx as px
@@ -72,12 +79,21 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage("an optimizer that px.wrap already wrapped", "a fresh optimizer",
                                 "Call px.wrap once per model/optimizer pair."))
     strategy = _resolve(strategy)
+    if shard is not None and not isinstance(shard, FullyShard):
+        raise ConfigError(usage(f"shard={shard!r}", "a px.FullyShard object or None",
+                                "Pass e.g. shard=px.FullyShard(group_size=2)."))
+    if shard is not None:
+        shard.check(g, strategy)
     strategy.launched_with(g.env)  # e.g. `phalanx run --servers N` with a strategy that uses none
     if g.env.profile_dir and g.timeline is None:  # `phalanx run --profile DIR`: the first model starts the timeline
         profiling.profile(g.env.profile_dir)
     model.to(g.device)
+    if shard is not None:
+        model = shard.apply(model, optimizer, strategy, g)
     module = strategy.attach(model, optimizer)
     strategy.clock.bind(strategy, model, module, optimizer)
+    if shard is not None:
+        shard.hook(model, strategy.clock)
     _strategies[optimizer] = strategy
     _clocks[model] = strategy.clock
     return module, optimizer

@@ -89,6 +89,8 @@ def _row(key: tuple, recs: list[dict[str, Any]]) -> dict[str, Any]:
         wire = [r["wire_bytes_per_step"] for rs in first for r in rs if r.get("wire_bytes_per_step") is not None]
         row["wire_bytes_per_step"] = statistics.median(wire) if wire else None
         row["extra"] = [r.get("extra") or {} for r in ranks]
+        peaks = [r["peak_rss_bytes"] for rs in first for r in rs if r.get("peak_rss_bytes")]
+        row["peak_rss_bytes"] = max(peaks) if peaks else None  # the worker that needed the most
     return row
 
 
@@ -130,13 +132,14 @@ def _ratio(x: float, noise: bool) -> str:
 
 def throughput_table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | setup | link | processes × threads | samples/s (median) | spread (2.5–97.5 pct) | speedup | "
-            "efficiency | × plain 1×1 | × DDP same N | bytes/step |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "efficiency | × plain 1×1 | × DDP same N | bytes/step | peak RSS/worker |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         s = r["samples_per_s"]
         if r["errors"] and not s["n"]:
             lines.append(f"| {r['model']} | {setup_name(r)} | {r['link']} | {r['workers']}×{r['threads']} | "
-                         f"failed: {r['errors'][0][:120]} | | | | | | |")
+                         f"failed: {r['errors'][0][:120]} | | | | | | | |")
             continue
         lines.append(
             f"| {r['model']} | {setup_name(r)} | {r['link'] if r['workers'] > 1 else '–'} | "
@@ -144,7 +147,8 @@ def throughput_table(rows: list[dict[str, Any]]) -> str:
             f"{fmt(r['speedup'], '.2f')}x | {fmt(100 * r['efficiency'], '.1f')}% | "
             f"{_ratio(r['vs_plain'], r.get('vs_plain_within_noise', False))} | "
             f"{_ratio(r['vs_ddp'], r.get('vs_ddp_within_noise', False))} | "
-            f"{fmt_bytes(r.get('bytes_per_step')) if r['workers'] > 1 else ''} |")
+            f"{fmt_bytes(r.get('bytes_per_step')) if r['workers'] > 1 else ''} | "
+            f"{fmt_bytes(r.get('peak_rss_bytes'))} |")
     return head + "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,9 @@ A *setup* is how one configuration trains:
   ``local-sgd``, ``powersgd``...), built through its registered factory.
 
 Arguments go in brackets: ``allreduce[bucket_mb=2]``, ``ddp-powersgd[rank=1]``,
-``local-sgd[every=4]``; values are Python literals.
+``local-sgd[every=4]``; values are Python literals. ``shard=S`` on a phalanx strategy shards
+the model over groups of S workers (``allreduce[shard=2]`` is FSDP/HSDP, ``diloco[shard=2]``
+DiLoCo across groups; :mod:`phalanx.sharding`).
 
 Example:
     >>> parse_setup("ddp-powersgd[rank=2]")
@@ -101,8 +103,9 @@ def build_strategy(setup: Setup) -> Any:
     from ..strategies import REGISTRY
 
     check_setup(setup)
+    kwargs = {k: v for k, v in setup.kwargs.items() if k != "shard"}  # the worker passes it to px.wrap
     try:
-        return REGISTRY[setup.name](**setup.kwargs)
+        return REGISTRY[setup.name](**kwargs)
     except TypeError as err:
         raise ConfigError(usage(f"{setup.label}: {err}", "arguments its factory accepts",
                                 f"See help(phalanx.strategies.REGISTRY[{setup.name!r}]).")) from None

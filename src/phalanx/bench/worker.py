@@ -40,8 +40,14 @@ def setup_training(setup: Setup, model: nn.Module, opt: torch.optim.Optimizer) -
         import phalanx as px
         px.init()
         strategy = build_strategy(setup)
-        module, _ = px.wrap(model, opt, strategy=strategy)
-        return module, _StrategyAccountant(strategy)
+        size = int(setup.kwargs.get("shard", 1))  # e.g. allreduce[shard=2]: FSDP over groups of 2 (phalanx.sharding)
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        module, _ = px.wrap(model, opt, strategy=strategy, shard=px.FullyShard(group_size=size) if size > 1 else None)
+        acc = _StrategyAccountant(strategy)
+        if size > 1:
+            acc.fsdp_bytes = fsdp_payload(grad_bytes, size, px.world_size(), hsdp=setup.name == "allreduce")
+            opt.register_step_post_hook(acc.count_step)
+        return module, acc
     return _ddp(setup, model, opt)
 
 
@@ -97,12 +103,30 @@ class _Accountant:
         pass
 
 
+def fsdp_payload(grad_bytes: int, shard: int, world: int, *, hsdp: bool) -> float:
+    """Payload bytes one worker puts into FSDP's collectives per step, counted from the layout (FSDP's own
+    collectives are not intercepted): its shard into the all-gathers of forward and backward, the whole
+    gradient into the reduce-scatter and, under HSDP with several replica groups, its gradient shard into the
+    all-reduce across them.
+
+    Example:
+        >>> fsdp_payload(400, 2, 4, hsdp=True)
+        1000.0
+    """
+    replicas = world // shard
+    return grad_bytes * (2 / shard + 1 + (1 / shard if hsdp and replicas > 1 else 0))
+
+
 class _StrategyAccountant(_Accountant):
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
+        self.fsdp_bytes, self.steps = 0.0, 0  # a sharded setup: FSDP's payload per step, and steps so far
+
+    def count_step(self, *_: Any) -> None:
+        self.steps += 1
 
     def bytes_sent(self) -> float:
-        return float(self.strategy.bytes_sent)
+        return float(self.strategy.bytes_sent) + self.fsdp_bytes * self.steps
 
     def calls(self) -> int:
         stats = getattr(getattr(self.strategy, "comm", None), "stats", None)
@@ -162,6 +186,12 @@ def wire_bytes() -> int | None:
         return None
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far, measured by the kernel (``ru_maxrss``, KiB on Linux)."""
+    import resource
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def synthetic(shape: tuple[int, ...], classes: int, batch: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, *shape, generator=gen), torch.randint(classes, (batch,), generator=gen))
@@ -210,6 +240,7 @@ def run(cfg: dict[str, Any], clock: Callable[[], float] = time.perf_counter) -> 
         "wire_bytes_per_step": (wire_end - marks["wire"]) / steps if steps and wire_end is not None else None,
         "period": acc.period(), "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "params": sum(p.numel() for p in model.parameters()), "extra": acc.extra(),
+        "peak_rss_bytes": peak_rss_bytes(),
     }
     acc.finish()
     if dist.is_initialized():

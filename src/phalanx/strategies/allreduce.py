@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import group
@@ -87,6 +88,8 @@ class AllReduce(Strategy):
         returned (``px.keras.wrap``): the average then comes from the overlapped hooks.
         """
         super().attach(model, optimizer)
+        if isinstance(model, FSDPModule):
+            return model  # HSDP: FSDP's reduce-scatter (and all-reduce across replica groups) averages
         elastic = group.current().elastic  # a joiner attaches alone: it needs the hooks once the group grows
         if self.compression is not None or (self.comm.world_size == 1 and not elastic):
             return model  # a group of one is plain PyTorch, bit for bit; compression runs in after_backward

@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ..comm import Comm
+from ..comm import Comm, local_shard
 from ..errors import ConfigError, usage
 from ..steps import StepClock
 from ..workerenv import WorkerEnv
@@ -117,7 +117,8 @@ class Strategy:
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         """Called once by ``px.wrap``; returns the module the user trains."""
         self.model, self.optimizer = model, optimizer
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # A sharded model's parameters (phalanx.sharding) are seen as this rank's shards: the rule exchanges those.
+        self.params = [local_shard(p) for p in model.parameters() if p.requires_grad]
         check_same_model(model, self.comm)  # before the broadcast, which would fail obscurely otherwise
         self.comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
         self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # for bytes_per_step
@@ -125,6 +126,11 @@ class Strategy:
 
     def after_backward(self, step: int) -> None:
         """Inside ``backward()``, once step ``step``'s gradient is complete: average gradients here."""
+
+    def on_shards(self) -> bool:
+        """True where this rule works on each rank's shard of the parameters (``px.wrap(..., shard=...)``):
+        it then exchanges them, never their gradients, over the mesh's "replicate" group."""
+        return False
 
     def after_step(self, step: int, taken: bool) -> None:
         """After step ``step`` on every rank: ``taken`` is False where ``optimizer.step()`` was skipped."""
@@ -285,6 +291,9 @@ class Periodic(Strategy):
     def after_step(self, step: int, taken: bool) -> None:
         if self.sync(step):
             self.exchange.exchange(self.params, self.comm, step)
+
+    def on_shards(self) -> bool:
+        return True  # the exchange sees parameters only; a shard is exchanged with the same shard elsewhere
 
     def state_dict(self) -> dict[str, Any]:
         return {"exchange": self.exchange.state_dict()}

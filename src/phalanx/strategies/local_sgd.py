@@ -66,6 +66,9 @@ class LocalSGD(Periodic):
     def weighs_gradients(self, step: int) -> bool:
         return is_synchronous(self.sync, step)  # the warm-up averages gradients; local steps keep their own
 
+    def on_shards(self) -> bool:
+        return not is_synchronous(self.sync, 1)  # the warm-up averages gradients, which FSDP holds as shards
+
     def after_backward(self, step: int) -> None:
         if is_synchronous(self.sync, step):  # the warm-up: plain synchronous SGD, averaged inside backward()
             average_gradients_(self.params, self.comm)
