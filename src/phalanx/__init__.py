@@ -38,6 +38,7 @@ from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, Parameter
 from .sync import every, schedule
 from .state import TrainingState
 from .trainer import History, Trainer
+from .tracking import Tracker
 from .wrap import no_sync, strategy_of, unwrap, wrap
 from . import elastic  # px.elastic.State / px.elastic.run
 from . import stream  # px.stream.RedisStream / px.stream.StreamLoader (redis itself is imported on first use)
@@ -62,7 +63,7 @@ __all__ = [
     "Compressor", "FP16", "TopK", "Threshold", "PowerSGD", "Comm", "CommStats", "scatter_back", "fill_missing_grads",
     # the Trainer
     "Trainer", "History", "Callback", "LambdaCallback", "ModelCheckpoint", "Metric", "Accuracy", "MeanLoss",
-    "ThroughputMeter",
+    "ThroughputMeter", "Tracker",
     # checkpoints and errors
     "save_checkpoint", "load_checkpoint", "read_checkpoint", "TrainingState",
     "PhalanxError", "ConfigError", "WorkerLostError", "CheckpointError",
