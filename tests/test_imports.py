@@ -103,11 +103,11 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 # -- layers ----------------------------------------------------------------------------------------------------------
-CORE = ("_engine", "allocator", "backward", "callbacks", "check", "checkpoint", "comm",
+CORE = ("_engine", "allocator", "backward", "callbacks", "check", "checkpoint", "comm", "compiled",
         "compression", "data", "epoch_report", "errors", "framing", "group", "liveness", "lr", "metrics",
         "preempt", "prefetch", "profiling", "progress", "quantize", "sharding", "state", "steps", "strategies", "sync",
         "workerenv", "wrap")
-FEATURES = ("elastic", "ps", "stream", "keras")
+FEATURES = ("elastic", "ps", "stream", "keras", "tracking")
 # The Trainer composes features (Trainer.fit(elastic=...)); nothing below it imports it.
 COMPOSED = ("trainer",)
 # The launcher's side, the CLI, benchmarks and demos. phalanx.elastic.agent and .join are the launcher processes

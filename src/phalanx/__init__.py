@@ -42,6 +42,7 @@ from .sharding import FullyShard
 from .sync import every, schedule
 from .state import TrainingState
 from .trainer import History, Trainer
+from .tracking import Tracker
 from .wrap import no_sync, strategy_of, unwrap, wrap
 from . import elastic  # px.elastic.State / px.elastic.run
 from . import stream  # px.stream.RedisStream / px.stream.StreamLoader (redis itself is imported on first use)
@@ -67,7 +68,7 @@ __all__ = [
     "fill_missing_grads",
     # the Trainer
     "Trainer", "History", "Callback", "LambdaCallback", "ModelCheckpoint", "Metric", "Accuracy", "MeanLoss",
-    "ThroughputMeter",
+    "ThroughputMeter", "Tracker",
     # the timeline (phalanx.profiling)
     "profile", "Timeline",
     # checkpoints and errors

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import group, profiling
+from .compiled import original
 from .errors import ConfigError, usage
 from .sharding import FullyShard
 from .steps import StepClock
@@ -71,7 +72,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage(f"a DistributedDataParallel module around {type(model.module).__name__}",
                                 "the plain module: px.wrap makes it data-parallel itself",
                                 "Pass model.module (and an optimizer built from its parameters)."))
-    if model in _clocks:
+    if unwrap(model) in _clocks:
         raise ConfigError(usage(f"a {type(model).__name__} that px.wrap already wrapped",
                                 "a model px.wrap has not taken yet",
                                 "Call px.wrap once per model; keep the model and optimizer it returned."))
@@ -95,7 +96,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
     if shard is not None:
         shard.hook(model, strategy.clock)
     _strategies[optimizer] = strategy
-    _clocks[model] = strategy.clock
+    _clocks[unwrap(model)] = strategy.clock  # the user's module, however compiled: px.no_sync finds it either way
     return module, optimizer
 
 
@@ -124,10 +125,25 @@ def strategy_of(optimizer: torch.optim.Optimizer) -> Strategy | None:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's own module inside whatever ``px.wrap`` returned."""
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model
+    """The user's own module inside whatever ``px.wrap`` returned, and inside ``torch.compile``'s wrapper.
+
+    So ``px.save``, checkpoints and ``state_dict()`` keys are the plain module's, whichever
+    order ``torch.compile`` and ``px.wrap`` were applied in.
+
+    Example:
+        >>> import torch, phalanx as px
+        >>> net = torch.nn.Linear(2, 1)
+        >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> px.unwrap(torch.compile(model)) is net
+        True
+    """
+    while True:
+        inner = original(model)
+        if isinstance(inner, DistributedDataParallel):
+            inner = inner.module
+        if inner is model:
+            return model
+        model = inner
 
 
 @contextlib.contextmanager

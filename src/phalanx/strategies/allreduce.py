@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import group
 from ..comm import Comm, guarded
 from ..compression import check_compressor
+from ..errors import ConfigError, usage
 from .. import check
 from .base import Strategy
 from .gradients import average_gradients_
@@ -138,6 +139,9 @@ class AllReduce(Strategy):
         if self._hook is not None:  # DDP's reducer averaged the buckets; it runs before this callback
             if len(self.clock.reached) < len(self.params):
                 self._reduce_unreached([p for p in self.params if id(p) not in self.clock.reached])
+            calls, self._hook.calls = self._hook.calls, 0
+            if calls == 0 and self._hook.error is None:
+                raise ConfigError(_BYPASSED)
             if self._hook.error is not None:
                 err, self._hook.error = self._hook.error, None
                 with guarded("the gradient all-reduce in backward"):
@@ -187,6 +191,7 @@ class _GuardedMean:
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.error: BaseException | None = None
+        self.calls = 0  # buckets averaged since the last end of backward: none means DDP's forward was bypassed
 
     def failed(self, err: BaseException, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         self.error = self.error or err
@@ -203,6 +208,7 @@ def guarded_mean_hook(state, bucket):  # noqa: ANN001, ANN201
     step clock did it as backward accumulated them), so the plain mean is one process's.
     """
     buffer = bucket.buffer()
+    state.calls += 1
     try:
         future = state.comm.all_reduce_async(buffer)
     except RuntimeError as err:
@@ -217,6 +223,14 @@ def guarded_mean_hook(state, bucket):  # noqa: ANN001, ANN201
 
     return future.then(mean)
 
+
+# Calling the user's module (or torch.compile of it) instead of the DDP wrapper px.wrap returned skips DDP's
+# forward: its reducer then averages nothing and the replicas drift apart silently.
+_BYPASSED = usage("a backward pass whose forward bypassed the module px.wrap returned (e.g. torch.compile(net) "
+                  "or net itself called after px.wrap(net, ...)): no gradient was averaged",
+                  "the forward pass through the model px.wrap returned",
+                  "Compile first, then wrap: model, opt = px.wrap(torch.compile(net), opt); "
+                  "or compile what px.wrap returned: model = torch.compile(model).")
 
 # torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers and deprecated the old name; torch 2.11
 # has only the old one. Either way buffers are not synced at forward (attach already broadcast them once).
