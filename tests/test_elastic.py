@@ -210,6 +210,10 @@ def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(tmp_path):
     joiner, main = results["r1"], results["0"]
     first_step, world, state = joiner["digests"][0]
     assert world == 3 and [h["joined"] for h in joiner["history"]] == [["r1"]]
+    # right after px.init() the replacement already read its place in the group it entered
+    init = json.load(open(tmp_path / "initr1.json"))
+    assert (init["rank"], init["world_size"], init["generation"], init["env"]) == \
+        (2, 3, joiner["history"][0]["generation"], ["2", "3"])
     at_join = [d for d in main["digests"] if d[0] == first_step and d[1] == 3]
     assert at_join and at_join[0][2] == state  # bit-identical weights and momentum at its first step
     assert joiner["record"] == main["record"] and joiner["params"] == main["params"]

@@ -97,9 +97,9 @@ def torch_close(got, want) -> None:
 SECRET = "0123456789abcdef" * 4  # the tests' job secret (the launcher takes PHALANX_SECRET when it is set)
 
 
-def start_door(tmp_path, *flags: str) -> tuple[subprocess.Popen, int]:
+def start_door(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
     """``workers/elastic_door.py`` on 2 workers, training until :func:`end_door`; returns the launcher and port."""
-    env = {**os.environ, "PHALANX_SECRET": SECRET}
+    env = {**os.environ, "PHALANX_SECRET": SECRET, **(env or {})}
     cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", *flags, DOOR, "--out", str(tmp_path)]
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     port = int(re.search(r"its store is at \S+:(\d+)", launcher.stderr.readline()).group(1))
@@ -210,9 +210,14 @@ def test_when_every_worker_is_gone_the_launcher_says_the_job_ended_and_where_to_
     assert where in lines[-1], lines
 
 
-def test_a_joiner_that_never_reaches_training_is_never_admitted_and_stalls_nobody(tmp_path):
-    """nanoGPT's joiner: it builds its State but never enters the training function (it believed it was alone)."""
-    launcher, port = start_door(tmp_path, "--heartbeat-timeout", "3", "--max-workers", "3")  # room for it
+def test_a_joiner_that_never_reaches_training_is_dropped_within_the_jobs_timeout(tmp_path):
+    """nanoGPT's joiner: placed in px.init(), it builds its State but never enters the training function.
+
+    It is alive (its heartbeat runs), so the members wait for it as long as for a joiner still
+    setting up: the job's timeout (15 s here), then drop it and train on without it.
+    """
+    launcher, port = start_door(tmp_path, "--heartbeat-timeout", "3", "--max-workers", "3",  # room for it
+                                env={"PHALANX_TIMEOUT": "15"})
     join = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", DOOR, "--out",
                              str(tmp_path), "--idle-joiner"], env={**os.environ, "PHALANX_SECRET": SECRET},
                             stderr=subprocess.PIPE, text=True)
@@ -220,8 +225,20 @@ def test_a_joiner_that_never_reaches_training_is_never_admitted_and_stalls_nobod
     while not glob.glob(str(tmp_path / "idle*")):
         assert join.poll() is None and launcher.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
-    time.sleep(4.0)  # several commits: the members would admit a waiting joiner at each
-    assert launcher.poll() is None
+    [idle] = glob.glob(str(tmp_path / "idle*"))
+    assert json.load(open(idle)) == {"rank": 2, "world_size": 3}  # its place, read right after px.init()
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phalanx.elastic.membership import key
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    deadline = time.monotonic() + 90
+    while not store.check([key("dead", os.path.basename(idle)[len("idle"):])]):  # the members gave up on it
+        assert launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1.0)  # and the members go on training after it
     stderr = end_door(tmp_path, launcher)
+    assert "dropped" in stderr, stderr[-3000:]
     assert join.wait(timeout=60) == 0, join.stderr.read()[-2000:]
     assert_untouched(tmp_path, launcher, stderr)

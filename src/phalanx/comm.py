@@ -102,7 +102,7 @@ def _objects(kind: str, obj: Any, root: int, what: str) -> Any:
     :class:`WorkerLostError`.
     """
     g = group.current()
-    if g.world_size == 1:
+    if g.world_size == 1 or g.entering:  # alone, or a joiner not yet in its group: nobody to send to
         return [obj] if kind in ("all_gather", "gather") else obj
     device, world, me = _wire_device(), g.world_size, g.rank
     sending = kind != "broadcast" or me == root
@@ -201,11 +201,18 @@ class Comm:
 
     @property
     def world_size(self) -> int:
-        return group.world_size()
+        """The workers this one exchanges with now: the group's, or 1 for a joiner that has not entered yet.
+
+        A joiner placed in an elastic group (:meth:`phalanx.group.Group.place`) wraps its model
+        before its process group exists; it takes rank 0's state when it enters.
+        """
+        g = group.current()
+        return 1 if g.entering else g.world_size
 
     @property
     def rank(self) -> int:
-        return group.rank()
+        g = group.current()
+        return 0 if g.entering else g.rank
 
     @contextlib.contextmanager
     def _timed(self, what: str, nbytes: int) -> Iterator[None]:
@@ -309,6 +316,6 @@ def barrier() -> None:
         >>> import phalanx as px
         >>> px.barrier()
     """
-    if group.world_size() > 1:
+    if Comm().world_size > 1:
         with guarded("barrier"):
             dist.barrier()

@@ -92,7 +92,7 @@ class State:
         self._pending: tuple | None = None
         self._in_epochs = False
         self._handles: list[Any] = []
-        self.worker = ElasticWorker.from_environ()
+        self.worker = ElasticWorker.of(group.current())
         if self.elastic:
             self._hook_commit_point()
 
