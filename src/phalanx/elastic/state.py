@@ -93,6 +93,8 @@ class State:
         self._in_epochs = False
         self._handles: list[Any] = []
         self.worker = ElasticWorker.of(group.current())
+        if self.worker is not None:
+            self.worker.beat()
         if self.elastic:
             self._hook_commit_point()
 

@@ -1,9 +1,9 @@
 """The worker's side of an elastic job: its id, the launcher's store, a heartbeat.
 
-``phalanx run --elastic`` gives each worker a stable id (``PHALANX_ELASTIC_ID``) on
-top of the standard variables; ranks change with every generation, ids never do.
-A daemon thread bumps ``elastic/hb/<id>`` in the launcher's store; a stopped or
-hung process stops bumping and the launcher kills it. If the store itself goes
+``phalanx run --elastic`` gives each worker a stable id (``PHALANX_ELASTIC_ID``, read
+into the group's environment once) on top of the standard variables; ranks change with
+every generation, ids never do. The group's heartbeat also bumps ``elastic/hb/<id>`` in
+the launcher's store; a stopped or hung process stops bumping and the launcher kills it. If the store itself goes
 away (the launcher's host is lost) the worker says so in one line and exits: no
 one is left to coordinate a recovery.
 
@@ -28,8 +28,6 @@ from ..errors import PhalanxError
 from . import secret as job_secret
 from .membership import Membership, QuorumError, key
 from .rebuild import destroy, rebuild
-
-HEARTBEAT_EVERY_S = 0.5
 
 
 def admissible(members: list[str], waiting: list[str], *, spares: set[str], workers: int,
@@ -64,6 +62,7 @@ def place(g: group.Group) -> None:
     worker = ElasticWorker.of(g)
     if worker is None or not worker.joining or g.entering:
         return
+    worker.beat()  # parked here, possibly for the whole job (a spare): the launcher watches it from now on
     plan = worker.wait_for_place()
     if plan is None:
         print(f"phalanx: elastic: worker {worker.me}: training ended before it was admitted; nothing to do",
@@ -79,26 +78,32 @@ _said = threading.Lock()  # held for good by the thread that reports a lost rend
 
 
 class ElasticWorker:
-    def __init__(self, me: str, addr: str, port: int, timeout_s: float, joining: bool = False,
-                 secret: str | None = None) -> None:
-        self.me, self.addr, self.port, self.timeout_s = me, addr, port, timeout_s
-        self.joining = joining  # started by `phalanx join` or `--replace`: enters at the next commit point
-        self.secret = secret  # the job's secret: a joiner proves it holds it, a member checks joiners' proofs
+    """This worker's side of an elastic job: membership, admission, and its id kept alive in the launcher's store.
+
+    One per group (:meth:`of`), made by ``px.init()``; its id, the store's address, the
+    timeout and the job's secret come from the group's environment, read once there. The
+    id beats with the group's own heartbeat (:meth:`phalanx.group.Group.beat_also`).
+    """
+
+    def __init__(self, g: group.Group) -> None:
+        env = g.env
+        self.group, self.me = g, env.elastic_id or ""
+        self.addr, self.port, self.timeout_s = env.master_addr, env.master_port, env.timeout_s
+        self.joining = env.elastic_join  # started by `phalanx join` or `--replace`: enters at the next commit point
+        self.secret = env.elastic_secret  # the job's: a joiner proves it holds it, a member checks joiners' proofs
         self._proven: set[str] = set()  # joiners whose proof this member has checked
         self._asked = False  # a joiner: it asked to join (once; it waits in the joiners list until admitted)
         self.store = self._connect()
-        members = [] if joining else json.loads(self.store.get(key("gen", 0, "members")))
-        self.membership = Membership(self.store, me, members)
+        members = [] if self.joining else json.loads(self.store.get(key("gen", 0, "members")))
+        self.membership = Membership(self.store, self.me, members)
         self.config = self.membership.config()
-        if joining and not self._holds_secret():
-            raise PhalanxError(f"worker {me} does not hold the secret of the elastic job at {addr}:{port}; "
-                               f"set {job_secret.ENV} (or `phalanx join --secret-file`) to the job's secret")
-        self._stop = threading.Event()
-        self._beating = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
-        self._beating.start()
-        # Stopped before the interpreter exits, on every path: a daemon thread still inside a store call
-        # while the interpreter is torn down aborts the process ("terminate called without an active
-        # exception", SIGABRT; a late --replace worker 2 runs in 4).
+        if self.joining and not self._holds_secret():
+            raise PhalanxError(f"worker {self.me} does not hold the secret of the elastic job at {self.addr}:"
+                               f"{self.port}; set {job_secret.ENV} (or `phalanx join --secret-file`) to the job's "
+                               "secret")
+        self._closed = self._beating = False
+        # Closed before the interpreter exits, on every path: a heartbeat still inside a store call while the
+        # interpreter is torn down aborts the process ("terminate called without an active exception").
         atexit.register(self.close)
         self.placed: dict | None = None  # a joiner: the generation that admitted it, found by px.init()
 
@@ -109,43 +114,38 @@ class ElasticWorker:
             return None
         worker = g.extensions.get("elastic")
         if worker is None:
-            env = g.env
-            worker = g.extensions["elastic"] = cls(env.elastic_id or "", env.master_addr, env.master_port,
-                                                   env.timeout_s, joining=env.elastic_join,
-                                                   secret=env.elastic_secret)
+            worker = g.extensions["elastic"] = cls(g)
         return worker
+
+    def beat(self) -> None:
+        """Keep our id alive in the launcher's store from now on, with the group's heartbeat; idempotent.
+
+        The launcher watches ids, not ranks, and only those it has heard from: a member starts
+        when its ``px.elastic.State`` is built (its setup is not watched for hangs), a joiner as
+        it starts waiting in ``px.init()``. A store that stops answering ends the worker.
+        """
+        if not self._beating:
+            self._beating = True
+            self.group.beat_also(self.store, key("hb", self.me), on_lost=self.lost_host)
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s),
                              wait_for_workers=False)
 
-    def _beat(self) -> None:
-        store, misses = self._connect(), 0  # its own connection: the main thread may be blocked in the store
-        while True:  # the first beat at once: the launcher only watches workers it has heard from
-            try:
-                store.add(key("hb", self.me), 1)
-                misses = 0
-            except Exception:  # noqa: BLE001 - any failure to reach the store counts as a miss
-                misses += 1
-                if misses >= 3 and not self._stop.is_set():
-                    self.lost_host()
-            if self._stop.wait(HEARTBEAT_EVERY_S):
-                return
+    def close(self) -> None:
+        """Say we are leaving (``finished/<id>``), so the watcher takes our silence for an exit, not a hang.
 
-    def close(self, wait_s: float = 5.0) -> None:
-        """Stop the heartbeat thread and wait for it (at most ``wait_s``: a store call it is inside times out).
-
-        First we say we are leaving (``finished/<id>``): the watcher must not take the silence
-        of a process that is exiting for a hang and kill it.
+        The heartbeat is the group's: ``px.shutdown()`` stops it (at exit too). A joiner that never
+        entered a group has no shutdown to run, so its heartbeat stops here.
         """
-        if not self._stop.is_set():
+        if not self._closed:
+            self._closed = True
             try:
                 self.store.set(key("finished", self.me), "1")
             except Exception:  # noqa: BLE001 - the launcher may be gone; then nobody is watching
                 pass
-        self._stop.set()
-        if self._beating.is_alive() and self._beating is not threading.current_thread():
-            self._beating.join(wait_s)
+        if self.group.store is None and self.group.heartbeat is not None:
+            self.group.heartbeat.stop()
 
     def lost_host(self) -> None:
         """The launcher's store is gone: say so once (from whichever thread notices first) and end."""
