@@ -65,9 +65,7 @@ class Group:
         # The store that outlives every generation (the launcher's, under `phalanx run`/torchrun): features keep
         # job-wide keys there, under job_key().
         self.job_store = job_store
-        self.heartbeat: liveness.Heartbeat | None = None  # the one heartbeat thread of this worker
-        self._also: list[tuple[dist.Store, str]] = []  # more counters it bumps (beat_also), kept across rebuilds
-        self._on_lost: Callable[[], None] | None = None
+        self.heartbeat: liveness.Heartbeat | None = None
         self.generation = 0
         self.elastic = env.elastic_id is not None  # `phalanx run --elastic` / `phalanx join`: the group may change
         self.failed: BaseException | None = None  # the exception this worker is exiting with, if any
@@ -175,28 +173,12 @@ class Group:
         for callback in list(self._on_regroup):
             callback(self)
 
-    def beat_also(self, store: dist.Store, key: str, on_lost: Callable[[], None] | None = None) -> None:
-        """Bump ``key`` in ``store`` at every beat of this worker's heartbeat too, across rebuilds.
-
-        ``phalanx.elastic`` keeps the worker's stable id alive this way in the launcher's store
-        (ranks change, ids do not), also while a joiner waits outside any group. ``on_lost`` is
-        called from the heartbeat thread when beats keep failing (the store's host is gone).
-        """
-        self._also.append((store, key))
-        self._on_lost = on_lost or self._on_lost
-        self._beat_on(self.store)
-
-    def _beat_on(self, store: dist.Store | None) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-        self.heartbeat = None
-        if store is not None or self._also:
-            self.heartbeat = liveness.Heartbeat(store, self.rank, also=self._also, on_lost=self._on_lost).start()
-
     def _attach_store(self, store: dist.Store) -> None:
         """Beat and probe on ``store`` (the first one, or the next generation's) under the current rank."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.store = store
-        self._beat_on(store)
+        self.heartbeat = liveness.Heartbeat(store, self.rank).start()
         self.probe = liveness.second_connection(store)
 
     # -- failure ----------------------------------------------------------------------------------------------
@@ -395,8 +377,6 @@ def shutdown() -> None:
                 pass
         if g.heartbeat is not None:
             g.heartbeat.stop()
-    if g is not None and g.heartbeat is not None:
-        g.heartbeat.stop()  # one that beats only an elastic id (a joiner that never entered) too
     if dist.is_initialized():
         dist.destroy_process_group()
     if g is not None and g.store is not None and not met and _hosts_store(g):

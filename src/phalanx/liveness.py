@@ -31,7 +31,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -40,7 +39,6 @@ HEARTBEAT_EVERY_S = 0.5
 STALE_AFTER_S = 3.0  # six missed beats: a loaded machine can starve a thread for a second or two, not for three
 CONFIRM_S = 1.5  # a rank whose last beat is already old is called stopped after watching it this long (3 beats)
 STORE_PROBE_TIMEOUT_S = 5.0  # a diagnosis must not hang on a frozen store host
-MISSES_LOST = 3  # failed beats in a row after which a Heartbeat with on_lost calls it
 
 
 def _beat_key(rank: int) -> str:
@@ -70,36 +68,24 @@ class Heartbeat:
     itself, so a rank is visible as soon as ``start()`` returns. If the store goes away
     the thread ends quietly (the reader then cannot tell anything either).
 
-    ``also``: more ``(store, key)`` counters bumped at every beat (``phalanx.elastic``'s
-    per-worker id in the launcher's store, which outlives ranks); ``store`` may then be None
-    (a joiner not in any group yet). ``on_lost``: called from the thread after
-    :data:`MISSES_LOST` failed beats in a row, instead of ending quietly.
-
     Example:
         >>> import torch.distributed as dist
         >>> store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        >>> beat = Heartbeat(store, rank=0, every_s=0.01, also=[(store, "id/7")]).start()
-        >>> time.sleep(0.2); beat.stop(); beats(store, 1)[0] > 1, int(store.add("id/7", 0)) > 1
-        (True, True)
+        >>> beat = Heartbeat(store, rank=0, every_s=0.01).start()
+        >>> time.sleep(0.2); beat.stop(); beats(store, 1)[0] > 1
+        True
     """
 
-    def __init__(self, store: dist.Store | None, rank: int, every_s: float = HEARTBEAT_EVERY_S, *,
-                 also: Sequence[tuple[dist.Store, str]] = (), on_lost: Callable[[], None] | None = None) -> None:
-        self.rank, self.every_s, self.on_lost = rank, every_s, on_lost
-        self._store = second_connection(store) if store is not None else None
-        self._also = [(second_connection(s), k) for s, k in also]
+    def __init__(self, store: dist.Store, rank: int, every_s: float = HEARTBEAT_EVERY_S) -> None:
+        self.rank, self.every_s = rank, every_s
+        self._store = second_connection(store)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> "Heartbeat":
         """Write the first beat now and keep beating in the background; returns self."""
         if self._thread is None:
-            try:
-                self._beat()
-            except Exception:
-                if self.on_lost is None:
-                    raise
-                # with on_lost, the thread counts this miss toward it (the store may be gone already)
+            self._beat()
             self._thread = threading.Thread(target=self._run, name=f"phalanx-heartbeat-{self.rank}", daemon=True)
             self._thread.start()
         return self
@@ -110,31 +96,18 @@ class Heartbeat:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.every_s + STORE_PROBE_TIMEOUT_S)
 
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
-
     def _run(self) -> None:
-        misses = 0
         while not self._stop.wait(self.every_s):
             try:
                 self._beat()
-                misses = 0
             except Exception:  # the store's host is gone: nothing left to tell anyone
-                misses += 1
-                if self.on_lost is None:
-                    return
-                if misses >= MISSES_LOST and not self._stop.is_set():
-                    self.on_lost()
+                return
 
     def _beat(self) -> None:
-        for store, key in self._also:  # first: a launcher kills a worker whose id stops beating
-            store.add(key, 1)
-        if self._store is not None:
-            # The writer's clock lets a reader recognise a beat that stopped long ago without waiting
-            # stale_after_s itself; the counter (read by the reader's own clock) guards against skew.
-            self._store.set(_time_key(self.rank), repr(time.time()))
-            self._store.add(_beat_key(self.rank), 1)
+        # The writer's clock lets a reader recognise a beat that stopped long ago without waiting
+        # stale_after_s itself; the counter (read by the reader's own clock) guards against skew.
+        self._store.set(_time_key(self.rank), repr(time.time()))
+        self._store.add(_beat_key(self.rank), 1)
 
 
 def beats(store: dist.Store, world_size: int) -> list[int]:

@@ -2,8 +2,8 @@
 
 ``phalanx run --elastic`` gives each worker a stable id (``PHALANX_ELASTIC_ID``, read
 into the group's environment once) on top of the standard variables; ranks change with
-every generation, ids never do. The group's heartbeat also bumps ``elastic/hb/<id>`` in
-the launcher's store; a stopped or hung process stops bumping and the launcher kills it. If the store itself goes
+every generation, ids never do. A daemon thread bumps ``elastic/hb/<id>`` in the
+launcher's store; a stopped or hung process stops bumping and the launcher kills it. If the store itself goes
 away (the launcher's host is lost) the worker says so in one line and exits: no
 one is left to coordinate a recovery.
 
@@ -28,6 +28,8 @@ from ..errors import PhalanxError
 from . import secret as job_secret
 from .membership import Membership, QuorumError, key
 from .rebuild import destroy, rebuild
+
+HEARTBEAT_EVERY_S = 0.5
 
 
 def admissible(members: list[str], waiting: list[str], *, spares: set[str], workers: int,
@@ -81,8 +83,7 @@ class ElasticWorker:
     """This worker's side of an elastic job: membership, admission, and its id kept alive in the launcher's store.
 
     One per group (:meth:`of`), made by ``px.init()``; its id, the store's address, the
-    timeout and the job's secret come from the group's environment, read once there. The
-    id beats with the group's own heartbeat (:meth:`phalanx.group.Group.beat_also`).
+    timeout and the job's secret come from the group's environment, read once there.
     """
 
     def __init__(self, g: group.Group) -> None:
@@ -101,7 +102,9 @@ class ElasticWorker:
             raise PhalanxError(f"worker {self.me} does not hold the secret of the elastic job at {self.addr}:"
                                f"{self.port}; set {job_secret.ENV} (or `phalanx join --secret-file`) to the job's "
                                "secret")
-        self._closed = self._beating = False
+        self._closed = False
+        self._stop = threading.Event()
+        self._beating: threading.Thread | None = None
         # Closed before the interpreter exits, on every path: a heartbeat still inside a store call while the
         # interpreter is torn down aborts the process ("terminate called without an active exception").
         atexit.register(self.close)
@@ -118,25 +121,39 @@ class ElasticWorker:
         return worker
 
     def beat(self) -> None:
-        """Keep our id alive in the launcher's store from now on, with the group's heartbeat; idempotent.
+        """Start bumping ``elastic/hb/<id>`` in the launcher's store (a daemon thread); idempotent.
 
         The launcher watches ids, not ranks, and only those it has heard from: a member starts
         when its ``px.elastic.State`` is built (its setup is not watched for hangs), a joiner as
-        it starts waiting in ``px.init()``. A store that stops answering ends the worker.
+        it starts waiting in ``px.init()``. Its own thread and store connection, apart from the
+        group's heartbeat, which pauses while the group is rebuilt: the launcher must not take a
+        rebuild for a hang. A store that stops answering ends the worker.
         """
-        if not self._beating:
-            self._beating = True
-            self.group.beat_also(self.store, key("hb", self.me), on_lost=self.lost_host)
+        if self._beating is None:
+            self._beating = threading.Thread(target=self._beat, name="phalanx-elastic-heartbeat", daemon=True)
+            self._beating.start()
+
+    def _beat(self) -> None:
+        store, misses = self._connect(), 0  # its own connection: the main thread may be blocked in the store
+        while True:  # the first beat at once: the launcher only watches workers it has heard from
+            try:
+                store.add(key("hb", self.me), 1)
+                misses = 0
+            except Exception:  # noqa: BLE001 - any failure to reach the store counts as a miss
+                misses += 1
+                if misses >= 3 and not self._stop.is_set():
+                    self.lost_host()
+            if self._stop.wait(HEARTBEAT_EVERY_S):
+                return
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s),
                              wait_for_workers=False)
 
-    def close(self) -> None:
-        """Say we are leaving (``finished/<id>``), so the watcher takes our silence for an exit, not a hang.
+    def close(self, wait_s: float = 5.0) -> None:
+        """Say we are leaving (``finished/<id>``), then stop the heartbeat thread and wait for it (at most ``wait_s``).
 
-        The heartbeat is the group's: ``px.shutdown()`` stops it (at exit too). A joiner that never
-        entered a group has no shutdown to run, so its heartbeat stops here.
+        The watcher must not take the silence of a process that is exiting for a hang and kill it.
         """
         if not self._closed:
             self._closed = True
@@ -144,8 +161,9 @@ class ElasticWorker:
                 self.store.set(key("finished", self.me), "1")
             except Exception:  # noqa: BLE001 - the launcher may be gone; then nobody is watching
                 pass
-        if self.group.store is None and self.group.heartbeat is not None:
-            self.group.heartbeat.stop()
+        self._stop.set()
+        if self._beating is not None and self._beating.is_alive() and self._beating is not threading.current_thread():
+            self._beating.join(wait_s)
 
     def lost_host(self) -> None:
         """The launcher's store is gone: say so once (from whichever thread notices first) and end."""
