@@ -132,7 +132,9 @@ def test_outside_phalanx_run_elastic_the_loop_runs_plainly():
 # -- real workers, real kills ----------------------------------------------------------------------------------------
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("victim", ["0", "1"])
+# rank 0 (the one that sends its state); another rank's SIGKILL is checked against the oracle by the spare and
+# KeepGlobalBatch tests (kill 1@5), and a hung one's by the heartbeat test below
+@pytest.mark.parametrize("victim", ["0"])
 def test_kill_one_of_three_survivors_continue_and_match_the_oracle(tmp_path, victim):
     proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", f"{victim}@5", "--commit-every", "3")
     measured = check_recovered(tmp_path, proc, results, victim, 5)
