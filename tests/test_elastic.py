@@ -132,7 +132,9 @@ def test_outside_phalanx_run_elastic_the_loop_runs_plainly():
 # -- real workers, real kills ----------------------------------------------------------------------------------------
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("victim", ["0", "1"])
+# rank 0 (the one that sends its state); another rank's SIGKILL is checked against the oracle by the spare and
+# KeepGlobalBatch tests (kill 1@5), and a hung one's by the heartbeat test below
+@pytest.mark.parametrize("victim", ["0"])
 def test_kill_one_of_three_survivors_continue_and_match_the_oracle(tmp_path, victim):
     proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", f"{victim}@5", "--commit-every", "3")
     measured = check_recovered(tmp_path, proc, results, victim, 5)
@@ -210,6 +212,10 @@ def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(tmp_path):
     joiner, main = results["r1"], results["0"]
     first_step, world, state = joiner["digests"][0]
     assert world == 3 and [h["joined"] for h in joiner["history"]] == [["r1"]]
+    # right after px.init() the replacement already read its place in the group it entered
+    init = json.load(open(tmp_path / "initr1.json"))
+    assert (init["rank"], init["world_size"], init["generation"], init["env"]) == \
+        (2, 3, joiner["history"][0]["generation"], ["2", "3"])
     at_join = [d for d in main["digests"] if d[0] == first_step and d[1] == 3]
     assert at_join and at_join[0][2] == state  # bit-identical weights and momentum at its first step
     assert joiner["record"] == main["record"] and joiner["params"] == main["params"]

@@ -54,14 +54,20 @@ def test_a_spare_takes_the_lost_workers_place_with_rank_0s_exact_state(tmp_path)
                            "--kill", "1@5", "--commit-every", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     killed = json.load(open(tmp_path / "killed.json"))
-    assert sorted(results) == ["0", "2", "s0", "s1"] and "spare s0" in proc.stderr
+    assert sorted(results) == ["0", "2", "s0"] and "spare s0" in proc.stderr
     assert "started worker" not in proc.stderr  # no new process was started
     for wid, r in results.items():  # one process each, started before the kill
         [start] = glob.glob(str(tmp_path / f"start{wid}-*.json"))
         assert start.endswith(f"-{r['pid']}.json") and os.path.getmtime(start) < killed["time"]
-    spare, main, unused = results["s0"], results["0"], results["s1"]
-    # the unused spare ran to the end of the script (exit 0) and never trained
-    assert unused["steps"] == 0 and unused["digests"] == [] and unused["history"] == []
+    spare, main = results["s0"], results["0"]
+    # the unused spare waited in px.init() until training ended, then left (exit 0) without training
+    assert "worker s1: training ended before it was admitted" in proc.stderr
+    assert glob.glob(str(tmp_path / "starts1-*.json")) and not os.path.exists(tmp_path / "inits1.json")
+    # what each script read right after px.init(): the spare its admitted place (rank 2 of 3, generation 1), as
+    # RANK and WORLD_SIZE tell a torchrun worker its place; the members their own
+    inits = [json.load(open(tmp_path / f"init{w}.json")) for w in ("0", "2", "s0")]
+    assert [(i["rank"], i["world_size"], i["generation"], i["env"]) for i in inits] == [
+        (0, 3, 0, ["0", "3"]), (2, 3, 0, ["2", "3"]), (2, 3, 1, ["2", "3"])]
     # the group is back to 3 at the regroup: rolled back to commit 3, step 4 redone by 3 workers
     [change] = main["history"]
     assert (change["left"], change["joined"], change["world_size"], change["step"]) == (["1"], ["s0"], 3, 3)

@@ -113,8 +113,8 @@ COMPOSED = ("trainer",)
 # The launcher's side, the CLI, benchmarks and demos. phalanx.elastic.agent and .join are the launcher processes
 # of `phalanx run --elastic` and `phalanx join` (the agent starts and restarts parameter servers too); no worker
 # imports them. phalanx.raytrain is the Ray Train backend: it runs in Ray's controller, and no worker imports it.
-APPS = ("bench", "cli", "launch", "launch_failures", "launch_slurm", "demo", "demo_table", "models", "testing", "__main__",
-        "elastic.agent", "elastic.join", "raytrain")
+APPS = ("bench", "cli", "launch", "launch_failures", "launch_slurm", "demo", "demo_table", "models", "testing",
+        "__main__", "elastic.agent", "elastic.join", "raytrain")
 LEVEL = {"core": 0, "feature": 1, "composed": 2, "app": 3}
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from support.procs import run_workers
 
-NAMES = ["allreduce", "topk1", "powersgd", "local-warmup", "ps-sync"]
+NAMES = ["allreduce", "topk1", "powersgd", "local-warmup", "ps-sync", "downpour"]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,11 @@ def test_a_parameter_reached_by_some_ranks_or_none_moves_as_in_one_process(runs,
         assert "error" not in got, got.get("error")
         assert (got["params"]["never"] - oracle["params"]["never"]).abs().max().item() == 0.0  # never moved
         assert got["never_grad"] is None
-        if name == "powersgd":
-            continue  # rank-1 PowerSGD approximates the 2-D gradients: only the untouched parameter is exact
+        if name in ("powersgd", "downpour"):
+            # rank-1 PowerSGD approximates the 2-D gradients, and Downpour's servers apply each worker's push as
+            # it comes (asynchronous SGD has no one-process oracle): only the parameter nothing reached is exact,
+            # since a push leaves out a parameter that had no gradient (the servers' momentum and weight decay
+            # would move it otherwise, and every pull would bring that back)
+            continue
         for key in ("branch.weight", "branch.bias", "body.weight", "body.bias"):
             assert (got["params"][key] - oracle["params"][key]).abs().max().item() <= 1e-6, key

@@ -28,8 +28,9 @@ from .comm import Comm, CommStats, barrier, scatter_back
 from .compression import FP16, Compressor, PowerSGD, Threshold, TopK
 from .data import ShardedLoader, shard
 from .errors import CheckpointError, ConfigError, PhalanxError, WorkerLostError
-from .group import Group, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
+from .group import Group, device, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from .group import current as current_group
+from .group import init as _join_group
 from .lr import scale_lr, warmup
 from .preempt import PREEMPTED_EXIT, latest_checkpoint, preempted, resume_from
 from .metrics import Accuracy, MeanLoss, Metric, ThroughputMeter
@@ -45,9 +46,25 @@ from .trainer import History, Trainer
 from .tracking import Tracker
 from .wrap import no_sync, strategy_of, unwrap, wrap
 from . import elastic  # px.elastic.State / px.elastic.run
+from .elastic.worker import place as _take_elastic_place
 from . import stream  # px.stream.RedisStream / px.stream.StreamLoader (redis itself is imported on first use)
 
 __version__ = "0.1.0"
+
+
+def init(backend: str | None = None, timeout: float | None = None, threads: int | None = None) -> Group:
+    """Join the worker group described by the environment and return it; idempotent (see :func:`phalanx.group.init`).
+
+    Under ``phalanx run --elastic`` a joiner or a spare waits here until the job admits it, so
+    the group it gets back already holds its rank, world size and generation.
+
+    Example:
+        >>> import phalanx as px; px.init().world_size
+        1
+    """
+    g = _join_group(backend, timeout, threads)
+    _take_elastic_place(g)  # the group is core; elastic membership is a feature, composed here
+    return g
 
 
 def __getattr__(name: str):  # noqa: ANN202 - px.keras imports Keras (seconds), so only on first use

@@ -104,6 +104,8 @@ def _objects(kind: str, obj: Any, root: int, what: str, pg: Any = None) -> Any:
     :class:`WorkerLostError`. ``pg``: a process group other than the default one (ranks are in it).
     """
     g = group.current()
+    if g.entering:  # a joiner not yet in its group: nobody to send to
+        return [obj] if kind in ("all_gather", "gather") else obj
     world, me = (g.world_size, g.rank) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
     if world == 1:
         return [obj] if kind in ("all_gather", "gather") else obj
@@ -222,11 +224,22 @@ class Comm:
 
     @property
     def world_size(self) -> int:
-        return group.world_size() if self.group is None else dist.get_world_size(self.group)
+        """The workers this one exchanges with now: its process group's, or 1 for a joiner that has not entered yet.
+
+        A joiner placed in an elastic group (:meth:`phalanx.group.Group.place`) wraps its model
+        before its process group exists; it takes rank 0's state when it enters.
+        """
+        if self.group is not None:
+            return dist.get_world_size(self.group)
+        g = group.current()
+        return 1 if g.entering else g.world_size
 
     @property
     def rank(self) -> int:
-        return group.rank() if self.group is None else dist.get_rank(self.group)
+        if self.group is not None:
+            return dist.get_rank(self.group)
+        g = group.current()
+        return 0 if g.entering else g.rank
 
     @contextlib.contextmanager
     def _timed(self, what: str, nbytes: int) -> Iterator[None]:
@@ -333,6 +346,6 @@ def barrier() -> None:
         >>> import phalanx as px
         >>> px.barrier()
     """
-    if group.world_size() > 1:
+    if Comm().world_size > 1:
         with guarded("barrier"):
             dist.barrier()

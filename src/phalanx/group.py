@@ -71,6 +71,14 @@ class Group:
         self.failed: BaseException | None = None  # the exception this worker is exiting with, if any
         self.uncaught: BaseException | None = None  # ...when the interpreter exits because nobody caught it
         self.losses: list[int] = []  # the ranks this worker's last WorkerLostError blamed
+        # A joiner of an elastic job between its admission (:meth:`place`) and its entry into training: rank,
+        # world size and generation are its place in the group, but its process group forms only when it enters
+        # (phalanx.elastic takes rank 0's state then). Until that, collectives have nobody to talk to.
+        self.entering = False
+        # Per-worker objects of the features (phalanx.elastic's membership), kept here rather than in module
+        # globals: the group is the one piece of module state.
+        self.extensions: dict[str, Any] = {}
+        self.leaves_at_exit = False  # px.shutdown() is registered to run at exit (once the group has a store)
         self._on_regroup: list[Callable[["Group"], None]] = []
         # The checkpoint this worker is writing in the background (phalanx.checkpoint.SaveHandle): the next save
         # and shutdown() wait for it.
@@ -149,6 +157,17 @@ class Group:
         self._on_regroup.append(callback)
         return lambda: self._on_regroup.remove(callback) if callback in self._on_regroup else None
 
+    def place(self, rank: int, world_size: int, generation: int) -> None:
+        """A joiner's place in a group it has not entered yet: ``rank`` of ``world_size`` in ``generation``.
+
+        ``phalanx.elastic`` calls it from ``px.init()`` once the members admitted this worker, so
+        the script reads the rank and world size it will train with from the start (as torchrun's
+        workers read ``RANK``/``WORLD_SIZE``). :attr:`entering` stays True, and collectives act as
+        in a group of one, until :meth:`rebuild` forms the process group at that generation.
+        """
+        self.env = replace(self.env, rank=rank, world_size=world_size)
+        self.generation, self.entering = int(generation), True
+
     def rebuild(self, rank: int, world_size: int, store: dist.Store, *, generation: int | None = None,
                 job_store: dist.Store | None = None, backend: str | None = None) -> None:
         """Leave the current process group and form the next generation's: ``rank`` of ``world_size`` on ``store``.
@@ -160,7 +179,7 @@ class Group:
         our sockets then fails at once instead of at its timeout.
         """
         generation = self.generation + 1 if generation is None else int(generation)
-        if generation <= self.generation:
+        if generation < self.generation or (generation == self.generation and not self.entering):
             raise ConfigError(usage(f"rebuild to generation {generation}", f"a generation after {self.generation}",
                                     "Pass the next generation number the members agreed on."))
         destroy_process_group()
@@ -168,11 +187,13 @@ class Group:
         backend = backend or self.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=self.timeout_s))
-        self.backend, self.generation = backend, generation
+        self.backend, self.generation, self.entering = backend, generation, False
         self.env = replace(self.env, rank=rank, world_size=world_size)
         self.job_store = job_store if job_store is not None else self.job_store
         self.losses = []
         self._attach_store(store)
+        if self is _group:
+            _on_exit(self)
         for callback in list(self._on_regroup):
             callback(self)
 
@@ -216,7 +237,7 @@ class Group:
 
     def __repr__(self) -> str:
         return (f"Group(rank={self.rank}, world_size={self.world_size}, generation={self.generation}, "
-                f"device={self.device}, elastic={self.elastic})")
+                f"device={self.device}, elastic={self.elastic}{', entering' if self.entering else ''})")
 
 
 _group: Group | None = None  # the current group: the one piece of module state
@@ -284,9 +305,17 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
                                 timeout=timedelta(seconds=timeout_s))
     _group = g
     if g.store is not None:
-        atexit.register(_at_exit, g)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
-        _install_excepthook(g)
+        _on_exit(g)
     return g
+
+
+def _on_exit(g: Group) -> None:
+    """Once per group, when it first has a store (at init, or a joiner's first rebuild): leave it at exit."""
+    if g.leaves_at_exit:
+        return
+    g.leaves_at_exit = True
+    atexit.register(_at_exit, g)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
+    _install_excepthook(g)
 
 
 def _install_excepthook(g: Group) -> None:

@@ -123,9 +123,17 @@ class Trainer:
         self.loader: ShardedLoader | None = None
         self.history = History()
         self.epoch = 0
-        self.step = 0
         self.stop_training = False
         self._in_epoch = self._finished = self._elastic = False
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken: the framework's one count (``px.strategy_of(optimizer).steps``), read-only.
+
+        The same on every rank; it continues across ``fit()`` calls, is rolled back with an elastic
+        commit and restored by ``resume_from``.
+        """
+        return self.strategy.steps if self.strategy is not None else 0
 
     # -- training -----------------------------------------------------------------
     def fit(self, train_data: Dataset | ShardedLoader, *, epochs: int = 1, batch_size: int = 32,
@@ -169,7 +177,7 @@ class Trainer:
             # device=: batches are prefetched to the GPU on a side stream (a no-op on CPU)
             self.loader = shard(train_data, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                 device=self.device, **(loader_kwargs or {}))
-        self.history, self.step, start = History(), 0, 0
+        self.history, start = History(), 0
         self._preemption = preempt.of()
         if resume_from == "auto":  # the launcher's --resume-from, else the newest checkpoint of this run's directory
             resume_from = preempt.resume_from() or preempt.latest_checkpoint(self._checkpoint_dir())
@@ -180,12 +188,10 @@ class Trainer:
         show = progress and group.is_main()
         self._call("on_train_begin")
         # --- elastic (phalanx.elastic): the epoch loop is re-entered after a membership change -------
-        step0 = self.step
-
         def epochs_loop(state: Any = None) -> None:
             first = start
             if state is not None and state.elastic:  # (re-)entered at the commit every worker holds
-                self.step, first = step0 + state.step - clock0, max(start, state.epoch)
+                first = max(start, state.epoch)  # the step count was rolled back with the commit
                 del self.history[sum(1 for r in self.history if r["epoch"] <= state.epoch):]
             for epoch in range(first, epochs):
                 self.epoch = epoch
@@ -202,7 +208,6 @@ class Trainer:
             from .elastic import State, run
             state = State(self.model, self.optimizer, self.loader,
                           commit_every=10 if elastic is True else int(elastic), resize=resize)
-            clock0 = state.step  # state.step is the framework's count, which may not start at 0 (a resume)
             self.history.membership = state.history
             run(epochs_loop)(state)
         else:
@@ -231,7 +236,8 @@ class Trainer:
         for batch in loader:
             inputs, target = self._to_device(batch)
             t_data = self._now()
-            self._call("on_step_begin", self.step)
+            step = self.step
+            self._call("on_step_begin", step)
             t0 = self._now()
             opt.zero_grad(set_to_none=True)
             output = model(*inputs)
@@ -249,7 +255,7 @@ class Trainer:
                 for m in train_metrics:
                     m.update(output.detach(), target)
             self.meter.step(n)
-            step, self.step, steps = self.step, self.step + 1, steps + 1
+            steps += 1
             if bar is not None:
                 bar.set_postfix(step_postfix(loss_sum / count if count else math.nan, loader,
                                              group.world_size() if self._elastic else None), refresh=False)
@@ -375,7 +381,6 @@ class Trainer:
     def _resume(self, path: str | os.PathLike) -> int:
         body = load_checkpoint(path, self.model, self.optimizer, loader=self.loader)
         state = (body.get("extra") or {}).get("trainer")
-        self.step = int(body["step"])
         if state is None:  # written by px.save_checkpoint directly: trust the loader's epoch
             return int(self.loader.sampler.epoch) if self.loader is not None else 0
         self.history = History(state["history"])

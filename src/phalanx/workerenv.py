@@ -8,7 +8,7 @@ Example:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from . import check
@@ -36,6 +36,7 @@ class WorkerEnv:
     error_file: str | None = None  # torchrun/phalanx run read a failed worker's error from here
     elastic_id: str | None = None  # `phalanx run --elastic` / `phalanx join`: this worker's stable id; ranks change
     elastic_join: bool = False  # started by `phalanx join` or `--replace`: enters the running group at a commit
+    elastic_secret: str | None = field(default=None, repr=False)  # PHALANX_SECRET: the elastic job's secret
     ps_servers: int = 0  # parameter servers `phalanx run --servers N` started (PHALANX_PS_ADDRS)
     profile_dir: str | None = None  # `phalanx run --profile DIR` (PHALANX_PROFILE): record a timeline there
     checkpoint_dir: str | None = None  # `phalanx run --checkpoint-dir`: where a preempted job saves
@@ -55,6 +56,9 @@ class WorkerEnv:
                       error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
                       elastic_id=env.get("PHALANX_ELASTIC_ID"),
                       elastic_join=env.get("PHALANX_ELASTIC_JOIN") == "1",
+                      elastic_secret=env.get("PHALANX_SECRET") or None,
+                      # a joiner has no rank yet, but it has the job's store (`phalanx join`, --spares, --replace)
+                      master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
                       checkpoint_dir=env.get("PHALANX_CHECKPOINT_DIR") or None,
                       resume_from=env.get("PHALANX_RESUME_FROM") or None,
                       preempt_notes=env.get("PHALANX_PREEMPT_NOTES") or None,
@@ -82,7 +86,6 @@ class WorkerEnv:
             raise ConfigError(usage(f"WORLD_SIZE={world} without MASTER_ADDR", "MASTER_ADDR and MASTER_PORT",
                                     "Launch with `phalanx run` or torchrun, which set them."))
         return cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-                   master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
                    attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", 0), **common)
 

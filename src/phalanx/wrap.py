@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Iterator
 
 import torch
@@ -29,8 +28,10 @@ from .sharding import FullyShard
 from .steps import StepClock
 from .strategies import AllReduce, Strategy, by_name
 
-_strategies: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Strategy]" = weakref.WeakKeyDictionary()
-_clocks: "weakref.WeakKeyDictionary[nn.Module, StepClock]" = weakref.WeakKeyDictionary()
+# What px.wrap attached lives on the user's own objects, not in a module-level registry (the current group is the
+# only module state): the optimizer knows its strategy, the model its step clock. Both already hold the clock
+# through their hooks, so copying or pickling them is as it was.
+_STRATEGY, _CLOCK = "_phalanx_strategy", "_phalanx_clock"
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -72,11 +73,11 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage(f"a DistributedDataParallel module around {type(model.module).__name__}",
                                 "the plain module: px.wrap makes it data-parallel itself",
                                 "Pass model.module (and an optimizer built from its parameters)."))
-    if unwrap(model) in _clocks:
+    if _clock_of(unwrap(model)) is not None:
         raise ConfigError(usage(f"a {type(model).__name__} that px.wrap already wrapped",
                                 "a model px.wrap has not taken yet",
                                 "Call px.wrap once per model; keep the model and optimizer it returned."))
-    if optimizer in _strategies:
+    if strategy_of(optimizer) is not None:
         raise ConfigError(usage("an optimizer that px.wrap already wrapped", "a fresh optimizer",
                                 "Call px.wrap once per model/optimizer pair."))
     strategy = _resolve(strategy)
@@ -95,8 +96,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
     strategy.clock.bind(strategy, model, module, optimizer)
     if shard is not None:
         shard.hook(model, strategy.clock)
-    _strategies[optimizer] = strategy
-    _clocks[unwrap(model)] = strategy.clock  # the user's module, however compiled: px.no_sync finds it either way
+    setattr(optimizer, _STRATEGY, strategy)
+    # on the user's module, however compiled (px.no_sync finds it either way); not nn.Module's __setattr__: a clock
+    # is no submodule
+    object.__setattr__(unwrap(model), _CLOCK, strategy.clock)
     return module, optimizer
 
 
@@ -121,7 +124,12 @@ def _resolve(strategy: Strategy | str | None) -> Strategy:
 
 def strategy_of(optimizer: torch.optim.Optimizer) -> Strategy | None:
     """The strategy ``px.wrap`` attached to ``optimizer``, if any."""
-    return _strategies.get(optimizer)
+    return getattr(optimizer, _STRATEGY, None)
+
+
+def _clock_of(model: nn.Module) -> StepClock | None:
+    """The step clock ``px.wrap`` gave ``model`` (the user's module), if any."""
+    return getattr(model, "__dict__", {}).get(_CLOCK)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -164,7 +172,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         >>> px.strategy_of(opt).steps
         1
     """
-    clock = _clocks.get(unwrap(model))
+    clock = _clock_of(unwrap(model))
     if clock is None:
         raise ConfigError(usage(f"px.no_sync on a {type(model).__name__} that px.wrap did not return",
                                 "the model px.wrap returned", "Wrap it first: model, opt = px.wrap(model, opt)."))

@@ -115,7 +115,10 @@ def main() -> None:
         return trainer_main(args, me, victim, int(at or 0))
     with open(os.path.join(args.out, f"start{me}-{os.getpid()}.json"), "w") as f:
         json.dump({"id": me, "pid": os.getpid()}, f)  # a restarted worker would leave a second one
-    px.init()
+    g = px.init()
+    with open(os.path.join(args.out, f"init{me}.json"), "w") as f:  # what a script reads right after px.init()
+        json.dump({"rank": px.rank(), "world_size": px.world_size(), "generation": g.generation,
+                   "env": [os.environ.get("RANK"), os.environ.get("WORLD_SIZE")]}, f)
     net, data = model(), dataset()
     model_, opt = px.wrap(net, optimizer(net), strategy=STRATEGIES[args.strategy]())
     loader = px.shard(data, batch_size=BATCH, seed=0)

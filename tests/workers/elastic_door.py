@@ -48,7 +48,8 @@ def main() -> None:
     state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record})
     comm = px.Comm()
     if args.idle_joiner and os.environ.get("PHALANX_ELASTIC_JOIN") == "1":
-        open(os.path.join(args.out, f"idle{me}"), "w").close()
+        with open(os.path.join(args.out, f"idle{me}"), "w") as f:  # the place px.init() gave it
+            json.dump({"rank": px.rank(), "world_size": px.world_size()}, f)
         while not os.path.exists(os.path.join(args.out, "stop")):  # a script that believed it was alone
             time.sleep(0.1)
         return

@@ -74,6 +74,7 @@ STRATEGIES: dict[str, Callable[[], px.Strategy]] = {
     "powersgd": lambda: px.AllReduce(compression=px.PowerSGD(rank=1)),
     "local-warmup": lambda: px.LocalSGD(every=4, warmup_steps=10**6),
     "ps-sync": lambda: px.ParameterServer(sync=True, servers="colocated"),
+    "downpour": lambda: px.Downpour(servers="colocated"),
 }
 
 

@@ -94,7 +94,9 @@ class State:
         self._in_epochs = False
         self._leaving = False  # this worker asked to leave (it was sent SIGTERM/SIGUSR1)
         self._handles: list[Any] = []
-        self.worker = ElasticWorker.from_environ()
+        self.worker = ElasticWorker.of(group.current())
+        if self.worker is not None:
+            self.worker.beat()
         if self.elastic:
             self._hook_commit_point()
 

@@ -1,14 +1,14 @@
 """The worker's side of an elastic job: its id, the launcher's store, a heartbeat.
 
-``phalanx run --elastic`` gives each worker a stable id (``PHALANX_ELASTIC_ID``) on
-top of the standard variables; ranks change with every generation, ids never do.
-A daemon thread bumps ``elastic/hb/<id>`` in the launcher's store; a stopped or
-hung process stops bumping and the launcher kills it. If the store itself goes
+``phalanx run --elastic`` gives each worker a stable id (``PHALANX_ELASTIC_ID``, read
+into the group's environment once) on top of the standard variables; ranks change with
+every generation, ids never do. A daemon thread bumps ``elastic/hb/<id>`` in the
+launcher's store; a stopped or hung process stops bumping and the launcher kills it. If the store itself goes
 away (the launcher's host is lost) the worker says so in one line and exits: no
 one is left to coordinate a recovery.
 
 Example:
-    >>> ElasticWorker.from_environ({}) is None
+    >>> ElasticWorker.of(group.current()) is None   # not under `phalanx run --elastic`
     True
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Mapping, NoReturn
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -52,44 +52,88 @@ def admissible(members: list[str], waiting: list[str], *, spares: set[str], work
     taken = regular[:max(0, max_workers - len(members))]
     room = min(workers, max_workers) - len(members) - len(taken)
     return taken + [s for s in waiting if s in spares][:max(0, room)]
+
+
+def place(g: group.Group) -> None:
+    """``px.init()`` under ``--elastic``: start this worker's side of the job; a joiner waits here for its place.
+
+    A joiner or a spare asks to join and blocks until the members admit it; the group then
+    holds its rank, world size and generation (:meth:`~phalanx.group.Group.place`), as
+    ``RANK``/``WORLD_SIZE`` would under torchrun, and it enters (takes rank 0's state) where
+    the script starts training (``px.elastic.run``, ``state.epochs``). Training that ended
+    before it was admitted ends the process here, with status 0: nothing is left for it to do.
+    """
+    worker = ElasticWorker.of(g)
+    if worker is None or not worker.joining or g.entering:
+        return
+    worker.beat()  # parked here, possibly for the whole job (a spare): the launcher watches it from now on
+    plan = worker.wait_for_place()
+    if plan is None:
+        print(f"phalanx: elastic: worker {worker.me}: training ended before it was admitted; nothing to do",
+              file=sys.stderr, flush=True)
+        raise SystemExit(0)
+    g.place(plan["members"].index(worker.me), len(plan["members"]), plan["generation"])
+    # The standard variables too, as torchrun gives its workers: scripts (nanoGPT's) decide from RANK whether
+    # they run distributed and derive settings from WORLD_SIZE. Like every worker's, they tell the place at start.
+    os.environ.update(RANK=str(g.rank), WORLD_SIZE=str(g.world_size), LOCAL_RANK=str(g.local_rank))
+
+
 _said = threading.Lock()  # held for good by the thread that reports a lost rendezvous host
 
 
 class ElasticWorker:
-    def __init__(self, me: str, addr: str, port: int, timeout_s: float, joining: bool = False,
-                 secret: str | None = None) -> None:
-        self.me, self.addr, self.port, self.timeout_s = me, addr, port, timeout_s
-        self.joining = joining  # started by `phalanx join` or `--replace`: enters at the next commit point
-        self.secret = secret  # the job's secret: a joiner proves it holds it, a member checks joiners' proofs
+    """This worker's side of an elastic job: membership, admission, and its id kept alive in the launcher's store.
+
+    One per group (:meth:`of`), made by ``px.init()``; its id, the store's address, the
+    timeout and the job's secret come from the group's environment, read once there.
+    """
+
+    def __init__(self, g: group.Group) -> None:
+        env = g.env
+        self.group, self.me = g, env.elastic_id or ""
+        self.addr, self.port, self.timeout_s = env.master_addr, env.master_port, env.timeout_s
+        self.joining = env.elastic_join  # started by `phalanx join` or `--replace`: enters at the next commit point
+        self.secret = env.elastic_secret  # the job's: a joiner proves it holds it, a member checks joiners' proofs
         self._proven: set[str] = set()  # joiners whose proof this member has checked
+        self._asked = False  # a joiner: it asked to join (once; it waits in the joiners list until admitted)
         self.store = self._connect()
-        members = [] if joining else json.loads(self.store.get(key("gen", 0, "members")))
-        self.membership = Membership(self.store, me, members)
+        members = [] if self.joining else json.loads(self.store.get(key("gen", 0, "members")))
+        self.membership = Membership(self.store, self.me, members)
         self.config = self.membership.config()
-        if joining and not self._holds_secret():
-            raise PhalanxError(f"worker {me} does not hold the secret of the elastic job at {addr}:{port}; "
-                               f"set {job_secret.ENV} (or `phalanx join --secret-file`) to the job's secret")
+        if self.joining and not self._holds_secret():
+            raise PhalanxError(f"worker {self.me} does not hold the secret of the elastic job at {self.addr}:"
+                               f"{self.port}; set {job_secret.ENV} (or `phalanx join --secret-file`) to the job's "
+                               "secret")
+        self._closed = False
         self._stop = threading.Event()
-        self._beating = threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True)
-        self._beating.start()
-        # Stopped before the interpreter exits, on every path: a daemon thread still inside a store call
-        # while the interpreter is torn down aborts the process ("terminate called without an active
-        # exception", SIGABRT; a late --replace worker 2 runs in 4).
+        self._beating: threading.Thread | None = None
+        # Closed before the interpreter exits, on every path: a heartbeat still inside a store call while the
+        # interpreter is torn down aborts the process ("terminate called without an active exception").
         atexit.register(self.close)
-        global _current
-        _current = self  # for generation() and lost_peer() below
+        self.placed: dict | None = None  # a joiner: the generation that admitted it, found by px.init()
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str] | None = None) -> "ElasticWorker | None":
-        env = os.environ if env is None else env
-        if "PHALANX_ELASTIC_ID" not in env:
+    def of(cls, g: group.Group) -> "ElasticWorker | None":
+        """This worker's side of the elastic job of group ``g`` (made once, kept on the group); None outside one."""
+        if not g.elastic:
             return None
-        return cls(env["PHALANX_ELASTIC_ID"], env["MASTER_ADDR"], int(env["MASTER_PORT"]), group.timeout_s(),
-                   joining=env.get("PHALANX_ELASTIC_JOIN") == "1", secret=env.get(job_secret.ENV) or None)
+        worker = g.extensions.get("elastic")
+        if worker is None:
+            worker = g.extensions["elastic"] = cls(g)
+        return worker
 
-    def _connect(self) -> dist.TCPStore:
-        return dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s),
-                             wait_for_workers=False)
+    def beat(self) -> None:
+        """Start bumping ``elastic/hb/<id>`` in the launcher's store (a daemon thread); idempotent.
+
+        The launcher watches ids, not ranks, and only those it has heard from: a member starts
+        when its ``px.elastic.State`` is built (its setup is not watched for hangs), a joiner as
+        it starts waiting in ``px.init()``. Its own thread and store connection, apart from the
+        group's heartbeat, which pauses while the group is rebuilt: the launcher must not take a
+        rebuild for a hang. A store that stops answering ends the worker.
+        """
+        if self._beating is None:
+            self._beating = threading.Thread(target=self._beat, name="phalanx-elastic-heartbeat", daemon=True)
+            self._beating.start()
 
     def _beat(self) -> None:
         store, misses = self._connect(), 0  # its own connection: the main thread may be blocked in the store
@@ -104,19 +148,23 @@ class ElasticWorker:
             if self._stop.wait(HEARTBEAT_EVERY_S):
                 return
 
-    def close(self, wait_s: float = 5.0) -> None:
-        """Stop the heartbeat thread and wait for it (at most ``wait_s``: a store call it is inside times out).
+    def _connect(self) -> dist.TCPStore:
+        return dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s),
+                             wait_for_workers=False)
 
-        First we say we are leaving (``finished/<id>``): the watcher must not take the silence
-        of a process that is exiting for a hang and kill it.
+    def close(self, wait_s: float = 5.0) -> None:
+        """Say we are leaving (``finished/<id>``), then stop the heartbeat thread and wait for it (at most ``wait_s``).
+
+        The watcher must not take the silence of a process that is exiting for a hang and kill it.
         """
-        if not self._stop.is_set():
+        if not self._closed:
+            self._closed = True
             try:
                 self.store.set(key("finished", self.me), "1")
             except Exception:  # noqa: BLE001 - the launcher may be gone; then nobody is watching
                 pass
         self._stop.set()
-        if self._beating.is_alive() and self._beating is not threading.current_thread():
+        if self._beating is not None and self._beating.is_alive() and self._beating is not threading.current_thread():
             self._beating.join(wait_s)
 
     def lost_host(self) -> None:
@@ -212,25 +260,34 @@ class ElasticWorker:
     def _entered(self, generation: int, joiners: list[str], poll_s: float = 0.02) -> bool:
         """Members: did every joiner admitted to ``generation`` arrive? False (and they are marked dead) if not.
 
-        Each admitted joiner claims ``gen/<g>/entered/<id>`` with a compare-and-set when it arrives;
-        a member that waited the heartbeat timeout for it claims the key for "out" instead. The key
-        holds whichever came first, so every member and the joiner read the same verdict, and so
-        the same answer in ``gen/<g>/go``. A joiner that never connects (a stray name written into
-        the store, a process that died after asking) therefore costs the members at most the
-        heartbeat timeout, never the job.
+        Each admitted joiner claims ``gen/<g>/entered/<id>`` with a compare-and-set when it arrives
+        (where its script starts training: it was placed in ``px.init()`` and has built its model
+        since); a member that gave up on it claims the key for "out" instead. The key holds whichever
+        came first, so every member and the joiner read the same verdict, and so the same answer in
+        ``gen/<g>/go``. A joiner that never connects or stops beating (a stray name written into the
+        store, a process that died or hung after asking) costs the members at most the heartbeat
+        timeout, never the job; a live one that is still setting up gets the job's timeout
+        (``px.init(timeout=...)``, ``PHALANX_TIMEOUT``) to reach training.
         """
         if not joiners:
             return True
         go = key("gen", generation, "go")
-        deadline = time.monotonic() + float(self.config["heartbeat_s"])
+        heartbeat_s = float(self.config["heartbeat_s"])
+        started = time.monotonic()
+        seen = {j: (-1, started) for j in joiners}  # each joiner's heartbeat count and when it last changed
         pending = list(joiners)
         while pending:
-            late = time.monotonic() > deadline
+            now = time.monotonic()
             for j in list(pending):
                 verdict = key("gen", generation, "entered", j)
                 if self.store.check([verdict]):
                     pending.remove(j)
-                elif late or self.membership.is_dead(j):
+                    continue
+                beats = int(self.store.add(key("hb", j), 0))
+                if beats != seen[j][0] and beats > 0:
+                    seen[j] = (beats, now)
+                silent = now - seen[j][1] > heartbeat_s
+                if silent or now - started > max(self.timeout_s, heartbeat_s) or self.membership.is_dead(j):
                     self.store.compare_set(verdict, "", "out")
             if pending:
                 time.sleep(poll_s)
@@ -240,8 +297,8 @@ class ElasticWorker:
         self.store.compare_set(go, "", "no" if lost else "yes")
         if lost and self.membership.rank == 0:
             print(f"phalanx: elastic: {', '.join(lost)} admitted to generation {generation} but never arrived "
-                  f"within the heartbeat timeout ({self.config['heartbeat_s']:g}s); dropped, the others go on "
-                  "without", file=sys.stderr, flush=True)
+                  f"(no heartbeat for {heartbeat_s:g}s, or not training {max(self.timeout_s, heartbeat_s):g}s after "
+                  "its admission); dropped, the others go on without", file=sys.stderr, flush=True)
         return not lost
 
     def grow(self, joiners: list[str], *, backend: str) -> dict:
@@ -265,14 +322,18 @@ class ElasticWorker:
         rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s, backend=backend)
         return {"generation": g, "members": members, "left": [], "joined": joiners}
 
-    def wait_for_admission(self, poll_s: float = 0.05) -> dict | None:
-        """A joiner: ask to join, then block until a generation includes us; None when training already ended.
+    def wait_for_place(self, after: int = -1, poll_s: float = 0.05) -> dict | None:
+        """A joiner: ask to join (once), then block until a generation after ``after`` includes us.
 
-        We ask only now, parked with nothing left to do but wait, so that the members who admit
-        us find us within milliseconds (they wait at most the heartbeat timeout for an admitted joiner).
+        Returns the plan (generation, members) without entering it: :meth:`wait_for_admission`
+        enters. None when training ended first. ``px.init()`` calls this, so a joiner's script
+        reads the rank and world size it will train with; it then has the heartbeat timeout to
+        reach its first step (``px.elastic``'s join), or the members go on without it.
         """
-        self._ask_to_join()
-        seen = -1
+        if not self._asked:
+            self._ask_to_join()
+            self._asked = True
+        seen = after
         while True:
             if self.store.check([key("done")]):
                 self.close()  # training ended before we got in: nothing of ours runs any more
@@ -281,20 +342,38 @@ class ElasticWorker:
             if g > seen:
                 seen = g
                 members = json.loads(self.store.get(key("gen", g, "members")))
-                if self.me in members and self._enter(g):
-                    rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s,
-                            backend="gloo")
-                    self.membership.members, self.membership.generation = members, g
-                    self.joining = False
-                    return {"generation": g, "members": members, "left": [], "joined": [self.me]}
+                if self.me in members:
+                    self.placed = {"generation": g, "members": members, "left": [], "joined": [self.me]}
+                    return self.placed
             time.sleep(poll_s)
+
+    def wait_for_admission(self) -> dict | None:
+        """A joiner: take the place :meth:`wait_for_place` found (or wait for one) and enter it; None if training ended.
+
+        Entering is the compare-and-set the members wait for (at most the heartbeat timeout after
+        they admitted us), then the rebuild of the group with us in it. A generation that formed
+        without us after all (another joiner never came) sends us back to wait for the next one.
+        """
+        plan = self.placed or self.wait_for_place()
+        while plan is not None:
+            g, members = plan["generation"], plan["members"]
+            if self._enter(g):
+                rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s,
+                        backend="gloo")
+                self.membership.members, self.membership.generation = members, g
+                self.joining, self.placed = False, None
+                return plan
+            plan = self.placed = self.wait_for_place(after=g)
+        return None
 
     def _enter(self, generation: int) -> bool:
         """Claim our place in ``generation``; True once the members agree it forms with us (``gen/<g>/go``)."""
         verdict = key("gen", generation, "entered", self.me)
         if self.store.compare_set(verdict, "", "in").decode() != "in":
-            raise PhalanxError(f"worker {self.me} was admitted to generation {generation} but arrived after the "
-                               "heartbeat timeout; the others went on without it")
+            raise PhalanxError(f"worker {self.me} was admitted to generation {generation} but did not reach "
+                               f"training within the job's timeout ({self.timeout_s:g}s) after px.init() returned; "
+                               "the others went on without it. Start training sooner after px.init(), or raise "
+                               "the timeout (px.init(timeout=...) or PHALANX_TIMEOUT)")
         self.store.wait([key("gen", generation, "go")])  # the members decide within the heartbeat timeout
         return self.store.get(key("gen", generation, "go")) == b"yes"
 
@@ -324,36 +403,3 @@ class ElasticWorker:
         except Exception:  # noqa: BLE001 - the launcher may already be gone at exit
             pass
         self.close()
-
-
-# -- what a strategy that waits outside gloo (the synchronous PS) asks -----------------
-_current: ElasticWorker | None = None
-
-
-def generation() -> int:
-    """The worker group's generation under ``--elastic`` (0 before any change, or outside it)."""
-    return _current.membership.generation if _current is not None else 0
-
-
-def lost_peer() -> str | None:
-    """Why a member of the current group will never answer (a watcher marked it dead), or None.
-
-    A worker blocked on a parameter server's reply, not in a gloo collective, asks this
-    while it waits: a dead peer never sends its part of the synchronous round.
-    """
-    if _current is None:
-        return None
-    m = _current.membership
-    dead = [w for w in m.members if w != m.me and m.is_dead(w)]
-    if not dead:
-        return None
-    return (f"worker(s) {', '.join(dead)} of generation {m.generation} died during a synchronous parameter-server "
-            "round (marked dead by their watcher)")
-
-
-def servers_restarted() -> int:
-    """How many times the launcher started an exited parameter server (``--servers``) again; 0 outside."""
-    if _current is None:
-        return 0
-    k = key("ps", "restarts")
-    return int(_current.store.get(k)) if _current.store.check([k]) else 0

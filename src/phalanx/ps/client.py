@@ -249,19 +249,31 @@ class ParamTable:
                    for s, pieces in enumerate(self.by_server) if pieces}
         self._load(self.client.call(replies), self.params, versions=True)
 
-    def push(self, grads: Sequence[torch.Tensor], *, pull: bool, lrs: Sequence[float] | None = None) -> int:
+    def push(self, grads: Sequence[torch.Tensor], *, pull: bool, lrs: Sequence[float] | None = None,
+             reached: Sequence[bool] | None = None) -> int:
         """Send gradients (stamped with the versions they were computed from); returns how many shards dropped it.
 
         ``lrs``: one learning rate per parameter (its param group's current lr), applied by an SGD server rule.
+        ``reached``: per parameter, whether it had a gradient; one without is left out of the push, so the
+        servers' momentum and weight decay leave it alone, as torch's optimizers skip a ``.grad`` of None.
+        A ``pull`` still brings every parameter back.
         """
-        def op(server: int) -> dict[str, Any]:
-            control: dict[str, Any] = {"op": "push", "pull": pull}
+        sent = [[p for p in pieces if reached is None or reached[self.index[p.var]]] for pieces in self.by_server]
+
+        def control(server: int) -> dict[str, Any]:
+            c: dict[str, Any] = {"op": "push", "pull": pull}
             if lrs is not None:
-                control["lr"] = [lrs[self.index[p.var]] for p in self.by_server[server]]
-            return control
-        replies = self._call(op, grads)
+                c["lr"] = [lrs[self.index[p.var]] for p in sent[server]]
+            return c
+        replies = self.client.call({s: (control(s), [(Header.of(p.name, view, self.versions[p.name]), view)
+                                                     for p in pieces for view in [self._view(grads, p)]])
+                                    for s, pieces in enumerate(sent) if pieces})
         if pull:
             self._load(replies, self.params, versions=True)
+            rest = {s: ({"op": "pull", "names": names}, []) for s, pieces in enumerate(self.by_server)
+                    for names in [[p.name for p in pieces if p not in sent[s]]] if names}
+            if rest:  # the pieces left out of the push: a pull of their own
+                self._load(self.client.call(rest), self.params, versions=True)
         return sum(len(r.control.get("dropped", [])) for r in replies.values())
 
     def elastic(self, alpha: float) -> None:

@@ -160,10 +160,6 @@ class PSStrategy(FollowsElasticGroup, Strategy):
         self.comm.stats.calls += 1
         return result
 
-    def _grads(self) -> list[torch.Tensor]:
-        """Every parameter's gradient to send; zeros for one the loss did not touch (its ``.grad`` stays None)."""
-        return local_grads(self.params)[0]
-
 
 class Downpour(PSStrategy):
     """Asynchronous SGD with sharded parameter servers (Dean et al. 2012).
@@ -217,6 +213,7 @@ class Downpour(PSStrategy):
         if self.push_when.k > 1:
             self._acc = [torch.zeros_like(p) for p in self.params]
         self._unpushed = False
+        self._reached = [False] * len(self.params)  # which parameters the unpushed gradients touched
 
     def _lrs(self) -> list[float] | None:
         """Each parameter's current lr (its group's), when the servers follow the user's optimizer."""
@@ -229,7 +226,8 @@ class Downpour(PSStrategy):
         push, pull = self.push_when(step), self.pull_when(step)
         grads: list[torch.Tensor] | None
         if taken:
-            grads = self._grads()
+            grads, flags = local_grads(self.params)
+            self._reached = [a or bool(f) for a, f in zip(self._reached, flags.tolist(), strict=True)]
             if self._acc is not None:
                 for acc, g in zip(self._acc, grads, strict=True):
                     acc.add_(g)
@@ -243,7 +241,10 @@ class Downpour(PSStrategy):
             self._exchange(self.table.pull)  # type: ignore[union-attr]
 
     def _push(self, grads: list[torch.Tensor], *, pull: bool) -> None:
-        self.dropped += self._exchange(self.table.push, grads, pull=pull, lrs=self._lrs())  # type: ignore
+        # Only what some gradient touched: a parameter with none keeps its value on the servers, as in one process.
+        self.dropped += self._exchange(self.table.push, grads, pull=pull, lrs=self._lrs(),  # type: ignore
+                                       reached=self._reached)
+        self._reached = [False] * len(self.params)
         if self._acc is not None:
             for acc in self._acc:
                 acc.zero_()
@@ -257,13 +258,15 @@ class Downpour(PSStrategy):
         """This worker's own: the gradient sum it has not pushed yet, the versions it last pulled, its drop count."""
         return {**super().replica_state_dict(), "dropped": self.dropped,
                 "acc": [a.clone() for a in self._acc] if self._acc is not None else None,
-                "unpushed": getattr(self, "_unpushed", False),
+                "unpushed": getattr(self, "_unpushed", False), "reached": list(getattr(self, "_reached", [])),
                 "versions": dict(self.table.versions) if self.table is not None else None}
 
     def load_replica_state_dict(self, state: dict[str, Any]) -> None:
         super().load_replica_state_dict(state)
         self.dropped = int(state.get("dropped", 0))
         self._unpushed = bool(state.get("unpushed", False))
+        if len(state.get("reached", [])) == len(self.params):
+            self._reached = [bool(r) for r in state["reached"]]
         if state.get("acc") is not None and self._acc is not None:
             for acc, saved in zip(self._acc, state["acc"], strict=True):
                 acc.copy_(saved)
