@@ -160,6 +160,7 @@ class KerasRun:
     # -- the step -------------------------------------------------------------------
     def apply(self, grads: list[Any], trainable_variables: Any = None) -> Any:
         """Keras's ``optimizer.apply``; then the step clock closes the step (the strategy's ``after_step``)."""
+        self.optimizer_state.stepping()
         out = self._keras_apply(grads, trainable_variables)
         self.optimizer_state.stepped()
         return out

@@ -33,15 +33,27 @@ from .runs import run_of
 class OptimizerState:
     """A Keras optimizer's variables behind ``state_dict()`` / ``load_state_dict()``.
 
-    It also offers torch's ``register_step_post_hook``, through which phalanx's step
-    clock learns that a step was applied; ``px.keras.wrap`` calls :meth:`stepped`
-    after every ``optimizer.apply``.
+    It also offers torch's ``register_step_pre_hook`` and ``register_step_post_hook``, through
+    which phalanx's step clock learns that a step begins and was applied; ``px.keras.wrap`` calls
+    :meth:`stepping` before and :meth:`stepped` after every ``optimizer.apply``.
     """
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
         self.strategy: Any = None  # set by px.keras.wrap
+        self._pre_hooks: dict[int, Callable[..., Any]] = {}
         self._post_hooks: dict[int, Callable[..., Any]] = {}
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> "_Handle":
+        """As ``torch.optim.Optimizer.register_step_pre_hook``: ``hook(self, args, kwargs)`` before each step."""
+        key = max(self._pre_hooks, default=-1) + 1
+        self._pre_hooks[key] = hook
+        return _Handle(self._pre_hooks, key)
+
+    def stepping(self) -> None:
+        """Run the pre-step hooks (Keras's optimizer is about to apply one step)."""
+        for hook in list(self._pre_hooks.values()):
+            hook(self, (), {})
 
     def register_step_post_hook(self, hook: Callable[..., Any]) -> "_Handle":
         """As ``torch.optim.Optimizer.register_step_post_hook``: ``hook(self, args, kwargs)`` after each step."""
