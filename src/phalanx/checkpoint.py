@@ -129,8 +129,12 @@ class SaveHandle:
         store = group.store() if group.is_initialized() else None
         return self.key is None or store is None or store.check([f"{self.key}/written"])
 
-    def wait(self) -> None:
-        """Block until the checkpoint is complete; raise a :class:`CheckpointError` if it could not be written."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is complete; raise a :class:`CheckpointError` if it could not be written.
+
+        ``timeout``: at most this many seconds for this worker's write (``TimeoutError`` after), e.g. for a worker
+        that is leaving because of an error and must not hang on a stalled disk.
+        """
         if self._waited:
             if self._error is not None:
                 raise self._error
@@ -139,12 +143,14 @@ class SaveHandle:
         try:
             if self._future is not None:
                 try:
-                    self._future.result()
+                    self._future.result(timeout)
+                except TimeoutError:
+                    raise
                 except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank's failure
                     if self.rank != 0:
                         raise _write_error(self.path, err) from err
             if self.rank == 0:
-                self._committed.result()
+                self._committed.result(timeout)
             elif group.current().generation == self.generation:  # (a regrouped job has a new store: rank 0 wrote)
                 _wait_for_write(self.key)
         except Exception as err:

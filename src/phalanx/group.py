@@ -379,8 +379,11 @@ def shutdown() -> None:
     g, met = _group, True
     if g is not None and g.saving is not None:
         saving, g.saving, leaving_with = g.saving, None, sys.exc_info()[1]
+        failing = leaving_with is not None or g.failed is not None
         try:
-            saving.wait()  # an asynchronous checkpoint is finished (or has failed) before the worker leaves
+            # An asynchronous checkpoint is finished (or has failed) before the worker leaves; a worker leaving on an
+            # error waits at most its timeout, so a stalled write cannot keep a failed job from ending.
+            saving.wait(timeout=g.timeout_s if failing else None)
         except Exception:
             if leaving_with is None and g.failed is None:
                 raise

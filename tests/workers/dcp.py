@@ -154,7 +154,10 @@ def killed(ckpt: str) -> dict[str, Any]:
     store.set(f"held/{px.rank()}", "1")
     store.wait([f"held/{r}" for r in range(px.world_size())])  # every worker is half-way through its write
     torch.save({"done": handle.done(), "trained": flat(model)}, f"{ckpt}-held-{px.rank()}.pt")
+    # Rank 0 hosts the store, so it dies last: a peer is done with the store once its "killing" key is set, and a
+    # store call of a peer cut off by the host's death would end that peer with an error instead of SIGKILL.
     store.set(f"killing/{px.rank()}", "1")
-    store.wait([f"killing/{r}" for r in range(px.world_size())])  # nobody dies while a peer still needs the store
+    if px.rank() == 0:
+        store.wait([f"killing/{r}" for r in range(px.world_size())])
     os.kill(os.getpid(), signal.SIGKILL)
     return {}
