@@ -71,7 +71,10 @@ def one(model: str, workdir: str, grace: str) -> None:
     _, err = job.communicate(timeout=600)
     seconds = time.monotonic() - sent
     saved = [os.path.join(ckpt, n) for n in os.listdir(ckpt)] if os.path.isdir(ckpt) else []
-    size = sum(os.path.getsize(p) for p in saved) / 2**20
+    # a checkpoint is a DCP directory (or a one-file checkpoint of earlier versions): count every file in it
+    size = sum(os.path.getsize(os.path.join(d, f)) for p in saved
+               for d, _, fs in (os.walk(p) if os.path.isdir(p) else [(os.path.dirname(p), [], [os.path.basename(p)])])
+               for f in fs) / 2**20
     line = next((ln for ln in err.splitlines() if "received SIGTERM" in ln), err.strip()[-300:])
     print(f"{model}: SIGTERM -> exit {seconds:.2f} s, status {job.returncode}, checkpoint "
           f"{[os.path.basename(p) for p in saved]} {size:.0f} MiB\n  launcher: {line}", flush=True)
