@@ -311,15 +311,11 @@ class Periodic(Strategy):
 
     def replica_state_dict(self) -> dict[str, Any]:
         """Replicas differ between syncs, and so do their optimizers' states (momentum, Adam moments)."""
-        return {**super().replica_state_dict(), "params": [p.detach().clone() for p in self.params],
-                "optimizer": self.optimizer.state_dict()}
+        return {**super().replica_state_dict(), **drifting_replica_state(self)}
 
     def load_replica_state_dict(self, state: dict[str, Any]) -> None:
         super().load_replica_state_dict(state)
-        with torch.no_grad():
-            for p, saved in zip(self.params, state["params"], strict=True):
-                p.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_drifting_replica_state(self, state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.sync!r}, {type(self.exchange).__name__})"
@@ -330,3 +326,16 @@ class ParameterAverage(Exchange):
 
     def exchange(self, params: list[nn.Parameter], comm: Comm, step: int) -> None:
         comm.all_reduce_([p.data for p in params])
+
+
+def drifting_replica_state(strategy: Strategy) -> dict[str, Any]:
+    """A replica's own weights and optimizer state, for rules whose replicas drift apart between syncs."""
+    return {"params": [p.detach().clone() for p in strategy.params], "optimizer": strategy.optimizer.state_dict()}
+
+
+def load_drifting_replica_state(strategy: Strategy, state: dict[str, Any]) -> None:
+    """Put back what :func:`drifting_replica_state` captured."""
+    with torch.no_grad():
+        for p, saved in zip(strategy.params, state["params"], strict=True):
+            p.copy_(saved)
+    strategy.optimizer.load_state_dict(state["optimizer"])

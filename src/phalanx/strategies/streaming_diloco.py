@@ -46,7 +46,7 @@ from ..comm import guarded
 from ..compression import Compressor, check_compressor
 from ..errors import ConfigError, usage
 from ..quantize import Quantize, check_floating
-from .base import Strategy
+from .base import Strategy, drifting_replica_state, load_drifting_replica_state
 from .diloco import _outer_dtype
 from .gradients import share_total
 
@@ -298,17 +298,14 @@ class StreamingDiLoCo(Strategy):
 
     def replica_state_dict(self) -> dict[str, Any]:
         """This worker's weights, optimizer state, shares and the messages it has in flight."""
-        return {**super().replica_state_dict(), "params": [p.detach().clone() for p in self.params],
-                "optimizer": self.optimizer.state_dict(), "shares": [f.share for f in self.fragments],
+        return {**super().replica_state_dict(), **drifting_replica_state(self),
+                "shares": [f.share for f in self.fragments],
                 "messages": [None if f.message is None or f.result is not None else f.message.clone()
                              for f in self.fragments]}
 
     def load_replica_state_dict(self, state: dict[str, Any]) -> None:
         super().load_replica_state_dict(state)
-        with torch.no_grad():
-            for p, saved in zip(self.params, state["params"], strict=True):
-                p.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_drifting_replica_state(self, state)
         for f, share, message in zip(self.fragments, state["shares"], state["messages"], strict=True):
             f.share = float(share)
             if f.resend:
