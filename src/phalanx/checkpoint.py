@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import pickle
@@ -50,13 +51,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
 
 from . import group
 from .errors import CheckpointError, ConfigError, usage
@@ -65,6 +60,17 @@ from .framing import MAGIC, atomic_write, check_plain, read_verified, to_bytes, 
 from .state import TrainingState, cpu_copy, resize_warning, rng_state, set_rng_state, shared
 from .sharding import is_sharded
 from .wrap import unwrap
+
+
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported at the first checkpoint rather than with phalanx.
+
+    Why: it pulls DTensor and sympy, 1.3 s of every worker's start-up (``python -X importtime -c 'import phalanx'``),
+    and most jobs start many more workers than they write checkpoints.
+    """
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict  # noqa: F401 - reached as dcp.state_dict
+    return dcp
 
 FORMAT = "phalanx-checkpoint-2"  # the one-file format of earlier versions, still loaded
 DCP_FORMAT = "phalanx-dcp-1"
@@ -94,7 +100,8 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
         >>> px.save(torch.nn.Linear(1, 1), os.path.join(tempfile.mkdtemp(), "m.pt"))
     """
     if is_sharded(model):  # collective: the whole weights, on rank 0's CPU only, no DTensors
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = _dcp().state_dict
+        state = sd.get_model_state_dict(model, options=sd.StateDictOptions(full_state_dict=True, cpu_offload=True))
     elif group.is_main():
         state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
     if group.is_main():
@@ -146,7 +153,7 @@ class SaveHandle:
                     self._future.result(timeout)
                 except TimeoutError:
                     raise
-                except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank's failure
+                except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001 - every rank's failure
                     if self.rank != 0:
                         raise _write_error(self.path, err) from err
             if self.rank == 0:
@@ -216,8 +223,8 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     strategy = state.strategy
     # Replicated tensors are written once: spread over the workers when replicas agree, by rank 0 otherwise
     # (its model is the one every worker takes when resuming on another number of workers).
-    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=strategy is not None
-                                 and not strategy.replicas_agree(strategy.steps))
+    dedup = strategy is not None and not strategy.replicas_agree(strategy.steps)
+    planner = _dcp().default_planner.DefaultSavePlanner(dedup_save_to_lowest_rank=dedup)
     writer = _writer(tmp)
     distributed = dist.is_initialized() and world > 1
     kwargs = dict(storage_writer=writer, planner=planner, process_group=pg, no_dist=not distributed)
@@ -225,15 +232,15 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     if blocking:
         try:
             with _quiet():
-                dcp.save(tensors, **kwargs)
-        except (Exception, CheckpointException) as err:  # noqa: BLE001 - raised on every rank
+                _dcp().save(tensors, **kwargs)
+        except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001 - raised on every rank
             if me == 0:
                 _abandon(tmp, key)
             raise _write_error(path, err) from err
         _finish(handle, tmp, world, state.step, blocking=True)
         g.saving = handle  # done; kept for its process group
         return handle
-    handle._future = dcp.async_save(tensors, **kwargs)  # stages (copies) now, writes in a thread
+    handle._future = _dcp().async_save(tensors, **kwargs)  # stages (copies) now, writes in a thread
     g.saving = handle
     if me == 0:
         handle._future.add_done_callback(lambda fut: _finish(handle, tmp, world, state.step, blocking=False))
@@ -248,9 +255,9 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _writer(tmp: str) -> dcp.FileSystemWriter:
+def _writer(tmp: str) -> Any:
     """DCP's writer for the temporary directory (a test replaces this to hold a write half-way)."""
-    return dcp.FileSystemWriter(tmp, sync_files=True)
+    return _dcp().FileSystemWriter(tmp, sync_files=True)
 
 
 def _finish(handle: SaveHandle, tmp: str, world: int, step: int, *, blocking: bool) -> None:
@@ -262,7 +269,7 @@ def _finish(handle: SaveHandle, tmp: str, world: int, step: int, *, blocking: bo
         if handle._future is not None:
             try:
                 handle._future.result()
-            except (Exception, CheckpointException) as err:  # noqa: BLE001
+            except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001
                 raise _write_error(handle.path, err) from err
         _commit(tmp, handle.path, world, step)
     except BaseException as err:
@@ -352,9 +359,9 @@ def _live_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tu
     """torch's ``get_state_dict``: parameter names as keys, plain or sharded (DTensor) values; no copies."""
     with _grads_present(optimizer):  # keeps DCP from stepping the optimizer (and phalanx's hooks) to init it
         if optimizer is None:
-            return get_model_state_dict(model), None
+            return _dcp().state_dict.get_model_state_dict(model), None
         try:
-            return get_state_dict(model, optimizer)
+            return _dcp().state_dict.get_state_dict(model, optimizer)
         except KeyError as err:
             raise ConfigError(usage("an optimizer holding parameters that are not the model's",
                                     "the optimizer built from this model's parameters",
@@ -649,7 +656,7 @@ def _load_directory(path: str, state: TrainingState, *, restore_rng: bool) -> di
     same = marker["world_size"] == world
     own = _read_rank_file(path, me if same else 0)
     skeleton = own["skeleton"]
-    metadata = _SafeReader(path).read_metadata()
+    metadata = _safe_reader(path).read_metadata()
     model = unwrap(state.model)
     optimizer = state.optimizer if skeleton.get("optim") is not None else None
     msd, osd = _live_state(model, optimizer)
@@ -668,13 +675,14 @@ def _load_directory(path: str, state: TrainingState, *, restore_rng: bool) -> di
     if targets:
         _dcp_load(path, targets)
     parts = _join(wanted, targets)
+    sd = _dcp().state_dict
     try:
         with _grads_present(optimizer):
             if optimizer is not None:
-                set_state_dict(model, optimizer, model_state_dict=parts["model"], optim_state_dict=parts["optim"],
-                               options=StateDictOptions(strict=True))
+                sd.set_state_dict(model, optimizer, model_state_dict=parts["model"], optim_state_dict=parts["optim"],
+                                  options=sd.StateDictOptions(strict=True))
             else:
-                set_model_state_dict(model, parts["model"], options=StateDictOptions(strict=True))
+                sd.set_model_state_dict(model, parts["model"], options=sd.StateDictOptions(strict=True))
         if parts["own"] and parts["own"].get("buffers"):
             model.load_state_dict(parts["own"]["buffers"], strict=False)
     except (RuntimeError, ValueError, KeyError) as err:
@@ -730,7 +738,7 @@ def _few(items: list[str], n: int = 5) -> str:
 
 def _load_whole(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
     """The tensors ``keys`` of a checkpoint directory, whole (unsharded), in this process alone."""
-    metadata = _SafeReader(path).read_metadata().state_dict_metadata
+    metadata = _safe_reader(path).read_metadata().state_dict_metadata
     lacking = [k for k in keys if k not in metadata]
     if lacking:
         raise CheckpointError(f"{path!r} is damaged: its DCP metadata lacks {', '.join(lacking[:5])}; expected "
@@ -745,10 +753,10 @@ def _dcp_load(path: str, targets: dict[str, torch.Tensor]) -> None:
     """DCP's load into ``targets``, in this process alone; a damaged data file is one CheckpointError."""
     try:
         with _quiet():
-            dcp.load(targets, storage_reader=_SafeReader(path), no_dist=True)
+            _dcp().load(targets, storage_reader=_safe_reader(path), no_dist=True)
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - a damaged file
+    except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001 - a damaged file
         first = next(iter(str(err).strip().splitlines()), type(err).__name__)
         raise CheckpointError(f"{path!r} could not be read: its DCP data is truncated or corrupted "
                               f"({type(err).__name__}: {first[:200]}); expected an intact checkpoint. Resume from "
@@ -772,29 +780,37 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
 
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader, with its metadata read by :class:`_MetadataUnpickler` and tensors only."""
+def _safe_reader(path: str) -> Any:
+    """DCP's file reader for ``path``, with its metadata read by :class:`_MetadataUnpickler` and tensors only."""
+    return _safe_reader_class()(path)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        where = os.path.join(os.fspath(self.path), ".metadata")
-        try:
-            with open(where, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise CheckpointError(f"{os.fspath(self.path)!r} lacks DCP's .metadata; expected a whole checkpoint "
-                                  "directory. Resume from an earlier checkpoint.") from None
-        except Exception as err:  # noqa: BLE001 - anything unreadable is one refusal
-            raise CheckpointError(f"{where!r} could not be read safely ({type(err).__name__}: "
-                                  f"{str(err)[:200]}); expected DCP metadata of tensors only. Refusing it: do not "
-                                  "load checkpoints from untrusted sources.") from None
-        if not isinstance(metadata, dcp_metadata.Metadata) or not all(
-                isinstance(v, dcp_metadata.TensorStorageMetadata) for v in metadata.state_dict_metadata.values()):
-            raise CheckpointError(f"{where!r} describes entries other than tensors; expected the metadata "
-                                  "px.save_checkpoint writes (objects would be unpickled). Refusing it.")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+
+@functools.cache
+def _safe_reader_class() -> type:
+    """The reader's class: it derives from DCP's, which is imported at the first checkpoint (see :func:`_dcp`)."""
+    return type("_SafeReader", (_dcp().FileSystemReader,), {"read_metadata": _read_metadata})
+
+
+def _read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+    where = os.path.join(os.fspath(self.path), ".metadata")
+    try:
+        with open(where, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{os.fspath(self.path)!r} lacks DCP's .metadata; expected a whole checkpoint "
+                              "directory. Resume from an earlier checkpoint.") from None
+    except Exception as err:  # noqa: BLE001 - anything unreadable is one refusal
+        raise CheckpointError(f"{where!r} could not be read safely ({type(err).__name__}: "
+                              f"{str(err)[:200]}); expected DCP metadata of tensors only. Refusing it: do not "
+                              "load checkpoints from untrusted sources.") from None
+    if not isinstance(metadata, _dcp().metadata.Metadata) or not all(
+            isinstance(v, _dcp().metadata.TensorStorageMetadata) for v in metadata.state_dict_metadata.values()):
+        raise CheckpointError(f"{where!r} describes entries other than tensors; expected the metadata "
+                              "px.save_checkpoint writes (objects would be unpickled). Refusing it.")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = _dcp().metadata.StorageMeta()
+    metadata.storage_meta.load_id = self.load_id
+    return metadata
 
 
 # -- the one-file format of earlier versions ------------------------------------------------------------------------

@@ -13,13 +13,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from . import group, liveness
 from .errors import StoreLostError, WorkerLostError
@@ -176,7 +176,10 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
         >>> local_shard(torch.ones(2))
         tensor([1., 1.])
     """
-    return t.detach().to_local() if isinstance(t, DTensor) else t
+    # A DTensor exists only once FSDP has imported torch.distributed.tensor; importing it here would cost every
+    # worker 1.1 s of start-up (python -X importtime), sharded or not.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.detach().to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def _coalesced(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:

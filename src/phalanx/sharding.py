@@ -28,11 +28,11 @@ Example (a group of one, where ``group_size=1`` leaves the model as it is):
 """
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils._pytree import tree_map_only
 
 from . import _engine, check
@@ -104,6 +104,9 @@ class FullyShard:
                                     "Build the optimizer, then call px.wrap before the first step."))
         if g.world_size == 1 and self.group_size == 1:
             return model  # nothing to shard, nobody to agree with: plain PyTorch
+        # FSDP is imported by the jobs that shard only: with DTensor it costs 1.1 s of every worker's start-up.
+        from torch.distributed.fsdp import fully_shard
+
         whole = Comm()
         check_same_model(model, whole)
         whole.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
@@ -123,7 +126,7 @@ class FullyShard:
 
     def hook(self, model: nn.Module, clock: "StepClock") -> None:
         """Weigh the gradient by the batch weight and announce the end of backward (after FSDP's own)."""
-        if isinstance(model, FSDPModule):
+        if is_sharded(model):
             model.register_forward_hook(_OutputHook(clock))
 
     def __repr__(self) -> str:
@@ -157,7 +160,8 @@ def _units(model: nn.Module, min_params: int) -> list[nn.Module]:
 
 def is_sharded(model: nn.Module) -> bool:
     """True for a model ``px.wrap(..., shard=...)`` sharded (its parameters are DTensors)."""
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # no model is sharded before FSDP is imported
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 class _Scale(torch.autograd.Function):

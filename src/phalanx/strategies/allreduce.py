@@ -30,11 +30,11 @@ Example:
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import group
@@ -89,7 +89,8 @@ class AllReduce(Strategy):
         returned (``px.keras.wrap``): the average then comes from the overlapped hooks.
         """
         super().attach(model, optimizer)
-        if isinstance(model, FSDPModule):
+        fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by px.FullyShard only (a 1 s import)
+        if fsdp is not None and isinstance(model, fsdp.FSDPModule):
             return model  # HSDP: FSDP's reduce-scatter (and all-reduce across replica groups) averages
         elastic = group.current().elastic  # a joiner attaches alone: it needs the hooks once the group grows
         if self.compression is not None or (self.comm.world_size == 1 and not elastic):
