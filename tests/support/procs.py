@@ -3,16 +3,27 @@
 ``run_workers("workers.mod:fn", world_size=2)`` starts one Python process per rank with the
 variables ``phalanx run`` and torchrun set and returns what each rank's ``fn(**kwargs)``
 returned; nothing is mocked, the workers talk gloo. It is the runner the benchmarks use
-(:mod:`phalanx.bench.procs`), so a test and a benchmark start their workers alike.
+(:mod:`phalanx.bench.procs`), so a test and a benchmark start their workers alike, except that
+tests fork their ranks from a server that imported torch once (``start_method="forkserver"``):
+each rank is still its own process, and the suite spends its time testing rather than importing.
 """
 from __future__ import annotations
 
 import os
 import sys
 
-from phalanx.bench.procs import WorkerRun, free_port, run_workers
+from typing import Any
+
+from phalanx.bench import procs
+from phalanx.bench.procs import WorkerRun, free_port
 
 __all__ = ["WorkerRun", "free_port", "kill_at", "run_workers"]
+
+
+def run_workers(target: str, world_size: int = 2, **options: Any) -> WorkerRun:
+    """:func:`phalanx.bench.procs.run_workers`, forking ranks from the preloaded server unless told otherwise."""
+    options.setdefault("start_method", "forkserver")
+    return procs.run_workers(target, world_size, **options)
 
 
 def kill_at(step: int, *, rank: int, now: int, my_rank: int | None = None, code: int = 1) -> None:
