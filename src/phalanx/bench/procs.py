@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal, Protocol
 
@@ -169,8 +168,8 @@ def _forked_main(argv: list[str], env: dict[str, str], log: str, cwd: str) -> No
         _main(argv)
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported in the log, as a fresh interpreter would
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - handed to sys.excepthook, as a fresh interpreter would
+        sys.excepthook(*sys.exc_info())  # px.init()'s hook leaves the failure note peers read (lost_peers)
         code = 1
     # multiprocessing's children skip atexit; phalanx's exit handlers (the group's shutdown) must run as they
     # would at a spawned interpreter's exit.
