@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from phalanx.bench.quality import advisor, cli, corpus, curves, plan, sessions, targets
+from phalanx.bench.quality import advisor, cli, corpus, curves, plan, sessions, targets, torchft_peer
 from phalanx.bench.quality.tasks import TASKS
 from phalanx.errors import ConfigError
 from support.procs import run_workers
@@ -157,7 +157,7 @@ def test_lr_sweep_picks_the_best_final_quality_and_ignores_failures():
     assert plan.choose_lrs(recs, {"gpt": False})[("gpt", "ddp")]["lr"] == 2e-3
 
 
-@pytest.mark.parametrize("argv, match", [(["--setups", "ddp,torchft-diloco"], "lighthouse"),
+@pytest.mark.parametrize("argv, match", [(["--setups", "ddp,nccl-magic"], "names from ddp"),
                                          (["--tasks", "mnist"], "task 'mnist'"),
                                          (["--targets", "bert=1"], "--targets"),
                                          (["--sweep", "0,1"], "--sweep")])
@@ -222,3 +222,35 @@ def test_smoke_run_writes_the_report(tmp_path, capsys):
                      "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "quality.json").read_text())
     assert all(r["reached"] == 0 for r in again["rows"]) and again["advisor"][0]["verdict"] == "cannot tell"
+
+
+# -- torchft's DiLoCo peers: an optional extra ------------------------------------------------------
+def test_torchft_setups_without_torchft_are_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(torchft_peer, "missing", lambda: "torchft is not importable by this interpreter")
+    with pytest.raises(ConfigError) as err:
+        cli.main(["--setups", "ddp,torchft-diloco", "--link", "loopback", "--dry-run"])
+    assert "torchft-diloco: torchft is not importable" in str(err.value) and "\n" not in str(err.value)
+    args = cli.parser().parse_args(["--link", "loopback"])
+    assert not set(torchft_peer.NAMES) & set(cli.resolve(args)["setups"])  # the default leaves them out
+
+
+def test_torchft_fragments_are_phalanx_fragments():
+    import phalanx as px
+
+    model = TASKS["gpt"].model()
+    mine = px.StreamingDiLoCo(every=48, fragments=4, overlap=5)
+    px.wrap(model, torch.optim.AdamW(model.parameters()), strategy=mine)
+    theirs = torchft_peer.fragments(px.unwrap(model), 4)
+    assert [[id(p) for p in f.parameters()] for f in theirs] == [[id(p) for p in f.params] for f in mine.fragments]
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(torchft_peer.missing() is not None, reason="torchft is not importable here (an optional extra: "
+                    "benchmarks/torchft/setup.sh)")
+def test_torchft_streaming_diloco_trains_in_a_session_and_counts_its_bytes():
+    # 16 steps: torchft's first fragment exchange is at step 12 (H = 48, 4 fragments); lighthouse in rank 0
+    run = plan.QRun("gpt", "torchft-streaming-diloco", "loopback", 2e-3, 100.0, 16, 4)
+    (rec,) = sessions.run_session([sessions.Item(run, 0, plan.config(run, 0, evals=1))], None, timeout=180)
+    assert rec["error"] is None, rec["error"]
+    r0 = rec["ranks"][0]
+    assert r0["steps"] == 16 and math.isfinite(r0["final"]) and r0["bytes_per_step"] > 0
