@@ -5,7 +5,11 @@ processes). Run as a script under ``phalanx run --elastic -n 3`` it is the elast
 training loop: a tiny regression, Streaming DiLoCo with an exchange always in flight, a
 kill at one step (a spare, if any, takes the lost worker's place), and each worker's
 replica, anchors, final weights and the sample ids each rank trained on written to
-``--out``; :func:`elastic_oracle` replays that record in one process.
+``--out``; :func:`elastic_oracle` replays that record in one process. A joiner at a commit
+point (the members do not roll back) is checked by hand, as it needs a process started
+after the kill (about a minute on a loaded machine): ``phalanx run -n 3 --elastic
+--min-workers 2 --replace tests/workers/streaming.py --out DIR --kill 1@5 --epochs 3
+--slow-while-below 3``, then :func:`elastic_oracle` on a worker's record.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import copy
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -127,6 +132,8 @@ def main() -> None:
     p.add_argument("--kill", default="", help="ID@STEP: the worker started as rank ID dies before STEP")
     p.add_argument("--commit-every", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--slow-while-below", type=int, default=0,
+                   help="steps take 1 s while the group is smaller than this (a replacement is starting), 60 s at most")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
@@ -158,7 +165,10 @@ def main() -> None:
                 opt.zero_grad()
                 F.mse_loss(model(xb), yb).backward()
                 opt.step()
+                if px.world_size() < args.slow_while_below and time.monotonic() < began + 60:
+                    time.sleep(1.0)
 
+    began = time.monotonic()
     run(state)
     replica = [t.tolist() for t in px.unwrap(model).parameters()]
     anchors = [a.tolist() for fr in strategy.fragments for a in fr.anchor]
