@@ -9,8 +9,9 @@
 # target is provisional (see its `why`); LINKS overrides the links. Progress goes to stderr, one line per finished
 # run; OUT/quality.json is rewritten after every run and OUT/quality.md every 8 runs (plots at the end), so a late
 # stop still leaves tables. Each table reports time to target / the compute-only bound (DDP's steps to target x one
-# worker's compute step). torchft's DiLoCo joins as a peer when benchmarks/torchft/setup.sh has built its own
-# environment.
+# worker's compute step). torchft's DiLoCo and Streaming DiLoCo join as peers (lighthouse in rank 0's namespace)
+# when the python that runs this can import torchft: benchmarks/torchft/setup.sh, then
+# PY=benchmarks/torchft/.venv-torchft/bin/python benchmarks/quality.sh OUT (about 50 minutes instead of 44).
 set -uo pipefail  # a failed run is reported in its table; keep measuring the rest
 cd "$(dirname "$0")/.."
 OUT=${1:-results/quality}

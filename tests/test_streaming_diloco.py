@@ -3,7 +3,8 @@
 Unit: bad input, the fragment split, the quantiser's round-trip bounds on any shape, one
 process equal to DiLoCo. Multi-process (2 gloo workers): P = 1, τ = 0 equals px.DiLoCo
 bit for bit; P = 2, τ = 1 follows the paper's Algorithm 1 computed in one process; the
-quantised exchanges train. Elastic (3 workers): a kill while an exchange is in flight.
+quantised exchanges train. Elastic (3 workers): a kill while an exchange is in flight, and a
+spare joining in the lost worker's place mid-overlap, both against a one-process replay.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.strategies.streaming_diloco import balanced_split
 from support.procs import run_workers
+from workers import streaming
 
 STEPS = 8
 
@@ -227,23 +229,62 @@ def test_quantised_exchanges_keep_replicas_in_step_and_send_fewer_bytes(results)
     assert all(math.isfinite(float(p.sum())) for p in r0["diloco_int8"]["params"])
 
 
-# -- elastic: a kill while an exchange is in flight -------------------------------------------------------------------
+# -- elastic: a kill while an exchange is in flight, a spare joining mid-overlap ----------------------------------
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "streaming.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 
 
-@pytest.mark.multiproc
-def test_a_kill_mid_overlap_drops_the_lost_workers_part_and_the_survivors_go_on(tmp_path):
-    cmd = [*CLI, "run", "-n", "3", "--elastic", "--min-workers", "2", WORKER, "--out", str(tmp_path),
-           "--kill", "2@4", "--commit-every", "3"]
+def launch(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``phalanx run -n 3 --elastic RUN_FLAGS -- SCRIPT_FLAGS`` on the streaming script; each worker's result."""
+    cut = flags.index("--")
+    cmd = [*CLI, "run", "-n", "3", "--elastic", "--min-workers", "2", *flags[:cut], WORKER, "--out", str(tmp_path),
+           *flags[cut + 1:]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    return proc, {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+
+
+def check_against_oracle(got: dict) -> None:
+    """Every worker's replica and anchors are the one-process replay's; finish() leaves them all equal."""
+    some = got["0"]  # a member from the start: its history has every change (a joiner's begins at its join)
+    full = [(h["joined"], h["step"]) for h in some["history"]]
+    for r in got.values():
+        mine = [(h["joined"], h["step"]) for h in r["history"]]
+        assert r["record"] == some["record"] and mine == full[len(full) - len(mine):]
+    oracle = streaming.elastic_oracle(some["record"], some["history"])
+    assert sorted(oracle["members"]) == sorted(got)
+    for wid, r in got.items():
+        assert r["rank"] == oracle["members"].index(wid)
+        for a, b in zip(r["replica"], oracle["replicas"][wid], strict=True):
+            torch.testing.assert_close(torch.tensor(a), b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(r["anchors"], oracle["anchors"], strict=True):
+            torch.testing.assert_close(torch.tensor(a), b, rtol=1e-5, atol=1e-6)
+        assert r["params"] == some["params"]
+
+
+@pytest.mark.multiproc
+def test_a_kill_mid_overlap_drops_the_lost_workers_part_and_the_survivors_go_on(tmp_path):
+    _, got = launch(tmp_path, "--", "--kill", "2@4", "--commit-every", "3")
     assert sorted(got) == ["0", "1"]
     for r in got.values():
         assert r["world_size"] == 2 and [h["left"] for h in r["history"]] == [["2"]]
-    # Worker 2 dies before step 4: the survivors' fragment-0 exchange of step 4 never completes (it is dropped);
-    # they roll back to the commit of step 3, which held fragment 1's exchange in flight: the two send it again.
-    assert got["0"]["history"][0]["step"] == 3 and got["0"]["in_flight_at_commit"] == [[1]]
-    assert got["0"]["params"] == got["1"]["params"] and got["0"]["anchors"] == got["1"]["anchors"]
-    assert all(math.isfinite(v) for t in got["0"]["params"] for v in torch.tensor(t).reshape(-1).tolist())
+    # Worker 2 dies before step 4: the survivors roll back to the commit of step 3, which held fragment 1's
+    # exchange (sent at step 2) in flight; the two send their parts of it again, worker 2's is dropped.
+    assert got["0"]["history"][0]["step"] == 3 and got["0"]["in_flight"]["3"] == [1]
+    check_against_oracle(got)
+
+
+@pytest.mark.multiproc
+def test_a_spare_joining_mid_overlap_gets_the_fragments_outer_state(tmp_path):
+    # Commits at steps 3, 6, 9; worker 1 dies before step 10. By then both fragments have taken outer steps
+    # (anchors moved, momentum non-zero) and fragment 0's exchange of step 8 is in flight at the commit of
+    # step 9. The survivors roll back to it and the spare s0 enters as rank 2: it must take the anchors and
+    # outer momentum and send an empty part for the exchange in flight, or its replica and anchors leave the
+    # oracle's (and the others').
+    proc, got = launch(tmp_path, "--spares", "1", "--", "--kill", "1@10", "--commit-every", "3")
+    assert sorted(got) == ["0", "2", "s0"] and "spare s0" in proc.stderr
+    [change] = got["0"]["history"]
+    assert (change["left"], change["joined"], change["step"]) == (["1"], ["s0"], 9)
+    assert got["0"]["in_flight"]["9"] == [0] and got["s0"]["in_flight"]["9"] == [0]
+    assert all(r["world_size"] == 3 for r in got.values())
+    check_against_oracle(got)

@@ -3,7 +3,8 @@
 # Creates benchmarks/torchft/.venv-torchft on top of phalanx's venv (--system-site-packages, so phalanx itself is
 # importable there) and installs torchft 0.2.0 under the project's constraints, which pin torch to the same version
 # (pip may still place its own copy of that torch wheel in this venv; it never touches phalanx's venv).
-# Then: benchmarks/torchft/.venv-torchft/bin/python benchmarks/torchft/diloco_peer.py gpt 0.002 120 50 OUT.json
+# Then the quality benchmark runs torchft's DiLoCo and Streaming DiLoCo as peers (src/phalanx/bench/quality/torchft_peer.py):
+#   PY=benchmarks/torchft/.venv-torchft/bin/python benchmarks/quality.sh OUT
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PY:-../../.venv/bin/python}

@@ -1,22 +1,31 @@
 """Workers for tests/test_streaming_diloco.py: real processes on gloo, digits data.
 
 ``exchanges`` runs on every rank of ``run_workers`` (several experiments share one pair of
-processes). Run as a script under ``phalanx run --elastic -n 3`` it is the elastic test's
+processes). Run as a script under ``phalanx run --elastic -n 3`` it is the elastic tests'
 training loop: a tiny regression, Streaming DiLoCo with an exchange always in flight, a
-kill at one step, and each survivor's final weights and anchors written to ``--out``.
+kill at one step (a spare, if any, takes the lost worker's place), and each worker's
+replica, anchors, final weights and the sample ids each rank trained on written to
+``--out``; :func:`elastic_oracle` replays that record in one process. A joiner at a commit
+point (the members do not roll back) is checked by hand, as it needs a process started
+after the kill (about a minute on a loaded machine): ``phalanx run -n 3 --elastic
+--min-workers 2 --replace tests/workers/streaming.py --out DIR --kill 1@5 --epochs 3
+--slow-while-below 3``, then :func:`elastic_oracle` on a worker's record.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import phalanx as px
+from workers.elastic import wait_for_spares
 
 BATCH = 32  # per worker (digits)
 
@@ -89,7 +98,32 @@ def exchanges(ckpt_dir: str, steps: int = 10) -> dict[str, Any]:
 
 
 # -- the elastic script -----------------------------------------------------------------------------------------------
-N, DIM, EBATCH = 64, 5, 4
+N, DIM, EBATCH, LR = 64, 5, 4, 0.05
+EVERY, FRAGMENTS, OVERLAP = 4, 2, 2  # fragment 1 sent at steps 2, 6, 10...; fragment 0 at 4, 8...; each lands 2 later
+
+
+def elastic_data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, DIM, generator=g)
+    return torch.utils.data.TensorDataset(x, x @ torch.randn(DIM, 1, generator=g), torch.arange(N))
+
+
+def elastic_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(DIM, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+class Record:
+    """Per step: (epoch, world size, each rank's sample ids); rolled back with the commit."""
+
+    def __init__(self) -> None:
+        self.steps: list[list] = []
+
+    def state_dict(self) -> dict:
+        return {"steps": [list(s) for s in self.steps]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = [list(s) for s in state["steps"]]
 
 
 def main() -> None:
@@ -97,44 +131,116 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--kill", default="", help="ID@STEP: the worker started as rank ID dies before STEP")
     p.add_argument("--commit-every", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--slow-while-below", type=int, default=0,
+                   help="steps take 1 s while the group is smaller than this (a replacement is starting), 60 s at most")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
     px.init()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(N, DIM, generator=g)
-    data = torch.utils.data.TensorDataset(x, x @ torch.randn(DIM, 1, generator=g))
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(DIM, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    # Fragment 1 is sent at steps 2, 6, 10..., fragment 0 at 4, 8...; each lands 2 steps later: one is always
-    # in flight, so the commit at step 3 holds fragment 1's exchange, and a kill before step 4 leaves the survivors'
-    # fragment-0 exchange of step 4 without its third worker.
-    strategy = px.StreamingDiLoCo(every=4, fragments=2, overlap=2)
-    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.05), strategy=strategy)
+    data, net = elastic_data(), elastic_model()
+    # With overlap 2 one exchange is always in flight, so every commit holds one, and a kill leaves the
+    # survivors' next exchange without its worker.
+    strategy = px.StreamingDiLoCo(every=EVERY, fragments=FRAGMENTS, overlap=OVERLAP)
+    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=LR), strategy=strategy)
     loader = px.shard(data, batch_size=EBATCH, seed=0)
-    state = px.elastic.State(model, opt, loader, commit_every=args.commit_every)
-    in_flight_at_commit: list[list[int]] = []
+    record = Record()
+    state = px.elastic.State(model, opt, loader, commit_every=args.commit_every, extra={"record": record})
+    comm = px.Comm()
+    in_flight: dict[int, list[int]] = {}  # per commit: the fragments with an exchange in flight
 
     @px.elastic.run
     def run(state: px.elastic.State) -> None:
-        for epoch in range(state.epoch, 2):
+        for epoch in range(state.epoch, args.epochs):
             loader.set_epoch(epoch)
-            for xb, yb in loader:
+            for xb, yb, ids in loader:
                 if me == victim and state.step + 1 == int(at) and not state.history:
+                    wait_for_spares(state)  # so that a spare is parked (hot) when the kill comes
                     os.kill(os.getpid(), signal.SIGKILL)
-                if state.step == args.commit_every and state.step in state.commits and not in_flight_at_commit:
-                    in_flight_at_commit.append([f.index for f in strategy.fragments if f.sent_at >= 0])
+                if state.step in state.commits and state.step not in in_flight:
+                    in_flight[state.step] = [f.index for f in strategy.fragments if f.sent_at >= 0]
+                padded = torch.cat([ids, torch.full((EBATCH - len(ids),), -1, dtype=ids.dtype)])
+                record.steps.append([epoch, px.world_size(),
+                                     [[i for i in part.tolist() if i >= 0] for part in comm.all_gather(padded)]])
                 opt.zero_grad()
                 F.mse_loss(model(xb), yb).backward()
                 opt.step()
+                if px.world_size() < args.slow_while_below and time.monotonic() < began + 60:
+                    time.sleep(1.0)
 
+    began = time.monotonic()
     run(state)
+    replica = [t.tolist() for t in px.unwrap(model).parameters()]
+    anchors = [a.tolist() for fr in strategy.fragments for a in fr.anchor]
     strategy.finish()
     with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
-        json.dump({"id": me, "steps": state.step, "world_size": px.world_size(), "history": state.history,
+        json.dump({"id": me, "rank": px.rank(), "steps": state.step, "world_size": px.world_size(),
+                   "history": state.history, "record": record.steps, "replica": replica, "anchors": anchors,
                    "params": [t.tolist() for t in px.unwrap(model).parameters()],
-                   "anchors": [a.tolist() for fr in strategy.fragments for a in fr.anchor],
-                   "in_flight_at_commit": in_flight_at_commit}, f)
+                   "in_flight": {str(k): v for k, v in in_flight.items()}}, f)
+
+
+def elastic_oracle(record: list, history: list) -> dict[str, Any]:
+    """The elastic run in ONE process: each member's replica, Algorithm 1 over the members' weighted mean.
+
+    ``record``: per step, each rank's sample ids; ``history``: the membership changes, each taking effect
+    after the commit it names. At a change the lost members' parts of the exchanges in flight are dropped;
+    a joiner takes a copy of rank 0's replica and optimizer, sends nothing for those exchanges and counts
+    its samples from the join; everyone keeps the anchors and outer momentum.
+    """
+    from phalanx.strategies.streaming_diloco import balanced_split
+
+    data, first = elastic_data(), elastic_model()
+    sizes = [p.numel() * p.element_size() for p in first.parameters()]
+    frags = balanced_split(sizes, FRAGMENTS)
+    members = [str(r) for r in range(record[0][1])]
+    nets = {m: copy.deepcopy(first) for m in members}
+    opts = {m: torch.optim.SGD(nets[m].parameters(), lr=LR) for m in members}
+    shares = {m: [0.0] * FRAGMENTS for m in members}
+    anchor = [p.detach().clone() for p in first.parameters()]
+    momentum = [torch.zeros_like(a) for a in anchor]
+    in_flight: dict[int, tuple[int, dict[str, tuple[float, list[torch.Tensor]]]]] = {}
+    changes = {h["step"]: h for h in history}
+    for t, (_epoch, world, parts) in enumerate(record, start=1):
+        if t - 1 in changes:
+            change = changes[t - 1]
+            members = [m for m in members if m not in change["left"]] + list(change["joined"])
+            for j in change["joined"]:
+                nets[j] = copy.deepcopy(nets[members[0]])
+                opts[j] = torch.optim.SGD(nets[j].parameters(), lr=LR)
+                opts[j].load_state_dict(opts[members[0]].state_dict())
+                shares[j] = [0.0] * FRAGMENTS
+            for _, parts_of in in_flight.values():
+                for m in change["left"]:
+                    parts_of.pop(m, None)
+        assert len(parts) == len(members) == world
+        total = sum(len(ids) for ids in parts)
+        for m, ids in zip(members, parts, strict=True):
+            if ids:
+                x, y, _ = data[torch.tensor(ids)]
+                opts[m].zero_grad()
+                F.mse_loss(nets[m](x), y).backward()
+                opts[m].step()
+            shares[m] = [s + len(ids) * world / total for s in shares[m]]
+        with torch.no_grad():
+            weights = {m: list(nets[m].parameters()) for m in members}
+            for p, idx in enumerate(frags):
+                if t % EVERY == p * EVERY // FRAGMENTS:
+                    in_flight[p] = (t, {m: (shares[m][p], [anchor[i] - weights[m][i] for i in idx]) for m in members})
+                    for m in members:
+                        shares[m][p] = 0.0
+            for p, idx in enumerate(frags):
+                if p in in_flight and t >= in_flight[p][0] + OVERLAP:
+                    parts_of = in_flight.pop(p)[1]
+                    weight = sum(s for s, _ in parts_of.values())
+                    for k, i in enumerate(idx):
+                        d = sum(s * delta[k] for s, delta in parts_of.values()) / weight
+                        momentum[i].mul_(0.9).add_(d)
+                        anchor[i].sub_(d.add(momentum[i], alpha=0.9), alpha=0.7)
+                        for m in members:
+                            weights[m][i].copy_(torch.lerp(anchor[i], weights[m][i], 0.5))
+    return {"members": members, "replicas": {m: [p.detach() for p in nets[m].parameters()] for m in members},
+            "anchors": anchor}
 
 
 if __name__ == "__main__":

@@ -176,7 +176,8 @@ def recommend(table: dict[str, Any], gbit: float, threshold: float,
         best = _best(table, gbit, threshold, lambda s, p: p["samples_per_s"] / steps_to_target[s]
                      if steps_to_target.get(s, math.inf) < math.inf else None)
         if best is None:
-            return _none(table, gbit, threshold) if not any(
+            # no setup reached the target at all, or none of those that did keeps the efficiency threshold
+            return "none: no setup reached the target" if not any(
                 v < math.inf for v in steps_to_target.values()) else "none: no setup that reached the target " \
                 "keeps the efficiency threshold"
         scores = sorted((p["samples_per_s"] / steps_to_target[s], s) for s, t in table.items()

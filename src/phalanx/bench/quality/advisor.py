@@ -12,7 +12,10 @@ with the setup that actually reached the target first on that link:
   setup that converges per step like all-reduce, naming any faster-projected setup of
   another kind as one to measure first;
 * ``with_steps``: :func:`projection.recommend` given this run's measured steps to target
-  (what `phalanx bench` could say after a quality run).
+  (what `phalanx bench` could say after a quality run), declining ("cannot tell between A
+  and B") where its pick is projected less than :data:`MARGIN` sooner than the runner-up, or
+  where the throughput projection of either is off by more than :data:`MARGIN` against the
+  samples/s measured on this link: a lead inside the model's own error is not a lead.
 
 Each verdict is ``right`` (it named the winner), ``cannot tell`` (it declined, or named
 the winner as one to measure, or its pick's time to target overlaps the winner's, or
@@ -37,6 +40,8 @@ from .. import projection
 from .curves import INF, winner
 
 UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+# The throughput projection's measured error: 0.88-1.23x of the measured samples/s (docs/performance.md §7).
+MARGIN = 1.25
 
 
 def rate_bits(link: str) -> float:
@@ -47,7 +52,7 @@ def rate_bits(link: str) -> float:
 
 
 def _verdict(text: str, mine: list[dict[str, Any]], best: dict[str, Any] | None) -> dict[str, Any]:
-    pick = None if text.startswith(("no setup", "none")) else text.split(" on ")[0]
+    pick = None if text.startswith(("no setup", "none", "cannot tell")) else text.split(" on ")[0]
     flagged = text.split("; ")[1].split(" ")[0] if "; " in text else None
     out: dict[str, Any] = {"advice": text, "recommended": pick}
     if best is None:
@@ -94,9 +99,36 @@ def check(rows: list[dict[str, Any]], compute_s: dict[str, float], per_worker: d
                                                       for r in mine if r["samples_per_s"]["median"] > 0}}
         entry.update(_verdict(projection.recommend(table, gbit, threshold), mine, best))
         entry["old"] = _verdict(projection.recommend_by_throughput(table, gbit, threshold), mine, best)
-        entry["with_steps"] = _verdict(projection.recommend(table, gbit, threshold, steps), mine, best)
+        entry["with_steps"] = _verdict(with_steps(table, gbit, threshold, steps, entry["throughput_error"],
+                                                  workers), mine, best)
         out.append(entry)
     return out
+
+
+def with_steps(table: dict[str, Any], gbit: float, threshold: float, steps: dict[str, float],
+               errors: dict[str, float], workers: int = 2) -> str:
+    """:func:`projection.recommend` with measured steps to target, or "cannot tell between A and B" where the
+    pick's projected lead over the runner-up is under :data:`MARGIN`, or the projection of either is off by more
+    than :data:`MARGIN` against the throughput measured on the link (``errors``: projected / measured)."""
+    text = projection.recommend(table, gbit, threshold, steps)
+    pick = text.split(" on ")[0]
+    if text.startswith(("no setup", "none")) or pick not in table:
+        return text
+    score = {s: t["links"][gbit][workers]["samples_per_s"] / steps[s] for s, t in table.items()
+             if steps.get(s, math.inf) < math.inf and workers in t["links"][gbit]}
+    runner = max((s for s in score if s != pick), key=score.get, default=None)
+    if runner is None:
+        return text
+    for s in (pick, runner):
+        e = errors.get(s, 1.0)
+        if not 1 / MARGIN <= e <= MARGIN:
+            return (f"cannot tell between {pick} and {runner}: the projection of {s}'s throughput is off by {e:.2f}x "
+                    "against the samples/s measured on this link")
+    lead = score[pick] / score[runner]
+    if lead < MARGIN:
+        return (f"cannot tell between {pick} and {runner}: {pick} is projected {lead:.2f}x sooner to target, "
+                f"inside the throughput model's error ({MARGIN:.2f}x)")
+    return text
 
 
 def _cell(v: dict[str, Any]) -> str:

@@ -22,7 +22,8 @@ from ..report import environment, write_json
 from ..runner import _terminate_unwinds, links_for
 from ..spec import split_list
 from . import advisor, curves, plan, report, sessions, targets
-from .setups import PEER_REASONS, SETUPS
+from .setups import SETUPS, peer_reasons
+from .torchft_peer import NAMES as TORCHFT
 from .tasks import TASKS, get
 
 SMOKE = {"tasks": "gpt", "setups": "ddp,local-sgd", "repeats": 1, "budget": 1.0, "sweep": "",
@@ -33,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="phalanx bench --quality", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default="gpt,resnet20", help="comma list from " + ", ".join(TASKS))
-    p.add_argument("--setups", default=",".join(plan.ALL_SETUPS), help="comma list (default: all)")
+    p.add_argument("--setups", default=None, help="comma list (default: all; torchft's when it is importable)")
     p.add_argument("--link", default="10mbit,100mbit,1gbit", help="comma list: rates (root) and/or loopback")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every run (default 3)")
     p.add_argument("--budget", type=float, help="training seconds per run (default: each task's own)")
@@ -73,12 +74,14 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
             setattr(args, key, value)
         args.link = "100mbit" if why_not() is None else "loopback"
     tasks = [get(t).name for t in split_list(args.tasks)]
-    setups = split_list(args.setups)
-    bad = [s for s in setups if s not in SETUPS]
+    left_out = peer_reasons()
+    setups = split_list(args.setups) if args.setups is not None else [
+        *plan.ALL_SETUPS, *(s for s in TORCHFT if s not in left_out)]
+    bad = [s for s in setups if s not in SETUPS or s in left_out]
     if bad:
-        raise ConfigError(usage(f"--setups {','.join(bad)}", "names from " + ", ".join(plan.ALL_SETUPS),
-                                "Fix the list." + "".join(f" {k}: {v}." for k, v in PEER_REASONS.items()
-                                                          if k in bad)))
+        raise ConfigError(usage(f"--setups {','.join(bad)}", "names from " + ", ".join(
+            [*plan.ALL_SETUPS, *(s for s in TORCHFT if s not in left_out)]), "Fix the list." + "".join(
+                f" {k}: {v}." for k, v in left_out.items() if k in bad)))
     links = ["loopback" if x.lower() == "loopback" else parse_rate(x) for x in split_list(args.link)]
     if any(x != "loopback" for x in links) and why_not():
         raise LinkError(f"cannot build the shaped links: {why_not()}")
@@ -194,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = plan.stored_choice() if not args.smoke else {}
         lr_source = "the committed sweep, " + plan.LRS_PATH.split("phalanx/")[-1] if chosen else "base lrs"
     lrs = {k: v["lr"] for k, v in chosen.items()}
+    for (task, setup), lr in list(lrs.items()):  # torchft's DiLoCo: phalanx DiLoCo's inner AdamW, at its lr
+        if setup == "diloco":
+            lrs.update({(task, peer): lr for peer in TORCHFT if (task, peer) not in lrs})
     runs = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs=lrs, budgets=cfg["budgets"], fast=fast)
     payload = {"command": "python -m phalanx.bench.quality " + " ".join(shlex.quote(a) for a in argv),
                "started": started.isoformat(timespec="seconds"),
@@ -202,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "quality": get(t).quality_name, "higher_is_better": higher[t],
                              "per_worker": get(t).per_worker, "compute_s_per_step": compute[t]} for t in tasks},
                "setups": {s: {"provider": SETUPS[s].provider, "note": SETUPS[s].note} for s in cfg["setups"]},
-               "skipped_peers": PEER_REASONS, "estimate_s": est, "lr_source": lr_source,
+               "skipped_peers": peer_reasons(), "estimate_s": est, "lr_source": lr_source,
                "lr_sweep": [{"task": k[0], "setup": k[1], **v} for k, v in chosen.items()],
                "raw": [], "raw_sweep": sweep_records}
     total = len(runs) * args.repeats

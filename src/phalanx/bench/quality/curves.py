@@ -112,10 +112,16 @@ def ratio(slow: dict[str, float], fast: dict[str, float]) -> dict[str, float]:
             "high": div(slow["high"], fast["low"])}
 
 
-def winner(rows_: list[dict[str, Any]], task: str, link: str, provider: str | None = None) -> dict[str, Any] | None:
-    """The row with the lowest median time to target (ties: more repeats reached, then higher throughput)."""
+PEERS = ("torch", "torchft")  # the providers phalanx is compared with
+
+
+def winner(rows_: list[dict[str, Any]], task: str, link: str,
+           provider: str | tuple[str, ...] | None = None) -> dict[str, Any] | None:
+    """The row with the lowest median time to target (ties: more repeats reached, then higher throughput);
+    ``provider``: only that provider's rows (a tuple: any of them)."""
+    wanted = (provider,) if isinstance(provider, str) else provider
     mine = [r for r in rows_ if r["task"] == task and r["link"] == link and r["ok"]
-            and (provider is None or r["provider"] == provider)]
+            and (wanted is None or r["provider"] in wanted)]
     mine = [r for r in mine if r["time_to_target"]["median"] < INF]
     if not mine:
         return None

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from ..report import fmt_bytes
-from .curves import INF, ratio, winner
+from .curves import INF, PEERS, ratio, winner
 
 
 def cell(s: dict[str, float], spec: str) -> str:
@@ -57,10 +57,10 @@ def bound_line(bound: dict[str, Any] | None) -> str:
 
 
 def headline(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Best phalanx setup against DDP and against the best torch peer, per task and link."""
+    """Best phalanx setup against DDP and against the best peer (torch or torchft), per task and link."""
     out = []
     for task, link in dict.fromkeys((r["task"], r["link"]) for r in rows):
-        px_best, peer_best = winner(rows, task, link, "phalanx"), winner(rows, task, link, "torch")
+        px_best, peer_best = winner(rows, task, link, "phalanx"), winner(rows, task, link, PEERS)
         ddp = next((r for r in rows if r["task"] == task and r["link"] == link and r["setup"] == "ddp"), None)
         entry: dict[str, Any] = {"task": task, "link": link, "best_phalanx": px_best and px_best["setup"],
                                  "best_peer": peer_best and peer_best["setup"]}
@@ -85,7 +85,7 @@ def _r(x: dict[str, float] | None) -> str:
 
 
 def headline_table(entries: list[dict[str, Any]]) -> str:
-    out = ["| task | link | best phalanx setup | vs torch DDP, time to target | best torch peer | "
+    out = ["| task | link | best phalanx setup | vs torch DDP, time to target | best peer (torch, torchft) | "
            "best phalanx vs best peer |", "|---|---|---|---|---|---|"]
     for e in entries:
         out.append(f"| {e['task']} | {e['link']} | {e['best_phalanx'] or 'none reached'} | {_r(e.get('vs_ddp'))} | "

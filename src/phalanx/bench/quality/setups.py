@@ -24,6 +24,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from ..spec import Setup
 from ..worker import _PeerAccountant, _StrategyAccountant, setup_training
+from . import torchft_peer
 
 WARMUP, LOCAL_EVERY, DILOCO_EVERY = 50, 16, 50
 # Streaming DiLoCo (arXiv 2501.18512): DiLoCo's H, 4 fragments (one syncs every H/4 = 12 steps), each exchange
@@ -165,6 +166,13 @@ def _make() -> dict[str, QSetup]:
             every=DILOCO_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP, quantize=4)), optim="adamw",
                note="as streaming-diloco, outer gradients as packed 4-bit values with a float32 scale per 128 "
                     "(px.Quantize(4)), all-gathered"),
+        QSetup("torchft-diloco", "torchft", torchft_peer.build(streaming=False), optim="adamw",
+               note=f"torchft 0.2.0 DiLoCo, H={torchft_peer.H}, AdamW inner, Nesterov outer lr 0.7 momentum 0.9; "
+                    "lighthouse in rank 0's namespace (bench/quality/torchft_peer.py)"),
+        QSetup("torchft-streaming-diloco", "torchft", torchft_peer.build(streaming=True), optim="adamw",
+               note=f"torchft 0.2.0 Streaming DiLoCo, H={torchft_peer.STREAM_H} (torchft needs H divisible by P), "
+                    f"P={torchft_peer.STREAM_FRAGMENTS} fragments cut as phalanx's, τ={torchft_peer.STREAM_OVERLAP}, "
+                    f"α={torchft_peer.STREAM_MIXING}, float32 exchange (its quantisation needs triton/CUDA)"),
         QSetup("easgd", "phalanx", _phalanx(lambda lr: px.EASGD(every=4))),
         QSetup("downpour", "phalanx", _phalanx(lambda lr: px.Downpour(server_optimizer=Adagrad(lr))), optim="sgd",
                note="push/pull every step; Adagrad on the servers at the swept lr (from the SGD base lr)"),
@@ -173,10 +181,9 @@ def _make() -> dict[str, QSetup]:
 
 
 SETUPS: dict[str, QSetup] = _make()
-PEER_REASONS = {
-    "torchft-diloco": "torchft 0.2.0 installs beside torch 2.13 in its own environment (benchmarks/torchft/setup.sh) "
-                      "and its DiLoCo (lighthouse + one Manager per replica group, gloo) trains this benchmark's "
-                      "GPT with 2 replicas on loopback (benchmarks/torchft/diloco_peer.py); it is not yet a setup "
-                      "of this run: its replicas would have to reach the lighthouse from inside the shaped links' "
-                      "network namespaces, and its byte and time accounting be joined to these tables",
-}
+
+
+def peer_reasons() -> dict[str, str]:
+    """The peers left out of this run, each with the reason (torchft's setups when torchft is not importable)."""
+    why = torchft_peer.missing()
+    return {name: why for name in torchft_peer.NAMES} if why else {}
