@@ -22,7 +22,7 @@ last step logged before it, the first step after it (a rollback redoes the steps
 between) and the wall time between those two logs (what the change cost). Given
 ``elastic=state`` (a ``px.elastic.State``), it also names who left and who joined.
 If rank 0 itself is lost, the new rank 0 opens the back end afresh: TensorBoard then
-has a second event file in the same directory (one run), MLflow a second run.
+has a second event file in the same directory (one run), MLflow and W&B a second run.
 
 Back ends are objects (:class:`TensorBoard`, :class:`MLflow`, :class:`WandB`; or your own with
 ``scalars``/``text``/``params``/``close``); a name picks one with its defaults.
