@@ -107,17 +107,22 @@ def wandb_records(directory: str) -> list:
 def test_wandb_offline_run_read_back_from_its_files(tmp_path, monkeypatch) -> None:
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'phalanx[wandb]')")
     import json
+
+    import wandb
     monkeypatch.setenv("WANDB_SILENT", "true")
     tracker = px.Tracker("wandb", tmp_path)
     _train(tracker)
     tracker.log_params({"lr": 0.125})
     tracker.log(2, loss=0.5)  # a rollback: kept, because the x-axis is the logged "step", not wandb's own
     tracker.close()
+    wandb.teardown()  # run.finish() can return before wandb's service has flushed the run file; its exit does not
     records = wandb_records(str(tmp_path))
+
     def items(update: Any) -> dict[str, Any]:  # wandb 0.31 names a key by nested_key, older ones by key
         return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in update}
 
     rows = [items(r.history.item) for r in records if r.HasField("history")]
+    assert not tracker.failed and rows, [r.WhichOneof("record_type") for r in records]
     assert [(r["step"], r["loss"]) for r in rows][-1] == (2, 0.5)
     assert [r["step"] for r in rows] == [1, 2, 3, 2]
     assert rows[0]["lr"] == 0.125 and rows[0]["world_size"] == 1 and rows[0]["accuracy"] == 0.5
