@@ -1,14 +1,15 @@
-"""px.Tracker: what it writes is read back with TensorBoard's event reader and MLflow's client.
+"""px.Tracker: what it writes is read back with TensorBoard's event reader, MLflow's client and W&B's run file.
 
 Unit tests drive one process; one 2-worker run (tests/workers/tracking.py) checks that
-a Trainer fit, a plain loop across a real regroup, and a Keras fit write one set of
-files, from the main worker only.
+a Trainer fit, a plain loop across a real regroup, and a Keras fit (px.Tracker and
+Keras's own TensorBoard callback) write one set of files, from the main worker only.
 """
 from __future__ import annotations
 
 import glob
 import os
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -74,6 +75,63 @@ def test_mlflow_file_store_read_back_with_its_client(tmp_path, monkeypatch) -> N
     assert run.data.params == {"lr": "0.125"} and run.info.status == "FINISHED"
 
 
+def wandb_records(directory: str) -> list:
+    """Every record of the one offline run under ``directory``, read from its ``run-*.wandb`` file.
+
+    wandb keeps no Python reader of its own files (its core is in Go), so this reads the format it documents:
+    a 7-byte header (``:W&B``, magic, version), then LevelDB-log chunks (crc32c, length, type) in 32 KiB blocks,
+    each record a ``wandb_internal_pb2.Record``.
+    """
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+    (path,) = glob.glob(os.path.join(directory, "wandb", "offline-run-*", "run-*.wandb"))
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B"
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending, pos = pending + data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):  # FULL or LAST: a record is complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_offline_run_read_back_from_its_files(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'phalanx[wandb]')")
+    import json
+
+    import wandb
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = px.Tracker("wandb", tmp_path)
+    _train(tracker)
+    tracker.log_params({"lr": 0.125})
+    tracker.log(2, loss=0.5)  # a rollback: kept, because the x-axis is the logged "step", not wandb's own
+    tracker.close()
+    wandb.teardown()  # run.finish() can return before wandb's service has flushed the run file; its exit does not
+    records = wandb_records(str(tmp_path))
+
+    def items(update: Any) -> dict[str, Any]:  # wandb 0.31 names a key by nested_key, older ones by key
+        return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in update}
+
+    rows = [items(r.history.item) for r in records if r.HasField("history")]
+    assert not tracker.failed and rows, [r.WhichOneof("record_type") for r in records]
+    assert [(r["step"], r["loss"]) for r in rows][-1] == (2, 0.5)
+    assert [r["step"] for r in rows] == [1, 2, 3, 2]
+    assert rows[0]["lr"] == 0.125 and rows[0]["world_size"] == 1 and rows[0]["accuracy"] == 0.5
+    assert "bytes_sent" in rows[0] and rows[1]["samples_per_s"] > 0
+    config = {k: v for r in records if r.HasField("config") for k, v in items(r.config.update).items()}
+    assert config["lr"] == 0.125
+    assert any(r.HasField("exit") for r in records)  # finished
+
+
 def test_a_membership_change_is_written_at_the_next_log(tmp_path) -> None:
     """Group.on_regroup drives it (a real rebuild is in the 2-worker run); here the subscribed callback runs."""
     elastic = type("History", (), {"history": []})()
@@ -93,13 +151,16 @@ def test_a_membership_change_is_written_at_the_next_log(tmp_path) -> None:
 
 
 def test_bad_input_is_one_line_and_a_logging_failure_leaves_training_alone(tmp_path, monkeypatch) -> None:
-    with pytest.raises(ConfigError, match="logger back end 'wandb'; expected one of mlflow, tensorboard"):
-        px.Tracker("wandb", tmp_path)
+    with pytest.raises(ConfigError, match="logger back end 'neptune'; expected one of mlflow, tensorboard, wandb"):
+        px.Tracker("neptune", tmp_path)
     import importlib.util
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"pip install 'phalanx\[tensorboard\]'"):
-        px.Tracker("tensorboard", tmp_path)
+    missing = ("tensorboard", "mlflow", "wandb")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    for name in missing:
+        with pytest.raises(ConfigError, match=rf"the \w.* logger without the '{name}' package.*"
+                                              rf"pip install 'phalanx\[{name}\]'"):
+            px.Tracker(name, tmp_path)
     monkeypatch.undo()
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     if importlib.util.find_spec("mlflow") is not None:
@@ -130,11 +191,14 @@ def test_two_workers_write_one_set_of_files(two_workers) -> None:
     assert [s for s, _ in got["loss"]] == list(range(1, steps + 1)) and got["world_size"][0][1] == 2
     assert {"lr", "bytes_sent", "samples_per_s", "epoch/val_accuracy", "epoch/samples_per_s"} <= set(got)
     assert got["epoch/val_accuracy"][-1] == (steps, pytest.approx(results[0]["trainer"]["val_accuracy"]))
-    # Keras: one set of event files too (Keras's own TensorBoard needs TensorFlow's tf.summary; px.Tracker doesn't)
+    # Keras: one set of event files too, from px.Tracker and from Keras's own TensorBoard callback (which writes
+    # through TensorFlow's tf.summary, or without TensorFlow through a torch stand-in: workers/tracking.py)
     assert len(glob.glob(os.path.join(tmp, "keras_tracker", "events.*"))) == 1
     assert "loss" in scalars(os.path.join(tmp, "keras_tracker"))
-    if results[0]["keras"]["tensorflow"]:
-        assert len(glob.glob(os.path.join(tmp, "keras_tb", "train", "events.*"))) == 1
+    for run in ("train", "validation"):
+        assert len(glob.glob(os.path.join(tmp, "keras_tb", run, "events.*"))) == 1, run
+    assert [s for s, _ in scalars(os.path.join(tmp, "keras_tb", "validation"))["epoch_loss"]] == [0, 1]
+    assert [s for s, _ in scalars(os.path.join(tmp, "keras_tb", "train"))["epoch_loss"]] == [0, 1]
 
 
 def test_a_real_regroup_is_logged_once_by_the_main_worker(two_workers, monkeypatch) -> None:

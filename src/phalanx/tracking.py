@@ -1,5 +1,5 @@
 """Experiment tracking: loss, metrics, lr, samples/s, bytes sent, world size and membership changes, logged
-where users look (TensorBoard, MLflow), from the main worker only.
+where users look (TensorBoard, MLflow, Weights & Biases), from the main worker only.
 
 One object serves both loops. In your own loop::
 
@@ -22,15 +22,15 @@ last step logged before it, the first step after it (a rollback redoes the steps
 between) and the wall time between those two logs (what the change cost). Given
 ``elastic=state`` (a ``px.elastic.State``), it also names who left and who joined.
 If rank 0 itself is lost, the new rank 0 opens the back end afresh: TensorBoard then
-has a second event file in the same directory (one run), MLflow a second run.
+has a second event file in the same directory (one run), MLflow and W&B a second run.
 
-Back ends are objects (:class:`TensorBoard`, :class:`MLflow`; or your own with
+Back ends are objects (:class:`TensorBoard`, :class:`MLflow`, :class:`WandB`; or your own with
 ``scalars``/``text``/``params``/``close``); a name picks one with its defaults.
 A missing extra or an unknown name is a :class:`~phalanx.errors.ConfigError` when
 the tracker is built, on every worker. A problem only in logging (a directory that
 cannot be written, a full disk) warns once and logging stops; training goes on.
-Weights & Biases is not offered: the package is not part of any phalanx extra and
-its offline mode was not tested here.
+Weights & Biases (:class:`WandB`, extra ``phalanx[wandb]``) writes offline by
+default: nothing leaves the machine until ``wandb sync``.
 
 Example:
     >>> import tempfile, phalanx as px
@@ -160,6 +160,49 @@ class MLflow:
         return f"MLflow({self.tracking_uri!r}, experiment={self.experiment!r})"
 
 
+class WandB:
+    """A Weights & Biases run, offline by default: files under ``<dir>/wandb/offline-run-*`` (``phalanx[wandb]``).
+
+    Nothing leaves the machine until you run ``wandb sync <dir>/wandb/offline-run-*``; pass ``mode=None`` to let
+    wandb decide (``WANDB_MODE``, your ``wandb login``) or ``mode="online"`` to stream. Every row carries ``step``,
+    the x-axis of every chart (``define_metric``), so a rollback's repeated steps are kept rather than dropped as
+    wandb drops a ``log(step=)`` that goes back. The run is made with ``reinit="create_new"``: it neither ends nor
+    replaces a ``wandb.run`` of your own. ``init`` is passed to ``wandb.init`` (``entity``, ``tags``, ``settings``...).
+    """
+
+    name = "wandb"
+
+    def __init__(self, dir: str | os.PathLike = ".", *, project: str = "phalanx", run_name: str | None = None,
+                 mode: str | None = "offline", **init: Any) -> None:
+        _require("wandb", "wandb", "Weights & Biases")
+        self.dir, self.project, self.run_name, self.mode, self.init = os.fspath(dir), project, run_name, mode, init
+        self.run: Any = None
+
+    def open(self) -> None:
+        import wandb
+        os.makedirs(self.dir, exist_ok=True)  # OSError here: the tracker warns once and stops logging
+        self.run = wandb.init(project=self.project, name=self.run_name, dir=self.dir, mode=self.mode,
+                              reinit="create_new", **self.init)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.run.log({**values, "step": step})
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        self.run.log({tag: text, "step": step})
+
+    def params(self, params: dict[str, Any]) -> None:
+        self.run.config.update(params, allow_val_change=True)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+    def __repr__(self) -> str:
+        return f"WandB({self.dir!r}, project={self.project!r}, mode={self.mode!r})"
+
+
 def _file_store_refused() -> bool:
     """MLflow 3 refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE`` is true (it reads it at the first write)."""
     try:
@@ -169,7 +212,7 @@ def _file_store_refused() -> bool:
     return not MLFLOW_ALLOW_FILE_STORE.get()
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"tensorboard": TensorBoard, "mlflow": MLflow}
+BACKENDS: dict[str, Callable[..., Backend]] = {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB}
 
 
 def _backend(backend: str | Backend, where: str | os.PathLike | None) -> Backend:
@@ -182,7 +225,7 @@ def _backend(backend: str | Backend, where: str | os.PathLike | None) -> Backend
     if not isinstance(backend, Backend):
         raise ConfigError(usage(f"logger back end of type {type(backend).__name__}",
                                 "a name or an object with open/scalars/text/params/close",
-                                "Pass 'tensorboard', 'mlflow', px.tracking.TensorBoard(dir) or your own."))
+                                "Pass 'tensorboard', 'mlflow', 'wandb', px.tracking.TensorBoard(dir) or your own."))
     if where is not None:
         raise ConfigError(usage("a back-end object and a location", "the location inside the object",
                                 f"Pass {type(backend).__name__}(...) alone."))
@@ -193,8 +236,9 @@ class Tracker(Callback):
     """Log from the main worker only; a Trainer callback as well. Build it on every worker (see the module doc).
 
     Args:
-        backend: ``"tensorboard"``, ``"mlflow"`` or a back-end object.
-        where: the back end's location (TensorBoard's log dir, MLflow's tracking URI or directory).
+        backend: ``"tensorboard"``, ``"mlflow"``, ``"wandb"`` or a back-end object.
+        where: the back end's location (TensorBoard's log dir, MLflow's tracking URI or directory, the directory
+            that holds W&B's ``wandb/`` folder).
         optimizer: the optimizer ``px.wrap`` returned: adds ``lr`` and ``bytes_sent`` to every log.
         elastic: a ``px.elastic.State``: membership changes then name who left and joined.
         every: write one ``log`` call in ``every`` (``batch_size`` still counts every call).
@@ -244,7 +288,8 @@ class Tracker(Callback):
             self._samples, self._last_time = 0, now
         events = self._membership(step, now)
         self._last_step = step
-        self._write(lambda b: (b.scalars(step, values), [b.text(step, "membership", e) for e in events]))
+        if self._write(lambda b: (b.scalars(step, values), [b.text(step, "membership", e) for e in events])):
+            self._last_time = time.perf_counter()  # opening a back end (wandb: seconds) is no training time
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Record hyperparameters once (main worker only)."""
@@ -319,17 +364,20 @@ class Tracker(Callback):
         self._changes = []
         return lines
 
-    def _write(self, action: Callable[[Backend], Any]) -> None:
+    def _write(self, action: Callable[[Backend], Any]) -> bool:
+        """Run ``action`` on the main worker, opening the back end first if needed; True when it opened it."""
         if self.failed or not group.is_main():
-            return
+            return False
         g = group.current()
+        opened = self._opened_by is None
         try:
-            if self._opened_by is None:
+            if opened:
                 self.backend.open()
                 self._opened_by = g.generation
             action(self.backend)
         except Exception as err:  # noqa: BLE001 - a logging failure (unwritable dir, full disk) must not end training
             self._fail(err)
+        return opened
 
     def _fail(self, err: BaseException) -> None:
         self.failed = True
@@ -340,4 +388,4 @@ class Tracker(Callback):
         return f"Tracker({self.backend!r}, every={self.every})"
 
 
-__all__ = ["BACKENDS", "Backend", "MLflow", "TensorBoard", "Tracker"]
+__all__ = ["BACKENDS", "Backend", "MLflow", "TensorBoard", "Tracker", "WandB"]

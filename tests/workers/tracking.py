@@ -2,14 +2,16 @@
 
 ``everything`` runs on 2 workers: a Trainer fit with a TensorBoard tracker, a plain loop
 with an MLflow tracker that sees a real regroup (``Group.rebuild`` into generation 1,
-the step rolled back by two), and a Keras fit with Keras's own ``TensorBoard`` callback.
+the step rolled back by two), and a Keras fit with Keras's own ``TensorBoard`` callback
+(without TensorFlow, writing through a torch stand-in for ``tf.summary``) beside a tracker.
 The test reads back what was written: one set of files, from the main worker only.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -58,8 +60,44 @@ def _loop_with_regroup(tmp: str) -> dict[str, Any]:
     return {"generation": g.generation, "run_id": getattr(tracker.backend, "run_id", None)}
 
 
+class _TorchSummary:
+    """The few ``tf.summary`` calls Keras's ``TensorBoard`` callback makes (``write_graph=False``, per-epoch
+    updates), written through ``torch.utils.tensorboard``: a stand-in where TensorFlow is absent, so Keras's own
+    callback code decides when and where to write, and the test counts its event files.
+    """
+
+    def __init__(self) -> None:
+        self._default: list[Any] = []  # the writers entered by ``with writer.as_default():``, innermost last
+
+    def create_file_writer(self, logdir: str) -> Any:
+        from torch.utils.tensorboard import SummaryWriter
+        summary, writer = self, SummaryWriter(logdir)
+
+        @contextlib.contextmanager
+        def as_default(step: Any = None) -> Iterator[Any]:
+            summary._default.append(writer)
+            try:
+                yield writer
+            finally:
+                summary._default.pop()
+
+        return SimpleNamespace(as_default=as_default, flush=writer.flush, close=writer.close)
+
+    def scalar(self, name: str, value: Any, step: Any) -> bool:
+        """Write to the writer entered last; with none, write nothing and return False, as tf.summary does."""
+        from phalanx.keras.keras_api import keras
+        if not self._default:
+            return False
+        self._default[-1].add_scalar(name, float(value), int(keras.ops.convert_to_numpy(step)))
+        return True
+
+
 def _keras(tmp: str) -> dict[str, Any]:
-    """Keras's own TensorBoard callback (it needs TensorFlow's tf.summary), else px.Tracker from a LambdaCallback."""
+    """Keras's own TensorBoard callback beside px.Tracker from a LambdaCallback, both built on every worker.
+
+    Keras 3's callback writes through TensorFlow's ``tf.summary`` even on the torch backend; without TensorFlow
+    it writes through :class:`_TorchSummary` (``_summary_module``, the attribute its ``summary`` property caches).
+    """
     import importlib.util
 
     from phalanx.keras.keras_api import keras  # sets the torch backend before Keras's first import
@@ -71,9 +109,10 @@ def _keras(tmp: str) -> dict[str, Any]:
     x, y = (t.numpy() for t in _data().tensors)
     has_tf = importlib.util.find_spec("tensorflow") is not None
     tracker = px.Tracker("tensorboard", os.path.join(tmp, "keras_tracker"))
-    callbacks = [keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: tracker.log(epoch, **logs))]
-    if has_tf:
-        callbacks.append(keras.callbacks.TensorBoard(log_dir=os.path.join(tmp, "keras_tb")))
+    board = keras.callbacks.TensorBoard(log_dir=os.path.join(tmp, "keras_tb"), write_graph=has_tf)
+    if not has_tf:
+        board._summary_module = _TorchSummary()
+    callbacks = [keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: tracker.log(epoch, **logs)), board]
     model.fit(px.keras.shard(x, y, batch_size=4), epochs=2, verbose=0,
               validation_data=px.keras.shard(x, y, batch_size=8, shuffle=False), callbacks=callbacks)
     tracker.close()
