@@ -39,6 +39,7 @@ from .. import group
 from ..comm import broadcast_object
 from ..errors import ConfigError, WorkerLostError, usage
 from ..profiling import span
+from ..sharding import local_parts, sharded_by
 from ..wrap import strategy_of
 from .membership import QuorumError
 from .resize import ResizePolicy, check_policy
@@ -171,6 +172,8 @@ class State:
         # the world the commit was taken in (its lr is that world's) and when: a rollback's cost in seconds
         snap["elastic_world_size"], snap["elastic_time"] = group.world_size(), time.time()
         snap["elastic_resize"] = self.resize.state_dict()
+        if sharded_by(self.optimizer) is not None:  # this rank's shards, free of the mesh that dies with the group
+            snap["model"], snap["optimizer"] = local_parts(snap["model"]), local_parts(snap["optimizer"])
         self.commits[step] = snap
         for old in sorted(self.commits)[:-KEEP]:
             del self.commits[old]
@@ -217,6 +220,7 @@ class State:
         self._restore(snap)
         if plan["joined"]:  # spares/joiners the quorum admitted wait in join() for rank 0's commit
             self._send_state()
+        self._reshard(snap)
         self._resplit(snap["elastic_world_size"])
         self._note(plan, before, started, redone=lost_steps, cause=failure,
                    redone_s=max(0.0, failed_at - snap["elastic_time"]))
@@ -227,6 +231,7 @@ class State:
         started, before = time.monotonic(), group.world_size()
         plan = self.worker.grow(joiners, backend=dist.get_backend() if dist.is_initialized() else "gloo")
         self._send_state()
+        self._reshard(self.commits[max(self.commits)])  # taken at this commit point: the live state
         self._resplit(before)
         self._note(plan, before, started, redone=0, cause="joined")
 
@@ -251,7 +256,15 @@ class State:
         mine = self.commits[max(self.commits)] if group.rank() == 0 else None
         return broadcast_object(mine, 0, "newest commit")
 
+    def _reshard(self, snap: dict | None) -> None:
+        """A sharded model: lay the commit's shards out over the new group (collective; see FullyShard.reshard)."""
+        shard = sharded_by(self.optimizer)
+        if shard is not None:
+            shard.reshard(self.model, self.optimizer, self.training.strategy, group.current(), snap)
+
     def _restore(self, snap: dict, joining: bool = False) -> None:
+        if sharded_by(self.optimizer) is not None:  # its model and optimizer are shards: _reshard lays them out
+            snap = {**snap, "model": None, "optimizer": None}
         self.training.restore(snap, joining=joining)
         for k, v in snap["elastic_extra"].items():
             self.extra[k].load_state_dict(copy.deepcopy(v))
