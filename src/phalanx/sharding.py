@@ -75,7 +75,7 @@ class FullyShard:
     def check(self, g: "Group", strategy: Strategy) -> None:
         """Refuse, in one line, a layout or strategy that cannot run on shards."""
         s, n = self.group_size, g.world_size
-        if n % s:
+        if n % s and not g.entering:  # a joiner enters whatever layout the job has now (see reshard)
             raise ConfigError(usage(f"FullyShard(group_size={s}) with {n} workers",
                                     f"a group size that divides the world size ({_divisors(n)})",
                                     f"Pick one of those, or start a multiple of {s} workers."))
@@ -83,11 +83,6 @@ class FullyShard:
             raise ConfigError(usage(f"shard=FullyShard(group_size={s}) with {strategy!r} under `phalanx run "
                                     "--elastic`", "px.AllReduce() (HSDP): a regroup re-shards its state onto the "
                                     "survivors", "Use px.AllReduce(), drop --elastic, or drop shard=."))
-        if g.elastic and g.entering:
-            raise ConfigError(usage(f"a joiner or spare of an elastic job with shard=FullyShard(group_size={s})",
-                                    "the workers the job started with (a sharded job regroups onto its survivors; "
-                                    "it does not admit joiners yet)", "Start the job without --spares/--replace, "
-                                    "or drop shard=."))
         if strategy.uses_servers:
             raise ConfigError(usage(f"shard=FullyShard(...) with {type(strategy).__name__}",
                                     "a strategy that agrees between workers (AllReduce, LocalSGD, DiLoCo, EASGD): a "
@@ -112,10 +107,12 @@ class FullyShard:
                                     "Build the optimizer, then call px.wrap before the first step."))
         if g.world_size == 1 and self.group_size == 1:
             return model  # nothing to shard, nobody to agree with: plain PyTorch
+        strategy.sharded_by = self  # phalanx.elastic finds it there to re-shard after a regroup
+        if g.entering:
+            return model  # a joiner of an elastic job: sharded when it enters, from the members' shards (reshard)
         whole = Comm()
         check_same_model(model, whole)
         whole.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
-        strategy.sharded_by = self  # phalanx.elastic finds it there to re-shard after a regroup
         self._shard(model, optimizer, strategy, g, self.group_size)
         return model
 
@@ -181,10 +178,19 @@ class FullyShard:
         for pg in optimizer.param_groups:
             pg["params"] = [whole[names[id(p)]] for p in pg["params"]]
         optimizer.state.clear()
+        # DTensor caches its sharding decisions by mesh, and meshes of two generations with the same shape compare
+        # equal: without this, the new parameters would come back on an earlier generation's mesh, with that
+        # generation's coordinates (seen on torch 2.13: 2x2 -> 1x3 -> 2x2 gave rank 1 the shard of rank 2).
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+        _clear_sharding_prop_cache()
         self._shard(model, optimizer, strategy, g, size)
-        if self._output_handle is not None:  # behind FSDP's new forward hook again, as at px.wrap
-            self._output_handle.remove()
+        if self._output is not None:  # behind FSDP's new forward hook again, as at px.wrap
+            if self._output_handle is not None:
+                self._output_handle.remove()
             self._output_handle = model.register_forward_hook(self._output)
+        if g.rank == 0 and size != self.group_size:
+            print(f"phalanx: sharded: {g.world_size} workers re-shard as 1 x {size} (FSDP over all of them): "
+                  f"group_size={self.group_size} does not divide {g.world_size}", file=sys.stderr, flush=True)
         params = [p for pg in optimizer.param_groups for p in pg["params"]]
         state: dict[Any, dict[str, Any]] = {}
         mine = commit["optimizer"]["state"] if held else {}
@@ -198,8 +204,8 @@ class FullyShard:
 
     def hook(self, model: nn.Module, clock: "StepClock") -> None:
         """Weigh the gradient by the batch weight and announce the end of backward (after FSDP's own)."""
-        if is_sharded(model):
-            self._output = _OutputHook(clock)
+        self._output = _OutputHook(clock)
+        if is_sharded(model):  # a joiner's model is sharded when it enters: reshard registers it then
             self._output_handle = model.register_forward_hook(self._output)
 
     def __repr__(self) -> str:
@@ -213,9 +219,7 @@ class ShardLostError(PhalanxError):
 
 def sharded_by(optimizer: torch.optim.Optimizer | None) -> "FullyShard | None":
     """The :class:`FullyShard` that ``px.wrap`` applied to the model of ``optimizer``, if any."""
-    strategy = getattr(optimizer, "_phalanx_strategy", None)
-    shard = getattr(strategy, "sharded_by", None)
-    return shard if shard is not None and is_sharded(getattr(strategy, "model", None)) else None
+    return getattr(getattr(optimizer, "_phalanx_strategy", None), "sharded_by", None)
 
 
 def local_parts(obj: Any) -> Any:

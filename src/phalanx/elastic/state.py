@@ -245,6 +245,7 @@ class State:
         # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
         # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
         self._restore(shared(snap), joining=True)  # a joiner never puts the async PS back
+        self._reshard(None)  # a sharded model: its shards come from the members' commits
         self._resplit(snap["elastic_world_size"])
         self.commits = {}
         self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
