@@ -4,8 +4,10 @@
 started as rank 1 (shard 1 of group 0) is killed with SIGKILL. The 3 survivors rebuild the
 group, take the lost shard from the surviving replica group and re-shard the model and the
 optimizer onto themselves (1 x 3: 2 does not divide 3); the replacement that ``--replace``
-starts then joins and receives its shards (2 x 2 again). The result equals one process
-trained on the same global batches (the oracle of tests/test_elastic.py).
+starts then joins and receives its shards (2 x 2 again). With one replica group (1 x 2) the
+lost shard exists nowhere in memory: the survivor reloads the checkpoint every commit wrote.
+Each result equals one process trained on the same global batches (the oracle of
+tests/test_elastic.py).
 """
 from __future__ import annotations
 
@@ -39,3 +41,19 @@ def test_hsdp_2x2_loses_a_worker_goes_on_as_1x3_then_a_replacement_joins_as_2x2_
     for r in results.values():  # the oracle: one process on the same global batches
         for got, want in zip(r["params"], worker.oracle(record), strict=True):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_fsdp_of_one_replica_group_loses_a_worker_and_the_survivor_reloads_the_checkpoint(tmp_path):
+    # R = 1: the lost worker's shard exists nowhere in memory; every commit also wrote a DCP checkpoint
+    proc, results = launch(tmp_path, "--min-workers", "1", "--", "--shard", "2", "--kill", "1@5", "--commit-every",
+                           "3", "--epochs", "1", "--checkpoint", str(tmp_path / "ckpt"), n=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "shard 1 of 2 of the commit died with its only holder; the model and optimizer of step 3 come from" \
+        in proc.stderr
+    assert sorted(results) == ["0"] and [h["left"] for h in results["0"]["history"]] == [["1"]]
+    record = results["0"]["record"]
+    worlds = [w for _, w, _ in record]
+    assert worlds == [2] * 3 + [1] * (len(worlds) - 3)
+    for got, want in zip(results["0"]["params"], worker.oracle(record), strict=True):
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)

@@ -164,8 +164,10 @@ class FullyShard:
                 source.setdefault(i, r)
         lost = [i for i in range(old) if i not in source]
         if lost:
-            raise ShardLostError(f"shard(s) {lost} of {old} of the commit were held only by the lost worker(s) "
-                                 "(one replica group: R = 1); resume from the newest checkpoint (px.load_checkpoint)")
+            what = f"shard {', '.join(map(str, lost))} of {old}"
+            raise ShardLostError(f"{what} of the commit was held only by the lost worker(s) (one replica group: "
+                                 "R = 1); resume from the newest checkpoint (px.load_checkpoint), or pass "
+                                 "px.elastic.State(checkpoint=DIR) to have the survivors reload it", what)
         outline = broadcast_object(_outline(commit) if g.rank == source[0] else None, source[0],
                                    "the outline of the commit")
         size = self.group_size if g.world_size % self.group_size == 0 else g.world_size
@@ -184,13 +186,7 @@ class FullyShard:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
         _clear_sharding_prop_cache()
         self._shard(model, optimizer, strategy, g, size)
-        if self._output is not None:  # behind FSDP's new forward hook again, as at px.wrap
-            if self._output_handle is not None:
-                self._output_handle.remove()
-            self._output_handle = model.register_forward_hook(self._output)
-        if g.rank == 0 and size != self.group_size:
-            print(f"phalanx: sharded: {g.world_size} workers re-shard as 1 x {size} (FSDP over all of them): "
-                  f"group_size={self.group_size} does not divide {g.world_size}", file=sys.stderr, flush=True)
+        self._rehook(model, g, size)
         params = [p for pg in optimizer.param_groups for p in pg["params"]]
         state: dict[Any, dict[str, Any]] = {}
         mine = commit["optimizer"]["state"] if held else {}
@@ -201,6 +197,35 @@ class FullyShard:
                 value = _assemble(spec, mine.get(key, {}).get(name) if held else None, source, g.rank)
                 state[key][name] = _sharded_like(value, param) if _is_part(spec) else value
         optimizer.load_state_dict({"state": state, "param_groups": outline["optimizer"]["param_groups"]})
+
+    def reshard_empty(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy,
+                      g: "Group") -> None:
+        """Shard ``model`` over the new group with undefined values, for ``px.load_checkpoint`` to fill (DCP
+        reshards a checkpoint onto the new layout): the fallback when :meth:`reshard` found a shard lost.
+        Collective."""
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # see reshard()
+
+        size = self.group_size if g.world_size % self.group_size == 0 else g.world_size
+        names = {id(p): name for name, p in model.named_parameters()}
+        _strip_fsdp(model)
+        for name, p in list(model.named_parameters()):  # room for the whole model, as at px.wrap; loaded below
+            _put(model, name, torch.empty(p.shape, dtype=p.dtype, device=g.device))
+        whole = dict(model.named_parameters())
+        for pg in optimizer.param_groups:
+            pg["params"] = [whole[names[id(p)]] for p in pg["params"]]
+        optimizer.state.clear()
+        _clear_sharding_prop_cache()
+        self._shard(model, optimizer, strategy, g, size)
+        self._rehook(model, g, size)
+
+    def _rehook(self, model: nn.Module, g: "Group", size: int) -> None:
+        if self._output is not None:  # behind FSDP's new forward hook again, as at px.wrap
+            if self._output_handle is not None:
+                self._output_handle.remove()
+            self._output_handle = model.register_forward_hook(self._output)
+        if g.rank == 0 and size != self.group_size:
+            print(f"phalanx: sharded: {g.world_size} workers re-shard as 1 x {size} (FSDP over all of them): "
+                  f"group_size={self.group_size} does not divide {g.world_size}", file=sys.stderr, flush=True)
 
     def hook(self, model: nn.Module, clock: "StepClock") -> None:
         """Weigh the gradient by the batch weight and announce the end of backward (after FSDP's own)."""
@@ -215,6 +240,10 @@ class FullyShard:
 
 class ShardLostError(PhalanxError):
     """A regroup found a shard of the in-memory commit that only lost workers held (one replica group)."""
+
+    def __init__(self, text: str, lost: str = "a shard") -> None:
+        super().__init__(text)
+        self.lost = lost  # e.g. "shard 1 of 2"
 
 
 def sharded_by(optimizer: torch.optim.Optimizer | None) -> "FullyShard | None":
@@ -311,7 +340,7 @@ def _strip_fsdp(model: nn.Module) -> None:
     as they are (DTensors of a dead mesh) until replaced.
 
     torch has no public inverse of ``fully_shard``; this is the one place that reaches into FSDP2's
-    private parts (torch 2.13): the forward hooks and state-dict hooks its state registered, the
+    private parts (torch 2.13): the forward hooks and state-dict hooks its state and parameters registered, the
     composable-API registry entry that refuses a second ``fully_shard``, and the class swap.
     """
     from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
@@ -325,6 +354,8 @@ def _strip_fsdp(model: nn.Module) -> None:
                 for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
                     handle.remove()
                 for pg in state._fsdp_param_groups:
+                    for fsdp_param in pg.fsdp_params:  # each parameter's load_state_dict post-hook
+                        fsdp_param._post_load_hook_handle.remove()
                     for handles in (pg._module_to_pre_save_state_dict_hook_handle,
                                     pg._module_to_pre_load_state_dict_hook_handle):
                         for h in handles.values():

@@ -118,6 +118,7 @@ def main() -> None:
                    help="a replacement (r1, r2...) fails at start (checked at import)")
     p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
     p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S) (HSDP with allreduce)")
+    p.add_argument("--checkpoint", default=None, help="px.elastic.State(checkpoint=DIR): every commit on disk too")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
@@ -135,7 +136,8 @@ def main() -> None:
     model_, opt = px.wrap(net, optimizer(net), strategy=STRATEGIES[args.strategy](), shard=shard)
     loader = px.shard(data, batch_size=BATCH, seed=0)
     record = Record()
-    state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record})
+    state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record},
+                             checkpoint=args.checkpoint)
     comm = px.Comm()
     first_after: list[float] = []
     reached: list[bool] = []  # --slow-until-world: has the group been that large yet?

@@ -28,18 +28,21 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import sys
 import time
+import warnings
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .. import group
+from ..checkpoint import checkpoint_step, load_checkpoint, save_checkpoint
 from ..comm import broadcast_object
 from ..errors import ConfigError, WorkerLostError, usage
 from ..profiling import span
-from ..sharding import local_parts, sharded_by
+from ..sharding import ShardLostError, local_parts, sharded_by
 from ..wrap import strategy_of
 from .membership import QuorumError
 from .resize import ResizePolicy, check_policy
@@ -67,6 +70,10 @@ class State:
         resize: what a membership change keeps: ``px.elastic.KeepWorkerBatch()`` (default: the
             global batch follows the world size) or ``px.elastic.KeepGlobalBatch()`` (the
             per-worker batch is re-split); see :mod:`phalanx.elastic.resize`.
+        checkpoint: a directory that every commit also writes (``px.save_checkpoint``, blocking):
+            the fallback of a sharded model with one replica group (``px.FullyShard(group_size=N)``),
+            whose lost worker takes a shard no survivor holds. The survivors then roll back to the
+            commit of that checkpoint's step and load the model and optimizer from it, resharded.
 
     A commit is taken between two steps: where a ``px.shard`` loader is about to hand out
     the next batch (the step before is over on every rank, and the loader's position still
@@ -76,7 +83,7 @@ class State:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, loader: Any = None,
                  scheduler: Any = None, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  extra: dict[str, Any] | None = None, scaler: Any = None,
-                 resize: ResizePolicy | None = None) -> None:
+                 resize: ResizePolicy | None = None, checkpoint: str | os.PathLike | None = None) -> None:
         if commit_every is not None and (isinstance(commit_every, bool) or not isinstance(commit_every, int)
                                          or commit_every < 1):
             raise ConfigError(usage(f"commit_every={commit_every!r}", "an integer >= 1 or None",
@@ -86,6 +93,7 @@ class State:
         self.extra = dict(extra or {})
         self.resize = check_policy(resize)
         self.commit_every = commit_every
+        self.checkpoint = checkpoint
         self.commits: dict[int, dict] = {}  # keyed by the framework's step
         self.history: list[dict] = []  # one entry per membership change
         self._checked = False
@@ -185,6 +193,8 @@ class State:
             strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
         with span("phalanx/commit"):  # the timeline (phalanx.profiling)
             self.commit()
+            if self.checkpoint is not None and self.elastic:
+                save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
         if strategy is not None:
             strategy.commit_point()  # and no one's next push lands before every worker took it
 
@@ -220,7 +230,11 @@ class State:
         self._restore(snap)
         if plan["joined"]:  # spares/joiners the quorum admitted wait in join() for rank 0's commit
             self._send_state()
-        self._reshard(snap)
+        try:
+            self._reshard(snap)
+        except ShardLostError as lost:
+            snap = self._from_disk(lost)
+            lost_steps = max(0, lost_steps + plan["step"] - snap["elastic_step"])
         self._resplit(snap["elastic_world_size"])
         self._note(plan, before, started, redone=lost_steps, cause=failure,
                    redone_s=max(0.0, failed_at - snap["elastic_time"]))
@@ -256,6 +270,28 @@ class State:
         """Rank 0's newest commit on every worker (a broadcast of its bytes; loaded weights-only)."""
         mine = self.commits[max(self.commits)] if group.rank() == 0 else None
         return broadcast_object(mine, 0, "newest commit")
+
+    def _from_disk(self, lost: ShardLostError) -> dict:
+        """A shard of the commit died with its only holder (one replica group): roll back to the commit of the
+        newest checkpoint's step, and load the model and optimizer from that checkpoint onto the survivors."""
+        step = checkpoint_step(self.checkpoint) if self.checkpoint is not None else None
+        if step is None or step not in self.commits:
+            raise ShardLostError(f"{lost} (px.elastic.State(checkpoint=...) holds "
+                                 f"{'no checkpoint' if step is None else f'step {step}, no commit held here'})",
+                                 lost.lost)
+        for newer in [s for s in self.commits if s > step]:
+            del self.commits[newer]
+        snap = self.commits[step]
+        self._restore(snap)
+        shard = sharded_by(self.optimizer)
+        shard.reshard_empty(self.model, self.optimizer, self.training.strategy, group.current())
+        with warnings.catch_warnings():  # "taken with N workers": expected, the survivors are fewer
+            warnings.simplefilter("ignore")
+            load_checkpoint(self.checkpoint, self.model, self.optimizer, restore_rng=False)
+        if group.rank() == 0:
+            print(f"phalanx: elastic: {lost.lost} of the commit died with its only holder; the model and optimizer "
+                  f"of step {step} come from {os.fspath(self.checkpoint)!r}", file=sys.stderr, flush=True)
+        return snap
 
     def _reshard(self, snap: dict | None) -> None:
         """A sharded model: lay the commit's shards out over the new group (collective; see FullyShard.reshard)."""
