@@ -1,6 +1,7 @@
 """DCP checkpoints: save on 2 workers, resume on 3 and on 1 equal to one process; a model sharded with
-torch's ``fully_shard`` loads unsharded; kill -9 during an asynchronous save leaves the previous checkpoint;
-``phalanx export``; bad input. Real gloo processes (tests/workers/dcp.py), one-process oracles.
+torch's ``fully_shard`` on 2 x 2 loads unsharded and resharded (1 x 2, 1 x 3, 3 x 1); kill -9 during an
+asynchronous save leaves the previous checkpoint; ``phalanx export``; bad input.
+Real gloo processes (tests/workers/dcp.py), one-process oracles.
 """
 from __future__ import annotations
 
@@ -55,10 +56,17 @@ def test_a_checkpoint_of_2_workers_resumes_on_1_equal_to_the_uninterrupted_run(s
     torch.testing.assert_close(W.flat(model), W.oracle(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def hsdp_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """A checkpoint written at SAVE_AT by 4 workers sharded 2 x 2 (HSDP)."""
+    ckpt = str(tmp_path_factory.mktemp("hsdp") / "sharded")
+    return ckpt, run_workers("workers.dcp:sharded", world_size=4, timeout=180, ckpt=ckpt, mesh=[2, 2],
+                             load=False).results
+
+
 @pytest.mark.multiproc
-def test_a_2x2_hsdp_checkpoint_loads_unsharded_on_1_and_sharded_on_1x2_equal_to_one_process(tmp_path):
-    ckpt = str(tmp_path / "sharded")
-    saved = run_workers("workers.dcp:sharded", world_size=4, timeout=180, ckpt=ckpt, mesh=[2, 2], load=False).results
+def test_a_2x2_hsdp_checkpoint_loads_unsharded_on_1_and_sharded_on_1x2_equal_to_one_process(hsdp_saved):
+    ckpt, saved = hsdp_saved
     assert saved[0]["shards"]["0.weight"] == W.HIDDEN * W.IN // 2  # each worker held half of each parameter
     assert [f for f in saved[0]["files"] if f.endswith(".distcp")] == [f"__{r}_0.distcp" for r in range(4)]
     torch.testing.assert_close(saved[0]["full"], W.oracle(W.SAVE_AT), rtol=1e-5, atol=1e-5)  # HSDP = one process
@@ -78,6 +86,19 @@ def test_a_2x2_hsdp_checkpoint_loads_unsharded_on_1_and_sharded_on_1x2_equal_to_
         torch.testing.assert_close(torch.cat([t.reshape(-1) for t in r["at_load"].values()]), saved[0]["full"],
                                    rtol=0, atol=0)
         torch.testing.assert_close(r["full"], W.oracle(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.multiproc
+def test_a_2x2_hsdp_checkpoint_resumes_on_1x3_and_on_3x1_equal_to_the_uninterrupted_run(hsdp_saved):
+    ckpt, saved = hsdp_saved
+    # one start of 3 workers, two resumes: 3 shards of one replica (FSDP), then 3 whole replicas (S = 1)
+    runs = run_workers("workers.dcp:reloaded", world_size=3, timeout=180, ckpt=ckpt, meshes=[[1, 3], [3, 1]]).results
+    for per_rank in runs:
+        for r, held in zip(per_rank, (W.HIDDEN * W.IN // 3, W.HIDDEN * W.IN), strict=True):
+            assert r["shards"]["0.weight"] == held and r["steps"] == W.STEPS
+            torch.testing.assert_close(torch.cat([t.reshape(-1) for t in r["at_load"].values()]), saved[0]["full"],
+                                       rtol=0, atol=0)
+            torch.testing.assert_close(r["full"], W.oracle(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.multiproc

@@ -620,6 +620,19 @@ def _resolve(path: str) -> str:
     return max(olds, key=os.path.getmtime) if olds else path
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step of the complete checkpoint directory at ``path`` (its marker only is read); None if there is none.
+
+    Example:
+        >>> checkpoint_step("/nonexistent/ckpt") is None
+        True
+    """
+    found = _resolve(os.fspath(path))
+    if not os.path.isdir(found) or not os.path.exists(os.path.join(found, MARKER)):
+        return None
+    return int(_read_marker(found)["step"])
+
+
 def _read_marker(path: str) -> dict[str, Any]:
     try:
         with open(os.path.join(path, MARKER), "rb") as f:

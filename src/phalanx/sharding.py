@@ -36,8 +36,8 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from . import _engine, check
-from .comm import Comm
-from .errors import ConfigError, usage
+from .comm import Comm, all_gather_object, broadcast_object, local_shard
+from .errors import ConfigError, PhalanxError, usage
 from .strategies import AllReduce, Strategy
 from .strategies.base import check_same_model
 
@@ -67,19 +67,22 @@ class FullyShard:
                                         close=")")
         self.min_params = check.positive_int("FullyShard(min_params", min_params,
                                         "Pass a parameter count, e.g. min_params=1_000_000.", close=")")
+        self.shard_size = self.group_size  # S of the current layout: a regroup may change it (reshard)
+        self._output: _OutputHook | None = None
+        self._output_handle: Any = None
 
     # -- refusals ----------------------------------------------------------------------------------------------
     def check(self, g: "Group", strategy: Strategy) -> None:
         """Refuse, in one line, a layout or strategy that cannot run on shards."""
         s, n = self.group_size, g.world_size
-        if n % s:
+        if n % s and not g.entering:  # a joiner enters whatever layout the job has now (see reshard)
             raise ConfigError(usage(f"FullyShard(group_size={s}) with {n} workers",
                                     f"a group size that divides the world size ({_divisors(n)})",
                                     f"Pick one of those, or start a multiple of {s} workers."))
-        if g.elastic:
-            raise ConfigError(usage(f"shard=FullyShard(group_size={s}) under `phalanx run --elastic`",
-                                    "a fixed worker group (a lost worker would take its shard with it)",
-                                    "Drop --elastic, or drop shard= to keep a full replica on every worker."))
+        if g.elastic and not hsdp(strategy):
+            raise ConfigError(usage(f"shard=FullyShard(group_size={s}) with {strategy!r} under `phalanx run "
+                                    "--elastic`", "px.AllReduce() (HSDP): a regroup re-shards its state onto the "
+                                    "survivors", "Use px.AllReduce(), drop --elastic, or drop shard=."))
         if strategy.uses_servers:
             raise ConfigError(usage(f"shard=FullyShard(...) with {type(strategy).__name__}",
                                     "a strategy that agrees between workers (AllReduce, LocalSGD, DiLoCo, EASGD): a "
@@ -104,13 +107,22 @@ class FullyShard:
                                     "Build the optimizer, then call px.wrap before the first step."))
         if g.world_size == 1 and self.group_size == 1:
             return model  # nothing to shard, nobody to agree with: plain PyTorch
-        # FSDP is imported by the jobs that shard only: with DTensor it costs 1.1 s of every worker's start-up.
-        from torch.distributed.fsdp import fully_shard
-
+        strategy.sharded_by = self  # phalanx.elastic finds it there to re-shard after a regroup
+        if g.entering:
+            return model  # a joiner of an elastic job: sharded when it enters, from the members' shards (reshard)
         whole = Comm()
         check_same_model(model, whole)
         whole.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
-        mesh = g.mesh(self.group_size)
+        self._shard(model, optimizer, strategy, g, self.group_size)
+        return model
+
+    def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, g: "Group",
+               size: int) -> None:
+        """``fully_shard`` ``model`` (whole, plain tensors) over shards of ``size``; the optimizer follows."""
+        # FSDP is imported by the jobs that shard only: with DTensor it costs 1.1 s of every worker's start-up.
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = g.mesh(size)
         names = {id(p): name for name, p in model.named_parameters()}
         dp_mesh = mesh if hsdp(strategy) else mesh["shard"]
         for sub in _units(model, self.min_params):
@@ -122,16 +134,241 @@ class FullyShard:
         # A periodic rule's exchanges go to the same shard of the other replica groups; under HSDP FSDP itself
         # averages over the whole mesh, and the strategy's comm only serves its start-up checks.
         strategy.comm = Comm(process_group=mesh["replicate"].get_group())
-        return model
+        strategy.params = [local_shard(p) for p in model.parameters() if p.requires_grad]
+        self.shard_size = size
+
+    # -- elastic: the commit as local parts, re-sharded onto a rebuilt group ------------------------------------
+    def reshard(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, g: "Group",
+                commit: dict[str, Any] | None) -> None:
+        """After ``g`` was rebuilt: shard ``model`` over the new group from the commit the survivors hold.
+
+        Collective over the new group. ``commit`` is this worker's (its ``model`` and ``optimizer``
+        as :func:`local_parts`), or None for a worker that holds none. Each part of the commit comes
+        from the lowest rank that holds it (any surviving replica group holds every shard): one
+        tensor at a time is assembled whole, so a worker holds the whole model (as at ``px.wrap``)
+        but never the whole optimizer state. The new layout keeps ``group_size`` where it divides
+        the new world size, and is one group of every worker (FSDP) otherwise. A part that only lost
+        workers held (R = 1) raises :class:`ShardLostError`.
+        """
+        held = commit is not None and commit.get("model") is not None
+        index, of = _coordinate(commit["model"]) if held else (None, None)
+        everyone = all_gather_object((index, of), "who holds which shard of the commit")
+        olds = {o for _, o in everyone if o is not None}
+        if len(olds) != 1:
+            raise ShardLostError(f"no surviving worker holds the sharded commit (held: {everyone}); resume from "
+                                 "the newest checkpoint (px.load_checkpoint)")
+        old = olds.pop()
+        source = {}
+        for r, (i, _) in enumerate(everyone):
+            if i is not None:
+                source.setdefault(i, r)
+        lost = [i for i in range(old) if i not in source]
+        if lost:
+            what = f"shard {', '.join(map(str, lost))} of {old}"
+            raise ShardLostError(f"{what} of the commit was held only by the lost worker(s) (one replica group: "
+                                 "R = 1); resume from the newest checkpoint (px.load_checkpoint), or pass "
+                                 "px.elastic.State(checkpoint=DIR) to have the survivors reload it", what)
+        outline = broadcast_object(_outline(commit) if g.rank == source[0] else None, source[0],
+                                   "the outline of the commit")
+        size = self.group_size if g.world_size % self.group_size == 0 else g.world_size
+        names = {id(p): name for name, p in model.named_parameters()}
+        _strip_fsdp(model)
+        for name, spec in outline["model"].items():  # the model whole, one tensor at a time, then sharded anew
+            full = _assemble(spec, commit["model"].get(name) if held else None, source, g.rank)
+            _put(model, name, full)
+        whole = dict(model.named_parameters())
+        for pg in optimizer.param_groups:
+            pg["params"] = [whole[names[id(p)]] for p in pg["params"]]
+        optimizer.state.clear()
+        # DTensor caches its sharding decisions by mesh, and meshes of two generations with the same shape compare
+        # equal: without this, the new parameters would come back on an earlier generation's mesh, with that
+        # generation's coordinates (seen on torch 2.13: 2x2 -> 1x3 -> 2x2 gave rank 1 the shard of rank 2).
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+        _clear_sharding_prop_cache()
+        self._shard(model, optimizer, strategy, g, size)
+        self._rehook(model, g, size)
+        params = [p for pg in optimizer.param_groups for p in pg["params"]]
+        state: dict[Any, dict[str, Any]] = {}
+        mine = commit["optimizer"]["state"] if held else {}
+        for key, entries in outline["optimizer"]["state"].items():
+            param = params[int(key)]
+            state[key] = {}
+            for name, spec in entries.items():
+                value = _assemble(spec, mine.get(key, {}).get(name) if held else None, source, g.rank)
+                state[key][name] = _sharded_like(value, param) if _is_part(spec) else value
+        optimizer.load_state_dict({"state": state, "param_groups": outline["optimizer"]["param_groups"]})
+
+    def reshard_empty(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy,
+                      g: "Group") -> None:
+        """Shard ``model`` over the new group with undefined values, for ``px.load_checkpoint`` to fill (DCP
+        reshards a checkpoint onto the new layout): the fallback when :meth:`reshard` found a shard lost.
+        Collective."""
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # see reshard()
+
+        size = self.group_size if g.world_size % self.group_size == 0 else g.world_size
+        names = {id(p): name for name, p in model.named_parameters()}
+        _strip_fsdp(model)
+        for name, p in list(model.named_parameters()):  # room for the whole model, as at px.wrap; loaded below
+            _put(model, name, torch.empty(p.shape, dtype=p.dtype, device=g.device))
+        whole = dict(model.named_parameters())
+        for pg in optimizer.param_groups:
+            pg["params"] = [whole[names[id(p)]] for p in pg["params"]]
+        optimizer.state.clear()
+        _clear_sharding_prop_cache()
+        self._shard(model, optimizer, strategy, g, size)
+        self._rehook(model, g, size)
+
+    def _rehook(self, model: nn.Module, g: "Group", size: int) -> None:
+        if self._output is not None:  # behind FSDP's new forward hook again, as at px.wrap
+            if self._output_handle is not None:
+                self._output_handle.remove()
+            self._output_handle = model.register_forward_hook(self._output)
+        if g.rank == 0 and size != self.group_size:
+            print(f"phalanx: sharded: {g.world_size} workers re-shard as 1 x {size} (FSDP over all of them): "
+                  f"group_size={self.group_size} does not divide {g.world_size}", file=sys.stderr, flush=True)
 
     def hook(self, model: nn.Module, clock: "StepClock") -> None:
         """Weigh the gradient by the batch weight and announce the end of backward (after FSDP's own)."""
-        if is_sharded(model):
-            model.register_forward_hook(_OutputHook(clock))
+        self._output = _OutputHook(clock)
+        if is_sharded(model):  # a joiner's model is sharded when it enters: reshard registers it then
+            self._output_handle = model.register_forward_hook(self._output)
 
     def __repr__(self) -> str:
         extra = "" if self.min_params == 1_000_000 else f", min_params={self.min_params}"
         return f"FullyShard(group_size={self.group_size}{extra})"
+
+
+class ShardLostError(PhalanxError):
+    """A regroup found a shard of the in-memory commit that only lost workers held (one replica group)."""
+
+    def __init__(self, text: str, lost: str = "a shard") -> None:
+        super().__init__(text)
+        self.lost = lost  # e.g. "shard 1 of 2"
+
+
+def sharded_by(optimizer: torch.optim.Optimizer | None) -> "FullyShard | None":
+    """The :class:`FullyShard` that ``px.wrap`` applied to the model of ``optimizer``, if any."""
+    return getattr(getattr(optimizer, "_phalanx_strategy", None), "sharded_by", None)
+
+
+def local_parts(obj: Any) -> Any:
+    """``obj`` (nested state) with every DTensor replaced by this rank's part of it, as plain values.
+
+    A part is ``{"part": local tensor, "index": s, "of": S, "shape": [...]}``: shard ``s`` of ``S``
+    along dim 0 (FSDP's layout). It holds no reference to the mesh, whose process groups die
+    with their generation, and loads weights-only.
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(obj, dtensor.DTensor):
+        index, of = _shard_coordinate(obj)
+        return {"part": obj.to_local().detach().clone(), "index": index, "of": of, "shape": list(obj.shape)}
+    if isinstance(obj, dict):
+        return type(obj)((k, local_parts(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local_parts(v) for v in obj)
+    return obj
+
+
+def _shard_coordinate(t: Any) -> tuple[int, int]:
+    from torch.distributed.tensor import Shard  # loaded: t is a DTensor
+    dims = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if len(dims) != 1 or t.placements[dims[0]].dim != 0:
+        raise ConfigError(usage(f"a tensor placed {t.placements}", "FSDP's layout: sharded along dim 0 over one "
+                                "mesh dimension", "Shard the model with px.FullyShard only."))
+    return int(t.device_mesh.get_coordinate()[dims[0]]), int(t.device_mesh.size(dims[0]))
+
+
+def _is_part(v: Any) -> bool:
+    return isinstance(v, dict) and "part" in v and "of" in v
+
+
+def _coordinate(model_parts: dict[str, Any]) -> tuple[int | None, int | None]:
+    for v in model_parts.values():
+        if _is_part(v):
+            return int(v["index"]), int(v["of"])
+    return None, None
+
+
+def _outline(commit: dict[str, Any]) -> dict[str, Any]:
+    """The commit's model and optimizer with each part replaced by its shape and dtype; plain values kept."""
+    def spec(v: Any) -> Any:
+        return {"part": None, "of": v["of"], "shape": v["shape"], "dtype": v["part"].dtype} if _is_part(v) else v
+    opt = commit["optimizer"]
+    return {"model": {k: spec(v) for k, v in commit["model"].items()},
+            "optimizer": {"param_groups": opt["param_groups"],
+                          "state": {k: {n: spec(v) for n, v in e.items()} for k, e in opt["state"].items()}}}
+
+
+def _assemble(spec: Any, mine: Any, source: dict[int, int], rank: int) -> torch.Tensor:
+    """One tensor of the commit, whole on every rank: each shard from the rank that holds it (plain: as outlined)."""
+    if not _is_part(spec):
+        return spec
+    shape, of = list(spec["shape"]), int(spec["of"])
+    size = -(-shape[0] // of) if shape else 0
+    parts = []
+    for i in range(of):
+        rows = max(0, min(size, shape[0] - i * size))
+        buf = mine["part"] if rank == source[i] else torch.empty([rows, *shape[1:]], dtype=spec["dtype"])
+        Comm().broadcast_([buf], src=source[i])
+        parts.append(buf)
+    return torch.cat(parts).reshape(shape)
+
+
+def _sharded_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``param`` (a DTensor): this rank's rows of it, no communication."""
+    from torch.distributed.tensor import DTensor  # loaded: param is one
+    index, of = _shard_coordinate(param)
+    chunks = list(torch.chunk(full, of)) if full.shape[0] else []
+    local = chunks[index].clone() if index < len(chunks) else full[:0].clone()
+    return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements, shape=full.shape,
+                              stride=full.stride())
+
+
+def _put(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set the parameter or buffer ``name`` of ``model`` to ``value`` (a plain tensor), keeping requires_grad."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if leaf in owner._parameters:
+        old = owner._parameters[leaf]
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad if old is not None else True)
+    else:
+        owner._buffers[leaf] = value
+
+
+def _strip_fsdp(model: nn.Module) -> None:
+    """Undo ``fully_shard`` on ``model`` in place: its hooks, its state and its class go; the parameters stay
+    as they are (DTensors of a dead mesh) until replaced.
+
+    torch has no public inverse of ``fully_shard``; this is the one place that reaches into FSDP2's
+    private parts (torch 2.13): the forward hooks and state-dict hooks its state and parameters registered, the
+    composable-API registry entry that refuses a second ``fully_shard``, and the class swap.
+    """
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            state = fully_shard.state(m)
+            if state is not None:
+                for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
+                    handle.remove()
+                for pg in state._fsdp_param_groups:
+                    for fsdp_param in pg.fsdp_params:  # each parameter's load_state_dict post-hook
+                        fsdp_param._post_load_hook_handle.remove()
+                    for handles in (pg._module_to_pre_save_state_dict_hook_handle,
+                                    pg._module_to_pre_load_state_dict_hook_handle):
+                        for h in handles.values():
+                            h.remove()
+                        handles.clear()
+            _module_state_mapping.pop(m, None)
+            states = m.__dict__.get(STATE_KEY, {})
+            for k in [k for k in states if getattr(k, "__name__", "") == "fully_shard"]:
+                del states[k]
+            m.__dict__.get(REGISTRY_KEY, {}).pop("fully_shard", None)
+            m.__class__ = type(m).__mro__[FSDPModule._orig_cls_mro_index]
+        for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+            m.__dict__.pop(attr, None)
 
 
 def hsdp(strategy: Strategy) -> bool:
@@ -209,4 +446,4 @@ class _OutputHook:
         self.clock.backward.callback()
 
 
-__all__ = ["FullyShard", "is_sharded"]
+__all__ = ["FullyShard", "ShardLostError", "is_sharded", "local_parts", "sharded_by"]

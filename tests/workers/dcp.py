@@ -96,9 +96,20 @@ def sharded(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
     ``load=False``: train SAVE_AT steps and save. ``load=True``: resume from ``ckpt`` (written on another mesh)
     and train on to STEPS. Reports each parameter whole, and how much of it this worker held.
     """
+    px.init()
+    return _sharded_run(ckpt, mesh, load)
+
+
+def reloaded(ckpt: str, meshes: list[list[int]]) -> list[dict[str, Any]]:
+    """One group of workers resumes ``ckpt`` once per mesh in ``meshes`` (e.g. [1, 3] then [3, 1]), each time into
+    a fresh model sharded over that mesh, and trains on to STEPS: several reshards for one start-up."""
+    px.init()
+    return [_sharded_run(ckpt, mesh, True) for mesh in meshes]
+
+
+def _sharded_run(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    px.init()
     model = net(seed=99 if load else 1)
     device_mesh = init_device_mesh("cpu", tuple(mesh), mesh_dim_names=("replicate", "shard")[-len(mesh):])
     for layer in model:

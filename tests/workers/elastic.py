@@ -82,9 +82,19 @@ def oracle(record: list) -> list[torch.Tensor]:
 
 
 def digest(net: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
-    """Sums of every parameter and momentum buffer, in float64: equal states give equal digests."""
+    """Sums of every parameter and momentum buffer, in float64: equal states give equal digests.
+
+    Of this worker's shards when the model is sharded (summing a DTensor would be a collective)."""
     bufs = [s["momentum_buffer"] for s in opt.state.values() if s.get("momentum_buffer") is not None]
-    return [float(t.detach().double().sum()) for t in [*px.unwrap(net).parameters(), *bufs]]
+    return [float(local(t).detach().double().sum()) for t in [*px.unwrap(net).parameters(), *bufs]]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def main() -> None:
@@ -107,6 +117,8 @@ def main() -> None:
     p.add_argument("--fail-replacements", action="store_true",
                    help="a replacement (r1, r2...) fails at start (checked at import)")
     p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
+    p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S) (HSDP with allreduce)")
+    p.add_argument("--checkpoint", default=None, help="px.elastic.State(checkpoint=DIR): every commit on disk too")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     victim, _, at = args.kill.partition("@")
@@ -120,10 +132,12 @@ def main() -> None:
         json.dump({"rank": px.rank(), "world_size": px.world_size(), "generation": g.generation,
                    "env": [os.environ.get("RANK"), os.environ.get("WORLD_SIZE")]}, f)
     net, data = model(), dataset()
-    model_, opt = px.wrap(net, optimizer(net), strategy=STRATEGIES[args.strategy]())
+    shard = px.FullyShard(group_size=args.shard) if args.shard else None
+    model_, opt = px.wrap(net, optimizer(net), strategy=STRATEGIES[args.strategy](), shard=shard)
     loader = px.shard(data, batch_size=BATCH, seed=0)
     record = Record()
-    state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record})
+    state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record},
+                             checkpoint=args.checkpoint)
     comm = px.Comm()
     first_after: list[float] = []
     reached: list[bool] = []  # --slow-until-world: has the group been that large yet?
@@ -176,7 +190,7 @@ def main() -> None:
     train(state)
     result = {"train_seconds": time.perf_counter() - started, "steps": state.step, "id": me, "pid": os.getpid(),
               "rank": px.rank(), "world_size": px.world_size(),
-              "record": record.steps, "params": [t.tolist() for t in px.unwrap(model_).parameters()],
+              "record": record.steps, "params": [whole(t).tolist() for t in px.unwrap(model_).parameters()],
               "history": state.history, "digests": digests,
               "first_step_after_recovery": first_after[0] if first_after else None, "changes": changes}
     with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:

@@ -28,17 +28,21 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import sys
 import time
+import warnings
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .. import group
+from ..checkpoint import checkpoint_step, load_checkpoint, save_checkpoint
 from ..comm import broadcast_object
 from ..errors import ConfigError, WorkerLostError, usage
 from ..profiling import span
+from ..sharding import ShardLostError, local_parts, sharded_by
 from ..wrap import strategy_of
 from .membership import QuorumError
 from .resize import ResizePolicy, check_policy
@@ -66,6 +70,10 @@ class State:
         resize: what a membership change keeps: ``px.elastic.KeepWorkerBatch()`` (default: the
             global batch follows the world size) or ``px.elastic.KeepGlobalBatch()`` (the
             per-worker batch is re-split); see :mod:`phalanx.elastic.resize`.
+        checkpoint: a directory that every commit also writes (``px.save_checkpoint``, blocking):
+            the fallback of a sharded model with one replica group (``px.FullyShard(group_size=N)``),
+            whose lost worker takes a shard no survivor holds. The survivors then roll back to the
+            commit of that checkpoint's step and load the model and optimizer from it, resharded.
 
     A commit is taken between two steps: where a ``px.shard`` loader is about to hand out
     the next batch (the step before is over on every rank, and the loader's position still
@@ -75,7 +83,7 @@ class State:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, loader: Any = None,
                  scheduler: Any = None, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  extra: dict[str, Any] | None = None, scaler: Any = None,
-                 resize: ResizePolicy | None = None) -> None:
+                 resize: ResizePolicy | None = None, checkpoint: str | os.PathLike | None = None) -> None:
         if commit_every is not None and (isinstance(commit_every, bool) or not isinstance(commit_every, int)
                                          or commit_every < 1):
             raise ConfigError(usage(f"commit_every={commit_every!r}", "an integer >= 1 or None",
@@ -85,6 +93,7 @@ class State:
         self.extra = dict(extra or {})
         self.resize = check_policy(resize)
         self.commit_every = commit_every
+        self.checkpoint = checkpoint
         self.commits: dict[int, dict] = {}  # keyed by the framework's step
         self.history: list[dict] = []  # one entry per membership change
         self._checked = False
@@ -171,6 +180,8 @@ class State:
         # the world the commit was taken in (its lr is that world's) and when: a rollback's cost in seconds
         snap["elastic_world_size"], snap["elastic_time"] = group.world_size(), time.time()
         snap["elastic_resize"] = self.resize.state_dict()
+        if sharded_by(self.optimizer) is not None:  # this rank's shards, free of the mesh that dies with the group
+            snap["model"], snap["optimizer"] = local_parts(snap["model"]), local_parts(snap["optimizer"])
         self.commits[step] = snap
         for old in sorted(self.commits)[:-KEEP]:
             del self.commits[old]
@@ -182,6 +193,8 @@ class State:
             strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
         with span("phalanx/commit"):  # the timeline (phalanx.profiling)
             self.commit()
+            if self.checkpoint is not None and self.elastic:
+                save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
         if strategy is not None:
             strategy.commit_point()  # and no one's next push lands before every worker took it
 
@@ -217,6 +230,11 @@ class State:
         self._restore(snap)
         if plan["joined"]:  # spares/joiners the quorum admitted wait in join() for rank 0's commit
             self._send_state()
+        try:
+            self._reshard(snap)
+        except ShardLostError as lost:
+            snap = self._from_disk(lost)
+            lost_steps = max(0, lost_steps + plan["step"] - snap["elastic_step"])
         self._resplit(snap["elastic_world_size"])
         self._note(plan, before, started, redone=lost_steps, cause=failure,
                    redone_s=max(0.0, failed_at - snap["elastic_time"]))
@@ -227,6 +245,7 @@ class State:
         started, before = time.monotonic(), group.world_size()
         plan = self.worker.grow(joiners, backend=dist.get_backend() if dist.is_initialized() else "gloo")
         self._send_state()
+        self._reshard(self.commits[max(self.commits)])  # taken at this commit point: the live state
         self._resplit(before)
         self._note(plan, before, started, redone=0, cause="joined")
 
@@ -240,6 +259,7 @@ class State:
         # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
         # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
         self._restore(shared(snap), joining=True)  # a joiner never puts the async PS back
+        self._reshard(None)  # a sharded model: its shards come from the members' commits
         self._resplit(snap["elastic_world_size"])
         self.commits = {}
         self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
@@ -251,7 +271,37 @@ class State:
         mine = self.commits[max(self.commits)] if group.rank() == 0 else None
         return broadcast_object(mine, 0, "newest commit")
 
+    def _from_disk(self, lost: ShardLostError) -> dict:
+        """A shard of the commit died with its only holder (one replica group): roll back to the commit of the
+        newest checkpoint's step, and load the model and optimizer from that checkpoint onto the survivors."""
+        step = checkpoint_step(self.checkpoint) if self.checkpoint is not None else None
+        if step is None or step not in self.commits:
+            raise ShardLostError(f"{lost} (px.elastic.State(checkpoint=...) holds "
+                                 f"{'no checkpoint' if step is None else f'step {step}, no commit held here'})",
+                                 lost.lost)
+        for newer in [s for s in self.commits if s > step]:
+            del self.commits[newer]
+        snap = self.commits[step]
+        self._restore(snap)
+        shard = sharded_by(self.optimizer)
+        shard.reshard_empty(self.model, self.optimizer, self.training.strategy, group.current())
+        with warnings.catch_warnings():  # "taken with N workers": expected, the survivors are fewer
+            warnings.simplefilter("ignore")
+            load_checkpoint(self.checkpoint, self.model, self.optimizer, restore_rng=False)
+        if group.rank() == 0:
+            print(f"phalanx: elastic: {lost.lost} of the commit died with its only holder; the model and optimizer "
+                  f"of step {step} come from {os.fspath(self.checkpoint)!r}", file=sys.stderr, flush=True)
+        return snap
+
+    def _reshard(self, snap: dict | None) -> None:
+        """A sharded model: lay the commit's shards out over the new group (collective; see FullyShard.reshard)."""
+        shard = sharded_by(self.optimizer)
+        if shard is not None:
+            shard.reshard(self.model, self.optimizer, self.training.strategy, group.current(), snap)
+
     def _restore(self, snap: dict, joining: bool = False) -> None:
+        if sharded_by(self.optimizer) is not None:  # its model and optimizer are shards: _reshard lays them out
+            snap = {**snap, "model": None, "optimizer": None}
         self.training.restore(snap, joining=joining)
         for k, v in snap["elastic_extra"].items():
             self.extra[k].load_state_dict(copy.deepcopy(v))

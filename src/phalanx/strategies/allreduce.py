@@ -90,8 +90,9 @@ class AllReduce(Strategy):
         """
         super().attach(model, optimizer)
         fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by px.FullyShard only (a 1 s import)
-        if fsdp is not None and isinstance(model, fsdp.FSDPModule):
-            return model  # HSDP: FSDP's reduce-scatter (and all-reduce across replica groups) averages
+        if (fsdp is not None and isinstance(model, fsdp.FSDPModule)) or self.sharded_by is not None:
+            return model  # HSDP: FSDP's reduce-scatter (and all-reduce across replica groups) averages; an elastic
+            # joiner's model is sharded when it enters
         elastic = group.current().elastic  # a joiner attaches alone: it needs the hooks once the group grows
         if self.compression is not None or (self.comm.world_size == 1 and not elastic):
             return model  # a group of one is plain PyTorch, bit for bit; compression runs in after_backward

@@ -108,6 +108,8 @@ class Strategy:
     #: True when the rule weights each worker by its share of the global batch, so workers may hold parts of
     #: different sizes (``px.shard(..., balance="speed")``); a rule that counts every worker alike keeps False.
     uneven_batches = False
+    #: The ``px.FullyShard`` that ``px.wrap(..., shard=...)`` applied (phalanx.sharding), or None.
+    sharded_by: Any = None
 
     def __init__(self) -> None:
         self.comm = Comm()
