@@ -232,7 +232,10 @@ class RunConfig:
             raise ConfigError(usage(f"--servers {servers} with --nnodes {a.nnodes}",
                                     "parameter servers in a one-host run", "Run on one host, or drop --servers."))
         from .elastic.options import ElasticConfig  # elastic
-        elastic = ElasticConfig.from_args(a, nproc, 1 if slurm is not None else max_nodes)
+        # Under SLURM -n counts one node's workers; the elastic bounds count the whole allocation's
+        # (node 0 starts its -n, every other node's launcher joins with its own -n).
+        elastic = ElasticConfig.from_args(a, nproc * (slurm.nnodes if slurm is not None else 1),
+                                          1 if slurm is not None else max_nodes)
         if elastic is not None and slurm is not None and slurm.nnodes > 1 and not os.environ.get("PHALANX_SECRET"):
             raise ConfigError(usage("--elastic on several SLURM nodes without PHALANX_SECRET",
                                     "the job's secret in PHALANX_SECRET on every node",
