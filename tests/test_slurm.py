@@ -83,6 +83,14 @@ def test_elastic_over_several_nodes_needs_the_secret_in_the_environment(monkeypa
         RunConfig.from_argv(["-n", "2", "--elastic", WORKER])
 
 
+def test_elastic_bounds_count_the_workers_of_every_node_of_the_allocation(monkeypatch):
+    # -n is per node: 2 nodes x -n 1 is a 2-worker elastic job (it was refused as "--elastic with -n 1").
+    for k, v in {**ALLOC, "PHALANX_SECRET": "ab" * 16}.items():
+        monkeypatch.setenv(k, v)
+    cfg = RunConfig.from_argv(["-n", "1", "--elastic", "--min-workers", "1", WORKER])
+    assert (cfg.nproc, cfg.elastic.min_workers, cfg.elastic.max_workers) == (1, 1, 2)
+
+
 # -- a real cluster --------------------------------------------------------------------------------------------
 
 def _skip_reason() -> str | None:
