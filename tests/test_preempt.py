@@ -82,6 +82,37 @@ def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_o
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+PERIODIC = os.path.join(os.path.dirname(__file__), "workers", "preempt_periodic.py")
+
+
+@pytest.mark.multiproc
+def test_under_diloco_drifting_workers_stop_at_one_sync_step_and_resume_as_the_uninterrupted_run(tmp_path):
+    # DiLoCo(every=8): rank 1 hears the signal and tells the others at step 3, then runs ahead to step 7
+    # (its local steps need no one); rank 0 tells them last, at step 2. "The step after the last one heard"
+    # is 3, which rank 1 has passed: every worker must stop at the next sync (8), where none can pass alone.
+    ckpt, out, ref = str(tmp_path / "ckpt"), str(tmp_path / "model.pt"), str(tmp_path / "reference.pt")
+    reference = phalanx("-n", "2", PERIODIC, ref, "diloco")  # uninterrupted, alongside
+    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, PERIODIC, out, "diloco", "--drift")
+    try:
+        wait_for(out + ".reached0", job)
+        wait_for(out + ".reached1", job)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == PREEMPTED_EXIT, err[-3000:]
+    assert "the workers stopped after step 8 to save" in err, err[-3000:]
+    assert os.listdir(ckpt) == ["step-8.pt"]
+    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", PERIODIC, out, "diloco")
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err[-3000:]
+    _, ref_err = reference.communicate(timeout=120)
+    assert reference.returncode == 0, ref_err[-3000:]
+    for a, b in zip(weights(out), weights(ref), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     assert latest_checkpoint(tmp_path) is None and latest_checkpoint(tmp_path / "missing") is None
     net = torch.nn.Linear(2, 1)
