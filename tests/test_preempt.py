@@ -113,6 +113,55 @@ def test_under_diloco_drifting_workers_stop_at_one_sync_step_and_resume_as_the_u
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def _procs_with(text: str) -> list[int]:
+    """Pids of the processes whose command line contains ``text`` (the job's own output path: its workers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.multiproc
+def test_sigterm_during_start_up_ends_the_job_in_one_line_with_no_worker_left(tmp_path):
+    out = str(tmp_path / "model.pt")
+    job = phalanx("-n", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), WORKER, out)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_procs_with(out)) < 2:  # both workers started (importing torch, or in px.init): not trained
+            assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()
+            time.sleep(0.02)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert job.returncode in (PREEMPTED_EXIT, 128 + signal.SIGTERM), err
+    assert len(lines) == 1 and lines[0].startswith("phalanx: received SIGTERM"), err
+    assert _procs_with(out) == [] and not os.path.exists(tmp_path / "ckpt") and not os.path.exists(out)
+
+
+def test_the_launcher_ends_the_processes_it_started_and_only_those():
+    # A SIGTERM while torch's agent is starting the workers can leave some it does not track yet; under load
+    # one such run left 2 workers alive (holding the launcher's stderr, retrying a store that was gone).
+    from phalanx.launch import _children, _reap_children
+    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        before = _children()
+        newer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        assert {older.pid, newer.pid} <= _children()
+        _reap_children(before)
+        assert newer.wait(timeout=10) == -signal.SIGKILL and older.poll() is None
+    finally:
+        older.kill()
+        older.wait()
+
+
 def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     assert latest_checkpoint(tmp_path) is None and latest_checkpoint(tmp_path / "missing") is None
     net = torch.nn.Linear(2, 1)

@@ -455,7 +455,7 @@ def run(cfg: RunConfig) -> int:
         print(line, file=sys.stderr, flush=True)
     store = _loopback_store() if cfg.standalone else None
     launch = cfg.launch_config(store[0].port if store else 0)
-    env, servers, watching = cfg.worker_env(), None, None
+    env, servers, watching, children = cfg.worker_env(), None, None, _children()
     notes = tempfile.mkdtemp(prefix="phalanx-preempt-")  # a preempted worker leaves its step here
     env["PHALANX_PREEMPT_NOTES"] = notes
     if threading.current_thread() is threading.main_thread():
@@ -500,6 +500,36 @@ def run(cfg: RunConfig) -> int:
             servers.stop()
         if store is not None:
             store[1].close()
+        _reap_children(children)
+
+
+def _children() -> set[int]:
+    """The live (not zombie) child processes of this process, from /proc (empty where there is none)."""
+    me, found = str(os.getpid()), set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue  # it ended meanwhile
+        if parent == me and state != "Z":
+            found.add(int(pid))
+    return found
+
+
+def _reap_children(before: set[int]) -> None:
+    """SIGKILL the processes started during this run that are still alive: none, unless a signal came while
+    torch's agent was starting the workers (it then stops only those it already tracked, and the others
+    would outlive `phalanx run`, holding its output open and waiting on a store that is gone)."""
+    for pid in _children() - before:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
 
 
 def _preempted(cfg: RunConfig, notes: str, signame: str | None) -> int:
