@@ -82,6 +82,24 @@ def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_o
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multiproc
+def test_a_stop_that_wrote_no_checkpoint_within_the_grace_is_not_reported_as_resumable(tmp_path):
+    # Both workers stop at the agreed step, but rank 1 hangs instead of saving: the grace (8 s) runs out and the
+    # launcher kills them. It must not say "stopped to save a checkpoint ... resumable" and exit 75.
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
+    job = phalanx("-n", "2", "--grace", "8", "--checkpoint-dir", ckpt, WORKER, out, "5", "--hang-before-save")
+    try:
+        wait_for(out + ".reached", job)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert re.search(r"received SIGTERM; the workers stopped after step \d+ but wrote no checkpoint in ", err), err
+    assert latest_checkpoint(ckpt) is None
+
+
 PERIODIC = os.path.join(os.path.dirname(__file__), "workers", "preempt_periodic.py")
 
 

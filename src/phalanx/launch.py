@@ -456,6 +456,7 @@ def run(cfg: RunConfig) -> int:
     store = _loopback_store() if cfg.standalone else None
     launch = cfg.launch_config(store[0].port if store else 0)
     env, servers, watching, children = cfg.worker_env(), None, None, _children()
+    before = _newest_checkpoint(cfg.checkpoint_dir)  # another one after the workers end was written by this run
     notes = tempfile.mkdtemp(prefix="phalanx-preempt-")  # a preempted worker leaves its step here
     env["PHALANX_PREEMPT_NOTES"] = notes
     if threading.current_thread() is threading.main_thread():
@@ -489,7 +490,14 @@ def run(cfg: RunConfig) -> int:
             print(server, file=sys.stderr, flush=True)
             return 1
         if err.sigval in (signal.SIGTERM, signal.SIGUSR1) and os.listdir(notes):  # they stopped at a step
-            return _preempted(cfg, notes, err.sigval.name)
+            # torch's agent ended the workers without telling us how: with --checkpoint-dir, a complete
+            # checkpoint written by this run is the proof that they saved before the grace ran out
+            if cfg.checkpoint_dir is None or _newest_checkpoint(cfg.checkpoint_dir) not in (None, before):
+                return _preempted(cfg, notes, err.sigval.name)
+            steps = ", ".join(sorted({open(os.path.join(notes, n)).read().strip() for n in os.listdir(notes)}))
+            print(f"phalanx: received {err.sigval.name}; the workers stopped after step {steps} but wrote no "
+                  f"checkpoint in {cfg.checkpoint_dir} within --grace {cfg.grace_s} s (a worker failed or took "
+                  "longer); stopped all workers", file=sys.stderr, flush=True)
         print(f"phalanx: received {err.sigval.name}; stopped all workers", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
@@ -501,6 +509,17 @@ def run(cfg: RunConfig) -> int:
         if store is not None:
             store[1].close()
         _reap_children(children)
+
+
+def _newest_checkpoint(directory: str | None) -> tuple[str, float] | None:
+    """The newest complete checkpoint in ``directory`` and its mtime (compared with itself only: no clock skew)."""
+    from .preempt import latest_checkpoint
+
+    newest = latest_checkpoint(directory)
+    try:
+        return (newest, os.path.getmtime(newest)) if newest is not None else None
+    except OSError:
+        return None
 
 
 def _children() -> set[int]:
