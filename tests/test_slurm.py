@@ -162,7 +162,6 @@ SlurmdUser=root
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 ReturnToService=2
-KillWait=5
 SchedulerType=sched/builtin
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
@@ -187,6 +186,14 @@ PartitionName=test Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 
     def out(self, argv: list[str]) -> str:
         return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    def logs(self) -> str:
+        """The daemons' last lines, for an assertion's message (the cluster's directory goes with the test)."""
+        lines = []
+        for name in ("slurmctld.log", "slurmd-node1.log", "slurmd-node2.log"):
+            with open(os.path.join(self.root, name), errors="replace") as f:
+                lines += [f"{name}: {line.rstrip()}" for line in f.readlines()[-15:]]
+        return "\n".join(lines)
 
     def job(self, job_id: str) -> dict[str, str]:
         return dict(re.findall(r"(\w+)=(\S+)", self.out(["scontrol", "show", "job", "-o", job_id])))
@@ -258,7 +265,7 @@ srun {sys.executable} -m phalanx.cli run -n 1 --checkpoint-dir {ckpt} --resume-f
     assert cluster.out(["scontrol", "update", f"JobId={job}", "StartTime=now"]) == ""  # skip the requeue hold
     state = _until("the job to end", lambda: _ended(cluster, job), 240, 0.1)
     log = open(tmp_path / "job.out").read()
-    assert state["JobState"] == "COMPLETED", log
+    assert state["JobState"] == "COMPLETED", f"{state}\n{log}\n{cluster.logs()}"
     assert re.search(r"received SIGUSR1; the workers stopped after step \d+ to save", log), log
     assert "requeued SLURM job" in log and "resuming from" in log, log
     for a, b in zip(weights(out), oracle().state_dict().values()):  # 2 nodes x batch 4 = one process x batch 8
@@ -278,7 +285,7 @@ srun {sys.executable} -m phalanx.cli run -n 1 --elastic --min-workers 1 {ELASTIC
     assert job.isdigit(), job
     state = _until("the job to end", lambda: _ended(cluster, job), 240, 0.1)
     log = open(tmp_path / "job.out").read()
-    assert state["JobState"] == "COMPLETED", log
+    assert state["JobState"] == "COMPLETED", f"{state}\n{log}\n{cluster.logs()}"
     assert "worker 0 (pid" in log and "was killed by SIGKILL" in log, log
     results = [json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))]
     assert [r["id"][0] for r in results] == ["j"], log  # node 1's worker: the only one left
