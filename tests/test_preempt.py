@@ -82,6 +82,104 @@ def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_o
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multiproc
+def test_a_stop_that_wrote_no_checkpoint_within_the_grace_is_not_reported_as_resumable(tmp_path):
+    # Both workers stop at the agreed step, but rank 1 hangs instead of saving: the grace (8 s) runs out and the
+    # launcher kills them. It must not say "stopped to save a checkpoint ... resumable" and exit 75.
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
+    job = phalanx("-n", "2", "--grace", "8", "--checkpoint-dir", ckpt, WORKER, out, "5", "--hang-before-save")
+    try:
+        wait_for(out + ".reached", job)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert re.search(r"received SIGTERM; the workers stopped after step \d+ but wrote no checkpoint in ", err), err
+    assert latest_checkpoint(ckpt) is None
+
+
+PERIODIC = os.path.join(os.path.dirname(__file__), "workers", "preempt_periodic.py")
+
+
+@pytest.mark.multiproc
+def test_under_diloco_drifting_workers_stop_at_one_sync_step_and_resume_as_the_uninterrupted_run(tmp_path):
+    # DiLoCo(every=8): rank 1 hears the signal and tells the others at step 3, then runs ahead to step 7
+    # (its local steps need no one); rank 0 tells them last, at step 2. "The step after the last one heard"
+    # is 3, which rank 1 has passed: every worker must stop at the next sync (8), where none can pass alone.
+    ckpt, out, ref = str(tmp_path / "ckpt"), str(tmp_path / "model.pt"), str(tmp_path / "reference.pt")
+    reference = phalanx("-n", "2", PERIODIC, ref, "diloco")  # uninterrupted, alongside
+    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, PERIODIC, out, "diloco", "--drift")
+    try:
+        wait_for(out + ".reached0", job)
+        wait_for(out + ".reached1", job)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == PREEMPTED_EXIT, err[-3000:]
+    assert "the workers stopped after step 8 to save" in err, err[-3000:]
+    assert os.listdir(ckpt) == ["step-8.pt"]
+    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", PERIODIC, out, "diloco")
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err[-3000:]
+    _, ref_err = reference.communicate(timeout=120)
+    assert reference.returncode == 0, ref_err[-3000:]
+    for a, b in zip(weights(out), weights(ref), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _procs_with(text: str) -> list[int]:
+    """Pids of the processes whose command line contains ``text`` (the job's own output path: its workers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.multiproc
+def test_sigterm_during_start_up_ends_the_job_in_one_line_with_no_worker_left(tmp_path):
+    out = str(tmp_path / "model.pt")
+    job = phalanx("-n", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), WORKER, out)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_procs_with(out)) < 2:  # both workers started (importing torch, or in px.init): not trained
+            assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()
+            time.sleep(0.02)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert job.returncode in (PREEMPTED_EXIT, 128 + signal.SIGTERM), err
+    assert len(lines) == 1 and lines[0].startswith("phalanx: received SIGTERM"), err
+    assert _procs_with(out) == [] and not os.path.exists(tmp_path / "ckpt") and not os.path.exists(out)
+
+
+def test_the_launcher_ends_the_processes_it_started_and_only_those():
+    # A SIGTERM while torch's agent is starting the workers can leave some it does not track yet; under load
+    # one such run left 2 workers alive (holding the launcher's stderr, retrying a store that was gone).
+    from phalanx.launch import _children, _reap_children
+    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        before = _children()
+        newer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        assert {older.pid, newer.pid} <= _children()
+        _reap_children(before)
+        assert newer.wait(timeout=10) == -signal.SIGKILL and older.poll() is None
+    finally:
+        older.kill()
+        older.wait()
+
+
 def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     assert latest_checkpoint(tmp_path) is None and latest_checkpoint(tmp_path / "missing") is None
     net = torch.nn.Linear(2, 1)

@@ -91,6 +91,48 @@ def test_kill_9_a_worker_actor_survivors_regroup_and_ray_replaces_it(cluster, tm
     assert returned == {"id": "0", "steps": len(record)}
 
 
+def test_room_for_a_third_worker_mid_run_grows_the_job_from_2_to_3_workers(cluster, tmp_path):
+    # One CPU of the 3 nodes is held, so 2 workers fit; once both train it is let go, as a node added to the
+    # cluster would offer it (Cluster.add_node itself only runs on the main thread, which train() holds), and
+    # the controller starts a third worker there, which joins at a commit. slow_below=3: the 2 wait for it.
+    hold = ray.remote(num_cpus=1)(Holder).remote()
+    ray.get(hold.ping.remote())
+
+    def free_a_cpu() -> None:
+        deadline = time.monotonic() + 600
+        while len(glob.glob(str(tmp_path / "start*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the two workers' start files
+        ray.kill(hold)
+
+    grower = threading.Thread(target=free_a_cpu, daemon=True)
+    grower.start()
+    try:
+        returned = train(worker.main, str(tmp_path), "", 2, 2, 3, num_workers=2, max_workers=3, heartbeat_s=20)
+    finally:
+        grower.join()
+    got = results(tmp_path)
+    assert sorted(got) == ["0", "1", "g1"], sorted(got)
+    record = got["0"]["record"]
+    assert all(r["record"] == record for r in got.values())
+    worlds = [w for _, w, _ in record]
+    assert worlds[0] == 2 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
+    assert [(h["joined"], h["left"]) for h in got["0"]["history"]] == [(["g1"], [])]
+    for epoch in (0, 1):  # every sample exactly once per epoch, across the growth
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(loop.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    for r in got.values():
+        for have, want in zip(r["params"], loop.oracle(record), strict=True):
+            torch.testing.assert_close(torch.tensor(have), want, rtol=1e-5, atol=1e-6)
+    assert returned == {"id": "0", "steps": len(record)}
+
+
+class Holder:
+    """Takes one CPU of the cluster (a Ray actor), so that only two workers fit until a node is added."""
+
+    def ping(self) -> bool:
+        return True
+
+
 def test_without_ray_train_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray.train", None)  # as if `ray` were installed without the [train] extra
     with pytest.raises(ConfigError, match=r"pip install 'phalanx\[ray\]'") as err:
@@ -103,6 +145,8 @@ def test_bad_input_is_one_line():
         PhalanxConfig(num_workers=1)
     with pytest.raises(ConfigError, match="min_workers=4 with num_workers=3"):
         PhalanxConfig(num_workers=3, min_workers=4)
+    with pytest.raises(ConfigError, match="max_workers=2 with num_workers=2, spares=1"):
+        PhalanxConfig(num_workers=2, spares=1, max_workers=2)
     require_ray()  # installed here
 
 

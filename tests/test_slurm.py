@@ -7,6 +7,8 @@ root and Debian's slurm-wlm (`make setup` installs it when root); otherwise it i
 """
 from __future__ import annotations
 
+import glob
+import json
 import os
 import re
 import shutil
@@ -25,8 +27,10 @@ from phalanx.launch import RunConfig
 from phalanx.launch_slurm import SlurmEnv, expand_nodelist
 from support.procs import free_port
 from test_preempt import oracle, weights
+from workers import elastic as base
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "preempt.py")
+ELASTIC = os.path.join(os.path.dirname(__file__), "workers", "slurm_elastic.py")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo")
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
 
@@ -79,6 +83,14 @@ def test_elastic_over_several_nodes_needs_the_secret_in_the_environment(monkeypa
         RunConfig.from_argv(["-n", "2", "--elastic", WORKER])
 
 
+def test_elastic_bounds_count_the_workers_of_every_node_of_the_allocation(monkeypatch):
+    # -n is per node: 2 nodes x -n 1 is a 2-worker elastic job (it was refused as "--elastic with -n 1").
+    for k, v in {**ALLOC, "PHALANX_SECRET": "ab" * 16}.items():
+        monkeypatch.setenv(k, v)
+    cfg = RunConfig.from_argv(["-n", "1", "--elastic", "--min-workers", "1", WORKER])
+    assert (cfg.nproc, cfg.elastic.min_workers, cfg.elastic.max_workers) == (1, 1, 2)
+
+
 # -- a real cluster --------------------------------------------------------------------------------------------
 
 def _skip_reason() -> str | None:
@@ -94,8 +106,12 @@ def _bin(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
-def _until(what: str, check, deadline_s: float = 120.0, every_s: float = 0.5):
-    """Poll ``check()`` until it returns something true; a bounded wait that names what never happened."""
+def _until(what: str, check, deadline_s: float = 120.0, every_s: float = 0.05):
+    """Poll ``check()`` until it returns something true; a bounded wait that names what never happened.
+
+    The checks read a file or run one ``scontrol`` (20 ms): polling often costs little and ends the wait
+    as soon as the state changed (SLURM has no event to block on for a job's state).
+    """
     end = time.monotonic() + deadline_s
     while True:
         got = check()
@@ -103,7 +119,7 @@ def _until(what: str, check, deadline_s: float = 120.0, every_s: float = 0.5):
             return got
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}")
-        time.sleep(every_s)  # polling a daemon's state: SLURM offers nothing to block on here
+        time.sleep(every_s)
 
 
 class Cluster:
@@ -133,7 +149,7 @@ class Cluster:
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld}
 AuthType=auth/munge
-AuthInfo=socket={sock}
+AuthInfo=socket={sock},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool-%n
@@ -160,16 +176,24 @@ PartitionName=test Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
         self._daemon([_bin("slurmctld"), "-c", "-i"], f"{r}/slurmctld.pid")
         for node in ("node1", "node2"):
             self._daemon([_bin("slurmd"), "-N", node], f"{r}/slurmd-{node}.pid")
-        _until("both nodes idle", lambda: self.out(["sinfo", "-h", "-o", "%D %t"]).split() == ["2", "idle"], 60)
+        _until("both nodes idle", lambda: self.out(["sinfo", "-h", "-o", "%D %t"]).split() == ["2", "idle"], 60, 0.1)
 
     def _daemon(self, argv: list[str], pidfile: str) -> None:
         done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, f"{argv[0]} failed: {done.stderr or done.stdout}"
         self.pids.append(int(_until(f"{pidfile}", lambda: os.path.exists(pidfile) and open(pidfile).read().strip(),
-                                    30, 0.1)))
+                                    30)))
 
     def out(self, argv: list[str]) -> str:
         return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    def logs(self) -> str:
+        """The daemons' last lines, for an assertion's message (the cluster's directory goes with the test)."""
+        lines = []
+        for name in ("slurmctld.log", "slurmd-node1.log", "slurmd-node2.log"):
+            with open(os.path.join(self.root, name), errors="replace") as f:
+                lines += [f"{name}: {line.rstrip()}" for line in f.readlines()[-15:]]
+        return "\n".join(lines)
 
     def job(self, job_id: str) -> dict[str, str]:
         return dict(re.findall(r"(\w+)=(\S+)", self.out(["scontrol", "show", "job", "-o", job_id])))
@@ -182,7 +206,7 @@ PartitionName=test Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
             except ProcessLookupError:
                 continue
             try:
-                _until(f"daemon {pid} to exit", lambda pid=pid: not _alive(pid), 30, 0.1)
+                _until(f"daemon {pid} to exit", lambda pid=pid: not _alive(pid), 30)
             except AssertionError:
                 os.kill(pid, signal.SIGKILL)
 
@@ -196,8 +220,9 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster():
+    """One cluster for every test of this module: the daemons start once (each test submits its own job)."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
@@ -212,6 +237,11 @@ def cluster():
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _ended(cluster: Cluster, job: str):
+    state = cluster.job(job)
+    return state if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") else None
+
+
 def test_a_two_node_sbatch_job_is_preempted_by_usr1_requeued_resumed_and_ends_as_the_oracle(cluster, tmp_path):
     out, ckpt = str(tmp_path / "model.pt"), str(tmp_path / "ckpt")
     script = tmp_path / "job.sh"
@@ -221,19 +251,50 @@ srun {sys.executable} -m phalanx.cli run -n 1 --checkpoint-dir {ckpt} --resume-f
 """)
     job = cluster.out(["sbatch", "--parsable", str(script)])
     assert job.isdigit(), job
+    polls = iter(range(1 << 30))
     def reached() -> bool:
-        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), cluster.job(job)
+        if next(polls) % 20 == 0:  # the file every 50 ms, the job's state (an scontrol) every second
+            assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), cluster.job(job)
         return os.path.exists(out + ".reached")
     _until("rank 0 to reach step 5", reached)
     assert cluster.out(["scancel", "--signal=USR1", job]) == ""  # SLURM's `--signal=USR1@N` warning, now
-    _until("the requeue", lambda: cluster.job(job).get("Restarts") == "1")
+    # requeued: back in the queue (Restarts counts up before the job has left its nodes), held until
+    # cred_expire (10 s here, 120 s by default) has passed; StartTime=now lets it start at once
+    _until("the requeue", lambda: (lambda j: j.get("Restarts") == "1" and j.get("JobState") == "PENDING")(
+        cluster.job(job)), 120, 0.1)
     assert cluster.out(["scontrol", "update", f"JobId={job}", "StartTime=now"]) == ""  # skip the requeue hold
-    state = _until("the job to end", lambda: cluster.job(job).get("JobState") in ("COMPLETED", "FAILED",
-                                                                                  "CANCELLED") and cluster.job(job),
-                   240, 1.0)
+    state = _until("the job to end", lambda: _ended(cluster, job), 240, 0.1)
     log = open(tmp_path / "job.out").read()
-    assert state["JobState"] == "COMPLETED", log
+    assert state["JobState"] == "COMPLETED", f"{state}\n{log}\n{cluster.logs()}"
     assert re.search(r"received SIGUSR1; the workers stopped after step \d+ to save", log), log
     assert "requeued SLURM job" in log and "resuming from" in log, log
     for a, b in zip(weights(out), oracle().state_dict().values()):  # 2 nodes x batch 4 = one process x batch 8
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_elastic_job_spans_the_allocation_and_survives_losing_a_node_as_the_oracle(cluster, tmp_path):
+    # One `phalanx run --elastic` per node: node 0 hosts the store and worker "0", node 1's launcher joins
+    # with its own worker. Worker "0" dies (SIGKILL) two steps after the group reached 2; node 1 goes on.
+    script = tmp_path / "job.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --nodes=2 --ntasks-per-node=1 --output={tmp_path}/job.out
+export PHALANX_SECRET={os.urandom(16).hex()}
+srun {sys.executable} -m phalanx.cli run -n 1 --elastic --min-workers 1 {ELASTIC} --out {tmp_path}
+""")
+    job = cluster.out(["sbatch", "--parsable", str(script)])
+    assert job.isdigit(), job
+    state = _until("the job to end", lambda: _ended(cluster, job), 240, 0.1)
+    log = open(tmp_path / "job.out").read()
+    assert state["JobState"] == "COMPLETED", f"{state}\n{log}\n{cluster.logs()}"
+    assert "worker 0 (pid" in log and "was killed by SIGKILL" in log, log
+    results = [json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))]
+    assert [r["id"][0] for r in results] == ["j"], log  # node 1's worker: the only one left
+    (r,) = results
+    worlds = [row[1] for row in r["record"]]
+    assert worlds == [1] * worlds.index(2) + [2, 2] + [1] * (len(worlds) - worlds.index(2) - 2), worlds
+    assert [(h["joined"], h["left"]) for h in r["history"]] == [([r["id"]], []), ([], ["0"])]
+    for epoch in range(2):  # every sample exactly once per epoch, across the join and the lost node
+        ids = [i for e, _, step in r["record"] for i in step if e == epoch]
+        assert ids == torch.randperm(base.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    for got, want in zip(r["params"], base.oracle(r["record"]), strict=True):  # one process, same global batches
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)

@@ -232,7 +232,10 @@ class RunConfig:
             raise ConfigError(usage(f"--servers {servers} with --nnodes {a.nnodes}",
                                     "parameter servers in a one-host run", "Run on one host, or drop --servers."))
         from .elastic.options import ElasticConfig  # elastic
-        elastic = ElasticConfig.from_args(a, nproc, 1 if slurm is not None else max_nodes)
+        # Under SLURM -n counts one node's workers; the elastic bounds count the whole allocation's
+        # (node 0 starts its -n, every other node's launcher joins with its own -n).
+        elastic = ElasticConfig.from_args(a, nproc * (slurm.nnodes if slurm is not None else 1),
+                                          1 if slurm is not None else max_nodes)
         if elastic is not None and slurm is not None and slurm.nnodes > 1 and not os.environ.get("PHALANX_SECRET"):
             raise ConfigError(usage("--elastic on several SLURM nodes without PHALANX_SECRET",
                                     "the job's secret in PHALANX_SECRET on every node",
@@ -452,7 +455,8 @@ def run(cfg: RunConfig) -> int:
         print(line, file=sys.stderr, flush=True)
     store = _loopback_store() if cfg.standalone else None
     launch = cfg.launch_config(store[0].port if store else 0)
-    env, servers, watching = cfg.worker_env(), None, None
+    env, servers, watching, children = cfg.worker_env(), None, None, _children()
+    before = _newest_checkpoint(cfg.checkpoint_dir)  # another one after the workers end was written by this run
     notes = tempfile.mkdtemp(prefix="phalanx-preempt-")  # a preempted worker leaves its step here
     env["PHALANX_PREEMPT_NOTES"] = notes
     if threading.current_thread() is threading.main_thread():
@@ -486,7 +490,14 @@ def run(cfg: RunConfig) -> int:
             print(server, file=sys.stderr, flush=True)
             return 1
         if err.sigval in (signal.SIGTERM, signal.SIGUSR1) and os.listdir(notes):  # they stopped at a step
-            return _preempted(cfg, notes, err.sigval.name)
+            # torch's agent ended the workers without telling us how: with --checkpoint-dir, a complete
+            # checkpoint written by this run is the proof that they saved before the grace ran out
+            if cfg.checkpoint_dir is None or _newest_checkpoint(cfg.checkpoint_dir) not in (None, before):
+                return _preempted(cfg, notes, err.sigval.name)
+            steps = ", ".join(sorted({open(os.path.join(notes, n)).read().strip() for n in os.listdir(notes)}))
+            print(f"phalanx: received {err.sigval.name}; the workers stopped after step {steps} but wrote no "
+                  f"checkpoint in {cfg.checkpoint_dir} within --grace {cfg.grace_s} s (a worker failed or took "
+                  "longer); stopped all workers", file=sys.stderr, flush=True)
         print(f"phalanx: received {err.sigval.name}; stopped all workers", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
@@ -497,6 +508,47 @@ def run(cfg: RunConfig) -> int:
             servers.stop()
         if store is not None:
             store[1].close()
+        _reap_children(children)
+
+
+def _newest_checkpoint(directory: str | None) -> tuple[str, float] | None:
+    """The newest complete checkpoint in ``directory`` and its mtime (compared with itself only: no clock skew)."""
+    from .preempt import latest_checkpoint
+
+    newest = latest_checkpoint(directory)
+    try:
+        return (newest, os.path.getmtime(newest)) if newest is not None else None
+    except OSError:
+        return None
+
+
+def _children() -> set[int]:
+    """The live (not zombie) child processes of this process, from /proc (empty where there is none)."""
+    me, found = str(os.getpid()), set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue  # it ended meanwhile
+        if parent == me and state != "Z":
+            found.add(int(pid))
+    return found
+
+
+def _reap_children(before: set[int]) -> None:
+    """SIGKILL the processes started during this run that are still alive: none, unless a signal came while
+    torch's agent was starting the workers (it then stops only those it already tracked, and the others
+    would outlive `phalanx run`, holding its output open and waiting on a store that is gone)."""
+    for pid in _children() - before:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
 
 
 def _preempted(cfg: RunConfig, notes: str, signame: str | None) -> int:

@@ -22,10 +22,10 @@ signals; a plain ``python`` process keeps the default.
 
 Every worker of the job must hear the signal (a launcher forwards it to all of them;
 SLURM and Kubernetes signal every process); a worker signalled alone trains on until the
-others hear it too. The agreement needs
-workers that meet every step (``px.AllReduce`` and the other per-step strategies); with
-periodic ones (``px.LocalSGD``, ``px.DiLoCo``) workers drift apart between syncs and
-must be stopped by the launcher's signal at the same time.
+others hear it too. With per-step strategies (``px.AllReduce``...) the stop is the step after
+the last worker heard the signal; with periodic ones (``px.LocalSGD``, ``px.DiLoCo``), whose
+workers drift up to a round of local steps apart, it is the next sync after that, the first
+step no worker can pass alone (and the checkpoint there holds one model).
 
 Example (your own loop):
     >>> import torch, phalanx as px
@@ -138,17 +138,33 @@ class Preemption:
         elif self.posted_at is None:
             self.posted_at = step
             store.set(f"{_KEY}/seen/{g.rank}", str(step))
-            if int(store.add(f"{_KEY}/heard", 1)) == world:  # the last to hear it: the stop is the next step
-                # (per-step strategies: a worker posting at boundary s has every peer at s-1 or later, and no
-                # peer finishes step s+1 before this post, since step s+1 meets this worker)
+            if int(store.add(f"{_KEY}/heard", 1)) == world:  # the last to hear it decides the stop
                 seen = [int(v) for v in store.multi_get([f"{_KEY}/seen/{r}" for r in range(world)])]
-                store.set(f"{_KEY}/stop", str(max(seen) + 1))
+                store.set(f"{_KEY}/stop", str(self._stop_after(max(seen))))
         if self.stop_at is None and store is not None and world > 1 and store.check([f"{_KEY}/stop"]):
             self.stop_at = int(store.get(f"{_KEY}/stop"))
         self.due = self.stop_at is not None and step >= self.stop_at
         if self.due:
             self._note(step)
         return self.due
+
+    def _stop_after(self, latest: int) -> int:
+        """The step every worker stops after, decided by the last to hear at its boundary; ``latest`` is the
+        newest boundary any worker posted at.
+
+        It must be a step no worker has passed yet. Per-step strategies meet every step: a worker posting at
+        boundary s has every peer at s-1 or later, and none finishes step s+1 before this post, since step s+1
+        meets this worker; so the stop is ``latest + 1``. Periodic ones (LocalSGD, DiLoCo) meet only at their
+        syncs, and a worker may run up to a round of local steps ahead of the last one to hear, past
+        ``latest + 1``; but none passes the next sync, which needs every worker. So the stop is the first step
+        after ``latest`` where the replicas agree: the next sync for those, the next step for the others (and a
+        checkpoint taken there holds one model).
+        """
+        strategies = [c.strategy for c in self.group.clocks if c.strategy is not None]
+        for step in range(latest + 1, latest + 1 + 1_000_000):  # a sync schedule is a function of the step
+            if all(s.replicas_agree(step) for s in strategies):
+                return step
+        return latest + 1  # a schedule that never syncs again: its workers never meet, any step will do
 
     def _note(self, step: int) -> None:
         """Tell ``phalanx run`` (a file in its notes directory) that this worker stops, preempted, after ``step``."""

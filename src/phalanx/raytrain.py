@@ -28,8 +28,15 @@ reaches the store says so in one line and exits).
 Elastic bounds map onto Ray's worker counts: Ray Train runs ``num_workers + spares``
 workers; ``min_workers`` is phalanx's floor (fewer survivors end the job); spares are
 parked workers that take a lost worker's place at the regroup; the group never grows past
-``num_workers + spares``. ``max_failures`` bounds how many lost workers Ray Train replaces
-(Ray's ``FailureConfig``).
+``max_workers`` (default ``num_workers + spares``). ``max_failures`` bounds how many lost
+workers Ray Train replaces (Ray's ``FailureConfig``).
+
+Growing: with ``max_workers`` above ``num_workers + spares``, the controller watches the
+cluster's free resources; when a node is added (room for one more worker's
+``resources_per_worker``), it starts the training function in a new Ray actor there, which
+joins at the next commit with rank 0's state, as ``phalanx join`` does. Ray Train itself would
+restart every worker from a checkpoint to resize; these extra workers are phalanx's, outside
+Ray Train's worker group (its return value is rank 0's, as before).
 
 Example:
     >>> PhalanxConfig(min_workers=2).heartbeat_s
@@ -83,6 +90,7 @@ class PhalanxConfig(BackendConfig):  # type: ignore[misc]
         heartbeat_s: a worker whose heartbeat stops this long is killed (Ray then replaces it).
         threads: intra-op threads per worker.
         timeout_s: the bound on every collective (``px.init(timeout=...)``'s default).
+        max_workers: the group may grow to this many when the cluster gains room (default: no growth).
     """
 
     num_workers: int = 2
@@ -94,6 +102,9 @@ class PhalanxConfig(BackendConfig):  # type: ignore[misc]
     debug: bool = False
     host: str | None = None  # where the store listens: the controller's node address by default
     extra_env: dict[str, str] = field(default_factory=dict)
+    max_workers: int | None = None
+    grow: Callable[[], Any] | None = None  # the training function, for the workers started when a node is added
+    resources: dict[str, float] | None = None  # one worker's Ray resources (the room a new worker needs)
 
     def __post_init__(self) -> None:
         n = self.num_workers
@@ -111,6 +122,11 @@ class PhalanxConfig(BackendConfig):  # type: ignore[misc]
         if not float(self.heartbeat_s) > 0:
             raise ConfigError(usage(f"heartbeat_s={self.heartbeat_s!r}", "a positive number of seconds",
                                     "Pass e.g. heartbeat_s=10."))
+        top = self.max_workers if self.max_workers is not None else self.total_workers
+        if isinstance(top, bool) or not isinstance(top, int) or top < self.total_workers:
+            raise ConfigError(usage(f"max_workers={self.max_workers!r} with num_workers={n}, spares={self.spares}",
+                                    f"an integer >= {self.total_workers}", f"Pass e.g. max_workers={n + 1}."))
+        self.max_workers = top
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ConfigError(usage(f"threads={self.threads!r}", "an integer >= 1", "Pass e.g. threads=1."))
         if self.timeout_s is not None and not float(self.timeout_s) > 0:
@@ -159,28 +175,76 @@ class _Job:
         self.replaced = 0
         self.actors: dict[str, Any] = {}  # worker id -> its actor, for the hang watcher
         self.store.set(key("config"), json.dumps({
-            "min_workers": cfg.min_workers, "max_workers": cfg.total_workers, "heartbeat_s": self.heartbeat_s,
+            "min_workers": cfg.min_workers, "max_workers": cfg.max_workers, "heartbeat_s": self.heartbeat_s,
             "workers": cfg.num_workers, "spares": self.spares, "nonce": nonce,
             "check": secret.verifier(self.secret, nonce)}))
         self.store.set(key("gen", 0, "members"), json.dumps([self.ids[r] for r in range(cfg.num_workers)]))
         self.stopped = threading.Event()
         self.watcher = threading.Thread(target=self._watch_heartbeats, name="phalanx-ray-heartbeats", daemon=True)
         self.watcher.start()
+        self.grown: dict[str, tuple[Any, Any]] = {}  # worker id -> (actor, its run's result), see _grow
+        self.grew = 0
+        if cfg.max_workers > cfg.total_workers and cfg.grow is not None:
+            threading.Thread(target=self._grow, args=(cfg,), name="phalanx-ray-grow", daemon=True).start()
 
     def env(self, slot: int, joining: bool, local_rank: int, local_world: int, num_workers: int) -> dict[str, str]:
         """What the worker in Ray's ``slot`` gets: the variables ``phalanx run --elastic`` gives its workers."""
+        return self.worker_env(self.ids[slot], joining, {
+            "RANK": str(slot), "WORLD_SIZE": str(num_workers), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world)})
+
+    def worker_env(self, wid: str, joining: bool, ranks: dict[str, str]) -> dict[str, str]:
+        """Worker ``wid``'s variables: the job's store and secret, and its ranks unless it joins."""
         from .elastic import secret
 
-        wid = self.ids[slot]
         env = {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.store.port), "PHALANX_ELASTIC_ID": wid,
                "TORCHELASTIC_USE_AGENT_STORE": "true", "TORCHELASTIC_RESTART_COUNT": "0", secret.ENV: self.secret,
                "PHALANX_LAUNCHER": "ray"}
         if joining:
             env["PHALANX_ELASTIC_JOIN"] = "1"
         else:
-            env.update({"RANK": str(slot), "WORLD_SIZE": str(num_workers), "LOCAL_RANK": str(local_rank),
-                        "LOCAL_WORLD_SIZE": str(local_world)})
+            env.update(ranks)
         return env
+
+    def _grow(self, cfg: PhalanxConfig, poll_s: float = 0.5) -> None:
+        """Start one more worker (a joiner, in its own actor) whenever the cluster has room for it."""
+        import ray
+
+        from .elastic.membership import key
+        from .elastic.watch import mark_dead
+
+        need = dict(cfg.resources or {"CPU": 1.0})
+        runner = ray.remote(_Grown)
+        while not self.stopped.wait(poll_s):
+            try:
+                if self.store.check([key("done")]):
+                    return
+                for wid, (_, ref) in list(self.grown.items()):  # a grown worker that failed: tell the quorum
+                    if ray.wait([ref], timeout=0)[0]:
+                        try:
+                            ray.get(ref)
+                        except Exception as err:  # noqa: BLE001 - its actor or function failed: it is lost
+                            self.actors.pop(wid, None)
+                            if not self.store.check([key("finished", wid)]):
+                                mark_dead(self.store, wid, f"was lost ({type(err).__name__})")
+                        del self.grown[wid]
+                alive = sum(1 for wid in self.grown if not self.store.check([key("finished", wid)]))
+                free = ray.available_resources()
+                if cfg.total_workers + alive >= cfg.max_workers or any(free.get(k, 0.0) < v
+                                                                         for k, v in need.items()):
+                    continue
+                self.grew += 1
+                wid = f"g{self.grew}"
+                env = {**cfg.worker_env(), **self.worker_env(wid, True, {})}
+                actor = runner.options(num_cpus=need.get("CPU", 0.0),
+                                       resources={k: v for k, v in need.items() if k not in ("CPU", "GPU")},
+                                       num_gpus=need.get("GPU", 0.0), runtime_env={"env_vars": env}).remote()
+                self.grown[wid] = (actor, actor.run.remote(cfg.grow))
+                self.actors[wid] = actor  # the heartbeat watcher covers it too
+                print(f"phalanx: ray: the cluster has room for one more worker; started {wid}, which joins at "
+                      "the next commit", file=sys.stderr, flush=True)
+            except Exception:  # noqa: BLE001 - the store is closing with the job
+                return
 
     def replace(self, slot: int) -> str:
         """A new id for the worker Ray started in ``slot`` in place of a lost one: it joins at the next commit."""
@@ -227,8 +291,27 @@ class _Job:
                 return
 
     def close(self) -> None:
+        import ray
+
+        from .elastic.membership import key
+
         self.stopped.set()
+        if self.grown:
+            try:  # training is over: let the grown workers return (they finish with the others), then end them
+                if self.store.check([key("done")]):
+                    ray.wait([ref for _, ref in self.grown.values()], num_returns=len(self.grown), timeout=30)
+            except Exception:  # noqa: BLE001 - the store or Ray is going away with the job
+                pass
+            for actor, _ in self.grown.values():
+                ray.kill(actor)
         self.listener.close()
+
+
+class _Grown:
+    """A worker started outside Ray Train's worker group when the cluster gained room (a Ray actor)."""
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        return fn()
 
 
 def _where() -> tuple[int, int, int]:
@@ -298,18 +381,21 @@ def _connect(ray: Any, address: str | None) -> None:
 def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int | None = None, spares: int = 0,
           heartbeat_s: float = 10.0, threads: int = 1, timeout_s: float | None = None, max_failures: int = 3,
           resources_per_worker: dict[str, float] | None = None, address: str | None = None,
-          storage_path: str | None = None, name: str | None = None, debug: bool = False) -> Any:
+          storage_path: str | None = None, name: str | None = None, debug: bool = False,
+          max_workers: int | None = None) -> Any:
     """Run ``fn(*args)`` on ``num_workers`` Ray Train workers as one elastic phalanx job; returns rank 0's result.
 
     ``fn`` is the function ``phalanx run --elastic`` would run (``px.init()``, ``px.wrap``,
     ``px.elastic.State``...). A lost worker is replaced by Ray alone, up to ``max_failures``
     times; the survivors regroup in process (see the module's docstring). ``address``: a
-    running Ray cluster (``ray.init`` is called unless Ray is already initialised).
+    running Ray cluster (``ray.init`` is called unless Ray is already initialised). ``max_workers``: grow up
+    to this many workers when nodes are added (each new one joins at the next commit).
     Raises :class:`~phalanx.PhalanxError` with one line when the job fails.
     """
     ray = require_ray()
     cfg = PhalanxConfig(num_workers=num_workers, min_workers=min_workers, spares=spares, heartbeat_s=heartbeat_s,
-                        threads=threads, timeout_s=timeout_s, debug=debug)
+                        threads=threads, timeout_s=timeout_s, debug=debug, max_workers=max_workers,
+                        grow=lambda: fn(*args), resources=resources_per_worker)
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < -1:
         raise ConfigError(usage(f"max_failures={max_failures!r}", "an integer >= 0 (or -1: no limit)",
                                 "Pass e.g. max_failures=3."))

@@ -1,6 +1,6 @@
 """A user's own loop that a preemption stops and ``--resume-from auto`` continues (run by tests/test_preempt.py).
 
-    phalanx run -n 2 --checkpoint-dir CKPT [--resume-from auto] preempt.py OUT [WAIT_AT]
+    phalanx run -n 2 --checkpoint-dir CKPT [--resume-from auto] preempt.py OUT [WAIT_AT] [--hang-before-save]
 
 Rank 0 writes ``OUT.reached`` after step WAIT_AT and waits for the signal there (the test sends it
 when it sees the file), so the stop step is deterministic without sleeps: rank 0 hears it at
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("wait_at", nargs="?", type=int, default=-1)
+    p.add_argument("--hang-before-save", action="store_true", help="rank 1 never saves (it hangs once stopped)")
     a = p.parse_args()
     px.init()
     torch.manual_seed(1)
@@ -53,6 +55,8 @@ def main() -> None:
                     f.write(str(step))
                 assert px.current_group().preemption.heard.wait(120), "no signal came"
             if px.preempted():
+                if a.hang_before_save and px.rank() == 1:
+                    time.sleep(600)  # until the launcher's grace runs out and it kills this worker
                 px.save_checkpoint(os.path.join(px.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt,
                                    loader=loader, step=step)
                 raise SystemExit(px.PREEMPTED_EXIT)

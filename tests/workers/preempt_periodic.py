@@ -1,0 +1,76 @@
+"""A preempted job under a periodic strategy, whose workers drift apart between syncs (tests/test_preempt.py).
+
+    phalanx run -n 2 --checkpoint-dir CKPT [--resume-from auto] preempt_periodic.py OUT STRATEGY [--drift]
+
+STRATEGY is ``local-sgd`` or ``diloco``, both syncing every 8 steps. ``--drift`` arranges the
+signal so that the workers hear it far apart: rank 0 waits for it after step 1, rank 1 after
+step 2; once heard, rank 1 runs ahead on its local steps and rank 0 waits until rank 1 has
+finished step 7 (it then waits for rank 0 in step 8's sync). Rank 1 has told the others at
+step 3, rank 0 tells them last at step 2: a stop "the step after the last one heard" (3) is one
+rank 1 has passed already. Without ``--drift`` the run is uninterrupted (the reference).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import phalanx as px  # noqa: E402
+from workers.preempt import BATCH, EPOCHS, data, make_model  # noqa: E402
+
+STRATEGIES = {"local-sgd": lambda: px.LocalSGD(every=8), "diloco": lambda: px.DiLoCo(every=8)}
+
+
+def wait_for(path: str) -> None:
+    import time
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)  # the other worker's progress file; its process is not ours to wait on
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("strategy", choices=sorted(STRATEGIES))
+    p.add_argument("--drift", action="store_true")
+    a = p.parse_args()
+    px.init()
+    torch.manual_seed(1)
+    net = make_model()
+    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                         strategy=STRATEGIES[a.strategy]())
+    loader = px.shard(data(), batch_size=BATCH, shuffle=True, seed=0)
+    step = 0
+    if px.resume_from() is not None:
+        step = int(px.load_checkpoint(px.resume_from(), model, opt, loader=loader)["step"])
+    heard = px.current_group().preemption.heard
+    for epoch in range(loader.sampler.epoch, EPOCHS):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            step += 1
+            if a.drift and px.resume_from() is None:
+                if px.rank() == 1:
+                    open(f"{a.out}.rank1-{step}", "w").close()
+                if step == 1 + px.rank():  # rank 0 after step 1, rank 1 after step 2: wait for the signal there
+                    open(f"{a.out}.reached{px.rank()}", "w").close()
+                    assert heard.wait(120), "no signal came"
+                    if px.rank() == 0:
+                        wait_for(f"{a.out}.rank1-7")
+            if px.preempted():
+                px.save_checkpoint(os.path.join(px.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt,
+                                   loader=loader, step=step)
+                raise SystemExit(px.PREEMPTED_EXIT)
+    px.save(model, a.out)
+    px.shutdown()
+
+
+if __name__ == "__main__":
+    main()

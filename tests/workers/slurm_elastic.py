@@ -1,0 +1,69 @@
+"""An elastic job across a SLURM allocation's nodes (run by tests/test_slurm.py).
+
+    srun phalanx run -n 1 --elastic --min-workers 1 slurm_elastic.py --out DIR
+
+Node 0's worker ("0") trains alone until node 1's worker (a joiner) has asked to join, so
+the group is sure to reach 2; two steps after it did, worker "0" dies with SIGKILL (a
+node lost) and node 1's worker goes on alone from the last commit. Each survivor writes
+``DIR/worker<ID>.json``: its id, per step (epoch, world size, the group's sample ids) and
+its final parameters, for the one-process oracle of tests/workers/elastic.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import phalanx as px  # noqa: E402
+from phalanx.elastic.membership import key  # noqa: E402
+from workers.elastic import BATCH, Record, dataset, model, optimizer  # noqa: E402
+
+
+def joiner_waiting(state: px.elastic.State) -> bool:
+    store = state.worker.store
+    return store.check([key("joiners")]) and bool(json.loads(store.get(key("joiners"))))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=2)
+    args = p.parse_args()
+    me = os.environ["PHALANX_ELASTIC_ID"]
+    px.init()
+    net = model()
+    model_, opt = px.wrap(net, optimizer(net))
+    loader = px.shard(dataset(), batch_size=BATCH, seed=0)
+    record = Record()
+    state = px.elastic.State(model_, opt, loader, commit_every=2, extra={"record": record})
+    comm = px.Comm()
+    for epoch in state.epochs(args.epochs):
+        with state:
+            loader.set_epoch(epoch)
+            for x, y, ids in loader:
+                if me == "0" and state.step == 1:  # alone so far: wait for node 1's worker (it starts slower)
+                    deadline = time.monotonic() + 120
+                    while not joiner_waiting(state) and time.monotonic() < deadline:
+                        time.sleep(0.05)  # polling the store's joiner list; there is nothing to block on
+                if me == "0" and sum(row[1] == 2 for row in record.steps) == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)  # the node is lost mid-epoch
+                padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])
+                everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
+                record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
+                opt.zero_grad()
+                F.mse_loss(model_(x), y).backward()
+                opt.step()
+    with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
+        json.dump({"id": me, "world_size": px.world_size(), "record": record.steps, "history": state.history,
+                   "params": [t.tolist() for t in px.unwrap(model_).parameters()]}, f)
+
+
+if __name__ == "__main__":
+    main()
