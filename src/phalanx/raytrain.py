@@ -46,7 +46,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .elastic import secret
+from .elastic.membership import key
+from .elastic.watch import mark_dead
 from .errors import ConfigError, PhalanxError, usage
+from .launch_elastic import listening_store, quiet_store_env
 
 try:  # Ray is an extra (`pip install 'phalanx[ray]'`); without it this module imports and train() says so
     from ray.train.backend import Backend, BackendConfig
@@ -128,8 +132,6 @@ class PhalanxConfig(BackendConfig):  # type: ignore[misc]
 
     def worker_env(self) -> dict[str, str]:
         """Variables every worker process needs before torch starts (Ray's worker runtime env)."""
-        from .elastic.agent import quiet_store_env
-
         env = {"OMP_NUM_THREADS": str(self.threads), "PHALANX_THREADS": str(self.threads),
                **quiet_store_env(self.debug), **self.extra_env}
         if self.timeout_s is not None:
@@ -144,10 +146,6 @@ class _Job:
 
     def __init__(self, cfg: PhalanxConfig) -> None:
         import ray
-
-        from .elastic import secret
-        from .elastic.agent import listening_store
-        from .elastic.membership import key
 
         self.host = cfg.host or ray.util.get_node_ip_address()
         self.store, self.listener = listening_store(self.host, 0)
@@ -169,8 +167,6 @@ class _Job:
 
     def env(self, slot: int, joining: bool, local_rank: int, local_world: int, num_workers: int) -> dict[str, str]:
         """What the worker in Ray's ``slot`` gets: the variables ``phalanx run --elastic`` gives its workers."""
-        from .elastic import secret
-
         wid = self.ids[slot]
         env = {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.store.port), "PHALANX_ELASTIC_ID": wid,
                "TORCHELASTIC_USE_AGENT_STORE": "true", "TORCHELASTIC_RESTART_COUNT": "0", secret.ENV: self.secret,
@@ -190,9 +186,6 @@ class _Job:
 
     def lost(self, slot: int, how: str) -> None:
         """Ray saw the worker of ``slot`` fail: tell the survivors' quorum (``elastic/dead/<id>``) at once."""
-        from .elastic.membership import key
-        from .elastic.watch import mark_dead
-
         wid = self.ids[slot]
         self.actors.pop(wid, None)
         if self.store.check([key("finished", wid)]) and not self.store.check([key("dead", wid)]):
@@ -205,8 +198,6 @@ class _Job:
     def _watch_heartbeats(self, poll_s: float = 0.5) -> None:
         """Kill a worker whose heartbeat stopped (a hang gloo cannot free its peers from); Ray then replaces it."""
         import ray
-
-        from .elastic.membership import key
 
         seen: dict[str, tuple[int, float]] = {}
         while not self.stopped.wait(poll_s):
