@@ -17,6 +17,8 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from . import __version__
+from .checkpoint import export
 from .errors import ConfigError, PhalanxError, usage
 
 COMMANDS = {
@@ -54,8 +56,6 @@ def _entry(command: str) -> Callable[[list[str]], int | None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``phalanx`` script; returns the exit status."""
-    from . import __version__
-
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if not args or args[0] in ("-h", "--help", "help"):
@@ -83,7 +83,6 @@ def export_main(argv: list[str]) -> int:
     """``phalanx export CKPT OUT``: the model of a checkpoint as the plain ``state_dict`` ``px.save`` writes."""
     import argparse
 
-    from .checkpoint import export
     parser = argparse.ArgumentParser(prog="phalanx export", description="Write the model of a px.save_checkpoint "
                                      "checkpoint (a DCP directory, or a one-file checkpoint of an earlier version) "
                                      "as a plain state_dict that loads into the unwrapped model.")
