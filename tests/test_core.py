@@ -364,14 +364,14 @@ def test_a_failure_inside_a_guarded_collective_is_a_worker_lost_error_with_lost_
 
 
 def test_elastic_reacts_to_the_type_of_a_failure_never_to_its_words():
-    from phalanx.elastic.state import is_peer_failure
+    from phalanx.elastic.commits import is_peer_failure
     assert is_peer_failure(px.WorkerLostError("rank 1 is gone", lost_ranks=[1]))
     # A user's own error that happens to mention sockets and peers is the user's error: no rollback.
     assert not is_peer_failure(RuntimeError("my socket to the peer timed out; connection reset"))
 
 
 def test_a_resize_cannot_be_swallowed_by_except_exception():
-    from phalanx.elastic.state import _Resize
+    from phalanx.elastic.commits import _Resize
     with pytest.raises(_Resize):
         try:
             raise _Resize(["j1"])

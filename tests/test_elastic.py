@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from phalanx import ConfigError
-from phalanx.elastic.agent import ElasticConfig
+from phalanx.launch_elastic import ElasticConfig
 from phalanx.elastic.membership import common_commit, decide_members
 from phalanx.launch import RunConfig
 from workers import elastic as worker
@@ -246,7 +246,7 @@ def test_join_refuses_an_endpoint_with_no_job_within_seconds():
 def test_join_refuses_a_job_that_is_not_elastic_and_leaves_a_finished_one_at_once(tmp_path):
     import torch.distributed as dist
 
-    from phalanx.elastic.join import probe
+    from phalanx.launch_join import probe
     from phalanx.elastic.membership import key
     from phalanx.errors import PhalanxError
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -208,7 +208,7 @@ def test_a_request_refused_by_a_restarted_server_gives_up_so_that_the_group_roll
 def test_a_server_that_keeps_exiting_ends_the_job_instead_of_a_restart():
     import torch.distributed as dist
 
-    from phalanx.ps.elastic import MAX_RESTARTS, restart_exited
+    from phalanx.ps.launcher import MAX_RESTARTS, restart_exited
     from phalanx.ps.launcher import start_servers
     store = dist.HashStore()
     with start_servers(1) as servers:

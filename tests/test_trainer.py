@@ -247,3 +247,34 @@ def test_plain_progress_prints_every_so_often_and_at_the_end(capsys):
     bar.close()
     assert capsys.readouterr().out.splitlines() == ["epoch 1/1: 3/10 steps", "epoch 1/1: 6/10 steps",
                                                     "epoch 1/1: 9/10 steps", "epoch 1/1: 10/10 steps"]
+
+
+def test_an_elastic_fit_runs_its_epochs_through_the_groups_supervisor(monkeypatch):
+    # The Trainer imports no feature: under --elastic, phalanx.elastic puts its State on the group (px.init()) and
+    # the Trainer hands it the epoch loop. A stand-in supervisor re-enters the loop once, at epoch 1's commit.
+    from phalanx.errors import ConfigError
+
+    g = px.init()
+    made = []
+
+    class Supervisor:
+        def __init__(self, model, optimizer, loader, *, commit_every, resize):
+            made.append((commit_every, resize))
+            self.history, self.epoch = [{"generation": 1}], 1
+
+        def supervise(self, loop):
+            loop(self)
+
+    net = torch.nn.Linear(4, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    trainer = px.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy)
+    monkeypatch.setattr(g, "supervisor", Supervisor)
+    history = trainer.fit(data, epochs=2, batch_size=8, elastic=3, resize="policy", progress=False)
+    assert made == [(3, "policy")] and history.membership == [{"generation": 1}]
+    assert history["epoch"] == [2] and history["world_size"] == [1]  # entered at the commit's epoch
+    monkeypatch.setattr(g, "supervisor", None)
+    monkeypatch.setattr(g, "elastic", True)  # under --elastic, but px.init() never took the worker's place
+    with pytest.raises(ConfigError, match="px.init"):
+        trainer.fit(data, epochs=1, batch_size=8, elastic=True, progress=False)
+    with pytest.raises(ConfigError, match="elastic"):
+        trainer.fit(data, epochs=1, batch_size=8, elastic=-2, progress=False)

@@ -41,12 +41,12 @@ from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, Parameter
                          StreamingDiLoCo, SyncCondition, fill_missing_grads)
 from .sharding import FullyShard
 from .sync import every, schedule
-from .state import TrainingState
+from .training_state import TrainingState
 from .trainer import History, Trainer
 from .tracking import Tracker
 from .wrap import no_sync, strategy_of, unwrap, wrap
 from . import elastic  # px.elastic.State / px.elastic.run
-from .elastic.worker import place as _take_elastic_place
+from .elastic.commits import attach as _attach_elastic
 from . import stream  # px.stream.RedisStream / px.stream.StreamLoader (redis itself is imported on first use)
 
 __version__ = "0.1.0"
@@ -63,7 +63,7 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
         1
     """
     g = _join_group(backend, timeout, threads)
-    _take_elastic_place(g)  # the group is core; elastic membership is a feature, composed here
+    _attach_elastic(g)  # the group is core; elastic membership is a feature, composed here
     return g
 
 

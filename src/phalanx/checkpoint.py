@@ -54,10 +54,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import group
+from .comm import guarded
 from .errors import CheckpointError, ConfigError, usage
-from .profiling import span
-from .framing import MAGIC, atomic_write, check_plain, read_verified, to_bytes, write_verified
-from .state import TrainingState, cpu_copy, resize_warning, rng_state, set_rng_state, shared
+from .spans import span
+from .framing import MAGIC, MARKER, atomic_write, check_plain, read_verified, to_bytes, write_verified
+from .training_state import TrainingState, cpu_copy, resize_warning, rng_state, set_rng_state, shared
 from .sharding import is_sharded
 from .wrap import unwrap
 
@@ -74,7 +75,6 @@ def _dcp() -> Any:
 
 FORMAT = "phalanx-checkpoint-2"  # the one-file format of earlier versions, still loaded
 DCP_FORMAT = "phalanx-dcp-1"
-MARKER = "phalanx.json"  # written last into a complete checkpoint directory
 #: Seconds the first worker to enter ``save_checkpoint`` waits for the others before saying it is not collective.
 #: Synchronous strategies bring workers there within moments of each other; under local strategies (LocalSGD,
 #: DiLoCo) a slow worker can trail by up to one round of local steps: raise this if yours trail by more.
@@ -450,7 +450,6 @@ def _agree_on_temporary(path: str, key: str | None) -> str:
         if key is not None and store is not None:
             store.set(f"{key}/tmp", tmp)
         return tmp
-    from .comm import guarded
     with guarded("waiting for rank 0 to name the checkpoint's directory"):
         store.wait([f"{key}/tmp"])  # type: ignore[union-attr]
     return store.get(f"{key}/tmp").decode()  # type: ignore[union-attr]
@@ -487,7 +486,6 @@ def _agree(what: str, key: str | None, failure: BaseException | None, path: str,
         return
     mine = None if failure is None else _file_error(path, me, failure)
     store.set(f"{key}/{what}/{me}", "" if mine is None else f"{type(mine).__name__}: {mine}")
-    from .comm import guarded
     with guarded(f"waiting for every worker's {what} of the checkpoint"):
         store.wait([f"{key}/{what}/{r}" for r in range(world)])
     for r in range(world):
@@ -898,7 +896,6 @@ def _wait_for_write(key: str | None) -> None:
     store = group.store()
     if key is None or store is None:
         return
-    from .comm import guarded
     with guarded("waiting for rank 0 to write the checkpoint"):
         store.wait([f"{key}/written"])
     outcome = store.get(f"{key}/written").decode()

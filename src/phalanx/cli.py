@@ -17,11 +17,13 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from . import __version__
+from .checkpoint import export
 from .errors import ConfigError, PhalanxError, usage
 
 COMMANDS = {
     "run": ("phalanx.launch", "start N workers running a script (like torchrun); see `phalanx run --help`"),
-    "join": ("phalanx.elastic.join", "add workers to a running `phalanx run --elastic` job"),  # elastic
+    "join": ("phalanx.launch_join", "add workers to a running `phalanx run --elastic` job"),  # elastic
     "demo": ("phalanx.bench.demo", "train a small CNN on bundled digits with 1, then 2 workers, and compare"),
     "bench": ("phalanx.bench.cli", "measure throughput and scaling of the strategies"),
     "export": ("phalanx.cli:export_main", "write a checkpoint's model as a plain state_dict file (CKPT OUT)"),
@@ -54,8 +56,6 @@ def _entry(command: str) -> Callable[[list[str]], int | None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``phalanx`` script; returns the exit status."""
-    from . import __version__
-
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if not args or args[0] in ("-h", "--help", "help"):
@@ -83,7 +83,6 @@ def export_main(argv: list[str]) -> int:
     """``phalanx export CKPT OUT``: the model of a checkpoint as the plain ``state_dict`` ``px.save`` writes."""
     import argparse
 
-    from .checkpoint import export
     parser = argparse.ArgumentParser(prog="phalanx export", description="Write the model of a px.save_checkpoint "
                                      "checkpoint (a DCP directory, or a one-file checkpoint of an earlier version) "
                                      "as a plain state_dict that loads into the unwrapped model.")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from . import group, liveness
 from .errors import StoreLostError, WorkerLostError
 from .framing import from_bytes, to_bytes
-from .profiling import span
+from .spans import span
 
 
 @dataclass

@@ -45,7 +45,7 @@ from . import check, group
 from .comm import all_gather_object
 from .errors import ConfigError, usage
 from .prefetch import prefetch
-from .profiling import span
+from .spans import span
 from .steps import set_batch_weight
 
 

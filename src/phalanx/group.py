@@ -78,6 +78,11 @@ class Group:
         # Per-worker objects of the features (phalanx.elastic's membership), kept here rather than in module
         # globals: the group is the one piece of module state.
         self.extensions: dict[str, Any] = {}
+        # What re-enters a training loop at a shared commit after a membership change: phalanx.elastic puts its
+        # State here when it takes this worker's place in an elastic job (px.init()), None elsewhere. Called as
+        # supervisor(model, optimizer, loader, commit_every=, resize=) -> an object with .history and
+        # .supervise(loop); the Trainer uses it this way, so the core never imports the feature.
+        self.supervisor: Callable[..., Any] | None = None
         self.leaves_at_exit = False  # px.shutdown() is registered to run at exit (once the group has a store)
         self._on_regroup: list[Callable[["Group"], None]] = []
         # The checkpoint this worker is writing in the background (phalanx.checkpoint.SaveHandle): the next save

@@ -37,17 +37,19 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
+from . import launch_join
 from .allocator import heap_env
+from .elastic.options import ElasticConfig
+from .elastic.options import add_arguments as add_elastic_arguments
 from .errors import ConfigError, OneLineParser, usage
+from .launch_elastic import run_elastic
 from .launch_failures import failure_line, root_cause as _root_cause, status as _status
-from .launch_slurm import SlurmEnv, node_address
+from .launch_slurm import SlurmEnv, node_address, requeue
 from .preempt import PREEMPTED_EXIT, latest_checkpoint
-
-if TYPE_CHECKING:
-    from .elastic.options import ElasticConfig
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -109,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds the workers get to save and exit after SIGTERM/SIGUSR1 before SIGKILL (default 30)")
     pre.add_argument("--requeue", action="store_true",
                      help="under SLURM, `scontrol requeue` the job when it was preempted")
-    from .elastic.options import add_arguments as add_elastic_arguments  # elastic: --elastic and its flags
-    add_elastic_arguments(p)
+    add_elastic_arguments(p)  # --elastic and its flags
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
     return p
@@ -153,7 +154,7 @@ class RunConfig:
     standalone: bool = False  # one host, no rendezvous options: we host the store, on loopback
     debug: bool = False
     profile_dir: str | None = None  # --profile DIR: the workers record a timeline there (phalanx.profiling)
-    elastic: "ElasticConfig | None" = None  # --elastic: phalanx.elastic.agent runs the job
+    elastic: "ElasticConfig | None" = None  # --elastic: phalanx.launch_elastic runs the job
     checkpoint_dir: str | None = None  # --checkpoint-dir
     resume_from: str | None = None  # --resume-from, resolved: a checkpoint path, or None for a fresh start
     requeue: bool = False
@@ -231,7 +232,6 @@ class RunConfig:
         if servers and max_nodes > 1:
             raise ConfigError(usage(f"--servers {servers} with --nnodes {a.nnodes}",
                                     "parameter servers in a one-host run", "Run on one host, or drop --servers."))
-        from .elastic.options import ElasticConfig  # elastic
         # Under SLURM -n counts one node's workers; the elastic bounds count the whole allocation's
         # (node 0 starts its -n, every other node's launcher joins with its own -n).
         elastic = ElasticConfig.from_args(a, nproc * (slurm.nnodes if slurm is not None else 1),
@@ -448,7 +448,6 @@ def run(cfg: RunConfig) -> int:
     if cfg.elastic is not None:  # elastic: our own agent keeps survivors running
         if cfg.slurm is not None and cfg.node_rank > 0:  # the other nodes of the allocation join node 0's job
             return _join_slurm_job(cfg)
-        from .elastic.agent import run_elastic
         return run_elastic(cfg)
     _quiet_torch_elastic()
     for line in cfg.warnings():
@@ -561,7 +560,6 @@ def _preempted(cfg: RunConfig, notes: str, signame: str | None) -> int:
           f"`phalanx run --resume-from auto ...` (exit status {PREEMPTED_EXIT}: preempted, resumable)",
           file=sys.stderr, flush=True)
     if cfg.requeue and cfg.slurm is not None and cfg.node_rank == 0:
-        from .launch_slurm import requeue
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # the requeue stops this job step, this launcher included
             signal.signal(sig, signal.SIG_IGN)
         print(requeue(cfg.slurm.job_id), file=sys.stderr, flush=True)
@@ -570,10 +568,6 @@ def _preempted(cfg: RunConfig, notes: str, signame: str | None) -> int:
 
 def _join_slurm_job(cfg: RunConfig) -> int:
     """A node other than the first of an elastic SLURM job: ``phalanx join`` node 0's store once it is up."""
-    import time
-
-    from .elastic import join
-
     deadline = time.monotonic() + 120  # node 0's launcher imports torch and opens its store first
     while True:
         try:
@@ -585,7 +579,7 @@ def _join_slurm_job(cfg: RunConfig) -> int:
                       "come up within 120 s", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.5)  # polling a port that is not open yet; nothing to wait on instead
-    return join.main(["--rdzv-endpoint", f"{cfg.master_addr}:{cfg.master_port}", "-n", str(cfg.nproc),
+    return launch_join.main(["--rdzv-endpoint", f"{cfg.master_addr}:{cfg.master_port}", "-n", str(cfg.nproc),
                       "--threads", str(cfg.threads), cfg.script, *cfg.script_args])
 
 

@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import check
+from . import check, group
+from .comm import Comm
 from .errors import ConfigError, usage
 
 
@@ -246,9 +247,6 @@ def reduce_all(metrics: Sequence[Metric], comm: Any = None, extra: torch.Tensor 
     Returns the reduced ``extra`` (or None). ``comm`` defaults to a fresh
     :class:`phalanx.Comm`; in a group of one nothing is sent.
     """
-    from . import group
-    from .comm import Comm
-
     comm = comm or Comm()
     parts = [m.sums.to(torch.float64).cpu() for m in metrics]
     if extra is not None:
@@ -334,7 +332,6 @@ class ThroughputMeter:
         Synchronous workers share one wall clock, so the global rate is the sum of
         samples over the mean of the workers' counted seconds.
         """
-        from . import group
         totals = reduce_all([], comm, extra=torch.tensor([float(self.samples), self.seconds]))
         samples, seconds = totals.tolist()
         seconds /= group.world_size()

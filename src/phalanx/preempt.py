@@ -48,6 +48,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import group
+from .framing import MARKER, read_verified
 
 if TYPE_CHECKING:
     from .group import Group
@@ -223,9 +224,6 @@ def latest_checkpoint(directory: str | os.PathLike | None) -> str | None:
     """
     if directory is None or not os.path.isdir(directory):
         return None
-    from .checkpoint import MARKER
-    from .framing import read_verified
-
     found = []
     for path in glob.glob(os.path.join(glob.escape(os.fspath(directory)), "*")):
         name = os.path.basename(path)

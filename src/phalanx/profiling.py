@@ -34,7 +34,6 @@ Example (tests/test_profiling.py runs it; starting the profiler takes seconds):
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import warnings
@@ -47,16 +46,11 @@ from torch.profiler import ProfilerActivity, schedule
 from torch.profiler import profile as torch_profile
 
 from . import check, group
+from .comm import barrier, gather_object
 from .errors import usage
+from .spans import _OFF, SPANS, TOP_LEVEL, Spans, active, span, step_closed  # noqa: F401 (re-exported)
 
-SPANS = ("phalanx/data wait", "phalanx/forward+backward", "phalanx/exchange", "phalanx/bucket",
-         "phalanx/optimizer step", "phalanx/exchange after step", "phalanx/commit", "phalanx/checkpoint",
-         "phalanx/clock sync")
-#: The spans that tile a step (never nested in one another): their sum is the step's time in phalanx and the model.
-TOP_LEVEL = ("phalanx/data wait", "phalanx/forward+backward", "phalanx/optimizer step",
-             "phalanx/exchange after step", "phalanx/commit", "phalanx/checkpoint", "phalanx/clock sync")
 MERGED = "timeline.json"
-_OFF: ContextManager[Any] = contextlib.nullcontext()  # stateless: shared by every span taken while not recording
 
 
 class Timeline:
@@ -113,7 +107,8 @@ class Timeline:
         self.seen = step
         if step == self.skip + self.steps:  # the window's last step: a barrier whose end every rank shares
             with record_function("phalanx/clock sync"):
-                _barrier()
+                if group.world_size() > 1:
+                    barrier()
             self._stopping = True  # not now: the window's last step would pay for it
             return
         self.prof.step()
@@ -144,18 +139,11 @@ class Timeline:
         if g is None or g.world_size == 1 or g.failed is not None:
             traces = [mine.read_text()]
         else:
-            from .comm import gather_object  # comm imports this module for its spans
             traces = gather_object(mine.read_text(), 0, "the timeline")
         if rank == 0 and traces is not None:
             merged = self.directory / MERGED
             merged.write_text(json.dumps(merge([json.loads(t) for t in traces])))
             self.written.append(merged)
-
-
-def _barrier() -> None:
-    if group.world_size() > 1:
-        from .comm import barrier  # comm imports this module for its spans
-        barrier()
 
 
 def merge(traces: list[dict[str, Any]]) -> dict[str, Any]:
@@ -260,53 +248,6 @@ def unwritable(directory: str | os.PathLike[str]) -> str | None:
                      "a directory this worker can create and write", "Training goes on without a timeline; "
                      "pass a writable directory to --profile / px.profile().")
     return None
-
-
-def active() -> Timeline | None:
-    """The current group's timeline, or None (cheap: read on every span)."""
-    return group.current().timeline if group.is_initialized() else None
-
-
-def span(name: str) -> ContextManager[Any]:
-    """``with span("phalanx/..."):`` names that part of the step in the timeline; free when none is recording.
-
-    Example:
-        >>> with span("phalanx/exchange"):
-        ...     pass
-    """
-    timeline = active()
-    return timeline.span(name) if timeline is not None else _OFF
-
-
-def step_closed(step: int) -> None:
-    """The step clock closed ``step``: move the timeline's window (a no-op when there is none)."""
-    timeline = active()
-    if timeline is not None:
-        timeline.step(step)
-
-
-class Spans:
-    """Spans opened in one hook and closed in another (forward pre-hook to end of backward), on one thread."""
-
-    def __init__(self) -> None:
-        self.open: dict[str, Any] = {}
-
-    def begin(self, name: str) -> None:
-        """Open ``name`` unless it is open already (or nothing records)."""
-        timeline = active()
-        if timeline is not None and timeline._stopping:
-            timeline._stop()  # the step after the window begins here
-        if name in self.open or timeline is None or not timeline.recording:
-            return
-        rf = record_function(name)
-        rf.__enter__()
-        self.open[name] = rf
-
-    def end(self, name: str) -> None:
-        """Close ``name`` if it is open."""
-        rf = self.open.pop(name, None)
-        if rf is not None:
-            rf.__exit__(None, None, None)
 
 
 __all__ = ["MERGED", "SPANS", "TOP_LEVEL", "Spans", "Timeline", "active", "merge", "profile", "span", "step_closed",

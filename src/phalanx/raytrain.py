@@ -53,7 +53,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .elastic import secret
+from .elastic.membership import key
+from .elastic.watch import mark_dead
 from .errors import ConfigError, PhalanxError, usage
+from .launch_elastic import listening_store, quiet_store_env
 
 try:  # Ray is an extra (`pip install 'phalanx[ray]'`); without it this module imports and train() says so
     from ray.train.backend import Backend, BackendConfig
@@ -144,8 +148,6 @@ class PhalanxConfig(BackendConfig):  # type: ignore[misc]
 
     def worker_env(self) -> dict[str, str]:
         """Variables every worker process needs before torch starts (Ray's worker runtime env)."""
-        from .elastic.agent import quiet_store_env
-
         env = {"OMP_NUM_THREADS": str(self.threads), "PHALANX_THREADS": str(self.threads),
                **quiet_store_env(self.debug), **self.extra_env}
         if self.timeout_s is not None:
@@ -160,10 +162,6 @@ class _Job:
 
     def __init__(self, cfg: PhalanxConfig) -> None:
         import ray
-
-        from .elastic import secret
-        from .elastic.agent import listening_store
-        from .elastic.membership import key
 
         self.host = cfg.host or ray.util.get_node_ip_address()
         self.store, self.listener = listening_store(self.host, 0)
@@ -195,8 +193,6 @@ class _Job:
 
     def worker_env(self, wid: str, joining: bool, ranks: dict[str, str]) -> dict[str, str]:
         """Worker ``wid``'s variables: the job's store and secret, and its ranks unless it joins."""
-        from .elastic import secret
-
         env = {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.store.port), "PHALANX_ELASTIC_ID": wid,
                "TORCHELASTIC_USE_AGENT_STORE": "true", "TORCHELASTIC_RESTART_COUNT": "0", secret.ENV: self.secret,
                "PHALANX_LAUNCHER": "ray"}
@@ -209,9 +205,6 @@ class _Job:
     def _grow(self, cfg: PhalanxConfig, poll_s: float = 0.5) -> None:
         """Start one more worker (a joiner, in its own actor) whenever the cluster has room for it."""
         import ray
-
-        from .elastic.membership import key
-        from .elastic.watch import mark_dead
 
         need = dict(cfg.resources or {"CPU": 1.0})
         runner = ray.remote(_Grown)
@@ -254,9 +247,6 @@ class _Job:
 
     def lost(self, slot: int, how: str) -> None:
         """Ray saw the worker of ``slot`` fail: tell the survivors' quorum (``elastic/dead/<id>``) at once."""
-        from .elastic.membership import key
-        from .elastic.watch import mark_dead
-
         wid = self.ids[slot]
         self.actors.pop(wid, None)
         if self.store.check([key("finished", wid)]) and not self.store.check([key("dead", wid)]):
@@ -269,8 +259,6 @@ class _Job:
     def _watch_heartbeats(self, poll_s: float = 0.5) -> None:
         """Kill a worker whose heartbeat stopped (a hang gloo cannot free its peers from); Ray then replaces it."""
         import ray
-
-        from .elastic.membership import key
 
         seen: dict[str, tuple[int, float]] = {}
         while not self.stopped.wait(poll_s):

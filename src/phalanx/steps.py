@@ -57,7 +57,7 @@ from torch import nn
 
 from . import group, preempt
 from .backward import after_backward
-from .profiling import Spans, span, step_closed
+from .spans import Spans, span, step_closed
 
 if TYPE_CHECKING:
     from .strategies.base import Strategy

@@ -31,7 +31,7 @@ import contextlib
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, Sized
+from typing import Any, Callable, Iterator, Sequence, Sized
 
 import torch
 from torch import nn
@@ -49,9 +49,6 @@ from .progress import bar as _bar
 from .progress import postfix as _postfix
 from .strategies import Strategy
 from .wrap import strategy_of, unwrap, wrap
-
-if TYPE_CHECKING:
-    from .elastic.resize import ResizePolicy
 
 
 class History(list):
@@ -140,7 +137,7 @@ class Trainer:
             val_data: Dataset | None = None, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
             val_batch_size: int = 256, resume_from: str | os.PathLike | None = None, progress: bool = True,
             loader_kwargs: dict[str, Any] | None = None, elastic: int | bool = False,
-            resize: ResizePolicy | None = None) -> History:
+            resize: Any = None) -> History:
         """Train for ``epochs`` epochs; returns the history, one dict per epoch.
 
         ``batch_size`` is per worker: a step trains on ``world_size * batch_size`` samples, exactly the
@@ -169,6 +166,9 @@ class Trainer:
         if resize is not None and not elastic:
             raise ConfigError(usage(f"fit(resize={resize!r}) without elastic", "fit(elastic=10, resize=...)",
                                     "Pass elastic=True (or the steps between commits) with resize."))
+        commit_every = 10 if elastic is True else check.positive_int(
+            "fit(elastic", elastic, "Pass elastic=True or the steps between in-memory commits, e.g. elastic=10.",
+            close=")") if elastic else None
         if val_data is not None:
             _check_eval(val_data, val_batch_size, "val_data", "val_batch_size")
         if isinstance(train_data, ShardedLoader) or hasattr(train_data, "stats"):  # stream: a px.stream.StreamLoader
@@ -187,32 +187,39 @@ class Trainer:
         self.stop_training, self._finished, self._elastic = False, False, bool(elastic)
         show = progress and group.is_main()
         self._call("on_train_begin")
-        # --- elastic (phalanx.elastic): the epoch loop is re-entered after a membership change -------
+
         def epochs_loop(state: Any = None) -> None:
             first = start
-            if state is not None and state.elastic:  # (re-)entered at the commit every worker holds
+            if state is not None:  # (re-)entered at the commit every worker holds
                 first = max(start, state.epoch)  # the step count was rolled back with the commit
                 del self.history[sum(1 for r in self.history if r["epoch"] <= state.epoch):]
             for epoch in range(first, epochs):
                 self.epoch = epoch
                 self._call("on_epoch_begin", epoch)
                 row = self._epoch(epoch, epochs, val_data, val_batch_size, show)
-                if state is not None:
+                if elastic:
                     row["world_size"] = group.world_size()
                 self.history.append(row)
                 self._call("on_epoch_end", epoch, row)
                 if self.stop_training:
                     break
 
-        if elastic:
-            from .elastic import State, run
-            state = State(self.model, self.optimizer, self.loader,
-                          commit_every=10 if elastic is True else int(elastic), resize=resize)
+        # Under `phalanx run --elastic` the feature that survives a lost peer (phalanx.elastic) put its supervisor on
+        # the group when it took this worker's place (px.init()): it commits every `commit_every` steps and re-enters
+        # the epoch loop at the commit the survivors share. Elsewhere an elastic fit is a plain one.
+        supervisor = group.current().supervisor if elastic else None
+        if elastic and supervisor is None and group.current().elastic:
+            raise ConfigError(usage("Trainer.fit(elastic=...) under `phalanx run --elastic` before px.init()",
+                                    "px.init() first: it starts this worker's side of the elastic job",
+                                    "Call px.init() at the top of the script."))
+        if supervisor is not None:
+            state = supervisor(self.model, self.optimizer, self.loader, commit_every=commit_every, resize=resize)
             self.history.membership = state.history
-            run(epochs_loop)(state)
+            state.supervise(epochs_loop)
         else:
+            if elastic:
+                self.history.membership = []
             epochs_loop()
-        # --- end elastic -------------------------------------------------------------------------------
         self._finish()
         self.history.samples_per_s = self.meter.global_rate(self.comm)
         self._call("on_train_end")

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..callbacks import Callback
+from ..wrap import strategy_of, unwrap
 
 PHASES = ("data_s", "compute_s", "comm_s", "optimizer_s")
 LABELS = {"data_s": "data wait", "compute_s": "forward+backward", "comm_s": "exposed comm",
@@ -58,8 +59,6 @@ class StepProbe:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        from ..wrap import strategy_of, unwrap  # late: phalanx.wrap imports the strategies
-
         self.clock, self.optimizer = clock, optimizer
         self.inner = unwrap(model)
         self.ddp = isinstance(model, DistributedDataParallel)

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from .breakdown import LABELS, PHASES
+from .report import row_label, setup_name
 
 COLORS = {"data_s": "#9ecae1", "compute_s": "#3182bd", "comm_s": "#e6550d", "optimizer_s": "#31a354"}
 
@@ -93,7 +94,6 @@ def efficiency_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[st
 
 
 def setup_label(row: dict[str, Any]) -> str:
-    from .report import setup_name
     return setup_name(row)
 
 
@@ -148,7 +148,6 @@ def breakdown(rows: list[dict[str, Any]], path: str) -> str | None:
 
 def breakdown_labels(rows: list[dict[str, Any]]) -> list[str]:
     """The breakdown plot's row labels: the breakdown table's own first columns, and the mean step."""
-    from .report import row_label
     return [f"{row_label(r, rank)} ({1e3 * b['step_s']:.0f} ms)"
             for r in rows if _ok(r) for rank, b in r.get("breakdown", {}).items()]
 

@@ -28,6 +28,8 @@ from typing import IO, Any, Literal, Protocol
 
 import torch
 
+from .. import group
+
 
 def free_port() -> int:
     """An unused TCP port on loopback (the OS picks it)."""
@@ -106,7 +108,6 @@ def run_workers(target: str, world_size: int = 2, *, timeout: float = 120.0, env
 
 
 def _echo_rank() -> int:
-    from .. import group
     group.init()
     return group.rank()
 
@@ -184,7 +185,6 @@ def _main(argv: list[str]) -> None:
     module, _, name = target.partition(":")
     result = getattr(importlib.import_module(module), name)(**kwargs)
     torch.save(result, out)
-    from .. import group
     group.shutdown()
 
 

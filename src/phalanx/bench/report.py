@@ -19,6 +19,7 @@ from typing import Any
 
 from . import sanity, stats
 from .breakdown import LABELS, PHASES
+from .spec import Setup
 
 PLAIN = "plain"
 
@@ -95,7 +96,6 @@ def _row(key: tuple, recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _kind(name: str) -> str:
-    from .spec import Setup
     return Setup(name).kind
 
 

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, usage
+from ..strategies import REGISTRY
 
 PEERS = ("ddp", "ddp-fp16", "ddp-powersgd")  # torch DDP: no hook, its fp16 hook, its PowerSGD hook
 PEER_KWARGS = {"bucket_mb", "static_graph", "broadcast_buffers", "gradient_as_bucket_view", "rank", "start_iter"}
@@ -83,8 +84,6 @@ def parse_setup(text: str) -> Setup:
 
 def check_setup(setup: Setup) -> None:
     """Refuse, before anything runs, a name nobody registered or arguments a peer does not take."""
-    from ..strategies import REGISTRY
-
     if setup.kind == "ddp":
         bad = sorted(set(setup.kwargs) - PEER_KWARGS)
         if bad:
@@ -100,8 +99,6 @@ def check_setup(setup: Setup) -> None:
 
 def build_strategy(setup: Setup) -> Any:
     """The phalanx strategy object for ``setup`` (its registered factory, with the bracket arguments)."""
-    from ..strategies import REGISTRY
-
     check_setup(setup)
     kwargs = {k: v for k, v in setup.kwargs.items() if k != "shard"}  # the worker passes it to px.wrap
     try:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..ps.report import load_report
 from . import models
 from .breakdown import StepProbe
 from .spec import Setup, build_strategy
@@ -146,7 +147,6 @@ class _StrategyAccountant(_Accountant):
         if not hasattr(self.strategy, "table"):
             return {}
         try:
-            from ..ps.report import load_report
             return {"servers": load_report(self.strategy).as_dict()}
         except Exception as err:  # a report is a nicety; never lose the measurement to it
             return {"servers_error": repr(err)}

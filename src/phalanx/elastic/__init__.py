@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from .membership import QuorumError
 from .resize import KeepGlobalBatch, KeepWorkerBatch, Resize, ResizePolicy, rescale_lr
-from .state import State, is_peer_failure, run
+from .commits import State, is_peer_failure, run
 
 __all__ = ["State", "run", "QuorumError", "is_peer_failure", "KeepGlobalBatch", "KeepWorkerBatch", "Resize",
            "ResizePolicy", "rescale_lr"]

@@ -20,7 +20,11 @@ import subprocess
 import sys
 import time
 
+import torch.distributed as dist
+
+from .. import liveness
 from .membership import key
+from .rebuild import generation_prefix
 
 
 class Watched:
@@ -84,11 +88,6 @@ def exit_note(store, wid: str, how: str) -> None:
     A survivor's failed collective asks liveness which peers are gone; with the note it
     knows at once instead of waiting for the dead worker's heartbeat to go stale.
     """
-    import torch.distributed as dist
-
-    from .. import liveness
-    from .rebuild import generation_prefix
-
     generation = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
     members = json.loads(store.get(key("gen", generation, "members")))
     if wid in members:

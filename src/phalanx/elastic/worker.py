@@ -7,6 +7,23 @@ launcher's store; a stopped or hung process stops bumping and the launcher kills
 away (the launcher's host is lost) the worker says so in one line and exits: no
 one is left to coordinate a recovery.
 
+Why this is a second heartbeat, beside the group's (:attr:`phalanx.group.Group.heartbeat`):
+
+* **different readers and keys.** The group's beats under the *rank*, in the *generation's*
+  key space (peers diagnose a lost rank there; a dead generation's keys are never read
+  again). The launcher watches the *id*, in its own store, across every generation.
+* **the group's is replaced at every rebuild**: ``Group._attach_store`` stops it and starts
+  one on the next generation's store under the new rank, after ``init_process_group``. The
+  id must beat through the whole regroup (the quorum wait can last ``--heartbeat-timeout``
+  + 10 s) and while a joiner is parked, before it has a group store at all.
+* **a lost store means different things.** The group's thread ends quietly (nobody can
+  tell anything then); losing the launcher's store must end the worker (above).
+* **tried and reverted.** Commit e350a2c bumped the id from the group's heartbeat
+  (``Group.beat_also``); its restart at each rebuild left gaps, and under load the
+  launcher killed healthy workers for "no heartbeat for 2.1 s" (reverted in 94ebf93).
+  One thread could carry both only if the group's heartbeat were re-pointed in place at a
+  rebuild instead of stopped and restarted; that is not built.
+
 Example:
     >>> ElasticWorker.of(group.current()) is None   # not under `phalanx run --elastic`
     True

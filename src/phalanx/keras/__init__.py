@@ -30,7 +30,8 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 _NAMES = {"wrap": "fit", "strategy_of": "fit", "optimizer_of": "fit",
           "shard": "data", "ShardedDataset": "data", "ShardedBatches": "data",
-          "save_checkpoint": "state", "load_checkpoint": "state", "OptimizerState": "state",
+          "save_checkpoint": "optimizer_state", "load_checkpoint": "optimizer_state",
+          "OptimizerState": "optimizer_state",
           "Throughput": "throughput", "is_keras_optimizer": "detect"}
 
 __all__ = sorted(_NAMES)

@@ -44,7 +44,7 @@ from .detect import ddp_inside, is_keras_model, is_tf_dataset
 from .keras_api import check_backend, keras
 from .metrics import ExactMetrics
 from .runs import _runs, run_of  # noqa: F401  (run_of: re-exported)
-from .state import OptimizerState
+from .optimizer_state import OptimizerState
 
 
 
@@ -82,7 +82,7 @@ def wrap(model: keras.Model, strategy: Strategy | str | None = None) -> keras.Mo
 
 
 def optimizer_of(model: Any) -> OptimizerState | None:
-    """The wrapped model's Keras optimizer as a torch-style state holder (for ``phalanx.state.TrainingState``).
+    """The wrapped model's Keras optimizer as a torch-style state holder (for ``phalanx.training_state.TrainingState``).
 
     Its ``strategy`` attribute is the strategy ``wrap`` attached.
     """

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import group
 from ..metrics import reduce_all
 from .keras_api import keras
 
@@ -45,6 +46,5 @@ class Throughput(keras.callbacks.Callback):
 
     def global_rate(self) -> float:
         """Samples per second of all workers (collective in a group: each worker's mean time)."""
-        from .. import group
         seconds = reduce_all([], None, extra=torch.tensor([self.seconds])).item() / group.world_size()
         return self.epochs * self.samples_per_epoch / seconds if seconds > 0 else math.nan

@@ -15,8 +15,8 @@ model. Three rules keep every sample trained exactly once in the final model's h
   servers' shards as they are (a pull after the barrier). Nobody rolls back.
 
 A server that exits is started again, empty, on its address by the launcher
-(:func:`restart_exited`, at most ``MAX_RESTARTS`` times). The workers waiting on it or
-refused by it give up (:meth:`FollowsElasticGroup.server_restarted`), and the group
+(:func:`phalanx.ps.launcher.restart_exited`, at most ``MAX_RESTARTS`` times). The workers
+waiting on it or refused by it give up (:meth:`FollowsElasticGroup.server_restarted`), and the group
 rolls back as after a worker's crash: rank 0 registers the shards again and restores
 them from the commit (the synchronous PS holds no model: its workers only register).
 
@@ -122,33 +122,4 @@ def servers_restarted() -> int:
     return int(store.get(RESTARTS)) if store.check([RESTARTS]) else 0
 
 
-# -- the launcher's side ----------------------------------------------------------------------------------------
 RESTARTS = group.job_key("ps", "restarts")  # counted by the launcher in the job's store, read by the workers
-MAX_RESTARTS = 3  # a server that keeps exiting (out of memory at every start) ends the job after this many
-
-
-def restart_exited(servers: Any, store: Any, exited: list[str]) -> bool:
-    """``phalanx run --elastic --servers K``: start exited servers again on their addresses; False if it cannot.
-
-    Each worker's commit holds the servers' shards (Downpour, async EASGD) or the servers
-    hold nothing (synchronous PS), so the workers roll back to their last commit and go
-    on. Says so in one line on stderr.
-    """
-    import sys
-
-    from .launcher import ServerStartError
-    if servers.restarts >= MAX_RESTARTS:
-        return False
-    # Counted first: a worker that the new, empty server refuses must already know why.
-    store.add(RESTARTS, 1)
-    try:
-        for i, alive in enumerate(servers.alive()):
-            if not alive:
-                servers.restart(i)
-    except ServerStartError as err:
-        print(f"phalanx: elastic: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
-        return False
-    print(f"phalanx: elastic: {exited[0]}; started it again on the same address (restart {servers.restarts} of "
-          f"at most {MAX_RESTARTS}); the workers roll back to their last commit (and its shards)",
-          file=sys.stderr, flush=True)
-    return True

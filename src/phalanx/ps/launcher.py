@@ -25,6 +25,7 @@ from typing import Any
 from .. import check
 from ..errors import PhalanxError
 from .config import ADDRS, TOKEN
+from .elastic import RESTARTS
 
 
 class ServerStartError(PhalanxError, RuntimeError):
@@ -177,3 +178,31 @@ def _wait_serving(group: ServerGroup, indices: Any, host: str, timeout: float) -
                                    "is the machine overloaded?")
         if pending:
             time.sleep(0.05)
+
+
+# -- under `phalanx run --elastic --servers K` ---------------------------------------------------------------
+MAX_RESTARTS = 3  # a server that keeps exiting (out of memory at every start) ends the job after this many
+
+
+def restart_exited(servers: Any, store: Any, exited: list[str]) -> bool:
+    """``phalanx run --elastic --servers K``: start exited servers again on their addresses; False if it cannot.
+
+    Each worker's commit holds the servers' shards (Downpour, async EASGD) or the servers
+    hold nothing (synchronous PS), so the workers roll back to their last commit and go
+    on. Says so in one line on stderr.
+    """
+    if servers.restarts >= MAX_RESTARTS:
+        return False
+    # Counted first: a worker that the new, empty server refuses must already know why.
+    store.add(RESTARTS, 1)
+    try:
+        for i, alive in enumerate(servers.alive()):
+            if not alive:
+                servers.restart(i)
+    except ServerStartError as err:
+        print(f"phalanx: elastic: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
+        return False
+    print(f"phalanx: elastic: {exited[0]}; started it again on the same address (restart {servers.restarts} of "
+          f"at most {MAX_RESTARTS}); the workers roll back to their last commit (and its shards)",
+          file=sys.stderr, flush=True)
+    return True

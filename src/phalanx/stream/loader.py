@@ -38,8 +38,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from .. import group
+from ..comm import guarded
 from ..steps import set_batch_weight
 from ..errors import ConfigError, usage
 from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Fetched, Plan, pack_plans, unpack_plans, split
@@ -254,9 +256,6 @@ class StreamLoader:
         ``early`` (a step is still at hand): no plans, rather than waiting, when the planner is not done."""
         if self.world_size == 1:
             return self._plan()
-        import torch.distributed as dist
-
-        from ..comm import guarded
         on = group.device() if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL moves CUDA tensors
         size = 1 + self.ahead * (HEAD + PER_RANK * self.world_size)
         if self.rank == 0:

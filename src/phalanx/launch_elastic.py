@@ -34,13 +34,16 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from ..errors import PhalanxError
-from . import secret
-from .options import DEFAULT_HEARTBEAT_S, ElasticConfig, add_arguments  # noqa: F401 - re-exported
-from .watch import Remote, Watched, describe, exit_note, poll
+from .checkpoint import LAST_SAVED_KEY
+from .elastic import secret
+from .elastic.membership import key
+from .elastic.options import DEFAULT_HEARTBEAT_S, ElasticConfig, add_arguments  # noqa: F401 - re-exported
+from .elastic.rebuild import generation_prefix
+from .elastic.watch import Remote, Watched, describe, exit_note, poll
+from .errors import PhalanxError
 
 if TYPE_CHECKING:
-    from ..launch import RunConfig
+    from .launch import RunConfig
 
 POLL_S = 0.05  # a process's exit is seen this soon (a waitpid, no store call): recovery starts from it
 STORE_POLL_S = 0.5  # heartbeats, members and remote workers are read from the store this often
@@ -53,8 +56,6 @@ _Worker, _how, _exit_note = Watched, describe, exit_note
 
 def run_elastic(cfg: "RunConfig") -> int:
     """Host the store, start ``cfg.nproc`` workers and the spares, watch them; returns the exit status."""
-    from .membership import key
-
     el: ElasticConfig = cfg.elastic
     store, listener = listening_store(cfg.master_addr, cfg.master_port or 0)
     port = store.port
@@ -71,7 +72,7 @@ def run_elastic(cfg: "RunConfig") -> int:
     store.set(key("gen", 0, "members"), json.dumps(ids))
     servers = None  # `--servers K`: started before the workers, outlive every one of them
     if cfg.servers:
-        from ..ps.launcher import start_servers
+        from .ps.launcher import start_servers  # parameter servers only with --servers (as in launch.py)
         servers = start_servers(cfg.servers, host=cfg.master_addr)
     base = {**os.environ, **quiet_store_env(cfg.debug), **cfg.worker_env(), **(servers.env() if servers else {}),
             "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),
@@ -169,16 +170,12 @@ def joiner_env(wid: str) -> dict[str, str]:
 
 def _admitted(store) -> set[str]:
     """Every worker some generation so far has included."""
-    from .membership import key
-
     newest = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
     return {m for g in range(newest + 1) for m in json.loads(store.get(key("gen", g, "members")))}
 
 
 def _members(store) -> list[str]:
     """The newest generation's workers (rank order)."""
-    from .membership import key
-
     generation = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
     return json.loads(store.get(key("gen", generation, "members")))
 
@@ -192,8 +189,6 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
     a new process. Only the members of the newest generation count toward --min-workers: a
     waiting spare or replacement does not, and when the members are gone it is stopped.
     """
-    from .membership import key
-
     first_failure: int | None = None
     replaced = 0
     failed_starts = 0  # a script that fails at start would otherwise be replaced forever
@@ -214,7 +209,7 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
             return 128 + int(stop["sig"])
         dead_servers = servers.exited() if servers is not None else []
         if dead_servers and not store.check([key("done")]):
-            from ..ps.elastic import restart_exited  # started again, the workers roll back to a commit
+            from .ps.launcher import restart_exited  # started again, the workers roll back to a commit
             if restart_exited(servers, store, dead_servers):
                 continue
             print(f"phalanx: elastic: {dead_servers[0]}; a lost server cannot be regrouped around, so the job "
@@ -290,10 +285,6 @@ def last_checkpoint(store) -> str:
     The workers leave its path in their group's store (each generation has its own key space),
     so the newest generation that saved one names it.
     """
-    from ..checkpoint import LAST_SAVED_KEY
-    from .membership import key
-    from .rebuild import generation_prefix
-
     try:
         newest = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
         for g in range(newest, -1, -1):

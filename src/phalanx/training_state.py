@@ -20,7 +20,7 @@ a variable. A snapshot holds:
 
 Example:
     >>> import torch, phalanx as px
-    >>> from phalanx.state import TrainingState
+    >>> from phalanx.training_state import TrainingState
     >>> net = torch.nn.Linear(2, 1); opt = torch.optim.SGD(net.parameters(), lr=0.1)
     >>> state = TrainingState(net, opt, step=5)
     >>> snapshot = state.capture()
@@ -41,6 +41,7 @@ from torch import nn
 
 from . import group
 from .comm import gather_object
+from .wrap import strategy_of, unwrap
 
 FORMAT = "phalanx-state-1"
 #: The parts of a snapshot that belong to one worker only; the rest is shared by all.
@@ -69,7 +70,6 @@ class TrainingState:
 
     @property
     def strategy(self) -> Any:
-        from .wrap import strategy_of
         if self.optimizer is None:
             return None
         # A Keras run passes px.keras.optimizer_of(model), which carries its strategy itself.
@@ -85,7 +85,6 @@ class TrainingState:
 
         A step this worker skipped and has not closed yet is not in it: call :meth:`settle` first.
         """
-        from .wrap import unwrap
         strategy = self.strategy
         replica = strategy.replica_state_dict() if strategy is not None else None
         return {
@@ -109,7 +108,6 @@ class TrainingState:
         RNG last (loading anything must not shift the streams). ``joining``: this worker enters
         a running elastic job (see :meth:`phalanx.Strategy.load_joiner_state_dict`).
         """
-        from .wrap import unwrap
         if snapshot.get("model") is not None:  # None: a checkpoint directory restored the model already
             unwrap(self.model).load_state_dict(snapshot["model"])
         if self.optimizer is not None and snapshot.get("optimizer") is not None:

@@ -41,14 +41,14 @@ from .. import group
 from ..checkpoint import checkpoint_step, load_checkpoint, save_checkpoint
 from ..comm import broadcast_object
 from ..errors import ConfigError, WorkerLostError, usage
-from ..profiling import span
 from ..sharding import ShardLostError, local_parts, sharded_by
+from ..spans import span
 from ..wrap import strategy_of
 from .membership import QuorumError
 from .resize import ResizePolicy, check_policy
-from .worker import ElasticWorker
+from .worker import ElasticWorker, place
 
-from ..state import TrainingState, shared
+from ..training_state import TrainingState, shared
 
 DEFAULT_COMMIT_EVERY = 10
 KEEP = 2  # commits held; survivors roll back to the newest one they all hold
@@ -129,6 +129,10 @@ class State:
         """The epoch the loader is in (restored with the commit): start your epoch loop here."""
         sampler = getattr(self.loader, "sampler", None)
         return int(getattr(sampler, "epoch", 0))
+
+    def supervise(self, fn: Callable[["State"], Any]) -> Any:
+        """``fn(self)``, re-entered after every membership change: ``run(fn)(self)``, as the Trainer calls it."""
+        return run(fn)(self)
 
     def _clock(self) -> Any:
         return getattr(self.training.strategy, "clock", None)
@@ -384,6 +388,18 @@ class _Leave(BaseException):
     def __init__(self, leavers: list[str]) -> None:
         super().__init__(f"{', '.join(leavers)} leaving")
         self.leavers = leavers
+
+
+def attach(g: group.Group) -> None:
+    """``px.init()``: take this worker's place in an elastic job, and supervise training loops in it.
+
+    Under ``phalanx run --elastic`` the group gets :class:`State` as its supervisor
+    (:attr:`phalanx.group.Group.supervisor`), which ``Trainer.fit(elastic=...)`` calls; a
+    joiner waits here for its place (:func:`phalanx.elastic.worker.place`). Elsewhere it does nothing.
+    """
+    place(g)
+    if g.elastic:
+        g.supervisor = State
 
 
 def is_peer_failure(err: BaseException) -> bool:

@@ -31,11 +31,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn, Sequence
 
-from ..allocator import heap_env
-from ..errors import ConfigError, PhalanxError, usage
-from . import secret
-from .agent import POLL_S, joiner_env, quiet_store_env
-from .watch import Watched, describe, poll
+import torch.distributed as dist
+
+from .allocator import heap_env
+from .elastic import secret
+from .elastic.membership import key
+from .elastic.watch import Watched, describe, poll
+from .errors import ConfigError, PhalanxError, usage
+from .launch_elastic import POLL_S, joiner_env, quiet_store_env
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -82,9 +85,6 @@ class JoinConfig:
 
 def probe(host: str, port: int) -> str:
     """"running", "done" (training ended), or a PhalanxError saying why there is no job to join."""
-    import torch.distributed as dist
-
-    from .membership import key
     try:  # a plain socket first: torch logs a failed store connection at length
         socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
     except OSError as err:
@@ -104,9 +104,6 @@ def probe(host: str, port: int) -> str:
 
 def check_secret(host: str, port: int, given: str | None) -> str:
     """The secret we present, checked against the one the job at ``host:port`` published; one line if not."""
-    import torch.distributed as dist
-
-    from .membership import key
     if given is None:
         raise ConfigError(usage(f"`phalanx join` to {host}:{port} without the job's secret",
                                 f"--secret-file PATH (the file the launcher named) or {secret.ENV} in the environment",
@@ -155,9 +152,6 @@ def watch_joiners(workers: list[Watched], host: str, port: int) -> list[int]:
     regroup at once instead of after the quorum timeout. If the store is lost the
     joiners end by themselves (each says so in one line); we only wait for them.
     """
-    import torch.distributed as dist
-
-    from .membership import key
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
                               wait_for_workers=False)
