@@ -24,6 +24,9 @@ def _plain_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):  # nor pick up servers, timeouts or threads from an outer `phalanx run`
         if name.startswith("PHALANX_"):
             monkeypatch.delenv(name, raising=False)
+    # `phalanx run --elastic` forks its workers from a server that imported torch once: 5 s less CPU per worker,
+    # most of an elastic test's cost on 2 cores. test_launch_workers checks both start methods.
+    monkeypatch.setenv("PHALANX_START_METHOD", "forkserver")
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,8 @@ def test_bad_elastic_flags_get_one_clear_line(argv, said):
     assert said in str(err.value) and "\n" not in str(err.value)
 
 
-def test_elastic_defaults_to_a_majority_quorum():
+def test_elastic_defaults_to_a_majority_quorum(monkeypatch):
+    monkeypatch.delenv("PHALANX_START_METHOD")
     cfg = RunConfig.from_argv(["-n", "4", "--elastic", WORKER]).elastic
     assert cfg == ElasticConfig(min_workers=3, max_workers=4)
 

@@ -134,7 +134,7 @@ LAYERS = {
     # Processes around the workers and tools: `phalanx run` (and its --elastic agent, `phalanx join`, SLURM),
     # the CLI, the Ray Train backend (it runs in Ray's controller), `phalanx bench` and its demos.
     "app": ("bench", "cli", "launch", "launch_elastic", "launch_failures", "launch_join", "launch_slurm",
-            "raytrain"),
+            "launch_workers", "raytrain"),
 }
 LEVEL = {"core": 0, "feature": 1, "app": 2}
 

@@ -41,6 +41,7 @@ from .elastic.options import DEFAULT_HEARTBEAT_S, ElasticConfig, add_arguments  
 from .elastic.rebuild import generation_prefix
 from .elastic.watch import Remote, Watched, describe, exit_note, poll
 from .errors import PhalanxError
+from .launch_workers import start_worker
 
 if TYPE_CHECKING:
     from .launch import RunConfig
@@ -78,14 +79,14 @@ def run_elastic(cfg: "RunConfig") -> int:
             "WORLD_SIZE": str(cfg.nproc), "LOCAL_WORLD_SIZE": str(cfg.nproc),
             "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "true",
             "TORCHELASTIC_RESTART_COUNT": "0", secret.ENV: job_secret}
-    command = [sys.executable, "-u", cfg.script, *cfg.script_args]
-    workers = [_Worker(w, subprocess.Popen(command, env={**base, "RANK": w, "LOCAL_RANK": w,
-                                                          "PHALANX_ELASTIC_ID": w})) for w in ids]
+    command = [cfg.script, *cfg.script_args]
+    workers = [_Worker(w, start_worker(el.start_method, command, {**base, "RANK": w, "LOCAL_RANK": w,
+                                                                  "PHALANX_ELASTIC_ID": w})) for w in ids]
 
     def joiner(wid: str) -> _Worker:
         """A spare or a replacement: a joiner with no rank; it enters when the quorum admits it."""
         env = {k: v for k, v in base.items() if k not in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")}
-        return _Worker(wid, subprocess.Popen(command, env={**env, **joiner_env(wid)}))
+        return _Worker(wid, start_worker(el.start_method, command, {**env, **joiner_env(wid)}))
 
     workers += [joiner(s) for s in spares]  # they import torch and the script now, and wait parked
     stop = {"sig": None}

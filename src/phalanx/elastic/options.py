@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from ..errors import ConfigError, usage
@@ -39,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--spares", default=None, metavar="K",
                    help="start K standby workers besides the -n: each has imported the script and waits; one "
                         "takes a lost worker's place at the regroup (default 0)")
+    g.add_argument("--start-method", default=None, choices=("spawn", "forkserver"), dest="start_method",
+                   help="how workers, spares and replacements start: a fresh interpreter each (spawn, default; "
+                        "PHALANX_START_METHOD sets it too), or a fork of a server that imported torch once "
+                        "(forkserver: seconds less per worker)")
     g.add_argument("--heartbeat-timeout", default=None, metavar="S", dest="heartbeat",
                    help=f"kill a worker whose heartbeat stopped for S seconds (default {DEFAULT_HEARTBEAT_S:g})")
 
@@ -52,6 +57,7 @@ class ElasticConfig:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     replace: bool = False
     spares: int = 0  # standby workers started besides -n; they never count toward --min-workers
+    start_method: str = "spawn"  # phalanx.launch_workers: a fresh interpreter per worker, or a fork of a server
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, nproc: int, nodes: int) -> "ElasticConfig | None":
@@ -59,6 +65,7 @@ class ElasticConfig:
         if not getattr(a, "elastic", False):
             given = ["--replace"] if getattr(a, "replace", False) else []
             given += [name for flag, name in _FLAGS.items() if getattr(a, flag, None) is not None]
+            given += ["--start-method"] if getattr(a, "start_method", None) is not None else []
             if given:
                 raise ConfigError(usage(f"{given[0]} without --elastic", "--elastic with it",
                                         f"Add --elastic, or drop {given[0]}."))
@@ -68,7 +75,12 @@ class ElasticConfig:
                                     "other hosts join with `phalanx join`)", "Drop --nnodes."))
         cfg = cls.from_flags(nproc=nproc, min_workers=a.min_workers, max_workers=a.max_workers,
                              heartbeat=a.heartbeat, spares=getattr(a, "spares", None))
-        return cls(cfg.min_workers, cfg.max_workers, cfg.heartbeat_s, replace=bool(a.replace), spares=cfg.spares)
+        method = getattr(a, "start_method", None) or os.environ.get("PHALANX_START_METHOD") or "spawn"
+        if method not in ("spawn", "forkserver"):
+            raise ConfigError(usage(f"PHALANX_START_METHOD={method}", "spawn or forkserver",
+                                    "Set it to one of those, or unset it."))
+        return cls(cfg.min_workers, cfg.max_workers, cfg.heartbeat_s, replace=bool(a.replace), spares=cfg.spares,
+                   start_method=method)
 
     @classmethod
     def from_flags(cls, *, nproc: int, min_workers: str | None, max_workers: str | None,
