@@ -29,7 +29,9 @@ demo: setup
 	$(BIN)/phalanx demo
 
 test: setup
-	$(BIN)/python -m pytest tests src/phalanx
+	@# two test files at a time (pytest-xdist): the suite is CPU-bound on 2 cores, and one file alone leaves a core
+	@# idle while its workers wait on each other; a file's tests stay together (its module fixtures run once)
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests src/phalanx
 
 bench: setup
 	$(BIN)/phalanx bench --quick --out results/

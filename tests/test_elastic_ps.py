@@ -28,6 +28,13 @@ from phalanx.ps.wire import Header
 from workers import elastic as worker
 from workers import elastic_ps
 
+
+@pytest.fixture(autouse=True)
+def _spawned_workers(monkeypatch):
+    """Workers start as fresh interpreters here: these runs expect the regroup after a loss to come before the
+    replacement is ready; a forked replacement (PHALANX_START_METHOD=forkserver) is ready in that same regroup."""
+    monkeypatch.setenv("PHALANX_START_METHOD", "spawn")
+
 KILL = ["--kill", "1@5", "--kill-in-step", "--commit-every", "3", "--strategy", "ps-sync"]
 
 

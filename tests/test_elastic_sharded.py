@@ -20,6 +20,13 @@ from test_elastic import launch
 from workers import elastic as worker
 
 
+@pytest.fixture(autouse=True)
+def _spawned_workers(monkeypatch):
+    """Workers start as fresh interpreters here: these runs expect the regroup after a loss to come before the
+    replacement is ready; a forked replacement (PHALANX_START_METHOD=forkserver) is ready in that same regroup."""
+    monkeypatch.setenv("PHALANX_START_METHOD", "spawn")
+
+
 @pytest.mark.multiproc
 def test_hsdp_2x2_loses_a_worker_goes_on_as_1x3_then_a_replacement_joins_as_2x2_equal_to_the_oracle(tmp_path):
     proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",

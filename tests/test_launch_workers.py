@@ -34,13 +34,14 @@ def script(tmp_path):
 
 
 @pytest.mark.parametrize("method", START_METHODS)
-def test_a_worker_runs_the_script_as_main_with_its_own_environment_and_exit_status(method, script, tmp_path, capfd):
+def test_a_worker_runs_the_script_as_main_with_its_own_environment_and_exit_status(method, script, tmp_path):
     env = {"PATH": "/usr/bin:/bin", "PX_TEST_VALUE": method, "PYTHONPATH": ":".join(sys.path)}
-    codes = {how: start_worker(method, [script, how], env).wait(120) for how in ("ok", "exit", "raise", "hard")}
+    logs = {how: str(tmp_path / f"{how}.log") for how in ("ok", "exit", "raise", "hard")}
+    codes = {how: start_worker(method, [script, how], env, log=log).wait(120) for how, log in logs.items()}
     assert codes == {"ok": 0, "exit": 3, "raise": 1, "hard": 5}
-    out, err = capfd.readouterr()
+    out = open(logs["ok"]).read()
     assert f"argv ['ok'] env {method} main __main__" in out
-    assert "ValueError: boom from the script" in err
+    assert "ValueError: boom from the script" in open(logs["raise"]).read()
     # the point of the fork server: torch is already imported when the script starts
     assert ("preloaded True" in out) == (method == "forkserver")
 

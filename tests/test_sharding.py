@@ -26,10 +26,11 @@ RULES = ["local-sgd", "diloco", "diloco-fp16", "easgd"]
 @pytest.mark.multiproc
 def test_fsdp_equals_one_process_on_the_global_batch(tmp_path):
     runs = run_workers("workers.sharding:gradient_oracle", world_size=2, timeout=180, n=N, batch=4, group_size=2,
-                       path=str(tmp_path / "model.pt"), accumulate=True).results
+                       path=str(tmp_path / "model.pt"), accumulate=True, tied=True).results
     for out in runs:
         assert out["sharded"]
         assert out["diff"] < 1e-5
+        assert out["tied_diff"] < 1e-5  # tied weights in two submodules: kept in one FSDP unit
         assert out["accumulated_diff"] < 1e-5  # px.no_sync micro-batches: FSDP reduce-scatters once, at the end
     assert runs[0]["saved_diff"] < 1e-5  # px.save wrote plain whole weights that the unwrapped model takes
 

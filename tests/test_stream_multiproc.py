@@ -21,6 +21,13 @@ import torch
 from phalanx.checkpoint import read_checkpoint
 from support.procs import run_workers
 
+
+@pytest.fixture(autouse=True)
+def _spawned_workers(monkeypatch):
+    """Workers start as fresh interpreters here: these runs expect the regroup after a loss to come before the
+    replacement is ready; a forked replacement (PHALANX_START_METHOD=forkserver) is ready in that same regroup."""
+    monkeypatch.setenv("PHALANX_START_METHOD", "spawn")
+
 pytestmark = pytest.mark.multiproc
 
 

@@ -381,14 +381,27 @@ def _divisors(n: int) -> str:
 
 
 def _units(model: nn.Module, min_params: int) -> list[nn.Module]:
-    """Submodules (post-order, the root excluded) with at least ``min_params`` parameters not in a smaller unit."""
+    """Submodules (post-order, the root excluded) with at least ``min_params`` parameters not in a smaller unit.
+
+    A submodule sharing a parameter with a module outside it (tied weights: a GPT's token embedding reused as
+    its output layer) is never a unit: FSDP2 would shard the parameter in one unit and the other module would
+    meet a DTensor beside plain tensors ("aten.mm got mixed torch.Tensor and DTensor"). Its parameters go to
+    the smallest enclosing unit that holds every module using them.
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        for p in m._parameters.values():  # the same Parameter object in two modules: tied
+            if p is not None:
+                owners.setdefault(id(p), []).append(m)
     units: list[nn.Module] = []
 
     def walk(m: nn.Module) -> int:
         free = sum(walk(c) for c in m.children()) + sum(p.numel() for p in m.parameters(recurse=False))
         if m is not model and free >= min_params:
-            units.append(m)
-            return 0
+            inside = {id(x) for x in m.modules()}
+            if all(id(o) in inside for p in m.parameters() for o in owners[id(p)]):
+                units.append(m)
+                return 0
         return free
 
     walk(model)

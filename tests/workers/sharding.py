@@ -32,6 +32,20 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
 
 
+class Tied(nn.Module):
+    """Two hidden layers sharing one weight (as a GPT's embedding and output layer do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.a, self.b, self.c = nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.c.weight = self.b.weight
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
 def full(model: nn.Module) -> torch.Tensor:
     """Every parameter, whole (a sharded model's DTensors gathered), flattened in order."""
     parts = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
@@ -39,8 +53,8 @@ def full(model: nn.Module) -> torch.Tensor:
 
 
 def _train_global(shard: px.FullyShard | None, n: int, batch: int, *, unweighted: bool = False,
-                  accumulate: bool = False) -> nn.Module:
-    model = net()
+                  accumulate: bool = False, make: Callable[[], nn.Module] = net) -> nn.Module:
+    model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     if shard is None:  # the oracle: one process, the whole global batch
         loader = px.shard(dataset(n), batch_size=batch * px.world_size(), seed=1, rank=0, world_size=1)
@@ -68,7 +82,7 @@ def _train_global(shard: px.FullyShard | None, n: int, batch: int, *, unweighted
 
 
 def gradient_oracle(n: int, batch: int, group_size: int, path: str, unweighted: bool = False,
-                    accumulate: bool = False) -> dict[str, Any]:
+                    accumulate: bool = False, tied: bool = False) -> dict[str, Any]:
     px.init()
     torch.set_num_threads(1)
     oracle = full(_train_global(None, n, batch))
@@ -79,6 +93,9 @@ def gradient_oracle(n: int, batch: int, group_size: int, path: str, unweighted: 
     if accumulate:
         out["accumulated_diff"] = (full(_train_global(px.FullyShard(group_size=group_size), n, batch,
                                                       accumulate=True)) - oracle).abs().max().item()
+    if tied:  # every submodule its own FSDP unit (min_params=1), but the tied pair must stay in one
+        model = _train_global(px.FullyShard(group_size=group_size, min_params=1), n, batch, make=Tied)
+        out["tied_diff"] = (full(model) - full(_train_global(None, n, batch, make=Tied))).abs().max().item()
     if px.rank() == 0:
         plain = net()
         plain.load_state_dict(torch.load(path, weights_only=True))

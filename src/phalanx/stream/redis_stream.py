@@ -22,7 +22,6 @@ from ..errors import ConfigError, usage
 from .source import START, Event, StreamError, before, parse_id
 
 CONSUMER = "phalanx-main"  # consumers of a phalanx group are all named phalanx-*
-_BROKEN = ()  # filled with redis-py's connection errors on first use (redis is imported lazily)
 
 
 class RedisStream:
@@ -41,10 +40,9 @@ class RedisStream:
 
     def __init__(self, url: str, *, stream: str, group: str = "phalanx",
                  decode: Callable[[dict[bytes, bytes]], Any], create: bool = False, timeout_s: float = 5.0) -> None:
-        global _BROKEN
         import redis  # here, not at import: `import phalanx` must not need redis
 
-        _BROKEN = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._broken = (redis.ConnectionError, redis.TimeoutError, OSError)  # what a lost connection raises
         if not callable(decode):
             raise ConfigError(usage(f"decode={decode!r}", "a function fields -> sample",
                                     "Pass e.g. decode=px.stream.decode_sample."))
@@ -185,7 +183,7 @@ class RedisStream:
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except _BROKEN as err:
+        except self._broken as err:
             raise StreamError(f"Redis at {self.url} did not answer while {what} stream {self.stream!r} "
                               f"({type(err).__name__}: {str(err)[:160]}); expected a running redis-server. "
                               "Start it or fix the URL; training resumes from the last checkpoint.") from None
