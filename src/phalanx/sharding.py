@@ -29,7 +29,7 @@ Example (a group of one, where ``group_size=1`` leaves the model as it is):
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -170,23 +170,11 @@ class FullyShard:
                                  "px.elastic.State(checkpoint=DIR) to have the survivors reload it", what)
         outline = broadcast_object(_outline(commit) if g.rank == source[0] else None, source[0],
                                    "the outline of the commit")
-        size = self.group_size if g.world_size % self.group_size == 0 else g.world_size
-        names = {id(p): name for name, p in model.named_parameters()}
-        _strip_fsdp(model)
-        for name, spec in outline["model"].items():  # the model whole, one tensor at a time, then sharded anew
-            full = _assemble(spec, commit["model"].get(name) if held else None, source, g.rank)
-            _put(model, name, full)
-        whole = dict(model.named_parameters())
-        for pg in optimizer.param_groups:
-            pg["params"] = [whole[names[id(p)]] for p in pg["params"]]
-        optimizer.state.clear()
-        # DTensor caches its sharding decisions by mesh, and meshes of two generations with the same shape compare
-        # equal: without this, the new parameters would come back on an earlier generation's mesh, with that
-        # generation's coordinates (seen on torch 2.13: 2x2 -> 1x3 -> 2x2 gave rank 1 the shard of rank 2).
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-        _clear_sharding_prop_cache()
-        self._shard(model, optimizer, strategy, g, size)
-        self._rehook(model, g, size)
+        def whole() -> None:  # the model whole, one tensor at a time, then sharded anew
+            for name, spec in outline["model"].items():
+                _put(model, name, _assemble(spec, commit["model"].get(name) if held else None, source, g.rank))
+
+        self._shard_anew(model, optimizer, strategy, g, whole)
         params = [p for pg in optimizer.param_groups for p in pg["params"]]
         state: dict[Any, dict[str, Any]] = {}
         mine = commit["optimizer"]["state"] if held else {}
@@ -203,17 +191,31 @@ class FullyShard:
         """Shard ``model`` over the new group with undefined values, for ``px.load_checkpoint`` to fill (DCP
         reshards a checkpoint onto the new layout): the fallback when :meth:`reshard` found a shard lost.
         Collective."""
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # see reshard()
+        def room() -> None:  # for the whole model, as at px.wrap; the checkpoint fills it
+            for name, p in list(model.named_parameters()):
+                _put(model, name, torch.empty(p.shape, dtype=p.dtype, device=g.device))
+
+        self._shard_anew(model, optimizer, strategy, g, room)
+
+    def _shard_anew(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, g: "Group",
+                    fill: Callable[[], None]) -> None:
+        """Take FSDP off ``model``, let ``fill()`` put whole tensors in it, shard it over ``g`` anew.
+
+        Collective. ``group_size`` is kept where it divides the new world size; one group of every worker otherwise.
+        """
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         size = self.group_size if g.world_size % self.group_size == 0 else g.world_size
         names = {id(p): name for name, p in model.named_parameters()}
         _strip_fsdp(model)
-        for name, p in list(model.named_parameters()):  # room for the whole model, as at px.wrap; loaded below
-            _put(model, name, torch.empty(p.shape, dtype=p.dtype, device=g.device))
+        fill()
         whole = dict(model.named_parameters())
         for pg in optimizer.param_groups:
             pg["params"] = [whole[names[id(p)]] for p in pg["params"]]
         optimizer.state.clear()
+        # DTensor caches its sharding decisions by mesh, and meshes of two generations with the same shape compare
+        # equal: without this, the new parameters would come back on an earlier generation's mesh, with that
+        # generation's coordinates (seen on torch 2.13: 2x2 -> 1x3 -> 2x2 gave rank 1 the shard of rank 2).
         _clear_sharding_prop_cache()
         self._shard(model, optimizer, strategy, g, size)
         self._rehook(model, g, size)
