@@ -106,8 +106,9 @@ def _bin(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
-def _until(what: str, check, deadline_s: float = 120.0, every_s: float = 0.05):
-    """Poll ``check()`` until it returns something true; a bounded wait that names what never happened.
+def _until(what: str, check, deadline_s: float = 120.0, every_s: float = 0.05, detail=lambda: ""):
+    """Poll ``check()`` until it returns something true; a bounded wait that names what never happened
+    (and, from ``detail()``, what the job and the daemons said meanwhile).
 
     The checks read a file or run one ``scontrol`` (20 ms): polling often costs little and ends the wait
     as soon as the state changed (SLURM has no event to block on for a job's state).
@@ -118,7 +119,7 @@ def _until(what: str, check, deadline_s: float = 120.0, every_s: float = 0.05):
         if got:
             return got
         if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}")
+            raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}\n{detail()}")
         time.sleep(every_s)
 
 
@@ -163,6 +164,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 ReturnToService=2
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
@@ -237,6 +239,12 @@ def cluster():
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _story(cluster: Cluster, job: str, out: str):
+    """What a job that never ended left behind: its state, its output and the daemons' last lines."""
+    log = open(out, errors="replace").read() if os.path.exists(out) else "(no job output)"
+    return f"{cluster.job(job)}\n--- job output ---\n{log}\n--- daemons ---\n{cluster.logs()}"
+
+
 def _ended(cluster: Cluster, job: str):
     state = cluster.job(job)
     return state if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") else None
@@ -258,12 +266,15 @@ srun {sys.executable} -m phalanx.cli run -n 1 --checkpoint-dir {ckpt} --resume-f
         return os.path.exists(out + ".reached")
     _until("rank 0 to reach step 5", reached)
     assert cluster.out(["scancel", "--signal=USR1", job]) == ""  # SLURM's `--signal=USR1@N` warning, now
-    # requeued: back in the queue (Restarts counts up before the job has left its nodes), held until
-    # cred_expire (10 s here, 120 s by default) has passed; StartTime=now lets it start at once
+    # requeued: back in the queue (Restarts counts up before the job has left its nodes), held until the
+    # revoked job credential has expired (cred_expire: 10 s here, 120 s by default). The hold is not to be
+    # skipped: `scontrol update StartTime=now` let the job start inside it, and slurmd refused it ("Job
+    # credential revoked": FAILED, 1 run in 6 here). Once the hold is over, slurmctld's periodic pass starts
+    # the job: every second here (sched_interval=1), every 60 s by default.
     _until("the requeue", lambda: (lambda j: j.get("Restarts") == "1" and j.get("JobState") == "PENDING")(
-        cluster.job(job)), 120, 0.1)
-    assert cluster.out(["scontrol", "update", f"JobId={job}", "StartTime=now"]) == ""  # skip the requeue hold
-    state = _until("the job to end", lambda: _ended(cluster, job), 240, 0.1)
+        cluster.job(job)), 120, 0.1, lambda: _story(cluster, job, str(tmp_path / "job.out")))
+    state = _until("the job to end", lambda: _ended(cluster, job), 240, 0.1,
+                   lambda: _story(cluster, job, str(tmp_path / "job.out")))
     log = open(tmp_path / "job.out").read()
     assert state["JobState"] == "COMPLETED", f"{state}\n{log}\n{cluster.logs()}"
     assert re.search(r"received SIGUSR1; the workers stopped after step \d+ to save", log), log
@@ -283,7 +294,8 @@ srun {sys.executable} -m phalanx.cli run -n 1 --elastic --min-workers 1 {ELASTIC
 """)
     job = cluster.out(["sbatch", "--parsable", str(script)])
     assert job.isdigit(), job
-    state = _until("the job to end", lambda: _ended(cluster, job), 240, 0.1)
+    state = _until("the job to end", lambda: _ended(cluster, job), 240, 0.1,
+                   lambda: _story(cluster, job, str(tmp_path / "job.out")))
     log = open(tmp_path / "job.out").read()
     assert state["JobState"] == "COMPLETED", f"{state}\n{log}\n{cluster.logs()}"
     assert "worker 0 (pid" in log and "was killed by SIGKILL" in log, log
