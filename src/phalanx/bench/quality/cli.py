@@ -95,8 +95,18 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(usage(f"--targets {part!r}", "TASK=VALUE for a task in --tasks", "E.g. gpt=2.2."))
         targets[name] = _floats(value, "targets")[0]
     return {"tasks": tasks, "setups": setups, "links": links, "targets": targets,
-            "budgets": {t: args.budget or get(t).budget_s for t in tasks},
+            "budgets": {t: args.budget for t in tasks if args.budget},  # the rest: budgets(), once measured
             "sweep": tuple(_floats(args.sweep, "sweep")) if args.sweep else ()}
+
+
+def budgets(tasks: list[str], compute: dict[str, float], given: dict[str, float]) -> dict[str, float]:
+    """Training seconds per run: ``--budget`` where given, else the task's ``budget_steps`` of compute as measured
+    today, so that a target stays reachable (and equally far) on a day the machine runs slower or faster.
+
+        >>> budgets(["gpt"], {"gpt": 0.15}, {})
+        {'gpt': 27.0}
+    """
+    return {t: given.get(t) or round(get(t).budget_steps * compute[t], 1) for t in tasks}
 
 
 def compute_seconds(task: str, steps: int = 4) -> float:
@@ -175,6 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = resolve(args)
     tasks, higher = cfg["tasks"], {t: get(t).higher_is_better for t in cfg["tasks"]}
     fast = None if args.fast_setups == "all" else tuple(split_list(args.fast_setups))
+    started = datetime.datetime.now(datetime.timezone.utc)
+    compute = {t: compute_seconds(t, steps=2 if args.smoke else 6) for t in tasks}
+    cfg["budgets"] = budgets(tasks, compute, cfg["budgets"])
+    print("compute per step, 1 worker: " + ", ".join(f"{t} {1e3 * c:.0f} ms (budget {cfg['budgets'][t]:g} s a run)"
+                                                     for t, c in compute.items()), file=sys.stderr, flush=True)
     sweep_plan = plan.sweep_runs(tasks, cfg["setups"], cfg["sweep"], steps=args.sweep_steps, cap_s=args.sweep_cap)
     runs = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs={}, budgets=cfg["budgets"], fast=fast)
     est = (plan.estimate_s(sweep_plan) if sweep_plan else 0.0) + plan.estimate_s(runs, args.repeats)
@@ -185,10 +200,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(r.title)
         return 0
     os.makedirs(args.out, exist_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    compute = {t: compute_seconds(t, steps=2 if args.smoke else 6) for t in tasks}
-    print("compute per step, 1 worker: " + ", ".join(f"{t} {1e3 * c:.0f} ms" for t, c in compute.items()),
-          file=sys.stderr, flush=True)
     sweep_records: list[dict[str, Any]] = []
     if sweep_plan:
         chosen, sweep_records = run_sweep(tasks, cfg["setups"], cfg["sweep"], args, higher)
