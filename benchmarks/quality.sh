@@ -5,7 +5,7 @@
 #                                   each run trained for its task's budget_steps x one worker's compute step
 #                                   (measured at the start; 14 s at ~85 ms a GPT step), at the learning rates of the
 #                                   committed sweep (src/phalanx/bench/quality/lrs.json); 44 min on a fast day, about
-#                                   110 min on a day the step takes 150 ms (the plan line prints the estimate)
+#                                   115 min on a day the step takes 150 ms (the plan line prints the estimate)
 # EXTRA=--dry-run prints every run and the estimate without running anything; EXTRA="--sweep 0.5,1,2" redoes the
 # lr sweep first (about 15 more minutes). TASKS=gpt-large adds (or, alone, runs) the 12.4M-parameter GPT, whose
 # target is provisional (see its `why`); LINKS overrides the links. Progress goes to stderr, one line per finished
