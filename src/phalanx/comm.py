@@ -34,9 +34,10 @@ class CommStats:
     bytes_sent: int = 0  # payload bytes this worker put into collectives
     calls: int = 0
     seconds: float = 0.0  # wall time blocked in collectives (exposed communication)
+    bytes_received: int = 0  # payload bytes received point to point (Comm.send_recv_); collectives do not count
 
     def snapshot(self) -> "CommStats":
-        return CommStats(self.bytes_sent, self.calls, self.seconds)
+        return CommStats(self.bytes_sent, self.calls, self.seconds, self.bytes_received)
 
 
 # -- the guard: a failed collective or store wait becomes a typed WorkerLostError -------------------------------------
@@ -324,6 +325,35 @@ class Comm:
             scatter_back(theirs, outs)
             theirs_by_id.update(zip(map(id, ts), outs))
         return [theirs_by_id[id(t)] for t in tensors]
+
+    def send_recv_(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                   tag: int = 0) -> None:
+        """Point to point: send each ``(rank, tensor)`` of ``sends``, receive into each ``(rank, buffer)`` of ``recvs``
+        in place, and wait for all of them.
+
+        Only the ranks named take part (not a collective); each send must meet a receive of the
+        same size and ``tag`` on its peer, and a rank names each peer at most once per ``tag`` and
+        direction. Ranks are this comm's. Accounted in ``stats.bytes_sent`` and ``stats.bytes_received``.
+
+        Example (in a group of one there is nobody to name):
+            >>> Comm().send_recv_([], [])
+        """
+        if not sends and not recvs:
+            return
+        out = [t.contiguous() for _, t in sends]  # kept alive until the sends are done
+        into = [b if b.is_contiguous() else torch.empty_like(b, memory_format=torch.contiguous_format)
+                for _, b in recvs]
+        with self._timed("send_recv", sum(t.numel() * t.element_size() for t in out)):
+            works = [dist.isend(t, group=self.group, group_dst=r, tag=tag)
+                     for (r, _), t in zip(sends, out, strict=True)]
+            works += [dist.irecv(b, group=self.group, group_src=r, tag=tag)
+                      for (r, _), b in zip(recvs, into, strict=True)]
+            for work in works:
+                work.wait()
+        for (_, b), got in zip(recvs, into, strict=True):
+            if got is not b:
+                b.copy_(got)
+        self.stats.bytes_received += sum(b.numel() * b.element_size() for b in into)
 
     def barrier(self) -> None:
         """Wait for every worker; a no-op in a group of one."""

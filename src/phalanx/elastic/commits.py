@@ -103,6 +103,7 @@ class State:
         self._in_epochs = False
         self._leaving = False  # this worker asked to leave (it was sent SIGTERM/SIGUSR1)
         self._handles: list[Any] = []
+        self._moved: dict[str, int] = {}  # bytes of sharded state the last reshard received, for the history
         self.worker = ElasticWorker.of(group.current())
         if self.worker is not None:
             self.worker.beat()
@@ -271,8 +272,13 @@ class State:
         return True
 
     def _send_state(self) -> dict:
-        """Rank 0's newest commit on every worker (a broadcast of its bytes; loaded weights-only)."""
+        """Rank 0's newest commit on every worker (a broadcast of its bytes; loaded weights-only).
+
+        Of a sharded model, without its model and optimizer: their shards travel point to point in
+        :meth:`_reshard`, each worker receiving only the rows of its new shards."""
         mine = self.commits[max(self.commits)] if group.rank() == 0 else None
+        if mine is not None and sharded_by(self.optimizer) is not None:
+            mine = {**mine, "model": None, "optimizer": None}
         return broadcast_object(mine, 0, "newest commit")
 
     def _from_disk(self, lost: ShardLostError) -> dict:
@@ -301,7 +307,7 @@ class State:
         """A sharded model: lay the commit's shards out over the new group (collective; see FullyShard.reshard)."""
         shard = sharded_by(self.optimizer)
         if shard is not None:
-            shard.reshard(self.model, self.optimizer, self.training.strategy, group.current(), snap)
+            self._moved = shard.reshard(self.model, self.optimizer, self.training.strategy, group.current(), snap)
 
     def _restore(self, snap: dict, joining: bool = False) -> None:
         if sharded_by(self.optimizer) is not None:  # its model and optimizer are shards: _reshard lays them out
@@ -362,7 +368,9 @@ class State:
         self.history.append({"generation": plan["generation"], "world_size": group.world_size(),
                              "was": before, "left": plan["left"], "joined": plan["joined"],
                              "step": self.step, "redone_steps": redone, "redone_seconds": round(redone_s, 3),
-                             "time": time.time(), "seconds": round(seconds, 3), "cause": cause[:200]})
+                             "time": time.time(), "seconds": round(seconds, 3), "cause": cause[:200],
+                             **self._moved})
+        self._moved = {}
         if group.rank() == 0:
             print(f"phalanx: elastic: generation {plan['generation']}: {before} -> {group.world_size()} workers "
                   f"(left: {', '.join(plan['left']) or '-'}; joined: {', '.join(plan['joined']) or '-'}); "

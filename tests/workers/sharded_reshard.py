@@ -1,0 +1,74 @@
+"""Worker for tests/test_elastic_sharded.py: ``FullyShard.reshard`` on 2 live processes, no launcher.
+
+A model with tied weights, a buffer and uneven first dimensions (7 rows: shards of 4 and 3;
+1 row: shards of 1 and 0) trains 2 AdamW steps on FSDP over both ranks (1 x 2). Its commit
+(:func:`phalanx.sharding.local_parts`) is re-laid out as 2 x 1 (each rank then holds every row:
+it receives the rows of the other shard) and back as 1 x 2 (every row is held already: nothing
+is sent); after one more step the model equals one process that trained 3 steps on the same batch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import phalanx as px
+from phalanx.sharding import local_parts, sharded_by
+
+
+class Odd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b, self.c = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 7)
+        self.c.weight = self.b.weight  # tied
+        self.head = nn.Linear(7, 1)
+        self.register_buffer("scale", torch.tensor([1.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x))))))) * self.scale
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().reshape(-1)
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    """Every parameter and Adam moment, whole (a collective for DTensors), flattened in order."""
+    moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return torch.cat([_whole(t) for t in [*model.parameters(), *moments]])
+
+
+def relayout() -> dict[str, Any]:
+    px.init()
+    torch.set_num_threads(1)
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(4))  # the same batch on both ranks
+    oracle = Odd()
+    oracle_opt = torch.optim.AdamW(oracle.parameters(), lr=0.05)
+    for _ in range(3):
+        _step(oracle, oracle_opt, x)
+    net = Odd()
+    model, opt = px.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.05), strategy=px.AllReduce(),
+                         shard=px.FullyShard(group_size=2, min_params=1))
+    for _ in range(2):
+        _step(model, opt, x)
+    shard = sharded_by(opt)
+    out: dict[str, Any] = {}
+    for size in (1, 2):  # 1 x 2 -> 2 x 1 -> 1 x 2
+        before = _state(model, opt)
+        commit = {"model": local_parts(model.state_dict()), "optimizer": local_parts(opt.state_dict())}
+        shard.group_size = size
+        moved = shard.reshard(model, opt, px.strategy_of(opt), px.current_group(), commit)
+        out[f"to{size}"] = {**moved, "diff": (_state(model, opt) - before).abs().max().item(),
+                            "shard_size": shard.shard_size, "tied": model.c.weight is model.b.weight}
+    _step(model, opt, x)
+    out["diff"] = max((_whole(p) - q.detach().reshape(-1)).abs().max().item()
+                      for p, q in zip(model.parameters(), oracle.parameters(), strict=True))
+    return out
