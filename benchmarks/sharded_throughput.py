@@ -1,8 +1,8 @@
-"""Throughput of FSDP (px.FullyShard(group_size=2)) vs replicated px.AllReduce on 2 workers: the MLP and the GPT.
+"""Throughput of FSDP (px.FullyShard(group_size=2)) vs replicated px.AllReduce on 2 workers: MLP, GPT, ResNet-20.
 
 Run from the repository root (2 worker processes per setup, one setup after the other):
 
-    python benchmarks/sharded_throughput.py                          # median of 3 reps of 10 steps
+    python benchmarks/sharded_throughput.py                          # median of 3 reps of 10 steps, all three
     python benchmarks/sharded_throughput.py --reps 5 --steps 20 --models mlp
 
 Each worker trains on synthetic data with AdamW, batch ``--batch`` (MLP) or ``--gpt-batch`` sequences of 64
@@ -11,7 +11,9 @@ a rep is ``--steps`` steps timed on each worker (the slowest worker's time count
 global batch times steps over that time; the table gives the median over the reps and the ratio
 FSDP / replicated. The MLP is ``phalanx.bench.models.mlp()`` (784-5x1024-10, one FSDP unit per
 Linear); the GPT is ``gpt(vocab=8192, context=64, dim=256, layers=4, heads=4)`` sharded as one FSDP
-unit (its output layer is tied to the token embedding, so the two must stay in one unit).
+unit (its output layer is tied to the token embedding, so the two must stay in one unit); ResNet-20
+(``resnet_cifar(20)``, 0.27M parameters, ``--batch`` 32x32 images per worker) is sharded with
+``FullyShard(min_params=20_000)``: a unit per submodule holding 20k parameters not in a smaller unit.
 """
 from __future__ import annotations
 
@@ -48,6 +50,12 @@ def worker(model_name: str, shard: int, batch: int, steps: int, reps: int) -> di
 
         def loss(out: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(out.flatten(0, 1), y.flatten())
+    elif model_name == "resnet20":
+        net, units = models.resnet_cifar(20), 20_000
+        x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+
+        def loss(out: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(out, y)
     else:
         net, units = models.mlp(), 1024 * 784
         x, y = torch.randn(batch, 784), torch.randint(0, 10, (batch,))
@@ -77,8 +85,8 @@ def worker(model_name: str, shard: int, batch: int, steps: int, reps: int) -> di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="mlp,gpt")
-    parser.add_argument("--batch", type=int, default=32, help="MLP samples per worker per step")
+    parser.add_argument("--models", default="mlp,gpt,resnet20")
+    parser.add_argument("--batch", type=int, default=32, help="MLP or ResNet-20 samples per worker per step")
     parser.add_argument("--gpt-batch", type=int, default=8, help="GPT sequences (of 64 tokens) per worker per step")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3)
@@ -86,8 +94,8 @@ def main() -> int:
     args = parser.parse_args()
     from phalanx.bench.procs import run_workers
 
-    print(f"2 workers, AdamW, batch {args.batch} (MLP) / {args.gpt_batch} x 64 tokens (GPT) per worker, median of "
-          f"{args.reps} reps of {args.steps} steps")
+    print(f"2 workers, AdamW, batch {args.batch} (MLP, ResNet-20) / {args.gpt_batch} x 64 tokens (GPT) per worker, "
+          f"median of {args.reps} reps of {args.steps} steps")
     print("| model | replicated (AllReduce) samples/s | FSDP S=2 samples/s | FSDP / replicated |\n|---|---|---|---|")
     rows = []
     for name in args.models.split(","):
