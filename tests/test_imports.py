@@ -132,10 +132,10 @@ LAYERS = {
              "sync", "tracking", "trainer", "training_state", "workerenv", "wrap"),
     # Each feature is one subpackage; its modules may import each other, never another feature's.
     "feature": ("elastic", "ps", "stream", "keras"),
-    # Processes around the workers and tools: `phalanx run` (and its --elastic agent, `phalanx join`, SLURM),
+    # Processes around the workers and tools: `phalanx run` (its flags, its --elastic agent, `phalanx join`, SLURM),
     # the CLI, the Ray Train backend (it runs in Ray's controller), `phalanx bench` and its demos.
-    "app": ("bench", "cli", "launch", "launch_elastic", "launch_failures", "launch_join", "launch_slurm",
-            "launch_workers", "raytrain"),
+    "app": ("bench", "cli", "launch", "launch_config", "launch_elastic", "launch_failures", "launch_join",
+            "launch_slurm", "launch_workers", "raytrain"),
 }
 LEVEL = {"core": 0, "feature": 1, "app": 2}
 
