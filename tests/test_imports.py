@@ -124,17 +124,18 @@ def test_the_cycle_finder_finds_a_cycle():
 # Every module of the package, by layer: a module is named by its path under phalanx/ (a subpackage by its folder).
 LAYERS = {
     # What a training job needs. The Trainer is core: elastic supervises its epoch loop through the group
-    # (Group.supervisor), so it imports no feature.
+    # (Group.supervisor), so it imports no feature. checkpoint/ and strategies/ are subpackages of the core: every
+    # module under them is core (the order inside checkpoint/ is CHECKPOINT_ORDER).
     "core": ("_engine", "allocator", "backward", "callbacks", "check", "checkpoint", "comm", "compiled",
              "compression", "data", "epoch_report", "errors", "framing", "group", "liveness", "lr", "metrics",
              "preempt", "prefetch", "profiling", "progress", "quantize", "sharding", "spans", "steps", "strategies",
              "sync", "tracking", "trainer", "training_state", "workerenv", "wrap"),
     # Each feature is one subpackage; its modules may import each other, never another feature's.
     "feature": ("elastic", "ps", "stream", "keras"),
-    # Processes around the workers and tools: `phalanx run` (and its --elastic agent, `phalanx join`, SLURM),
+    # Processes around the workers and tools: `phalanx run` (its flags, its --elastic agent, `phalanx join`, SLURM),
     # the CLI, the Ray Train backend (it runs in Ray's controller), `phalanx bench` and its demos.
-    "app": ("bench", "cli", "launch", "launch_elastic", "launch_failures", "launch_join", "launch_slurm",
-            "launch_workers", "raytrain"),
+    "app": ("bench", "cli", "launch", "launch_config", "launch_elastic", "launch_failures", "launch_join",
+            "launch_slurm", "launch_workers", "raytrain"),
 }
 LEVEL = {"core": 0, "feature": 1, "app": 2}
 
@@ -191,6 +192,24 @@ def test_the_layer_check_sees_every_import():
     assert layering_violations({"phalanx.launch": {"phalanx.launch_elastic", "phalanx.ps.launcher"},
                                 "phalanx.launch_elastic": {"phalanx.ps.launcher", "phalanx.elastic.watch"},
                                 "phalanx.raytrain": {"phalanx.launch_elastic"}}) == []
+
+
+# phalanx.checkpoint, one concept a module: the directory's format (dcp), the one-file format (legacy) and the
+# workers' store protocol (agreement) know nothing of each other; handle puts a save in place with them; saver and
+# loader are the entry points. Each module may import only those before it.
+CHECKPOINT_ORDER = ("dcp", "legacy", "agreement", "handle", "saver", "loader")
+
+
+def test_the_checkpoint_package_imports_one_way():
+    edges = graph(every_import)
+    modules = sorted(m.rsplit(".", 1)[1] for m in edges if m.startswith("phalanx.checkpoint."))
+    assert modules == sorted(CHECKPOINT_ORDER), f"place the new module in CHECKPOINT_ORDER: {modules}"
+    bad = []
+    for i, name in enumerate(CHECKPOINT_ORDER):
+        for target in sorted(edges[f"phalanx.checkpoint.{name}"]):
+            if target.startswith("phalanx.checkpoint") and target.rsplit(".", 1)[1] not in CHECKPOINT_ORDER[:i]:
+                bad.append(f"phalanx.checkpoint.{name} imports {target}")
+    assert bad == []
 
 
 def test_import_phalanx_leaves_the_heavy_torch_modules_out():

@@ -44,7 +44,7 @@ from .errors import PhalanxError
 from .launch_workers import start_worker
 
 if TYPE_CHECKING:
-    from .launch import RunConfig
+    from .launch_config import RunConfig
 
 POLL_S = 0.05  # a process's exit is seen this soon (a waitpid, no store call): recovery starts from it
 STORE_POLL_S = 0.5  # heartbeats, members and remote workers are read from the store this often

@@ -149,23 +149,36 @@ def watch_joiners(workers: list[Watched], host: str, port: int) -> list[int]:
 
     A joiner that exits is marked dead in the job's store with its exit note, and a hung
     one (no heartbeat for the job's ``--heartbeat-timeout``) is killed, so the others
-    regroup at once instead of after the quorum timeout. If the store is lost the
-    joiners end by themselves (each says so in one line); we only wait for them.
+    regroup at once instead of after the quorum timeout.
+
+    The job's store belongs to the first launcher, which closes it once the job is over:
+    a joiner that said it finished (``finished/<id>``) is then only waited for, with no
+    store call, since its process may outlive the store by a few seconds of shutdown.
+    If the store is lost (torch raises a :class:`torch.distributed.DistError`; each call
+    waits at most :data:`PROBE_TIMEOUT_S`) the joiners end by themselves, each saying so
+    in one line; we only wait for them.
     """
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
                               wait_for_workers=False)
         heartbeat_s = float(json.loads(store.get(key("config")))["heartbeat_s"])
-    except Exception:  # noqa: BLE001 - the job ended between the probe and now: the joiners see it too
+    except dist.DistError:  # the job ended between the probe and now: the joiners see it too
         store = None
+    leaving: set[str] = set()  # joiners that finished training: their exit is ours to see, not the job's
     while store is not None and any(w.returncode is None for w in workers):
         try:
             for w in workers:
+                if w.id not in leaving and w.returncode is None and store.check([key("finished", w.id)]):
+                    leaving.add(w.id)
+                if w.id in leaving:
+                    if w.returncode is None:
+                        w.returncode = w.proc.poll()
+                    continue
                 code = poll(w, store, heartbeat_s)
                 if code and not store.check([key("done")]):
                     print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {describe(code)}; the others "
                           "regroup without it", file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001 - the launcher's store is gone; the joiners end by themselves
+        except dist.DistError:  # the launcher's store is gone: the joiners end by themselves
             store = None
         time.sleep(POLL_S)
     return [w.proc.wait() if w.returncode is None else w.returncode for w in workers]

@@ -138,7 +138,7 @@ def killed(ckpt: str) -> dict[str, Any]:
     through its write, then every worker kills itself with SIGKILL. The test then loads ``ckpt``."""
     import torch.distributed.checkpoint as dcp
 
-    import phalanx.checkpoint as checkpoint
+    import phalanx.checkpoint.saver as saver
     g = px.init()
     store = g.store
     held = threading.Event()  # set by DCP's writer thread; the main thread talks to the store (one connection)
@@ -158,7 +158,7 @@ def killed(ckpt: str) -> dict[str, Any]:
     saved = flat(model)
     torch.save(saved, f"{ckpt}-weights-{px.rank()}.pt")
     loop(model, opt, loader, 2, 4)
-    checkpoint._writer = lambda tmp: HeldWriter(tmp)  # the test's hook into DCP's writer
+    saver._writer = lambda tmp: HeldWriter(tmp)  # the test's hook into DCP's writer
     handle = px.save_checkpoint(ckpt, model, opt, loader=loader, step=4, blocking=False)
     loop(model, opt, loader, 4, 6)  # training goes on while the checkpoint is being written
     held.wait()

@@ -128,8 +128,8 @@ def validation() -> dict[str, Any]:
 
 def rank0_only_save(tmp: str) -> dict[str, Any]:
     """The port's placement: ``if rank == 0: px.save_checkpoint(...)``. Rank 0 must fail fast, saying why."""
-    import phalanx.checkpoint as checkpoint
-    checkpoint.ENTRY_WAIT_S = 2.0  # the test's patience, not the library's default
+    import phalanx.checkpoint.agreement as agreement
+    agreement.ENTRY_WAIT_S = 2.0  # the test's patience, not the library's default
     out: dict[str, Any] = {}
     model = net(seed=0)
     model, opt = px.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))

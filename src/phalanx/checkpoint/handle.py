@@ -1,0 +1,168 @@
+"""A save in flight and how it ends: :class:`SaveHandle`, and the directory put in place all at once or not at all.
+
+Every worker writes into ``<path>.tmp-<host>-<pid>-<id>``; once all of them are done,
+rank 0 checks the directory is whole, writes its marker, and renames it over ``path``
+(:func:`_commit`), so a save killed half-way never replaces the last good checkpoint. A
+kill between the two renames of a replacement leaves the previous checkpoint beside it
+as ``<path>.old-<id>``, which :func:`_resolve` finds. A failed write removes the
+temporary directory and posts the error for the other workers (:func:`_abandon`).
+
+Example:
+    >>> _resolve("/nonexistent/ckpt")
+    '/nonexistent/ckpt'
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+from .. import group
+from ..errors import CheckpointError
+from ..framing import MARKER
+from .agreement import _file_error, _post_saved, _post_write, _wait_for_write
+from .dcp import _dcp, _seal
+
+
+class SaveHandle:
+    """A checkpoint being written in the background (``px.save_checkpoint(..., blocking=False)``).
+
+    ``done()`` says whether it is written (and renamed into place); ``wait()`` blocks until
+    then and raises its error, if any. The next ``px.save_checkpoint`` and ``px.shutdown()``
+    wait for it themselves.
+    """
+
+    def __init__(self, path: str, future: Future | None, key: str | None, rank: int,
+                 pg: Any = None, generation: int = 0) -> None:
+        self.path, self.key, self.rank = path, key, rank
+        self.pg, self.generation = pg, generation  # reused by the next save of the same group generation
+        self._future = future
+        self._committed: Future = Future()  # rank 0: set once the directory is in place (or the save failed)
+        self._error: BaseException | None = None
+        self._waited = False
+
+    def done(self) -> bool:
+        """True once this worker's part is written (on rank 0: and the checkpoint renamed into place)."""
+        if self._future is not None and not self._future.done():
+            return False
+        if self.rank == 0:
+            return self._committed.done()
+        store = group.store() if group.is_initialized() else None
+        return self.key is None or store is None or store.check([f"{self.key}/written"])
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is complete; raise a :class:`CheckpointError` if it could not be written.
+
+        ``timeout``: at most this many seconds for this worker's write (``TimeoutError`` after), e.g. for a worker
+        that is leaving because of an error and must not hang on a stalled disk.
+        """
+        if self._waited:
+            if self._error is not None:
+                raise self._error
+            return
+        self._waited = True
+        try:
+            if self._future is not None:
+                try:
+                    self._future.result(timeout)
+                except TimeoutError:
+                    raise
+                except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001 - every rank's failure
+                    if self.rank != 0:
+                        raise _write_error(self.path, err) from err
+            if self.rank == 0:
+                self._committed.result(timeout)
+            elif group.current().generation == self.generation:  # (a regrouped job has a new store: rank 0 wrote)
+                _wait_for_write(self.key)
+        except Exception as err:
+            self._error = err
+            raise
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({self.path!r}, done={self.done()})"
+
+
+def _finish(handle: SaveHandle, tmp: str, world: int, step: int, *, blocking: bool) -> None:
+    """Rank 0, once every worker's part is written: verify, mark complete, rename into place, tell the others."""
+    if handle.rank != 0:
+        _wait_for_write(handle.key)
+        return
+    try:
+        if handle._future is not None:
+            try:
+                handle._future.result()
+            except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001
+                raise _write_error(handle.path, err) from err
+        _commit(tmp, handle.path, world, step)
+    except BaseException as err:
+        _abandon(tmp, handle.key, err)
+        if blocking:
+            raise
+        handle._committed.set_exception(err)
+        return
+    _post_write(handle.key, "ok")
+    _post_saved(handle.path)
+    if not handle._committed.done():
+        handle._committed.set_result(None)
+
+
+def _commit(tmp: str, path: str, world: int, step: int) -> None:
+    """Check the temporary directory is whole, write the marker, and swap it in for ``path``."""
+    _seal(tmp, path, world, step)
+    old = None
+    if os.path.lexists(path):
+        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(path, old)  # a kill between these two renames leaves the old one here: _resolve finds it
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    if old is not None:
+        (shutil.rmtree if os.path.isdir(old) else os.unlink)(old)
+
+
+def _abandon(tmp: str, key: str | None, err: BaseException | None = None) -> None:
+    """Rank 0 after a failed write: remove the temporary directory and post the error for the others."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if err is not None:
+        _post_write(key, f"{type(err).__name__}\n{err}")
+
+
+def _write_error(path: str, err: BaseException) -> CheckpointError:
+    """One line for a failed DCP write, naming the path, the rank and the OS error (a full disk)."""
+    if isinstance(err, CheckpointError):
+        return err
+    failures = getattr(err, "failures", None) or {}  # DCP's CheckpointException: {rank: (exception, stack)}
+    for rank, cause in sorted(failures.items()):
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        os_error = cause
+        while os_error is not None and not isinstance(os_error, OSError):
+            os_error = os_error.__cause__ or os_error.__context__
+        if isinstance(os_error, OSError) and os_error.errno is not None:
+            return CheckpointError(_file_error(path, rank, os_error).args[0])
+        first = next(iter(str(cause).strip().splitlines()), "")
+        return CheckpointError(f"rank {rank} could not write the checkpoint {path!r}: {type(cause).__name__}: "
+                               f"{first[:200]}. The previous checkpoint at that path is untouched (a full disk "
+                               "shows this way too): free space or save elsewhere.")
+    first = next(iter(str(err).strip().splitlines()), type(err).__name__)
+    return CheckpointError(f"the checkpoint {path!r} could not be written: {first[:300]}. The previous "
+                           "checkpoint at that path is untouched.")
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the renames in ``directory`` durable: a rename lasts a crash only once its directory is synced."""
+    fd = os.open(directory or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _resolve(path: str) -> str:
+    """The checkpoint at ``path``; if a save was killed between its two renames, the previous one beside it."""
+    if os.path.lexists(path):
+        return path
+    directory, base = os.path.split(os.path.abspath(path))
+    olds = [os.path.join(directory, n) for n in (os.listdir(directory) if os.path.isdir(directory) else ())
+            if n.startswith(f"{base}.old-") and os.path.exists(os.path.join(directory, n, MARKER))]
+    return max(olds, key=os.path.getmtime) if olds else path

@@ -1,0 +1,148 @@
+"""Saving: ``px.save`` (the plain weights, main worker only) and ``px.save_checkpoint`` (every worker, with DCP).
+
+:func:`save_state` orders one collective save: every worker enters
+(:mod:`~phalanx.checkpoint.agreement`), settles its step, splits its state into DCP's
+tensors and its own small file (:mod:`~phalanx.checkpoint.dcp`), the workers agree that
+every file was written, DCP writes the tensors (at once, or from a staged copy in a
+thread), and rank 0 puts the directory in place (:mod:`~phalanx.checkpoint.handle`).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import group
+from ..framing import atomic_write, check_plain, to_bytes, write_verified
+from ..sharding import is_sharded
+from ..spans import span
+from ..training_state import TrainingState
+from ..wrap import unwrap
+from .agreement import _agree, _agree_on_temporary, _all_enter
+from .dcp import _dcp, _quiet, _snapshot
+from .handle import SaveHandle, _abandon, _finish, _write_error
+
+
+def save(model: nn.Module, path: str | os.PathLike) -> None:
+    """Save the plain model's weights from the main worker only (others return at once).
+
+    Not collective: call it on every worker or under ``if px.is_main():``, as you like; except for a
+    model sharded by ``px.wrap(..., shard=...)``, whose weights are gathered: call it on every worker.
+
+    Example:
+        >>> import torch, phalanx as px, tempfile, os
+        >>> px.save(torch.nn.Linear(1, 1), os.path.join(tempfile.mkdtemp(), "m.pt"))
+    """
+    if is_sharded(model):  # collective: the whole weights, on rank 0's CPU only, no DTensors
+        sd = _dcp().state_dict
+        state = sd.get_model_state_dict(model, options=sd.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif group.is_main():
+        state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+    if group.is_main():
+        atomic_write(path, to_bytes(state))
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    loader: Any = None, step: int = 0, extra: dict[str, Any] | None = None,
+                    scheduler: Any = None, scaler: Any = None, blocking: bool = True) -> SaveHandle | None:
+    """Write a resumable checkpoint directory of every worker's state with DCP. Collective: call it on every worker.
+
+    Each worker writes its own part; the directory appears at ``path`` only once every
+    worker is done (a previous checkpoint there is replaced then, never before). With
+    ``blocking=True`` every worker returns once it is in place, or raises (a full disk
+    names the path). With ``blocking=False`` it returns a :class:`SaveHandle` as soon as
+    the state is copied, and the files are written while training continues; the next save
+    and ``px.shutdown()`` wait for it. Called on some workers only, it raises within
+    :data:`~phalanx.checkpoint.agreement.ENTRY_WAIT_S` seconds saying so.
+
+    It holds the model and optimizer (``get_state_dict``: plain or FSDP-sharded alike), the
+    strategy's shared and per-worker state, every worker's buffers, the loader's position,
+    every worker's RNG (Python, NumPy, torch, CUDA), ``step``, and ``scheduler`` /
+    ``scaler`` state when given. ``extra`` holds the caller's own plain values.
+
+    Example:
+        >>> import torch, phalanx as px, tempfile, os
+        >>> net = torch.nn.Linear(2, 1); opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> p = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> px.save_checkpoint(p, net, opt, step=3); px.load_checkpoint(p, net, opt)["step"]
+        3
+    """
+    check_plain(extra or {}, "extra")  # refuse before any collective, on every worker alike
+    with span("phalanx/checkpoint"):  # the timeline (phalanx.profiling)
+        handle = save_state(path, TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler,
+                                                extra=extra, step=step), blocking=blocking)
+    return None if blocking else handle
+
+
+def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool = True) -> SaveHandle:
+    """Write ``state`` of every worker as one DCP checkpoint directory at ``path``; see :func:`save_checkpoint`."""
+    g = group.current()
+    previous, g.saving = g.saving, None
+    if previous is not None:
+        previous.wait()  # one checkpoint in flight at a time: its error surfaces here (once), before the next starts
+    path = os.path.abspath(os.fspath(path))
+    key = _all_enter("save_checkpoint")
+    state.settle()  # a step this worker skipped is closed (its exchange runs on every worker) before capture
+    me, world = group.rank(), group.world_size()
+    tmp = _agree_on_temporary(path, key)
+    tensors, rank_file = _snapshot(state, me)
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        write_verified(os.path.join(tmp, f"rank-{me}.pt"), rank_file)
+        failure = None
+    except Exception as err:  # noqa: BLE001 - every worker must learn of it before the collective write starts
+        failure = err
+    _agree("rank-files", key, failure, path, tmp)
+    pg = _checkpoint_group(previous, g)
+    strategy = state.strategy
+    # Replicated tensors are written once: spread over the workers when replicas agree, by rank 0 otherwise
+    # (its model is the one every worker takes when resuming on another number of workers).
+    dedup = strategy is not None and not strategy.replicas_agree(strategy.steps)
+    planner = _dcp().default_planner.DefaultSavePlanner(dedup_save_to_lowest_rank=dedup)
+    writer = _writer(tmp)
+    distributed = dist.is_initialized() and world > 1
+    kwargs = dict(storage_writer=writer, planner=planner, process_group=pg, no_dist=not distributed)
+    handle = SaveHandle(path, None, key, me, pg, g.generation)
+    if blocking:
+        try:
+            with _quiet():
+                _dcp().save(tensors, **kwargs)
+        except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001 - raised on every rank
+            if me == 0:
+                _abandon(tmp, key)
+            raise _write_error(path, err) from err
+        _finish(handle, tmp, world, state.step, blocking=True)
+        g.saving = handle  # done; kept for its process group
+        return handle
+    handle._future = _dcp().async_save(tensors, **kwargs)  # stages (copies) now, writes in a thread
+    g.saving = handle
+    if me == 0:
+        handle._future.add_done_callback(lambda fut: _finish(handle, tmp, world, state.step, blocking=False))
+    return handle
+
+
+def _writer(tmp: str) -> Any:
+    """DCP's writer for the temporary directory (a test replaces this to hold a write half-way)."""
+    return _dcp().FileSystemWriter(tmp, sync_files=True)
+
+
+def _checkpoint_group(previous: SaveHandle | None, g: group.Group) -> Any:
+    """A gloo process group for checkpoint writes only (collective to create; one per group generation).
+
+    An asynchronous save runs DCP's collectives from a background thread while training runs its own:
+    on the same process group their messages would interleave.
+    """
+    if not dist.is_initialized() or g.world_size == 1:
+        return None
+    if previous is not None and previous.pg is not None and previous.generation == g.generation:
+        return previous.pg
+    return dist.new_group(backend="gloo")
+
+
+def wait_for_saves() -> None:
+    """Wait for this worker's asynchronous checkpoint, if one is being written (``px.shutdown()`` calls it)."""
+    if group.is_initialized() and group.current().saving is not None:
+        group.current().saving.wait()
