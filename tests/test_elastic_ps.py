@@ -29,13 +29,24 @@ from workers import elastic as worker
 from workers import elastic_ps
 
 
-@pytest.fixture(autouse=True)
-def _spawned_workers(monkeypatch):
-    """Workers start as fresh interpreters here: these runs expect the regroup after a loss to come before the
-    replacement is ready; a forked replacement (PHALANX_START_METHOD=forkserver) is ready in that same regroup."""
-    monkeypatch.setenv("PHALANX_START_METHOD", "spawn")
-
 KILL = ["--kill", "1@5", "--kill-in-step", "--commit-every", "3", "--strategy", "ps-sync"]
+
+
+def check_loss_then_join(history: list[dict], worlds: list[int]) -> list[tuple]:
+    """Worker 1 was lost and its replacement r1 joined: in one regroup or in two, both valid.
+
+    A replacement forked from the launcher's preloaded server (the tests' start method) is often
+    ready by the regroup that follows the loss, 3 -> 3 workers (left: 1; joined: r1); a slower one
+    joins at a later commit, 3 -> 2 -> 3. Returns ``(left, joined, redone_steps)`` per change.
+    """
+    changes = [(h["left"], h["joined"], h["redone_steps"]) for h in history]
+    if len(changes) == 1:  # one regroup: the loss rolled back, the joiner took the commit rolled back to
+        assert changes[0][:2] == (["1"], ["r1"]) and 2 not in worlds, (changes, worlds)
+    else:  # two: the join rolled no one back
+        assert [c[:2] for c in changes] == [(["1"], []), ([], ["r1"])] and changes[1][2] == 0, changes
+        assert 2 in worlds, worlds
+    assert worlds[:3] == [3, 3, 3] and worlds[-1] == 3, worlds
+    return changes
 
 
 def test_a_new_generation_redoes_a_step_with_fewer_workers_and_drops_the_old_half_filled_round():
@@ -82,10 +93,8 @@ def test_colocated_servers_follow_the_group_through_a_kill_and_a_replacement(tmp
     for epoch in range(4):  # every sample exactly once per epoch, across the crash and the join
         ids = [i for e, _, step in record for i in step if e == epoch]
         assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
-    worlds = [w for _, w, _ in record]
-    assert worlds[:3] == [3, 3, 3] and 2 in worlds and worlds[-1] == 3, worlds
-    assert [(h["left"], h["joined"]) for h in results["0"]["history"]] == [(["1"], []), ([], ["r1"])]
-    want = oracle(record)  # the servers averaged over 3, then 2, then 3 workers: one process on those batches
+    check_loss_then_join(results["0"]["history"], [w for _, w, _ in record])
+    want = oracle(record)  # the servers averaged over 3, (2,) then 3 workers: one process on those batches
     for r in results.values():
         for got, w in zip(r["params"], want, strict=True):
             torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
@@ -132,11 +141,10 @@ def test_downpour_survives_a_kill_and_a_replacement_and_its_server_applies_every
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(results) == ["0", "2", "r1"] and "started worker r1" in proc.stderr
     record = check_rolled_back_together(results, servers, ["0", "2"], epochs=4)
-    worlds = [w for _, w, _ in record]
-    assert worlds[:3] == [3, 3, 3] and 2 in worlds and worlds[-1] == 3, worlds
-    assert [(h["left"], h["joined"], h["redone_steps"]) for h in results["0"]["history"]] == \
-        [(["1"], [], 1), ([], ["r1"], 0)]  # the join rolled no one back
-    # the joiner's first parameters are the server's at that moment: rank 0's commit at the join step
+    changes = check_loss_then_join(results["0"]["history"], [w for _, w, _ in record])
+    assert changes[0][2] == 1  # the loss redid step 4 (the join, if later, redid nothing)
+    # the joiner's first parameters are the server's at that moment: rank 0's commit at the join step (in one
+    # regroup, the commit the survivors rolled back to: rank 0 put the servers back before the joiner's pull)
     step, world, first = results["r1"]["digests"][0]
     assert world == 3 and [d for s, d in servers["0"]["commits"] if s == step][-1] == first
     assert all(c in servers["0"]["commits"] for c in servers["r1"]["commits"])

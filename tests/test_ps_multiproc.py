@@ -7,18 +7,14 @@ test accuracy of at least 0.93.
 """
 from __future__ import annotations
 
-import functools
-
 import threading
+import time
 
 import pytest
 import torch
 
-from phalanx.ps import start_servers
-from support import procs
-
-# Fresh interpreters: these asynchronous runs (a kill, a late joiner) were tuned to workers that start seconds apart.
-run_workers = functools.partial(procs.run_workers, start_method="spawn")
+from phalanx.ps import load_report, start_servers
+from support.procs import run_workers
 
 pytestmark = pytest.mark.multiproc
 
@@ -73,6 +69,12 @@ def test_a_worker_that_joins_a_running_job_receives_the_current_parameters():
             "workers.ps:train", world_size=2, env=servers.env(), strategy="downpour",
             opts={"adagrad_lr": 0.02}, epochs=4, lr=0.05, momentum=0.9)))
         running.start()
+        # The late worker starts once the job's are running (a push reached the server): run_workers from two
+        # threads at once would swap os.environ under each other (launch_workers starts the fork server in the
+        # workers' environment). It waits for 40 pushes anyway.
+        deadline = time.monotonic() + 120
+        while running.is_alive() and not sum(load_report(servers).applied) and time.monotonic() < deadline:
+            time.sleep(0.05)
         late = run_workers("workers.ps:late_join", world_size=1, env=servers.env(), after_versions=40).results[0]
         running.join()
     assert "run" in job

@@ -19,8 +19,11 @@ from phalanx.bench.models import digits_cnn
 from phalanx.strategies import REGISTRY, by_name
 from support.procs import run_workers
 
-EPOCHS = 8  # the budget AllReduce is given, and every other strategy must live within
-BAR = 0.93
+# The budget AllReduce is given, and every other strategy must live within. At 5 epochs the bar tells a working
+# compressor from one without error feedback, which 8 epochs and 0.93 did not (TopK(0.01) without it: 0.76 at 5
+# epochs, 0.949 at 8; PowerSGD(4): 0.88, 0.971); the working ones reach 0.926 (TopK) to 0.978 (docs/strategies.md).
+EPOCHS = 5
+BAR = 0.90
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -221,6 +224,8 @@ def test_every_strategy_and_compressor_converges_within_allreduces_epoch_budget(
     results = trained[0]
     assert "allreduce" in results and len(results) >= 10
     report = {name: round(r["accuracy"], 4) for name, r in results.items()}
+    sent = {name: round(r["bytes_per_step"]) for name, r in results.items()}
+    print(f"test accuracy after {EPOCHS} epochs (bar {BAR}): {report}; bytes per step: {sent}")  # docs/strategies.md
     assert all(acc >= BAR for acc in report.values()), report
     for name, r in results.items():  # after finish() every replica holds the same model
         close(r["params"], trained[1][name]["params"], tol=0)

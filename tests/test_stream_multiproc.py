@@ -21,13 +21,6 @@ import torch
 from phalanx.checkpoint import read_checkpoint
 from support.procs import run_workers
 
-
-@pytest.fixture(autouse=True)
-def _spawned_workers(monkeypatch):
-    """Workers start as fresh interpreters here: these runs expect the regroup after a loss to come before the
-    replacement is ready; a forked replacement (PHALANX_START_METHOD=forkserver) is ready in that same regroup."""
-    monkeypatch.setenv("PHALANX_START_METHOD", "spawn")
-
 pytestmark = pytest.mark.multiproc
 
 
@@ -225,9 +218,16 @@ def test_exactly_once_when_an_elastic_group_loses_a_worker_and_a_new_one_joins(s
     assert sorted(results) == ["0", "2", "r1"], proc.stderr[-2000:]
     summary = {k: (r["world_size"], r["history"], len(r["record"])) for k, r in results.items()}
     assert all(r["world_size"] == 3 for r in results.values()), summary  # the joiner was admitted
-    lost, joined = results["0"]["history"]
+    # The loss and the join, in one regroup or two: a replacement forked from the launcher's preloaded server is
+    # often ready by the regroup after the loss (3 -> 3 workers); a slower one joins at a later commit (3 -> 2 -> 3).
+    lost, *later = results["0"]["history"]
     assert lost["left"] == ["1"] and lost["step"] == 6 and lost["redone_steps"] == 1  # step 7 is redone
-    assert joined["joined"] == ["r1"] and joined["redone_steps"] == 0
+    if later:
+        [joined] = later
+        assert lost["joined"] == [] and joined["left"] == [], summary
+        assert joined["joined"] == ["r1"] and joined["redone_steps"] == 0  # the join rolled no one back
+    else:
+        assert lost["joined"] == ["r1"], summary  # it took the commit the survivors rolled back to
     record = results["0"]["record"]
     assert record == results["2"]["record"] == results["r1"]["record"]
     trained = [i for step in record for i in step]

@@ -52,9 +52,10 @@ def main() -> None:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
-            if state.history and len(state.history) < 2:
+            if state.history and not any(h["joined"] for h in state.history):
                 # A real process is being started (the replacement): the survivors slow down, bounded (only
-                # until it has joined), so the stream still lasts when it arrives. Not a synchronisation.
+                # until it has joined, at the regroup after the loss or later), so the stream still lasts when
+                # it arrives. Not a synchronisation.
                 time.sleep(args.slow_after_loss)
 
     train(state)
