@@ -1,6 +1,7 @@
 """How `phalanx run --elastic` starts workers: both start methods behave as `python -u SCRIPT ARGS` would."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -59,3 +60,16 @@ def test_a_worker_can_be_polled_killed_and_waited_for_like_popen(method, script)
 def test_an_unknown_start_method_is_one_clear_error(script):
     with pytest.raises(ValueError, match="expected one of spawn, forkserver"):
         start_worker("fork", [script, "ok"], {})
+
+
+def test_once_the_fork_server_runs_starting_a_worker_leaves_the_launchers_environment_alone(script, tmp_path,
+                                                                                           monkeypatch):
+    # A launcher that starts workers from two threads read an empty (or another worker's) os.environ while a
+    # start swapped it: every start used to swap it, not only the one that starts the fork server.
+    env = {"PATH": "/usr/bin:/bin", "PX_TEST_VALUE": "first", "PYTHONPATH": ":".join(sys.path)}
+    assert start_worker("forkserver", [script, "ok"], env, log=str(tmp_path / "1.log")).wait(120) == 0
+    swaps = []
+    monkeypatch.setattr(os.environ, "clear", lambda: swaps.append("clear"))  # the launcher's own environment
+    log = str(tmp_path / "2.log")
+    assert start_worker("forkserver", [script, "ok"], {**env, "PX_TEST_VALUE": "second"}, log=log).wait(120) == 0
+    assert swaps == [] and "env second" in open(log).read()

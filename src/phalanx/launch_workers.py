@@ -23,6 +23,7 @@ import os
 import runpy
 import subprocess
 import sys
+import threading
 from typing import Literal, Protocol
 
 StartMethod = Literal["spawn", "forkserver"]
@@ -93,15 +94,27 @@ class ForkedWorker:
 
 def _start_server(env: dict[str, str]) -> None:
     """Start the fork server (once) in the workers' environment: torch reads some variables when it loads
-    (``TORCH_CPP_LOG_LEVEL``, ``OMP_NUM_THREADS``), and in a forked worker it was loaded by the server."""
-    saved = dict(os.environ)
-    try:
-        os.environ.clear()
-        os.environ.update(env)
-        forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    (``TORCH_CPP_LOG_LEVEL``, ``OMP_NUM_THREADS``), and in a forked worker it was loaded by the server.
+
+    The environment is swapped only to start the server, under a lock: a launcher that starts workers from two
+    threads (the tests' late joiner) read an empty or another worker's ``os.environ`` while it was swapped on
+    every start. Once the server runs, each worker's environment is set in the worker (:func:`_run`).
+    """
+    with _SERVER_START:
+        # multiprocessing has no public "is it running"; ensure_running() reads this same attribute
+        if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+            return
+        saved = dict(os.environ)
+        try:
+            os.environ.clear()
+            os.environ.update(env)
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+_SERVER_START = threading.Lock()  # a lock, not state: it orders the fork server's start between threads
 
 
 def _run(argv: list[str], env: dict[str, str], cwd: str, log: str | None) -> None:
