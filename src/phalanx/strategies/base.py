@@ -37,6 +37,7 @@ from ..comm import Comm, local_shard
 from ..errors import ConfigError, usage
 from ..steps import StepClock
 from ..workerenv import WorkerEnv
+from .buffers import BufferMean
 
 
 @runtime_checkable
@@ -288,11 +289,13 @@ class Periodic(Strategy):
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         module = super().attach(model, optimizer)
         self.exchange.setup(self.params, self.comm)
+        self.running_stats = BufferMean(model.buffers())  # BatchNorm's statistics drift with the replicas
         return module
 
     def after_step(self, step: int, taken: bool) -> None:
         if self.sync(step):
             self.exchange.exchange(self.params, self.comm, step)
+            self.running_stats.average_(self.comm)
 
     def on_shards(self) -> bool:
         return True  # the exchange sees parameters only; a shard is exchanged with the same shard elsewhere
@@ -310,6 +313,7 @@ class Periodic(Strategy):
         """Exchange once more if local steps were taken since the last sync."""
         if self.steps and not self.sync(self.steps):
             self.exchange.exchange(self.params, self.comm, self.steps)
+            self.running_stats.average_(self.comm)
 
     def replica_state_dict(self) -> dict[str, Any]:
         """Replicas differ between syncs, and so do their optimizers' states (momentum, Adam moments)."""

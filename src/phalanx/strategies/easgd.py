@@ -120,6 +120,7 @@ class EASGD(Periodic):
     def reconcile(self) -> None:
         for x, c in zip(self.params, self.centre, strict=True):
             x.copy_(c)
+        self.running_stats.average_(self.comm)
 
     def __repr__(self) -> str:
         return f"EASGD({self.sync!r}, alpha={self._alpha_given})"

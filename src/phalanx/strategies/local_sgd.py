@@ -82,6 +82,7 @@ class LocalSGD(Periodic):
 
     def _average(self) -> None:
         share_weighted_mean_([p.data for p in self.params], self.comm, self.share)
+        self.running_stats.average_(self.comm)
         self.share = 0.0
 
     def reconcile(self) -> None:

@@ -47,6 +47,7 @@ from ..compression import Compressor, check_compressor
 from ..errors import ConfigError, usage
 from ..quantize import Quantize, check_floating
 from .base import Strategy, drifting_replica_state, load_drifting_replica_state
+from .buffers import BufferMean
 from .diloco import _outer_dtype
 from .gradients import share_total
 
@@ -67,6 +68,21 @@ def balanced_split(sizes: list[int], parts: int) -> list[range]:
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
+def _buffers_by_fragment(model: nn.Module, split: list[range]) -> list[list[torch.Tensor]]:
+    """Each module's buffers go with the fragment of its first trainable parameter (none: the first fragment)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    owner = {id(trainable[j]): i for i, idx in enumerate(split) for j in idx}
+    out: list[list[torch.Tensor]] = [[] for _ in split]
+    seen: set[int] = set()
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        for b in module.buffers(recurse=False):
+            if id(b) not in seen:
+                seen.add(id(b))
+                out[owner[id(own[0])] if own else 0].append(b)
+    return out
+
+
 class Fragment:
     """One fragment: its parameters, anchor and outer momentum, its schedule offset and its exchange in flight."""
 
@@ -82,6 +98,7 @@ class Fragment:
         self.pending: Any = None  # the collective's handle (a future, or a quantize.Pending)
         self.buffer: torch.Tensor | None = None  # the all-reduce's own copy of the message (summed in place)
         self.resend = False  # a regroup or restore dropped the handle: send the message again
+        self.running_stats = BufferMean(())  # the buffers of the modules whose parameters it holds
 
     @property
     def numel(self) -> int:
@@ -149,8 +166,10 @@ class StreamingDiLoCo(Strategy):
                 check_floating(p, f"StreamingDiLoCo(quantize={self.compression!r})")
         P, H = self.num_fragments, self.every
         sizes = [p.numel() * p.element_size() for p in self.params]
-        self.fragments = [Fragment(i, [self.params[j] for j in idx], i * H // P)
-                          for i, idx in enumerate(balanced_split(sizes, P))]
+        split = balanced_split(sizes, P)
+        self.fragments = [Fragment(i, [self.params[j] for j in idx], i * H // P) for i, idx in enumerate(split)]
+        for f, stats in zip(self.fragments, _buffers_by_fragment(model, split), strict=True):
+            f.running_stats = BufferMean(stats)
         return module
 
     def after_step(self, step: int, taken: bool) -> None:
@@ -184,6 +203,7 @@ class StreamingDiLoCo(Strategy):
     # -- one fragment's exchange -----------------------------------------------------------------------------------
     @torch.no_grad()
     def _send(self, f: Fragment, step: int) -> None:
+        f.running_stats.average_(self.comm)  # its modules' BatchNorm statistics: small, so not overlapped
         delta = [a - p.to(a.dtype) for a, p in zip(f.anchor, f.params, strict=True)]  # the pseudo-gradient
         share, f.share = f.share, 0.0
         f.sent_at, f.result, f.resend = step, None, False
