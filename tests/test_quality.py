@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from phalanx.bench.quality import advisor, cli, corpus, curves, plan, sessions, targets, torchft_peer
+from phalanx.bench.quality import advisor, cli, corpus, curves, plan, report, sessions, targets, torchft_peer
 from phalanx.bench.quality.tasks import TASKS
 from phalanx.errors import ConfigError
 from support.procs import run_workers
@@ -223,6 +223,46 @@ def test_smoke_run_writes_the_report(tmp_path, capsys):
                      "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "quality.json").read_text())
     assert all(r["reached"] == 0 for r in again["rows"]) and again["advisor"][0]["verdict"] == "cannot tell"
+
+
+def test_stored_runs_on_two_links_merge_into_one_bound():
+    # 100 Mbit/s: DDP reaches the target in 100 steps; 10 Mbit/s, run separately: DDP never does. Merged, the
+    # 10 Mbit/s rows get the bound from the 100 Mbit/s DDP run and the mean of the two measured compute steps.
+    def payload(link, ddp_steps, compute_s):
+        curve = [(0.0, 0, 5.0)] + ([(30.0, ddp_steps, 2.0)] if ddp_steps else [(30.0, 20, 3.0)])
+        rec = {"run": {"task": "gpt", "link": link, "setup": "ddp", "provider": "torch", "lr": 1e-3,
+                       "budget_s": 30.0},
+               "ranks": [{"curve": curve, "samples_per_s": 10.0, "final": 2.0, "bytes_per_step": 1e6,
+                          "wire_bytes_per_step": 1e6}], "error": None}
+        return {"command": f"run {link}", "environment": {"loadavg": [1.0, 1.0, 1.0]}, "setups": {"ddp": {}},
+                "skipped_peers": {}, "raw": [rec],
+                "tasks": {"gpt": {"target": 2.2, "higher_is_better": False, "compute_s_per_step": compute_s}}}
+    both = cli.merged([payload("100mbit", 100, 0.2), payload("10mbit", None, 0.3)])
+    assert len(both["raw"]) == 2 and both["tasks"]["gpt"]["compute_s_runs"] == [0.2, 0.3]
+    rows = curves.rows(both["raw"], {"gpt": 2.2}, {"gpt": False})
+    bounds = curves.add_bounds(rows, {"gpt": both["tasks"]["gpt"]["compute_s_per_step"]})
+    assert bounds["gpt"]["ddp_steps"] == 100 and abs(bounds["gpt"]["bound_s"] - 25.0) < 1e-9
+
+
+def test_ahead_of_the_best_peer_needs_spreads_apart_and_is_also_told_repeat_by_repeat():
+    # Repeat k of every setup starts from seed k: phalanx is ahead in each repeat, but repeat 2 (a hard seed) is
+    # slower for both than repeat 0 is for the peer, so the spreads overlap and the target is not met.
+    def rec(setup, provider, k, t):
+        return {"run": {"task": "gpt", "link": "10mbit", "setup": setup, "provider": provider, "lr": 1e-3,
+                        "budget_s": 40.0}, "repeat": k, "error": None,
+                "ranks": [{"curve": [(0.0, 0, 5.0), (t, int(5 * t), 2.0)], "samples_per_s": 100.0, "final": 2.0,
+                           "bytes_per_step": 1.0, "wire_bytes_per_step": 1.0}]}
+    recs = [rec("streaming-diloco-4bit", "phalanx", k, t) for k, t in enumerate((24.0, 25.0, 30.0))]
+    recs += [rec("torchft-streaming-diloco", "torchft", k, t) for k, t in enumerate((27.0, 28.0, 31.0))]
+    rows = curves.rows(recs, {"gpt": 2.5}, {"gpt": False})
+    (entry,) = [e for e in targets.check(rows) if e["measure"].startswith("best phalanx vs best peer")]
+    assert entry["verdict"] == "ahead at the median; spreads overlap" and "ahead in 3 of 3" in entry["who"]
+    (head,) = report.headline(rows)
+    assert head["paired_vs_best_peer"]["ahead"] == 3 and head["paired_vs_best_peer"]["low"] > 1
+    recs[2]["ranks"][0]["curve"][1] = (26.0, 130, 2.0)  # the hard seed no longer slower than the peer's best
+    (entry,) = [e for e in targets.check(curves.rows(recs, {"gpt": 2.5}, {"gpt": False}))
+                if e["measure"].startswith("best phalanx vs best peer")]
+    assert entry["verdict"] == "met"
 
 
 # -- torchft's DiLoCo peers: an optional extra ------------------------------------------------------

@@ -9,5 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PY:-../../.venv/bin/python}
 $PY -m venv --system-site-packages .venv-torchft
+# --system-site-packages reaches the base interpreter's packages, not those of phalanx's venv: a .pth line adds
+# phalanx's venv after this one's own (the report's plots need its matplotlib; torchft's pins stay first).
+SITE=$(.venv-torchft/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+$PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$SITE/phalanx-venv.pth"
 .venv-torchft/bin/pip install -c ../../constraints.txt torchft==0.2.0
 .venv-torchft/bin/python -c "import torchft, torch; print('torchft', torchft.__version__ if hasattr(torchft, '__version__') else '0.2.0', 'torch', torch.__version__)"

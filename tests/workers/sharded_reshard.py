@@ -1,8 +1,8 @@
-"""Worker for tests/test_elastic_sharded.py: ``FullyShard.reshard`` on 2 live processes, no launcher.
+"""Worker for tests/test_elastic_sharded.py: ``phalanx.reshard.reshard`` on 2 live processes, no launcher.
 
 A model with tied weights, a buffer and uneven first dimensions (7 rows: shards of 4 and 3;
 1 row: shards of 1 and 0) trains 2 AdamW steps on FSDP over both ranks (1 x 2). Its commit
-(:func:`phalanx.sharding.local_parts`) is re-laid out as 2 x 1 (each rank then holds every row:
+(:func:`phalanx.reshard.local_parts`) is re-laid out as 2 x 1 (each rank then holds every row:
 it receives the rows of the other shard) and back as 1 x 2 (every row is held already: nothing
 is sent); after one more step the model equals one process that trained 3 steps on the same batch.
 """
@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.sharding import local_parts, sharded_by
+from phalanx.reshard import local_parts, reshard
+from phalanx.sharding import sharded_by
 
 
 class Odd(nn.Module):
@@ -65,7 +66,7 @@ def relayout() -> dict[str, Any]:
         before = _state(model, opt)
         commit = {"model": local_parts(model.state_dict()), "optimizer": local_parts(opt.state_dict())}
         shard.group_size = size
-        moved = shard.reshard(model, opt, px.strategy_of(opt), px.current_group(), commit)
+        moved = reshard(shard, model, opt, px.strategy_of(opt), px.current_group(), commit)
         out[f"to{size}"] = {**moved, "diff": (_state(model, opt) - before).abs().max().item(),
                             "shard_size": shard.shard_size, "tied": model.c.weight is model.b.weight}
     _step(model, opt, x)

@@ -41,7 +41,8 @@ from .. import group
 from ..checkpoint import checkpoint_step, load_checkpoint, save_checkpoint
 from ..comm import broadcast_object
 from ..errors import ConfigError, WorkerLostError, usage
-from ..sharding import ShardLostError, local_parts, sharded_by
+from ..reshard import ShardLostError, local_parts, reshard, reshard_empty
+from ..sharding import sharded_by
 from ..spans import span
 from ..wrap import strategy_of
 from .membership import QuorumError
@@ -294,7 +295,7 @@ class State:
         snap = self.commits[step]
         self._restore(snap)
         shard = sharded_by(self.optimizer)
-        shard.reshard_empty(self.model, self.optimizer, self.training.strategy, group.current())
+        reshard_empty(shard, self.model, self.optimizer, self.training.strategy, group.current())
         with warnings.catch_warnings():  # "taken with N workers": expected, the survivors are fewer
             warnings.simplefilter("ignore")
             load_checkpoint(self.checkpoint, self.model, self.optimizer, restore_rng=False)
@@ -304,10 +305,10 @@ class State:
         return snap
 
     def _reshard(self, snap: dict | None) -> None:
-        """A sharded model: lay the commit's shards out over the new group (collective; see FullyShard.reshard)."""
+        """A sharded model: lay the commit's shards out over the new group (collective; see phalanx.reshard.reshard)."""
         shard = sharded_by(self.optimizer)
         if shard is not None:
-            self._moved = shard.reshard(self.model, self.optimizer, self.training.strategy, group.current(), snap)
+            self._moved = reshard(shard, self.model, self.optimizer, self.training.strategy, group.current(), snap)
 
     def _restore(self, snap: dict, joining: bool = False) -> None:
         if sharded_by(self.optimizer) is not None:  # its model and optimizer are shards: _reshard lays them out

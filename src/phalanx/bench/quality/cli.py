@@ -48,8 +48,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the setups run on links of 1 Gbit/s and faster ('all' = every one of --setups)")
     p.add_argument("--evals", type=int, default=8, help="evaluations per run, evenly spaced in training time")
     p.add_argument("--smoke", action="store_true", help="one-minute check: GPT, DDP, local SGD, 1 s each")
-    p.add_argument("--from-json", metavar="PATH", help="no run: the report of a stored quality.json again, "
-                   "e.g. with other --targets (the same for every setup)")
+    p.add_argument("--from-json", metavar="PATH", help="no run: the report of a stored quality.json again (a comma "
+                   "list: merged), e.g. with other --targets (the same for every setup)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its estimated duration, run nothing")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
     p.add_argument("--out", default="results/quality", help="output directory")
@@ -211,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for (task, setup), lr in list(lrs.items()):  # torchft's DiLoCo: phalanx DiLoCo's inner AdamW, at its lr
         if setup == "diloco":
             lrs.update({(task, peer): lr for peer in TORCHFT if (task, peer) not in lrs})
+        lrs.update({(task, v.name): lr for v in SETUPS.values() if v.lr_of == setup and (task, v.name) not in lrs})
     runs = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs=lrs, budgets=cfg["budgets"], fast=fast)
     payload = {"command": "python -m phalanx.bench.quality " + " ".join(shlex.quote(a) for a in argv),
                "started": started.isoformat(timespec="seconds"),
@@ -279,12 +280,40 @@ def analyse(payload: dict[str, Any], out: str, quiet: bool = False, plots: bool 
         print(md)
 
 
+def merged(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several stored runs as one: their records side by side, a task's compute step the mean of its runs'.
+
+    Runs of one task on different links, or with different setups, then share one compute-only bound and one
+    advisor table (each run measured its own compute step when it started, to set its budget).
+    """
+    if len(payloads) == 1:
+        return payloads[0]
+    out = {**payloads[0], "raw": [r for p in payloads for r in p["raw"]],
+           "command": " ; ".join(p["command"] for p in payloads),
+           "setups": {k: v for p in payloads for k, v in p["setups"].items()},
+           "skipped_peers": {k: v for p in payloads for k, v in p["skipped_peers"].items()}}
+    out["environment"] = {**payloads[0]["environment"],
+                          "loadavg": [max(p["environment"]["loadavg"][i] for p in payloads) for i in range(3)]}
+    tasks: dict[str, Any] = {}
+    for p in payloads:
+        for t, v in p["tasks"].items():
+            tasks.setdefault(t, {**v, "compute_s_runs": []})["compute_s_runs"].append(v["compute_s_per_step"])
+    for v in tasks.values():
+        v["compute_s_per_step"] = sum(v["compute_s_runs"]) / len(v["compute_s_runs"])
+    out["tasks"] = tasks
+    return out
+
+
 def reanalyse(path: str, target_text: str, out: str) -> int:
-    """``--from-json PATH``: the report of a stored run again, with ``--targets`` applied (nothing is rerun)."""
+    """``--from-json PATH[,PATH...]``: the report of stored runs again (merged: :func:`merged`), with ``--targets``
+    applied; nothing is rerun."""
     import json
 
-    with open(path) as f:
-        payload = json.load(f)
+    payloads = []
+    for one in split_list(path):
+        with open(one) as f:
+            payloads.append(json.load(f))
+    payload = merged(payloads)
     for t, v in payload["tasks"].items():  # written before these were stored
         v.setdefault("higher_is_better", get(t).higher_is_better)
         v.setdefault("per_worker", get(t).per_worker)

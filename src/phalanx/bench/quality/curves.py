@@ -14,6 +14,9 @@ Example:
     True
     >>> spread([3.0, 1.0, 2.0])
     {'median': 2.0, 'low': 1.0, 'high': 3.0, 'n': 3}
+
+Repeat ``k`` of every setup starts from the same seed, so two setups compare best repeat by repeat
+(:func:`paired`); the spreads across repeats are mostly the seed's.
 """
 from __future__ import annotations
 
@@ -53,16 +56,19 @@ def rows(records: list[dict[str, Any]], targets: dict[str, float],
         groups[(r["task"], r["link"], r["setup"])].append(rec)
     out = []
     for (task, link, setup), recs in groups.items():
-        ok = [rec["ranks"][0] for rec in recs if not rec["error"] and rec["ranks"]]
+        good = [rec for rec in recs if not rec["error"] and rec["ranks"]]
+        ok = [rec["ranks"][0] for rec in good]
         ttt, steps = [], []
         for r0 in ok:
             hit = time_to_target(r0["curve"], targets[task], higher_is_better=higher[task])
             ttt.append(hit[0] if hit else INF)
             steps.append(hit[1] if hit else INF)
+        # repeat k runs every setup from the same seed (weights, data order): the pairing paired() uses
+        by_repeat = {int(rec.get("repeat", i)): t for i, (rec, t) in enumerate(zip(good, ttt))}
         out.append({"task": task, "link": link, "setup": setup, "provider": recs[0]["run"]["provider"],
                     "lr": recs[0]["run"]["lr"], "runs": len(recs), "ok": len(ok),
                     "reached": sum(1 for t in ttt if t < INF), "target": targets[task],
-                    "time_to_target": spread(ttt), "steps_to_target": spread(steps),
+                    "time_to_target": spread(ttt), "steps_to_target": spread(steps), "by_repeat": by_repeat,
                     "samples_per_s": spread([r["samples_per_s"] for r in ok]),
                     "final": spread([r["final"] for r in ok]),
                     "bytes_per_step": spread([r["bytes_per_step"] for r in ok]),
@@ -110,6 +116,24 @@ def ratio(slow: dict[str, float], fast: dict[str, float]) -> dict[str, float]:
         return a / b
     return {"median": div(slow["median"], fast["median"]), "low": div(slow["low"], fast["high"]),
             "high": div(slow["high"], fast["low"])}
+
+
+def paired(slow: dict[str, Any], fast: dict[str, Any]) -> dict[str, Any]:
+    """How many times sooner ``fast`` is than ``slow``, repeat by repeat (each repeat's seed is the same for
+    every setup, so most of the spread between repeats, the seed's, cancels): the ratios' median and range,
+    and in how many repeats ``fast`` was ahead. A repeat that only one side missed counts as inf or 0.
+
+    Example:
+        >>> paired({"by_repeat": {0: 30.0, 1: 25.0, 2: 26.0}}, {"by_repeat": {0: 28.0, 1: 24.0, 2: 24.5}})["ahead"]
+        3
+    """
+    out = []
+    for k in sorted(set(slow.get("by_repeat", {})) & set(fast.get("by_repeat", {}))):
+        a, b = slow["by_repeat"][k], fast["by_repeat"][k]
+        if a == INF and b == INF:
+            continue
+        out.append(INF if b == 0 or a == INF else a / b)
+    return {**spread(out), "ahead": sum(1 for x in out if x > 1)}
 
 
 PEERS = ("torch", "torchft")  # the providers phalanx is compared with

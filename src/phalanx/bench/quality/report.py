@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from ..report import fmt_bytes
-from .curves import INF, PEERS, ratio, winner
+from .curves import INF, PEERS, paired, ratio, winner
 
 
 def cell(s: dict[str, float], spec: str) -> str:
@@ -70,6 +70,7 @@ def headline(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 entry["vs_ddp"]["lower_bound"] = ddp["budget_s"] / px_best["time_to_target"]["median"]
         if px_best and peer_best:
             entry["vs_best_peer"] = ratio(peer_best["time_to_target"], px_best["time_to_target"])
+            entry["paired_vs_best_peer"] = paired(peer_best, px_best)
         out.append(entry)
     return out
 
@@ -84,12 +85,19 @@ def _r(x: dict[str, float] | None) -> str:
     return f"{x['median']:.2f}× (range {x['low']:.2f}–{x['high']:.2f})"
 
 
+def _paired(x: dict[str, Any] | None) -> str:
+    if not x or not x["n"]:
+        return "n/a"
+    return f"{_r(x)}, ahead in {x['ahead']} of {x['n']}"
+
+
 def headline_table(entries: list[dict[str, Any]]) -> str:
     out = ["| task | link | best phalanx setup | vs torch DDP, time to target | best peer (torch, torchft) | "
-           "best phalanx vs best peer |", "|---|---|---|---|---|---|"]
+           "best phalanx vs best peer | the same, repeat by repeat (same seed) |", "|---|---|---|---|---|---|---|"]
     for e in entries:
         out.append(f"| {e['task']} | {e['link']} | {e['best_phalanx'] or 'none reached'} | {_r(e.get('vs_ddp'))} | "
-                   f"{e['best_peer'] or 'none reached'} | {_r(e.get('vs_best_peer'))} |")
+                   f"{e['best_peer'] or 'none reached'} | {_r(e.get('vs_best_peer'))} | "
+                   f"{_paired(e.get('paired_vs_best_peer'))} |")
     return "\n".join(out) + "\n"
 
 

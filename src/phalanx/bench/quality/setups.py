@@ -44,6 +44,7 @@ class QSetup:
     build: Callable[[nn.Module, torch.optim.Optimizer, float], tuple[nn.Module, torch.optim.Optimizer, Any]]
     optim: str | None = None  # None: the task's family; "adamw": always AdamW (DiLoCo)
     note: str = field(default="")
+    lr_of: str | None = None  # a variant with no sweep of its own runs at this setup's swept lr
 
 
 def _peer(name: str, **kwargs: Any):
@@ -169,6 +170,11 @@ def _make() -> dict[str, QSetup]:
             quantize=px.Quantize(4, block=STREAM_BLOCK))), optim="adamw",
                note=f"as streaming-diloco, outer gradients as packed 4-bit values with a float32 scale per "
                     f"{STREAM_BLOCK} (px.Quantize(4, block={STREAM_BLOCK})), all-gathered"),
+        QSetup("streaming-diloco-4bit-h16", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
+            every=16, fragments=STREAM_FRAGMENTS, overlap=3, quantize=px.Quantize(4, block=STREAM_BLOCK))),
+               optim="adamw", lr_of="streaming-diloco-4bit",
+               note="as streaming-diloco-4bit with H=16 (a fragment every 4 steps) and τ=3: 3x the bytes of H=50, "
+                    "fewer local steps between a fragment's syncs"),
         QSetup("torchft-diloco", "torchft", torchft_peer.build(streaming=False), optim="adamw",
                note=f"torchft 0.2.0 DiLoCo, H={torchft_peer.H}, AdamW inner, Nesterov outer lr 0.7 momentum 0.9; "
                     "lighthouse in rank 0's namespace (bench/quality/torchft_peer.py)"),
