@@ -314,7 +314,7 @@ def _rows(link, entries, compute_s=0.18, per_worker=16, repeats=(0.95, 1.0, 1.05
 
 
 def test_advisor_on_the_recorded_1gbit_table_says_why_it_cannot_tell():
-    # docs/performance.md §7, the idle re-run of 2026-11-24 at 1 Gbit/s (GPT, 180 ms compute per step): no setup
+    # The idle re-run of 2026-11-24 at 1 Gbit/s (GPT, 180 ms compute per step; then in docs/performance.md §7): no setup
     # reached the target in 14 s. The advice with steps must say so, not that no setup keeps its efficiency.
     rows = _rows("1gbit", [("ddp", "torch", None, 140.4, 2544128.0),
                            ("torch-post-local-sgd", "torch", None, 150.0, 1908096.0),
