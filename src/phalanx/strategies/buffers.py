@@ -3,12 +3,15 @@
 A BatchNorm layer's ``running_mean`` and ``running_var`` are buffers, not parameters: no
 optimizer and no parameter exchange touches them. Between two syncs each replica tracks
 the statistics of its own data under its own weights. A rule that averaged only the
-parameters would leave every replica (and the model kept at the end) with statistics
-measured under other weights; after an outer step that moves the weights far, the model
-in eval mode collapses (ResNet-20 under DiLoCo dropped from 0.52 to 0.19-0.31 validation
-accuracy at its closing average in the quality benchmark). DDP keeps buffers equal by
-broadcasting rank 0's at every forward; a periodic rule averages them where it averages
-the parameters, over the same group.
+parameters would leave the replicas disagreeing at a sync (``replicas_agree`` would be
+false for a BN model) and the model kept at the end with rank 0's statistics beside the
+averaged weights. DDP keeps buffers equal by broadcasting rank 0's at every forward; a
+periodic rule averages them where it averages the parameters, over the same group.
+
+Averaging does not make the statistics fit the weights: they still lag them, most after an
+outer step (measured: ``benchmarks/bn_statistics.py``, ResNet-20 under DiLoCo scores 0.22-0.45
+in eval mode against 0.48-0.59 with recomputed statistics). Recompute them before evaluating
+(``torch.optim.swa_utils.update_bn``).
 
 Only buffers that changed on some replica since the last average travel: a constant
 buffer (a causal mask) costs one flag, not its bytes. The copy that detects a change is
