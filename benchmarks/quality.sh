@@ -1,30 +1,63 @@
 #!/usr/bin/env bash
 # Time to quality on slow links (docs/performance.md §7). Run as root (the shaped links are network namespaces +
 # veth + tc tbf) on an otherwise idle machine:
-#   benchmarks/quality.sh [OUT]    §7's runs, 3 repeats each, about 50 minutes at a 199 ms GPT compute step:
-#     OUT/gpt       the GPT: DDP, DDP+PowerSGD, Streaming DiLoCo 4-bit and torchft's DiLoCo / Streaming DiLoCo on
-#                   100 Mbit/s; DDP and the two Streaming DiLoCo setups on 10 Mbit/s; DDP on 1 Gbit/s (the bound)
-#     OUT/resnet20  ResNet-20: DDP, DiLoCo, Streaming DiLoCo 4-bit, torchft's Streaming DiLoCo on 100 Mbit/s; DDP on
-#                   1 Gbit/s
+#   benchmarks/quality.sh [OUT] [PART ...]      PART: gpt, resnet20, gpt-large (default: all three, in that order)
+#     OUT/gpt        the GPT: DDP, DDP+PowerSGD, Streaming DiLoCo 4-bit and torchft's DiLoCo / Streaming DiLoCo on
+#                    100 Mbit/s; DDP and the Streaming DiLoCo setups on 10 Mbit/s; DDP on 1 Gbit/s (the bound). Both
+#                    providers' Streaming DiLoCo also with plain averaging as the outer step (-avg). About 32 minutes.
+#     OUT/resnet20   ResNet-20: DDP, DiLoCo, Streaming DiLoCo 4-bit, torchft's Streaming DiLoCo on 100 Mbit/s; the
+#                    two Streaming DiLoCo setups on 10 Mbit/s (DDP's step there is ~3x its compute, so it is left
+#                    out); DDP on 1 Gbit/s. About 27 minutes.
+#     OUT/gpt-large  the 4.8M-parameter GPT, 4 sequences a worker: DDP and the two Streaming DiLoCo setups on
+#                    100 Mbit/s, the two Streaming DiLoCo setups on 10 Mbit/s (a DDP step there is ~15 s), DDP on
+#                    1 Gbit/s. About 20 minutes.
+# Each part stays inside the 45-minute budget of one benchmark run; the slow link gets fewer setups (above).
+# A part measured in two invocations (its links) is merged into OUT/PART by --from-json.
 # torchft's setups run when this python can import torchft (benchmarks/torchft/setup.sh, then
 # PY=benchmarks/torchft/.venv-torchft/bin/python benchmarks/quality.sh OUT); otherwise they are left out.
-# FULL=1 runs instead every setup on every link for both tasks (about 115 minutes on a day the GPT step takes
-# 150 ms). EXTRA=--dry-run prints each plan and its estimate at today's measured speed without running anything.
+# FULL=1 runs instead every setup on every link for the GPT and ResNet-20 (about 115 minutes on a day the GPT step
+# takes 150 ms). EXTRA=--dry-run prints each plan and its estimate at today's measured speed without running.
 # Each run trains for its task's budget_steps x one worker's compute step, measured when the invocation starts;
 # OUT/*/quality.json is rewritten after every run, OUT/*/quality.md every 8 runs (plots at the end).
 set -uo pipefail  # a failed run is reported in its table; keep measuring the rest
 cd "$(dirname "$0")/.."
 OUT=${1:-results/quality}
+shift $(( $# > 0 ? 1 : 0 ))
+PARTS=${*:-gpt resnet20 gpt-large}
 PY=${PY:-.venv/bin/python}
 Q="$PY -m phalanx.bench.quality --repeats 3"
 if [ -n "${FULL:-}" ]; then
   exec $Q --tasks gpt,resnet20 --link 10mbit,100mbit,1gbit --out "$OUT" ${EXTRA:-}
 fi
-TFT=""
-if $PY -c "import torchft" 2>/dev/null; then TFT=",torchft-streaming-diloco"; fi
-TFT_DILOCO=""
-if [ -n "$TFT" ]; then TFT_DILOCO=",torchft-diloco"; fi
-$Q --tasks gpt --evals 24 --link 10mbit,100mbit,1gbit --fast-setups ddp \
-  --setups "ddp,ddp-powersgd,streaming-diloco-4bit$TFT_DILOCO$TFT" --out "$OUT/gpt" ${EXTRA:-}
-$Q --tasks resnet20 --evals 16 --link 100mbit,1gbit --fast-setups ddp \
-  --setups "ddp,diloco,streaming-diloco-4bit$TFT" --out "$OUT/resnet20" ${EXTRA:-}
+TFT="" TFT_DILOCO="" TFT_AVG=""
+if $PY -c "import torchft" 2>/dev/null; then
+  TFT=",torchft-streaming-diloco" TFT_DILOCO=",torchft-diloco" TFT_AVG=",torchft-streaming-diloco-avg"
+fi
+
+merge() {  # merge() PART: OUT/PART/{fast,slow} into OUT/PART
+  if [ -z "${EXTRA:-}" ]; then
+    $PY -m phalanx.bench.quality --from-json "$OUT/$1/fast/quality.json,$OUT/$1/slow/quality.json" --out "$OUT/$1"
+  fi
+}
+
+for part in $PARTS; do
+  case $part in
+    gpt)
+      $Q --tasks gpt --evals 24 --link 10mbit,100mbit,1gbit --fast-setups ddp \
+        --setups "ddp,ddp-powersgd,streaming-diloco-4bit,streaming-diloco-4bit-avg$TFT_DILOCO$TFT$TFT_AVG" \
+        --out "$OUT/gpt" ${EXTRA:-} ;;
+    resnet20)
+      $Q --tasks resnet20 --evals 16 --link 100mbit,1gbit --fast-setups ddp \
+        --setups "ddp,diloco,streaming-diloco-4bit$TFT" --out "$OUT/resnet20/fast" ${EXTRA:-}
+      $Q --tasks resnet20 --evals 16 --link 10mbit --setups "streaming-diloco-4bit$TFT" \
+        --out "$OUT/resnet20/slow" ${EXTRA:-}
+      merge resnet20 ;;
+    gpt-large)
+      $Q --tasks gpt-large --evals 16 --link 100mbit,1gbit --fast-setups ddp \
+        --setups "ddp,streaming-diloco-4bit$TFT" --out "$OUT/gpt-large/fast" ${EXTRA:-}
+      $Q --tasks gpt-large --evals 16 --link 10mbit --setups "streaming-diloco-4bit$TFT" \
+        --out "$OUT/gpt-large/slow" ${EXTRA:-}
+      merge gpt-large ;;
+    *) echo "benchmarks/quality.sh: part '$part'; expected gpt, resnet20 or gpt-large" >&2; exit 2 ;;
+  esac
+done

@@ -244,6 +244,15 @@ def test_stored_runs_on_two_links_merge_into_one_bound():
     assert bounds["gpt"]["ddp_steps"] == 100 and abs(bounds["gpt"]["bound_s"] - 25.0) < 1e-9
 
 
+def test_from_json_of_a_missing_or_foreign_file_is_one_usage_error(tmp_path):
+    foreign = tmp_path / "other.json"
+    foreign.write_text("[1, 2]")
+    for path, words in ((tmp_path / "missing.json", "FileNotFoundError"), (foreign, "with 'tasks' and 'raw'")):
+        with pytest.raises(ConfigError, match="--from-json") as err:
+            cli.main(["--from-json", str(path), "--out", str(tmp_path / "out")])
+        assert words in str(err.value) and "Pass OUT/quality.json" in str(err.value)
+
+
 def test_ahead_of_the_best_peer_needs_spreads_apart_and_is_also_told_repeat_by_repeat():
     # Repeat k of every setup starts from seed k: phalanx is ahead in each repeat, but repeat 2 (a hard seed) is
     # slower for both than repeat 0 is for the peer, so the spreads overlap and the target is not met.

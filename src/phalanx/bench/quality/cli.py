@@ -24,6 +24,7 @@ from ..spec import split_list
 from . import advisor, curves, plan, report, sessions, targets
 from .setups import SETUPS, peer_reasons
 from .torchft_peer import NAMES as TORCHFT
+from .torchft_peer import PEERS as TORCHFT_PEERS
 from .tasks import TASKS, get
 
 SMOKE = {"tasks": "gpt", "setups": "ddp,local-sgd", "repeats": 1, "budget": 1.0, "sweep": "",
@@ -76,7 +77,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     tasks = [get(t).name for t in split_list(args.tasks)]
     left_out = peer_reasons()
     setups = split_list(args.setups) if args.setups is not None else [
-        *plan.ALL_SETUPS, *(s for s in TORCHFT if s not in left_out)]
+        *plan.ALL_SETUPS, *(s for s in TORCHFT_PEERS if s not in left_out)]
     bad = [s for s in setups if s not in SETUPS or s in left_out]
     if bad:
         raise ConfigError(usage(f"--setups {','.join(bad)}", "names from " + ", ".join(
@@ -207,11 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         chosen = plan.stored_choice() if not args.smoke else {}
         lr_source = "the committed sweep, " + plan.LRS_PATH.split("phalanx/")[-1] if chosen else "base lrs"
-    lrs = {k: v["lr"] for k, v in chosen.items()}
-    for (task, setup), lr in list(lrs.items()):  # torchft's DiLoCo: phalanx DiLoCo's inner AdamW, at its lr
-        if setup == "diloco":
-            lrs.update({(task, peer): lr for peer in TORCHFT if (task, peer) not in lrs})
-        lrs.update({(task, v.name): lr for v in SETUPS.values() if v.lr_of == setup and (task, v.name) not in lrs})
+    lrs = plan.inherit_lrs({k: v["lr"] for k, v in chosen.items()})
     runs = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs=lrs, budgets=cfg["budgets"], fast=fast)
     payload = {"command": "python -m phalanx.bench.quality " + " ".join(shlex.quote(a) for a in argv),
                "started": started.isoformat(timespec="seconds"),
@@ -311,8 +308,15 @@ def reanalyse(path: str, target_text: str, out: str) -> int:
 
     payloads = []
     for one in split_list(path):
-        with open(one) as f:
-            payloads.append(json.load(f))
+        try:
+            with open(one) as f:
+                payloads.append(json.load(f))
+        except (OSError, ValueError) as err:
+            raise ConfigError(usage(f"--from-json {one!r} ({type(err).__name__}: {err})",
+                                    "the quality.json a run wrote", "Pass OUT/quality.json of an earlier run.")) from None
+        if not isinstance(payloads[-1], dict) or "raw" not in payloads[-1] or "tasks" not in payloads[-1]:
+            raise ConfigError(usage(f"--from-json {one!r}", "the quality.json a run wrote (with 'tasks' and 'raw')",
+                                    "Pass OUT/quality.json of an earlier run."))
     payload = merged(payloads)
     for t, v in payload["tasks"].items():  # written before these were stored
         v.setdefault("higher_is_better", get(t).higher_is_better)

@@ -18,6 +18,7 @@ from typing import Any
 
 from .setups import SETUPS
 from .tasks import get
+from .torchft_peer import NAMES as TORCHFT
 
 # Per run, beyond its training budget, in a persistent session: evaluations, model/optimizer/strategy rebuild,
 # the end-of-run barrier and finish(). Measured under load (an upper bound): see docs/performance.md.
@@ -33,7 +34,8 @@ FAST_SETUPS = ("ddp", "ddp-fp16", "ddp-powersgd", "allreduce", "fp16", "local-sg
 FAST_BITS = 1e9
 # On links slower than SLOW_BITS (10 Mbit/s) a step of DDP on the GPT costs seconds: only DDP (the reference whose
 # miss gives a lower bound), the best low-communication setups of the 100 Mbit/s runs and Streaming DiLoCo run.
-SLOW_SETUPS = ("ddp", "diloco", "streaming-diloco-4bit", "torchft-streaming-diloco")  # torchft: only when importable
+SLOW_SETUPS = ("ddp", "diloco", "streaming-diloco-4bit", "torchft-streaming-diloco",  # torchft: only when importable
+               "streaming-diloco-4bit-avg", "torchft-streaming-diloco-avg")
 SLOW_BITS = 50e6
 LRS_PATH = os.path.join(os.path.dirname(__file__), "lrs.json")
 
@@ -59,6 +61,23 @@ def stored_choice(path: str = LRS_PATH) -> dict[tuple[str, str], dict[str, Any]]
         data = json.load(f)
     return {(t, s): {"lr": float(v["lr"]), "final": v["final"], "tried": {float(k): q for k, q in v["tried"].items()}}
             for t, per in data["lrs"].items() for s, v in per.items()}
+
+
+def inherit_lrs(lrs: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    """The swept lrs plus those inherited: a variant (``QSetup.lr_of``) runs at the lr of the setup it varies, an
+    unswept torchft peer at phalanx DiLoCo's (the same inner AdamW).
+
+        >>> out = inherit_lrs({("gpt", "streaming-diloco-4bit"): 2e-3, ("gpt", "diloco"): 1e-3})
+        >>> out[("gpt", "streaming-diloco-4bit-avg")], out[("gpt", "torchft-streaming-diloco-avg")]
+        (0.002, 0.001)
+    """
+    out = dict(lrs)
+    for (task, setup), lr in lrs.items():
+        out.update({(task, v.name): lr for v in SETUPS.values() if v.lr_of == setup and (task, v.name) not in lrs})
+    for (task, setup), lr in lrs.items():
+        if setup == "diloco":
+            out.update({(task, peer): lr for peer in TORCHFT if (task, peer) not in out})
+    return out
 
 
 @dataclass(frozen=True)

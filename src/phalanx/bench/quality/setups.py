@@ -175,6 +175,12 @@ def _make() -> dict[str, QSetup]:
                optim="adamw", lr_of="streaming-diloco-4bit",
                note="as streaming-diloco-4bit with H=16 (a fragment every 4 steps) and τ=3: 3x the bytes of H=50, "
                     "fewer local steps between a fragment's syncs"),
+        QSetup("streaming-diloco-4bit-avg", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
+            every=DILOCO_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP,
+            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0)),
+               optim="adamw", lr_of="streaming-diloco-4bit",
+               note="as streaming-diloco-4bit with plain averaging as the outer step (outer lr 1, no momentum): "
+                    "a short run takes few outer steps per fragment (3-4 in the GPT's 180), too few for momentum"),
         QSetup("torchft-diloco", "torchft", torchft_peer.build(streaming=False), optim="adamw",
                note=f"torchft 0.2.0 DiLoCo, H={torchft_peer.H}, AdamW inner, Nesterov outer lr 0.7 momentum 0.9; "
                     "lighthouse in rank 0's namespace (bench/quality/torchft_peer.py)"),
@@ -182,6 +188,11 @@ def _make() -> dict[str, QSetup]:
                note=f"torchft 0.2.0 Streaming DiLoCo, H={torchft_peer.STREAM_H} (torchft needs H divisible by P), "
                     f"P={torchft_peer.STREAM_FRAGMENTS} fragments cut as phalanx's, τ={torchft_peer.STREAM_OVERLAP}, "
                     f"α={torchft_peer.STREAM_MIXING}, float32 exchange (its quantisation needs triton/CUDA)"),
+        QSetup("torchft-streaming-diloco-avg", "torchft", torchft_peer.build(streaming=True, outer_lr=1.0,
+                                                                           outer_momentum=0.0),
+               optim="adamw", lr_of="torchft-streaming-diloco",
+               note="as torchft-streaming-diloco with plain averaging as the outer step (outer lr 1, no momentum), "
+                    "as streaming-diloco-4bit-avg"),
         QSetup("easgd", "phalanx", _phalanx(lambda lr: px.EASGD(every=4))),
         QSetup("downpour", "phalanx", _phalanx(lambda lr: px.Downpour(server_optimizer=Adagrad(lr))), optim="sgd",
                note="push/pull every step; Adagrad on the servers at the swept lr (from the SGD base lr)"),

@@ -29,7 +29,7 @@ torchft hands tensors to ``Manager.allreduce``; the veth's ``tx_bytes`` counts t
 
 Example:
     >>> sorted(NAMES)
-    ['torchft-diloco', 'torchft-streaming-diloco']
+    ['torchft-diloco', 'torchft-streaming-diloco', 'torchft-streaming-diloco-avg']
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ from ...strategies.streaming_diloco import balanced_split
 from ..worker import _Accountant
 
 H, STREAM_H, STREAM_FRAGMENTS, STREAM_OVERLAP, STREAM_MIXING = 50, 48, 4, 5, 0.5
-NAMES = ("torchft-diloco", "torchft-streaming-diloco")
+PEERS = ("torchft-diloco", "torchft-streaming-diloco")  # the papers' settings: in the default run
+NAMES = (*PEERS, "torchft-streaming-diloco-avg")  # with the opt-in variant
 TIMEOUT = timedelta(seconds=120)
 
 
@@ -115,8 +116,11 @@ class TorchftAccountant(_Accountant):
         self.store = None
 
 
-def build(streaming: bool) -> Any:
-    """A :class:`.setups.QSetup` build function: (model, inner optimizer, lr) -> (model, optimizer, accountant)."""
+def build(streaming: bool, outer_lr: float = 0.7, outer_momentum: float = 0.9) -> Any:
+    """A :class:`.setups.QSetup` build function: (model, inner optimizer, lr) -> (model, optimizer, accountant).
+
+    The outer optimiser is SGD at ``outer_lr`` with Nesterov momentum ``outer_momentum`` (0: none; lr 1 and
+    momentum 0 is plain averaging), as phalanx's setup beside it."""
     def make(model: nn.Module, opt: torch.optim.Optimizer, lr: float) -> tuple[nn.Module, Any, Any]:
         from torchft import Manager, ProcessGroupGloo
         from torchft._torchft import LighthouseServer
@@ -141,7 +145,8 @@ def build(streaming: bool) -> Any:
                           quorum_timeout=TIMEOUT, connect_timeout=TIMEOUT, checkpoint_transport=_transport(here),
                           init_sync=False)
         frags = fragments(model, STREAM_FRAGMENTS) if streaming else [model]
-        outer = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in frags]
+        outer = [torch.optim.SGD(f.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+                 for f in frags]
         if streaming:
             diloco = DiLoCo(manager, frags, opt, outer, sync_every=STREAM_H, fragment_sync_delay=STREAM_OVERLAP,
                             fragment_update_alpha=STREAM_MIXING)
@@ -152,4 +157,4 @@ def build(streaming: bool) -> Any:
     return make
 
 
-__all__ = ["NAMES", "TorchftAccountant", "build", "fragments", "missing"]
+__all__ = ["NAMES", "PEERS", "TorchftAccountant", "build", "fragments", "missing"]
