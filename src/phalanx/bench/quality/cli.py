@@ -312,8 +312,9 @@ def reanalyse(path: str, target_text: str, out: str) -> int:
             with open(one) as f:
                 payloads.append(json.load(f))
         except (OSError, ValueError) as err:
-            raise ConfigError(usage(f"--from-json {one!r} ({type(err).__name__}: {err})",
-                                    "the quality.json a run wrote", "Pass OUT/quality.json of an earlier run.")) from None
+            what = f"--from-json {one!r} ({type(err).__name__}: {err})"
+            raise ConfigError(usage(what, "the quality.json a run wrote",
+                                    "Pass OUT/quality.json of an earlier run.")) from None
         if not isinstance(payloads[-1], dict) or "raw" not in payloads[-1] or "tasks" not in payloads[-1]:
             raise ConfigError(usage(f"--from-json {one!r}", "the quality.json a run wrote (with 'tasks' and 'raw')",
                                     "Pass OUT/quality.json of an earlier run."))
