@@ -2,7 +2,8 @@
 
 Two workers started as `phalanx run --profile DIR` starts them (PHALANX_PROFILE) train while
 `phalanx bench`'s StepProbe times the same steps: the trace's named phalanx spans add up to
-the probe's step time within 10%, and rank 0's merged trace holds one row per rank.
+the probe's step time within 10% (the median step of the window), and rank 0's merged trace
+holds one row per rank.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from support.procs import run_workers
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory) -> tuple[list[dict], str]:
     out = tmp_path_factory.mktemp("timeline")
-    # 512 wide, batch 32: a step of a few milliseconds, so a gap of the loop's own code stays far below 10%
+    # 1024 wide, batch 32: a step of ~15 ms, so a gap of the loop's own code stays far below 10%
     run = run_workers("workers.profiling:timeline", world_size=2, timeout=240, env={"PHALANX_PROFILE": str(out)},
-                      width=512)
+                      width=1024)
     return run.results, str(out)
 
 
@@ -34,8 +35,10 @@ def test_named_spans_add_up_to_the_measured_step_time(profiled):
     for r in results:
         assert {"phalanx/data wait", "phalanx/forward+backward", "phalanx/optimizer step", "phalanx/clock sync",
                 "phalanx/bucket"} <= set(r["names"]), r["names"]
-        total = sum(r["spans"].values())
-        assert abs(total - r["step_s"]) <= 0.10 * r["step_s"], (total, r["step_s"], r["spans"], r["probe"])
+        # per step, judged by the median: one step of three descheduled in the loop's own code (a loaded CI
+        # machine) must not fail a check of what the spans cover
+        gaps = sorted(abs(spans - step) / step for spans, step in zip(r["per_step"], r["step_s"]))
+        assert gaps[len(gaps) // 2] <= 0.10, (r["per_step"], r["step_s"], r["spans"], r["probe"])
 
 
 @pytest.mark.multiproc

@@ -39,10 +39,14 @@ def timeline(width: int) -> dict[str, Any]:
     mine = json.load(open(os.path.join(directory, f"rank{px.rank()}.json")))
     events = [e for e in mine["traceEvents"] if e.get("ph") == "X" and e.get("pid") == os.getpid()]
     spans: dict[str, float] = {}
+    per_step = [0.0] * STEPS  # a step's spans: those that begin before its optimizer step ends
+    ends = sorted(e["ts"] + e["dur"] for e in events if e["name"] == "phalanx/optimizer step")[-STEPS:]
     for e in events:
         if e["name"] in TOP_LEVEL:
             spans[e["name"]] = spans.get(e["name"], 0.0) + e["dur"] / 1e6
-    out = {"spans": spans, "step_s": sum(r["step_s"] for r in window), "probe": window,
+            k = min(sum(end <= e["ts"] for end in ends), STEPS - 1)  # the window's closing barrier: its last step
+            per_step[k] += e["dur"] / 1e6
+    out = {"spans": spans, "per_step": per_step, "step_s": [r["step_s"] for r in window], "probe": window,
            "names": sorted({e["name"] for e in events if e["name"].startswith("phalanx/")})}
     px.shutdown()
     return out
