@@ -120,6 +120,24 @@ def test_one_process_streaming_with_one_fragment_and_no_overlap_is_diloco():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("make", [lambda: px.DiLoCo(every=3),
+                                  lambda: px.StreamingDiLoCo(every=3, fragments=2, overlap=1)], ids=["diloco", "sd"])
+def test_finish_after_a_partial_round_is_the_replicas_mean_not_an_outer_step(make):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    strategy = make()
+    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=strategy)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(11):  # 2 local steps since the last round: a Nesterov step would move them
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(5, 4, generator=g)), torch.randn(5, 2, generator=g)).backward()
+        opt.step()
+    before = [p.detach().clone() for p in net.parameters()]
+    strategy.finish()
+    for a, b in zip(net.parameters(), before, strict=True):  # the mean of one replica is that replica
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=1e-7)
+
+
 def test_the_registered_name_wraps_and_trains_in_a_group_of_one():
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.05), strategy="streaming-diloco")
@@ -192,6 +210,16 @@ def test_one_fragment_without_overlap_is_diloco_bit_for_bit(results):
             for a, b in zip(rank["diloco"][key], rank["streaming1"][key], strict=True):
                 assert torch.equal(a, b)
         assert rank["diloco"]["bytes_per_step"] == rank["streaming1"]["bytes_per_step"]
+
+
+@pytest.mark.multiproc
+def test_finish_leaves_every_rank_on_the_mean_of_the_replicas(results):
+    r0, r1 = results  # 8 steps of DiLoCo(every=3): two local steps after the last round
+    for key in ("diloco", "streaming1"):
+        for a, b, mine, theirs in zip(r0[key]["params"], r1[key]["params"], r0[key]["before_finish"],
+                                      r1[key]["before_finish"], strict=True):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, (mine + theirs) / 2, rtol=0, atol=1e-6)
 
 
 @pytest.mark.multiproc

@@ -48,6 +48,21 @@ class OuterStep(Exchange):
 
     @torch.no_grad()
     def exchange(self, params: list[nn.Parameter], comm: Comm, step: int) -> None:
+        for a, buf, d, p in zip(self.anchor, self.buffers, self._mean_delta(params, comm), params, strict=True):
+            if self.momentum:  # torch.optim.SGD's rule, dampening 0
+                buf.mul_(self.momentum).add_(d)
+                d = d.add(buf, alpha=self.momentum) if self.nesterov else buf
+            a.sub_(d, alpha=self.lr)
+            p.copy_(a)
+
+    @torch.no_grad()
+    def average(self, params: list[nn.Parameter], comm: Comm) -> None:
+        """Every replica and the anchor become the replicas' (share-weighted) mean; the outer momentum stays."""
+        for a, d, p in zip(self.anchor, self._mean_delta(params, comm), params, strict=True):
+            a.sub_(d)
+            p.copy_(a)
+
+    def _mean_delta(self, params: list[nn.Parameter], comm: Comm) -> list[torch.Tensor]:
         delta = [a - p.to(a.dtype) for a, p in zip(self.anchor, params, strict=True)]  # the pseudo-gradient
         # Each replica's pseudo-gradient counts by its share of the round's samples (outer_lr 1 and no momentum
         # is LocalSGD, whose average weights the same way); equal shares give the plain mean.
@@ -61,12 +76,7 @@ class OuterStep(Exchange):
             self.compression.average_(delta, comm, key="pseudo")
         else:
             share_weighted_mean_(delta, comm, share)
-        for a, buf, d, p in zip(self.anchor, self.buffers, delta, params, strict=True):
-            if self.momentum:  # torch.optim.SGD's rule, dampening 0
-                buf.mul_(self.momentum).add_(d)
-                d = d.add(buf, alpha=self.momentum) if self.nesterov else buf
-            a.sub_(d, alpha=self.lr)
-            p.copy_(a)
+        return delta
 
     def state_dict(self) -> dict[str, Any]:
         return {"anchor": [a.clone() for a in self.anchor], "momentum": [b.clone() for b in self.buffers]}
@@ -89,6 +99,9 @@ class DiLoCo(Periodic):
     The anchor and the outer momentum are identical on every worker, live in
     ``state_dict``, and are kept in fp32 for fp16/bf16 models.
     ``DiLoCo(every=k, outer_lr=1, outer_momentum=0)`` is ``LocalSGD(every=k)``.
+    :meth:`finish` after a partial round leaves every replica on the replicas' mean, not on an
+    outer step: Nesterov's look-ahead would add 0.81x the last round's momentum to a
+    pseudo-gradient of a few steps, and overshoot (docs/strategies.md).
     """
 
     name = "diloco"
@@ -107,6 +120,12 @@ class DiLoCo(Periodic):
     def after_step(self, step: int, taken: bool) -> None:
         self.exchange.share += self.clock.step_weight  # a skipped step still held its samples
         super().after_step(step, taken)
+
+    def reconcile(self) -> None:
+        """A partial round since the last outer step: every replica takes the replicas' mean (see the class)."""
+        if self.steps and not self.sync(self.steps):
+            self.exchange.average(self.params, self.comm)
+            self.running_stats.average_(self.comm)
 
     def replica_state_dict(self) -> dict[str, Any]:
         return {**super().replica_state_dict(), "share": self.exchange.share}

@@ -189,8 +189,11 @@ class StreamingDiLoCo(Strategy):
         return True
 
     def reconcile(self) -> None:
-        """Apply what is in flight, then one last synchronous outer step for every fragment whose replicas differ
-        (local steps, or a mix, since the anchor was last copied into it): every replica ends on the anchors."""
+        """Apply what is in flight, then every fragment whose replicas differ (local steps, or a mix, since the
+        anchor was last copied into it) takes the replicas' mean: every replica ends on the anchors.
+
+        The mean, not an outer step: Nesterov's look-ahead would add 0.81x the last outer momentum to a
+        pseudo-gradient of a few steps and overshoot (as :class:`phalanx.DiLoCo`)."""
         self._resend()
         for f in self.fragments:
             if f.sent_at >= 0:  # sent at the last step: no local step to keep, the anchor replaces the replica
@@ -198,7 +201,7 @@ class StreamingDiLoCo(Strategy):
         for f in self.fragments:
             if self.steps and f.synced_at != self.steps:  # the same on every rank: shared state
                 self._send(f, self.steps)
-                self._apply(f, mixing=0.0)
+                self._apply(f, mixing=0.0, outer=False)
 
     # -- one fragment's exchange -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -256,15 +259,19 @@ class StreamingDiLoCo(Strategy):
         return torch.zeros(f.numel + 1, dtype=f.anchor[0].dtype, device=f.anchor[0].device)
 
     @torch.no_grad()
-    def _apply(self, f: Fragment, mixing: float | None = None) -> None:
-        """The average has landed: the outer step on the anchor, then mix it into the worker's fragment."""
+    def _apply(self, f: Fragment, mixing: float | None = None, outer: bool = True) -> None:
+        """The average has landed: the outer step on the anchor (``outer=False``: the anchor becomes the mean),
+        then mix it into the worker's fragment."""
         delta = f.result if f.result is not None else self._wait(f)
         alpha = self.mixing if mixing is None else mixing
         for a, buf, d, p in zip(f.anchor, f.momentum, delta, f.params, strict=True):
-            if self.outer_momentum:  # torch.optim.SGD's rule, dampening 0 (as px.DiLoCo)
-                buf.mul_(self.outer_momentum).add_(d)
-                d = d.add(buf, alpha=self.outer_momentum) if self.nesterov else buf
-            a.sub_(d, alpha=self.outer_lr)
+            if not outer:
+                a.sub_(d)
+            else:
+                if self.outer_momentum:  # torch.optim.SGD's rule, dampening 0 (as px.DiLoCo)
+                    buf.mul_(self.outer_momentum).add_(d)
+                    d = d.add(buf, alpha=self.outer_momentum) if self.nesterov else buf
+                a.sub_(d, alpha=self.outer_lr)
             if alpha == 0:
                 p.copy_(a)
             else:
