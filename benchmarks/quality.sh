@@ -8,9 +8,9 @@
 #     OUT/resnet20   ResNet-20: DDP, DiLoCo, Streaming DiLoCo 4-bit, torchft's Streaming DiLoCo on 100 Mbit/s; the
 #                    two Streaming DiLoCo setups on 10 Mbit/s (DDP's step there is ~3x its compute, so it is left
 #                    out); DDP on 1 Gbit/s. About 33 minutes.
-#     OUT/gpt-large  the 4.8M-parameter GPT, 4 sequences a worker: DDP and the two Streaming DiLoCo setups on
-#                    100 Mbit/s, phalanx's Streaming DiLoCo alone on 10 Mbit/s (a DDP step there is ~15 s), DDP on
-#                    1 Gbit/s. About 33 minutes (an evaluation of this model costs ~1.5 s).
+#     OUT/gpt-large  the 4.8M-parameter GPT, 4 sequences a worker, 360 steps: DDP and both providers' Streaming
+#                    DiLoCo -avg on 100 Mbit/s, phalanx's alone on 10 Mbit/s (a DDP step there is ~15 s), DDP on
+#                    1 Gbit/s. About 42 minutes (an evaluation of this model costs ~1.5 s).
 # Each part stays inside the 45-minute budget of one benchmark run; the slow link gets fewer setups (above).
 # A part measured in two invocations (its links) is merged into OUT/PART by --from-json.
 # torchft's setups run when this python can import torchft (benchmarks/torchft/setup.sh, then
@@ -54,8 +54,8 @@ for part in $PARTS; do
       merge resnet20 ;;
     gpt-large)
       $Q --tasks gpt-large --evals 16 --link 100mbit,1gbit --fast-setups ddp \
-        --setups "ddp,streaming-diloco-4bit$TFT" --out "$OUT/gpt-large/fast" ${EXTRA:-}
-      $Q --tasks gpt-large --evals 16 --link 10mbit --setups "streaming-diloco-4bit" \
+        --setups "ddp,streaming-diloco-4bit-avg$TFT_AVG" --out "$OUT/gpt-large/fast" ${EXTRA:-}
+      $Q --tasks gpt-large --evals 16 --link 10mbit --setups "streaming-diloco-4bit-avg" \
         --out "$OUT/gpt-large/slow" ${EXTRA:-}
       merge gpt-large ;;
     *) echo "benchmarks/quality.sh: part '$part'; expected gpt, resnet20 or gpt-large" >&2; exit 2 ;;

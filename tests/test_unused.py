@@ -11,7 +11,7 @@ import pytest
 
 from support.procs import run_workers
 
-NAMES = ["allreduce", "topk1", "powersgd", "local-warmup", "ps-sync", "downpour"]
+NAMES = ["allreduce", "topk1", "powersgd", "int8", "local-warmup", "ps-sync", "downpour"]
 
 
 @pytest.fixture(scope="module")
@@ -33,5 +33,7 @@ def test_a_parameter_reached_by_some_ranks_or_none_moves_as_in_one_process(runs,
             # since a push leaves out a parameter that had no gradient (the servers' momentum and weight decay
             # would move it otherwise, and every pull would bring that back)
             continue
+        # int8 buckets sent in backward: within the rounding of 6 steps (a level is max|block| / 254)
+        tolerance = 2e-3 if name == "int8" else 1e-6
         for key in ("branch.weight", "branch.bias", "body.weight", "body.bias"):
-            assert (got["params"][key] - oracle["params"][key]).abs().max().item() <= 1e-6, key
+            assert (got["params"][key] - oracle["params"][key]).abs().max().item() <= tolerance, key

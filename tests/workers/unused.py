@@ -72,6 +72,7 @@ STRATEGIES: dict[str, Callable[[], px.Strategy]] = {
     "allreduce": px.AllReduce,
     "topk1": lambda: px.AllReduce(compression=px.TopK(1.0)),
     "powersgd": lambda: px.AllReduce(compression=px.PowerSGD(rank=1)),
+    "int8": lambda: px.AllReduce(compression=px.Quantize(8, block=16)),
     "local-warmup": lambda: px.LocalSGD(every=4, warmup_steps=10**6),
     "ps-sync": lambda: px.ParameterServer(sync=True, servers="colocated"),
     "downpour": lambda: px.Downpour(servers="colocated"),

@@ -6,13 +6,15 @@ We reuse PyTorch's C++ DDP reducer, which overlaps bucketed all-reduce with the
 backward pass (Li et al. 2020), and choose its bucket size from the model instead
 of DDP's fixed 25 MB.
 
-With a compressor the gradients are averaged once per step, at the end of
-``backward()``, in one batched exchange over the whole model
-(``compressor.average_``) rather than through a DDP comm hook per bucket: PowerSGD
-then costs two collectives per step instead of two per bucket, the residuals and
-warm-start matrices are keyed by parameter (DDP rebuilds its buckets after the
-first step, which would scramble bucket-keyed state). The price is no overlap with
-backward, which matters little on the slow links compression is for.
+With ``px.Quantize`` (int8 or 4-bit) each bucket is quantised and sent as soon as its
+gradients are ready, overlapping backward as the uncompressed buckets do
+(:class:`~phalanx.strategies.overlap.OverlappedMean`): on a slow link the exchange of the
+early buckets hides behind the rest of backward. Other compressors average the gradients
+once per step, at the end of ``backward()``, in one batched exchange over the whole model
+(``compressor.average_``) rather than through a DDP comm hook per bucket: PowerSGD then
+costs two collectives per step instead of two per bucket, and its warm-start matrices are
+keyed by parameter (DDP rebuilds its buckets after the first step, which would scramble
+bucket-keyed state); those exchanges do not overlap backward.
 
 Where DDP's reducer cannot act (under ``phalanx run --elastic``, where a joiner attaches
 alone; a Keras model, whose ``train_step`` calls the model itself) the uncompressed
@@ -45,6 +47,7 @@ from .. import check
 from .base import Strategy
 from .gradients import average_gradients_
 from .overlap import OverlappedMean
+from ..quantize import Quantize
 
 
 def fitted_bucket_mb(model: nn.Module, buckets: int = 4, floor_mb: float = 1.0, cap_mb: float = 25.0) -> float:
@@ -94,14 +97,15 @@ class AllReduce(Strategy):
             return model  # HSDP: FSDP's reduce-scatter (and all-reduce across replica groups) averages; an elastic
             # joiner's model is sharded when it enters
         elastic = group.current().elastic  # a joiner attaches alone: it needs the hooks once the group grows
-        if self.compression is not None or (self.comm.world_size == 1 and not elastic):
+        quantised = isinstance(self.compression, Quantize)  # an asynchronous exchange: sent bucket by bucket
+        if (self.compression is not None and not quantised) or (self.comm.world_size == 1 and not elastic):
             return model  # a group of one is plain PyTorch, bit for bit; compression runs in after_backward
         bucket_bytes = int((self.bucket_mb or fitted_bucket_mb(model)) * 2**20)
-        if not wrapper or elastic:
+        if not wrapper or elastic or quantised:
             # Elastic: the group may be rebuilt with joiners that attached alone, and a DDP reducer would keep
             # the old group's buckets; the hooks follow the default group wherever it goes.
             self._overlap = OverlappedMean(self.params, self.comm, bucket_bytes=bucket_bytes,
-                                           syncing=self.clock.syncing)
+                                           syncing=self.clock.syncing, compression=self.compression)
             return model
         device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_bytes / 2**20,
@@ -153,11 +157,13 @@ class AllReduce(Strategy):
             self._overlap.finish()
         elif self.compression is not None and self.comm.world_size > 1:  # alone, nothing to send: plain torch
             average_gradients_(self.params, self.comm, self.compression)
-            if not bool(torch.stack([torch.isfinite(p.grad).all() for p in self.params
-                                     if p.grad is not None]).all()):  # one sync
-                # inf/nan reached the average (AMP overflow on some rank): the same on every rank, so every
-                # GradScaler skips this step; the residuals and warm starts hold it too, and are dropped.
-                self.compression.reset()
+        else:
+            return
+        if self.compression is not None and self.comm.world_size > 1 and not bool(torch.stack(
+                [torch.isfinite(p.grad).all() for p in self.params if p.grad is not None]).all()):  # one sync
+            # inf/nan reached the average (AMP overflow on some rank): the same on every rank, so every
+            # GradScaler skips this step; the residuals and warm starts hold it too, and are dropped.
+            self.compression.reset()
 
     def regroup(self) -> None:
         """The group was rebuilt (phalanx.elastic): nothing sent on the old group is awaited any more.

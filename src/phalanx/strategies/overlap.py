@@ -26,6 +26,12 @@ attaches alone) this does the same from public hooks:
   bucket carries one flag per parameter for this), so momentum and weight decay skip
   it there too.
 
+With ``compression=px.Quantize(...)`` each full bucket's gradients are quantised and their
+all-gather started at once, as the uncompressed buckets are (DDP runs its compression hooks per
+bucket the same way); the 0/1 flags are summed exactly in one small all-reduce at the end of
+backward, since a quantised flag beside large gradients could round to zero. Error feedback
+keeps one residual per bucket.
+
 Under ``px.no_sync(model)`` the hooks do nothing: only the pass that ends the step
 communicates. A failed collective is kept and raised by :meth:`finish` as a
 ``WorkerLostError`` naming the lost rank.
@@ -50,6 +56,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..comm import Comm, guarded
+from ..quantize import Pending, Quantize
+from ..spans import span
 
 
 class Bucket:
@@ -68,11 +76,11 @@ class Bucket:
         for p in params:
             offsets.append(offsets[-1] + p.numel())
         self.slots = [self.flat[a:b].view(p.shape) for p, a, b in zip(params, offsets, offsets[1:], strict=False)]
-        self.had_grad = self.flat[n:]
+        self.grads, self.had_grad = self.flat[:n], self.flat[n:]
         self.reached = [0.0] * len(params)  # this pass's flags, written into had_grad in one op when sent
         self.ready = [False] * len(params)
         self.waiting = len(params)  # parameters whose gradient has not arrived in this pass
-        self.future: torch.futures.Future | None = None
+        self.future: torch.futures.Future | Pending | None = None  # Pending: a quantised exchange
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
@@ -127,11 +135,13 @@ class OverlappedMean:
             rebuild, the new one: call :meth:`regroup`).
         bucket_bytes: the bucket size.
         syncing: False while gradients only accumulate (``px.no_sync``): the hooks then do nothing.
+        compression: None (float all-reduce) or a :class:`~phalanx.quantize.Quantize`, whose
+            exchange is asynchronous (see the module docstring).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], comm: Comm, *, bucket_bytes: int,
-                 syncing: Callable[[], bool] = lambda: True) -> None:
-        self.comm, self.syncing = comm, syncing
+                 syncing: Callable[[], bool] = lambda: True, compression: Quantize | None = None) -> None:
+        self.comm, self.syncing, self.compression = comm, syncing, compression
         self.buckets = plan_buckets([p for p in params if p.requires_grad], bucket_bytes)
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
@@ -146,7 +156,7 @@ class OverlappedMean:
         bucket, i = self._where[id(param)]
         if bucket.ready[i]:  # twice in one pass cannot happen; a pass whose finish() never ran is reset by regroup()
             return
-        bucket.take(i, param.grad, 1.0 / self.comm.world_size)
+        bucket.take(i, param.grad, self._scale())
         if bucket.waiting == 0:
             buckets = self.buckets
             while self._sent < len(buckets) and buckets[self._sent].waiting == 0:
@@ -160,7 +170,12 @@ class OverlappedMean:
         if self.comm.world_size == 1:
             return
         try:
-            bucket.future = self.comm.all_reduce_async(bucket.flat)
+            if self.compression is None:
+                bucket.future = self.comm.all_reduce_async(bucket.flat)
+            else:
+                with span("phalanx/bucket"):  # buckets are sent in index order: _sent names this one
+                    bucket.future = self.compression.start_mean([bucket.grads], self.comm,
+                                                                key=f"bucket{self._sent - 1}")
         except RuntimeError as err:  # raised here it would leave backward as a bare error; finish() names the rank
             self.error = err
 
@@ -170,16 +185,12 @@ class OverlappedMean:
             for bucket in self.buckets[self._sent:]:
                 for i, p in enumerate(bucket.params):
                     if not bucket.ready[i]:  # no gradient in this pass: what it holds (accumulated), or zeros
-                        bucket.take(i, p.grad, 1.0 / self.comm.world_size)
+                        bucket.take(i, p.grad, self._scale())
                 self._send(bucket)
-            start = time.perf_counter()
-            with guarded("the gradient all-reduce in backward"):
-                if self.error is not None:
-                    raise self.error
-                for bucket in self.buckets:
-                    if bucket.future is not None:
-                        bucket.future.wait()
-            self.comm.stats.seconds += time.perf_counter() - start  # the communication backward did not hide
+            if self.compression is None:
+                self._wait_sums()
+            else:
+                self._wait_quantised()
             for bucket in self.buckets:
                 reached = bucket.had_grad.tolist()
                 for p, slot, somewhere in zip(bucket.params, bucket.slots, reached, strict=True):
@@ -187,6 +198,30 @@ class OverlappedMean:
                         _set_grad(p, slot)
         finally:
             self.regroup()
+
+    def _scale(self) -> float:
+        # the float buckets are summed, so each rank sends its part of the mean; a quantised exchange is a mean
+        return 1.0 / self.comm.world_size if self.compression is None else 1.0
+
+    def _wait_sums(self) -> None:
+        start = time.perf_counter()
+        with guarded("the gradient all-reduce in backward"):
+            if self.error is not None:
+                raise self.error
+            for bucket in self.buckets:
+                if bucket.future is not None:
+                    bucket.future.wait()
+        self.comm.stats.seconds += time.perf_counter() - start  # the communication backward did not hide
+
+    def _wait_quantised(self) -> None:
+        with guarded("the quantised gradient exchange in backward"):
+            if self.error is not None:
+                raise self.error
+        for bucket in self.buckets:  # Pending.wait and all_reduce_ time themselves
+            if bucket.future is not None:
+                bucket.grads.copy_(bucket.future.wait())
+        flags = [b.had_grad for b in self.buckets]
+        self.comm.all_reduce_(flags, op="sum")  # exact: which parameters some rank reached
 
     def regroup(self) -> None:
         """Forget this pass (after a failure, or once the elastic group was rebuilt): nothing old is awaited."""

@@ -156,6 +156,14 @@ def _make() -> dict[str, QSetup]:
         QSetup("fp16", "phalanx", _phalanx(lambda lr: px.AllReduce(compression=px.FP16()))),
         QSetup("powersgd", "phalanx", _phalanx(lambda lr: px.AllReduce(compression=px.PowerSGD(rank=4)))),
         QSetup("topk", "phalanx", _phalanx(lambda lr: px.AllReduce(compression=px.TopK(0.01)))),
+        QSetup("allreduce-int8", "phalanx", _phalanx(lambda lr: px.AllReduce(compression=px.Quantize(
+            8, block=STREAM_BLOCK))), lr_of="ddp",
+               note=f"gradients as int8 with a float32 scale per {STREAM_BLOCK}, each bucket all-gathered as "
+                    "backward produces it; at DDP's lr"),
+        QSetup("allreduce-4bit", "phalanx", _phalanx(lambda lr: px.AllReduce(compression=px.Quantize(
+            4, block=STREAM_BLOCK, error_feedback=True))), lr_of="ddp",
+               note=f"gradients as packed 4-bit values with a float32 scale per {STREAM_BLOCK} and error "
+                    "feedback, each bucket all-gathered as backward produces it; at DDP's lr"),
         QSetup("local-sgd", "phalanx", _phalanx(lambda lr: px.LocalSGD(every=LOCAL_EVERY))),
         QSetup("post-local-sgd", "phalanx",
                _phalanx(lambda lr: px.LocalSGD(every=LOCAL_EVERY, warmup_steps=WARMUP))),
