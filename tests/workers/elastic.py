@@ -47,6 +47,7 @@ STRATEGIES = {
     "allreduce": lambda: px.AllReduce(),
     "fp16": lambda: px.AllReduce(compression=px.FP16()),
     "powersgd": lambda: px.AllReduce(compression=px.PowerSGD(rank=1)),
+    "int8": lambda: px.AllReduce(compression=px.Quantize(8, block=16, error_feedback=True)),
     "local-sgd": lambda: px.LocalSGD(every=2),
     "diloco": lambda: px.DiLoCo(every=2),
     "easgd": lambda: px.EASGD(every=2),

@@ -214,14 +214,13 @@ class OverlappedMean:
         self.comm.stats.seconds += time.perf_counter() - start  # the communication backward did not hide
 
     def _wait_quantised(self) -> None:
-        with guarded("the quantised gradient exchange in backward"):
+        with guarded("the quantised gradient exchange in backward"):  # names a lost rank (WorkerLostError)
             if self.error is not None:
                 raise self.error
-        for bucket in self.buckets:  # Pending.wait and all_reduce_ time themselves
-            if bucket.future is not None:
-                bucket.grads.copy_(bucket.future.wait())
-        flags = [b.had_grad for b in self.buckets]
-        self.comm.all_reduce_(flags, op="sum")  # exact: which parameters some rank reached
+            for bucket in self.buckets:  # Pending.wait and all_reduce_ time themselves
+                if bucket.future is not None:
+                    bucket.grads.copy_(bucket.future.wait())
+            self.comm.all_reduce_([b.had_grad for b in self.buckets], op="sum")  # exact: which some rank reached
 
     def regroup(self) -> None:
         """Forget this pass (after a failure, or once the elastic group was rebuilt): nothing old is awaited."""
