@@ -10,8 +10,9 @@
 #                    out); DDP on 1 Gbit/s. About 33 minutes.
 #     OUT/gpt-large  the 4.8M-parameter GPT, 4 sequences a worker, 360 steps: DDP and both providers' Streaming
 #                    DiLoCo -avg on 100 Mbit/s, phalanx's alone on 10 Mbit/s (a DDP step there is ~15 s), DDP on
-#                    1 Gbit/s. About 42 minutes (an evaluation of this model costs ~1.5 s).
-# Each part stays inside the 45-minute budget of one benchmark run; the slow link gets fewer setups (above).
+#                    1 Gbit/s. About 46 minutes, 37 without torchft (an evaluation of this model costs ~1.5 s).
+# Each part stays inside the 45-minute budget of one benchmark run (gpt-large with torchft: 46 minutes); the slow
+# link gets fewer setups (above).
 # A part measured in two invocations (its links) is merged into OUT/PART by --from-json.
 # torchft's setups run when this python can import torchft (benchmarks/torchft/setup.sh, then
 # PY=benchmarks/torchft/.venv-torchft/bin/python benchmarks/quality.sh OUT); otherwise they are left out.

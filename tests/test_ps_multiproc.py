@@ -58,7 +58,10 @@ def test_killing_one_of_3_downpour_workers_leaves_the_others_to_finish_a_valid_m
     assert run.results[1] is None  # killed at step 5
     for rank in (0, 2):
         result = run.results[rank]
-        assert result["finite"] and result["acc"] >= 0.9, result["acc"]
+        # Asynchronous SGD's result depends on how the pushes interleave: 6 runs on this machine (idle and loaded)
+        # ended between 0.80 and 0.98 (chance is 0.10), so the bar is "trained", not a quality figure; the
+        # no-kill test above holds Downpour to 0.93.
+        assert result["finite"] and result["acc"] >= 0.7, result["acc"]
     assert alive == [True]  # the server never noticed
 
 

@@ -9,7 +9,7 @@ with Adagrad on the servers (Dean et al.), its lr swept from the SGD base.
 
 Example:
     >>> sorted(SETUPS)[:3], SETUPS["diloco"].optim
-    (['allreduce', 'ddp', 'ddp-fp16'], 'adamw')
+    (['allreduce', 'allreduce-4bit', 'allreduce-int8'], 'adamw')
 """
 from __future__ import annotations
 
