@@ -35,7 +35,7 @@ FAST_BITS = 1e9
 # On links slower than SLOW_BITS (10 Mbit/s) a step of DDP on the GPT costs seconds: only DDP (the reference whose
 # miss gives a lower bound), the best low-communication setups of the 100 Mbit/s runs and Streaming DiLoCo run.
 SLOW_SETUPS = ("ddp", "diloco", "streaming-diloco-4bit", "torchft-streaming-diloco",  # torchft: only when importable
-               "streaming-diloco-4bit-avg", "torchft-streaming-diloco-avg")
+               "streaming-diloco-4bit-avg", "streaming-diloco-4bit-avg-h64", "torchft-streaming-diloco-avg")
 SLOW_BITS = 50e6
 LRS_PATH = os.path.join(os.path.dirname(__file__), "lrs.json")
 

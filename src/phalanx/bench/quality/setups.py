@@ -33,6 +33,9 @@ WARMUP, LOCAL_EVERY, DILOCO_EVERY = 50, 16, 50
 STREAM_FRAGMENTS, STREAM_OVERLAP = 4, 5
 # 4-bit values with one float32 scale per 256: 0.516 bytes a value (per 128: 0.531, 3% more on the wire)
 STREAM_BLOCK = 256
+# At H the exchange sends 0.516 bytes a value once per H steps where DDP sends 4 every step: 4 H / 0.516 fewer
+# bytes, 388x at H = 50. H = 64 (a fragment every 16 steps) is 496x: room above 400x for the headers on the wire.
+STREAM_EVERY_SPARSE = 64
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,13 @@ def _make() -> dict[str, QSetup]:
                optim="adamw", lr_of="streaming-diloco-4bit",
                note="as streaming-diloco-4bit with plain averaging as the outer step (outer lr 1, no momentum): "
                     "a short run takes few outer steps per fragment (3-4 in the GPT's 180), too few for momentum"),
+        QSetup("streaming-diloco-4bit-avg-h64", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
+            every=STREAM_EVERY_SPARSE, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP,
+            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0)),
+               optim="adamw", lr_of="streaming-diloco-4bit",
+               note=f"as streaming-diloco-4bit-avg with H={STREAM_EVERY_SPARSE} (a fragment every "
+                    f"{STREAM_EVERY_SPARSE // STREAM_FRAGMENTS} steps): 4 x {STREAM_EVERY_SPARSE} / 0.516 = "
+                    f"{4 * STREAM_EVERY_SPARSE / (0.5 + 4 / STREAM_BLOCK):.0f}x fewer bytes than DDP by arithmetic"),
         QSetup("torchft-diloco", "torchft", torchft_peer.build(streaming=False), optim="adamw",
                note=f"torchft 0.2.0 DiLoCo, H={torchft_peer.H}, AdamW inner, Nesterov outer lr 0.7 momentum 0.9; "
                     "lighthouse in rank 0's namespace (bench/quality/torchft_peer.py)"),
