@@ -2,17 +2,19 @@
 # Time to quality on slow links (docs/performance.md §7). Run as root (the shaped links are network namespaces +
 # veth + tc tbf) on an otherwise idle machine:
 #   benchmarks/quality.sh [OUT] [PART ...]      PART: gpt, resnet20, gpt-large (default: all three, in that order)
-#     OUT/gpt        the GPT: DDP, DDP+PowerSGD, Streaming DiLoCo 4-bit and torchft's DiLoCo / Streaming DiLoCo on
-#                    100 Mbit/s; DDP and the Streaming DiLoCo setups on 10 Mbit/s; DDP on 1 Gbit/s (the bound). Both
-#                    providers' Streaming DiLoCo also with plain averaging as the outer step (-avg). About 32 minutes.
+#     OUT/gpt        the GPT: DDP, DDP+PowerSGD, Streaming DiLoCo 4-bit (the paper's H = 50 and Nesterov; and H = 64
+#                    with plain averaging as the outer step, -avg-h64) and torchft's DiLoCo / Streaming DiLoCo (also
+#                    -avg) on 100 Mbit/s; DDP and the Streaming DiLoCo setups on 10 Mbit/s; DDP on 1 Gbit/s (the
+#                    bound). About 32 minutes.
 #     OUT/resnet20   ResNet-20: DDP, DiLoCo, Streaming DiLoCo 4-bit, torchft's Streaming DiLoCo on 100 Mbit/s; the
 #                    two Streaming DiLoCo setups on 10 Mbit/s (DDP's step there is ~3x its compute, so it is left
 #                    out); DDP on 1 Gbit/s. About 33 minutes.
-#     OUT/gpt-large  the 4.8M-parameter GPT, 4 sequences a worker, 360 steps: DDP and both providers' Streaming
-#                    DiLoCo -avg on 100 Mbit/s, phalanx's alone on 10 Mbit/s (a DDP step there is ~15 s), DDP on
-#                    1 Gbit/s. About 46 minutes, 37 without torchft (an evaluation of this model costs ~1.5 s).
-# Each part stays inside the 45-minute budget of one benchmark run (gpt-large with torchft: 46 minutes); the slow
-# link gets fewer setups (above).
+#     OUT/gpt-large  the 4.8M-parameter GPT, 4 sequences a worker, 360 steps: DDP and phalanx's Streaming DiLoCo
+#                    -avg-h64 on 100 Mbit/s; it and torchft's -avg on 10 Mbit/s, where torchft's float32 fragments
+#                    no longer hide behind 5 inner steps (a DDP step there is ~15 s); DDP on 1 Gbit/s. About 46
+#                    minutes, 37 without torchft (an evaluation of this model costs ~1.5 s).
+# Each part stays inside the 45-minute budget of one benchmark run (gpt-large with torchft: about 46 minutes); the
+# slow link gets fewer setups (above).
 # A part measured in two invocations (its links) is merged into OUT/PART by --from-json.
 # torchft's setups run when this python can import torchft (benchmarks/torchft/setup.sh, then
 # PY=benchmarks/torchft/.venv-torchft/bin/python benchmarks/quality.sh OUT); otherwise they are left out.
@@ -45,7 +47,7 @@ for part in $PARTS; do
   case $part in
     gpt)
       $Q --tasks gpt --evals 24 --link 10mbit,100mbit,1gbit --fast-setups ddp \
-        --setups "ddp,ddp-powersgd,streaming-diloco-4bit,streaming-diloco-4bit-avg$TFT_DILOCO$TFT$TFT_AVG" \
+        --setups "ddp,ddp-powersgd,streaming-diloco-4bit,streaming-diloco-4bit-avg-h64$TFT_DILOCO$TFT$TFT_AVG" \
         --out "$OUT/gpt" ${EXTRA:-} ;;
     resnet20)
       $Q --tasks resnet20 --evals 16 --link 100mbit,1gbit --fast-setups ddp \
@@ -55,8 +57,8 @@ for part in $PARTS; do
       merge resnet20 ;;
     gpt-large)
       $Q --tasks gpt-large --evals 16 --link 100mbit,1gbit --fast-setups ddp \
-        --setups "ddp,streaming-diloco-4bit-avg$TFT_AVG" --out "$OUT/gpt-large/fast" ${EXTRA:-}
-      $Q --tasks gpt-large --evals 16 --link 10mbit --setups "streaming-diloco-4bit-avg" \
+        --setups "ddp,streaming-diloco-4bit-avg-h64" --out "$OUT/gpt-large/fast" ${EXTRA:-}
+      $Q --tasks gpt-large --evals 16 --link 10mbit --setups "streaming-diloco-4bit-avg-h64$TFT_AVG" \
         --out "$OUT/gpt-large/slow" ${EXTRA:-}
       merge gpt-large ;;
     *) echo "benchmarks/quality.sh: part '$part'; expected gpt, resnet20 or gpt-large" >&2; exit 2 ;;
