@@ -87,6 +87,21 @@ def test_rows_median_spread_and_a_missed_repeat_counts_as_infinitely_slow():
     assert r == pytest.approx({"median": 2.0, "low": 10 / 7, "high": 14 / 5})
 
 
+def test_every_4bit_streaming_setup_is_judged_on_bytes_against_ddp_of_its_invocation():
+    rows = curves.rows(_record("ddp", "torch", [40.0] * 3, nbytes=2.5e6)
+                       + _record("streaming-diloco-4bit", "phalanx", [5.0] * 3, nbytes=2.5e6 / 390)
+                       + _record("streaming-diloco-4bit-avg-h64", "phalanx", [5.0] * 3, nbytes=2.5e6 / 500)
+                       + _record("streaming-diloco-4bit-avg-h64", "phalanx", [None] * 3, link="10mbit",
+                                 nbytes=2.5e6 / 500), {"gpt": 2.2}, {"gpt": False})
+    got = [e for e in targets.check(rows) if e["measure"].startswith("Streaming DiLoCo + 4-bit")]
+    verdicts = {(e["measure"].rsplit(", ", 1)[1], e["who"].split(":")[0]): e["verdict"] for e in got}
+    assert verdicts == {("100mbit", "streaming-diloco-4bit"): "missed",  # 390x
+                        ("100mbit", "streaming-diloco-4bit-avg-h64"): "met",  # 500x, target reached
+                        ("10mbit", "streaming-diloco-4bit-avg-h64"): "missed"}  # 500x, never reached
+    # no DDP on the slowest link: its bytes per step are the same on any link, so the 100 Mbit/s run is the reference
+    assert "500× fewer" in got[-1]["who"] and "DDP's on 100mbit" in got[-1]["who"]
+
+
 # -- the advisor's verdicts on known rows -----------------------------------------------------------
 def test_advisor_right_wrong_and_cannot_tell():
     # compute 0.1 s/step; at 100 Mbit the old rule favours the setup that sends fewest bytes, the new one
