@@ -20,7 +20,8 @@
 # PY=benchmarks/torchft/.venv-torchft/bin/python benchmarks/quality.sh OUT); otherwise they are left out.
 # FULL=1 runs instead every setup on every link for the GPT and ResNet-20 (about 115 minutes on a day the GPT step
 # takes 150 ms). EXTRA=--dry-run prints each plan and its estimate at today's measured speed without running.
-# Each run trains for its task's budget_steps x one worker's compute step, measured when the invocation starts;
+# Each run trains for its task's budget_steps x one worker's compute step, measured when the invocation starts
+# (measured again at its end: the compute-only bound takes the mean);
 # OUT/*/quality.json is rewritten after every run, OUT/*/quality.md every 8 runs (plots at the end).
 set -uo pipefail  # a failed run is reported in its table; keep measuring the rest
 cd "$(dirname "$0")/.."

@@ -222,6 +222,9 @@ def test_smoke_run_writes_the_report(tmp_path, capsys):
     payload = json.loads((tmp_path / "quality.json").read_text())
     rows = payload["rows"]
     assert {r["setup"] for r in rows} == {"ddp", "local-sgd"} and all(r["ok"] == 1 for r in rows)
+    gpt = payload["tasks"]["gpt"]  # the compute step is measured again at the end; the bound takes the mean
+    assert gpt["compute_s_per_step"] == pytest.approx((gpt["compute_s_start"] + gpt["compute_s_end"]) / 2)
+    assert "at the start" in (tmp_path / "quality.md").read_text()
     for r in rows:
         (curve,) = r["curves"]
         assert curve[0][0] == 0.0 and curve[-1][0] > 0 and r["samples_per_s"]["median"] > 0
