@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -59,8 +59,18 @@ from . import group, preempt
 from .backward import after_backward
 from .spans import Spans, span, step_closed
 
-if TYPE_CHECKING:
-    from .strategies.base import Strategy
+class StepHooks(Protocol):
+    """What the clock calls on the rule it drives; :class:`phalanx.Strategy` is the one that implements it.
+
+    The clock depends on these four members only, so the step count sits below the strategies."""
+
+    params: list[torch.Tensor]
+
+    def weighs_gradients(self, step: int) -> bool: ...
+
+    def after_backward(self, step: int) -> None: ...
+
+    def after_step(self, step: int, taken: bool) -> None: ...
 
 
 class StepClock:
@@ -69,7 +79,7 @@ class StepClock:
     def __init__(self) -> None:
         self.step = 0          # steps closed so far, identical on every rank
         self.pending = False   # a synchronising backward ended and its step is not closed yet
-        self.strategy: Strategy | None = None
+        self.strategy: StepHooks | None = None
         self.module: nn.Module | None = None
         self.weight = 1.0      # this worker's share of the batch the next backward pass computes on
         self.step_weight = 1.0  # the weight of the step's synchronising backward pass (its share, for LocalSGD)
@@ -82,7 +92,7 @@ class StepClock:
         self._handles: list[Any] = []
         self.preemption: preempt.Preemption | None = None
 
-    def bind(self, strategy: "Strategy", model: nn.Module, module: nn.Module,
+    def bind(self, strategy: StepHooks, model: nn.Module, module: nn.Module,
              optimizer: torch.optim.Optimizer) -> None:
         """Called once by ``px.wrap``: hook the end of backward, the optimizer step and the next forward."""
         self.strategy, self.module = strategy, module
