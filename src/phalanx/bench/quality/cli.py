@@ -223,11 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = len(runs) * args.repeats
 
     def partial(records: list[dict[str, Any]]) -> None:
-        # every run: the raw records; every 8 runs: the tables (milliseconds); at the end: the plots too
+        # every run: the raw records; every 8 runs: the tables (milliseconds); after the last run, main() measures
+        # the compute step again and writes the full report with the plots
         payload.update(raw=records, finished=None if len(records) < total else
                        datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-        if len(records) % 8 == 0 or len(records) == total:
-            analyse(payload, args.out, quiet=len(records) < total, plots=len(records) == total)
+        if len(records) % 8 == 0 and len(records) < total:
+            analyse(payload, args.out, quiet=True, plots=False)
         else:
             write_json(os.path.join(args.out, "quality.json"), payload)
 
@@ -251,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         end = compute_seconds(t, steps=2 if args.smoke else 6)
         payload["tasks"][t].update(compute_s_start=compute[t], compute_s_end=end,
                                    compute_s_per_step=(compute[t] + end) / 2)
-    analyse(payload, args.out, quiet=True)
+    analyse(payload, args.out)
     failed = sum(1 for r in progress.records if r["error"])
     if failed:
         print(f"phalanx bench --quality: {failed} run(s) failed; see the tables", file=sys.stderr)

@@ -117,10 +117,10 @@ def _bound_targets(rows: list[dict[str, Any]], links: list[str], bounds: dict[st
         ddp_any = next((r for link in links if (r := _row(rows, task, link, "ddp"))), None)
         for link in links:
             ddp = _row(rows, task, link, "ddp") or ddp_any
+            if ddp is None:
+                continue
             for q in [r for r in rows if (r["task"], r["link"]) == (task, link) and r["ok"]
                       and r["setup"].startswith(STREAMING_4BIT)]:
-                if ddp is None:
-                    continue
                 key = "wire_bytes_per_step" if q["wire_bytes_per_step"]["n"] and ddp["wire_bytes_per_step"]["n"] \
                     else "bytes_per_step"
                 fewer = ddp[key]["median"] / max(q[key]["median"], 1e-9)
