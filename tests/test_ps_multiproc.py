@@ -80,12 +80,19 @@ def test_a_worker_that_joins_a_running_job_receives_the_current_parameters():
             time.sleep(0.05)
         late = run_workers("workers.ps:late_join", world_size=1, env=servers.env(), after_versions=40).results[0]
         running.join()
-    assert "run" in job
+        assert "run" in job
+        # Nothing pushes any more: a worker that joins now must receive the servers' model bit for bit, which is
+        # what the last of the others pulled when it left (finish() pulls after every worker's last push). Which
+        # one left last, the job or the late worker, is up to the scheduler; both hold exact copies.
+        after_job = run_workers("workers.ps:late_join", world_size=1, env=servers.env(), after_versions=0).results[0]
     assert min(late["versions"].values()) >= 40  # it pulled what the job had made of the model
-    # not its own initial weights
+    # not its own initial weights but a model the job had trained: its loss is below a fresh model's
     assert not any(torch.equal(a, b) for a, b in zip(late["own"], late["joined"], strict=True))
-    assert late["acc_joined"] > 0.5  # a trained model, not a fresh one
+    assert late["loss"]["joined"] < late["loss"]["own"], late["loss"]
     assert all(late["after"][k] > late["versions"][k] for k in late["versions"])  # and then it contributed
+    left_last = [job["run"].results[0]["params"], late["final"]]
+    assert any(all(torch.equal(a, b) for a, b in zip(after_job["joined"], model, strict=True)) for model in left_last)
+    assert not any(torch.equal(a, b) for a, b in zip(after_job["own"], after_job["joined"], strict=True))
 
 
 def test_resume_equals_the_uninterrupted_run_for_every_ps_strategy_colocated_and_separate(tmp_path):

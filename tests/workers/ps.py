@@ -102,17 +102,19 @@ def late_join(after_versions: int, seed: int = 123) -> dict[str, Any]:
     F.cross_entropy(model(x[:BATCH]), y[:BATCH]).backward()
     opt.step()  # it contributes: one push, answered with the newest parameters
     after = dict(strategy.table.versions)
-    acc_joined = _accuracy_of(joined, test_set)
+    loss = {"own": _loss_of(own, test_set), "joined": _loss_of(joined, test_set)}
     strategy.finish()
-    return {"own": own, "joined": joined, "versions": versions, "after": after, "acc_joined": acc_joined}
+    final = [p.detach().clone() for p in net.parameters()]  # the servers' model when this worker left
+    return {"own": own, "joined": joined, "versions": versions, "after": after, "loss": loss, "final": final}
 
 
-def _accuracy_of(params: list[torch.Tensor], test_set) -> float:
+def _loss_of(params: list[torch.Tensor], test_set) -> float:
     net = digits_cnn()
+    x, y = test_set.tensors
     with torch.no_grad():
         for p, v in zip(net.parameters(), params, strict=True):
             p.copy_(v)
-    return accuracy(net, test_set)
+        return F.cross_entropy(net(x), y).item()
 
 
 # -- resume, non-contiguous parameters, finish() ---------------------------------------------------
