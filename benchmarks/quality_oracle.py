@@ -38,15 +38,17 @@ def curve(task_name: str, seed: int, steps: int, every: int, world: int, lr: flo
     torch.manual_seed(seed)  # the benchmark's repeat ``seed`` starts from this model
     model = task.model()
     opt = task.optim.build(model.parameters(), task.optim.lr if lr is None else lr)
-    points = [(0, task.evaluate(model))]
+    judged = task.judged(model)  # what the benchmark's workers evaluate: the weights or their moving average
+    points = [(0, task.evaluate(judged.module))]
     started = time.perf_counter()
     for step in range(steps):
         x, y = task.batch(step, 0, 1, world * task.per_worker)
         opt.zero_grad(set_to_none=True)
         task.loss(model(x), y).backward()
         opt.step()
+        judged.update()
         if (step + 1) % every == 0 or step + 1 == steps:
-            points.append((step + 1, task.evaluate(model)))
+            points.append((step + 1, task.evaluate(judged.module)))
             print(f"  seed {seed} step {step + 1}: {points[-1][1]:.4f} "
                   f"({(time.perf_counter() - started) / (step + 1):.2f} s a step)", file=sys.stderr, flush=True)
     return points

@@ -13,9 +13,10 @@ The training clock counts only the training steps (forward, backward, the strate
 exchange, the optimizer step); drawing the batch and evaluating are outside it and
 the same for every setup. Every ``check_every`` steps rank 0 broadcasts one decision
 (evaluate now? stop?), so every rank takes the same number of steps and periodic
-strategies never hang. Quality is rank 0's replica at that moment; after the budget
-``finish()`` makes the model to keep (last average, EASGD's centre), whose quality is
-the run's final quality.
+strategies never hang. Quality is rank 0's replica at that moment (or, for a task with an
+``ema_decay``, the moving average of its weights, updated after every step outside the
+clock); after the budget ``finish()`` makes the model to keep (last average, EASGD's
+centre), whose quality is the run's final quality.
 """
 from __future__ import annotations
 
@@ -53,10 +54,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     model = task.model()
     family = setup.optim or task.optim.name
     opt = type(task.optim)(family, task.base_lr(family)).build(model.parameters(), float(cfg["lr"]))
+    # The weights, or their moving average, updated outside the clock; made before the setup wraps the model (a
+    # wrapped one holds its process group, which the average's copy could not take).
+    judged = task.judged(model)
     module, opt, acc = setup.build(model, opt, float(cfg["lr"]))
     if dist.is_initialized():
         dist.barrier()
-    curve: list[tuple[float, int, float]] = [(0.0, 0, task.evaluate(model) if rank == 0 else float("nan"))]
+    curve: list[tuple[float, int, float]] = [(0.0, 0, task.evaluate(judged.module) if rank == 0 else float("nan"))]
     bytes0, wire0 = acc.bytes_sent(), wire_bytes()
     clock, step, next_eval = 0.0, 0, budget / evals
     while True:
@@ -67,19 +71,21 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         clock += time.perf_counter() - start
         step += 1
+        judged.update()
         if step % check_every:
             continue
         done = clock >= budget or (max_steps and step >= max_steps)
         evaluate, stop = _decide(rank, [bool(done or clock >= next_eval), bool(done)])
         if evaluate and rank == 0 and not stop:  # the final point is taken after finish()
-            curve.append((clock, step, task.evaluate(model)))
+            curve.append((clock, step, task.evaluate(judged.module)))
             next_eval += budget / evals
         if stop:
             break
     wire_end = wire_bytes()
     counted = acc.bytes_sent() - bytes0
     acc.finish()  # the model to keep: last average, EASGD's centre
-    final = task.evaluate(model) if rank == 0 else float("nan")
+    judged.update()  # the model to keep enters the average as one more step would
+    final = task.evaluate(judged.module) if rank == 0 else float("nan")
     if rank == 0:
         curve.append((clock, step, final))
     result = {"rank": rank, "world_size": world, "task": task.name, "setup": setup.name, "lr": cfg["lr"],
