@@ -16,23 +16,18 @@ Example:
 """
 from __future__ import annotations
 
-import atexit
-import gc
 import json
-import os
-import sys
 import time
 import traceback
-import warnings
+import weakref
 from dataclasses import replace
 from datetime import timedelta
-import weakref
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from . import liveness
+from . import leaving, liveness
 from .errors import ConfigError, PhalanxError, WorkerLostError, usage
 from .workerenv import DEFAULT_TIMEOUT_S, WorkerEnv  # noqa: F401 (re-exported: older imports)
 
@@ -187,7 +182,7 @@ class Group:
         if generation < self.generation or (generation == self.generation and not self.entering):
             raise ConfigError(usage(f"rebuild to generation {generation}", f"a generation after {self.generation}",
                                     "Pass the next generation number the members agreed on."))
-        destroy_process_group()
+        leaving.destroy_process_group()
         self._meshes = {}  # their process groups went with the old generation
         backend = backend or self.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -198,7 +193,7 @@ class Group:
         self.losses = []
         self._attach_store(store)
         if self is _group:
-            _on_exit(self)
+            leaving.leave_at_exit(self, shutdown)
         for callback in list(self._on_regroup):
             callback(self)
 
@@ -220,14 +215,14 @@ class Group:
             self.heartbeat.stop()
         if self.probe is not None:
             try:
-                liveness.record_exit(self.probe, self.rank, _reason(exc))
+                liveness.record_exit(self.probe, self.rank, leaving.reason(exc))
             except Exception:
                 pass  # the store's host is gone; the launcher or a stale heartbeat will tell
         path = self.env.error_file
         if path:
             # torch.distributed.elastic's error-file format, read by torchrun and `phalanx run`;
             # "phalanx" carries what our launcher needs for its one line.
-            data = {"message": _reason(exc), "timestamp": int(time.time()),
+            data = {"message": leaving.reason(exc), "timestamp": int(time.time()),
                     "phalanx": {"rank": self.rank, "type": type(exc).__name__, "time": time.time(),
                                 "text": " ".join(str(exc).split())[:2000],
                                 # WorkerLostError reports another rank's failure, not a cause of its own
@@ -310,56 +305,8 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
                                 timeout=timedelta(seconds=timeout_s))
     _group = g
     if g.store is not None:
-        _on_exit(g)
+        leaving.leave_at_exit(g, shutdown)
     return g
-
-
-def _on_exit(g: Group) -> None:
-    """Once per group, when it first has a store (at init, or a joiner's first rebuild): leave it at exit."""
-    if g.leaves_at_exit:
-        return
-    g.leaves_at_exit = True
-    atexit.register(_at_exit, g)  # scripts rarely call shutdown(); exiting without it can abort (see shutdown)
-    _install_excepthook(g)
-
-
-def _install_excepthook(g: Group) -> None:
-    """Record an uncaught exception at once, so peers and the launcher learn who failed and why."""
-    previous = sys.excepthook
-
-    def hook(exc_type: type[BaseException], exc: BaseException, tb) -> None:  # type: ignore[no-untyped-def]
-        g.uncaught = exc
-        g.fail(exc)
-        # Under `phalanx run` the launcher prints a usage error (or a Ctrl-C) in one line, once.
-        quiet = g.env.launched_by_phalanx and not g.env.debug and isinstance(exc, (PhalanxError, KeyboardInterrupt))
-        if not quiet:
-            previous(exc_type, exc, tb)
-        sys.stderr.flush()
-
-    sys.excepthook = hook
-
-
-def _at_exit(g: Group) -> None:
-    """Leave the group at interpreter exit; after an uncaught exception, end the process at once.
-
-    Tearing down an interpreter that holds a process group takes from half a second to
-    several on a busy machine, and the launcher only stops the others once this
-    process is gone. Exit handlers registered after ``px.init()`` have already run by
-    now (they run last-in, first-out); logging is flushed here.
-    """
-    shutdown()
-    uncaught = g.uncaught  # set by the excepthook, even when the script called shutdown() itself first
-    if uncaught is not None:
-        import logging
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130 if isinstance(uncaught, KeyboardInterrupt) else 1)
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def shutdown() -> None:
@@ -379,137 +326,29 @@ def shutdown() -> None:
     When this worker hosts the store (rank 0 launched without torchrun or ``phalanx
     run``) and something failed, it waits (a few seconds at most) for every peer to
     leave a note or fall silent, so their diagnosis can still read the store.
+    The steps are :mod:`phalanx.leaving`'s.
+
+    Example:
+        >>> import phalanx as px
+        >>> _ = px.init(); px.shutdown(); px.is_initialized()
+        False
     """
     global _group
     g, met = _group, True
-    if g is not None and g.saving is not None:
-        saving, g.saving, leaving_with = g.saving, None, sys.exc_info()[1]
-        failing = leaving_with is not None or g.failed is not None
-        try:
-            # An asynchronous checkpoint is finished (or has failed) before the worker leaves; a worker leaving on an
-            # error waits at most its timeout, so a stalled write cannot keep a failed job from ending.
-            saving.wait(timeout=g.timeout_s if failing else None)
-        except Exception:
-            if leaving_with is None and g.failed is None:
-                raise
-    if g is not None and g.timeline is not None and g.failed is None and sys.exc_info()[1] is None:
-        g.timeline.close()  # collective: written while the group is still up (a no-op once written)
+    if g is not None:
+        leaving.finish_background_work(g)
     if g is not None and g.store is not None:
-        pending = sys.exc_info()[1]
-        if g.failed is not None or (pending is not None and not isinstance(pending, SystemExit)):
-            g.fail(g.failed or pending)  # type: ignore[arg-type]
+        exc = leaving.failure(g)
+        if exc is not None:
             _group = None
-            if _hosts_store(g) and dist.is_initialized():
-                dist.destroy_process_group()  # peers blocked on us in a collective see it fail now
-                _linger_for_peers(g)
+            leaving.leave_failed(g, exc)
             return  # no barrier: a failed worker's teardown must not wait on anyone
-        met = g.heartbeat is not None and dist.is_initialized() and _everyone_leaving(g)
-        if met:
-            try:
-                dist.monitored_barrier(timeout=timedelta(seconds=min(10.0, g.env.timeout_s)))
-            except RuntimeError:
-                pass  # a peer is gone or went elsewhere; leave anyway
-        if g.probe is not None:
-            try:
-                lost = g.losses  # ended normally, but only after losing a peer: not a cause
-                liveness.record_exit(g.probe, g.rank,
-                                     f"ok after losing rank(s) {', '.join(map(str, lost))}" if lost else "ok")
-            except Exception:
-                pass
-        if g.heartbeat is not None:
-            g.heartbeat.stop()
+        met = leaving.leave_normally(g)
     if dist.is_initialized():
         dist.destroy_process_group()
-    if g is not None and g.store is not None and not met and _hosts_store(g):
-        _linger_for_peers(g)
+    if g is not None and g.store is not None and not met and leaving.hosts_store(g):
+        leaving.linger_for_peers(g)
     _group = None
-
-
-def _hosts_store(g: Group) -> bool:
-    return g.env.rank == 0 and not g.env.agent_store
-
-
-def _linger_for_peers(g: Group) -> None:
-    """Keep the store up until every peer has left a note or gone silent (bounded)."""
-    store, world = g.probe, g.env.world_size
-    if store is None:
-        return
-    try:
-        watch = liveness.Watch(store, world)
-        deadline = time.monotonic() + liveness.STALE_AFTER_S + 2.0
-        while time.monotonic() < deadline:
-            watch.poll()
-            done = set(liveness.exit_records(store, world)) | set(watch.stale()) | {g.env.rank}
-            if len(done) >= world:
-                return
-            time.sleep(0.05)
-    except Exception:
-        return
-
-
-def _everyone_leaving(g: Group) -> bool:
-    """Meet in the store before the exit barrier; False as soon as a peer failed or went silent."""
-    store, world = g.probe, g.env.world_size
-    if store is None:
-        return False
-    try:
-        store.add("liveness/leaving", 1)
-        watch = liveness.Watch(store, world)
-        deadline = time.monotonic() + min(10.0, g.env.timeout_s)
-        while time.monotonic() < deadline:
-            if int(store.add("liveness/leaving", 0)) >= world:
-                return True
-            if any(why != "ok" for why in liveness.exit_records(store, world).values()):
-                return False
-            watch.poll()
-            if watch.stale():
-                return False
-            time.sleep(0.02)
-    except Exception:  # the store is gone: so is whoever hosted it
-        return False
-    return False
-
-
-def destroy_process_group() -> None:
-    """Drop the current process group; errors from a group whose peers died are expected."""
-    if not dist.is_initialized():
-        return
-    release(dist.group.WORLD)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group may fail to tear down; it is gone either way
-            pass
-    # The failed collective's exception and traceback form reference cycles that hold the old group's
-    # work objects, and through them the group; its sockets close only when it is freed. Until the next
-    # automatic collection (seconds later, or never in a quiet loop) a peer blocked on us waits for its
-    # collective timeout (seen on torch 2.11: 4 workers, every recovery missed the quorum).
-    gc.collect()
-
-
-def release(pg: object) -> int:
-    """Drop the references to ``pg`` that outlive ``destroy_process_group``; returns how many were dropped.
-
-    gloo closes a group's sockets only when the group object dies. While it lives, a
-    survivor blocked in a collective on us (not on the dead worker: with 4 workers,
-    rank 0 when rank 2 dies) waits for its collective timeout instead of failing at once.
-    ``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument when it
-    is first imported (torch imports it lazily, e.g. on the first ``px.wrap``); a default
-    of None means the same group there, the default one.
-
-    Example:
-        >>> release(object())
-        0
-    """
-    module = sys.modules.get("torch.distributed.nn.functional")
-    dropped = 0
-    for fn in list(vars(module).values()) if module is not None else []:
-        defaults = getattr(fn, "__defaults__", None)
-        if defaults and any(d is pg for d in defaults):
-            fn.__defaults__ = tuple(None if d is pg else d for d in defaults)
-            dropped += 1
-    return dropped
 
 
 def current() -> Group:

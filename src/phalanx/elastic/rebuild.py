@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .. import group
-from ..group import destroy_process_group as destroy, release  # noqa: F401 (used by the elastic worker and tests)
+from ..leaving import destroy_process_group as destroy, release  # noqa: F401 (used by the elastic worker and tests)
 
 
 def generation_prefix(generation: int) -> str:
