@@ -173,13 +173,23 @@ def test_lr_sweep_picks_the_best_final_quality_and_ignores_failures():
     assert plan.choose_lrs(recs, {"gpt": False})[("gpt", "ddp")]["lr"] == 2e-3
 
 
-@pytest.mark.parametrize("argv, match", [(["--setups", "ddp,nccl-magic"], "names from ddp"),
+@pytest.mark.parametrize("argv, match", [(["--setups", "ddp,nccl-magic"], "names from ddp.*allreduce-4bit"),
                                          (["--tasks", "mnist"], "task 'mnist'"),
                                          (["--targets", "bert=1"], "--targets"),
                                          (["--sweep", "0,1"], "--sweep")])
 def test_bad_arguments_are_refused_before_anything_runs(argv, match):
     with pytest.raises(ConfigError, match=match):
         cli.main([*argv, "--link", "loopback", "--dry-run"])
+
+
+def test_dry_run_prints_the_lrs_the_runs_will_take(capsys):
+    """Not the families' base lrs: ResNet-20's DDP takes the committed sweep's 0.025, not SGD's base 0.05."""
+    assert cli.main(["--tasks", "resnet20", "--setups", "ddp,streaming-diloco-4bit", "--link", "loopback",
+                     "--dry-run"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    chosen = plan.stored_choice()
+    want = {f"resnet20 {s} 2x1 loopback lr={chosen[('resnet20', s)]['lr']:g}" for s in ("ddp", "streaming-diloco-4bit")}
+    assert want <= set(printed) and chosen[("resnet20", "ddp")]["lr"] != TASKS["resnet20"].optim.lr, printed
 
 
 # -- a session trains its runs one after the other in the same two processes: nothing may leak -------

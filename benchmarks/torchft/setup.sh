@@ -11,7 +11,9 @@ PY=${PY:-../../.venv/bin/python}
 $PY -m venv --system-site-packages .venv-torchft
 # --system-site-packages reaches the base interpreter's packages, not those of phalanx's venv: a .pth line adds
 # phalanx's venv after this one's own (the report's plots need its matplotlib; torchft's pins stay first).
+# site.addsitedir, not a bare path: the venv's own .pth files must run too, and phalanx's editable install is one.
 SITE=$(.venv-torchft/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-$PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$SITE/phalanx-venv.pth"
+$PY -c "import sysconfig; print('import site; site.addsitedir(%r)' % sysconfig.get_paths()['purelib'])" \
+  > "$SITE/phalanx-venv.pth"
 .venv-torchft/bin/pip install -c ../../constraints.txt torchft==0.2.0
-.venv-torchft/bin/python -c "import torchft, torch; print('torchft', torchft.__version__ if hasattr(torchft, '__version__') else '0.2.0', 'torch', torch.__version__)"
+.venv-torchft/bin/python -c "import phalanx, torchft, torch; print('torchft', torchft.__version__ if hasattr(torchft, '__version__') else '0.2.0', 'torch', torch.__version__)"

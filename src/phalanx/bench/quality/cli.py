@@ -23,7 +23,6 @@ from ..runner import _terminate_unwinds, links_for
 from ..spec import split_list
 from . import advisor, curves, plan, report, sessions, targets
 from .setups import SETUPS, peer_reasons
-from .torchft_peer import NAMES as TORCHFT
 from .torchft_peer import PEERS as TORCHFT_PEERS
 from .tasks import TASKS, get
 
@@ -80,8 +79,9 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         *plan.ALL_SETUPS, *(s for s in TORCHFT_PEERS if s not in left_out)]
     bad = [s for s in setups if s not in SETUPS or s in left_out]
     if bad:
+        # every setup a run accepts (the variants too), not only the default list
         raise ConfigError(usage(f"--setups {','.join(bad)}", "names from " + ", ".join(
-            [*plan.ALL_SETUPS, *(s for s in TORCHFT if s not in left_out)]), "Fix the list." + "".join(
+            s for s in SETUPS if s not in left_out), "Fix the list." + "".join(
                 f" {k}: {v}." for k, v in left_out.items() if k in bad)))
     links = ["loopback" if x.lower() == "loopback" else parse_rate(x) for x in split_list(args.link)]
     if any(x != "loopback" for x in links) and why_not():
@@ -196,8 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     est = (plan.estimate_s(sweep_plan) if sweep_plan else 0.0) + plan.estimate_s(runs, args.repeats)
     print(f"plan: {len(sweep_plan)} sweep runs, {len(runs)} runs x {args.repeats} repeats on "
           f"{', '.join(cfg['links'])}; estimated {est / 60:.0f} min on an idle 2-core machine", file=sys.stderr)
-    if args.dry_run:
-        for r in sweep_plan + runs:
+    if args.dry_run:  # with the lrs the runs will take (a sweep's own are known only once it has run)
+        stored = {} if sweep_plan or args.smoke else plan.stored_choice()
+        shown = plan.main_runs(tasks, cfg["setups"], cfg["links"], budgets=cfg["budgets"], fast=fast,
+                               lrs=plan.inherit_lrs({k: v["lr"] for k, v in stored.items()}))
+        for r in sweep_plan + shown:
             print(r.title)
         return 0
     os.makedirs(args.out, exist_ok=True)
