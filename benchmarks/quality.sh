@@ -7,9 +7,9 @@
 #                    -avg) on 100 Mbit/s; DDP and the Streaming DiLoCo setups on 10 Mbit/s; DDP on 1 Gbit/s (the
 #                    bound). About 32 minutes.
 #     OUT/resnet20   ResNet-20: DDP, the 4-bit quantised all-reduce, streamed local SGD (4-bit fragments, SGD
-#                    inner steps at DDP's lr, H = 16), Streaming DiLoCo 4-bit at H = 64 (-avg-h64) and torchft's
-#                    Streaming DiLoCo on 100 Mbit/s; the three phalanx setups on 10 Mbit/s (DDP's step there is
-#                    several times its compute, so it is left out); DDP on 1 Gbit/s.
+#                    inner steps at DDP's lr, H = 4), Streaming DiLoCo 4-bit at H = 64 (-avg-h64) and torchft's
+#                    Streaming DiLoCo on 100 Mbit/s; all but DDP on 10 Mbit/s (DDP's step there is over 10x its
+#                    compute, so it is left out); DDP on 1 Gbit/s. About 25 minutes.
 #     OUT/gpt-large  the 4.8M-parameter GPT, 4 sequences a worker, 360 steps: DDP and phalanx's Streaming DiLoCo
 #                    -avg-h64 on 100 Mbit/s; it and torchft's -avg on 10 Mbit/s, where torchft's float32 fragments
 #                    no longer hide behind 5 inner steps (a DDP step there is ~15 s); DDP on 1 Gbit/s. About 46
@@ -56,7 +56,7 @@ for part in $PARTS; do
         --setups "ddp,allreduce-4bit,streaming-local-sgd-4bit,streaming-diloco-4bit-avg-h64$TFT" \
         --out "$OUT/resnet20/fast" ${EXTRA:-}
       $Q --tasks resnet20 --evals 16 --link 10mbit \
-        --setups "allreduce-4bit,streaming-local-sgd-4bit,streaming-diloco-4bit-avg-h64" \
+        --setups "allreduce-4bit,streaming-local-sgd-4bit,streaming-diloco-4bit-avg-h64$TFT" \
         --out "$OUT/resnet20/slow" ${EXTRA:-}
       merge resnet20 ;;
     gpt-large)

@@ -31,9 +31,10 @@ WARMUP, LOCAL_EVERY, DILOCO_EVERY = 50, 16, 50
 # given 5 inner steps to travel (the paper's τ ranges over 1-10; a 4-bit fragment of the GPT is ~40 kB, of the
 # larger GPT ~1.6 MB: about 1.3 s at 10 Mbit/s, a few of its steps).
 STREAM_FRAGMENTS, STREAM_OVERLAP = 4, 5
-# Streamed local SGD (H = 16) syncs a fragment every 4 steps: each exchange gets 3 steps to travel, so that it
-# lands before the next fragment's exchange starts (one exchange in flight at a time)
-STREAM_OVERLAP_LOCAL = 3
+# Streamed local SGD: the task's own optimizer, each of 4 fragments averaged every H = 4 steps, so one fragment
+# leaves every step and 3 are in flight. On ResNet-20 (loopback, 3 seeds, 2026-11-27) it needed DDP's steps to
+# target (144 against 148) where H = 8 needed 160 and H = 16 200: early in training replicas drift apart fast.
+STREAM_LOCAL_EVERY, STREAM_OVERLAP_LOCAL = 4, 3
 # 4-bit values with one float32 scale per 256: 0.516 bytes a value (per 128: 0.531, 3% more on the wire)
 STREAM_BLOCK = 256
 # At H the exchange sends 0.516 bytes a value once per H steps where DDP sends 4 every step: 4 H / 0.516 fewer
@@ -203,14 +204,13 @@ def _make() -> dict[str, QSetup]:
                     f"{STREAM_EVERY_SPARSE // STREAM_FRAGMENTS} steps): 4 x {STREAM_EVERY_SPARSE} / 0.516 = "
                     f"{4 * STREAM_EVERY_SPARSE / (0.5 + 4 / STREAM_BLOCK):.0f}x fewer bytes than DDP by arithmetic"),
         QSetup("streaming-local-sgd-4bit", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
-            every=LOCAL_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP_LOCAL,
+            every=STREAM_LOCAL_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP_LOCAL,
             quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0)), lr_of="ddp",
                note=f"local SGD streamed: the task's own optimizer (SGD with momentum on ResNet-20, AdamW on the "
-                    f"GPTs) at DDP's lr, parameters averaged every H={LOCAL_EVERY} steps (Lin et al.'s local SGD) "
-                    f"one fragment of {STREAM_FRAGMENTS} at a time (a fragment every "
-                    f"{LOCAL_EVERY // STREAM_FRAGMENTS} steps), as 4-bit values sent while "
-                    f"{STREAM_OVERLAP_LOCAL} inner steps go on: 4 x {LOCAL_EVERY} / 0.516 = "
-                    f"{4 * LOCAL_EVERY / (0.5 + 4 / STREAM_BLOCK):.0f}x fewer bytes than DDP by arithmetic"),
+                    f"GPTs) at DDP's lr, each of {STREAM_FRAGMENTS} fragments averaged every H={STREAM_LOCAL_EVERY} "
+                    f"steps (one fragment leaves every step), as 4-bit values sent while {STREAM_OVERLAP_LOCAL} "
+                    f"inner steps go on: 4 x {STREAM_LOCAL_EVERY} / 0.516 = "
+                    f"{4 * STREAM_LOCAL_EVERY / (0.5 + 4 / STREAM_BLOCK):.0f}x fewer bytes than DDP by arithmetic"),
         QSetup("torchft-diloco", "torchft", torchft_peer.build(streaming=False), optim="adamw",
                note=f"torchft 0.2.0 DiLoCo, H={torchft_peer.H}, AdamW inner, Nesterov outer lr 0.7 momentum 0.9; "
                     "lighthouse in rank 0's namespace (bench/quality/torchft_peer.py)"),
