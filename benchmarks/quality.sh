@@ -2,10 +2,10 @@
 # Time to quality on slow links (docs/performance.md §7). Run as root (the shaped links are network namespaces +
 # veth + tc tbf) on an otherwise idle machine:
 #   benchmarks/quality.sh [OUT] [PART ...]      PART: gpt, resnet20, gpt-large (default: all three, in that order)
-#     OUT/gpt        the GPT: DDP, DDP+PowerSGD, Streaming DiLoCo 4-bit (the paper's H = 50 and Nesterov; and H = 64
-#                    with plain averaging as the outer step, -avg-h64) and torchft's DiLoCo / Streaming DiLoCo (also
-#                    -avg) on 100 Mbit/s; DDP and the Streaming DiLoCo setups on 10 Mbit/s; DDP on 1 Gbit/s (the
-#                    bound). About 32 minutes.
+#     OUT/gpt        the GPT: DDP, DDP+PowerSGD, streamed local SGD (H = 4, 4-bit), Streaming DiLoCo 4-bit (the
+#                    paper's H = 50 and Nesterov; and H = 64 with plain averaging as the outer step, -avg-h64) and
+#                    torchft's DiLoCo / Streaming DiLoCo (also -avg) on 100 Mbit/s; DDP and the streamed setups on
+#                    10 Mbit/s; DDP on 1 Gbit/s.
 #     OUT/resnet20   ResNet-20: DDP, the 4-bit quantised all-reduce, streamed local SGD (4-bit fragments, SGD
 #                    inner steps at DDP's lr, H = 4), Streaming DiLoCo 4-bit at H = 64 (-avg-h64) and torchft's
 #                    Streaming DiLoCo on 100 Mbit/s; all but DDP on 10 Mbit/s (DDP's step there is over 10x its
@@ -21,8 +21,9 @@
 # PY=benchmarks/torchft/.venv-torchft/bin/python benchmarks/quality.sh OUT); otherwise they are left out.
 # FULL=1 runs instead every setup on every link for the GPT and ResNet-20 (about 115 minutes on a day the GPT step
 # takes 150 ms). EXTRA=--dry-run prints each plan and its estimate at today's measured speed without running.
-# Each run trains for its task's budget_steps x one worker's compute step, measured when the invocation starts
-# (measured again at its end: the compute-only bound takes the mean);
+# Each run trains for its task's budget_steps x one worker's compute step, measured alone when the invocation
+# starts; the compute-only bound takes the step of the compute-only runs (two workers side by side, no exchange,
+# on the middle link of each part);
 # OUT/*/quality.json is rewritten after every run, OUT/*/quality.md every 8 runs (plots at the end).
 set -uo pipefail  # a failed run is reported in its table; keep measuring the rest
 cd "$(dirname "$0")/.."
@@ -49,11 +50,12 @@ for part in $PARTS; do
   case $part in
     gpt)
       $Q --tasks gpt --evals 24 --link 10mbit,100mbit,1gbit --fast-setups ddp \
-        --setups "ddp,ddp-powersgd,streaming-diloco-4bit,streaming-diloco-4bit-avg-h64$TFT_DILOCO$TFT$TFT_AVG" \
+        --setups "compute-only,ddp,ddp-powersgd,streaming-local-sgd-4bit,streaming-diloco-4bit\
+,streaming-diloco-4bit-avg-h64$TFT_DILOCO$TFT$TFT_AVG" \
         --out "$OUT/gpt" ${EXTRA:-} ;;
     resnet20)
       $Q --tasks resnet20 --evals 16 --link 100mbit,1gbit --fast-setups ddp \
-        --setups "ddp,allreduce-4bit,streaming-local-sgd-4bit,streaming-diloco-4bit-avg-h64$TFT" \
+        --setups "compute-only,ddp,allreduce-4bit,streaming-local-sgd-4bit,streaming-diloco-4bit-avg-h64$TFT" \
         --out "$OUT/resnet20/fast" ${EXTRA:-}
       $Q --tasks resnet20 --evals 16 --link 10mbit \
         --setups "allreduce-4bit,streaming-local-sgd-4bit,streaming-diloco-4bit-avg-h64$TFT" \
@@ -61,7 +63,7 @@ for part in $PARTS; do
       merge resnet20 ;;
     gpt-large)
       $Q --tasks gpt-large --evals 16 --link 100mbit,1gbit --fast-setups ddp \
-        --setups "ddp,streaming-diloco-4bit-avg-h64" --out "$OUT/gpt-large/fast" ${EXTRA:-}
+        --setups "compute-only,ddp,streaming-diloco-4bit-avg-h64" --out "$OUT/gpt-large/fast" ${EXTRA:-}
       $Q --tasks gpt-large --evals 16 --link 10mbit --setups "streaming-diloco-4bit-avg-h64$TFT_AVG" \
         --out "$OUT/gpt-large/slow" ${EXTRA:-}
       merge gpt-large ;;

@@ -173,7 +173,7 @@ def test_lr_sweep_picks_the_best_final_quality_and_ignores_failures():
     assert plan.choose_lrs(recs, {"gpt": False})[("gpt", "ddp")]["lr"] == 2e-3
 
 
-@pytest.mark.parametrize("argv, match", [(["--setups", "ddp,nccl-magic"], "names from ddp.*allreduce-4bit"),
+@pytest.mark.parametrize("argv, match", [(["--setups", "ddp,nccl-magic"], "names from .*ddp.*allreduce-4bit"),
                                          (["--tasks", "mnist"], "task 'mnist'"),
                                          (["--targets", "bert=1"], "--targets"),
                                          (["--sweep", "0,1"], "--sweep")])
@@ -270,6 +270,29 @@ def test_stored_runs_on_two_links_merge_into_one_bound():
     rows = curves.rows(both["raw"], {"gpt": 2.2}, {"gpt": False})
     bounds = curves.add_bounds(rows, {"gpt": both["tasks"]["gpt"]["compute_s_per_step"]})
     assert bounds["gpt"]["ddp_steps"] == 100 and abs(bounds["gpt"]["bound_s"] - 25.0) < 1e-9
+
+
+def test_compute_only_runs_set_the_bounds_step_and_are_no_setup_to_compare(tmp_path):
+    # Two workers with no exchange made 100 and 80 steps in 20 s: the slower one's 0.25 s a step is the bound's
+    # step (not the 0.1 s one worker measured alone), and the compute-only run is in no table, headline or advice.
+    def rec(setup, provider, curve, ranks):
+        return {"run": {"task": "gpt", "link": "100mbit", "setup": setup, "provider": provider, "lr": 1e-3,
+                        "budget_s": 20.0}, "repeat": 0, "error": None,
+                "ranks": [{"curve": curve, "samples_per_s": 10.0, "final": 2.0, "bytes_per_step": b,
+                           "wire_bytes_per_step": b, "steps": n, "train_seconds": 20.0} for n, b in ranks]}
+    fast = [(0.0, 0, 5.0), (1.0, 10, 2.0)]  # alone, a replica "reaches" the target at once: it must not win
+    payload = {"command": "run", "started": "now", "lr_sweep": [], "setups": {}, "skipped_peers": {},
+               "environment": {"cpu": "cpu", "cpu_count": 2, "torch": "2", "loadavg": [1.0, 1.0, 1.0]},
+               "tasks": {"gpt": {"target": 2.2, "higher_is_better": False, "compute_s_per_step": 0.1,
+                                 "per_worker": 16, "quality": "loss", "budget_s": 20.0, "why": ""}},
+               "raw": [rec("ddp", "torch", [(0.0, 0, 5.0), (30.0, 40, 2.0)], [(40, 1e6), (40, 1e6)]),
+                       rec(curves.COMPUTE_ONLY, "reference", fast, [(100, 0.0), (80, 0.0)])]}
+    cli.analyse(payload, str(tmp_path), quiet=True, plots=False)
+    assert payload["bounds"]["gpt"] == {"bound_s": 10.0, "ddp_steps": 40, "compute_s": 0.25,
+                                        "compute_source": "side by side"}
+    assert {r["setup"] for r in payload["rows"]} == {"ddp"}
+    assert all(curves.COMPUTE_ONLY not in json.dumps(e) for e in payload["headline"] + payload["advisor"])
+    assert "two workers training side by side with no exchange" in (tmp_path / "quality.md").read_text()
 
 
 def test_from_json_of_a_missing_or_foreign_file_is_one_usage_error(tmp_path):

@@ -275,11 +275,15 @@ def analyse(payload: dict[str, Any], out: str, quiet: bool = False, plots: bool 
     tasks = payload["tasks"]
     tgt = {t: v["target"] for t, v in tasks.items()}
     higher = {t: v["higher_is_better"] for t, v in tasks.items()}
-    rows = curves.rows(payload["raw"], tgt, higher)
-    bounds = curves.add_bounds(rows, {t: v["compute_s_per_step"] for t, v in tasks.items()})
+    # compute-only runs measure the bound's step; they are no setup to compare (each worker trains alone)
+    rows = curves.rows([r for r in payload["raw"] if r["run"]["setup"] != curves.COMPUTE_ONLY], tgt, higher)
+    side_by_side = curves.side_by_side_steps(payload["raw"])
+    compute = {t: side_by_side.get(t, v["compute_s_per_step"]) for t, v in tasks.items()}
+    bounds = curves.add_bounds(rows, compute)
+    for t, b in bounds.items():
+        b["compute_source"] = "side by side" if t in side_by_side else "alone"
     payload.update(rows=rows, bounds=bounds, headline=report.headline(rows), targets=targets.check(rows, bounds),
-                   advisor=advisor.check(rows, {t: v["compute_s_per_step"] for t, v in tasks.items()},
-                                         {t: v["per_worker"] for t, v in tasks.items()}))
+                   advisor=advisor.check(rows, compute, {t: v["per_worker"] for t, v in tasks.items()}))
     os.makedirs(out, exist_ok=True)
     links = list(dict.fromkeys(r["link"] for r in rows))
     # plots cost seconds of CPU: while runs go on they would steal it from the run in flight, so partial

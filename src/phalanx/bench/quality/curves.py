@@ -79,12 +79,38 @@ def rows(records: list[dict[str, Any]], targets: dict[str, float],
     return out
 
 
+COMPUTE_ONLY = "compute-only"  # the setup whose runs measure the bound's step: two workers, no exchange
+
+
+def side_by_side_steps(raw: list[dict[str, Any]]) -> dict[str, float]:
+    """Per task, the seconds a step took in its ``compute-only`` runs: two workers training side by side on the
+    same machine with no exchange at all, the median over runs of the slower worker's training seconds per step.
+
+    It is the step a run paying no communication takes under the same contention (memory, the other worker) as
+    the setups it bounds, measured as long as they train; one worker measured alone moved by 10-25% within an
+    hour on a 2-core machine.
+
+        >>> rec = {"run": {"task": "t", "setup": "compute-only"}, "error": None,
+        ...        "ranks": [{"train_seconds": 10.0, "steps": 200}, {"train_seconds": 10.0, "steps": 160}]}
+        >>> side_by_side_steps([rec])
+        {'t': 0.0625}
+    """
+    per_task: dict[str, list[float]] = defaultdict(list)
+    for rec in raw:
+        if rec["run"]["setup"] == COMPUTE_ONLY and not rec["error"] and rec["ranks"]:
+            steps = min(r["steps"] for r in rec["ranks"])
+            if steps > 0:
+                per_task[rec["run"]["task"]].append(max(r["train_seconds"] for r in rec["ranks"]) / steps)
+    return {t: statistics.median(v) for t, v in per_task.items()}
+
+
 def add_bounds(rows_: list[dict[str, Any]], compute_s: dict[str, float]) -> dict[str, dict[str, Any]]:
     """The compute-only bound per task, and each row's time to target over it (``row["vs_bound"]``).
 
     The bound is the time to target of a run that pays no communication at all: DDP's steps to target
     (synchronous SGD: the same steps on any link; the fewest of the links where it reached, median over
-    repeats) times one worker's measured compute step. None where DDP never reached the target.
+    repeats) times the compute step (:func:`side_by_side_steps` where the invocation ran ``compute-only``,
+    else one worker's, measured alone). None where DDP never reached the target.
 
     Example:
         >>> rows_ = [{"task": "t", "link": "1gbit", "setup": "ddp", "ok": 1, "steps_to_target": spread([100]),

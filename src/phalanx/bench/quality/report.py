@@ -52,8 +52,10 @@ def bound_line(bound: dict[str, Any] | None) -> str:
     """One sentence: the task's compute-only bound and where it comes from."""
     if not bound or bound.get("bound_s") is None:
         return "Compute-only bound: cannot tell (DDP did not reach the target on any link).\n\n"
+    how = ("the step of two workers training side by side with no exchange (compute-only runs, median)"
+           if bound.get("compute_source") == "side by side" else "one worker's compute step, measured alone")
     return (f"Compute-only bound: {bound['bound_s']:.1f} s = DDP's {bound['ddp_steps']:.0f} steps to target (the "
-            f"fewest over the links) × one worker's compute step, {1e3 * bound['compute_s']:.0f} ms.\n\n")
+            f"fewest over the links) × {how}, {1e3 * bound['compute_s']:.0f} ms.\n\n")
 
 
 def headline(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from torch.distributed.algorithms.model_averaging import utils as averaging
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ..spec import Setup
+from .curves import COMPUTE_ONLY
 from ..worker import _PeerAccountant, _StrategyAccountant, setup_training
 from . import torchft_peer
 
@@ -47,7 +48,7 @@ class QSetup:
     """One side-by-side entry: who provides it, how it is built, which optimizer family it uses."""
 
     name: str
-    provider: str  # "torch" or "phalanx"
+    provider: str  # "torch", "torchft" or "phalanx"; "reference" for compute-only (no setup to compare)
     build: Callable[[nn.Module, torch.optim.Optimizer, float], tuple[nn.Module, torch.optim.Optimizer, Any]]
     optim: str | None = None  # None: the task's family; "adamw": always AdamW (DiLoCo)
     note: str = field(default="")
@@ -152,6 +153,9 @@ def _make() -> dict[str, QSetup]:
     from phalanx.ps.optim import Adagrad
 
     s = [
+        QSetup(COMPUTE_ONLY, "reference", _peer("plain"), lr_of="ddp",
+               note="not a setup to compare: each worker trains its own replica with no exchange at all; its step "
+                    "time, measured beside the other worker, is the compute-only bound's step"),
         QSetup("ddp", "torch", _peer("ddp")),
         QSetup("ddp-fp16", "torch", _peer("ddp-fp16")),
         QSetup("ddp-powersgd", "torch", _peer("ddp-powersgd", rank=4)),
