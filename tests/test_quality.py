@@ -273,8 +273,9 @@ def test_stored_runs_on_two_links_merge_into_one_bound():
 
 
 def test_compute_only_runs_set_the_bounds_step_and_are_no_setup_to_compare(tmp_path):
-    # Two workers with no exchange made 100 and 80 steps in 20 s: the slower one's 0.25 s a step is the bound's
-    # step (not the 0.1 s one worker measured alone), and the compute-only run is in no table, headline or advice.
+    # Two workers with no exchange: rank 0 (the clock every time to target is read from) made 80 steps in 20 s, so
+    # 0.25 s a step is the bound's step (not the 0.1 s one worker measured alone), and the compute-only run is in
+    # no table, headline or advice.
     def rec(setup, provider, curve, ranks):
         return {"run": {"task": "gpt", "link": "100mbit", "setup": setup, "provider": provider, "lr": 1e-3,
                         "budget_s": 20.0}, "repeat": 0, "error": None,
@@ -286,13 +287,32 @@ def test_compute_only_runs_set_the_bounds_step_and_are_no_setup_to_compare(tmp_p
                "tasks": {"gpt": {"target": 2.2, "higher_is_better": False, "compute_s_per_step": 0.1,
                                  "per_worker": 16, "quality": "loss", "budget_s": 20.0, "why": ""}},
                "raw": [rec("ddp", "torch", [(0.0, 0, 5.0), (30.0, 40, 2.0)], [(40, 1e6), (40, 1e6)]),
-                       rec(curves.COMPUTE_ONLY, "reference", fast, [(100, 0.0), (80, 0.0)])]}
+                       rec(curves.COMPUTE_ONLY, "reference", fast, [(80, 0.0), (100, 0.0)])]}
     cli.analyse(payload, str(tmp_path), quiet=True, plots=False)
     assert payload["bounds"]["gpt"] == {"bound_s": 10.0, "ddp_steps": 40, "compute_s": 0.25,
                                         "compute_source": "side by side"}
     assert {r["setup"] for r in payload["rows"]} == {"ddp"}
     assert all(curves.COMPUTE_ONLY not in json.dumps(e) for e in payload["headline"] + payload["advisor"])
     assert "two workers training side by side with no exchange" in (tmp_path / "quality.md").read_text()
+
+
+def test_ahead_of_peers_that_never_reached_the_target_is_met_only_when_every_repeat_of_ours_did():
+    def rec(setup, provider, k, reached_at):
+        curve = [(0.0, 0, 5.0)] + ([(reached_at, 100, 2.0)] if reached_at else [(14.0, 180, 3.0)])
+        return {"run": {"task": "gpt", "link": "100mbit", "setup": setup, "provider": provider, "lr": 1e-3,
+                        "budget_s": 14.0}, "repeat": k, "error": None,
+                "ranks": [{"curve": curve, "samples_per_s": 100.0, "final": 2.0, "bytes_per_step": 1.0,
+                           "wire_bytes_per_step": 1.0}]}
+    recs = [rec("allreduce-4bit", "phalanx", k, t) for k, t in enumerate((10.0, 11.0, 12.0))]
+    recs += [rec(s, p, k, None) for s, p in (("ddp", "torch"), ("torchft-streaming-diloco", "torchft"))
+             for k in range(3)]
+    (entry,) = [e for e in targets.check(curves.rows(recs, {"gpt": 2.5}, {"gpt": False}))
+                if e["measure"].startswith("best phalanx vs best peer")]
+    assert entry["verdict"] == "met (no peer reached the target)" and "by 12.0 s" in entry["who"], entry
+    recs[2] = rec("allreduce-4bit", "phalanx", 2, None)  # one repeat of ours missed too: the spreads touch
+    (entry,) = [e for e in targets.check(curves.rows(recs, {"gpt": 2.5}, {"gpt": False}))
+                if e["measure"].startswith("best phalanx vs best peer")]
+    assert entry["verdict"] == "not measured", entry
 
 
 def test_from_json_of_a_missing_or_foreign_file_is_one_usage_error(tmp_path):
