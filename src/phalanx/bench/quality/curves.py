@@ -89,7 +89,7 @@ def side_by_side_steps(raw: list[dict[str, Any]]) -> dict[str, float]:
     It is the step a run paying no communication takes under the same contention (memory, the other worker) as
     the setups it bounds, measured as long as they train; one worker measured alone moved by 10-25% within an
     hour on a 2-core machine. Rank 0's clock is the one every time to target is read from; rank 1's is not a
-    compute step: with no exchange it trains its next steps while rank 0 evaluates, on the same cores (5-7% slower
+    compute step: with no exchange it trains its next steps while rank 0 evaluates, on the same cores (up to 6% slower
     steps measured), which rank 0 of no setup meets.
 
         >>> rec = {"run": {"task": "t", "setup": "compute-only"}, "error": None,
