@@ -113,9 +113,9 @@ def budgets(tasks: list[str], compute: dict[str, float], given: dict[str, float]
 def compute_seconds(task: str, steps: int = 4, warmup: int = 2) -> float:
     """One worker's step time with no communication (1 thread, median of ``steps`` after ``warmup`` steps).
 
-    The first two steps of a fresh model run 10-90% slower than the rest (allocations, kernel choices): with one
-    warm-up step and a median of 6, the ResNet-20 measurement moved between 66 and 84 ms in one hour while its
-    runs kept 72 ms a step; a median of 12 after 2 moves less than the machine itself (66-74 ms).
+    The first two steps of a fresh model run 10-90% slower than the rest (allocations, kernel choices), so they
+    are left out. Even so the machine's own speed moves it by 10-25% within an hour: it sets each run's budget, and
+    the compute-only bound takes the ``compute-only`` runs' step where an invocation has them.
     """
     import statistics
 
