@@ -2,7 +2,8 @@
 
 Unit: bad input, the fragment split, the quantiser's round-trip bounds on any shape, one
 process equal to DiLoCo. Multi-process (2 gloo workers): P = 1, τ = 0 equals px.DiLoCo
-bit for bit; P = 2, τ = 1 follows the paper's Algorithm 1 computed in one process; the
+bit for bit; P = 2, τ = 1 follows the paper's Algorithm 1 computed in one process, and with
+``mixing="eager"`` the eager-updates rule (arXiv 2502.12996) computed the same way; the
 quantised exchanges train. Elastic (3 workers): a kill while an exchange is in flight, and a
 spare joining in the lost worker's place mid-overlap, both against a one-process replay.
 """
@@ -34,6 +35,7 @@ STEPS = 8
     (lambda: px.StreamingDiLoCo(fragments=0), "fragments=0"),
     (lambda: px.StreamingDiLoCo(quantize=3), "None, 8, 4 or a compressor"),
     (lambda: px.StreamingDiLoCo(mixing=1.5), "mixing=1.5"),
+    (lambda: px.StreamingDiLoCo(mixing="lazy"), "or \"eager\""),
     (lambda: px.Quantize(bits=2), "4 or 8"),
     (lambda: px.Quantize(block=63), "even block"),
     (lambda: px.Quantize(rounding="up"), "'nearest' or 'stochastic'"),
@@ -116,8 +118,10 @@ def test_one_process_streaming_with_one_fragment_and_no_overlap_is_diloco():
         strategy.finish()
         return [p.detach().clone() for p in net.parameters()]
 
-    for a, b in zip(run(px.DiLoCo(every=3)), run(px.StreamingDiLoCo(every=3, fragments=1, overlap=0)), strict=True):
-        assert torch.equal(a, b)
+    diloco = run(px.DiLoCo(every=3))
+    for mixing in (None, "eager"):  # eager with nothing to overlap: the stand-in is replaced at once, exactly
+        for a, b in zip(diloco, run(px.StreamingDiLoCo(every=3, fragments=1, overlap=0, mixing=mixing)), strict=True):
+            assert torch.equal(a, b), mixing
 
 
 @pytest.mark.parametrize("make", [lambda: px.DiLoCo(every=3),
@@ -159,8 +163,12 @@ def results(tmp_path_factory):
                        ckpt_dir=str(ckpt)).results
 
 
-def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: float) -> dict:
-    """Algorithm 1 of arXiv 2501.18512 for 2 workers, in ONE process: plain SGD inner steps, Nesterov outer."""
+def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: float | str) -> dict:
+    """Algorithm 1 of arXiv 2501.18512 for 2 workers, in ONE process: plain SGD inner steps, Nesterov outer.
+
+    ``alpha="eager"``: arXiv 2502.12996's eager update instead of the mix. At the send each worker takes the
+    outer step with its own pseudo-gradient (on a copy of the momentum); when the average lands the worker
+    keeps what it did since, on the new anchor."""
     from phalanx.bench.models import digits_cnn, load_digits_split
     from workers.streaming import BATCH
 
@@ -179,6 +187,7 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
     anchor = [p.detach().clone() for p in params[0]]
     momentum = [torch.zeros_like(a) for a in anchor]
     in_flight: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    stand_in: dict[tuple[int, int], torch.Tensor] = {}  # (worker, parameter) -> its weights after the eager step
     for loader in loaders:
         loader.set_epoch(0)
     for t, batches in enumerate(zip(*loaders, strict=True), start=1):
@@ -190,13 +199,22 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
             for p, idx in enumerate(frags):
                 if t % every == offsets[p]:  # the outer gradient, averaged over the workers, starts travelling
                     in_flight[p] = (t, [sum(anchor[i] - w[i] for w in params) / 2 for i in idx])
+                    if alpha == "eager":
+                        for r, w in enumerate(params):
+                            for i in idx:
+                                d = anchor[i] - w[i]
+                                stand_in[r, i] = anchor[i] - 0.7 * (d + 0.9 * (0.9 * momentum[i] + d))
+                                w[i].copy_(stand_in[r, i])
             for p, idx in enumerate(frags):
                 if p in in_flight and t == in_flight[p][0] + overlap:  # it lands: outer Nesterov, then mix
                     for i, d in zip(idx, in_flight.pop(p)[1], strict=True):
                         momentum[i] = 0.9 * momentum[i] + d
                         anchor[i] -= 0.7 * (d + 0.9 * momentum[i])
-                        for w in params:
-                            w[i].copy_(alpha * w[i] + (1 - alpha) * anchor[i])
+                        for r, w in enumerate(params):
+                            if alpha == "eager":
+                                w[i].copy_(anchor[i] + (w[i] - stand_in.pop((r, i))))
+                            else:
+                                w[i].copy_(alpha * w[i] + (1 - alpha) * anchor[i])
         if t == steps:
             break
     return {"replicas": [[p.detach().clone() for p in ps] for ps in params], "anchor": anchor,
@@ -231,6 +249,19 @@ def test_two_fragments_overlapped_by_one_step_follow_the_papers_algorithm(result
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         for a, b in zip(got["paper_anchor"], oracle["anchor"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_eager_updates_follow_the_eager_papers_rule_computed_in_one_process(results):
+    oracle = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha="eager")
+    mixed = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5)
+    for rank, got in enumerate(results):
+        for a, b in zip(got["eager"]["before_finish"], oracle["replicas"][rank], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        for a, b in zip(got["eager_anchor"], oracle["anchor"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # the rule matters: the replicas are not the mixing rule's
+    assert max(float((a - b).abs().max()) for a, b in zip(oracle["replicas"][0], mixed["replicas"][0])) > 1e-3
 
 
 @pytest.mark.multiproc

@@ -81,13 +81,17 @@ def exchanges(ckpt_dir: str, steps: int = 10) -> dict[str, Any]:
     # cut at step 5: fragment 0 was sent at step 4 and lands at step 6, so the checkpoint holds it in flight
     out["resume"] = {name: resume_pair(factory, ckpt_dir, name, train_set, total=8, cut=5) for name, factory in {
         "float": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2),
-        "4bit": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, quantize=4)}.items()}
+        "4bit": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, quantize=4),
+        "eager": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, mixing="eager")}.items()}
     out["diloco"] = train(px.DiLoCo(every=3), adamw, steps)
     out["streaming1"] = train(px.StreamingDiLoCo(every=3, fragments=1, overlap=0), adamw, steps)
     paper = px.StreamingDiLoCo(every=4, fragments=2, overlap=1, mixing=0.5)
     out["paper"] = train(paper, sgd, steps, finish=False)
     out["paper_anchor"] = [a.clone() for f in paper.fragments for a in f.anchor]
     out["paper_layout"] = [len(f.params) for f in paper.fragments]
+    eager = px.StreamingDiLoCo(every=4, fragments=2, overlap=1, mixing="eager")
+    out["eager"] = train(eager, sgd, steps, finish=False)
+    out["eager_anchor"] = [a.clone() for f in eager.fragments for a in f.anchor]
     q4 = px.StreamingDiLoCo(every=4, fragments=2, overlap=1, quantize=4)
     out["q4"] = train(q4, sgd, steps)
     out["q4_anchor"] = [a.clone() for f in q4.fragments for a in f.anchor]

@@ -13,6 +13,12 @@ Distributed Free Lunch", arXiv 2501.18512, Algorithm 1):
   DiLoCo) moves the fragment's anchor, and the worker's fragment becomes
   ``α · local + (1 - α) · anchor`` (``mixing``: the local steps taken during the overlap
   are kept in part);
+* or, ``mixing="eager"`` (Kale et al. 2025, "Eager Updates for Overlapped Communication and
+  Computation in DiLoCo", arXiv 2502.12996): at the send the fragment takes the outer step
+  at once with its own pseudo-gradient standing in for the average, inner steps go on from
+  there, and when the average lands the stand-in is replaced by it:
+  ``weights = anchor + (weights - weights_after_the_eager_step)``. Every local step taken
+  during the overlap is kept whole, and the average is taken whole;
 * the pseudo-gradient may be quantised (``quantize=4``: :class:`phalanx.Quantize`); the
   paper found 4-bit outer gradients lose nothing measurable.
 
@@ -98,6 +104,7 @@ class Fragment:
         self.pending: Any = None  # the collective's handle (a future, or a quantize.Pending)
         self.buffer: torch.Tensor | None = None  # the all-reduce's own copy of the message (summed in place)
         self.resend = False  # a regroup or restore dropped the handle: send the message again
+        self.eager: list[torch.Tensor] | None = None  # mixing="eager": the weights right after the eager step
         self.running_stats = BufferMean(())  # the buffers of the modules whose parameters it holds
 
     @property
@@ -118,6 +125,9 @@ class StreamingDiLoCo(Strategy):
             ``px.FP16()``; those without an asynchronous exchange finish it at once).
         mixing: α, the local weights' part when the average lands (``α · local + (1-α) · global``);
             default 0.5 with overlap (kept local progress), 0 without (DiLoCo: the global replaces it).
+            ``"eager"``: the outer step is taken at the send with this worker's own pseudo-gradient,
+            and corrected with the average when it lands (arXiv 2502.12996): the local steps taken
+            during the overlap are all kept.
         outer_lr, outer_momentum, nesterov: the outer optimiser, as ``px.DiLoCo``.
     """
 
@@ -138,9 +148,10 @@ class StreamingDiLoCo(Strategy):
                                     "overlap < every (an exchange lands before its fragment's next one starts)",
                                     f"Pass overlap <= {self.every - 1}, or a larger every."))
         default = 0.5 if self.overlap else 0.0
-        self.mixing = check.number("StreamingDiLoCo(mixing", default if mixing is None else mixing,
-                                   "Pass α in [0, 1]: 0 takes the global weights, 1 keeps the local ones.",
-                                   low=0, high=1, low_open=False, high_open=False, close=")")
+        self.mixing: float | str = "eager" if mixing == "eager" else check.number(
+            "StreamingDiLoCo(mixing", default if mixing is None else mixing,
+            "Pass α in [0, 1] (0 takes the global weights, 1 keeps the local ones), or \"eager\".",
+            low=0, high=1, low_open=False, high_open=False, close=")")
         self.outer_lr = check.positive_float("StreamingDiLoCo(outer_lr", outer_lr, "The paper uses 0.7.", close=")")
         self.outer_momentum = check.number("StreamingDiLoCo(outer_momentum", outer_momentum, "The paper uses 0.9.",
                                            low=0, high=1, low_open=False, close=")")
@@ -208,6 +219,8 @@ class StreamingDiLoCo(Strategy):
     def _send(self, f: Fragment, step: int) -> None:
         f.running_stats.average_(self.comm)  # its modules' BatchNorm statistics: small, so not overlapped
         delta = [a - p.to(a.dtype) for a, p in zip(f.anchor, f.params, strict=True)]  # the pseudo-gradient
+        if self.mixing == "eager":
+            self._eager_step(f, delta)
         share, f.share = f.share, 0.0
         f.sent_at, f.result, f.resend = step, None, False
         comm, c = self.comm, self.compression
@@ -258,27 +271,43 @@ class StreamingDiLoCo(Strategy):
             return torch.zeros(self.compression.message_bytes(f.numel), dtype=torch.uint8, device=f.anchor[0].device)
         return torch.zeros(f.numel + 1, dtype=f.anchor[0].dtype, device=f.anchor[0].device)
 
+    def _outer_direction(self, d: torch.Tensor, momentum: torch.Tensor) -> torch.Tensor:
+        """torch.optim.SGD's step direction for gradient ``d`` (dampening 0, as px.DiLoCo); moves ``momentum``."""
+        if not self.outer_momentum:
+            return d
+        momentum.mul_(self.outer_momentum).add_(d)
+        return d.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
+
+    def _eager_step(self, f: Fragment, delta: list[torch.Tensor]) -> None:
+        """The outer step with this worker's own pseudo-gradient, on a copy of the anchor and momentum: the
+        weights the inner steps go on from until the average lands."""
+        f.eager = []
+        for a, buf, d, p in zip(f.anchor, f.momentum, delta, f.params, strict=True):
+            w = a - self.outer_lr * self._outer_direction(d, buf.clone())
+            p.copy_(w)
+            f.eager.append(w)
+
     @torch.no_grad()
     def _apply(self, f: Fragment, mixing: float | None = None, outer: bool = True) -> None:
         """The average has landed: the outer step on the anchor (``outer=False``: the anchor becomes the mean),
         then mix it into the worker's fragment."""
         delta = f.result if f.result is not None else self._wait(f)
         alpha = self.mixing if mixing is None else mixing
-        for a, buf, d, p in zip(f.anchor, f.momentum, delta, f.params, strict=True):
+        eager = f.eager if alpha == "eager" else None
+        for i, (a, buf, d, p) in enumerate(zip(f.anchor, f.momentum, delta, f.params, strict=True)):
             if not outer:
                 a.sub_(d)
             else:
-                if self.outer_momentum:  # torch.optim.SGD's rule, dampening 0 (as px.DiLoCo)
-                    buf.mul_(self.outer_momentum).add_(d)
-                    d = d.add(buf, alpha=self.outer_momentum) if self.nesterov else buf
-                a.sub_(d, alpha=self.outer_lr)
-            if alpha == 0:
+                a.sub_(self._outer_direction(d, buf), alpha=self.outer_lr)
+            if eager is not None:  # the average replaces the stand-in; the local steps since the send stay
+                p.copy_(a + (p.to(a.dtype) - eager[i]))
+            elif alpha == "eager" or alpha == 0:  # eager with no stand-in (a restore lost it): as mixing 0
                 p.copy_(a)
             else:
                 p.copy_(torch.lerp(a, p.to(a.dtype), alpha))
-        if alpha == 0:
+        if alpha == 0 or (eager is None and alpha == "eager"):
             f.synced_at = self.steps
-        f.sent_at, f.message, f.result, f.pending, f.buffer = -1, None, None, None, None
+        f.sent_at, f.message, f.result, f.pending, f.buffer, f.eager = -1, None, None, None, None, None
 
     def _wait(self, f: Fragment) -> list[torch.Tensor]:
         if isinstance(self.compression, Quantize):
@@ -328,13 +357,17 @@ class StreamingDiLoCo(Strategy):
         return {**super().replica_state_dict(), **drifting_replica_state(self),
                 "shares": [f.share for f in self.fragments],
                 "messages": [None if f.message is None or f.result is not None else f.message.clone()
-                             for f in self.fragments]}
+                             for f in self.fragments],
+                "eager": [None if f.eager is None else [w.clone() for w in f.eager] for f in self.fragments]}
 
     def load_replica_state_dict(self, state: dict[str, Any]) -> None:
         super().load_replica_state_dict(state)
         load_drifting_replica_state(self, state)
-        for f, share, message in zip(self.fragments, state["shares"], state["messages"], strict=True):
+        eager = state.get("eager", [None] * len(self.fragments))
+        for f, share, message, stand_in in zip(self.fragments, state["shares"], state["messages"], eager,
+                                               strict=True):
             f.share = float(share)
+            f.eager = None if stand_in is None else [w.clone() for w in stand_in]
             if f.resend:
                 f.message = None if message is None else message.clone()
 
@@ -346,8 +379,9 @@ class StreamingDiLoCo(Strategy):
                 f.pending, f.resend = None, True
 
     def __repr__(self) -> str:
+        mixing = repr(self.mixing) if isinstance(self.mixing, str) else format(self.mixing, "g")
         return (f"StreamingDiLoCo(every={self.every}, fragments={self.num_fragments}, overlap={self.overlap}, "
-                f"mixing={self.mixing:g}, outer_lr={self.outer_lr:g}, outer_momentum={self.outer_momentum:g}, "
+                f"mixing={mixing}, outer_lr={self.outer_lr:g}, outer_momentum={self.outer_momentum:g}, "
                 f"quantize={self.compression!r})")
 
 

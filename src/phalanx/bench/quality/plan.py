@@ -66,16 +66,23 @@ def stored_choice(path: str = LRS_PATH) -> dict[tuple[str, str], dict[str, Any]]
 
 
 def inherit_lrs(lrs: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
-    """The swept lrs plus those inherited: a variant (``QSetup.lr_of``) runs at the lr of the setup it varies, an
-    unswept torchft peer at phalanx DiLoCo's (the same inner AdamW).
+    """The swept lrs plus those inherited: a variant (``QSetup.lr_of``) runs at the lr of the setup it varies
+    (itself swept or inherited: a variant of a variant), an unswept torchft peer at phalanx DiLoCo's (the same
+    inner AdamW).
 
-        >>> out = inherit_lrs({("gpt", "streaming-diloco-4bit"): 2e-3, ("gpt", "diloco"): 1e-3})
+        >>> out = inherit_lrs({("gpt", "streaming-diloco-4bit"): 2e-3, ("gpt", "diloco"): 1e-3, ("gpt", "ddp"): 1e-3})
         >>> out[("gpt", "streaming-diloco-4bit-avg")], out[("gpt", "torchft-streaming-diloco-avg")]
         (0.002, 0.001)
+        >>> out[("gpt", "streaming-local-sgd-4bit-eager")]   # via streaming-local-sgd-4bit, DDP's
+        0.001
     """
     out = dict(lrs)
-    for (task, setup), lr in lrs.items():
-        out.update({(task, v.name): lr for v in SETUPS.values() if v.lr_of == setup and (task, v.name) not in lrs})
+    grew = True
+    while grew:  # until no variant's parent gains an lr: chains are short, and SETUPS holds no cycle
+        new = {(task, v.name): lr for (task, setup), lr in out.items() for v in SETUPS.values()
+               if v.lr_of == setup and (task, v.name) not in out}
+        out.update(new)
+        grew = bool(new)
     for (task, setup), lr in lrs.items():
         if setup == "diloco":
             out.update({(task, peer): lr for peer in TORCHFT if (task, peer) not in out})

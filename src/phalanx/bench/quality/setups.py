@@ -215,6 +215,18 @@ def _make() -> dict[str, QSetup]:
                     f"steps (one fragment leaves every step), as 4-bit values sent while {STREAM_OVERLAP_LOCAL} "
                     f"inner steps go on: 4 x {STREAM_LOCAL_EVERY} / 0.516 = "
                     f"{4 * STREAM_LOCAL_EVERY / (0.5 + 4 / STREAM_BLOCK):.0f}x fewer bytes than DDP by arithmetic"),
+        QSetup("streaming-local-sgd-4bit-eager", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
+            every=STREAM_LOCAL_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP_LOCAL,
+            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0, mixing="eager")),
+               lr_of="streaming-local-sgd-4bit",
+               note="as streaming-local-sgd-4bit with eager updates (arXiv 2502.12996): the average replaces this "
+                    "worker's own pseudo-gradient when it lands, and the inner steps taken meanwhile are kept whole"),
+        QSetup("streaming-diloco-4bit-eager-h64", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
+            every=STREAM_EVERY_SPARSE, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP,
+            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0, mixing="eager")),
+               optim="adamw", lr_of="streaming-diloco-4bit",
+               note="as streaming-diloco-4bit-avg-h64 with eager updates (arXiv 2502.12996): the average replaces "
+                    "this worker's own pseudo-gradient when it lands, and the inner steps taken meanwhile are kept"),
         QSetup("torchft-diloco", "torchft", torchft_peer.build(streaming=False), optim="adamw",
                note=f"torchft 0.2.0 DiLoCo, H={torchft_peer.H}, AdamW inner, Nesterov outer lr 0.7 momentum 0.9; "
                     "lighthouse in rank 0's namespace (bench/quality/torchft_peer.py)"),
