@@ -211,7 +211,8 @@ def _make() -> dict[str, QSetup]:
             every=STREAM_LOCAL_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP_LOCAL,
             quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0)), lr_of="ddp",
                note=f"local SGD streamed: the task's own optimizer (SGD with momentum on ResNet-20, AdamW on the "
-                    f"GPTs) at DDP's lr, each of {STREAM_FRAGMENTS} fragments averaged every H={STREAM_LOCAL_EVERY} "
+                    f"GPTs) at its own swept lr (the GPT: 0.002, twice DDP's) or else DDP's, each of "
+                    f"{STREAM_FRAGMENTS} fragments averaged every H={STREAM_LOCAL_EVERY} "
                     f"steps (one fragment leaves every step), as 4-bit values sent while {STREAM_OVERLAP_LOCAL} "
                     f"inner steps go on: 4 x {STREAM_LOCAL_EVERY} / 0.516 = "
                     f"{4 * STREAM_LOCAL_EVERY / (0.5 + 4 / STREAM_BLOCK):.0f}x fewer bytes than DDP by arithmetic"),
