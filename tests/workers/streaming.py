@@ -136,6 +136,7 @@ def main() -> None:
     p.add_argument("--kill", default="", help="ID@STEP: the worker started as rank ID dies before STEP")
     p.add_argument("--commit-every", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--mixing", default="0.5", help='α, or "eager" (arXiv 2502.12996)')
     p.add_argument("--slow-while-below", type=int, default=0,
                    help="steps take 1 s while the group is smaller than this (a replacement is starting), 60 s at most")
     args = p.parse_args()
@@ -145,7 +146,8 @@ def main() -> None:
     data, net = elastic_data(), elastic_model()
     # With overlap 2 one exchange is always in flight, so every commit holds one, and a kill leaves the
     # survivors' next exchange without its worker.
-    strategy = px.StreamingDiLoCo(every=EVERY, fragments=FRAGMENTS, overlap=OVERLAP)
+    mixing = args.mixing if args.mixing == "eager" else float(args.mixing)
+    strategy = px.StreamingDiLoCo(every=EVERY, fragments=FRAGMENTS, overlap=OVERLAP, mixing=mixing)
     model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=LR), strategy=strategy)
     loader = px.shard(data, batch_size=EBATCH, seed=0)
     record = Record()
@@ -184,13 +186,15 @@ def main() -> None:
                    "in_flight": {str(k): v for k, v in in_flight.items()}}, f)
 
 
-def elastic_oracle(record: list, history: list) -> dict[str, Any]:
+def elastic_oracle(record: list, history: list, mixing: float | str = 0.5) -> dict[str, Any]:
     """The elastic run in ONE process: each member's replica, Algorithm 1 over the members' weighted mean.
 
     ``record``: per step, each rank's sample ids; ``history``: the membership changes, each taking effect
     after the commit it names. At a change the lost members' parts of the exchanges in flight are dropped;
     a joiner takes a copy of rank 0's replica and optimizer, sends nothing for those exchanges and counts
-    its samples from the join; everyone keeps the anchors and outer momentum.
+    its samples from the join; everyone keeps the anchors and outer momentum. ``mixing="eager"``: at a send
+    every member takes the outer step with its own pseudo-gradient; when the average lands a member keeps its
+    steps since the send on the new anchor, and a joiner, which holds no stand-in, takes the anchor.
     """
     from phalanx.strategies.streaming_diloco import balanced_split
 
@@ -204,6 +208,7 @@ def elastic_oracle(record: list, history: list) -> dict[str, Any]:
     anchor = [p.detach().clone() for p in first.parameters()]
     momentum = [torch.zeros_like(a) for a in anchor]
     in_flight: dict[int, tuple[int, dict[str, tuple[float, list[torch.Tensor]]]]] = {}
+    stand_in: dict[tuple[str, int], torch.Tensor] = {}  # (member, parameter) -> its weights after the eager step
     changes = {h["step"]: h for h in history}
     for t, (_epoch, world, parts) in enumerate(record, start=1):
         if t - 1 in changes:
@@ -233,6 +238,10 @@ def elastic_oracle(record: list, history: list) -> dict[str, Any]:
                     in_flight[p] = (t, {m: (shares[m][p], [anchor[i] - weights[m][i] for i in idx]) for m in members})
                     for m in members:
                         shares[m][p] = 0.0
+                        for i in idx if mixing == "eager" else ():
+                            d = anchor[i] - weights[m][i]
+                            stand_in[m, i] = anchor[i] - 0.7 * (d + 0.9 * (0.9 * momentum[i] + d))
+                            weights[m][i].copy_(stand_in[m, i])
             for p, idx in enumerate(frags):
                 if p in in_flight and t >= in_flight[p][0] + OVERLAP:
                     parts_of = in_flight.pop(p)[1]
@@ -242,7 +251,12 @@ def elastic_oracle(record: list, history: list) -> dict[str, Any]:
                         momentum[i].mul_(0.9).add_(d)
                         anchor[i].sub_(d.add(momentum[i], alpha=0.9), alpha=0.7)
                         for m in members:
-                            weights[m][i].copy_(torch.lerp(anchor[i], weights[m][i], 0.5))
+                            if mixing != "eager":
+                                weights[m][i].copy_(torch.lerp(anchor[i], weights[m][i], mixing))
+                            elif (m, i) in stand_in:
+                                weights[m][i].copy_(anchor[i] + (weights[m][i] - stand_in.pop((m, i))))
+                            else:  # a joiner since the send
+                                weights[m][i].copy_(anchor[i])
     return {"members": members, "replicas": {m: [p.detach() for p in nets[m].parameters()] for m in members},
             "anchors": anchor}
 

@@ -18,7 +18,8 @@ Distributed Free Lunch", arXiv 2501.18512, Algorithm 1):
   at once with its own pseudo-gradient standing in for the average, inner steps go on from
   there, and when the average lands the stand-in is replaced by it:
   ``weights = anchor + (weights - weights_after_the_eager_step)``. Every local step taken
-  during the overlap is kept whole, and the average is taken whole;
+  during the overlap is kept whole, and the average is taken whole (a joiner, which holds no
+  stand-in, takes the anchor);
 * the pseudo-gradient may be quantised (``quantize=4``: :class:`phalanx.Quantize`); the
   paper found 4-bit outer gradients lose nothing measurable.
 
@@ -301,11 +302,11 @@ class StreamingDiLoCo(Strategy):
                 a.sub_(self._outer_direction(d, buf), alpha=self.outer_lr)
             if eager is not None:  # the average replaces the stand-in; the local steps since the send stay
                 p.copy_(a + (p.to(a.dtype) - eager[i]))
-            elif alpha == "eager" or alpha == 0:  # eager with no stand-in (a restore lost it): as mixing 0
-                p.copy_(a)
+            elif alpha == "eager" or alpha == 0:  # eager with no stand-in (a joiner: rank 0's weights, not its
+                p.copy_(a)  # stand-in), or a restore onto another world size: the anchor, as mixing 0
             else:
                 p.copy_(torch.lerp(a, p.to(a.dtype), alpha))
-        if alpha == 0 or (eager is None and alpha == "eager"):
+        if alpha == 0:  # shared state: only what every rank decides alike (a joiner alone lacks a stand-in)
             f.synced_at = self.steps
         f.sent_at, f.message, f.result, f.pending, f.buffer, f.eager = -1, None, None, None, None, None
 
