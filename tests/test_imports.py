@@ -127,9 +127,10 @@ LAYERS = {
     # (Group.supervisor), so it imports no feature. checkpoint/ and strategies/ are subpackages of the core: every
     # module under them is core (the order inside checkpoint/ is CHECKPOINT_ORDER).
     "core": ("_engine", "allocator", "backward", "balance", "callbacks", "check", "checkpoint", "comm", "compiled",
-             "compression", "data", "epoch_report", "errors", "framing", "group", "leaving", "liveness", "lr",
-             "metrics", "preempt", "prefetch", "profiling", "progress", "quantize", "reshard", "sampler", "sharding",
-             "spans", "steps", "strategies", "sync", "tracking", "trainer", "training_state", "workerenv", "wrap"),
+             "compression", "data", "epoch_report", "errors", "evaluation", "framing", "group", "leaving", "liveness",
+             "lr", "metrics", "preempt", "prefetch", "profiling", "progress", "quantize", "reshard", "sampler",
+             "sharding", "spans", "steps", "strategies", "sync", "tracking", "trainer", "training_state", "workerenv",
+             "wrap"),
     # Each feature is one subpackage; its modules may import each other, never another feature's.
     "feature": ("elastic", "ps", "stream", "keras"),
     # Processes around the workers and tools: `phalanx run` (its flags, its --elastic agent, `phalanx join`, SLURM),

@@ -27,15 +27,14 @@ it leaves the group cleanly once every worker is done.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
-from typing import Any, Callable, Iterator, Sequence, Sized
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset
 
 from . import check, group, preempt
 from .callbacks import Callback, ModelCheckpoint
@@ -44,6 +43,7 @@ from .comm import Comm
 from .data import ShardedLoader, shard
 from .epoch_report import epoch_row, step_postfix
 from .errors import ConfigError, usage
+from .evaluation import check_eval, evaluate_share
 from .metrics import MeanLoss, Metric, ThroughputMeter, batch_denominator, check_loss, reduce_all, resolve
 from .progress import bar as _bar
 from .progress import postfix as _postfix
@@ -170,7 +170,7 @@ class Trainer:
             "fit(elastic", elastic, "Pass elastic=True or the steps between in-memory commits, e.g. elastic=10.",
             close=")") if elastic else None
         if val_data is not None:
-            _check_eval(val_data, val_batch_size, "val_data", "val_batch_size")
+            check_eval(val_data, val_batch_size, "val_data", "val_batch_size")
         if isinstance(train_data, ShardedLoader) or hasattr(train_data, "stats"):  # stream: a px.stream.StreamLoader
             self.loader = train_data
         else:
@@ -303,7 +303,7 @@ class Trainer:
         as ``loss_fn`` reduces, see :class:`phalanx.metrics.MeanLoss`), each metric
         and ``samples`` (the number of samples evaluated, ``len(data)``).
         """
-        _check_eval(data, batch_size, "data", "batch_size")
+        check_eval(data, batch_size, "data", "batch_size")
         metrics = self._evaluate_local(data, batch_size)
         reduce_all(metrics, self.comm)
         out = {m.name: m.compute() for m in metrics}
@@ -311,52 +311,10 @@ class Trainer:
         return out
 
     def _evaluate_local(self, data: Dataset, batch_size: int) -> list[Metric]:
-        """This worker's share of ``data``, metrics not yet reduced.
-
-        ``data`` is cut into batches of ``batch_size`` exactly as one process would
-        cut it, and each worker takes a contiguous block of whole batches (no
-        padding, no duplicates). Every sample's output is then computed in the same
-        batch as in one process, bit for bit, so the float64 sums, and the metrics,
-        equal the single-process ones exactly.
-
-        The user's module runs directly (not the DDP wrapper), so workers with
-        different numbers of validation batches never meet in a collective, and no
-        DataLoader is created, so validation draws nothing from the RNG: training
-        with or without ``val_data`` gives the same weights. Collective: rank 0's
-        parameters and buffers are lent to every worker for the evaluation.
-        """
-        metrics: list[Metric] = [MeanLoss(self.loss_fn)] + [m.fresh() for m in self.metrics]
-        n, rank, world = len(data), group.rank(), group.world_size()
-        batches = -(-n // batch_size)
-        first, last = batches * rank // world, batches * (rank + 1) // world
-        module, was_training = self.module, self.module.training
-        module.eval()
-        try:
-            with torch.no_grad(), self._main_replica():
-                for b in range(first, last):
-                    indices = range(b * batch_size, min((b + 1) * batch_size, n))
-                    inputs, target = self._to_device(_fetch(data, indices))
-                    output = module(*inputs)
-                    for m in metrics:
-                        m.update(output, target)
-        finally:
-            module.train(was_training)
-        return metrics
-
-    @contextlib.contextmanager
-    def _main_replica(self) -> Iterator[None]:
-        """Lend rank 0's parameters and buffers to this worker's module, then give its own back (collective)."""
-        if group.world_size() == 1:
-            yield
-            return
-        tensors = [t.data for t in self.module.state_dict(keep_vars=True).values()]
-        own = [t.clone() for t in tensors] if group.rank() != 0 else []
-        self.comm.broadcast_(tensors, src=0)
-        try:
-            yield
-        finally:
-            for t, mine in zip(tensors, own):
-                t.copy_(mine)
+        """This worker's share of ``data`` through rank 0's model, metrics not yet reduced (collective;
+        :mod:`phalanx.evaluation`)."""
+        metrics = [MeanLoss(self.loss_fn)] + [m.fresh() for m in self.metrics]
+        return evaluate_share(self.module, metrics, data, batch_size, self.comm, self._to_device)
 
     # -- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, *, blocking: bool = True) -> Any:
@@ -417,20 +375,6 @@ class Trainer:
                                     "Make the dataset return (x, y), e.g. TensorDataset(x, y)."))
         moved = [t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch]
         return moved[:-1], moved[-1]
-
-
-def _check_eval(data: Any, batch_size: Any, data_name: str, batch_name: str) -> None:
-    check.positive_int(batch_name, batch_size, f"Pass e.g. {batch_name}=256.")
-    if not isinstance(data, Sized):
-        raise ConfigError(usage(f"{data_name} of type {type(data).__name__} without len()", "a map-style dataset",
-                                "Wrap tensors in torch.utils.data.TensorDataset."))
-
-
-def _fetch(data: Dataset, indices: range) -> Any:
-    """One batch of ``data`` at ``indices``; tensors are sliced directly when possible."""
-    if isinstance(data, TensorDataset):
-        return tuple(t[indices.start:indices.stop] for t in data.tensors)
-    return default_collate([data[i] for i in indices])
 
 
 __all__ = ["History", "Trainer"]
