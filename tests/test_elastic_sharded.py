@@ -26,8 +26,8 @@ from workers import sharded_reshard
 
 @pytest.fixture(autouse=True)
 def _spawned_workers(monkeypatch):
-    """Workers start as fresh interpreters here: these runs expect the regroup after a loss to come before the
-    replacement is ready; a forked replacement (PHALANX_START_METHOD=forkserver) is ready in that same regroup."""
+    """Workers start as fresh interpreters here (a forked replacement, PHALANX_START_METHOD=forkserver, is ready
+    sooner; --replacement-after-regroup orders the loss's regroup before the join in any case)."""
     monkeypatch.setenv("PHALANX_START_METHOD", "spawn")
 
 
@@ -35,7 +35,8 @@ def _spawned_workers(monkeypatch):
 def hsdp_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
     tmp_path = tmp_path_factory.mktemp("hsdp")
     proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
-                           "--commit-every", "3", "--epochs", "4", "--slow-while-below", "4", n=4, timeout=300)
+                           "--commit-every", "3", "--epochs", "4", "--slow-while-below", "4",
+                           "--replacement-after-regroup", n=4, timeout=300)
     return tmp_path, proc, results
 
 

@@ -19,6 +19,16 @@ if "--fail-replacements" in sys.argv and os.environ.get("PHALANX_ELASTIC_ID", ""
     # before importing torch: a script that fails at start usually fails fast (a typo, a missing file)
     raise SystemExit(f"replacement {os.environ['PHALANX_ELASTIC_ID']}: failing at start, as the test asked")
 
+if "--replacement-after-regroup" in sys.argv and os.environ.get("PHALANX_ELASTIC_ID", "").startswith("r"):
+    # A replacement enters only once the survivors have regrouped without the lost worker, so the loss and the
+    # join are two regroups however fast the replacement starts (an event, not a race against the start-up).
+    regrouped = os.path.join(sys.argv[sys.argv.index("--out") + 1], "regrouped")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(regrouped):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"replacement {os.environ['PHALANX_ELASTIC_ID']}: no regroup within 120 s ({regrouped})")
+        time.sleep(0.05)
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -117,6 +127,8 @@ def main() -> None:
                         "for at most 60 s")
     p.add_argument("--fail-replacements", action="store_true",
                    help="a replacement (r1, r2...) fails at start (checked at import)")
+    p.add_argument("--replacement-after-regroup", action="store_true",
+                   help="a replacement (r1, r2...) starts only once the survivors regrouped (checked at import)")
     p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
     p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S) (HSDP with allreduce)")
     p.add_argument("--checkpoint", default=None, help="px.elastic.State(checkpoint=DIR): every commit on disk too")
@@ -168,6 +180,7 @@ def main() -> None:
                 digests.append([state.step, px.world_size(), digest(model_, opt)])
                 if len(state.history) > len(changes):  # the first step after a membership change
                     changes.append([time.time(), px.world_size(), state.step])
+                    open(os.path.join(args.out, "regrouped"), "a").close()  # --replacement-after-regroup
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])  # a short last step
                 everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
                 record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
