@@ -32,6 +32,20 @@ def _outer_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
+def outer_direction(d: torch.Tensor, buf: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+    """torch.optim.SGD's step direction for gradient ``d`` (dampening 0); moves the momentum buffer ``buf``.
+
+    Example:
+        >>> d, buf = torch.ones(2), torch.zeros(2)
+        >>> outer_direction(d, buf, 0.9, nesterov=True).tolist(), buf.tolist()
+        ([1.899999976158142, 1.899999976158142], [1.0, 1.0])
+    """
+    if not momentum:
+        return d
+    buf.mul_(momentum).add_(d)
+    return d.add(buf, alpha=momentum) if nesterov else buf
+
+
 class OuterStep(Exchange):
     """Average ``anchor - params``, take an outer (Nesterov) SGD step on the anchor, copy it into params."""
 
@@ -49,10 +63,7 @@ class OuterStep(Exchange):
     @torch.no_grad()
     def exchange(self, params: list[nn.Parameter], comm: Comm, step: int) -> None:
         for a, buf, d, p in zip(self.anchor, self.buffers, self._mean_delta(params, comm), params, strict=True):
-            if self.momentum:  # torch.optim.SGD's rule, dampening 0
-                buf.mul_(self.momentum).add_(d)
-                d = d.add(buf, alpha=self.momentum) if self.nesterov else buf
-            a.sub_(d, alpha=self.lr)
+            a.sub_(outer_direction(d, buf, self.momentum, self.nesterov), alpha=self.lr)
             p.copy_(a)
 
     @torch.no_grad()

@@ -55,7 +55,7 @@ from ..errors import ConfigError, usage
 from ..quantize import Quantize, check_floating
 from .base import Strategy, drifting_replica_state, load_drifting_replica_state
 from .buffers import BufferMean
-from .diloco import _outer_dtype
+from .diloco import _outer_dtype, outer_direction
 from .gradients import share_total
 
 
@@ -272,19 +272,12 @@ class StreamingDiLoCo(Strategy):
             return torch.zeros(self.compression.message_bytes(f.numel), dtype=torch.uint8, device=f.anchor[0].device)
         return torch.zeros(f.numel + 1, dtype=f.anchor[0].dtype, device=f.anchor[0].device)
 
-    def _outer_direction(self, d: torch.Tensor, momentum: torch.Tensor) -> torch.Tensor:
-        """torch.optim.SGD's step direction for gradient ``d`` (dampening 0, as px.DiLoCo); moves ``momentum``."""
-        if not self.outer_momentum:
-            return d
-        momentum.mul_(self.outer_momentum).add_(d)
-        return d.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
-
     def _eager_step(self, f: Fragment, delta: list[torch.Tensor]) -> None:
         """The outer step with this worker's own pseudo-gradient, on a copy of the anchor and momentum: the
         weights the inner steps go on from until the average lands."""
         f.eager = []
         for a, buf, d, p in zip(f.anchor, f.momentum, delta, f.params, strict=True):
-            w = a - self.outer_lr * self._outer_direction(d, buf.clone())
+            w = a - self.outer_lr * outer_direction(d, buf.clone(), self.outer_momentum, self.nesterov)
             p.copy_(w)
             f.eager.append(w)
 
@@ -299,7 +292,7 @@ class StreamingDiLoCo(Strategy):
             if not outer:
                 a.sub_(d)
             else:
-                a.sub_(self._outer_direction(d, buf), alpha=self.outer_lr)
+                a.sub_(outer_direction(d, buf, self.outer_momentum, self.nesterov), alpha=self.outer_lr)
             if eager is not None:  # the average replaces the stand-in; the local steps since the send stay
                 p.copy_(a + (p.to(a.dtype) - eager[i]))
             elif alpha == "eager" or alpha == 0:  # eager with no stand-in (a joiner: rank 0's weights, not its
