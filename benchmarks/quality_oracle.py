@@ -27,8 +27,12 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 
 def curve(task_name: str, seed: int, steps: int, every: int, world: int, lr: float | None,
-          threads: int) -> list[tuple[int, float]]:
-    """``(step, quality)`` every ``every`` steps (and at step 0) of one oracle run."""
+          threads: int, *, stale: bool = False, momentum: float | None = None) -> list[tuple[int, float]]:
+    """``(step, quality)`` every ``every`` steps (and at step 0) of one oracle run.
+
+    ``stale``: step ``t`` applies the gradient computed at step ``t - 1`` (the first applies nothing), as a
+    gradient exchange overlapped with the next step would (``benchmarks/stale_gradient.py``). ``momentum``:
+    AdamW's β1 or SGD's momentum instead of the task's."""
     import torch
 
     from phalanx.bench.quality.tasks import get
@@ -38,6 +42,12 @@ def curve(task_name: str, seed: int, steps: int, every: int, world: int, lr: flo
     torch.manual_seed(seed)  # the benchmark's repeat ``seed`` starts from this model
     model = task.model()
     opt = task.optim.build(model.parameters(), task.optim.lr if lr is None else lr)
+    for group in opt.param_groups if momentum is not None else ():
+        if "betas" in group:
+            group["betas"] = (momentum, group["betas"][1])
+        else:
+            group["momentum"] = momentum
+    previous: list | None = None
     judged = task.judged(model)  # what the benchmark's workers evaluate: the weights or their moving average
     points = [(0, task.evaluate(judged.module))]
     started = time.perf_counter()
@@ -45,11 +55,16 @@ def curve(task_name: str, seed: int, steps: int, every: int, world: int, lr: flo
         x, y = task.batch(step, 0, 1, world * task.per_worker)
         opt.zero_grad(set_to_none=True)
         task.loss(model(x), y).backward()
+        if stale:  # apply the last step's gradient; this one waits a step (None at the first: nothing moves)
+            current = [p.grad for p in model.parameters()]
+            for p, g in zip(model.parameters(), previous or [None] * len(current), strict=True):
+                p.grad = g
+            previous = current
         opt.step()
         judged.update()
         if (step + 1) % every == 0 or step + 1 == steps:
             points.append((step + 1, task.evaluate(judged.module)))
-            print(f"  seed {seed} step {step + 1}: {points[-1][1]:.4f} "
+            print(f"  {'stale ' if stale else ''}seed {seed} step {step + 1}: {points[-1][1]:.4f} "
                   f"({(time.perf_counter() - started) / (step + 1):.2f} s a step)", file=sys.stderr, flush=True)
     return points
 
