@@ -3,6 +3,7 @@
     python benchmarks/quality_oracle.py --task gpt-large --steps 240 --every 10
     python benchmarks/quality_oracle.py --task resnet20 --steps 200 --every 15 --seeds 0,1
     python benchmarks/quality_oracle.py --task gpt --lr 0.002 --threads 2
+    python benchmarks/quality_oracle.py --task gpt --lr 0.001 --momentum 0.9 --seeds 0,1,2 --every 4
 
 One process trains the task's model on the global batch (``--world`` × the task's per-worker
 batch: exactly the samples two DDP workers see at each step, ``phalanx.bench.quality.tasks``)
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2, help="workers whose global batch one process takes")
     p.add_argument("--lr", type=float, default=None, help="default: the task's base lr")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--momentum", type=float, default=None, help="AdamW's beta1 or SGD's momentum (default: the "
+                   "task's)")
     p.add_argument("--thresholds", default="", help="comma list (default: the target and 4 values around it)")
     p.add_argument("--json", default="", help="also write the curves here")
     args = p.parse_args(argv)
@@ -98,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps {steps} --every {args.every} --world {args.world} --threads {args.threads}: "
                 "expected positive integers")
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    runs = {seed: curve(task.name, seed, steps, args.every, args.world, args.lr, args.threads) for seed in seeds}
+    runs = {seed: curve(task.name, seed, steps, args.every, args.world, args.lr, args.threads,
+                         momentum=args.momentum) for seed in seeds}
     sign = 1 if task.higher_is_better else -1
     step_size = 0.02 if task.higher_is_better else 0.05
     thresholds = ([float(t) for t in args.thresholds.split(",") if t] if args.thresholds else

@@ -13,7 +13,8 @@ The training clock counts only the training steps (forward, backward, the strate
 exchange, the optimizer step); drawing the batch and evaluating are outside it and
 the same for every setup. Every ``check_every`` steps rank 0 broadcasts one decision
 (evaluate now? stop?), so every rank takes the same number of steps and periodic
-strategies never hang. Quality is rank 0's replica at that moment (or, for a task with an
+strategies never hang; rank 0 evaluates on a regular grid and at every check once close
+to the target (:class:`EvalSchedule`). Quality is rank 0's replica at that moment (or, for a task with an
 ``ema_decay``, the moving average of its weights, updated after every step outside the
 clock); after the budget ``finish()`` makes the model to keep (last average, EASGD's
 centre), whose quality is the run's final quality.
@@ -44,6 +45,39 @@ def _decide(rank: int, flags: list[bool]) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
+class EvalSchedule:
+    """When rank 0 evaluates: every ``budget / evals`` of training time, and at every check once close to the target.
+
+    A time to target is read at the first evaluation that meets the target, so it overshoots by up to one
+    interval between evaluations (the GPT: ~8 steps, 7% of its bound). Once an evaluation comes within the
+    task's ``near_band`` of the target, every check (``check_every`` steps) evaluates until the target is met:
+    the overshoot is then at most one check, for every setup alike, for a few more evaluations per run.
+
+    Example:
+        >>> from phalanx.bench.quality.tasks import get
+        >>> s = EvalSchedule(budget=10.0, evals=5, task=get("gpt"))   # every 2 s; the GPT's band: 0.08 nats
+        >>> s.due(1.0), s.due(2.0)
+        (False, True)
+        >>> s.record(2.0, 2.90); s.due(2.5)       # 0.15 from the target 2.75: the next at 4 s
+        False
+        >>> s.record(4.0, 2.78); s.due(4.2)       # within the band: every check from now on
+        True
+        >>> s.record(4.2, 2.74); s.due(4.4)       # met: back to the regular grid
+        False
+    """
+
+    def __init__(self, budget: float, evals: int, task: Any) -> None:
+        self.interval, self.next, self.task, self.near = budget / evals, budget / evals, task, False
+
+    def due(self, clock: float) -> bool:
+        return clock >= self.next or self.near
+
+    def record(self, clock: float, quality: float) -> None:
+        if clock >= self.next:
+            self.next += self.interval
+        self.near = self.task.near(quality)
+
+
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(int(cfg.get("threads", 1)))
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -62,7 +96,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()
     curve: list[tuple[float, int, float]] = [(0.0, 0, task.evaluate(judged.module) if rank == 0 else float("nan"))]
     bytes0, wire0 = acc.bytes_sent(), wire_bytes()
-    clock, step, next_eval = 0.0, 0, budget / evals
+    clock, step, schedule = 0.0, 0, EvalSchedule(budget, evals, task)
     while True:
         x, y = task.batch(step, rank, world, per_worker)
         start = time.perf_counter()
@@ -75,10 +109,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         if step % check_every:
             continue
         done = clock >= budget or (max_steps and step >= max_steps)
-        evaluate, stop = _decide(rank, [bool(done or clock >= next_eval), bool(done)])
+        evaluate, stop = _decide(rank, [bool(done or schedule.due(clock)), bool(done)])  # rank 0's schedule
         if evaluate and rank == 0 and not stop:  # the final point is taken after finish()
             curve.append((clock, step, task.evaluate(judged.module)))
-            next_eval += budget / evals
+            schedule.record(clock, curve[-1][2])
         if stop:
             break
     wire_end = wire_bytes()
