@@ -2,7 +2,8 @@
 # Time to quality on slow links (docs/performance.md §7). Run as root (the shaped links are network namespaces +
 # veth + tc tbf) on an otherwise idle machine:
 #   benchmarks/quality.sh [OUT] [PART ...]      PART: gpt, resnet20, gpt-large (default: all three, in that order)
-#     OUT/gpt        the GPT: DDP, DDP+PowerSGD, streamed local SGD (H = 4, 4-bit), Streaming DiLoCo 4-bit (the
+#     OUT/gpt        the GPT: DDP, DDP+PowerSGD, streamed local SGD (H = 4, 4-bit; and with the inner momentum
+#                    averaged too, -moments), Streaming DiLoCo 4-bit (the
 #                    paper's H = 50 and Nesterov; and H = 64 with plain averaging as the outer step, -avg-h64) and
 #                    torchft's DiLoCo / Streaming DiLoCo (also -avg) on 100 Mbit/s; DDP and the streamed setups on
 #                    10 Mbit/s; DDP on 1 Gbit/s.
@@ -51,8 +52,8 @@ for part in $PARTS; do
   case $part in
     gpt)
       $Q --tasks gpt --evals 24 --link 10mbit,100mbit,1gbit --fast-setups ddp \
-        --setups "compute-only,ddp,ddp-powersgd,streaming-local-sgd-4bit,streaming-diloco-4bit\
-,streaming-diloco-4bit-avg-h64$TFT_DILOCO$TFT$TFT_AVG" \
+        --setups "compute-only,ddp,ddp-powersgd,streaming-local-sgd-4bit,streaming-local-sgd-4bit-moments\
+,streaming-diloco-4bit,streaming-diloco-4bit-avg-h64$TFT_DILOCO$TFT$TFT_AVG" \
         --out "$OUT/gpt" ${EXTRA:-} ;;
     resnet20)
       $Q --tasks resnet20 --evals 16 --link 100mbit,1gbit --fast-setups ddp \

@@ -36,6 +36,8 @@ STEPS = 8
     (lambda: px.StreamingDiLoCo(quantize=3), "None, 8, 4 or a compressor"),
     (lambda: px.StreamingDiLoCo(mixing=1.5), "mixing=1.5"),
     (lambda: px.StreamingDiLoCo(mixing="lazy"), "or \"eager\""),
+    (lambda: px.StreamingDiLoCo(moments=("velocity",)), "distinct names among momentum, exp_avg"),
+    (lambda: px.StreamingDiLoCo(moments=("exp_avg", "exp_avg")), "moments=('exp_avg', 'exp_avg')"),
     (lambda: px.Quantize(bits=2), "4 or 8"),
     (lambda: px.Quantize(block=63), "even block"),
     (lambda: px.Quantize(rounding="up"), "'nearest' or 'stochastic'"),
@@ -51,6 +53,23 @@ def test_more_fragments_than_parameters_is_refused_at_wrap():
     with pytest.raises(px.ConfigError) as err:
         px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=px.StreamingDiLoCo(every=4, fragments=3))
     assert "fragments <= 2" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("opt, says", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "momentum=0"),
+    (lambda ps: torch.optim.Adagrad(ps, lr=0.1), "momentum=None"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), None),
+])
+def test_moments_the_optimizer_does_not_keep_are_refused_at_wrap(opt, says):
+    net = torch.nn.Linear(2, 1)
+    strategy = px.StreamingDiLoCo(every=4, fragments=2, moments=("momentum",))
+    if says is None:  # SGD with momentum keeps its buffer: "momentum" names it
+        px.wrap(net, opt(net.parameters()), strategy=strategy)
+        assert strategy.moments.keys == ("momentum_buffer",)
+        return
+    with pytest.raises(px.ConfigError) as err:
+        px.wrap(net, opt(net.parameters()), strategy=strategy)
+    assert says in str(err.value) and "\n" not in str(err.value)
 
 
 def test_quantising_an_integer_buffer_is_refused():
@@ -163,12 +182,15 @@ def results(tmp_path_factory):
                        ckpt_dir=str(ckpt)).results
 
 
-def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: float | str) -> dict:
+def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: float | str,
+                 inner_momentum: float = 0.0, moments: bool = False) -> dict:
     """Algorithm 1 of arXiv 2501.18512 for 2 workers, in ONE process: plain SGD inner steps, Nesterov outer.
 
     ``alpha="eager"``: arXiv 2502.12996's eager update instead of the mix. At the send each worker takes the
     outer step with its own pseudo-gradient (on a copy of the momentum); when the average lands the worker
-    keeps what it did since, on the new anchor."""
+    keeps what it did since, on the new anchor. ``inner_momentum``: SGD with momentum inside; ``moments``:
+    each fragment's momentum buffers averaged with it (``moments=("momentum",)``): at the landing, ``overlap``
+    steps after the send, each worker's buffer gains ``momentum**overlap * (mean sent - its own sent)``."""
     from phalanx.bench.models import digits_cnn, load_digits_split
     from workers.streaming import BATCH
 
@@ -176,7 +198,7 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
     torch.manual_seed(0)
     replicas = [digits_cnn(), digits_cnn()]
     replicas[1].load_state_dict(replicas[0].state_dict())
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in replicas]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=inner_momentum) for m in replicas]
     loaders = [px.shard(train_set, batch_size=BATCH, seed=0, rank=r, world_size=2) for r in range(2)]
     # fragments: consecutive parameters, one cut where the bytes before it come closest to half
     sizes = [p.numel() for p in replicas[0].parameters()]
@@ -188,6 +210,7 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
     momentum = [torch.zeros_like(a) for a in anchor]
     in_flight: dict[int, tuple[int, list[torch.Tensor]]] = {}
     stand_in: dict[tuple[int, int], torch.Tensor] = {}  # (worker, parameter) -> its weights after the eager step
+    buffers_sent: dict[int, list[list[torch.Tensor]]] = {}  # fragment -> per worker, its momentum buffers as sent
     for loader in loaders:
         loader.set_epoch(0)
     for t, batches in enumerate(zip(*loaders, strict=True), start=1):
@@ -199,6 +222,9 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
             for p, idx in enumerate(frags):
                 if t % every == offsets[p]:  # the outer gradient, averaged over the workers, starts travelling
                     in_flight[p] = (t, [sum(anchor[i] - w[i] for w in params) / 2 for i in idx])
+                    if moments:
+                        buffers_sent[p] = [[o.state[w[i]]["momentum_buffer"].clone() for i in idx]
+                                           for o, w in zip(opts, params, strict=True)]
                     if alpha == "eager":
                         for r, w in enumerate(params):
                             for i in idx:
@@ -207,6 +233,11 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
                                 w[i].copy_(stand_in[r, i])
             for p, idx in enumerate(frags):
                 if p in in_flight and t == in_flight[p][0] + overlap:  # it lands: outer Nesterov, then mix
+                    sent = buffers_sent.pop(p, None)
+                    for j, i in enumerate(idx if sent is not None else ()):
+                        mean = (sent[0][j] + sent[1][j]) / 2
+                        for r, (o, w) in enumerate(zip(opts, params, strict=True)):
+                            o.state[w[i]]["momentum_buffer"] += inner_momentum ** overlap * (mean - sent[r][j])
                     for i, d in zip(idx, in_flight.pop(p)[1], strict=True):
                         momentum[i] = 0.9 * momentum[i] + d
                         anchor[i] -= 0.7 * (d + 0.9 * momentum[i])
@@ -262,6 +293,19 @@ def test_eager_updates_follow_the_eager_papers_rule_computed_in_one_process(resu
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     # the rule matters: the replicas are not the mixing rule's
     assert max(float((a - b).abs().max()) for a, b in zip(oracle["replicas"][0], mixed["replicas"][0])) > 1e-3
+
+
+@pytest.mark.multiproc
+def test_momentum_averaged_with_each_fragment_follows_the_rule_computed_in_one_process(results):
+    oracle = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5, inner_momentum=0.9, moments=True)
+    for rank, got in enumerate(results):
+        for a, b in zip(got["moments"]["before_finish"], oracle["replicas"][rank], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        for a, b in zip(got["moments_anchor"], oracle["anchor"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # the averaged buffers matter: with each worker keeping its own momentum the replicas end elsewhere
+    own = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5, inner_momentum=0.9)
+    assert max(float((a - b).abs().max()) for a, b in zip(oracle["replicas"][0], own["replicas"][0])) > 1e-4
 
 
 @pytest.mark.multiproc

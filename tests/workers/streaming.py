@@ -82,7 +82,9 @@ def exchanges(ckpt_dir: str, steps: int = 10) -> dict[str, Any]:
     out["resume"] = {name: resume_pair(factory, ckpt_dir, name, train_set, total=8, cut=5) for name, factory in {
         "float": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2),
         "4bit": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, quantize=4),
-        "eager": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, mixing="eager")}.items()}
+        "eager": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, mixing="eager"),
+        "moments": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, quantize=4, moments=("momentum",))
+    }.items()}
     out["diloco"] = train(px.DiLoCo(every=3), adamw, steps)
     out["streaming1"] = train(px.StreamingDiLoCo(every=3, fragments=1, overlap=0), adamw, steps)
     paper = px.StreamingDiLoCo(every=4, fragments=2, overlap=1, mixing=0.5)
@@ -92,6 +94,9 @@ def exchanges(ckpt_dir: str, steps: int = 10) -> dict[str, Any]:
     eager = px.StreamingDiLoCo(every=4, fragments=2, overlap=1, mixing="eager")
     out["eager"] = train(eager, sgd, steps, finish=False)
     out["eager_anchor"] = [a.clone() for f in eager.fragments for a in f.anchor]
+    moments = px.StreamingDiLoCo(every=4, fragments=2, overlap=1, mixing=0.5, moments=("momentum",))
+    out["moments"] = train(moments, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), steps, finish=False)
+    out["moments_anchor"] = [a.clone() for f in moments.fragments for a in f.anchor]
     q4 = px.StreamingDiLoCo(every=4, fragments=2, overlap=1, quantize=4)
     out["q4"] = train(q4, sgd, steps)
     out["q4_anchor"] = [a.clone() for f in q4.fragments for a in f.anchor]

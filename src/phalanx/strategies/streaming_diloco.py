@@ -21,7 +21,10 @@ Distributed Free Lunch", arXiv 2501.18512, Algorithm 1):
   during the overlap is kept whole, and the average is taken whole (a joiner, which holds no
   stand-in, takes the anchor);
 * the pseudo-gradient may be quantised (``quantize=4``: :class:`phalanx.Quantize`); the
-  paper found 4-bit outer gradients lose nothing measurable.
+  paper found 4-bit outer gradients lose nothing measurable;
+* ``moments=("exp_avg",)`` also averages the inner optimizer's named states with each
+  fragment, in the same message (DES-LOC, arXiv 2505.22549; :mod:`phalanx.strategies.moments`):
+  when the average lands each worker swaps its own sent part for the average's.
 
 With ``fragments=1, overlap=0`` and no quantisation this is ``px.DiLoCo(every=H)``, bit for bit.
 
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -57,6 +60,7 @@ from .base import Strategy, drifting_replica_state, load_drifting_replica_state
 from .buffers import BufferMean
 from .diloco import _outer_dtype, outer_direction
 from .gradients import share_total
+from .moments import Moments
 
 
 def balanced_split(sizes: list[int], parts: int) -> list[range]:
@@ -106,6 +110,8 @@ class Fragment:
         self.buffer: torch.Tensor | None = None  # the all-reduce's own copy of the message (summed in place)
         self.resend = False  # a regroup or restore dropped the handle: send the message again
         self.eager: list[torch.Tensor] | None = None  # mixing="eager": the weights right after the eager step
+        self.moments_sent: list[torch.Tensor] | None = None  # moments=: this worker's optimizer states as sent
+        self.moment_steps = 0  # optimizer steps taken since the send (the states' decay since)
         self.running_stats = BufferMean(())  # the buffers of the modules whose parameters it holds
 
     @property
@@ -130,14 +136,18 @@ class StreamingDiLoCo(Strategy):
             and corrected with the average when it lands (arXiv 2502.12996): the local steps taken
             during the overlap are all kept.
         outer_lr, outer_momentum, nesterov: the outer optimiser, as ``px.DiLoCo``.
+        moments: names of the inner optimizer's per-parameter states averaged with each fragment
+            (``("momentum",)``: Adam's ``exp_avg`` or SGD's ``momentum_buffer``; default none, as the
+            paper): one more copy of the fragment's size in each message per name.
     """
 
     name = "streaming-diloco"
 
     def __init__(self, every: int = 100, fragments: int = 4, overlap: int = 1, quantize: Any = None, *,
                  mixing: float | None = None, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True) -> None:
+                 nesterov: bool = True, moments: Sequence[str] = ()) -> None:
         super().__init__()
+        self.moments = Moments(moments)
         self.every = check.positive_int("StreamingDiLoCo(every", every, "Pass the inner steps between a "
                                         "fragment's outer steps, e.g. every=100.", close=")")
         self.num_fragments = check.positive_int("StreamingDiLoCo(fragments", fragments, "Pass the number of "
@@ -168,6 +178,8 @@ class StreamingDiLoCo(Strategy):
     # -- the template ---------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         module = super().attach(model, optimizer)
+        if self.moments:
+            self.moments.bind(optimizer)
         if self.num_fragments > len(self.params):
             raise ConfigError(usage(f"StreamingDiLoCo(fragments={self.num_fragments}) for a model with "
                                     f"{len(self.params)} trainable parameter tensors",
@@ -186,6 +198,9 @@ class StreamingDiLoCo(Strategy):
 
     def after_step(self, step: int, taken: bool) -> None:
         self._resend()
+        for f in self.fragments if taken else ():  # a skipped step left the optimizer's states as they were
+            if f.sent_at >= 0:
+                f.moment_steps += 1
         weight = self.clock.step_weight  # a skipped step still held its samples
         for f in self.fragments:
             f.share += weight
@@ -222,6 +237,9 @@ class StreamingDiLoCo(Strategy):
         delta = [a - p.to(a.dtype) for a, p in zip(f.anchor, f.params, strict=True)]  # the pseudo-gradient
         if self.mixing == "eager":
             self._eager_step(f, delta)
+        states = self.moments.take(f.params) if self.moments else []
+        f.moments_sent, f.moment_steps = ([t.clone() for t in states] if states else None), 0
+        delta += states  # one message: the pseudo-gradient, then the optimizer states (moments=)
         share, f.share = f.share, 0.0
         f.sent_at, f.result, f.resend = step, None, False
         comm, c = self.comm, self.compression
@@ -237,7 +255,7 @@ class StreamingDiLoCo(Strategy):
             f.pending = self._start(f)
         elif isinstance(c, Quantize):  # the weight travels inside the message: no extra collective
             f.message = c.encode(torch.cat([d.reshape(-1) for d in delta]), f"fragment{f.index}", share)
-            f.pending = c.send(f.message, f.numel, comm)
+            f.pending = c.send(f.message, self._numel(f), comm)
         else:  # a compressor without an asynchronous exchange: as DiLoCo, finished now
             total = share_total(comm, share)
             weight = share * comm.world_size / total if total > 0 else 1.0
@@ -246,6 +264,10 @@ class StreamingDiLoCo(Strategy):
                     d.zero_() if weight == 0 else d.mul_(weight)
             c.average_(delta, comm, key=f"fragment{f.index}")
             f.result, f.message = delta, None
+
+    def _numel(self, f: Fragment) -> int:
+        """Values in one fragment's message (before the weight): its pseudo-gradient and its states."""
+        return f.numel + self.moments.numel(f.params)
 
     def _start(self, f: Fragment) -> Any:
         # A copy is summed, so the message stays this worker's own part: an abandoned handle may still write.
@@ -262,15 +284,16 @@ class StreamingDiLoCo(Strategy):
             if f.message is None:  # a joiner took part in none: an empty message of weight 0
                 f.message = self._empty_message(f)
             if isinstance(self.compression, Quantize):
-                f.pending = self.compression.send(f.message, f.numel, self.comm)
+                f.pending = self.compression.send(f.message, self._numel(f), self.comm)
             else:
                 f.buffer = None
                 f.pending = self._start(f) if self.comm.world_size > 1 else None
 
     def _empty_message(self, f: Fragment) -> torch.Tensor:
         if isinstance(self.compression, Quantize):
-            return torch.zeros(self.compression.message_bytes(f.numel), dtype=torch.uint8, device=f.anchor[0].device)
-        return torch.zeros(f.numel + 1, dtype=f.anchor[0].dtype, device=f.anchor[0].device)
+            return torch.zeros(self.compression.message_bytes(self._numel(f)), dtype=torch.uint8,
+                               device=f.anchor[0].device)
+        return torch.zeros(self._numel(f) + 1, dtype=f.anchor[0].dtype, device=f.anchor[0].device)
 
     def _eager_step(self, f: Fragment, delta: list[torch.Tensor]) -> None:
         """The outer step with this worker's own pseudo-gradient, on a copy of the anchor and momentum: the
@@ -286,6 +309,7 @@ class StreamingDiLoCo(Strategy):
         """The average has landed: the outer step on the anchor (``outer=False``: the anchor becomes the mean),
         then mix it into the worker's fragment."""
         delta = f.result if f.result is not None else self._wait(f)
+        delta, states = delta[:len(f.anchor)], delta[len(f.anchor):]
         alpha = self.mixing if mixing is None else mixing
         eager = f.eager if alpha == "eager" else None
         for i, (a, buf, d, p) in enumerate(zip(f.anchor, f.momentum, delta, f.params, strict=True)):
@@ -299,14 +323,17 @@ class StreamingDiLoCo(Strategy):
                 p.copy_(a)  # stand-in), or a restore onto another world size: the anchor, as mixing 0
             else:
                 p.copy_(torch.lerp(a, p.to(a.dtype), alpha))
+        if f.moments_sent is not None:  # a joiner sent none: it keeps its own states
+            self.moments.correct(f.params, f.moments_sent, states, f.moment_steps)
         if alpha == 0:  # shared state: only what every rank decides alike (a joiner alone lacks a stand-in)
             f.synced_at = self.steps
         f.sent_at, f.message, f.result, f.pending, f.buffer, f.eager = -1, None, None, None, None, None
+        f.moments_sent = None
 
     def _wait(self, f: Fragment) -> list[torch.Tensor]:
         if isinstance(self.compression, Quantize):
             flat = f.pending.wait() if f.pending is not None else self.compression.sum_messages([f.message],
-                                                                                                f.numel)
+                                                                                                self._numel(f))
         else:
             if f.pending is not None:
                 start = time.perf_counter()
@@ -317,8 +344,9 @@ class StreamingDiLoCo(Strategy):
             # no rank held a sample since the send (weights 0 everywhere): nothing to average, not a NaN
             flat = flat[:-1] / flat[-1] if float(flat[-1]) != 0 else torch.zeros_like(flat[:-1])
         out, offset = [], 0
-        for a in f.anchor:
-            out.append(flat[offset:offset + a.numel()].view_as(a).to(a.dtype))
+        for a in [*f.anchor, *(p for _ in self.moments.keys for p in f.params)]:  # the layout _send made
+            dtype = a.dtype if a.dtype in (torch.float32, torch.float64) else torch.float32
+            out.append(flat[offset:offset + a.numel()].view_as(a).to(dtype))
             offset += a.numel()
         return out
 
@@ -352,16 +380,22 @@ class StreamingDiLoCo(Strategy):
                 "shares": [f.share for f in self.fragments],
                 "messages": [None if f.message is None or f.result is not None else f.message.clone()
                              for f in self.fragments],
-                "eager": [None if f.eager is None else [w.clone() for w in f.eager] for f in self.fragments]}
+                "eager": [None if f.eager is None else [w.clone() for w in f.eager] for f in self.fragments],
+                "moments_sent": [None if f.moments_sent is None else [t.clone() for t in f.moments_sent]
+                                 for f in self.fragments],
+                "moment_steps": [f.moment_steps for f in self.fragments]}
 
     def load_replica_state_dict(self, state: dict[str, Any]) -> None:
         super().load_replica_state_dict(state)
         load_drifting_replica_state(self, state)
         eager = state.get("eager", [None] * len(self.fragments))
-        for f, share, message, stand_in in zip(self.fragments, state["shares"], state["messages"], eager,
-                                               strict=True):
+        sent = state.get("moments_sent", [None] * len(self.fragments))
+        taken = state.get("moment_steps", [0] * len(self.fragments))
+        for f, share, message, stand_in, states, k in zip(self.fragments, state["shares"], state["messages"], eager,
+                                                          sent, taken, strict=True):
             f.share = float(share)
             f.eager = None if stand_in is None else [w.clone() for w in stand_in]
+            f.moments_sent, f.moment_steps = (None if states is None else [t.clone() for t in states]), int(k)
             if f.resend:
                 f.message = None if message is None else message.clone()
 
@@ -376,7 +410,7 @@ class StreamingDiLoCo(Strategy):
         mixing = repr(self.mixing) if isinstance(self.mixing, str) else format(self.mixing, "g")
         return (f"StreamingDiLoCo(every={self.every}, fragments={self.num_fragments}, overlap={self.overlap}, "
                 f"mixing={mixing}, outer_lr={self.outer_lr:g}, outer_momentum={self.outer_momentum:g}, "
-                f"quantize={self.compression!r})")
+                f"quantize={self.compression!r}" + (f", moments={self.moments!r})" if self.moments else ")"))
 
 
 __all__ = ["Fragment", "StreamingDiLoCo", "balanced_split"]

@@ -228,6 +228,13 @@ def _make() -> dict[str, QSetup]:
                optim="adamw", lr_of="streaming-diloco-4bit",
                note="as streaming-diloco-4bit-avg-h64 with eager updates (arXiv 2502.12996): the average replaces "
                     "this worker's own pseudo-gradient when it lands, and the inner steps taken meanwhile are kept"),
+        QSetup("streaming-local-sgd-4bit-moments", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
+            every=STREAM_LOCAL_EVERY, fragments=STREAM_FRAGMENTS, overlap=1,
+            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0, moments=("momentum",))),
+               lr_of="streaming-local-sgd-4bit",
+               note="as streaming-local-sgd-4bit with the inner optimizer's momentum (AdamW's exp_avg, SGD's "
+                    "momentum buffer) averaged with each fragment in the same 4-bit message (DES-LOC, arXiv "
+                    "2505.22549), landing 1 step after the send (τ=1): twice the bytes, 16x fewer than DDP"),
         QSetup("torchft-diloco", "torchft", torchft_peer.build(streaming=False), optim="adamw",
                note=f"torchft 0.2.0 DiLoCo, H={torchft_peer.H}, AdamW inner, Nesterov outer lr 0.7 momentum 0.9; "
                     "lighthouse in rank 0's namespace (bench/quality/torchft_peer.py)"),
