@@ -63,7 +63,8 @@ class Moments:
                                     "Pass moments=('exp_avg',) for Adam/AdamW or ('momentum_buffer',) for SGD "
                                     "with momentum."))
         self.keys = keys
-        self._decay: dict[int, list[float]] = {}
+        self._decay: dict[int, list[float]] = {}  # id(parameter) -> each key's decay, from its parameter group
+        self._optimizer: torch.optim.Optimizer | None = None  # set by bind(), at the strategy's attach
 
     def __bool__(self) -> bool:
         return bool(self.keys)
