@@ -37,6 +37,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError, usage
+from .diloco import _outer_dtype
 
 # Which hyperparameter of a parameter group is each state's decay: (group key, index into it or None).
 DECAYS: dict[str, tuple[str, int | None]] = {"exp_avg": ("betas", 0), "exp_avg_sq": ("betas", 1),
@@ -101,12 +102,12 @@ class Moments:
 
     @torch.no_grad()
     def take(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of the states, key-major (float32 or float64); zeros where a parameter has none yet."""
+        """Copies of the states, key-major, in the anchors' dtype; zeros where a parameter has none yet."""
         out = []
         for k in self.keys:
             for p in params:
                 s = self._optimizer.state.get(p, {}).get(k)
-                dtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+                dtype = _outer_dtype(p)  # the pseudo-gradient's dtype: both travel in one message
                 out.append(torch.zeros_like(p, dtype=dtype) if s is None else s.detach().to(dtype, copy=True))
         return out
 

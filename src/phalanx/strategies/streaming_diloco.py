@@ -198,7 +198,7 @@ class StreamingDiLoCo(Strategy):
 
     def after_step(self, step: int, taken: bool) -> None:
         self._resend()
-        for f in self.fragments if taken else ():  # a skipped step left the optimizer's states as they were
+        for f in self.fragments if taken and self.moments else ():  # a skipped step left the states as they were
             if f.sent_at >= 0:
                 f.moment_steps += 1
         weight = self.clock.step_weight  # a skipped step still held its samples
@@ -238,6 +238,7 @@ class StreamingDiLoCo(Strategy):
         if self.mixing == "eager":
             self._eager_step(f, delta)
         states = self.moments.take(f.params) if self.moments else []
+        # kept apart: the float exchange scales the message's own copies in place by this worker's share
         f.moments_sent, f.moment_steps = ([t.clone() for t in states] if states else None), 0
         delta += states  # one message: the pseudo-gradient, then the optimizer states (moments=)
         share, f.share = f.share, 0.0
@@ -345,8 +346,7 @@ class StreamingDiLoCo(Strategy):
             flat = flat[:-1] / flat[-1] if float(flat[-1]) != 0 else torch.zeros_like(flat[:-1])
         out, offset = [], 0
         for a in [*f.anchor, *(p for _ in self.moments.keys for p in f.params)]:  # the layout _send made
-            dtype = a.dtype if a.dtype in (torch.float32, torch.float64) else torch.float32
-            out.append(flat[offset:offset + a.numel()].view_as(a).to(dtype))
+            out.append(flat[offset:offset + a.numel()].view_as(a).to(_outer_dtype(a)))
             offset += a.numel()
         return out
 
