@@ -14,7 +14,7 @@ one GPU each where CUDA is present) and trains on synthetic data:
 Each run times ``--steps`` steps after ``--warmup`` steps (the first one compiles, so its
 time is reported apart as ``first step``). Each cell runs ``--repeats`` times, eager and
 compiled taking turns, and prints the medians: samples/s (all workers together),
-compiled/eager, and the graphs dynamo built (``phalanx.compiled.compilations``; a number
+compiled/eager, and the graphs dynamo built (``phalanx.step.compiled.compilations``; a number
 growing with the steps would mean a recompilation per step).
 Models: ResNet-20 (CIFAR shapes, batch 32 per worker) and a small GPT
 (``gpt(vocab=256, context=64, dim=128, layers=3, heads=4)``, batch 16 sequences).
@@ -48,7 +48,7 @@ def _model_and_batch(name: str, batch: int) -> tuple[torch.nn.Module, torch.Tens
 def worker(model: str, setup: str, compiled: bool, steps: int, warmup: int, backend: str) -> dict:
     """One worker of one run: returns its timings (rank 0's are reported)."""
     import phalanx as px
-    from phalanx.compiled import compilations
+    from phalanx.step.compiled import compilations
     px.init()
     dev = px.device()
     net, x, y, seq = _model_and_batch(model, MODELS[model])

@@ -49,7 +49,7 @@ while True:
     if step == 3 and px.is_main():
         open(ready, "w").close()
     if px.preempted():
-        px.save_checkpoint(os.path.join(px.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt, step=step)
+        px.save_checkpoint(os.path.join(px.step.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt, step=step)
         raise SystemExit(px.PREEMPTED_EXIT)
 '''
 
@@ -82,7 +82,7 @@ def one(model: str, workdir: str, grace: str) -> None:
 
 def boundary_cost() -> None:
     import phalanx as px
-    from phalanx import preempt
+    from phalanx.step import preempt
 
     p = preempt.of(px.init())
     n = 200_000

@@ -7,7 +7,7 @@ save state every ``--every`` steps, and lose the worker of rank 1 at step ``--ki
 it writes its pid and parks, and this script kills its actor's process with SIGKILL
 ``--settle`` seconds later.
 
-- ``phalanx``: ``phalanx.raytrain.train`` (a replica group per worker; survivors regroup in
+- ``phalanx``: ``phalanx.launch.raytrain.train`` (a replica group per worker; survivors regroup in
   process and roll back to their newest in-memory commit; Ray starts one replacement, which
   joins at a later commit).
 - ``ray``: ``ray.train.torch.TorchTrainer`` with ``FailureConfig(max_failures=1)``: Ray Train
@@ -141,7 +141,7 @@ def killer(out: str, done: threading.Event, settle_s: float) -> dict:
 
 
 def run_phalanx(args: argparse.Namespace, out: str) -> dict:
-    from phalanx.raytrain import train
+    from phalanx.launch.raytrain import train
 
     done = threading.Event()
     killed = killer(out, done, args.settle)

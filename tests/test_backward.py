@@ -1,10 +1,10 @@
-"""The end-of-backward hook (phalanx.backward) and the one private torch attribute it needs (phalanx._engine)."""
+"""The end-of-backward hook (phalanx.step.backward) and the one private torch attribute it needs (step._engine)."""
 from __future__ import annotations
 
 import torch
 
-from phalanx import _engine
-from phalanx.backward import after_backward
+from phalanx.step import _engine
+from phalanx.step.backward import after_backward
 
 
 def test_engine_callback_runs_once_after_every_grad_is_accumulated_before_backward_returns():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.data import SpeedBalance, global_batches, shares_from, split_sizes
+from phalanx.data.loader import SpeedBalance, global_batches, shares_from, split_sizes
 from phalanx.errors import ConfigError
 from support.procs import run_workers
 

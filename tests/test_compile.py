@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.compiled import compilations, graph_breaks, is_compiled, original
+from phalanx.step.compiled import compilations, graph_breaks, is_compiled, original
 from support.procs import run_workers
 from workers.compiled import CASES, EXACT
 

@@ -156,7 +156,7 @@ def test_residuals_are_this_workers_own_and_only_the_warm_start_is_shared(name):
 @pytest.mark.parametrize("strategy", [lambda c: px.AllReduce(compression=c),
                                       lambda c: px.DiLoCo(every=2, compression=c)])
 def test_a_joiner_takes_rank_0s_warm_start_but_starts_with_zero_residuals(strategy):
-    from phalanx.training_state import TrainingState, shared
+    from phalanx.checkpoint.training_state import TrainingState, shared
 
     def wrapped():
         net = torch.nn.Linear(12, 10)
@@ -208,7 +208,7 @@ def test_topk_on_a_large_tensor_is_the_exact_top_k():
 
 def test_a_checkpoint_loaded_on_another_world_size_keeps_rank_0s_warm_start_and_no_residuals(tmp_path):
     from phalanx.checkpoint import FORMAT, write_verified
-    from phalanx.training_state import TrainingState
+    from phalanx.checkpoint.training_state import TrainingState
 
     def wrapped():
         net = torch.nn.Linear(12, 10)

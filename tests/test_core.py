@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
-from phalanx import group
+from phalanx.group import group
 from phalanx.checkpoint import MAGIC
-from phalanx.workerenv import WorkerEnv
+from phalanx.group.env import WorkerEnv
 from workers.core import OPTIMIZERS, dataset, flat, net, train
 
 
@@ -291,7 +291,7 @@ def test_environment_of_a_launched_worker_is_read_once():
 
 def test_more_nccl_workers_on_a_host_than_gpus_is_refused_before_anything_starts(monkeypatch):
     # NCCL itself fails only in the first collective, with an "invalid usage" that reads like a lost peer.
-    from phalanx import group
+    from phalanx.group import group
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -313,7 +313,7 @@ def test_init_returns_the_group_and_the_module_functions_read_it():
 
 
 def test_elastic_is_read_from_the_environment_once_into_the_group():
-    from phalanx.workerenv import WorkerEnv
+    from phalanx.group.env import WorkerEnv
     env = WorkerEnv.from_environ({"PHALANX_ELASTIC_ID": "3", "PHALANX_PS_ADDRS": "tcp://a:1,tcp://b:2"})
     g = group.Group(env, torch.device("cpu"))
     assert (g.elastic, env.elastic_id, env.ps_servers) == (True, "3", 2)
@@ -353,7 +353,7 @@ def test_lost_peers_names_a_rank_that_failed_without_any_collective():
 # -- typed failures -------------------------------------------------------------------------------------------------
 
 def test_a_failure_inside_a_guarded_collective_is_a_worker_lost_error_with_lost_ranks():
-    from phalanx.comm import guarded
+    from phalanx.group.collectives import guarded
     with pytest.raises(px.WorkerLostError) as info:
         with guarded("a test collective"):
             raise RuntimeError("Connection reset by peer")
@@ -439,6 +439,6 @@ def test_every_optional_hook_has_a_default_on_the_base_class():
 
 
 def test_a_strategy_that_uses_no_servers_warns_when_the_launcher_started_some():
-    from phalanx.workerenv import WorkerEnv
+    from phalanx.group.env import WorkerEnv
     with pytest.warns(UserWarning, match="names 2 parameter servers"):
         px.AllReduce().launched_with(WorkerEnv(ps_servers=2))

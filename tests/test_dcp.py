@@ -188,7 +188,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
 def test_a_one_file_checkpoint_of_the_earlier_format_still_loads(tmp_path):
     from phalanx.checkpoint import FORMAT
     from phalanx.framing import write_verified
-    from phalanx.training_state import TrainingState
+    from phalanx.checkpoint.training_state import TrainingState
     model, opt = W._wrapped(3)
     write_verified(tmp_path / "old.pt", {"format": FORMAT, "world_size": 1, "step": 5, "extra": {},
                                          "ranks": [TrainingState(model, opt, step=5).capture()]})

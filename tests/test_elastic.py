@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from phalanx import ConfigError
-from phalanx.launch_elastic import ElasticConfig
+from phalanx.launch.elastic import ElasticConfig
 from phalanx.elastic.membership import common_commit, decide_members
-from phalanx.launch import RunConfig
+from phalanx.launch.run import RunConfig
 from workers import elastic as worker
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "elastic.py")
@@ -247,7 +247,7 @@ def test_join_refuses_an_endpoint_with_no_job_within_seconds():
 def test_join_refuses_a_job_that_is_not_elastic_and_leaves_a_finished_one_at_once(tmp_path):
     import torch.distributed as dist
 
-    from phalanx.launch_join import probe
+    from phalanx.launch.join import probe
     from phalanx.elastic.membership import key
     from phalanx.errors import PhalanxError
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx import ConfigError
-from phalanx.data import global_batches
-from phalanx.epoch_report import step_postfix
+from phalanx.data.loader import global_batches
+from phalanx.train.epoch_report import step_postfix
 from workers import elastic as base
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "elastic_policy.py")

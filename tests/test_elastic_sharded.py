@@ -9,7 +9,7 @@ lost shard exists nowhere in memory: the survivor reloads the checkpoint every c
 Each result equals one process trained on the same global batches (the oracle of
 tests/test_elastic.py). A joiner receives only the rows of its own shards (about 1/S of the
 model and optimizer state), point to point; and on 2 live processes without the launcher,
-``phalanx.reshard.reshard`` moves exactly the rows each worker lacks (1 x 2 -> 2 x 1 -> 1 x 2).
+``phalanx.sharding.reshard.reshard`` moves exactly the rows each worker lacks (1 x 2 -> 2 x 1 -> 1 x 2).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 from phalanx import ConfigError
 from phalanx.elastic.options import ElasticConfig
 from phalanx.elastic.worker import admissible
-from phalanx.launch import RunConfig
+from phalanx.launch.run import RunConfig
 from test_elastic import launch, oracle
 from workers import elastic as worker
 
@@ -105,7 +105,7 @@ def test_the_launcher_uses_spares_first_then_replace_and_drops_a_dead_parked_spa
 
     import torch.distributed as dist
 
-    from phalanx.launch_elastic import _stop_all, _watch, _Worker
+    from phalanx.launch.elastic import _stop_all, _watch, _Worker
     from phalanx.elastic.membership import key
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.prefetch import prefetch
+from phalanx.data.prefetch import prefetch
 from support.procs import run_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),

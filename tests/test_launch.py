@@ -11,9 +11,9 @@ import time
 import pytest
 
 from phalanx import ConfigError
-from phalanx.allocator import heap_env
+from phalanx.launch.allocator import heap_env
 from phalanx.cli import main
-from phalanx.launch import RunConfig, _status
+from phalanx.launch.run import RunConfig, _status
 from support.procs import free_port
 
 SCRIPT = """\
@@ -114,7 +114,7 @@ def test_config_for_several_hosts_means_what_torchrun_means(script):
 
 def test_help_says_elastic_only_of_elastic():
     """One meaning: "elastic" is membership changing while the workers run (--elastic), not --nnodes MIN:MAX."""
-    from phalanx.launch import build_parser
+    from phalanx.launch.run import build_parser
     text = build_parser().format_help()
     before_group = text.split("\nelastic (")[0]  # everything outside the --elastic group and its examples
     outside = [ln for ln in before_group.splitlines() + text.split("examples:")[1].splitlines()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from phalanx.launch_workers import START_METHODS, start_worker
+from phalanx.launch.workers import START_METHODS, start_worker
 
 SCRIPT = """\
 import os, sys

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from phalanx.liveness import Heartbeat, Liveness, Watch, alive_ranks, describe, record_exit, survey
+from phalanx.group.liveness import Heartbeat, Liveness, Watch, alive_ranks, describe, record_exit, survey
 from support.procs import free_port, run_workers
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.comm import Comm
+from phalanx.group.collectives import Comm
 from phalanx.strategies.overlap import OverlappedMean, plan_buckets
 from support.procs import run_workers
 from workers.overlap import B, dataset, flat, net, train

@@ -62,7 +62,7 @@ def test_import_phalanx_loads_no_app_and_no_plotting_or_sklearn() -> None:
 
 def test_no_core_or_feature_module_imports_the_apps() -> None:
     modules = product_modules()
-    assert "phalanx.trainer" in modules and "phalanx.keras.fit" in modules and "phalanx.ps.server" in modules
+    assert "phalanx.train.trainer" in modules and "phalanx.keras.fit" in modules and "phalanx.ps.server" in modules
     assert not any(m.startswith("phalanx.bench") for m in modules)
     # Keras itself imports scikit-learn and matplotlib when they are installed, so px.keras is checked with
     # both absent; every other module must not even load them.

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.preempt import PREEMPTED_EXIT, latest_checkpoint
+from phalanx.step.preempt import PREEMPTED_EXIT, latest_checkpoint
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "preempt.py")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
@@ -36,7 +36,7 @@ def wait_for(path: str, proc: subprocess.Popen, deadline_s: float = 120) -> None
 
 def oracle() -> torch.nn.Module:
     """The worker's model trained by one plain-torch process on the global batches (2 x 4 samples)."""
-    from phalanx.data import global_batches
+    from phalanx.data.loader import global_batches
     from workers import preempt as w
     torch.manual_seed(1)
     net = w.make_model()
@@ -167,7 +167,7 @@ def test_sigterm_during_start_up_ends_the_job_in_one_line_with_no_worker_left(tm
 def test_the_launcher_ends_the_processes_it_started_and_only_those():
     # A SIGTERM while torch's agent is starting the workers can leave some it does not track yet; under load
     # one such run left 2 workers alive (holding the launcher's stderr, retrying a store that was gone).
-    from phalanx.launch import _children, _reap_children
+    from phalanx.launch.run import _children, _reap_children
     older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         before = _children()
@@ -208,7 +208,7 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     (["--resume-from", "nope.pt"], "--resume-from nope.pt (not found"),
 ])
 def test_bad_resume_flags_are_one_line(argv, given, tmp_path):
-    from phalanx.launch import RunConfig
+    from phalanx.launch.run import RunConfig
     with pytest.raises(px.ConfigError, match=None) as err:
         RunConfig.from_argv([*argv, WORKER])
     assert str(err.value).startswith(given) and "\n" not in str(err.value)
@@ -241,8 +241,9 @@ def test_sigterm_to_one_elastic_worker_leaves_at_the_commit_and_the_others_redo_
 
 def test_the_trainer_saves_on_sigterm_exits_75_and_resume_auto_ends_as_the_uninterrupted_fit(tmp_path, monkeypatch):
     import torch.nn.functional as F
-    from phalanx import group, preempt
-    from phalanx.callbacks import LambdaCallback, ModelCheckpoint
+    from phalanx.group import group
+    from phalanx.step import preempt
+    from phalanx.train.callbacks import LambdaCallback, ModelCheckpoint
 
     g = group.current() if group.is_initialized() else group.init()
     monkeypatch.setattr(g, "env", dataclasses.replace(g.env, launched_by_phalanx=True))  # as `phalanx run -n 1`

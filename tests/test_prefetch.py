@@ -6,7 +6,7 @@ from collections import namedtuple
 import torch
 
 import phalanx as px
-from phalanx.prefetch import DevicePrefetcher, prefetch, to_device
+from phalanx.data.prefetch import DevicePrefetcher, prefetch, to_device
 
 
 def test_on_cpu_prefetch_is_the_loaders_own_iterator():

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.launch import RunConfig
-from phalanx.profiling import MERGED, merge, unwritable
-from phalanx.workerenv import WorkerEnv
+from phalanx.launch.run import RunConfig
+from phalanx.step.profiling import MERGED, merge, unwritable
+from phalanx.group.env import WorkerEnv
 from support.procs import run_workers
 
 

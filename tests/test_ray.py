@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from phalanx import ConfigError, PhalanxError
-from phalanx.raytrain import PhalanxConfig, _connect, require_ray
+from phalanx.launch.raytrain import PhalanxConfig, _connect, require_ray
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phalanx[ray]')")
 pytest.importorskip("ray.train", reason="ray[train] is not installed (pip install 'phalanx[ray]')")
 
-from phalanx.raytrain import train  # noqa: E402
+from phalanx.launch.raytrain import train  # noqa: E402
 from workers import elastic as loop  # noqa: E402
 from workers import ray_train as worker  # noqa: E402
 

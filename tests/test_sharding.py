@@ -15,8 +15,8 @@ import torch
 
 import phalanx as px
 from phalanx.errors import ConfigError
-from phalanx.group import Group
-from phalanx.workerenv import WorkerEnv
+from phalanx.group.group import Group
+from phalanx.group.env import WorkerEnv
 from support.procs import run_workers
 
 N = 13  # samples: the last global batch of 8 is short (5), so parts differ in size

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from phalanx import ConfigError
-from phalanx.launch import RunConfig
-from phalanx.launch_slurm import SlurmEnv, expand_nodelist
+from phalanx.launch.run import RunConfig
+from phalanx.launch.slurm import SlurmEnv, expand_nodelist
 from support.procs import free_port
 from test_preempt import oracle, weights
 from workers import elastic as base

@@ -22,7 +22,7 @@ from workers import state as W
 import phalanx as px
 from phalanx.framing import read_verified, write_verified
 from support.procs import run_workers
-from phalanx.trainer import Trainer
+from phalanx.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +227,7 @@ def test_training_loss_of_a_padded_loss_is_torchs_mean_over_the_kept_targets():
 
 
 def test_restoring_an_in_memory_capture_replays_the_same_steps_scheduler_scaler_and_rng_included():
-    from phalanx.training_state import TrainingState
+    from phalanx.checkpoint.training_state import TrainingState
     model = W.net(seed=3, dropout=0.3)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -261,7 +261,7 @@ def test_a_checkpoint_with_valid_framing_but_the_wrong_structure_is_one_clear_ch
 
     from phalanx.checkpoint import FORMAT, SAME_AS_RANK0
     from phalanx.errors import CheckpointError
-    from phalanx.training_state import TrainingState
+    from phalanx.checkpoint.training_state import TrainingState
     model = W.net(seed=0)
     path = str(tmp_path / "ckpt.pt")  # a one-file checkpoint of the earlier format (still loaded)
     rank0 = TrainingState(model).capture()

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from workers import trainer as W
 
 import phalanx as px
-from phalanx.callbacks import Callback, LambdaCallback, ModelCheckpoint
-from phalanx.metrics import Accuracy, MeanLoss, ThroughputMeter, reduce_all, resolve
+from phalanx.train.callbacks import Callback, LambdaCallback, ModelCheckpoint
+from phalanx.train.metrics import Accuracy, MeanLoss, ThroughputMeter, reduce_all, resolve
 from support.procs import run_workers
-from phalanx.trainer import History
+from phalanx.train.trainer import History
 
 TIMING_KEYS = {"samples_per_s", "time_s"}
 HISTORY_KEYS = {"epoch", "loss", "accuracy", "top2_accuracy", "val_loss", "val_accuracy", "val_top2_accuracy",
@@ -65,7 +65,7 @@ def test_metrics_count_every_sample_once_across_uneven_shards():
 
 def test_metric_names_and_single_process_reduce():
     assert isinstance(resolve("accuracy"), Accuracy) and isinstance(resolve("loss"), MeanLoss)
-    with pytest.raises(px.ConfigError, match="expected a phalanx.metrics.Metric"):
+    with pytest.raises(px.ConfigError, match="expected a phalanx.train.metrics.Metric"):
         resolve("f1")
     acc = Accuracy(top_k=2)
     acc.update(torch.tensor([[3.0, 2.0, 1.0], [1.0, 2.0, 3.0]]), torch.tensor([1, 0]))
@@ -181,7 +181,7 @@ def test_trainer_stops_when_a_callback_asks_and_history_reads_by_column():
 
 def test_trainer_refuses_bad_arguments_clearly():
     model = W.net(seed=0)
-    with pytest.raises(px.ConfigError, match="a phalanx.callbacks.Callback"):
+    with pytest.raises(px.ConfigError, match="a phalanx.train.callbacks.Callback"):
         W.trainer(model, callbacks=[object()])
     with pytest.raises(px.ConfigError, match="on_epoch_ended"):
         LambdaCallback(on_epoch_ended=print)
@@ -238,7 +238,7 @@ def test_progress_is_plain_lines_when_stdout_is_not_a_terminal(capsys):
 
 
 def test_plain_progress_prints_every_so_often_and_at_the_end(capsys):
-    from phalanx.progress import PlainProgress
+    from phalanx.train.progress import PlainProgress
     clock = FakeClock()
     bar = PlainProgress(total=10, desc="epoch 1/1", every_s=30.0, clock=clock)
     for _ in range(10):

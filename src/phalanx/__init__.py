@@ -22,28 +22,28 @@ Launch with ``phalanx run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train
 """
 from __future__ import annotations
 
-from .callbacks import Callback, LambdaCallback, ModelCheckpoint
+from .train.callbacks import Callback, LambdaCallback, ModelCheckpoint
 from .checkpoint import load_checkpoint, read_checkpoint, save, save_checkpoint
-from .comm import Comm, CommStats, barrier, scatter_back
-from .compression import FP16, Compressor, PowerSGD, Threshold, TopK
-from .data import ShardedLoader, shard
+from .group.collectives import Comm, CommStats, barrier, scatter_back
+from .strategies.compression import FP16, Compressor, PowerSGD, Threshold, TopK
+from .data.loader import ShardedLoader, shard
 from .errors import CheckpointError, ConfigError, PhalanxError, WorkerLostError
-from .group import Group, device, is_initialized, is_main, local_rank, rank, shutdown, world_size
-from .group import current as current_group
-from .group import init as _join_group
-from .lr import scale_lr, warmup
-from .preempt import PREEMPTED_EXIT, latest_checkpoint, preempted, resume_from
-from .metrics import Accuracy, MeanLoss, Metric, ThroughputMeter
-from .profiling import Timeline, profile
+from .group.group import Group, device, is_initialized, is_main, local_rank, rank, shutdown, world_size
+from .group.group import current as current_group
+from .group.group import init as _join_group
+from .train.lr import scale_lr, warmup
+from .step.preempt import PREEMPTED_EXIT, latest_checkpoint, preempted, resume_from
+from .train.metrics import Accuracy, MeanLoss, Metric, ThroughputMeter
+from .step.profiling import Timeline, profile
 from .ps import AsyncEASGD, Downpour, ParameterServer
-from .quantize import Quantize
+from .strategies.quantize import Quantize
 from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, ParameterAverage, Periodic, Strategy,
                          StreamingDiLoCo, SyncCondition, fill_missing_grads)
-from .sharding import FullyShard
-from .sync import every, schedule
-from .training_state import TrainingState
-from .trainer import History, Trainer
-from .tracking import Tracker
+from .sharding.layout import FullyShard
+from .strategies.sync import every, schedule
+from .checkpoint.training_state import TrainingState
+from .train.trainer import History, Trainer
+from .train.tracking import Tracker
 from .wrap import no_sync, strategy_of, unwrap, wrap
 from . import elastic  # px.elastic.State / px.elastic.run
 from .elastic.commits import attach as _attach_elastic
@@ -53,7 +53,7 @@ __version__ = "0.1.0"
 
 
 def init(backend: str | None = None, timeout: float | None = None, threads: int | None = None) -> Group:
-    """Join the worker group described by the environment and return it; idempotent (see :func:`phalanx.group.init`).
+    """Join the worker group described by the environment and return it; idempotent (:func:`phalanx.group.group.init`).
 
     Under ``phalanx run --elastic`` a joiner or a spare waits here until the job admits it, so
     the group it gets back already holds its rank, world size and generation.
@@ -86,7 +86,7 @@ __all__ = [
     # the Trainer
     "Trainer", "History", "Callback", "LambdaCallback", "ModelCheckpoint", "Metric", "Accuracy", "MeanLoss",
     "ThroughputMeter", "Tracker",
-    # the timeline (phalanx.profiling)
+    # the timeline (phalanx.step.profiling)
     "profile", "Timeline",
     # checkpoints and errors
     "save_checkpoint", "load_checkpoint", "read_checkpoint", "TrainingState",

@@ -22,8 +22,8 @@ from .checkpoint import export
 from .errors import ConfigError, PhalanxError, usage
 
 COMMANDS = {
-    "run": ("phalanx.launch", "start N workers running a script (like torchrun); see `phalanx run --help`"),
-    "join": ("phalanx.launch_join", "add workers to a running `phalanx run --elastic` job"),  # elastic
+    "run": ("phalanx.launch.run", "start N workers running a script (like torchrun); see `phalanx run --help`"),
+    "join": ("phalanx.launch.join", "add workers to a running `phalanx run --elastic` job"),  # elastic
     "demo": ("phalanx.bench.demo", "train a small CNN on bundled digits with 1, then 2 workers, and compare"),
     "bench": ("phalanx.bench.cli", "measure throughput and scaling of the strategies"),
     "export": ("phalanx.cli:export_main", "write a checkpoint's model as a plain state_dict file (CKPT OUT)"),

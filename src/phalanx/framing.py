@@ -41,7 +41,7 @@ from .errors import CheckpointError, ConfigError, usage
 
 MAGIC = b"PHALANX-CKPT-1\n"
 # Written last into a complete checkpoint directory (phalanx.checkpoint): here, with the file format, so that
-# phalanx.preempt can tell a complete checkpoint without importing the checkpoint code (which imports the step clock).
+# phalanx.step.preempt can tell a complete checkpoint without importing the checkpoint code (which imports the clock).
 MARKER = "phalanx.json"
 
 

@@ -2,7 +2,7 @@
 
 The optimizer that comes back is the user's own object: the strategy runs through
 public torch hooks (the end of backward, ``register_step_post_hook``, a forward
-pre-hook; see :mod:`phalanx.steps`), so LR schedulers, ``state_dict`` and
+pre-hook; see :mod:`phalanx.step.clock`), so LR schedulers, ``state_dict`` and
 ``isinstance`` checks keep working.
 
 Example:
@@ -21,11 +21,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import group, profiling
-from .compiled import original
+from .group import group
+from .step import profiling
+from .step.compiled import original
 from .errors import ConfigError, usage
-from .sharding import FullyShard
-from .steps import StepClock
+from .sharding.layout import FullyShard
+from .step.clock import StepClock
 from .strategies import AllReduce, Strategy, by_name
 
 # What px.wrap attached lives on the user's own objects, not in a module-level registry (the current group is the
@@ -41,7 +42,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     ``shard=px.FullyShard(group_size=S)`` shards the model, its gradients and the optimizer's
     state over groups of S workers (FSDP2), and ``strategy`` agrees across the groups
-    (:mod:`phalanx.sharding`); the model is then sharded in place and the optimizer points at
+    (:mod:`phalanx.sharding.layout`); the model is then sharded in place and the optimizer points at
     its sharded parameters.
 
     Example:

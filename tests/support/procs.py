@@ -28,7 +28,7 @@ def run_workers(target: str, world_size: int = 2, **options: Any) -> WorkerRun:
 
 def kill_at(step: int, *, rank: int, now: int, my_rank: int | None = None, code: int = 1) -> None:
     """Failure injection in one line: ``kill_at(5, rank=1, now=step)`` exits rank 1 at step 5."""
-    from phalanx import group
+    from phalanx.group import group
     me = group.rank() if my_rank is None else my_rank
     if me == rank and now == step:
         sys.stdout.flush()

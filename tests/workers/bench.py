@@ -22,8 +22,8 @@ def trainer_breakdown(strategy: str = "allreduce", epochs: int = 2) -> dict[str,
     """px.Trainer with the StepBreakdown callback; returns its records and the Trainer's own step times."""
     import phalanx as px
     from phalanx.bench.breakdown import StepBreakdown
-    from phalanx.callbacks import LambdaCallback
-    from phalanx.trainer import Trainer
+    from phalanx.train.callbacks import LambdaCallback
+    from phalanx.train.trainer import Trainer
 
     px.init()
     torch.manual_seed(0)

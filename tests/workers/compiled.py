@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
-from phalanx.compiled import compilations, graph_breaks
+from phalanx.step.compiled import compilations, graph_breaks
 
 IN, CLASSES, B = 8, 3, 4
 N = 2 * B * 3 + 3  # three even steps of 2 x 4 samples, then 2 + 1: uneven, and second input shapes

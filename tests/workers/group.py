@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import phalanx as px
-from phalanx import comm, liveness
+from phalanx.group import collectives as comm
+from phalanx.group import liveness
 
 
 def rebuild_and_objects() -> dict[str, Any]:

@@ -58,7 +58,7 @@ def kill_one(victim: int, step: int = 3, slow: int | None = None, steps: int = 2
 
 def freeze_one(victim: int, step: int = 3, steps: int = 10000) -> dict[str, Any]:
     """``victim`` freezes itself with SIGSTOP at ``step`` (a hung peer); survivors report, then rank 0 reaps it."""
-    from phalanx import group
+    from phalanx.group import group
     px.init()
     group.store().set(f"test/pid/{px.rank()}", str(os.getpid()))
 

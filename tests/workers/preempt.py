@@ -57,7 +57,7 @@ def main() -> None:
             if px.preempted():
                 if a.hang_before_save and px.rank() == 1:
                     time.sleep(600)  # until the launcher's grace runs out and it kills this worker
-                px.save_checkpoint(os.path.join(px.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt,
+                px.save_checkpoint(os.path.join(px.step.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt,
                                    loader=loader, step=step)
                 raise SystemExit(px.PREEMPTED_EXIT)
     px.save(model, a.out)

@@ -65,7 +65,7 @@ def main() -> None:
                     if px.rank() == 0:
                         wait_for(f"{a.out}.rank1-7")
             if px.preempted():
-                px.save_checkpoint(os.path.join(px.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt,
+                px.save_checkpoint(os.path.join(px.step.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt,
                                    loader=loader, step=step)
                 raise SystemExit(px.PREEMPTED_EXIT)
     px.save(model, a.out)

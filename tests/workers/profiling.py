@@ -15,7 +15,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx.bench.breakdown import StepProbe
-from phalanx.profiling import TOP_LEVEL
+from phalanx.step.profiling import TOP_LEVEL
 
 SKIP, STEPS, TOTAL = 5, 3, 10  # px.profile's defaults; the files are written at the step after the window
 

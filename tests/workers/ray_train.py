@@ -1,4 +1,4 @@
-"""The training function the Ray tests run on Ray Train workers (``phalanx.raytrain.train(main, ...)``).
+"""The training function the Ray tests run on Ray Train workers (``phalanx.launch.raytrain.train(main, ...)``).
 
 It is tests/workers/elastic.py's loop as a function: each worker records, per step, the
 sample ids the whole group trained on (rolled back with the commits) and writes its id,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.steps import set_batch_weight
+from phalanx.step.clock import set_batch_weight
 
 from workers.core import IN, CLASSES, net
 

@@ -1,8 +1,8 @@
-"""Worker for tests/test_elastic_sharded.py: ``phalanx.reshard.reshard`` on 2 live processes, no launcher.
+"""Worker for tests/test_elastic_sharded.py: ``phalanx.sharding.reshard.reshard`` on 2 live processes, no launcher.
 
 A model with tied weights, a buffer and uneven first dimensions (7 rows: shards of 4 and 3;
 1 row: shards of 1 and 0) trains 2 AdamW steps on FSDP over both ranks (1 x 2). Its commit
-(:func:`phalanx.reshard.local_parts`) is re-laid out as 2 x 1 (each rank then holds every row:
+(:func:`phalanx.sharding.reshard.local_parts`) is re-laid out as 2 x 1 (each rank then holds every row:
 it receives the rows of the other shard) and back as 1 x 2 (every row is held already: nothing
 is sent); after one more step the model equals one process that trained 3 steps on the same batch.
 """
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.reshard import local_parts, reshard
-from phalanx.sharding import sharded_by
+from phalanx.sharding.reshard import local_parts, reshard
+from phalanx.sharding.layout import sharded_by
 
 
 class Odd(nn.Module):

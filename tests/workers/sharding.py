@@ -66,7 +66,7 @@ def _train_global(shard: px.FullyShard | None, n: int, batch: int, *, unweighted
         loader.set_epoch(epoch)
         for x, y in loader:
             if unweighted:  # the break: every part counts the same, whatever its size
-                px.steps.set_batch_weight(1.0)
+                px.step.clock.set_batch_weight(1.0)
             opt.zero_grad()
             if accumulate:  # two micro-batches, the first under px.no_sync; each loss a sum over the part's size
                 half = len(x) // 2

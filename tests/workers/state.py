@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
-from phalanx.callbacks import LambdaCallback
-from phalanx.trainer import Trainer
+from phalanx.train.callbacks import LambdaCallback
+from phalanx.train.trainer import Trainer
 
 IN, CLASSES, N_TRAIN = 6, 3, 48
 BATCH, EPOCHS, SAVE_AT = 4, 2, 7  # 6 steps per epoch; step 7 is inside epoch 1 and mid-round for every=4

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
-from phalanx.callbacks import Callback, LambdaCallback, ModelCheckpoint
-from phalanx.metrics import Accuracy
-from phalanx.trainer import Trainer
+from phalanx.train.callbacks import Callback, LambdaCallback, ModelCheckpoint
+from phalanx.train.metrics import Accuracy
+from phalanx.train.trainer import Trainer
 
 IN, CLASSES = 6, 3
 TRAIN_N, VAL_N = 100, 101  # neither divides by 2 workers x batch 8, and 101 is odd

@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..callbacks import Callback
+from ..train.callbacks import Callback
 from ..wrap import strategy_of, unwrap
 
 PHASES = ("data_s", "compute_s", "comm_s", "optimizer_s")

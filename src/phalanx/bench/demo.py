@@ -39,7 +39,7 @@ def train(*, epochs: int = 10, batch_size: int = 128, lr: float = 3e-3, seed: in
 
     import phalanx as px
     from phalanx.bench.models import digits_cnn, load_digits_split
-    from phalanx.trainer import Trainer
+    from phalanx.train.trainer import Trainer
 
     px.init()
     torch.manual_seed(seed)

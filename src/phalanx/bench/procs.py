@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from .. import group
-from ..launch_workers import StartMethod, start_worker
+from ..group import group
+from ..launch.workers import StartMethod, start_worker
 
 
 def free_port() -> int:
@@ -52,7 +52,7 @@ def run_workers(target: str, world_size: int = 2, *, timeout: float = 120.0, env
     """Run ``target`` ("module:function") on ``world_size`` real processes and collect results.
 
     ``kwargs`` must be JSON-serialisable. With ``check`` a non-zero exit raises with the logs.
-    ``start_method`` (:mod:`phalanx.launch_workers`): ``"spawn"`` runs a fresh interpreter per
+    ``start_method`` (:mod:`phalanx.launch.workers`): ``"spawn"`` runs a fresh interpreter per
     rank; ``"forkserver"`` forks each rank from a server that imported torch once (the tests'
     choice: 5 s less CPU per worker). Either way every rank is its own process with its own
     environment, talking gloo.

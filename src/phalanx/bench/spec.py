@@ -11,7 +11,7 @@ A *setup* is how one configuration trains:
 Arguments go in brackets: ``allreduce[bucket_mb=2]``, ``ddp-powersgd[rank=1]``,
 ``local-sgd[every=4]``; values are Python literals. ``shard=S`` on a phalanx strategy shards
 the model over groups of S workers (``allreduce[shard=2]`` is FSDP/HSDP, ``diloco[shard=2]``
-DiLoCo across groups; :mod:`phalanx.sharding`).
+DiLoCo across groups; :mod:`phalanx.sharding.layout`).
 
 Example:
     >>> parse_setup("ddp-powersgd[rank=2]")

@@ -4,7 +4,7 @@ Throughput alone flatters rules that talk less (local SGD, compression): they ta
 more steps to the same accuracy. This measures what a user waits for: training
 time (evaluation excluded) until rank 0's replica first reaches the target test
 accuracy, checked every ``eval_every`` steps. Every setup sees the same data
-order (:func:`phalanx.sampler.global_batches`), the same seeds and the same optimizer.
+order (:func:`phalanx.data.sampler.global_batches`), the same seeds and the same optimizer.
 
 Run as ``python -m phalanx.bench.tta CONFIG.json OUT.json``, one process per rank.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..sampler import global_batches
+from ..data.sampler import global_batches
 from .models import digits_cnn, load_digits_split
 from .report import fmt, fmt_bytes, setup_name
 from .spec import Setup

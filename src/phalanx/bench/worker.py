@@ -41,7 +41,7 @@ def setup_training(setup: Setup, model: nn.Module, opt: torch.optim.Optimizer) -
         import phalanx as px
         px.init()
         strategy = build_strategy(setup)
-        size = int(setup.kwargs.get("shard", 1))  # e.g. allreduce[shard=2]: FSDP over groups of 2 (phalanx.sharding)
+        size = int(setup.kwargs.get("shard", 1))  # allreduce[shard=2]: FSDP over groups of 2 (phalanx.sharding)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         module, _ = px.wrap(model, opt, strategy=strategy, shard=px.FullyShard(group_size=size) if size > 1 else None)
         acc = _StrategyAccountant(strategy)

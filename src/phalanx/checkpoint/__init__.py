@@ -45,9 +45,9 @@ Example:
 from __future__ import annotations
 
 # Kept importable from here: the parameter-server shard store, the launchers, the Keras optimizer state and older
-# code use these names (the framing and RNG helpers live in phalanx.framing and phalanx.training_state).
+# code use these names (the framing and RNG helpers live in phalanx.framing and phalanx.checkpoint.training_state).
 from ..framing import MAGIC, MARKER, atomic_write, check_plain, read_verified, write_verified
-from ..training_state import rng_state, set_rng_state
+from .training_state import rng_state, set_rng_state
 from .agreement import LAST_SAVED_KEY
 from .dcp import DCP_FORMAT
 from .handle import SaveHandle

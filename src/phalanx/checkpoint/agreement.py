@@ -29,8 +29,8 @@ import socket
 import time
 import uuid
 
-from .. import group
-from ..comm import guarded
+from ..group import group
+from ..group.collectives import guarded
 from ..errors import CheckpointError, ConfigError, usage
 
 #: Seconds the first worker to enter ``save_checkpoint`` waits for the others before saying it is not collective.

@@ -30,10 +30,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .. import group
+from ..group import group
 from ..errors import CheckpointError, ConfigError, usage
 from ..framing import MARKER, atomic_write, read_verified
-from ..training_state import TrainingState, cpu_copy, resize_warning, rng_state
+from .training_state import TrainingState, cpu_copy, resize_warning, rng_state
 from ..wrap import unwrap
 
 

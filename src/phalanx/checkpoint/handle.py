@@ -19,7 +19,7 @@ import uuid
 from concurrent.futures import Future
 from typing import Any
 
-from .. import group
+from ..group import group
 from ..errors import CheckpointError
 from ..framing import MARKER
 from .agreement import _file_error, _post_saved, _post_write, _wait_for_write

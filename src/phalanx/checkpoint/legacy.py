@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from .. import group
+from ..group import group
 from ..errors import CheckpointError
 from ..framing import read_verified
-from ..training_state import TrainingState, resize_warning, shared
+from .training_state import TrainingState, resize_warning, shared
 
 FORMAT = "phalanx-checkpoint-2"  # the one-file format of earlier versions, still loaded
 SAME_AS_RANK0 = "=rank0"  # one-file format: a part of a worker's snapshot that equals rank 0's is stored once

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..framing import MARKER, atomic_write, read_verified, to_bytes
-from ..training_state import TrainingState
+from .training_state import TrainingState
 from .dcp import DCP_FORMAT, _join, _load_directory, _load_whole, _read_marker, _read_rank_file, _refs
 from .handle import _resolve
 from .legacy import _load_file, _model_state

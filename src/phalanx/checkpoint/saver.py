@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import group
+from ..group import group
 from ..framing import atomic_write, check_plain, to_bytes, write_verified
-from ..sharding import is_sharded
-from ..spans import span
-from ..training_state import TrainingState
+from ..sharding.layout import is_sharded
+from ..group.spans import span
+from .training_state import TrainingState
 from ..wrap import unwrap
 from .agreement import _agree, _agree_on_temporary, _all_enter
 from .dcp import _dcp, _quiet, _snapshot
@@ -71,7 +71,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         3
     """
     check_plain(extra or {}, "extra")  # refuse before any collective, on every worker alike
-    with span("phalanx/checkpoint"):  # the timeline (phalanx.profiling)
+    with span("phalanx/checkpoint"):  # the timeline (phalanx.step.profiling)
         handle = save_state(path, TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler,
                                                 extra=extra, step=step), blocking=blocking)
     return None if blocking else handle

@@ -37,19 +37,19 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from .. import group
+from ..group import group
 from ..checkpoint import checkpoint_step, load_checkpoint, save_checkpoint
-from ..comm import broadcast_object
+from ..group.collectives import broadcast_object
 from ..errors import ConfigError, WorkerLostError, usage
-from ..reshard import ShardLostError, local_parts, reshard, reshard_empty
-from ..sharding import sharded_by
-from ..spans import span
+from ..sharding.reshard import ShardLostError, local_parts, reshard, reshard_empty
+from ..sharding.layout import sharded_by
+from ..group.spans import span
 from ..wrap import strategy_of
 from .membership import QuorumError
 from .resize import ResizePolicy, check_policy
 from .worker import ElasticWorker, place
 
-from ..training_state import TrainingState, shared
+from ..checkpoint.training_state import TrainingState, shared
 
 DEFAULT_COMMIT_EVERY = 10
 KEEP = 2  # commits held; survivors roll back to the newest one they all hold
@@ -197,7 +197,7 @@ class State:
         strategy = strategy_of(self.optimizer) if self.elastic else None
         if strategy is not None:
             strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
-        with span("phalanx/commit"):  # the timeline (phalanx.profiling)
+        with span("phalanx/commit"):  # the timeline (phalanx.step.profiling)
             self.commit()
             if self.checkpoint is not None and self.elastic:
                 save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
@@ -305,7 +305,7 @@ class State:
         return snap
 
     def _reshard(self, snap: dict | None) -> None:
-        """A sharded model: lay the commit's shards out over the new group (collective; see phalanx.reshard.reshard)."""
+        """A sharded model: lay the commit's shards out over the new group (collective; phalanx.sharding.reshard)."""
         shard = sharded_by(self.optimizer)
         if shard is not None:
             self._moved = reshard(shard, self.model, self.optimizer, self.training.strategy, group.current(), snap)
@@ -403,7 +403,7 @@ def attach(g: group.Group) -> None:
     """``px.init()``: take this worker's place in an elastic job, and supervise training loops in it.
 
     Under ``phalanx run --elastic`` the group gets :class:`State` as its supervisor
-    (:attr:`phalanx.group.Group.supervisor`), which ``Trainer.fit(elastic=...)`` calls; a
+    (:attr:`phalanx.group.group.Group.supervisor`), which ``Trainer.fit(elastic=...)`` calls; a
     joiner waits here for its place (:func:`phalanx.elastic.worker.place`). Elsewhere it does nothing.
     """
     place(g)
@@ -415,7 +415,7 @@ def is_peer_failure(err: BaseException) -> bool:
     """A failure a rebuilt group can survive: a peer died or stopped answering. Told by type, never by message.
 
     Every collective and store wait raises :class:`~phalanx.WorkerLostError` through
-    :func:`phalanx.comm.guarded`; torch's own distributed errors count too, for a collective
+    :func:`phalanx.group.collectives.guarded`; torch's own distributed errors count too, for a collective
     a user's code ran outside phalanx.
     """
     return isinstance(err, (WorkerLostError, dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError))

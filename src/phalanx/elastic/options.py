@@ -57,7 +57,7 @@ class ElasticConfig:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     replace: bool = False
     spares: int = 0  # standby workers started besides -n; they never count toward --min-workers
-    start_method: str = "spawn"  # phalanx.launch_workers: a fresh interpreter per worker, or a fork of a server
+    start_method: str = "spawn"  # phalanx.launch.workers: a fresh interpreter per worker, or a fork of a server
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, nproc: int, nodes: int) -> "ElasticConfig | None":

@@ -1,6 +1,6 @@
 """Rebuild the worker group in-process, without the lost workers (or with the joiners).
 
-The mechanics live on the group itself (:meth:`phalanx.group.Group.rebuild`); this
+The mechanics live on the group itself (:meth:`phalanx.group.group.Group.rebuild`); this
 module only names each generation's key space: a ``PrefixStore`` of the launcher's
 store, so no key of a dead generation is ever read again. The launcher's store
 outlives every worker, rank 0 included.
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .. import group
-from ..leaving import destroy_process_group as destroy, release  # noqa: F401 (used by the elastic worker and tests)
+from ..group import group
+from ..group.leaving import destroy_process_group as destroy, release  # noqa: F401 (used by the elastic worker and tests)
 
 
 def generation_prefix(generation: int) -> str:

@@ -10,7 +10,7 @@ can stay the same:
 - :class:`KeepGlobalBatch`: the global batch stays the size it had at the start and
   is re-split over the new world size. When it does not divide evenly some workers
   take one sample more; each worker's gradient is weighted by its share
-  (:func:`phalanx.steps.set_batch_weight`), so a step equals one process's step on the same
+  (:func:`phalanx.step.clock.set_batch_weight`), so a step equals one process's step on the same
   global batch and the learning rate needs no change.
 
 The policy's state (the global batch) rides in every commit, so a joiner that takes

@@ -22,7 +22,7 @@ import time
 
 import torch.distributed as dist
 
-from .. import liveness
+from ..group import liveness
 from .membership import key
 from .rebuild import generation_prefix
 

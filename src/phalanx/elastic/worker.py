@@ -7,7 +7,7 @@ launcher's store; a stopped or hung process stops bumping and the launcher kills
 away (the launcher's host is lost) the worker says so in one line and exits: no
 one is left to coordinate a recovery.
 
-Why this is a second heartbeat, beside the group's (:attr:`phalanx.group.Group.heartbeat`):
+Why this is a second heartbeat, beside the group's (:attr:`phalanx.group.group.Group.heartbeat`):
 
 * **different readers and keys.** The group's beats under the *rank*, in the *generation's*
   key space (peers diagnose a lost rank there; a dead generation's keys are never read
@@ -41,9 +41,9 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from .. import group
+from ..group import group
 from ..errors import PhalanxError
-from ..preempt import PREEMPTED_EXIT
+from ..step.preempt import PREEMPTED_EXIT
 from . import secret as job_secret
 from .membership import Membership, QuorumError, key
 from .rebuild import destroy, rebuild
@@ -75,7 +75,7 @@ def place(g: group.Group) -> None:
     """``px.init()`` under ``--elastic``: start this worker's side of the job; a joiner waits here for its place.
 
     A joiner or a spare asks to join and blocks until the members admit it; the group then
-    holds its rank, world size and generation (:meth:`~phalanx.group.Group.place`), as
+    holds its rank, world size and generation (:meth:`~phalanx.group.group.Group.place`), as
     ``RANK``/``WORLD_SIZE`` would under torchrun, and it enters (takes rank 0's state) where
     the script starts training (``px.elastic.run``, ``state.epochs``). Training that ended
     before it was admitted ends the process here, with status 0: nothing is left for it to do.

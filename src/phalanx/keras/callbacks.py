@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm
-from ..steps import set_batch_weight
+from ..group.collectives import Comm
+from ..step.clock import set_batch_weight
 from .keras_api import keras
 
 WRITERS = tuple(c for c in (getattr(keras.callbacks, n, None) for n in ("ModelCheckpoint", "CSVLogger", "TensorBoard"))

@@ -1,6 +1,6 @@
 """px.keras.shard: each worker reads only its part of every global batch, as a ``keras.utils.PyDataset``.
 
-The plan is phalanx's own (:func:`phalanx.sampler.global_batches`): the epoch's
+The plan is phalanx's own (:func:`phalanx.data.sampler.global_batches`): the epoch's
 permutation is cut into global batches of ``world_size * batch_size`` samples and
 each is split across workers, so N workers with batch b see exactly the batches one
 process sees with batch N*b and the same seed. Every sample of an epoch goes to one
@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import group
+from ..group import group
 from ..errors import ConfigError, usage
-from ..sampler import global_batches
+from ..data.sampler import global_batches
 from .detect import is_tf_dataset
 from .keras_api import keras
 

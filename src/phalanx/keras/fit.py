@@ -34,8 +34,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import group
-from ..comm import Comm
+from ..group import group
+from ..group.collectives import Comm
 from ..errors import ConfigError, usage
 from ..strategies import AllReduce, Strategy, by_name
 from .callbacks import EpochSync, StopTogether, main_only, stops_mid_epoch
@@ -82,7 +82,7 @@ def wrap(model: keras.Model, strategy: Strategy | str | None = None) -> keras.Mo
 
 
 def optimizer_of(model: Any) -> OptimizerState | None:
-    """The wrapped model's Keras optimizer as a torch-style state holder (for ``phalanx.training_state.TrainingState``).
+    """The wrapped model's Keras optimizer as a torch-style state holder (for :class:`phalanx.TrainingState`).
 
     Its ``strategy`` attribute is the strategy ``wrap`` attached.
     """

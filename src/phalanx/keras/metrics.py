@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm
+from ..group.collectives import Comm
 from .keras_api import keras
 
 # Built-in metrics whose every state variable is a sum over samples (so adds across workers).

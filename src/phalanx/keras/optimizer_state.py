@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import torch
 
-from .. import group
+from ..group import group
 from ..checkpoint import read_checkpoint, write_verified
-from ..comm import Comm
+from ..group.collectives import Comm
 from ..errors import CheckpointError
 from .runs import run_of
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .. import group
-from ..metrics import reduce_all
+from ..group import group
+from ..train.metrics import reduce_all
 from .keras_api import keras
 
 

@@ -22,7 +22,7 @@ them from the commit (the synchronous PS holds no model: its workers only regist
 
 Outside ``--elastic`` all of this does nothing. What it needs of the membership (is the
 group elastic, its generation, the job's store that outlives generations) it reads from
-the worker group (:class:`phalanx.group.Group`), which ``phalanx.elastic`` rebuilds: this
+the worker group (:class:`phalanx.group.group.Group`), which ``phalanx.elastic`` rebuilds: this
 module never imports ``phalanx.elastic``.
 
 Example (one worker, not elastic: nothing to wait for):
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import group
+from ..group import group
 
 
 class FollowsElasticGroup:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
 
-from .. import group
+from ..group import group
 from ..errors import ConfigError, usage
 from .client import Client, PSError
 from .config import HOST, TOKEN, PSConfig, is_loopback

@@ -21,7 +21,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .. import check, group, sync
+from .. import check
+from ..group import group
+from ..strategies import sync
 from ..errors import ConfigError, usage
 from ..strategies import register
 from ..strategies.base import Strategy
@@ -355,7 +357,7 @@ class SyncParameterServer(PSStrategy):
         Non-finite gradients are averaged like any other, so when GradScaler finds inf on one
         rank, every rank sees it in the mean and skips that step, as under ``px.AllReduce``.
         """
-        # Weighted by this rank's batch share as backward accumulated them (phalanx.steps). The flags say which
+        # Weighted by this rank's batch share as backward accumulated them (phalanx.step.clock). The flags say which
         # parameters had a gradient here; one no rank reached keeps grad None, as in one process.
         grads, flags = local_grads(self.params)
         g = group.current()  # under --elastic a round belongs to one generation; a dead peer ends the wait

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..compression import FP16, PowerSGD, Threshold, TopK
+from .compression import FP16, PowerSGD, Threshold, TopK
 from ..errors import ConfigError, usage
 from .allreduce import AllReduce
 from .base import Exchange, ParameterAverage, Periodic, Strategy, SyncCondition

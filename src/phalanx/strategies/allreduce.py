@@ -39,15 +39,15 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import group
-from ..comm import Comm, guarded
-from ..compression import check_compressor
+from ..group import group
+from ..group.collectives import Comm, guarded
+from .compression import check_compressor
 from ..errors import ConfigError, usage
 from .. import check
 from .base import Strategy
 from .gradients import average_gradients_
 from .overlap import OverlappedMean
-from ..quantize import Quantize
+from .quantize import Quantize
 
 
 def fitted_bucket_mb(model: nn.Module, buckets: int = 4, floor_mb: float = 1.0, cap_mb: float = 25.0) -> float:
@@ -69,12 +69,12 @@ class AllReduce(Strategy):
         bucket_mb: gradient bucket size; by default fitted to the model.
 
     Each rank's gradient is weighted by its share of the global batch as backward
-    accumulates it (the step clock's ``weight``, :mod:`phalanx.steps`), so an uneven last
+    accumulates it (the step clock's ``weight``, :mod:`phalanx.step.clock`), so an uneven last
     batch, and uneven micro-batches under ``px.no_sync``, give one process's gradient.
     """
 
     name = "allreduce"
-    uneven_batches = True  # each rank's gradient is weighted by its batch share (phalanx.steps)
+    uneven_batches = True  # each rank's gradient is weighted by its batch share (phalanx.step.clock)
 
     def __init__(self, compression: Any = None, *, bucket_mb: float | None = None) -> None:
         super().__init__()

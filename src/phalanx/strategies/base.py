@@ -12,7 +12,7 @@ A :class:`Strategy` sees training through three hooks, all optional: ``attach`` 
 then per step ``after_backward(step)`` (inside ``backward()``, once the step's gradient
 is complete: average gradients here) and ``after_step(step, taken)`` (after
 ``optimizer.step()``, or when this rank skipped it: exchange parameters here). The
-framework owns the step count (:mod:`phalanx.steps`) and passes it in; it is the same
+framework owns the step count (:mod:`phalanx.step.clock`) and passes it in; it is the same
 on every rank. Mutable state goes in ``state_dict`` (shared by every rank) or
 ``replica_state_dict`` (this rank's own), so checkpoints hold it.
 
@@ -33,10 +33,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ..comm import Comm, local_shard
+from ..group.collectives import Comm, local_shard
 from ..errors import ConfigError, usage
-from ..steps import StepClock
-from ..workerenv import WorkerEnv
+from ..step.clock import StepClock
+from ..group.env import WorkerEnv
 from .buffers import BufferMean
 
 
@@ -109,7 +109,7 @@ class Strategy:
     #: True when the rule weights each worker by its share of the global batch, so workers may hold parts of
     #: different sizes (``px.shard(..., balance="speed")``); a rule that counts every worker alike keeps False.
     uneven_batches = False
-    #: The ``px.FullyShard`` that ``px.wrap(..., shard=...)`` applied (phalanx.sharding), or None.
+    #: The ``px.FullyShard`` that ``px.wrap(..., shard=...)`` applied (phalanx.sharding.layout), or None.
     sharded_by: Any = None
 
     def __init__(self) -> None:
@@ -139,7 +139,7 @@ class Strategy:
         """After step ``step`` on every rank: ``taken`` is False where ``optimizer.step()`` was skipped."""
 
     def weighs_gradients(self, step: int) -> bool:
-        """True where step ``step``'s gradients are averaged over the workers (``phalanx.steps`` then weights
+        """True where step ``step``'s gradients are averaged over the workers (``phalanx.step.clock`` then weights
         each backward pass by this worker's share of the batch); local steps keep their own mean gradient."""
         return False
 

@@ -32,7 +32,7 @@ from typing import Iterable
 
 import torch
 
-from ..comm import Comm
+from ..group.collectives import Comm
 
 
 class BufferMean:

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..compression import Compressor, check_compressor
+from ..group.collectives import Comm
+from .compression import Compressor, check_compressor
 from .. import check
-from ..sync import as_condition
+from .sync import as_condition
 from .base import Exchange, Periodic
 from .gradients import share_total, share_weighted_mean_
 

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Comm
+from ..group.collectives import Comm
 from .. import check
 from ..errors import ConfigError, usage
-from ..sync import as_condition
+from .sync import as_condition
 from .base import Exchange, Periodic
 
 RECOMMENDED_BETA = 0.9  # the paper's beta = p * alpha

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..comm import Comm
+from ..group.collectives import Comm
 
 
 def fill_missing_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -52,7 +52,7 @@ def average_gradients_(params: Sequence[torch.Tensor], comm: Comm, compression: 
     """Replace every ``.grad`` by the global mean gradient; a parameter no rank reached keeps ``None``.
 
     Each rank's gradient is already weighted by its share of the batch as backward
-    accumulated it (:mod:`phalanx.steps`), so the plain mean is one process's gradient.
+    accumulated it (:mod:`phalanx.step.clock`), so the plain mean is one process's gradient.
     Collective. With a compressor its ``average_`` moves the gradients (key ``"grad"``) and
     the flags follow in one small all-reduce; without one they ride in the same message.
     """

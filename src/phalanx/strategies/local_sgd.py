@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import check
 from ..errors import ConfigError, usage
-from ..sync import as_condition, is_synchronous, schedule
+from .sync import as_condition, is_synchronous, schedule
 from .base import ParameterAverage, Periodic
 from .gradients import average_gradients_, share_weighted_mean_
 
@@ -36,7 +36,7 @@ class LocalSGD(Periodic):
     Optimizer state (momentum, Adam moments) stays local to each worker, as in the papers.
 
     The average weights each replica by its share of the samples trained since the last
-    one (the sum of its steps' batch weights, :mod:`phalanx.steps`): equal shares give the
+    one (the sum of its steps' batch weights, :mod:`phalanx.step.clock`): equal shares give the
     plain mean; on a short last global batch ``every=1`` is then ``px.AllReduce`` with plain
     SGD, and a worker that held no samples does not halve the others' update.
     """

@@ -8,7 +8,7 @@ attaches alone) this does the same from public hooks:
 * every parameter gets ``Tensor.register_post_accumulate_grad_hook``; when its
   ``.grad`` is complete the hook copies it into its bucket's flat buffer, divided by
   the world size, so that the buckets' sum is the global mean (the step clock already
-  weighted each backward pass's gradient by this rank's batch share, :mod:`phalanx.steps`);
+  weighted each backward pass's gradient by this rank's batch share, :mod:`phalanx.step.clock`);
 * the buckets are fixed once, from the parameter list in reverse registration order
   (roughly the order backward produces gradients), split by size and dtype/device.
   The list is the same on every rank, because the model is (``px.wrap`` checks);
@@ -38,7 +38,7 @@ communicates. A failed collective is kept and raised by :meth:`finish` as a
 
 Example:
     >>> import torch
-    >>> from phalanx.comm import Comm
+    >>> from phalanx.group.collectives import Comm
     >>> from phalanx.strategies.overlap import OverlappedMean
     >>> net = torch.nn.Linear(3, 2)
     >>> mean = OverlappedMean(list(net.parameters()), Comm(), bucket_bytes=2**20)
@@ -55,9 +55,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..comm import Comm, guarded
-from ..quantize import Pending, Quantize
-from ..spans import span
+from ..group.collectives import Comm, guarded
+from .quantize import Pending, Quantize
+from ..group.spans import span
 
 
 class Bucket:
@@ -131,11 +131,11 @@ class OverlappedMean:
 
     Args:
         params: the trainable parameters (the same list, in the same order, on every rank).
-        comm: the strategy's :class:`~phalanx.comm.Comm` (the default group; after an elastic
+        comm: the strategy's :class:`~phalanx.group.collectives.Comm` (the default group; after an elastic
             rebuild, the new one: call :meth:`regroup`).
         bucket_bytes: the bucket size.
         syncing: False while gradients only accumulate (``px.no_sync``): the hooks then do nothing.
-        compression: None (float all-reduce) or a :class:`~phalanx.quantize.Quantize`, whose
+        compression: None (float all-reduce) or a :class:`~phalanx.strategies.quantize.Quantize`, whose
             exchange is asynchronous (see the module docstring).
     """
 

@@ -52,10 +52,10 @@ import torch
 from torch import nn
 
 from .. import check
-from ..comm import guarded
-from ..compression import Compressor, check_compressor
+from ..group.collectives import guarded
+from .compression import Compressor, check_compressor
 from ..errors import ConfigError, usage
-from ..quantize import Quantize, check_floating
+from .quantize import Quantize, check_floating
 from .base import Strategy, drifting_replica_state, load_drifting_replica_state
 from .buffers import BufferMean
 from .diloco import _outer_dtype, outer_direction

@@ -7,7 +7,7 @@ backlog, one broadcast plans up to ``ahead`` steps (:mod:`phalanx.stream.plan`),
 read; the main worker decides the next plan on a background thread while the current one trains, and broadcasts
 it one step early when it is ready, so every other worker fetches and decodes its own parts on a background
 thread before it needs them. Small reads give the GIL back to the training thread often. Uneven parts set
-:func:`phalanx.steps.set_batch_weight`, so the averaged gradient equals one process's on the same events.
+:func:`phalanx.step.clock.set_batch_weight`, so the averaged gradient equals one process's on the same events.
 
 The loader's position (the last entry id a *trained* step covered, never a
 planned one) is its whole state: ``state_dict()`` is plain strings and ints
@@ -40,9 +40,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .. import group
-from ..comm import guarded
-from ..steps import set_batch_weight
+from ..group import group
+from ..group.collectives import guarded
+from ..step.clock import set_batch_weight
 from ..errors import ConfigError, usage
 from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Fetched, Plan, pack_plans, unpack_plans, split
 from .decoding import DEAD, Decoder, fetch_parts
@@ -93,7 +93,7 @@ class StreamLoader:
         # progress (not checkpointed)
         self.ids: list[str] = []
         self.lag = -1
-        self.batch_weight = 1.0  # this worker's share of the batch last yielded (phalanx.steps.set_batch_weight)
+        self.batch_weight = 1.0  # this worker's share of the batch last yielded (phalanx.step.clock.set_batch_weight)
         self.acknowledged: str | None = None
         self._commit: tuple[str, int] | None = None  # the position the last state_dict() returned
         self._written: tuple[str, int] | None = None  # the same, once the loop body that took it has run

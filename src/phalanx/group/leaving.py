@@ -1,0 +1,236 @@
+"""How a worker leaves its group: at the end of a run, on an error, at interpreter exit.
+
+The group (:mod:`phalanx.group.group`) owns who is in the run; this module owns the way out,
+which is where distributed jobs hang or lose their diagnosis:
+
+* a worker ending normally meets its peers in the store, then at a short barrier, so that
+  nobody destroys a gloo group while a peer still tears its own down (that aborts the
+  process now and then);
+* a worker ending with an exception skips the barrier, leaves a note in the store (read by
+  its peers' :class:`~phalanx.errors.WorkerLostError`) and an error file (read by the
+  launcher), and ends at once;
+* the worker hosting the store keeps it up, a few seconds at most, until every peer has
+  left a note or gone silent, so their diagnosis can still read it.
+
+:func:`phalanx.group.group.shutdown` runs these steps in order; the functions here take the group
+as an argument and never look up the current one.
+
+Example:
+    >>> release(object())  # nothing held a reference to this "process group"
+    0
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from . import liveness
+from ..errors import PhalanxError
+
+
+def leave_at_exit(g: Any, shutdown: Callable[[], None]) -> None:
+    """Once per group (``g``: a :class:`phalanx.group.group.Group`), when it first has a store: ``shutdown`` at exit.
+
+    Scripts rarely call ``px.shutdown()``, and exiting with a process group still up can abort (see
+    :func:`phalanx.group.group.shutdown`); an uncaught exception is recorded at once for the peers and the launcher.
+    """
+    if g.leaves_at_exit:
+        return
+    g.leaves_at_exit = True
+    atexit.register(_at_exit, g, shutdown)
+    _install_excepthook(g)
+
+
+def _install_excepthook(g: Any) -> None:
+    """Record an uncaught exception at once, so peers and the launcher learn who failed and why."""
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb) -> None:  # type: ignore[no-untyped-def]
+        g.uncaught = exc
+        g.fail(exc)
+        # Under `phalanx run` the launcher prints a usage error (or a Ctrl-C) in one line, once.
+        quiet = g.env.launched_by_phalanx and not g.env.debug and isinstance(exc, (PhalanxError, KeyboardInterrupt))
+        if not quiet:
+            previous(exc_type, exc, tb)
+        sys.stderr.flush()
+
+    sys.excepthook = hook
+
+
+def _at_exit(g: Any, shutdown: Callable[[], None]) -> None:
+    """Leave the group at interpreter exit; after an uncaught exception, end the process at once.
+
+    Tearing down an interpreter that holds a process group takes from half a second to
+    several on a busy machine, and the launcher only stops the others once this
+    process is gone. Exit handlers registered after ``px.init()`` have already run by
+    now (they run last-in, first-out); logging is flushed here.
+    """
+    shutdown()
+    uncaught = g.uncaught  # set by the excepthook, even when the script called shutdown() itself first
+    if uncaught is not None:
+        import logging
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if isinstance(uncaught, KeyboardInterrupt) else 1)
+
+
+def reason(exc: BaseException) -> str:
+    """The one line a peer and the launcher are told: the exception's type and the first line of its text.
+
+    Example:
+        >>> reason(ValueError("bad batch\\nat step 3"))
+        'ValueError: bad batch'
+    """
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def finish_background_work(g: Any) -> None:
+    """Before leaving: wait for an asynchronous checkpoint and write the profiler timeline (collective).
+
+    A worker leaving on an error waits at most its timeout for the checkpoint, so a stalled write
+    cannot keep a failed job from ending, and writes no timeline (its peers may be gone).
+    """
+    if g.saving is not None:
+        saving, g.saving, leaving_with = g.saving, None, sys.exc_info()[1]
+        failing = leaving_with is not None or g.failed is not None
+        try:
+            saving.wait(timeout=g.timeout_s if failing else None)
+        except Exception:
+            if leaving_with is None and g.failed is None:
+                raise
+    if g.timeline is not None and g.failed is None and sys.exc_info()[1] is None:
+        g.timeline.close()  # collective: written while the group is still up (a no-op once written)
+
+
+def failure(g: Any) -> BaseException | None:
+    """What this worker is leaving with: the failure it recorded, or the exception being handled (not an exit)."""
+    pending = sys.exc_info()[1]
+    if g.failed is not None:
+        return g.failed
+    return pending if pending is not None and not isinstance(pending, SystemExit) else None
+
+
+def leave_failed(g: Any, exc: BaseException) -> None:
+    """Leave on ``exc`` with no barrier: tell peers and the launcher; the store's host stays a moment for them."""
+    g.fail(exc)
+    if hosts_store(g) and dist.is_initialized():
+        dist.destroy_process_group()  # peers blocked on us in a collective see it fail now
+        linger_for_peers(g)
+
+
+def leave_normally(g: Any) -> bool:
+    """Meet every peer in the store, then at a short barrier; True if all met. Records this worker's exit note."""
+    met = g.heartbeat is not None and dist.is_initialized() and _everyone_leaving(g)
+    if met:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=min(10.0, g.env.timeout_s)))
+        except RuntimeError:
+            pass  # a peer is gone or went elsewhere; leave anyway
+    if g.probe is not None:
+        try:
+            lost = g.losses  # ended normally, but only after losing a peer: not a cause
+            liveness.record_exit(g.probe, g.rank,
+                                 f"ok after losing rank(s) {', '.join(map(str, lost))}" if lost else "ok")
+        except Exception:
+            pass
+    if g.heartbeat is not None:
+        g.heartbeat.stop()
+    return met
+
+
+def hosts_store(g: Any) -> bool:
+    """This worker hosts the job's store (rank 0 started without torchrun or ``phalanx run``)."""
+    return g.env.rank == 0 and not g.env.agent_store
+
+
+def linger_for_peers(g: Any) -> None:
+    """Keep the store up until every peer has left a note or gone silent (bounded)."""
+    store, world = g.probe, g.env.world_size
+    if store is None:
+        return
+    try:
+        watch = liveness.Watch(store, world)
+        deadline = time.monotonic() + liveness.STALE_AFTER_S + 2.0
+        while time.monotonic() < deadline:
+            watch.poll()
+            done = set(liveness.exit_records(store, world)) | set(watch.stale()) | {g.env.rank}
+            if len(done) >= world:
+                return
+            time.sleep(0.05)
+    except Exception:
+        return
+
+
+def _everyone_leaving(g: Any) -> bool:
+    """Meet in the store before the exit barrier; False as soon as a peer failed or went silent."""
+    store, world = g.probe, g.env.world_size
+    if store is None:
+        return False
+    try:
+        store.add("liveness/leaving", 1)
+        watch = liveness.Watch(store, world)
+        deadline = time.monotonic() + min(10.0, g.env.timeout_s)
+        while time.monotonic() < deadline:
+            if int(store.add("liveness/leaving", 0)) >= world:
+                return True
+            if any(why != "ok" for why in liveness.exit_records(store, world).values()):
+                return False
+            watch.poll()
+            if watch.stale():
+                return False
+            time.sleep(0.02)
+    except Exception:  # the store is gone: so is whoever hosted it
+        return False
+    return False
+
+
+def destroy_process_group() -> None:
+    """Drop the current process group; errors from a group whose peers died are expected."""
+    if not dist.is_initialized():
+        return
+    release(dist.group.WORLD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may fail to tear down; it is gone either way
+            pass
+    # The failed collective's exception and traceback form reference cycles that hold the old group's
+    # work objects, and through them the group; its sockets close only when it is freed. Until the next
+    # automatic collection (seconds later, or never in a quiet loop) a peer blocked on us waits for its
+    # collective timeout (seen on torch 2.11: 4 workers, every recovery missed the quorum).
+    gc.collect()
+
+
+def release(pg: object) -> int:
+    """Drop the references to ``pg`` that outlive ``destroy_process_group``; returns how many were dropped.
+
+    gloo closes a group's sockets only when the group object dies. While it lives, a
+    survivor blocked in a collective on us (not on the dead worker: with 4 workers,
+    rank 0 when rank 2 dies) waits for its collective timeout instead of failing at once.
+    ``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument when it
+    is first imported (torch imports it lazily, e.g. on the first ``px.wrap``); a default
+    of None means the same group there, the default one.
+
+    Example:
+        >>> release(object())
+        0
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    dropped = 0
+    for fn in list(vars(module).values()) if module is not None else []:
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(d is pg for d in defaults):
+            fn.__defaults__ = tuple(None if d is pg else d for d in defaults)
+            dropped += 1
+    return dropped

@@ -1,0 +1,1 @@
+"""``phalanx run`` and ``phalanx join``: the command line, the elastic agent, worker processes, SLURM, Ray Train."""

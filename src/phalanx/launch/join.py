@@ -1,0 +1,184 @@
+"""``phalanx join``: add workers to a running elastic job, from any host.
+
+    phalanx join --secret-file PATH --rdzv-endpoint HOST:PORT -n K train.py [args]
+
+HOST:PORT is the store of a ``phalanx run --elastic`` launcher (it prints it, with the
+file holding the job's secret; ``PHALANX_SECRET`` may hold the secret instead). The K
+new workers run the same script; each one enters at the job's next commit point and
+receives the current state from rank 0; nobody rolls back. The group grows up to
+the job's ``--max-workers``. An endpoint with no job, or a job that is not elastic, is
+refused within seconds; a job that already finished makes the joiners exit 0 at once.
+Without the job's secret, or with another one, ``phalanx join`` is refused with one
+line and the job never hears of it.
+Like the launcher, ``phalanx join`` watches the workers it started: one that exits is
+reported to the job at once, and one whose heartbeat stops is killed.
+
+Example:
+    >>> JoinConfig.from_argv(["--rdzv-endpoint", "10.0.0.1:29400", "-n", "2", __file__]).port
+    29400
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NoReturn, Sequence
+
+import torch.distributed as dist
+
+from .allocator import heap_env
+from ..elastic import secret
+from ..elastic.membership import key
+from ..elastic.watch import Watched, describe, poll
+from ..errors import ConfigError, PhalanxError, usage
+from .elastic import POLL_S, joiner_env, quiet_store_env
+
+PROBE_TIMEOUT_S = 5.0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(usage(f"`phalanx join`: {message}", "`phalanx join --rdzv-endpoint HOST:PORT -n K "
+                                "script.py [args]`", "See `phalanx join --help`."))
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    host: str
+    port: int
+    nproc: int
+    script: str
+    script_args: tuple[str, ...] = ()
+    threads: int = 1
+    secret_file: str | None = None
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> "JoinConfig":
+        p = _Parser(prog="phalanx join", description="Add K workers to a running `phalanx run --elastic` job.")
+        p.add_argument("--rdzv-endpoint", required=True, metavar="HOST:PORT", help="the elastic job's store")
+        p.add_argument("-n", "--nproc-per-node", dest="nproc", default="1", metavar="K", help="workers to add")
+        p.add_argument("--threads", default="1", metavar="T", help="intra-op threads per worker (default 1)")
+        p.add_argument("--secret-file", default=None, metavar="PATH",
+                       help=f"file holding the job's secret (the launcher names it); or set {secret.ENV}")
+        p.add_argument("script")
+        p.add_argument("args", nargs=argparse.REMAINDER)
+        a = p.parse_args(list(argv))
+        host, _, port = a.rdzv_endpoint.rpartition(":")
+        fix = "Pass the address the launcher printed, e.g. --rdzv-endpoint 10.0.0.1:29400."
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(usage(f"--rdzv-endpoint {a.rdzv_endpoint}", "HOST:PORT", fix))
+        for flag, raw in (("-n", a.nproc), ("--threads", a.threads)):
+            if not raw.isdigit() or int(raw) < 1:
+                raise ConfigError(usage(f"{flag} {raw}", "an integer >= 1", f"Pass e.g. {flag} 1."))
+        if not os.path.isfile(a.script):
+            raise ConfigError(usage(f"script {a.script!r} (not found, cwd {os.getcwd()})", "an existing Python file",
+                                    "Run the same script as the job, e.g. `phalanx join ... train.py`."))
+        return cls(host, int(port), int(a.nproc), a.script, tuple(a.args), int(a.threads), a.secret_file)
+
+
+def probe(host: str, port: int) -> str:
+    """"running", "done" (training ended), or a PhalanxError saying why there is no job to join."""
+    try:  # a plain socket first: torch logs a failed store connection at length
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as err:
+        raise PhalanxError(f"no job answers at {host}:{port} ({err.strerror or type(err).__name__}); check the "
+                           "address that `phalanx run --elastic` printed, and that the job is still running") from None
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
+                              wait_for_workers=False)
+    except Exception as err:  # noqa: BLE001 - refused, unreachable, timed out: no job there
+        raise PhalanxError(f"no job answers at {host}:{port} ({type(err).__name__}); check the address that "
+                           "`phalanx run --elastic` uses, and that the job is still running") from None
+    if not store.check([key("config")]):
+        raise PhalanxError(f"the job at {host}:{port} is not elastic; only jobs started with "
+                           "`phalanx run --elastic` accept new workers")
+    return "done" if store.check([key("done")]) else "running"
+
+
+def check_secret(host: str, port: int, given: str | None) -> str:
+    """The secret we present, checked against the one the job at ``host:port`` published; one line if not."""
+    if given is None:
+        raise ConfigError(usage(f"`phalanx join` to {host}:{port} without the job's secret",
+                                f"--secret-file PATH (the file the launcher named) or {secret.ENV} in the environment",
+                                "Copy the secret file the launcher printed to this host; never pass the secret "
+                                "on the command line."))
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
+                          wait_for_workers=False)
+    config = json.loads(store.get(key("config")))
+    if "check" not in config or not secret.matches(given, config["nonce"], config["check"]):
+        raise PhalanxError(f"the secret given does not match the one of the elastic job at {host}:{port}; the job "
+                           "refuses this joiner. Use the secret file that job's launcher printed")
+    return given
+
+
+def main(argv: Sequence[str]) -> int:
+    """``phalanx join``: start the joiners, wait for them; returns the exit status."""
+    cfg = JoinConfig.from_argv(argv)
+    if probe(cfg.host, cfg.port) == "done":
+        print(f"phalanx: the job at {cfg.host}:{cfg.port} has finished training; nothing to join", file=sys.stderr)
+        return 0
+    job = check_secret(cfg.host, cfg.port, secret.load(os.environ, cfg.secret_file))
+    tag = uuid.uuid4().hex[:6]
+    quiet = quiet_store_env(os.environ.get("PHALANX_DEBUG", "") not in ("", "0"))
+    base = {**os.environ, **quiet, **heap_env(os.environ), "MASTER_ADDR": cfg.host, "MASTER_PORT": str(cfg.port),
+            "OMP_NUM_THREADS": str(cfg.threads), "PHALANX_THREADS": str(cfg.threads), secret.ENV: job}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        base.pop(name, None)
+    procs = [subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
+                              env={**base, **joiner_env(f"j{tag}-{i}")}) for i in range(cfg.nproc)]
+    try:
+        codes = watch_joiners([Watched(f"j{tag}-{i}", p) for i, p in enumerate(procs)], cfg.host, cfg.port)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        return 130
+    failed = [c for c in codes if c]
+    return 0 if not failed else (128 - failed[0] if failed[0] < 0 else failed[0])
+
+
+# -- the joiners' local watcher --------------------------------------------------------------
+def watch_joiners(workers: list[Watched], host: str, port: int) -> list[int]:
+    """Watch this host's joiners as the launcher watches its own; returns their exit statuses.
+
+    A joiner that exits is marked dead in the job's store with its exit note, and a hung
+    one (no heartbeat for the job's ``--heartbeat-timeout``) is killed, so the others
+    regroup at once instead of after the quorum timeout.
+
+    The job's store belongs to the first launcher, which closes it once the job is over:
+    a joiner that said it finished (``finished/<id>``) is then only waited for, with no
+    store call, since its process may outlive the store by a few seconds of shutdown.
+    If the store is lost (torch raises a :class:`torch.distributed.DistError`; each call
+    waits at most :data:`PROBE_TIMEOUT_S`) the joiners end by themselves, each saying so
+    in one line; we only wait for them.
+    """
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
+                              wait_for_workers=False)
+        heartbeat_s = float(json.loads(store.get(key("config")))["heartbeat_s"])
+    except dist.DistError:  # the job ended between the probe and now: the joiners see it too
+        store = None
+    leaving: set[str] = set()  # joiners that finished training: their exit is ours to see, not the job's
+    while store is not None and any(w.returncode is None for w in workers):
+        try:
+            for w in workers:
+                if w.id not in leaving and w.returncode is None and store.check([key("finished", w.id)]):
+                    leaving.add(w.id)
+                if w.id in leaving:
+                    if w.returncode is None:
+                        w.returncode = w.proc.poll()
+                    continue
+                code = poll(w, store, heartbeat_s)
+                if code and not store.check([key("done")]):
+                    print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {describe(code)}; the others "
+                          "regroup without it", file=sys.stderr, flush=True)
+        except dist.DistError:  # the launcher's store is gone: the joiners end by themselves
+            store = None
+        time.sleep(POLL_S)
+    return [w.proc.wait() if w.returncode is None else w.returncode for w in workers]

@@ -1,0 +1,408 @@
+"""phalanx on Ray: Ray places the workers and replaces lost ones, phalanx regroups the survivors in process.
+
+    from phalanx.launch.raytrain import train
+    train(main, num_workers=3, min_workers=2)    # main: the same function `phalanx run --elastic` runs
+
+``main`` is the training function you run under ``phalanx run``: it calls ``px.init()``,
+``px.wrap``, ``px.shard`` and, to survive a lost worker, ``px.elastic.State`` with
+``@px.elastic.run`` (or ``state.epochs``). It runs on ``num_workers`` Ray Train workers.
+
+The Ray Train backend here (:class:`PhalanxConfig`) is Ray Train's own extension point for
+a distributed backend. It declares its workers *replica groups* of one
+(``Backend.has_replica_groups``, Ray 2.60): when a worker dies, Ray Train's controller
+replaces that one worker in its placement-group slot and leaves the others running,
+instead of restarting the whole group from a checkpoint. phalanx does the rest with the
+machinery of ``phalanx run --elastic``: the survivors keep their processes and state,
+rebuild the group without the lost worker and roll back to the newest in-memory commit
+they all hold; the replacement enters at the next commit with rank 0's state.
+
+The job's store (and its secret) live in Ray Train's controller actor, which Ray pins to
+the node of the driver (``trainer.fit()``'s caller), not on any worker: a lost worker,
+rank 0 included, never takes it along. The controller writes what Ray's fault detection
+sees into it (``elastic/dead/<id>`` when a worker's actor died), as the launcher of
+``phalanx run --elastic`` does for its processes. Losing the controller (the driver's
+node) ends the job: ``train`` raises one :class:`~phalanx.PhalanxError` line, and the
+workers end (Ray ends the actors of a lost owner; a worker whose heartbeat no longer
+reaches the store says so in one line and exits).
+
+Elastic bounds map onto Ray's worker counts: Ray Train runs ``num_workers + spares``
+workers; ``min_workers`` is phalanx's floor (fewer survivors end the job); spares are
+parked workers that take a lost worker's place at the regroup; the group never grows past
+``max_workers`` (default ``num_workers + spares``). ``max_failures`` bounds how many lost
+workers Ray Train replaces (Ray's ``FailureConfig``).
+
+Growing: with ``max_workers`` above ``num_workers + spares``, the controller watches the
+cluster's free resources; when a node is added (room for one more worker's
+``resources_per_worker``), it starts the training function in a new Ray actor there, which
+joins at the next commit with rank 0's state, as ``phalanx join`` does. Ray Train itself would
+restart every worker from a checkpoint to resize; these extra workers are phalanx's, outside
+Ray Train's worker group (its return value is rank 0's, as before).
+
+Example:
+    >>> PhalanxConfig(min_workers=2).heartbeat_s
+    10.0
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..elastic import secret
+from ..elastic.membership import key
+from ..elastic.watch import mark_dead
+from ..errors import ConfigError, PhalanxError, usage
+from .elastic import listening_store, quiet_store_env
+
+try:  # Ray is an extra (`pip install 'phalanx[ray]'`); without it this module imports and train() says so
+    from ray.train.backend import Backend, BackendConfig
+except ImportError:  # pragma: no cover - exercised where ray is absent
+    Backend = BackendConfig = object  # type: ignore[misc,assignment]
+
+INSTALL = "pip install 'phalanx[ray]'"
+CONNECT_TIMEOUT_S = 10.0  # a Ray address that does not answer is refused this soon
+
+
+def require_ray() -> Any:
+    """The ``ray`` module with Ray Train, or one :class:`ConfigError` line naming the extra to install."""
+    try:
+        import ray
+        import ray.train  # noqa: F401
+        from ray.train.v2._internal.constants import is_v2_enabled
+    except ImportError as err:
+        raise ConfigError(usage(f"phalanx on Ray without Ray Train ({err.name or 'ray'} is not installed)",
+                                "ray[train] 2.60 or newer", f"Install it: {INSTALL}")) from None
+    if not is_v2_enabled():
+        raise ConfigError(usage("RAY_TRAIN_V2_ENABLED=0", "Ray Train v2 (the default since Ray 2.51)",
+                                "Unset RAY_TRAIN_V2_ENABLED: only Train v2 replaces one lost worker alone."))
+    return ray
+
+
+@dataclass
+class PhalanxConfig(BackendConfig):  # type: ignore[misc]
+    """Ray Train's backend config for phalanx: pass it as ``backend_config`` to a ``DataParallelTrainer``.
+
+    Args:
+        num_workers: the workers that train from the start (Ray Train starts ``num_workers + spares``).
+        min_workers: fewer survivors than this end the job (default: more than half of ``num_workers``).
+        spares: parked workers that take a lost worker's place at the regroup.
+        heartbeat_s: a worker whose heartbeat stops this long is killed (Ray then replaces it).
+        threads: intra-op threads per worker.
+        timeout_s: the bound on every collective (``px.init(timeout=...)``'s default).
+        max_workers: the group may grow to this many when the cluster gains room (default: no growth).
+    """
+
+    num_workers: int = 2
+    min_workers: int | None = None
+    spares: int = 0
+    heartbeat_s: float = 10.0
+    threads: int = 1
+    timeout_s: float | None = None
+    debug: bool = False
+    host: str | None = None  # where the store listens: the controller's node address by default
+    extra_env: dict[str, str] = field(default_factory=dict)
+    max_workers: int | None = None
+    grow: Callable[[], Any] | None = None  # the training function, for the workers started when a node is added
+    resources: dict[str, float] | None = None  # one worker's Ray resources (the room a new worker needs)
+
+    def __post_init__(self) -> None:
+        n = self.num_workers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ConfigError(usage(f"num_workers={n!r}", "an integer >= 2 (one worker has no one to survive)",
+                                    "Pass e.g. num_workers=3, min_workers=2."))
+        low = n // 2 + 1 if self.min_workers is None else self.min_workers
+        if isinstance(low, bool) or not isinstance(low, int) or not 1 <= low <= n:
+            raise ConfigError(usage(f"min_workers={self.min_workers!r} with num_workers={n}",
+                                    f"an integer from 1 to {n}", f"Pass e.g. min_workers={n - 1}."))
+        self.min_workers = low
+        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
+            raise ConfigError(usage(f"spares={self.spares!r}", "an integer >= 0",
+                                    "Pass e.g. spares=1, or leave it out."))
+        if not float(self.heartbeat_s) > 0:
+            raise ConfigError(usage(f"heartbeat_s={self.heartbeat_s!r}", "a positive number of seconds",
+                                    "Pass e.g. heartbeat_s=10."))
+        top = self.max_workers if self.max_workers is not None else self.total_workers
+        if isinstance(top, bool) or not isinstance(top, int) or top < self.total_workers:
+            raise ConfigError(usage(f"max_workers={self.max_workers!r} with num_workers={n}, spares={self.spares}",
+                                    f"an integer >= {self.total_workers}", f"Pass e.g. max_workers={n + 1}."))
+        self.max_workers = top
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ConfigError(usage(f"threads={self.threads!r}", "an integer >= 1", "Pass e.g. threads=1."))
+        if self.timeout_s is not None and not float(self.timeout_s) > 0:
+            raise ConfigError(usage(f"timeout_s={self.timeout_s!r}", "a positive number of seconds",
+                                    "Pass e.g. timeout_s=60, or leave it out."))
+
+    @property
+    def backend_cls(self) -> type:
+        return _PhalanxBackend
+
+    @property
+    def total_workers(self) -> int:
+        """The workers Ray Train starts: members and spares."""
+        return self.num_workers + self.spares
+
+    def worker_env(self) -> dict[str, str]:
+        """Variables every worker process needs before torch starts (Ray's worker runtime env)."""
+        env = {"OMP_NUM_THREADS": str(self.threads), "PHALANX_THREADS": str(self.threads),
+               **quiet_store_env(self.debug), **self.extra_env}
+        if self.timeout_s is not None:
+            env["PHALANX_TIMEOUT"] = repr(float(self.timeout_s))
+        if self.debug:
+            env["PHALANX_DEBUG"] = "1"
+        return env
+
+
+class _Job:
+    """One elastic job's store and secret, hosted in the Ray Train controller (the driver's node)."""
+
+    def __init__(self, cfg: PhalanxConfig) -> None:
+        import ray
+
+        self.host = cfg.host or ray.util.get_node_ip_address()
+        self.store, self.listener = listening_store(self.host, 0)
+        self.secret, nonce = secret.make(), secret.nonce()
+        self.heartbeat_s = float(cfg.heartbeat_s)
+        self.ids = {r: str(r) for r in range(cfg.num_workers)}  # Ray Train's world rank (its slot) -> worker id
+        self.ids.update({cfg.num_workers + i: f"s{i}" for i in range(cfg.spares)})
+        self.spares = [f"s{i}" for i in range(cfg.spares)]
+        self.replaced = 0
+        self.actors: dict[str, Any] = {}  # worker id -> its actor, for the hang watcher
+        self.store.set(key("config"), json.dumps({
+            "min_workers": cfg.min_workers, "max_workers": cfg.max_workers, "heartbeat_s": self.heartbeat_s,
+            "workers": cfg.num_workers, "spares": self.spares, "nonce": nonce,
+            "check": secret.verifier(self.secret, nonce)}))
+        self.store.set(key("gen", 0, "members"), json.dumps([self.ids[r] for r in range(cfg.num_workers)]))
+        self.stopped = threading.Event()
+        self.watcher = threading.Thread(target=self._watch_heartbeats, name="phalanx-ray-heartbeats", daemon=True)
+        self.watcher.start()
+        self.grown: dict[str, tuple[Any, Any]] = {}  # worker id -> (actor, its run's result), see _grow
+        self.grew = 0
+        if cfg.max_workers > cfg.total_workers and cfg.grow is not None:
+            threading.Thread(target=self._grow, args=(cfg,), name="phalanx-ray-grow", daemon=True).start()
+
+    def env(self, slot: int, joining: bool, local_rank: int, local_world: int, num_workers: int) -> dict[str, str]:
+        """What the worker in Ray's ``slot`` gets: the variables ``phalanx run --elastic`` gives its workers."""
+        return self.worker_env(self.ids[slot], joining, {
+            "RANK": str(slot), "WORLD_SIZE": str(num_workers), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world)})
+
+    def worker_env(self, wid: str, joining: bool, ranks: dict[str, str]) -> dict[str, str]:
+        """Worker ``wid``'s variables: the job's store and secret, and its ranks unless it joins."""
+        env = {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.store.port), "PHALANX_ELASTIC_ID": wid,
+               "TORCHELASTIC_USE_AGENT_STORE": "true", "TORCHELASTIC_RESTART_COUNT": "0", secret.ENV: self.secret,
+               "PHALANX_LAUNCHER": "ray"}
+        if joining:
+            env["PHALANX_ELASTIC_JOIN"] = "1"
+        else:
+            env.update(ranks)
+        return env
+
+    def _grow(self, cfg: PhalanxConfig, poll_s: float = 0.5) -> None:
+        """Start one more worker (a joiner, in its own actor) whenever the cluster has room for it."""
+        import ray
+
+        need = dict(cfg.resources or {"CPU": 1.0})
+        runner = ray.remote(_Grown)
+        while not self.stopped.wait(poll_s):
+            try:
+                if self.store.check([key("done")]):
+                    return
+                for wid, (_, ref) in list(self.grown.items()):  # a grown worker that failed: tell the quorum
+                    if ray.wait([ref], timeout=0)[0]:
+                        try:
+                            ray.get(ref)
+                        except Exception as err:  # noqa: BLE001 - its actor or function failed: it is lost
+                            self.actors.pop(wid, None)
+                            if not self.store.check([key("finished", wid)]):
+                                mark_dead(self.store, wid, f"was lost ({type(err).__name__})")
+                        del self.grown[wid]
+                alive = sum(1 for wid in self.grown if not self.store.check([key("finished", wid)]))
+                free = ray.available_resources()
+                if cfg.total_workers + alive >= cfg.max_workers or any(free.get(k, 0.0) < v
+                                                                         for k, v in need.items()):
+                    continue
+                self.grew += 1
+                wid = f"g{self.grew}"
+                env = {**cfg.worker_env(), **self.worker_env(wid, True, {})}
+                actor = runner.options(num_cpus=need.get("CPU", 0.0),
+                                       resources={k: v for k, v in need.items() if k not in ("CPU", "GPU")},
+                                       num_gpus=need.get("GPU", 0.0), runtime_env={"env_vars": env}).remote()
+                self.grown[wid] = (actor, actor.run.remote(cfg.grow))
+                self.actors[wid] = actor  # the heartbeat watcher covers it too
+                print(f"phalanx: ray: the cluster has room for one more worker; started {wid}, which joins at "
+                      "the next commit", file=sys.stderr, flush=True)
+            except Exception:  # noqa: BLE001 - the store is closing with the job
+                return
+
+    def replace(self, slot: int) -> str:
+        """A new id for the worker Ray started in ``slot`` in place of a lost one: it joins at the next commit."""
+        self.replaced += 1
+        self.ids[slot] = f"r{self.replaced}"
+        return self.ids[slot]
+
+    def lost(self, slot: int, how: str) -> None:
+        """Ray saw the worker of ``slot`` fail: tell the survivors' quorum (``elastic/dead/<id>``) at once."""
+        wid = self.ids[slot]
+        self.actors.pop(wid, None)
+        if self.store.check([key("finished", wid)]) and not self.store.check([key("dead", wid)]):
+            return  # it had finished training; its actor going is no loss
+        mark_dead(self.store, wid, how)
+        if not self.store.check([key("done")]):
+            print(f"phalanx: ray: worker {wid} (Ray Train rank {slot}) {how}; the others regroup without it, "
+                  "and Ray starts a replacement that joins at the next commit", file=sys.stderr, flush=True)
+
+    def _watch_heartbeats(self, poll_s: float = 0.5) -> None:
+        """Kill a worker whose heartbeat stopped (a hang gloo cannot free its peers from); Ray then replaces it."""
+        import ray
+
+        seen: dict[str, tuple[int, float]] = {}
+        while not self.stopped.wait(poll_s):
+            try:
+                for wid, actor in list(self.actors.items()):
+                    if self.store.check([key("finished", wid)]) or self.store.check([key("dead", wid)]):
+                        continue
+                    beats, now = int(self.store.add(key("hb", wid), 0)), time.monotonic()
+                    last = seen.get(wid)
+                    if last is None or last[0] != beats or not beats:
+                        seen[wid] = (beats, now)
+                    elif now - last[1] > self.heartbeat_s:
+                        print(f"phalanx: ray: worker {wid} sent no heartbeat for {now - last[1]:.1f}s (hung or "
+                              "stopped); killing its actor", file=sys.stderr, flush=True)
+                        self.actors.pop(wid, None)
+                        ray.kill(actor)
+            except Exception:  # noqa: BLE001 - the store is closing with the job
+                return
+
+    def close(self) -> None:
+        import ray
+
+        from ..elastic.membership import key
+
+        self.stopped.set()
+        if self.grown:
+            try:  # training is over: let the grown workers return (they finish with the others), then end them
+                if self.store.check([key("done")]):
+                    ray.wait([ref for _, ref in self.grown.values()], num_returns=len(self.grown), timeout=30)
+            except Exception:  # noqa: BLE001 - the store or Ray is going away with the job
+                pass
+            for actor, _ in self.grown.values():
+                ray.kill(actor)
+        self.listener.close()
+
+
+class _Grown:
+    """A worker started outside Ray Train's worker group when the cluster gained room (a Ray actor)."""
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+
+def _where() -> tuple[int, int, int]:
+    """On a worker: its Ray Train world rank (slot), local rank and local world size."""
+    import ray.train
+
+    ctx = ray.train.get_context()
+    return ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_local_world_size()
+
+
+def _enter(env: dict[str, str]) -> None:
+    """On a worker, before the training function starts: the environment ``px.init()`` reads."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PHALANX_ELASTIC_JOIN"):
+        os.environ.pop(name, None)
+    os.environ.update(env)
+
+
+class _PhalanxBackend(Backend):  # type: ignore[misc]
+    """Starts phalanx's elastic group on the workers Ray Train placed; Ray Train calls it from its controller."""
+
+    # Ray Train 2.60: each worker is a replica group of one, so a lost worker is replaced alone
+    # (ray.train.v2 controller: `_replace_bad_workers`) and the others keep running.
+    has_replica_groups = True
+
+    def __init__(self) -> None:
+        self.job: _Job | None = None
+
+    def on_start(self, worker_group: Any, backend_config: PhalanxConfig) -> None:
+        cfg = backend_config
+        joining = self.job is not None  # the first start hosts the job; later ones are Ray's replacements
+        if self.job is None:
+            self.job = _Job(cfg)
+        places = worker_group.execute(_where)
+        for i, (slot, local_rank, local_world) in enumerate(places):
+            wid = self.job.replace(slot) if joining else self.job.ids[slot]
+            env = self.job.env(slot, joining or slot >= cfg.num_workers, local_rank, local_world, cfg.num_workers)
+            worker_group.execute_single(i, _enter, env)
+            self.job.actors[wid] = worker_group.get_workers()[i].actor
+
+    def on_shutdown(self, worker_group: Any, backend_config: PhalanxConfig) -> None:
+        if self.job is None:
+            return
+        workers = worker_group.get_workers()
+        if len(workers) < backend_config.total_workers:  # a failed replica group: Ray replaces it next
+            for w in workers:
+                self.job.lost(w.distributed_context.world_rank, "was lost (its Ray actor failed)")
+            return
+        self.job.close()  # the whole group ends: training finished, or Ray Train gave up or restarts it all
+        self.job = None
+
+
+def _connect(ray: Any, address: str | None) -> None:
+    """``ray.init(address)`` unless connected; an address that does not answer is one line within seconds."""
+    if ray.is_initialized():
+        return
+    if address not in (None, "", "auto", "local") and not address.startswith("ray://"):
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host or address, int(port or 6379)), timeout=CONNECT_TIMEOUT_S).close()
+        except (OSError, ValueError) as err:
+            raise ConfigError(usage(f"Ray address {address!r} ({getattr(err, 'strerror', None) or err})",
+                                    "the GCS address of a running Ray cluster (HOST:PORT, default port 6379)",
+                                    "Start one with `ray start --head`, or check the address it printed.")) from None
+    ray.init(address=address, log_to_driver=True)
+
+
+def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int | None = None, spares: int = 0,
+          heartbeat_s: float = 10.0, threads: int = 1, timeout_s: float | None = None, max_failures: int = 3,
+          resources_per_worker: dict[str, float] | None = None, address: str | None = None,
+          storage_path: str | None = None, name: str | None = None, debug: bool = False,
+          max_workers: int | None = None) -> Any:
+    """Run ``fn(*args)`` on ``num_workers`` Ray Train workers as one elastic phalanx job; returns rank 0's result.
+
+    ``fn`` is the function ``phalanx run --elastic`` would run (``px.init()``, ``px.wrap``,
+    ``px.elastic.State``...). A lost worker is replaced by Ray alone, up to ``max_failures``
+    times; the survivors regroup in process (see the module's docstring). ``address``: a
+    running Ray cluster (``ray.init`` is called unless Ray is already initialised). ``max_workers``: grow up
+    to this many workers when nodes are added (each new one joins at the next commit).
+    Raises :class:`~phalanx.PhalanxError` with one line when the job fails.
+    """
+    ray = require_ray()
+    cfg = PhalanxConfig(num_workers=num_workers, min_workers=min_workers, spares=spares, heartbeat_s=heartbeat_s,
+                        threads=threads, timeout_s=timeout_s, debug=debug, max_workers=max_workers,
+                        grow=lambda: fn(*args), resources=resources_per_worker)
+    if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < -1:
+        raise ConfigError(usage(f"max_failures={max_failures!r}", "an integer >= 0 (or -1: no limit)",
+                                "Pass e.g. max_failures=3."))
+    _connect(ray, address)
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    trainer = DataParallelTrainer(
+        lambda: fn(*args), backend_config=cfg,
+        scaling_config=ScalingConfig(num_workers=cfg.total_workers, resources_per_worker=resources_per_worker),
+        run_config=RunConfig(name=name, storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             worker_runtime_env={"env_vars": cfg.worker_env()}))
+    try:
+        return trainer.fit().return_value
+    except ray.train.TrainingFailedError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PhalanxError(f"phalanx: ray: the job failed ({type(err).__name__}: {first})") from err
+    except ray.exceptions.RayActorError as err:  # the controller, and the job's store with it
+        raise PhalanxError("phalanx: ray: Ray Train's controller, which held the job's store, was lost "
+                           f"({type(err).__name__}); the workers end with it. Commits were in memory only: resume "
+                           "from your last disk checkpoint (px.save_checkpoint), if any") from err

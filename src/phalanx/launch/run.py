@@ -1,0 +1,277 @@
+"""``phalanx run``: start N workers on this machine (or on several), like torchrun, and watch them to the end.
+
+The arguments are parsed into one frozen :class:`~phalanx.launch.config.RunConfig`
+(:mod:`phalanx.launch.config`, where every check lives); then torch's public elastic
+launcher starts the workers, so the multi-host options mean exactly what torchrun's
+mean. Workers see only the standard variables (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) plus ``PHALANX_THREADS`` /
+``OMP_NUM_THREADS`` and, when set, ``PHALANX_TIMEOUT``, which :func:`phalanx.init` reads.
+
+On one machine with no rendezvous options the launcher hosts the store itself,
+on a free port bound to loopback only (no other machine can reach it), and
+workers' gloo connections stay on loopback too; two jobs never collide on 29500.
+
+When a worker fails, the launcher stops the others and exits with the status of
+the first one that failed, naming its rank and, for a Python exception, its type
+and message in one line. A worker's usage error (:class:`phalanx.PhalanxError`)
+is that one line with no traceback unless ``--debug`` (or ``PHALANX_DEBUG=1``).
+If a parameter server started by ``--servers`` died, the line names the server.
+Ctrl-C or SIGTERM stops every worker. A preempted job (SIGTERM, SLURM's SIGUSR1)
+exits 75 with one line, and ``--requeue`` requeues it under SLURM. ``--elastic``
+jobs are run by :mod:`phalanx.launch.elastic`; the other nodes of an elastic SLURM job
+join the first node's with :mod:`phalanx.launch.join`.
+
+Example:
+    >>> _status(-9)[1]  # the exit status of a worker killed by SIGKILL, as `phalanx run` ends with it
+    137
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from typing import Iterator, Sequence
+
+from . import join as launch_join
+from ..errors import ConfigError, usage
+from .config import DEFAULT_MASTER_ADDR, RunConfig, build_parser
+from .elastic import run_elastic
+from .failures import failure_line, root_cause as _root_cause, status as _status
+from .slurm import requeue
+from ..step.preempt import PREEMPTED_EXIT, latest_checkpoint
+
+__all__ = ["RunConfig", "build_parser", "main", "run"]  # RunConfig and build_parser: from phalanx.launch.config
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """Set variables for the workers (the agent copies os.environ into them), then restore."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _quiet_torch_elastic() -> None:
+    """The agent logs every stop; we print one line of our own instead (LOGLEVEL=INFO shows them)."""
+    if "LOGLEVEL" in os.environ:
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _loopback_store():  # -> (TCPStore, socket): keep both alive for the whole run
+    """Host the job's store on a free port of 127.0.0.1 only; torch binds every interface by default."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((DEFAULT_MASTER_ADDR, 0))
+    sock.listen(512)
+    store = TCPStore(DEFAULT_MASTER_ADDR, sock.getsockname()[1], None, True, datetime.timedelta(seconds=900),
+                     wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
+    return store, sock
+
+
+def _dead_server(servers) -> str | None:
+    """A line naming a parameter server that has died, if one has (workers then fail because of it)."""
+    if servers is None:
+        return None
+    for i, proc in enumerate(servers.procs):
+        if proc.poll() is not None:
+            return f"phalanx: parameter server {i} (pid {proc.pid}) {_status(proc.returncode)[0]} (first failure); " \
+                   "stopped the workers"
+    return None
+
+
+def _watch_servers(servers):  # -> threading.Event: set it before stopping the servers on purpose
+    """Stop the workers as soon as a parameter server dies (they would wait out their timeout on it).
+
+    A daemon thread polls the servers; on a death it sends this process SIGINT, which torch's
+    agent turns into stopping every worker, and :func:`run` then names the server.
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            if not all(servers.alive()):
+                os.kill(os.getpid(), signal.SIGINT)  # not SIGTERM: workers take that as a preemption and save
+                return
+
+    threading.Thread(target=watch, name="phalanx-server-watch", daemon=True).start()
+    return done
+
+
+def _start_servers(cfg: RunConfig):
+    try:
+        from ..ps.launcher import start_servers
+    except ImportError as err:
+        if err.name and err.name.startswith("phalanx.ps"):
+            raise ConfigError(usage(f"--servers {cfg.servers}", "parameter servers (phalanx.ps), which this "
+                                    "installation does not have", "Run without --servers.")) from None
+        raise
+    return start_servers(cfg.servers, host=cfg.master_addr, token=None)  # a token is made off loopback
+
+
+def run(cfg: RunConfig) -> int:
+    """Start the workers and wait; returns the exit status ``phalanx run`` should end with."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
+
+    if cfg.elastic is not None:  # elastic: our own agent keeps survivors running
+        if cfg.slurm is not None and cfg.node_rank > 0:  # the other nodes of the allocation join node 0's job
+            return _join_slurm_job(cfg)
+        return run_elastic(cfg)
+    _quiet_torch_elastic()
+    for line in cfg.warnings():
+        print(line, file=sys.stderr, flush=True)
+    store = _loopback_store() if cfg.standalone else None
+    launch = cfg.launch_config(store[0].port if store else 0)
+    env, servers, watching, children = cfg.worker_env(), None, None, _children()
+    before = _newest_checkpoint(cfg.checkpoint_dir)  # another one after the workers end was written by this run
+    notes = tempfile.mkdtemp(prefix="phalanx-preempt-")  # a preempted worker leaves its step here
+    env["PHALANX_PREEMPT_NOTES"] = notes
+    if threading.current_thread() is threading.main_thread():
+        # SLURM's early warning must not kill the launcher before torch's agent handles it (once workers run)
+        signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        if cfg.servers:
+            servers = _start_servers(cfg)
+            env.update(servers.env())
+            watching = _watch_servers(servers)
+        with _environ(env):
+            # sys.executable -u: the same interpreter as ours, unbuffered so workers' lines interleave promptly.
+            elastic_launch(launch, sys.executable)("-u", cfg.script, *cfg.script_args)
+        return 0
+    except ChildFailedError as err:
+        if all(f.exitcode == PREEMPTED_EXIT for f in err.failures.values()):
+            return _preempted(cfg, notes, None)
+        rank, failure = _root_cause(err.failures)
+        server = _dead_server(servers)
+        line = server or failure_line(rank, failure, others=cfg.nproc * cfg.max_nodes > 1)
+        print(line, file=sys.stderr, flush=True)
+        return _status(failure.exitcode)[1]
+    except (RendezvousError, DistNetworkError) as err:
+        print(f"phalanx: the hosts could not meet at {launch.rdzv_endpoint} ({type(err).__name__}: "
+              f"{str(err).splitlines()[0]}); check --master-addr/--master-port or --rdzv-endpoint, and that "
+              "host 0 is up and reachable", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as err:
+        server = _dead_server(servers)
+        if server:
+            print(server, file=sys.stderr, flush=True)
+            return 1
+        if err.sigval in (signal.SIGTERM, signal.SIGUSR1) and os.listdir(notes):  # they stopped at a step
+            # torch's agent ended the workers without telling us how: with --checkpoint-dir, a complete
+            # checkpoint written by this run is the proof that they saved before the grace ran out
+            if cfg.checkpoint_dir is None or _newest_checkpoint(cfg.checkpoint_dir) not in (None, before):
+                return _preempted(cfg, notes, err.sigval.name)
+            steps = ", ".join(sorted({open(os.path.join(notes, n)).read().strip() for n in os.listdir(notes)}))
+            print(f"phalanx: received {err.sigval.name}; the workers stopped after step {steps} but wrote no "
+                  f"checkpoint in {cfg.checkpoint_dir} within --grace {cfg.grace_s} s (a worker failed or took "
+                  "longer); stopped all workers", file=sys.stderr, flush=True)
+        print(f"phalanx: received {err.sigval.name}; stopped all workers", file=sys.stderr, flush=True)
+        return 128 + int(err.sigval)
+    finally:
+        shutil.rmtree(notes, ignore_errors=True)
+        if watching is not None:
+            watching.set()
+        if servers is not None:
+            servers.stop()
+        if store is not None:
+            store[1].close()
+        _reap_children(children)
+
+
+def _newest_checkpoint(directory: str | None) -> tuple[str, float] | None:
+    """The newest complete checkpoint in ``directory`` and its mtime (compared with itself only: no clock skew)."""
+    newest = latest_checkpoint(directory)
+    try:
+        return (newest, os.path.getmtime(newest)) if newest is not None else None
+    except OSError:
+        return None
+
+
+def _children() -> set[int]:
+    """The live (not zombie) child processes of this process, from /proc (empty where there is none)."""
+    me, found = str(os.getpid()), set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue  # it ended meanwhile
+        if parent == me and state != "Z":
+            found.add(int(pid))
+    return found
+
+
+def _reap_children(before: set[int]) -> None:
+    """SIGKILL the processes started during this run that are still alive: none, unless a signal came while
+    torch's agent was starting the workers (it then stops only those it already tracked, and the others
+    would outlive `phalanx run`, holding its output open and waiting on a store that is gone)."""
+    for pid in _children() - before:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+
+
+def _preempted(cfg: RunConfig, notes: str, signame: str | None) -> int:
+    """The one line (and the SLURM requeue) of a preempted job; returns :data:`PREEMPTED_EXIT`."""
+    steps = sorted({open(os.path.join(notes, n)).read().strip() for n in os.listdir(notes)})
+    how = f"received {signame}" if signame else "the workers were preempted"
+    where = f" in {cfg.checkpoint_dir}" if cfg.checkpoint_dir else ""
+    after = f" after step {', '.join(steps)}" if steps else ""
+    print(f"phalanx: {how}; the workers stopped{after} to save a checkpoint{where}; resume with "
+          f"`phalanx run --resume-from auto ...` (exit status {PREEMPTED_EXIT}: preempted, resumable)",
+          file=sys.stderr, flush=True)
+    if cfg.requeue and cfg.slurm is not None and cfg.node_rank == 0:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # the requeue stops this job step, this launcher included
+            signal.signal(sig, signal.SIG_IGN)
+        print(requeue(cfg.slurm.job_id), file=sys.stderr, flush=True)
+    return PREEMPTED_EXIT
+
+
+def _join_slurm_job(cfg: RunConfig) -> int:
+    """A node other than the first of an elastic SLURM job: ``phalanx join`` node 0's store once it is up."""
+    deadline = time.monotonic() + 120  # node 0's launcher imports torch and opens its store first
+    while True:
+        try:
+            with socket.create_connection((cfg.master_addr, int(cfg.master_port or 0)), timeout=5):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                print(f"phalanx: the first node's elastic store at {cfg.master_addr}:{cfg.master_port} did not "
+                      "come up within 120 s", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.5)  # polling a port that is not open yet; nothing to wait on instead
+    return launch_join.main(["--rdzv-endpoint", f"{cfg.master_addr}:{cfg.master_port}", "-n", str(cfg.nproc),
+                      "--threads", str(cfg.threads), cfg.script, *cfg.script_args])
+
+
+def main(argv: Sequence[str]) -> int:
+    """``phalanx run [options] script.py [args]``; usage errors raise ConfigError (the CLI prints one line)."""
+    return run(RunConfig.from_argv(argv))

@@ -1,0 +1,1 @@
+"""One step: its clock and the moments a strategy is told of, the end of backward, compile, preemption, profiling."""

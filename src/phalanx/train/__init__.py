@@ -1,0 +1,1 @@
+"""The high-level loop: the Trainer, callbacks, exact evaluation and metrics, lr rules, tracking, progress."""
