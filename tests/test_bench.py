@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phalanx.bench import projection, report, stats, targets
+from phalanx.bench import projection, report, stats
+from benchmarks import targets
 from phalanx.bench.breakdown import PHASES, StepProbe
 from phalanx.bench.spec import Setup, check_setup, parse_setup, plan, split_list
 from phalanx.errors import ConfigError

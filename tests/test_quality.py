@@ -1,4 +1,4 @@
-"""phalanx bench --quality: the corpus is fixed by its hash, time to target on known curves, the advisor's
+"""python -m benchmarks.quality: the corpus is fixed by its hash, time to target on known curves, the advisor's
 verdicts on known rows, and a smoke run on 2 real workers (the 100 Mbit/s netns link as root, else loopback)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from phalanx.bench.quality import advisor, cli, corpus, curves, plan, report, sessions, targets, torchft_peer
-from phalanx.bench.quality.tasks import TASKS
+from benchmarks.quality import advisor, cli, corpus, curves, plan, report, sessions, targets, torchft_peer
+from benchmarks.quality.tasks import TASKS
 from phalanx.errors import ConfigError
 from support.procs import run_workers
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from ..models import gpt, resnet_cifar
+from phalanx.bench.models import gpt, resnet_cifar
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ TASKS: dict[str, Task] = {"gpt": CharGPT(), "resnet20": TeacherResNet(), "gpt-la
 
 
 def get(name: str) -> Task:
-    from ...errors import ConfigError, usage
+    from phalanx.errors import ConfigError, usage
 
     if name not in TASKS:
         raise ConfigError(usage(f"task {name!r}", "one of " + ", ".join(TASKS), "E.g. --tasks gpt,resnet20."))

@@ -22,9 +22,9 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging import utils as averaging
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from ..spec import Setup
+from phalanx.bench.spec import Setup
 from .curves import COMPUTE_ONLY
-from ..worker import _PeerAccountant, _StrategyAccountant, setup_training
+from phalanx.bench.worker import PeerAccountant, StrategyAccountant, setup_training
 from . import torchft_peer
 
 WARMUP, LOCAL_EVERY, DILOCO_EVERY = 50, 16, 50
@@ -69,7 +69,7 @@ def _phalanx(make: Callable[[float], Any]):
         px.init()
         strategy = make(lr)
         module, opt2 = px.wrap(model, opt, strategy=strategy)
-        return module, opt2, _StrategyAccountant(strategy)
+        return module, opt2, StrategyAccountant(strategy)
     return build
 
 
@@ -104,7 +104,7 @@ def torch_post_local(warmup: int = WARMUP, every: int = LOCAL_EVERY) -> Callable
     return build
 
 
-class _PostLocalAccountant(_PeerAccountant):
+class _PostLocalAccountant(PeerAccountant):
     """The bytes torch's post-local SGD hands to its all-reduces, counted where it sends them.
 
     Gradients: each bucket the comm hook all-reduces (the warm-up). Parameters: the one

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...strategies.streaming_diloco import balanced_split
-from ..worker import _Accountant
+from phalanx.strategies.streaming_diloco import balanced_split
+from phalanx.bench.worker import Accountant
 
 H, STREAM_H, STREAM_FRAGMENTS, STREAM_OVERLAP, STREAM_MIXING = 50, 48, 4, 5, 0.5
 PEERS = ("torchft-diloco", "torchft-streaming-diloco")  # the papers' settings: in the default run
@@ -85,7 +85,7 @@ def _transport(host: str) -> Any:
     return Transport(timeout=TIMEOUT, num_chunks=0)
 
 
-class TorchftAccountant(_Accountant):
+class TorchftAccountant(Accountant):
     """Counts what torchft all-reduces; ``finish()`` leaves DiLoCo and shuts the Manager and lighthouse down."""
 
     def __init__(self, diloco: Any, manager: Any, lighthouse: Any, store: Any) -> None:

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..procs import free_port
-from ..netns import Link
+from phalanx.bench.procs import free_port
+from phalanx.bench.netns import Link
 
 
 @dataclass
@@ -55,19 +55,24 @@ def _tail(path: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
+# The workers run ``-m benchmarks.quality.worker``: the repository root must be on their path, wherever they start.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _start(cfg_path: str, outs: list[str], logs: list[str], link: Link | None,
            timeout: float) -> list[subprocess.Popen]:
     port, procs = free_port(), []
     for rank in range(len(outs)):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(outs)),
                "LOCAL_WORLD_SIZE": str(len(outs)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1", "PHALANX_TIMEOUT": str(int(min(timeout, 300)))}
+               "OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1", "PHALANX_TIMEOUT": str(int(min(timeout, 300))),
+               "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)}
         prefix: list[str] = []
         if link is not None:
             env.update(link.env(rank))
             prefix = link.prefix(rank)
         with open(logs[rank], "a") as log:
-            procs.append(subprocess.Popen(prefix + [sys.executable, "-m", "phalanx.bench.quality.worker", cfg_path,
+            procs.append(subprocess.Popen(prefix + [sys.executable, "-m", "benchmarks.quality.worker", cfg_path,
                                                     outs[rank]], env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 

@@ -1,6 +1,6 @@
 """One GPU: phalanx with 1 worker against the plain loop, fp32 and AMP, with and without device prefetch.
 
-Run as ``python -m phalanx.bench.gpu --out DIR`` on a machine with CUDA; writes
+Run as ``python -m benchmarks.gpu --out DIR`` on a machine with CUDA; writes
 ``gpu.md`` and ``gpu.json``. Per model (ResNet-50 on ImageNet-shaped synthetic
 images, ResNet-20 on CIFAR-shaped ones, a small GPT on random tokens) it times the
 same training loop under
@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import models
-from . import report, stats
+from phalanx.bench import models
+from phalanx.bench import report, stats
 
 MODELS: dict[str, dict[str, Any]] = {
     "resnet50": {"batch": 128, "build": models.resnet50, "shape": (3, 224, 224), "classes": 1000},
@@ -178,7 +178,7 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m phalanx.bench.gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="resnet50,resnet20,gpt")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--windows", type=int, default=4)
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default="results/gpu")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("phalanx.bench.gpu: no CUDA device here; nothing measured", file=sys.stderr)
+        print("benchmarks.gpu: no CUDA device here; nothing measured", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = True
     os.makedirs(args.out, exist_ok=True)
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         rows += bench_model(name, warmup=args.warmup, windows=args.windows, window=args.window,
                             repeats=args.repeats, workers=args.workers)
-    payload = {"command": "python -m phalanx.bench.gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
+    payload = {"command": "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
                "started": started, "environment": report.environment(["loopback"]), "options": vars(args),
                "rows": rows}
     report.write_json(os.path.join(args.out, "gpu.json"), payload)

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from ..report import fmt_bytes
+from phalanx.bench.report import fmt_bytes
 from .curves import INF, PEERS, paired, ratio, winner
 
 

@@ -36,7 +36,7 @@ import math
 import re
 from typing import Any
 
-from .. import projection
+from phalanx.bench import projection
 from .curves import INF, winner
 
 UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}

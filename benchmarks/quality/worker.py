@@ -1,4 +1,4 @@
-"""One worker of a quality session: ``python -m phalanx.bench.quality.worker CONFIG.json OUT.jsonl``.
+"""One worker of a quality session: ``python -m benchmarks.quality.worker CONFIG.json OUT.jsonl``.
 
 A session is a list of runs (setup, seed, lr, budget) trained one after the other in the
 same two processes, on one process group: the interpreter start, the torch import and the
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..worker import wire_bytes
+from phalanx.bench.worker import wire_bytes
 from .setups import SETUPS
 from .tasks import get
 
@@ -54,7 +54,7 @@ class EvalSchedule:
     the overshoot is then at most one check, for every setup alike, for a few more evaluations per run.
 
     Example:
-        >>> from phalanx.bench.quality.tasks import get
+        >>> from benchmarks.quality.tasks import get
         >>> s = EvalSchedule(budget=10.0, evals=5, task=get("gpt"))   # every 2 s; the GPT's band: 0.08 nats
         >>> s.due(1.0), s.due(2.0)
         (False, True)

@@ -19,7 +19,7 @@ import os
 import sys
 import sysconfig
 
-from ...errors import ConfigError, usage
+from phalanx.errors import ConfigError, usage
 
 FILES = sorted([
     "argparse.py", "ast.py", "collections/__init__.py", "dataclasses.py", "difflib.py", "enum.py",
@@ -54,7 +54,7 @@ def load(root: str | None = None, *, expected: str | None = None) -> bytes:
             raise ConfigError(usage(f"Python {version} (stdlib at {root})",
                                     "a Python whose corpus hash is recorded: " + ", ".join(sorted(SHA256)),
                                     "Run the benchmark with that interpreter, or record this version's hash in "
-                                    "phalanx.bench.quality.corpus.SHA256 (results then use a different corpus)."))
+                                    "benchmarks.quality.corpus.SHA256 (results then use a different corpus)."))
     parts = []
     for name in FILES:
         path = os.path.join(root, name)

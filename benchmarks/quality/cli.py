@@ -1,8 +1,8 @@
-"""``phalanx bench --quality`` (also ``python -m phalanx.bench.quality``): time to quality on slow links.
+"""``python -m benchmarks.quality`` (also ``python -m benchmarks.quality``): time to quality on slow links.
 
 Example:
-    python -m phalanx.bench.quality --out results/quality                 # the full benchmark (root)
-    python -m phalanx.bench.quality --smoke --out /tmp/q                   # a minute, loopback when not root
+    python -m benchmarks.quality --out results/quality                 # the full benchmark (root)
+    python -m benchmarks.quality --smoke --out /tmp/q                   # a minute, loopback when not root
 
 Writes ``quality.md``, ``quality.json`` and ``quality-TASK-LINK.png`` into ``--out``.
 """
@@ -16,11 +16,11 @@ import sys
 import time
 from typing import Any, Sequence
 
-from ...errors import ConfigError, usage
-from ..netns import LinkError, parse_rate, why_not
-from ..report import environment, write_json
-from ..runner import _terminate_unwinds, links_for
-from ..spec import split_list
+from phalanx.errors import ConfigError, usage
+from phalanx.bench.netns import LinkError, parse_rate, why_not
+from phalanx.bench.report import environment, write_json
+from phalanx.bench.runner import terminate_unwinds, links_for
+from phalanx.bench.spec import split_list
 from . import advisor, curves, plan, report, sessions, targets
 from .setups import SETUPS, peer_reasons
 from .torchft_peer import PEERS as TORCHFT_PEERS
@@ -31,7 +31,7 @@ SMOKE = {"tasks": "gpt", "setups": "ddp,local-sgd", "repeats": 1, "budget": 1.0,
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="phalanx bench --quality", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default="gpt,resnet20", help="comma list from " + ", ".join(TASKS))
     p.add_argument("--setups", default=None, help="comma list (default: all; torchft's when it is importable)")
@@ -175,7 +175,7 @@ def run_sweep(tasks: list[str], setups: list[str], multipliers: tuple[float, ...
     progress = _Progress(len(runs), plan.estimate_s(runs), args.no_progress)
     records = sessions.run_session(_items(runs, 1, 1), None, timeout=args.timeout, on_record=progress)
     chosen = plan.choose_lrs(records, higher, {t: get(t).sweep_band for t in tasks})
-    stored = {"command": "python -m phalanx.bench.quality " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    stored = {"command": "python -m benchmarks.quality " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "steps": args.sweep_steps, "multipliers": list(multipliers), "loadavg": os.getloadavg(),
               "lrs": {t: {s: v for (t2, s), v in chosen.items() if t2 == t} for t in tasks}}
@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lr_source = "the committed sweep, " + plan.LRS_PATH.split("phalanx/")[-1] if chosen else "base lrs"
     lrs = plan.inherit_lrs({k: v["lr"] for k, v in chosen.items()})
     runs = plan.main_runs(tasks, cfg["setups"], cfg["links"], lrs=lrs, budgets=cfg["budgets"], fast=fast)
-    payload = {"command": "python -m phalanx.bench.quality " + " ".join(shlex.quote(a) for a in argv),
+    payload = {"command": "python -m benchmarks.quality " + " ".join(shlex.quote(a) for a in argv),
                "started": started.isoformat(timespec="seconds"),
                "environment": {**environment(cfg["links"]), "loadavg": os.getloadavg()},
                "tasks": {t: {"target": cfg["targets"][t], "budget_s": cfg["budgets"][t], "why": get(t).why,
@@ -243,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = _Progress(total, est, args.no_progress, partial)
     by_link = {link: [r for r in runs if r.link == link] for link in cfg["links"]}
     try:
-        with _terminate_unwinds(), links_for(runs) as built:
+        with terminate_unwinds(), links_for(runs) as built:
             for link, mine in by_link.items():
                 sessions.run_session(_items(mine, args.repeats, args.evals), built.get(link),
                                      timeout=args.timeout, on_record=progress)
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     analyse(payload, args.out)
     failed = sum(1 for r in progress.records if r["error"])
     if failed:
-        print(f"phalanx bench --quality: {failed} run(s) failed; see the tables", file=sys.stderr)
+        print(f"python -m benchmarks.quality: {failed} run(s) failed; see the tables", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -1,4 +1,4 @@
-"""The issues' speed targets, checked against whatever rows a sweep measured.
+"""Speed targets, checked against the rows of a ``phalanx bench`` run: ``python -m benchmarks.targets bench.json``.
 
 A target whose configurations were not in the sweep is simply not listed.
 
@@ -57,3 +57,23 @@ def markdown(targets: list[dict[str, Any]]) -> str:
     if not targets:
         return "(none of the issues' target configurations were in this sweep)\n"
     return "".join(f"- {'met' if t['ok'] else '**missed**'}: {t['name']}: {t['text']}\n" for t in targets)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the targets met and missed by a ``phalanx bench`` run's ``bench.json``; exit 1 if any was missed."""
+    import json
+    import sys
+
+    paths = sys.argv[1:] if argv is None else argv
+    missed = 0
+    for path in paths:
+        with open(path) as f:
+            payload = json.load(f)
+        found = check(payload["rows"], payload.get("time_to_accuracy"))
+        print(f"## Targets ({path})\n\n" + markdown(found))
+        missed += sum(not t["ok"] for t in found)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
