@@ -5,7 +5,7 @@ same two processes, on one process group: the interpreter start, the torch impor
 group's rendezvous are paid once per session instead of once per run. Every run rebuilds
 its model (from its seed), optimizer, strategy or DDP wrapper and accountant, so nothing
 carries over from one run to the next (compressors' residuals, comm hooks, momentum);
-``tests/test_quality.py`` checks that a run repeated after another setup gives the same
+``tests/benchmarks/test_quality.py`` checks that a run repeated after another setup gives the same
 curve. Each finished run is appended to OUT.jsonl as one line at once, so the launcher
 sees progress and a lost session loses only the run in flight.
 

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_bench.py; each runs in every rank of a real gloo group."""
+"""Worker functions for tests/bench/test_bench.py; each runs in every rank of a real gloo group."""
 from __future__ import annotations
 
 from typing import Any

@@ -22,8 +22,9 @@ from phalanx.launch.elastic import ElasticConfig
 from phalanx.elastic.membership import common_commit, decide_members
 from phalanx.launch.run import RunConfig
 from workers import elastic as worker
+from support.paths import TESTS
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "elastic.py")
+WORKER = os.path.join(TESTS, "workers", "elastic.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 
 

@@ -15,6 +15,7 @@ from phalanx.errors import ConfigError
 from phalanx.stream import Deadline, RedisStream, Stop, StreamError, StreamLoader, WaitFull, decode_sample
 from phalanx.stream.plan import END, STEP, Plan, split
 from phalanx.stream.source import MAX_SEQ, before
+from support.paths import REPO
 
 
 # -- units: no broker -----------------------------------------------------------------------------
@@ -392,7 +393,7 @@ def test_dead_letters_take_no_room_a_step_needs(server):
 def test_the_custom_decode_example_of_the_docs_runs_on_a_real_stream(server):
     import os
     import re
-    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "streaming.md")
+    docs = os.path.join(REPO, "docs", "streaming.md")
     text = open(docs).read()
     section = text[text.index("## Your own events"):]
     produce, consume = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:2]

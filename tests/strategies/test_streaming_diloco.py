@@ -24,6 +24,7 @@ import phalanx as px
 from phalanx.strategies.streaming_diloco import balanced_split
 from support.procs import run_workers
 from workers import streaming
+from support.paths import TESTS
 
 STEPS = 8
 
@@ -333,7 +334,7 @@ def test_quantised_exchanges_keep_replicas_in_step_and_send_fewer_bytes(results)
 
 
 # -- elastic: a kill while an exchange is in flight, a spare joining mid-overlap ----------------------------------
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "streaming.py")
+WORKER = os.path.join(TESTS, "workers", "streaming.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 
 

@@ -14,9 +14,10 @@ import torch
 
 import phalanx as px
 from phalanx.step.preempt import PREEMPTED_EXIT, latest_checkpoint
+from support.paths import REPO, TESTS
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "preempt.py")
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+WORKER = os.path.join(TESTS, "workers", "preempt.py")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"),
                                                      os.environ.get("PYTHONPATH", "")])}
 
 
@@ -100,7 +101,7 @@ def test_a_stop_that_wrote_no_checkpoint_within_the_grace_is_not_reported_as_res
     assert latest_checkpoint(ckpt) is None
 
 
-PERIODIC = os.path.join(os.path.dirname(__file__), "workers", "preempt_periodic.py")
+PERIODIC = os.path.join(TESTS, "workers", "preempt_periodic.py")
 
 
 @pytest.mark.multiproc

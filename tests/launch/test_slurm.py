@@ -28,11 +28,12 @@ from phalanx.launch.slurm import SlurmEnv, expand_nodelist
 from support.procs import free_port
 from test_preempt import oracle, weights
 from workers import elastic as base
+from support.paths import REPO, TESTS
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "preempt.py")
-ELASTIC = os.path.join(os.path.dirname(__file__), "workers", "slurm_elastic.py")
+WORKER = os.path.join(TESTS, "workers", "preempt.py")
+ELASTIC = os.path.join(TESTS, "workers", "slurm_elastic.py")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo")
-SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+SRC = os.path.join(REPO, "src")
 
 # -- the environment handling, without a cluster --------------------------------------------------------------
 
@@ -129,7 +130,7 @@ class Cluster:
     def __init__(self, root: str) -> None:
         self.root, self.pids = root, []
         self.env = {**os.environ, "SLURM_CONF": os.path.join(root, "slurm.conf"),
-                    "PYTHONPATH": os.pathsep.join([SRC, os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+                    "PYTHONPATH": os.pathsep.join([SRC, TESTS, os.environ.get("PYTHONPATH", "")])}
         for k in [k for k in self.env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
             del self.env[k]
 

@@ -7,7 +7,7 @@ optimizer onto themselves (1 x 3: 2 does not divide 3); the replacement that ``-
 starts then joins and receives its shards (2 x 2 again). With one replica group (1 x 2) the
 lost shard exists nowhere in memory: the survivor reloads the checkpoint every commit wrote.
 Each result equals one process trained on the same global batches (the oracle of
-tests/test_elastic.py). A joiner receives only the rows of its own shards (about 1/S of the
+tests/elastic/test_elastic.py). A joiner receives only the rows of its own shards (about 1/S of the
 model and optimizer state), point to point; and on 2 live processes without the launcher,
 ``phalanx.sharding.reshard.reshard`` moves exactly the rows each worker lacks (1 x 2 -> 2 x 1 -> 1 x 2).
 """

@@ -24,10 +24,11 @@ from test_elastic import oracle
 
 from phalanx.bench import netns
 from workers import elastic as worker
+from support.paths import TESTS
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiproc, needs_root_netns()]
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "elastic.py")
+WORKER = os.path.join(TESTS, "workers", "elastic.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 PORT = 29561  # inside namespace A, where nothing else listens
 EPOCHS = 6

@@ -19,8 +19,9 @@ import torch
 from workers import elastic as base
 from workers import elastic_commit as worker
 from workers.elastic import N
+from support.paths import TESTS
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "elastic_commit.py")
+WORKER = os.path.join(TESTS, "workers", "elastic_commit.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 
 
@@ -75,7 +76,7 @@ def test_rank_0_killed_inside_a_commit_the_others_roll_back_and_go_on(tmp_path, 
     assert "DistStoreError" not in proc.stderr
 
 
-LOOP = os.path.join(os.path.dirname(__file__), "workers", "elastic_loop.py")
+LOOP = os.path.join(TESTS, "workers", "elastic_loop.py")
 
 
 def test_the_module_level_loop_runs_plainly_outside_phalanx_run(tmp_path):

@@ -22,8 +22,9 @@ from phalanx import ConfigError
 from phalanx.data.loader import global_batches
 from phalanx.train.epoch_report import step_postfix
 from workers import elastic as base
+from support.paths import TESTS
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "elastic_policy.py")
+WORKER = os.path.join(TESTS, "workers", "elastic_policy.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 
 

@@ -17,9 +17,10 @@ import sys
 import time
 
 import pytest
+from support.paths import TESTS
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "elastic.py")
-DOOR = os.path.join(os.path.dirname(__file__), "workers", "elastic_door.py")  # trains until OUT/stop exists
+WORKER = os.path.join(TESTS, "workers", "elastic.py")
+DOOR = os.path.join(TESTS, "workers", "elastic_door.py")  # trains until OUT/stop exists
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 
 pytestmark = pytest.mark.multiproc

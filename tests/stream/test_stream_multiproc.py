@@ -20,6 +20,7 @@ import torch
 
 from phalanx.checkpoint import read_checkpoint
 from support.procs import run_workers
+from support.paths import TESTS
 
 pytestmark = pytest.mark.multiproc
 
@@ -202,7 +203,7 @@ def test_exactly_once_when_an_elastic_group_loses_a_worker_and_a_new_one_joins(s
     import glob
     import json
     stream = "elastic"
-    script = os.path.join(os.path.dirname(__file__), "workers", "stream_elastic.py")
+    script = os.path.join(TESTS, "workers", "stream_elastic.py")
     feed = producer(server.url, stream, 3000, 1000)
     cli = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
     try:

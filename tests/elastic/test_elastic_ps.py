@@ -4,7 +4,7 @@ The synchronous PS averages each step's gradients on the servers, so a worker th
 inside a step leaves the others waiting on a server, not in a gloo collective: they must
 notice the death (its watcher marks it), abandon the round, regroup, and have the servers
 key the redone steps' rounds with the new group and its worker count. The checks are
-those of tests/test_elastic.py: same processes, exit 0, every sample once per epoch, and
+those of tests/elastic/test_elastic.py: same processes, exit 0, every sample once per epoch, and
 the final model equal to one process trained on the same global batches.
 
 Downpour and asynchronous EASGD hold the model on the servers: there the checks are that
@@ -27,6 +27,7 @@ from phalanx.ps.reducer import Reducer
 from phalanx.ps.wire import Header
 from workers import elastic as worker
 from workers import elastic_ps
+from support.paths import TESTS
 
 
 KILL = ["--kill", "1@5", "--kill-in-step", "--commit-every", "3", "--strategy", "ps-sync"]
@@ -104,7 +105,7 @@ def test_colocated_servers_follow_the_group_through_a_kill_and_a_replacement(tmp
 # tests/workers/elastic_ps.py: the same training and record as tests/workers/elastic.py, on a model under which each
 # sample adds a fixed amount to the servers' parameters, whatever they are: with plain SGD on the servers, their
 # final parameters count the samples applied, in any order and at any staleness (the oracle of an async run).
-ASYNC = os.path.join(os.path.dirname(__file__), "workers", "elastic_ps.py")
+ASYNC = os.path.join(TESTS, "workers", "elastic_ps.py")
 
 
 def launch_async(tmp_path, strategy: str, *run_flags: str, epochs: int = 2, script: tuple = (), timeout: float = 150

@@ -1,7 +1,7 @@
 """phalanx on Ray: a Ray cluster of 3 nodes on this machine (``ray.cluster_utils.Cluster``), real kills.
 
 One cluster is shared by the module (Ray takes seconds to start). The training function
-is tests/workers/ray_train.py: the same loop tests/test_elastic.py runs under
+is tests/workers/ray_train.py: the same loop tests/elastic/test_elastic.py runs under
 ``phalanx run --elastic``; the oracle retrains one process on the global batches the
 group recorded.
 """
