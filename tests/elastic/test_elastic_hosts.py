@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 from conftest import needs_root_netns
-from test_elastic import oracle
+from support.elastic_job import oracle
 
 from phalanx.bench import netns
 from workers import elastic as worker

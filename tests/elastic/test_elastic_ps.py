@@ -21,7 +21,7 @@ import subprocess
 
 import pytest
 import torch
-from test_elastic import CLI, check_recovered, launch, oracle
+from support.elastic_job import CLI, check_recovered, launch, oracle
 
 from phalanx.ps.reducer import Reducer
 from phalanx.ps.wire import Header

@@ -79,7 +79,7 @@ def results_of(tmp_path) -> dict:
 
 def assert_untouched(tmp_path, launcher: subprocess.Popen, stderr: str, workers: tuple[str, ...] = ("0", "1")) -> None:
     """The job ended as if nobody had tried to enter: its own workers, its own world size, the oracle's weights."""
-    from test_elastic import oracle
+    from support.elastic_job import oracle
     assert launcher.returncode == 0, stderr[-3000:]
     results = results_of(tmp_path)
     assert sorted(results) == sorted(workers), stderr[-3000:]

@@ -18,7 +18,7 @@ from phalanx import ConfigError
 from phalanx.elastic.options import ElasticConfig
 from phalanx.elastic.worker import admissible
 from phalanx.launch.run import RunConfig
-from test_elastic import launch, oracle
+from support.elastic_job import launch, oracle
 from workers import elastic as worker
 
 

@@ -26,7 +26,7 @@ from phalanx import ConfigError
 from phalanx.launch.run import RunConfig
 from phalanx.launch.slurm import SlurmEnv, expand_nodelist
 from support.procs import free_port
-from test_preempt import oracle, weights
+from support.preempt_job import oracle, weights
 from workers import elastic as base
 from support.paths import REPO, TESTS
 

@@ -14,6 +14,7 @@ import torch
 
 import phalanx as px
 from phalanx.step.preempt import PREEMPTED_EXIT, latest_checkpoint
+from support.preempt_job import oracle, weights
 from support.paths import REPO, TESTS
 
 WORKER = os.path.join(TESTS, "workers", "preempt.py")
@@ -33,27 +34,6 @@ def wait_for(path: str, proc: subprocess.Popen, deadline_s: float = 120) -> None
         assert proc.poll() is None, f"the job ended first: {proc.returncode} {proc.stderr.read()}"
         assert time.monotonic() < end, "the worker never reached the step"
         time.sleep(0.05)
-
-
-def oracle() -> torch.nn.Module:
-    """The worker's model trained by one plain-torch process on the global batches (2 x 4 samples)."""
-    from phalanx.data.loader import global_batches
-    from workers import preempt as w
-    torch.manual_seed(1)
-    net = w.make_model()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    x, y = w.data().tensors
-    for epoch in range(w.EPOCHS):
-        for parts in global_batches(w.N, 2 * w.BATCH, 1, shuffle=True, seed=0, epoch=epoch):
-            idx = torch.tensor(parts[0])
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-            opt.step()
-    return net
-
-
-def weights(path: str) -> list[torch.Tensor]:
-    return list(torch.load(path, weights_only=True).values())
 
 
 def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_oracle(tmp_path):
@@ -219,7 +199,7 @@ def test_bad_resume_flags_are_one_line(argv, given, tmp_path):
 
 @pytest.mark.multiproc
 def test_sigterm_to_one_elastic_worker_leaves_at_the_commit_and_the_others_redo_nothing(tmp_path):
-    from test_elastic import launch, oracle as elastic_oracle
+    from support.elastic_job import launch, oracle as elastic_oracle
     from workers import elastic as worker
     proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@5", "--term", "--commit-every", "3",
                            timeout=300)
