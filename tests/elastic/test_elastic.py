@@ -22,6 +22,7 @@ from phalanx.launch.run import RunConfig
 from workers import elastic as worker
 
 from support.elastic_job import CLI, WORKER, check_recovered, gone, launch, oracle  # noqa: F401 (shared)
+from support.wait import until
 
 
 # -- unit: the quorum rules and bad input ------------------------------------------------------------------------
@@ -128,9 +129,8 @@ def test_losing_the_launcher_ends_every_worker_with_one_line(tmp_path):
     cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", WORKER, "--out", str(tmp_path),
            "--step-sleep", "0.5", "--epochs", "20"]
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(glob.glob(str(tmp_path / "training*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= 2, timeout=60, what="the workers' training",
+          procs=[launcher])
     pids = [int(p.rsplit("-", 1)[1].split(".")[0]) for p in glob.glob(str(tmp_path / "start*.json"))]
     launcher.kill()  # the rendezvous host is gone; its store with it
     stderr = launcher.communicate(timeout=30)[1]  # returns once every worker closed the inherited pipe

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import phalanx as px
 from phalanx.step.preempt import PREEMPTED_EXIT, latest_checkpoint
 from support.preempt_job import oracle, weights
 from support.paths import REPO, TESTS
+from support.wait import until
 
 WORKER = os.path.join(TESTS, "workers", "preempt.py")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"),
@@ -29,11 +29,8 @@ def phalanx(*args: str, **kw) -> subprocess.Popen:
 
 def wait_for(path: str, proc: subprocess.Popen, deadline_s: float = 120) -> None:
     """Until the worker writes ``path`` (polling a file; the launcher ending first is a failure)."""
-    end = time.monotonic() + deadline_s
-    while not os.path.exists(path):
-        assert proc.poll() is None, f"the job ended first: {proc.returncode} {proc.stderr.read()}"
-        assert time.monotonic() < end, "the worker never reached the step"
-        time.sleep(0.05)
+    until(lambda: os.path.exists(path), timeout=deadline_s, what=f"the worker's {os.path.basename(path)}",
+          procs=[proc], detail=lambda: proc.stderr.read())
 
 
 def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_oracle(tmp_path):
@@ -130,10 +127,9 @@ def test_sigterm_during_start_up_ends_the_job_in_one_line_with_no_worker_left(tm
     out = str(tmp_path / "model.pt")
     job = phalanx("-n", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), WORKER, out)
     try:
-        deadline = time.monotonic() + 120
-        while len(_procs_with(out)) < 2:  # both workers started (importing torch, or in px.init): not trained
-            assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()
-            time.sleep(0.02)
+        # both workers started (importing torch, or in px.init): not trained
+        until(lambda: len(_procs_with(out)) >= 2, timeout=120, what="both workers' start", procs=[job],
+              detail=lambda: job.stderr.read())
         job.send_signal(signal.SIGTERM)
         _, err = job.communicate(timeout=60)
     finally:
@@ -149,10 +145,10 @@ def test_the_launcher_ends_the_processes_it_started_and_only_those():
     # A SIGTERM while torch's agent is starting the workers can leave some it does not track yet; under load
     # one such run left 2 workers alive (holding the launcher's stderr, retrying a store that was gone).
     from phalanx.launch.run import _children, _reap_children
-    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    older = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         before = _children()
-        newer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        newer = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
         assert {older.pid, newer.pid} <= _children()
         _reap_children(before)
         assert newer.wait(timeout=10) == -signal.SIGKILL and older.poll() is None
