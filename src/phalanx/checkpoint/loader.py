@@ -48,7 +48,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 def load_state(path: str | os.PathLike, state: TrainingState, *, restore_rng: bool = True) -> dict[str, Any]:
     """Restore ``state`` from a checkpoint (this worker's part, or rank 0's shared part); returns its summary."""
     with _os_errors_refused(path):
-        _remove_abandoned(os.path.abspath(os.fspath(path)))  # what a save killed half-way left (elastic: a lost worker)
+        with contextlib.suppress(OSError):  # housekeeping: what a save killed half-way left (elastic: a lost worker)
+            _remove_abandoned(os.path.abspath(os.fspath(path)))
         found = _resolve(os.fspath(path))
         if os.path.isdir(found):
             return _load_directory(found, state, restore_rng=restore_rng)
