@@ -1,7 +1,9 @@
-"""A worker whose launcher is gone ends within the heartbeat timeout: `phalanx run` SIGKILLed leaves no orphans.
+"""A worker whose launcher is gone ends within the heartbeat timeout: a SIGKILLed `phalanx run` (or `phalanx join`)
+leaves no orphans.
 
 Real processes: the launcher is killed with SIGKILL (it can do nothing about it), and the test waits on
 pidfds of its workers (readable once a process has exited), bounded by the heartbeat timeout.
+(`phalanx run --elastic`: tests/test_elastic.py::test_losing_the_launcher_ends_every_worker_with_one_line.)
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from datetime import timedelta
 
 import pytest
 
@@ -85,3 +89,51 @@ def test_workers_of_a_sigkilled_launcher_end_within_the_heartbeat_timeout(tmp_pa
                 pass
         if launcher.poll() is None:
             launcher.kill()
+
+
+JOINER = """\
+import json, os, sys
+sys.stdout.write(json.dumps({"pid": os.getpid()}) + "\\n")
+sys.stdout.flush()
+import phalanx as px
+px.init()  # a joiner waits here to be admitted: this job never admits anyone
+"""
+
+
+@pytest.mark.multiproc
+def test_joiners_of_a_sigkilled_phalanx_join_end_within_the_heartbeat_timeout(tmp_path):
+    import torch.distributed as dist
+
+    from phalanx.elastic import secret as job_secret
+    from phalanx.elastic.membership import key
+    secret = "0123456789abcdef" * 4
+    # the job's store, as `phalanx run --elastic` publishes it: alive for the whole test, so its loss is not the signal
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    nonce = job_secret.nonce()
+    store.set(key("config"), json.dumps({"min_workers": 1, "max_workers": 3, "heartbeat_s": DEFAULT_HEARTBEAT_S,
+                                         "workers": 2, "spares": [], "nonce": nonce,
+                                         "check": job_secret.verifier(secret, nonce)}))
+    store.set(key("gen", 0, "members"), json.dumps(["0", "1"]))
+    script = tmp_path / "join.py"
+    script.write_text(JOINER)
+    join = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "-n", "1", str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PHALANX_SECRET": secret})
+    pid = None
+    try:
+        line = join.stdout.readline()
+        assert line, f"`phalanx join` ended early: {join.wait()} {join.stderr.read()[-3000:]}"
+        pid = json.loads(line)["pid"]
+        store.wait([key("joiners")])  # it asked to join: px.init() runs, waiting for its place
+        join.send_signal(signal.SIGKILL)
+        join.wait(timeout=30)
+        assert wait_exited([pid], DEFAULT_HEARTBEAT_S) == [], "the joiner waits on without its `phalanx join`"
+        assert "its launcher (pid " in join.stderr.read()
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if join.poll() is None:
+            join.kill()
