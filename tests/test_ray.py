@@ -25,26 +25,11 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phal
 pytest.importorskip("ray.train", reason="ray[train] is not installed (pip install 'phalanx[ray]')")
 
 from phalanx.launch.raytrain import train  # noqa: E402
+from support import ray_cluster  # noqa: E402
 from workers import elastic as loop  # noqa: E402
 from workers import ray_train as worker  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A head and two worker nodes, one CPU each: Ray places one phalanx worker per node."""
-    from ray.cluster_utils import Cluster
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # Ray's controller polls its workers this often
-    small = {"num_cpus": 1, "object_store_memory": 80 * 1024 ** 2, "include_dashboard": False}
-    c = Cluster(initialize_head=True, head_node_args=dict(small))
-    for _ in range(2):
-        c.add_node(**small)
-    ray.init(address=c.address, log_to_driver=True)
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    mp.undo()
+cluster = ray_cluster.cluster  # the module's Ray cluster (a fixture)
 
 
 def results(out) -> dict:
