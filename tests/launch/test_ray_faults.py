@@ -1,4 +1,4 @@
-"""phalanx on Ray under faults Ray Train itself mishandles: a replacement that arrives after the end, two losses at once.
+"""phalanx on Ray under the faults Ray Train mishandles: a replacement arriving after the end, two losses at once.
 
 A Ray cluster of 3 nodes on this machine (``ray.cluster_utils.Cluster``, shared by the
 module), real kills (SIGKILL of the worker actors' processes, placed by marker files the

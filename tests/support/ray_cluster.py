@@ -16,6 +16,9 @@ def cluster():
 
     mp = pytest.MonkeyPatch()
     mp.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # Ray's controller polls its workers this often
+    # Ray's memory monitor kills workers when the *machine* is above 95% of its memory: on a shared test machine
+    # that is other processes' doing, and a kill the test did not place. The tests place their own kills.
+    mp.setenv("RAY_memory_monitor_refresh_ms", "0")
     small = {"num_cpus": 1, "object_store_memory": 80 * 1024 ** 2, "include_dashboard": False}
     c = Cluster(initialize_head=True, head_node_args=dict(small))
     for _ in range(2):

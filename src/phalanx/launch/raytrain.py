@@ -56,6 +56,7 @@ from typing import Any, Callable
 from ..elastic import secret
 from ..elastic.membership import key
 from ..elastic.watch import mark_dead
+from ..elastic.worker import EndedBeforeAdmitted
 from ..errors import ConfigError, PhalanxError, usage
 from .elastic import listening_store, quiet_store_env
 
@@ -302,6 +303,61 @@ class _Grown:
         return fn()
 
 
+def _training_function(fn: Callable[..., Any], args: tuple) -> Callable[[], Any]:
+    """What each Ray worker runs: ``fn(*args)``; a replacement that arrives after training ended returns None.
+
+    Its ``px.init()`` raises :class:`~phalanx.elastic.worker.EndedBeforeAdmitted` (status 0 under
+    ``phalanx run``); in a Ray actor, which lives on, Ray Train would count that exception as a worker
+    error and retry a job that had finished. Returning normally is what a finished worker does.
+    """
+    def run() -> Any:
+        try:
+            return fn(*args)
+        except EndedBeforeAdmitted:
+            return None  # training ended before this worker got in: nothing failed, nothing is left to do
+
+    return run
+
+
+def one_line(err: BaseException) -> str:
+    """A failed Ray Train run as one line: its type and what failed on each worker (or in the controller).
+
+    Ray's messages are headings ending in a colon, followed by the detail on later lines, and
+    tracebacks: the detail is kept, joined into one line, never cut at the heading's colon.
+
+    Example:
+        >>> one_line(RuntimeError("Training failed due to controller error:\\nThe actor died."))
+        'RuntimeError: Training failed due to controller error: The actor died.'
+    """
+    failures = getattr(err, "worker_failures", None)
+    if isinstance(failures, dict) and failures:
+        return f"{type(err).__name__}: " + "; ".join(f"Ray Train rank {rank}: {_gist(e)}"
+                                                      for rank, e in sorted(failures.items()))
+    cause = getattr(err, "controller_failure", None)
+    if isinstance(cause, BaseException):
+        return f"{type(err).__name__}: controller: {_gist(cause)}"
+    return _gist(err)
+
+
+def _gist(err: BaseException, limit: int = 300) -> str:
+    """``Type: what happened`` for one exception: a traceback's exception line, else the heading and its detail."""
+    lines = [ln for ln in str(err).splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback (most recent call last):") for ln in lines):
+        said = [ln.strip() for ln in lines if not ln[:1].isspace()][-1]  # the traceback's last line names the error
+    else:
+        taken = []
+        for ln in lines:  # a heading "...:" is followed by its detail; the first line that is not a heading ends it
+            taken.append(ln.strip())
+            if not ln.rstrip().endswith(":"):
+                break
+        said = " ".join(taken) or type(err).__name__
+        said = f"{type(err).__name__}: {said}" if not said.startswith(type(err).__name__) else said
+    inner = getattr(err, "health_check_failure", None)  # Ray's worker health check names its cause apart
+    if isinstance(inner, BaseException):
+        said = f"{said} ({_gist(inner, limit)})"
+    return said if len(said) <= limit else said[:limit - 1] + "…"
+
+
 def _where() -> tuple[int, int, int]:
     """On a worker: its Ray Train world rank (slot), local rank and local world size."""
     import ray.train
@@ -326,12 +382,15 @@ class _PhalanxBackend(Backend):  # type: ignore[misc]
 
     def __init__(self) -> None:
         self.job: _Job | None = None
+        self.whole: Any = None  # Ray Train's whole worker group (the first start), to see its other replica groups
+        self._retiring = False
 
     def on_start(self, worker_group: Any, backend_config: PhalanxConfig) -> None:
         cfg = backend_config
         joining = self.job is not None  # the first start hosts the job; later ones are Ray's replacements
         if self.job is None:
             self.job = _Job(cfg)
+            self.whole = worker_group
         places = worker_group.execute(_where)
         for i, (slot, local_rank, local_world) in enumerate(places):
             wid = self.job.replace(slot) if joining else self.job.ids[slot]
@@ -346,9 +405,33 @@ class _PhalanxBackend(Backend):  # type: ignore[misc]
         if len(workers) < backend_config.total_workers:  # a failed replica group: Ray replaces it next
             for w in workers:
                 self.job.lost(w.distributed_context.world_rank, "was lost (its Ray actor failed)")
+            self._retire_other_failures(worker_group)
             return
         self.job.close()  # the whole group ends: training finished, or Ray Train gave up or restarts it all
-        self.job = None
+        self.job = self.whole = None
+
+    def _retire_other_failures(self, replacing: Any) -> None:
+        """Shut down every other replica group that failed in the same poll, before Ray replaces ``replacing``.
+
+        Ray Train 2.60 replaces failed replica groups one at a time, and each replacement first
+        clears the result queue of every replica group still active, the other failed ones
+        included: a dead actor's call raises, the controller takes that for its own error
+        (``ControllerError``, never retried) and the job ends although the survivors hold
+        ``min_workers``. A replica group already shut down is skipped there, and Ray replaces it
+        next all the same (its shutdown is a no-op then), so two losses at the same moment are two
+        replacements, as two losses apart are.
+        """
+        if self.whole is None or self._retiring:
+            return  # a group shut down here calls on_shutdown again: one sweep at a time
+        self._retiring = True
+        try:
+            polled = self.whole.get_latest_poll_status()
+            groups = self.whole.get_replica_groups() or []
+            for i in sorted(polled.failing_replica_group_indices if polled is not None else ()):
+                if i < len(groups) and groups[i] is not replacing and groups[i].is_active():
+                    groups[i].shutdown()
+        finally:
+            self._retiring = False
 
 
 def _connect(ray: Any, address: str | None) -> None:
@@ -383,7 +466,7 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     ray = require_ray()
     cfg = PhalanxConfig(num_workers=num_workers, min_workers=min_workers, spares=spares, heartbeat_s=heartbeat_s,
                         threads=threads, timeout_s=timeout_s, debug=debug, max_workers=max_workers,
-                        grow=lambda: fn(*args), resources=resources_per_worker)
+                        grow=_training_function(fn, args), resources=resources_per_worker)
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < -1:
         raise ConfigError(usage(f"max_failures={max_failures!r}", "an integer >= 0 (or -1: no limit)",
                                 "Pass e.g. max_failures=3."))
@@ -392,7 +475,7 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     trainer = DataParallelTrainer(
-        lambda: fn(*args), backend_config=cfg,
+        cfg.grow, backend_config=cfg,
         scaling_config=ScalingConfig(num_workers=cfg.total_workers, resources_per_worker=resources_per_worker),
         run_config=RunConfig(name=name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=max_failures),
@@ -400,8 +483,7 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     try:
         return trainer.fit().return_value
     except ray.train.TrainingFailedError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise PhalanxError(f"phalanx: ray: the job failed ({type(err).__name__}: {first})") from err
+        raise PhalanxError(f"phalanx: ray: the job failed ({one_line(err)})") from err
     except ray.exceptions.RayActorError as err:  # the controller, and the job's store with it
         raise PhalanxError("phalanx: ray: Ray Train's controller, which held the job's store, was lost "
                            f"({type(err).__name__}); the workers end with it. Commits were in memory only: resume "
