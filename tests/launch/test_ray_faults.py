@@ -94,3 +94,23 @@ def test_two_workers_killed_at_once_regroup_down_to_min_workers_and_finish(clust
     assert sorted(j for h in history for j in h["joined"]) == ["r1", "r2"]
     assert worlds[:3] == [3, 3, 1] and worlds[-1] == 3, worlds
     assert returned == {"id": "0", "steps": len(record)}
+
+
+def test_a_failed_run_is_one_line_naming_every_workers_failure_never_cut_at_a_colon():
+    # Ray's messages are a heading ending in a colon, then the detail and tracebacks on later lines: the line
+    # train() raises keeps the detail (it used to end at "Training failed due to worker errors:").
+    from ray.exceptions import ActorDiedError
+    from ray.train import ControllerError, WorkerGroupError
+
+    from phalanx.launch.raytrain import one_line
+
+    class Traced(Exception):  # what Ray returns for a training function's exception: its traceback as text
+        def __str__(self) -> str:
+            return 'Traceback (most recent call last):\n  File "train.py", line 9, in main\n    step()\nValueError: bad'
+
+    err = WorkerGroupError("[Rank 1 Error Snippet]:\n...", {2: ActorDiedError(), 1: Traced()})
+    line = one_line(err)
+    assert line.startswith("WorkerGroupError: Ray Train rank 1: ValueError: bad; Ray Train rank 2: ActorDiedError: ")
+    assert "\n" not in line and not line.endswith(":")
+    line = one_line(ControllerError(ActorDiedError()))
+    assert line.startswith("ControllerError: controller: ActorDiedError: The actor died") and "\n" not in line
