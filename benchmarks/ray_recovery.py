@@ -15,7 +15,8 @@ it writes its pid and parks, and this script kills its actor's process with SIGK
 
 Printed per run: kill -> first training step after it, kill -> 3 workers training again
 (for ``phalanx``: Ray's own replacement time, the kill to the replacement's first step, which
-sets how often a chaos soak may kill under Ray), and the steps redone. Take the figures as what they are on the machine that ran them.
+sets how often a chaos soak may kill under Ray), and the steps redone. Take the figures as
+what they are on the machine that ran them.
 """
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ pytest.importorskip("ray.train", reason="ray[train] is not installed (pip instal
 
 from phalanx.launch.raytrain import train  # noqa: E402
 from support import ray_cluster  # noqa: E402
+from support.wait import until  # noqa: E402
 from workers import elastic as loop  # noqa: E402
 from workers import ray_train as worker  # noqa: E402
 
@@ -34,9 +34,7 @@ def results(out) -> dict:
 
 def kill_when_parked(out, names: list[str], timeout_s: float = 600.0) -> list[dict]:
     """Wait until every victim has written its pid where it parks, then SIGKILL their processes back to back."""
-    deadline = time.monotonic() + timeout_s
-    while not all((out / n).exists() for n in names) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: all((out / n).exists() for n in names), timeout=timeout_s, what="the victims' pid files")
     victims = [json.load(open(out / n)) for n in names]
     for v in victims:
         os.kill(v["pid"], signal.SIGKILL)

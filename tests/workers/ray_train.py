@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 from workers.elastic import BATCH, Record, dataset, model, optimizer
+from support.wait import until
 
 
 def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
@@ -32,21 +33,22 @@ def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
     from phalanx.elastic.membership import key
 
     store, members = state.worker.store, set(state.worker.membership.members)
-    while time.monotonic() < deadline:
-        if store.check([key("joiners")]) and set(json.loads(store.get(key("joiners")))) - members:
-            return
-        time.sleep(0.05)
+    try:
+        until(lambda: store.check([key("joiners")]) and set(json.loads(store.get(key("joiners")))) - members,
+              timeout=max(0.0, deadline - time.monotonic()), what="a joiner's knock")
+    except AssertionError:
+        return  # none by the deadline: the caller goes on without it
 
 
-def wait_for_the_end(out: str, victims: list[str], deadline: float) -> None:
+def wait_for_the_end(out: str, victims: list[str], timeout: float) -> None:
     """A replacement held back until every worker that was not killed has written its result."""
-    while time.monotonic() < deadline:
+    def ended() -> bool:
         starts = {os.path.basename(p).removeprefix("start").split("-")[0]
                   for p in glob.glob(os.path.join(out, "start*"))}
         survivors = {s for s in starts if s.isdigit() and s not in victims}
-        if survivors and all(os.path.exists(os.path.join(out, f"worker{s}.json")) for s in survivors):
-            return
-        time.sleep(0.05)
+        return bool(survivors) and all(os.path.exists(os.path.join(out, f"worker{s}.json")) for s in survivors)
+
+    until(ended, timeout=timeout, what="the survivors' results")
 
 
 def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_below: int = 0,
@@ -56,7 +58,7 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
     victims = spec.split(",") if spec else []
     open(os.path.join(out, f"start{me}-{os.getpid()}"), "w").close()  # a restarted worker would leave a second one
     if late and me.startswith("r"):
-        wait_for_the_end(out, victims, deadline=time.monotonic() + 300)
+        wait_for_the_end(out, victims, timeout=300)
         open(os.path.join(out, f"late-{me}"), "w").close()  # it reached px.init() after the others had finished
     px.init()
     net, data = model(), dataset()
@@ -79,7 +81,8 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
                     os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))  # whole or absent
                     if stop:  # hung: only the heartbeat watcher in Ray's controller can free the others
                         os.kill(os.getpid(), signal.SIGSTOP)
-                    time.sleep(3600)  # parked until the test kills this process (kill -9)
+                    while True:  # parked until the test kills this process (kill -9)
+                        signal.pause()
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])
                 everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
                 record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
