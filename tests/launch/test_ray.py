@@ -79,7 +79,7 @@ def test_room_for_a_third_worker_mid_run_grows_the_job_from_2_to_3_workers(clust
     # One CPU of the 3 nodes is held, so 2 workers fit; once both train it is let go, as a node added to the
     # cluster would offer it (Cluster.add_node itself only runs on the main thread, which train() holds), and
     # the controller starts a third worker there, which joins at a commit. slow_below=3: the 2 wait for it.
-    hold = ray.remote(num_cpus=1)(Holder).remote()
+    hold = ray.remote(num_cpus=1)(ray_cluster.Holder).remote()
     ray.get(hold.ping.remote())
 
     def free_a_cpu() -> None:
@@ -106,13 +106,6 @@ def test_room_for_a_third_worker_mid_run_grows_the_job_from_2_to_3_workers(clust
         for have, want in zip(r["params"], loop.oracle(record), strict=True):
             torch.testing.assert_close(torch.tensor(have), want, rtol=1e-5, atol=1e-6)
     assert returned == {"id": "0", "steps": len(record)}
-
-
-class Holder:
-    """Takes one CPU of the cluster (a Ray actor), so that only two workers fit until a node is added."""
-
-    def ping(self) -> bool:
-        return True
 
 
 def test_without_ray_train_is_one_line_naming_the_extra(monkeypatch):
