@@ -31,6 +31,10 @@ parked workers that take a lost worker's place at the regroup; the group never g
 ``max_workers`` (default ``num_workers + spares``). ``max_failures`` bounds how many lost
 workers Ray Train replaces (Ray's ``FailureConfig``).
 
+Several workers lost in the same instant are replaced one by one, the survivors going on down to
+``min_workers``. A replacement that Ray starts after the survivors finished returns None at once
+(:func:`training_function`): the job is finished, and ``train`` returns rank 0's value.
+
 Growing: with ``max_workers`` above ``num_workers + spares``, the controller watches the
 cluster's free resources; when a node is added (room for one more worker's
 ``resources_per_worker``), it starts the training function in a new Ray actor there, which
@@ -303,12 +307,17 @@ class _Grown:
         return fn()
 
 
-def _training_function(fn: Callable[..., Any], args: tuple) -> Callable[[], Any]:
+def training_function(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     """What each Ray worker runs: ``fn(*args)``; a replacement that arrives after training ended returns None.
 
     Its ``px.init()`` raises :class:`~phalanx.elastic.worker.EndedBeforeAdmitted` (status 0 under
     ``phalanx run``); in a Ray actor, which lives on, Ray Train would count that exception as a worker
     error and retry a job that had finished. Returning normally is what a finished worker does.
+    :func:`train` uses it; pass it to your own ``DataParallelTrainer`` beside :class:`PhalanxConfig`.
+
+    Example:
+        >>> training_function(max, 3, 5)()
+        5
     """
     def run() -> Any:
         try:
@@ -464,9 +473,10 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     Raises :class:`~phalanx.PhalanxError` with one line when the job fails.
     """
     ray = require_ray()
+    run = training_function(fn, *args)
     cfg = PhalanxConfig(num_workers=num_workers, min_workers=min_workers, spares=spares, heartbeat_s=heartbeat_s,
                         threads=threads, timeout_s=timeout_s, debug=debug, max_workers=max_workers,
-                        grow=_training_function(fn, args), resources=resources_per_worker)
+                        grow=run, resources=resources_per_worker)
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < -1:
         raise ConfigError(usage(f"max_failures={max_failures!r}", "an integer >= 0 (or -1: no limit)",
                                 "Pass e.g. max_failures=3."))
@@ -475,7 +485,7 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     trainer = DataParallelTrainer(
-        cfg.grow, backend_config=cfg,
+        run, backend_config=cfg,
         scaling_config=ScalingConfig(num_workers=cfg.total_workers, resources_per_worker=resources_per_worker),
         run_config=RunConfig(name=name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=max_failures),
