@@ -388,6 +388,7 @@ class _PhalanxBackend(Backend):  # type: ignore[misc]
     # Ray Train 2.60: each worker is a replica group of one, so a lost worker is replaced alone
     # (ray.train.v2 controller: `_replace_bad_workers`) and the others keep running.
     has_replica_groups = True
+    PROBE_S = 30.0  # the bound on asking a replica group whether its workers are alive, at a replacement
 
     def __init__(self) -> None:
         self.job: _Job | None = None
@@ -428,17 +429,34 @@ class _PhalanxBackend(Backend):  # type: ignore[misc]
         (``ControllerError``, never retried) and the job ends although the survivors hold
         ``min_workers``. A replica group already shut down is skipped there, and Ray replaces it
         next all the same (its shutdown is a no-op then), so two losses at the same moment are two
-        replacements, as two losses apart are.
+        replacements, as two losses apart are. A worker that died after that poll is found by the
+        same call Ray is about to make (``clear_result_queue``, which Ray repeats right after): its
+        group is shut down too, and Ray's next poll sees it failed and replaces it.
         """
+        import ray
+
         if self.whole is None or self._retiring:
             return  # a group shut down here calls on_shutdown again: one sweep at a time
         self._retiring = True
         try:
             polled = self.whole.get_latest_poll_status()
             groups = self.whole.get_replica_groups() or []
-            for i in sorted(polled.failing_replica_group_indices if polled is not None else ()):
-                if i < len(groups) and groups[i] is not replacing and groups[i].is_active():
-                    groups[i].shutdown()
+            failing = polled.failing_replica_group_indices if polled is not None else set()
+            others = [g for g in groups if g is not replacing and g.is_active()]
+            calls = {id(g): [w.actor.clear_result_queue.remote() for w in g.get_workers()]
+                     for i, g in enumerate(groups) if g in others and i not in failing}
+            for i, g in enumerate(groups):
+                if g not in others:
+                    continue
+                if i not in failing:
+                    try:
+                        ray.get(calls[id(g)], timeout=self.PROBE_S)
+                        continue  # alive: Ray's own call will answer too
+                    except ray.exceptions.RayActorError:
+                        pass  # died after the poll
+                    except Exception:  # noqa: BLE001 - slow or odd, not known dead: left to Ray's own call
+                        continue
+                g.shutdown()
         finally:
             self._retiring = False
 
