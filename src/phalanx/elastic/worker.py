@@ -45,7 +45,7 @@ from ..group import group
 from ..errors import PhalanxError
 from ..step.preempt import PREEMPTED_EXIT
 from . import secret as job_secret
-from .membership import Membership, QuorumError, key
+from .membership import Membership, QuorumError, joiner_ids, key
 from .rebuild import destroy, rebuild
 
 HEARTBEAT_EVERY_S = 0.5
@@ -112,6 +112,13 @@ class ElasticWorker:
         self.joining = env.elastic_join  # started by `phalanx join` or `--replace`: enters at the next commit point
         self.secret = env.elastic_secret  # the job's: a joiner proves it holds it, a member checks joiners' proofs
         self._proven: set[str] = set()  # joiners whose proof this member has checked
+        # The joiners list as last read, and the ids in it that proved the secret: a list read again unchanged
+        # costs nothing more, and an id that failed its proof is never checked again (its proof was written
+        # before it was listed, so it cannot come later), so entries nobody admits cost one look each, not
+        # one per commit.
+        self._listed: tuple[bytes, list[str]] = (b"[]", [])
+        self._refused: set[str] = set()
+        self._warned = False
         self._asked = False  # a joiner: it asked to join (once; it waits in the joiners list until admitted)
         self.store = self._connect()
         members = [] if self.joining else json.loads(self.store.get(key("gen", 0, "members")))
@@ -240,8 +247,8 @@ class ElasticWorker:
         self.store.set(key("proof", self.me), job_secret.proof(self.secret or "", self.config["nonce"], self.me))
         joiners_key = key("joiners")
         while True:
-            old = self.store.get(joiners_key).decode() if self.store.check([joiners_key]) else ""
-            new = json.dumps(sorted(set(json.loads(old or "[]")) | {self.me}))
+            old = self.store.get(joiners_key) if self.store.check([joiners_key]) else b""
+            new = json.dumps(sorted(set(joiner_ids(old or b"[]") or []) | {self.me}))  # a bad value is replaced
             if self.store.compare_set(joiners_key, old, new).decode() == new:
                 return
 
@@ -262,13 +269,36 @@ class ElasticWorker:
 
         Only joiners that proved they hold the job's secret are considered at all.
         """
-        if not self.store.check([key("joiners")]):
-            return []
-        waiting = [j for j in json.loads(self.store.get(key("joiners")))
-                   if j not in members and self._proves(j) and not self.membership.is_dead(j)]
+        waiting = [j for j in self._listed_joiners() if j not in members and not self.membership.is_dead(j)]
         return admissible(members, waiting, spares=set(self.config.get("spares", [])),
                           workers=self.config.get("workers", self.config["max_workers"]),
                           max_workers=self.config["max_workers"])
+
+    def _listed_joiners(self) -> list[str]:
+        """The listed joiners that proved the job's secret, in list order; what cannot be used is left out.
+
+        The store is writable by whoever reaches it: a value that is not a JSON list of ids is
+        ignored (one warning), and ids without a valid proof are checked once and dropped from
+        the list (a compare-and-set: a joiner appending meanwhile wins), so they slow no later commit.
+        """
+        joiners_key = key("joiners")
+        raw = self.store.get(joiners_key) if self.store.check([joiners_key]) else b"[]"
+        if raw == self._listed[0]:
+            return self._listed[1]
+        ids = joiner_ids(raw)
+        if ids is None:
+            if not self._warned and self.membership.members[:1] == [self.me]:
+                print(f"phalanx: elastic: ignoring the store's {joiners_key} ({raw[:60]!r}...: not a JSON list of "
+                      "worker ids; something other than phalanx wrote it); joiners add themselves again",
+                      file=sys.stderr, flush=True)
+            self._warned = True
+        listed = ids or []
+        proven = [j for j in listed if j not in self._refused and self._proves(j)]
+        self._refused.update(j for j in listed if j not in self._proven)
+        if ids is None or len(proven) < len(ids):  # prune what no member will ever admit
+            self.store.compare_set(joiners_key, raw, json.dumps(sorted(set(proven))))
+        self._listed = (raw, proven)
+        return proven
 
     def pending_joiners(self) -> list[str]:
         """Rank 0, at a commit point: joiners to admit now (up to --max-workers), in arrival order."""
