@@ -35,7 +35,8 @@ def run_and_kill_at_marker(tmp_path, victim: str, where: str) -> tuple[int, str,
     cmd = [*CLI, "run", "-n", "3", "--elastic", "--min-workers", "2", WORKER, "--out", str(tmp_path),
            "--ckpt", str(ckpt), "--hold", f"{victim}@{where}"]
     env = {**os.environ, "PHALANX_TIMEOUT": "600"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own process group: a failed test ends every worker
     marker = tmp_path / "holding.json"
     try:
         deadline = time.monotonic() + WAIT_S
@@ -47,8 +48,8 @@ def run_and_kill_at_marker(tmp_path, victim: str, where: str) -> tuple[int, str,
         os.kill(held["pid"], signal.SIGKILL)
         out, err = proc.communicate(timeout=WAIT_S)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers (they hold its pipes)
             proc.communicate()
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     return proc.returncode, err, results
