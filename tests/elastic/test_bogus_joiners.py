@@ -11,12 +11,13 @@ import glob
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "elastic_bogus_joiners.py")
-CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+from support.elastic_job import CLI
+from support.paths import TESTS
+
+WORKER = os.path.join(TESTS, "workers", "elastic_bogus_joiners.py")
 GARBAGE_AT, BOGUS_AT = 3, 7
 
 

@@ -15,18 +15,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 from phalanx.checkpoint import checkpoint_step
+from support.elastic_job import CLI
+from support.paths import TESTS
+from support.wait import until
 from workers.elastic import N
 from workers import elastic_commit
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "elastic_kill_save.py")
-CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+WORKER = os.path.join(TESTS, "workers", "elastic_kill_save.py")
 WAIT_S = 120  # for the marker, then for the job: generous on a loaded 2-core machine, far below the 600 s timeout
 
 
@@ -39,10 +39,8 @@ def run_and_kill_at_marker(tmp_path, victim: str, where: str) -> tuple[int, str,
                             start_new_session=True)  # its own process group: a failed test ends every worker
     marker = tmp_path / "holding.json"
     try:
-        deadline = time.monotonic() + WAIT_S
-        while not marker.exists():  # the worker writes it where it holds: an event, not a guess at timing
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.05)
+        # the worker writes it where it holds: an event, not a guess at timing
+        until(marker.exists, timeout=WAIT_S, what="the victim holding in the save", procs=[proc])
         held = json.loads(marker.read_text())
         assert held["id"] == victim
         os.kill(held["pid"], signal.SIGKILL)

@@ -12,15 +12,15 @@ import glob
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
+from support.elastic_job import CLI
+from support.paths import TESTS
 from workers import elastic as base
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "elastic_slow_replacement.py")
-CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+WORKER = os.path.join(TESTS, "workers", "elastic_slow_replacement.py")
 
 
 @pytest.mark.multiproc

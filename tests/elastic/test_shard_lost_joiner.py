@@ -8,35 +8,24 @@ commit from rank 0 and loads its shards from the checkpoint too, instead of endi
 """
 from __future__ import annotations
 
-import glob
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from workers import elastic as worker
-
-WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "elastic.py")
-CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+from support.elastic_job import launch, oracle
 
 
 @pytest.mark.multiproc
 def test_a_spare_admitted_where_a_shard_was_lost_loads_the_checkpoint_with_the_survivor(tmp_path):
-    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--spares", "1", WORKER, "--out",
-           str(tmp_path), "--shard", "2", "--kill", "1@5", "--commit-every", "3", "--epochs", "1",
-           "--checkpoint", str(tmp_path / "ckpt")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc, results = launch(tmp_path, "--min-workers", "1", "--spares", "1", "--", "--shard", "2", "--kill", "1@5",
+                           "--commit-every", "3", "--epochs", "1", "--checkpoint", str(tmp_path / "ckpt"), n=2,
+                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "shard 1 of 2 of the commit died with its only holder; the model and optimizer of step 3 come from" \
         in proc.stderr
-    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     assert sorted(results) == ["0", "s0"], proc.stderr[-3000:]
     assert [(h["left"], h["joined"], h["step"]) for h in results["0"]["history"]] == [(["1"], ["s0"], 3)]
     record = results["0"]["record"]
     assert results["s0"]["record"] == record and [w for _, w, _ in record] == [2] * len(record)
     for r in results.values():
-        for got, want in zip(r["params"], worker.oracle(record), strict=True):
+        for got, want in zip(r["params"], oracle(record), strict=True):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)

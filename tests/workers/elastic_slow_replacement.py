@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
 from phalanx.elastic.membership import key  # noqa: E402
+from support.wait import until  # noqa: E402
 from workers.elastic import BATCH, Record, dataset, model, optimizer  # noqa: E402
 
 KILL_AT = 4
@@ -48,11 +48,10 @@ class KillInCommit:
 def wait_until_ready(state: px.elastic.State, joiner: str, give_up: float) -> None:
     """Survivors, once they trained without it: wait until the replacement is ready (the key phalanx writes
     when a joiner reaches training), so that training does not end before it could join on a loaded machine."""
-    deadline = time.monotonic() + give_up
-    while not state.worker.store.check([key("ready", joiner)]):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"worker {os.environ.get('PHALANX_ELASTIC_ID')}: {joiner} never got ready")
-        time.sleep(0.05)
+    try:
+        until(lambda: state.worker.store.check([key("ready", joiner)]), timeout=give_up, what=f"{joiner} ready")
+    except AssertionError as err:
+        raise SystemExit(f"worker {os.environ.get('PHALANX_ELASTIC_ID')}: {err}") from None
 
 
 def main() -> None:
@@ -69,12 +68,11 @@ def main() -> None:
     if me.startswith("r"):  # the replacement, placed: its start-up goes on once the survivors trained without it
         with open(os.path.join(args.out, f"init{me}.json"), "w") as f:
             json.dump({"rank": px.rank(), "world_size": px.world_size()}, f)
-        deadline = time.monotonic() + args.give_up
-        while not os.path.exists(stepped):
-            if time.monotonic() > deadline:
-                print(f"replacement {me}: the survivors never trained while I started up", file=sys.stderr)
-                raise SystemExit(3)
-            time.sleep(0.05)
+        try:
+            until(lambda: os.path.exists(stepped), timeout=args.give_up, what="the survivors training without it")
+        except AssertionError:
+            print(f"replacement {me}: the survivors never trained while I started up", file=sys.stderr)
+            raise SystemExit(3) from None
     net, data = model(), dataset()
     model_, opt = px.wrap(net, optimizer(net))
     loader = px.shard(data, batch_size=BATCH, seed=0)
