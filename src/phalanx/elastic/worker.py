@@ -41,7 +41,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from ..group import group
+from ..group import group, leaving
 from ..errors import PhalanxError
 from ..step.preempt import PREEMPTED_EXIT
 from . import secret as job_secret
@@ -95,9 +95,6 @@ def place(g: group.Group) -> None:
     # The standard variables too, as torchrun gives its workers: scripts (nanoGPT's) decide from RANK whether
     # they run distributed and derive settings from WORLD_SIZE. Like every worker's, they tell the place at start.
     os.environ.update(RANK=str(g.rank), WORLD_SIZE=str(g.world_size), LOCAL_RANK=str(g.local_rank))
-
-
-_said = threading.Lock()  # held for good by the thread that reports a lost rendezvous host
 
 
 class ElasticWorker:
@@ -196,15 +193,11 @@ class ElasticWorker:
 
     def lost_host(self) -> None:
         """The launcher's store is gone: say so once (from whichever thread notices first) and end."""
-        with _said:
-            line = (f"phalanx: elastic: worker {self.me} lost the rendezvous host {self.addr}:{self.port} "
-                    "(the `phalanx run --elastic` launcher); stopping. Commits were in memory only: "
-                    "resume from your last disk checkpoint (px.save_checkpoint), if any.\n")
-            # One write, newline included: every worker says this at once into the same pipe, and print's
-            # separate write of the newline let two workers' lines run together.
-            sys.stderr.flush()
-            os.write(2, line.encode())
-            os._exit(1)  # no exit handlers: they would wait on the store that is gone
+        # No exit handlers: they would wait on the store that is gone. One line per worker, also when its
+        # launcher's end (group.orphan) is noticed at the same moment.
+        leaving.end_now(f"phalanx: elastic: worker {self.me} lost the rendezvous host {self.addr}:{self.port} "
+                        "(the `phalanx run --elastic` launcher); stopping. Commits were in memory only: "
+                        "resume from your last disk checkpoint (px.save_checkpoint), if any.")
 
     def host_alive(self) -> bool:
         try:
