@@ -21,7 +21,7 @@ from ..sharding.layout import is_sharded
 from ..group.spans import span
 from .training_state import TrainingState
 from ..wrap import unwrap
-from .agreement import _agree, _agree_on_temporary, _all_enter
+from .agreement import _agree, _agree_on_temporary, _all_enter, peer_lost
 from .dcp import _dcp, _quiet, _snapshot
 from .handle import SaveHandle, _abandon, _finish, _write_error
 
@@ -115,6 +115,11 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
         except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001 - raised on every rank
             if me == 0:
                 _abandon(tmp, key)
+            # A peer killed mid-write is a lost peer (elastic regroups on the type), not a bad checkpoint:
+            # the save is abandoned and the previous checkpoint at `path` stays.
+            lost = peer_lost(err, f"writing the checkpoint {path!r}")
+            if lost is not None:
+                raise lost from err
             raise _write_error(path, err) from err
         _finish(handle, tmp, world, state.step, blocking=True)
         g.saving = handle  # done; kept for its process group

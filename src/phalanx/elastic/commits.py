@@ -239,7 +239,7 @@ class State:
         try:
             self._reshard(snap)
         except ShardLostError as lost:
-            snap = self._from_disk(lost)
+            snap = self._from_disk(lost, joined=bool(plan["joined"]))
             lost_steps = max(0, lost_steps + plan["step"] - snap["elastic_step"])
         self._resplit(snap["elastic_world_size"])
         self._note(plan, before, started, redone=lost_steps, cause=failure,
@@ -265,7 +265,16 @@ class State:
         # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
         # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
         self._restore(shared(snap), joining=True)  # a joiner never puts the async PS back
-        self._reshard(None)  # a sharded model: its shards come from the members' commits
+        try:
+            self._reshard(None)  # a sharded model: its shards come from the members' commits
+        except ShardLostError:
+            if self.checkpoint is None:
+                raise  # the members have no checkpoint either: they end with the same error
+            # admitted at the regroup where a shard died with its only holder: the members roll back to the
+            # checkpoint's commit (sent again) and everyone, this joiner too, loads its shards from the checkpoint
+            snap = self._send_state()
+            self._restore(shared(snap), joining=True)
+            self._load_shards()
         self._resplit(snap["elastic_world_size"])
         self.commits = {}
         self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
@@ -282,9 +291,12 @@ class State:
             mine = {**mine, "model": None, "optimizer": None}
         return broadcast_object(mine, 0, "newest commit")
 
-    def _from_disk(self, lost: ShardLostError) -> dict:
+    def _from_disk(self, lost: ShardLostError, joined: bool = False) -> dict:
         """A shard of the commit died with its only holder (one replica group): roll back to the commit of the
-        newest checkpoint's step, and load the model and optimizer from that checkpoint onto the survivors."""
+        newest checkpoint's step, and load the model and optimizer from that checkpoint onto the survivors.
+
+        ``joined``: joiners were admitted at this regroup; they take that commit from rank 0 and load the
+        checkpoint with the survivors (:meth:`join`)."""
         step = checkpoint_step(self.checkpoint) if self.checkpoint is not None else None
         if step is None or step not in self.commits:
             raise ShardLostError(f"{lost} (px.elastic.State(checkpoint=...) holds "
@@ -294,15 +306,21 @@ class State:
             del self.commits[newer]
         snap = self.commits[step]
         self._restore(snap)
-        shard = sharded_by(self.optimizer)
-        reshard_empty(shard, self.model, self.optimizer, self.training.strategy, group.current())
-        with warnings.catch_warnings():  # "taken with N workers": expected, the survivors are fewer
-            warnings.simplefilter("ignore")
-            load_checkpoint(self.checkpoint, self.model, self.optimizer, restore_rng=False)
+        if joined:
+            self._send_state()  # the commit of the checkpoint's step: the newest one kept
+        self._load_shards()
         if group.rank() == 0:
             print(f"phalanx: elastic: {lost.lost} of the commit died with its only holder; the model and optimizer "
                   f"of step {step} come from {os.fspath(self.checkpoint)!r}", file=sys.stderr, flush=True)
         return snap
+
+    def _load_shards(self) -> None:
+        """Lay the sharded model out over the new group and fill it from the checkpoint (collective)."""
+        reshard_empty(sharded_by(self.optimizer), self.model, self.optimizer, self.training.strategy,
+                      group.current())
+        with warnings.catch_warnings():  # "taken with N workers": expected, the survivors are fewer
+            warnings.simplefilter("ignore")
+            load_checkpoint(self.checkpoint, self.model, self.optimizer, restore_rng=False)
 
     def _reshard(self, snap: dict | None) -> None:
         """A sharded model: lay the commit's shards out over the new group (collective; phalanx.sharding.reshard)."""
