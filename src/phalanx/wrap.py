@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .group import group
+from .group.spans import TIMELINE
 from .step import profiling
 from .step.compiled import original
 from .errors import ConfigError, usage
@@ -88,7 +89,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
     if shard is not None:
         shard.check(g, strategy)
     strategy.launched_with(g.env)  # e.g. `phalanx run --servers N` with a strategy that uses none
-    if g.env.profile_dir and g.timeline is None:  # `phalanx run --profile DIR`: the first model starts the timeline
+    if g.env.profile_dir and TIMELINE.of(g).value is None:  # `phalanx run --profile DIR`: the first model starts it
         profiling.profile(g.env.profile_dir)
     model.to(g.device)
     if shard is not None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from ..group import group
 from ..errors import ConfigError, usage
+from ..step.clock import clocks
 
 
 SpeedSource = Callable[[int, float], float]
@@ -82,7 +82,7 @@ def shares_from(seconds: Sequence[float]) -> list[float] | None:
 
 def refuse_unweighted_strategies() -> None:
     """Refuse ``balance="speed"`` beside a wrapped model whose strategy counts every worker alike."""
-    for clock in list(group.clocks()):
+    for clock in list(clocks()):
         strategy = clock.strategy
         if strategy is not None and not getattr(strategy, "uneven_batches", False):
             raise ConfigError(usage(

@@ -44,6 +44,7 @@ from ..errors import ConfigError, WorkerLostError, usage
 from ..sharding.reshard import ShardLostError, local_parts, reshard, reshard_empty
 from ..sharding.layout import sharded_by
 from ..group.spans import span
+from ..step.preempt import PREEMPTION
 from ..wrap import strategy_of
 from .membership import QuorumError
 from .resize import ResizePolicy, check_policy
@@ -154,7 +155,7 @@ class State:
         clock.settle()  # a step this rank's GradScaler skipped is closed: every rank now counts the same
         step = clock.step
         strategy = self.training.strategy
-        preemption = group.current().preemption
+        preemption = PREEMPTION.of(group.current()).value
         if preemption is not None and preemption.signal is not None and not self._leaving:
             self._leaving = True  # SIGTERM to this worker (a node drained): leave at the next commit
             self.worker.membership.ask_to_leave()

@@ -25,7 +25,7 @@ when every worker holds as many samples. So each clock holds ``weight``, this
 worker's share of the global batch its next backward pass computes on
 (``n_i * world_size / total``: 1 on every even step, 0 for an empty part). The
 loader sets it as it yields a batch, through :func:`set_batch_weight`, which reaches
-the clocks of every model wrapped in the current group (``group.clocks()``: the
+the clocks of every model wrapped in the current group (:func:`clocks`: the
 group, the one piece of module-level state, owns the registry; no other global is
 involved). While a strategy averages gradients (:meth:`Strategy.weighs_gradients`),
 the clock scales each backward pass's gradient by the weight *as it arrives*, before
@@ -50,12 +50,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
 
 from ..group import group
+from ..group.records import Record
 from . import preempt
 from .backward import after_backward
 from ..group.spans import Spans, span, step_closed
@@ -103,8 +105,9 @@ class StepClock:
                          model.register_forward_pre_hook(self._forward),
                          *(p.register_hook(functools.partial(self._weigh, id(p)))
                            for p in strategy.params if p.requires_grad)]  # a sharded model's are its shards
-        group.clocks().add(self)
+        clocks().add(self)
         self.preemption = preempt.of()  # the step boundary is where a preemption signal is acted on
+        self.preemption.clocks.add(self)
 
     def _weigh(self, key: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Scale one backward pass's gradient of one parameter by this worker's batch weight, before accumulation."""
@@ -177,7 +180,9 @@ class StepClock:
             self._after_step(False)
 
     def remove(self) -> None:
-        group.clocks().discard(self)
+        clocks().discard(self)
+        if self.preemption is not None:
+            self.preemption.clocks.discard(self)
         for h in self._handles:
             h.remove()
         if getattr(self, "backward", None) is not None:
@@ -198,6 +203,20 @@ def _fsdp_no_sync(module: Any) -> Iterator[None]:
         switch(True)
 
 
+# The step clocks of the models px.wrap attached in a group: the loaders tell them each batch's weight. Weak, so a
+# model dropped by the user is forgotten.
+CLOCKS: "Record[weakref.WeakSet[StepClock]]" = Record("step clocks", weakref.WeakSet)
+
+
+def clocks(g: group.Group | None = None) -> "weakref.WeakSet[StepClock]":
+    """The step clocks of the models wrapped in group ``g`` (default: the current one).
+
+    A plain process that never called px.init() has no lasting group, so this is empty
+    there; its batches all weigh 1, so nothing is lost.
+    """
+    return CLOCKS.of(g if g is not None else group.current())
+
+
 def set_batch_weight(weight: float) -> None:
     """This worker's share of the batch just handed out: ``n_i * world_size / total`` (1 when parts are equal).
 
@@ -213,5 +232,5 @@ def set_batch_weight(weight: float) -> None:
         >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
         >>> set_batch_weight(1.0)
     """
-    for clock in list(group.clocks()):
+    for clock in list(clocks()):
         clock.weight = float(weight)

@@ -45,9 +45,11 @@ import glob
 import os
 import signal
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from ..group import group
+from ..group.records import Record, Slot
 from ..framing import MARKER, read_verified
 
 if TYPE_CHECKING:
@@ -71,11 +73,13 @@ class Preempted(SystemExit):
 class Preemption:
     """One worker's view of a preemption: the signal heard, and the step all workers stop at.
 
-    The group owns one (``group.preemption``); the handler and the step boundary are its only writers.
+    The group keeps one (:data:`PREEMPTION`, made by :func:`of`); the handler and the step boundary are its only
+    writers. The step clocks of the wrapped models report their boundaries here (:attr:`clocks`).
     """
 
     def __init__(self, g: "Group") -> None:
         self.group = g
+        self.clocks: weakref.WeakSet[Any] = weakref.WeakSet()  # the step clocks of this group's wrapped models
         self.signal: int | None = None  # written by the signal handler only
         self.heard = threading.Event()  # set with it, for tests and tools that wait for the signal
         self.armed = False  # a step boundary has passed: from now on a signal waits for the next one
@@ -161,7 +165,7 @@ class Preemption:
         after ``latest`` where the replicas agree: the next sync for those, the next step for the others (and a
         checkpoint taken there holds one model).
         """
-        strategies = [c.strategy for c in self.group.clocks if c.strategy is not None]
+        strategies = [c.strategy for c in self.clocks if c.strategy is not None]
         for step in range(latest + 1, latest + 1 + 1_000_000):  # a sync schedule is a function of the step
             if all(s.replicas_agree(step) for s in strategies):
                 return step
@@ -175,14 +179,17 @@ class Preemption:
                 f.write(str(step))
 
 
+PREEMPTION: "Record[Slot[Preemption]]" = Record("preemption", Slot)
+
+
 def of(g: "Group | None" = None) -> Preemption:
     """The group's :class:`Preemption` (made, and its handlers installed, on first use)."""
     g = g if g is not None else group.current()
-    p = getattr(g, "preemption", None)
-    if p is None:
-        p = g.preemption = Preemption(g)
-        p.install()
-    return p
+    slot = PREEMPTION.of(g)
+    if slot.value is None:
+        slot.value = Preemption(g)
+        slot.value.install()
+    return slot.value
 
 
 def preempted() -> bool:
@@ -194,7 +201,7 @@ def preempted() -> bool:
     """
     g = group.current() if group.is_initialized() else group.init()
     p = of(g)
-    if not g.clocks:  # no wrapped optimizer marks the steps: this call does
+    if not p.clocks:  # no wrapped optimizer marks the steps: this call does
         return p.at_boundary(p.step + 1)
     p.armed = True
     return p.due
