@@ -162,6 +162,18 @@ def read_verified(path: str | os.PathLike) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint at {path!r}; expected a file written by px.save_checkpoint. "
                               "Check the path, or start without resuming.") from None
+    return unframe(data, path)
+
+
+def unframe(data: bytes, path: str | os.PathLike) -> dict[str, Any]:
+    """The body of a framed file's bytes ``data`` (read from ``path``): its SHA-256 checked, loaded weights-only.
+
+    Example:
+        >>> body = to_bytes({"a": 1})
+        >>> unframe(MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\\n" + body, "f")
+        {'a': 1}
+    """
+    path = os.fspath(path)
     if not data.startswith(MAGIC):
         raise CheckpointError(f"{path!r} is not a phalanx checkpoint (bad header); expected a file from "
                               "px.save_checkpoint. For px.save files use torch.load(path, weights_only=True).")
@@ -193,4 +205,4 @@ def check_plain(value: Any, where: str) -> None:
 
 
 __all__ = ["MAGIC", "atomic_write", "check_plain", "clean_stale_temporaries", "from_bytes", "read_verified",
-           "to_bytes", "write_verified"]
+           "to_bytes", "unframe", "write_verified"]
