@@ -91,10 +91,23 @@ def digest_file(directory: str, name: str, chunks: Iterable[tuple[int, int]] | N
 
 
 def digest_files(directory: str, wanted: dict[str, list[tuple[int, int]] | None]) -> dict[str, dict[str, Any]]:
-    """:func:`digest_file` for each name of ``wanted`` (``None``: the whole file), a few files at a time."""
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(wanted)))) as pool:
-        entries = pool.map(lambda item: digest_file(directory, *item), wanted.items())
-        return dict(zip(wanted, entries))
+    """:func:`digest_file` for each name of ``wanted`` (``None``: the whole file); chunks hash in parallel threads."""
+    def one(task: tuple[str, int, int]) -> str:
+        name, offset, length = task
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            return _hash_range(fd, offset, length)
+        finally:
+            os.close(fd)
+
+    sizes = {name: os.path.getsize(os.path.join(directory, name)) for name in wanted}
+    tasks = [(name, o, n) for name, chunks in wanted.items()
+             for o, n in (sorted(set(chunks)) if chunks is not None else [(0, sizes[name])])]
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(tasks)))) as pool:
+        digests = dict(zip(tasks, pool.map(one, tasks)))
+    return {name: {"size": sizes[name], "sha256": digests[(name, 0, sizes[name])]} if chunks is None else
+            {"size": sizes[name], "chunks": [[o, n, digests[(name, o, n)]] for o, n in sorted(set(chunks))]}
+            for name, chunks in wanted.items()}
 
 
 def _self_digest(body: dict[str, Any]) -> str:
@@ -137,6 +150,12 @@ def parse_marker(data: bytes, path: str) -> dict[str, Any]:
                               "in the directory with sizes and SHA-256 digests. Resume from a checkpoint "
                               "px.save_checkpoint wrote, unedited.")
     return marker
+
+
+def _matches(data: bytes, digest: str) -> bool:
+    """Whether ``data`` has the SHA-256 ``digest`` (benchmarks/checkpoint_verify.py replaces it to time a load
+    without the check)."""
+    return hashlib.sha256(data).hexdigest() == digest
 
 
 def _count(x: Any) -> bool:
@@ -265,7 +284,7 @@ class Opened:
         if "sha256" not in entry:
             raise CheckpointError(f"{self.where(name)!r} is recorded per chunk, not whole; expected a small file.")
         data = _pread(self._open(name), entry["size"], 0)
-        if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        if len(data) != entry["size"] or not _matches(data, entry["sha256"]):
             raise CheckpointError(f"{self.where(name)!r} is corrupted (SHA-256 mismatch over {len(data):,} bytes); "
                                   "expected the file px.save_checkpoint wrote. Resume from an earlier checkpoint.")
         return data
@@ -283,7 +302,7 @@ class Opened:
                                   f"its {MARKER} does not list; expected the chunks px.save_checkpoint wrote. "
                                   "Refusing it.")
         data = _pread(self._open(name), length, offset)
-        if len(data) != length or hashlib.sha256(data).hexdigest() != digest:
+        if len(data) != length or not _matches(data, digest):
             raise CheckpointError(f"{self.where(name)!r} is corrupted (SHA-256 mismatch in the chunk at byte "
                                   f"{offset:,}, {length:,} bytes); expected the data px.save_checkpoint wrote. "
                                   "Resume from an earlier checkpoint.")
