@@ -32,8 +32,7 @@ from torch import nn
 
 from ..group import group
 from ..errors import CheckpointError, ConfigError, usage
-from ..framing import MARKER, unframe
-from .integrity import Opened, digest_files, write_marker
+from ..framing import MARKER, Opened, digest_files, unframe, write_marker
 from .training_state import TrainingState, cpu_copy, resize_warning, rng_state
 from ..wrap import unwrap
 
@@ -163,7 +162,7 @@ def _seal(tmp: str, path: str, world: int, step: int) -> None:
     """Check the temporary directory holds every worker's part, then write the marker (last: it says "complete").
 
     The marker lists every file with its size and SHA-256 (DCP's data files per stored chunk, as
-    ``.metadata`` places them): a reader uses no byte it does not vouch for (:mod:`.integrity`).
+    ``.metadata`` places them): a reader uses no byte it does not vouch for (:class:`phalanx.framing.Opened`).
     """
     names = [".metadata", *(f"rank-{r}.pt" for r in range(world))]
     lacking = [name for name in names if not os.path.exists(os.path.join(tmp, name))]
@@ -198,36 +197,6 @@ def _marker(ckpt: Opened) -> dict[str, Any]:
     return marker
 
 
-def verify_directory(path: str) -> dict[str, Any]:
-    """Check every file of the checkpoint directory ``path``, every byte; returns its marker or raises CheckpointError.
-
-    What ``--resume-from auto`` asks of a candidate (:func:`phalanx.step.preempt.latest_checkpoint`).
-
-    Example:
-        >>> try:
-        ...     verify_directory("/nonexistent/ckpt")
-        ... except CheckpointError:
-        ...     print("refused")
-        refused
-    """
-    with Opened(path) as ckpt:
-        marker = _marker(ckpt)
-        lacking = [n for n in [".metadata", *(f"rank-{r}.pt" for r in range(marker["world_size"]))]
-                   if n not in ckpt.files]
-        if lacking:
-            raise CheckpointError(f"{path!r} lacks {', '.join(lacking[:5])} in its {MARKER}; expected every "
-                                  "worker's part. Resume from an earlier checkpoint.")
-        ckpt.verify_all()
-        storage = _safe_reader(ckpt).read_metadata().storage_data
-        unlisted = sorted({info.relative_path for info in storage.values()} - set(ckpt.files))
-        if unlisted:
-            raise CheckpointError(f"{path!r}: DCP's metadata names {', '.join(unlisted[:5])}, which its {MARKER} "
-                                  "does not vouch for. Resume from an earlier checkpoint.")
-        for r in range(marker["world_size"]):
-            _read_rank_file(ckpt, r)
-        return marker
-
-
 def _read_rank_file(ckpt: Opened, rank: int) -> dict[str, Any]:
     """Worker ``rank``'s own file of the opened checkpoint: its skeleton and non-tensor state."""
     name = f"rank-{rank}.pt"
@@ -243,7 +212,7 @@ def _read_rank_file(ckpt: Opened, rank: int) -> dict[str, Any]:
 def _load_directory(ckpt: Opened, state: TrainingState, *, restore_rng: bool) -> dict[str, Any]:
     """Restore ``state`` from the opened directory: this worker's own part, or rank 0's on another world size.
 
-    Every byte is read and checked before the first thing is changed (:mod:`.integrity`).
+    Every byte is read and checked before the first thing is changed (:class:`phalanx.framing.Opened`).
     """
     path = ckpt.path
     marker = _marker(ckpt)

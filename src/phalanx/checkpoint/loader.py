@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..framing import MARKER, atomic_write, read_verified, to_bytes
+from ..framing import MARKER, Opened, Vanished, atomic_write, read_verified, to_bytes
 from .training_state import TrainingState
 from .dcp import DCP_FORMAT, _join, _load_directory, _load_whole, _marker, _read_marker, _read_rank_file, _refs
 from .handle import _resolve
-from .integrity import Opened, Vanished
 from .legacy import _load_file, _model_state
 
 T = TypeVar("T")

@@ -50,7 +50,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..group import group
-from ..framing import MARKER, read_verified
+from ..framing import MARKER, read_verified, verify_directory
 
 if TYPE_CHECKING:
     from ..group.group import Group
@@ -229,8 +229,6 @@ def latest_checkpoint(directory: str | os.PathLike | None) -> str | None:
     """
     if directory is None or not os.path.isdir(directory):
         return None
-    from ..checkpoint.dcp import verify_directory  # here: the checkpoint package imports the step clock
-
     def verifies(path: str) -> bool:
         try:
             verify_directory(path) if os.path.isdir(path) else read_verified(path)
