@@ -487,6 +487,10 @@ class Opened:
                                   "expected the file px.save_checkpoint wrote. Resume from an earlier checkpoint.")
         return data
 
+    def open_data(self, name: str) -> None:
+        """Open the data file ``name`` now (checked as :meth:`read_chunk` would), so that reads from threads find it."""
+        self._entry(name)
+
     def read_chunk(self, name: str, offset: Any, length: Any) -> bytes:
         """``length`` bytes at ``offset`` of the data file ``name``: a chunk the marker lists, checked."""
         entry = self._entry(name)

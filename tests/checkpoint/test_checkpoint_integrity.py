@@ -144,7 +144,7 @@ def test_a_flip_inside_a_model_tensor_is_refused_by_read_checkpoint_and_export(t
 
 # -- item 10: a load overlapping saves of the same path reads one save -----------------------------------------------
 
-def test_loads_overlapping_another_process_saving_the_same_path_each_read_one_save(tmp_path):
+def test_loads_overlapping_another_process_saving_the_same_path_each_read_one_save(tmp_path, one_thread):
     path = str(tmp_path / "ckpt")
     saver = subprocess.Popen([sys.executable, os.path.join(WORKERS, "overlapping_saver.py"), path],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -428,6 +428,28 @@ def _read_metadata(self, *args: Any, **kwargs: Any) -> Any:
     return metadata
 
 
+def _read_ahead(ckpt: Opened, infos: list[Any], items: list[Any]) -> Iterator[tuple[Any, bytes]]:
+    """``(item, its chunk's bytes, checked)`` in order, the next few chunks read and hashed in threads meanwhile
+    (hashlib releases the GIL): the check's SHA-256 runs beside the deserialisation instead of before it."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+    window = max(1, min(4, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=window) as pool:
+        pending: deque = deque()
+        upcoming = iter(zip(items, infos))
+        for _ in range(window):
+            for req, info in upcoming:
+                pending.append((req, pool.submit(ckpt.read_chunk, info.relative_path, info.offset, info.length)))
+                break
+        while pending:
+            req, future = pending.popleft()
+            data = future.result()
+            for nxt, info in upcoming:
+                pending.append((nxt, pool.submit(ckpt.read_chunk, info.relative_path, info.offset, info.length)))
+                break
+            yield req, data
+
+
 def _read_data(self, plan: Any, planner: Any) -> Any:
     """DCP's ``read_data``, reading each chunk through the opened checkpoint: confined to its regular files, inside
     their sizes, and checked against the marker's SHA-256 before it is used."""
@@ -439,7 +461,9 @@ def _read_data(self, plan: Any, planner: Any) -> Any:
         if info.transform_descriptors or req.type != _dcp().planner.LoadItemType.TENSOR:
             raise CheckpointError(f"{ckpt.path!r}: DCP's metadata asks for a transformed or non-tensor read of "
                                   f"{info.relative_path!r}; expected plain tensors as px.save_checkpoint writes them.")
-        data = ckpt.read_chunk(info.relative_path, info.offset, info.length)
+        ckpt.open_data(info.relative_path)  # here, in this thread: the reads ahead below share the descriptors
+    for req, data in _read_ahead(ckpt, [self.storage_data[r.storage_index] for r in items], items):
+        info = self.storage_data[req.storage_index]
         where = ckpt.where(info.relative_path)
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
