@@ -4,7 +4,10 @@ The directory holds DCP's files (``.metadata``, ``__<rank>_0.distcp``) with ever
 (model, optimizer, the strategy's shared state, each worker's own strategy state and
 buffers), one small verified file per worker (``rank-<r>.pt``: the skeleton of its state
 with each tensor replaced by a reference to its DCP key, plus data position, RNG, step,
-scheduler, scaler, ``extra``) and the marker (``phalanx.json``), written last.
+scheduler, scaler, ``extra``) and the marker (``phalanx.json``), written last, which lists
+every file's size and SHA-256 (the data files' per stored chunk). A read goes through
+:class:`phalanx.framing.Opened`: one open directory, its regular files only, every byte
+checked before it is used, and DCP's metadata checked to tile each tensor with its chunks.
 
 Reading runs no code from the files: the per-worker files load with ``weights_only=True``
 and DCP's metadata is read by :class:`_MetadataUnpickler`, which builds only DCP's own
