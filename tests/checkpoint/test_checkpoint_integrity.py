@@ -25,13 +25,14 @@ import threading
 
 import pytest
 import torch
+from support.paths import TESTS
 from workers import overlapping_saver as S
 
 import phalanx as px
 from phalanx.cli import main as cli
 from phalanx.step.preempt import latest_checkpoint
 
-WORKERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers")
+WORKERS = os.path.join(TESTS, "workers")
 
 
 def _net(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
