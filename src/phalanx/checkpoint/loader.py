@@ -8,8 +8,10 @@ files runs code.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -17,6 +19,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..framing import MARKER, Opened, Vanished, atomic_write, read_verified, to_bytes
 from .training_state import TrainingState
+from .agreement import _remove_abandoned
 from .dcp import DCP_FORMAT, _join, _load_directory, _load_whole, _marker, _read_marker, _read_rank_file, _refs
 from .handle import _resolve
 from .legacy import _load_file, _model_state
@@ -72,8 +75,24 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
 def load_state(path: str | os.PathLike, state: TrainingState, *, restore_rng: bool = True) -> dict[str, Any]:
     """Restore ``state`` from a checkpoint (this worker's part, or rank 0's shared part); returns its summary."""
-    return _consistently(path, lambda ckpt: _load_directory(ckpt, state, restore_rng=restore_rng),
-                         lambda found: _load_file(found, state, restore_rng=restore_rng))
+    with _os_errors_refused(path):
+        with contextlib.suppress(OSError):  # housekeeping: what a save killed half-way left (elastic: a lost worker)
+            _remove_abandoned(os.path.abspath(os.fspath(path)))
+        return _consistently(path, lambda ckpt: _load_directory(ckpt, state, restore_rng=restore_rng),
+                             lambda found: _load_file(found, state, restore_rng=restore_rng))
+
+
+@contextlib.contextmanager
+def _os_errors_refused(path: str | os.PathLike) -> Iterator[None]:
+    """An OS error while reading a checkpoint (a symbolic link loop, a file it may not read) is one CheckpointError."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno is None:
+            raise
+        raise CheckpointError(f"{os.fspath(path)!r} could not be read: {os.strerror(err.errno)} "
+                              f"({errno.errorcode.get(err.errno, err.errno)}) at {err.filename!r}; expected a "
+                              "checkpoint px.save_checkpoint wrote, readable. Check the path.") from None
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -85,7 +104,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     tensor whole (unsharded). A one-file checkpoint (or any framed phalanx file) is returned
     as it was written.
     """
-    return _consistently(path, _read_directory, read_verified)
+    with _os_errors_refused(path):
+        return _consistently(path, _read_directory, read_verified)
 
 
 def _read_directory(ckpt: Opened) -> dict[str, Any]:
@@ -112,7 +132,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict[str, t
         skeleton = _read_rank_file(ckpt, 0)["skeleton"]["model"]
         return _join(skeleton, _load_whole(ckpt, _refs(skeleton)))
 
-    state = _consistently(checkpoint, directory, _model_state)  # every byte checked before the file is written
+    with _os_errors_refused(checkpoint):
+        state = _consistently(checkpoint, directory, _model_state)  # every byte checked before the file is written
     atomic_write(out, to_bytes(dict(state)))
     return state
 
