@@ -15,13 +15,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import warnings
+from typing import Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .group import group
+from .group.env import WorkerEnv
 from .step import profiling
 from .step.compiled import original
 from .errors import ConfigError, usage
@@ -33,6 +35,29 @@ from .strategies import AllReduce, Strategy, by_name
 # only module state): the optimizer knows its strategy, the model its step clock. Both already hold the clock
 # through their hooks, so copying or pickling them is as it was.
 _STRATEGY, _CLOCK = "_phalanx_strategy", "_phalanx_clock"
+
+
+@runtime_checkable
+class Launched(Protocol):
+    """A rule that takes what ``phalanx run`` set up beyond the worker group: the parameter servers of
+    ``--servers N`` (``phalanx.ps``'s rules). ``px.wrap`` hands it the environment; beside any other rule
+    those servers would idle, and ``px.wrap`` warns."""
+
+    def launched_with(self, env: WorkerEnv) -> None: ...
+
+
+def tell_launch(strategy: Strategy, env: WorkerEnv) -> None:
+    """Give a :class:`Launched` rule the environment; for any other, warn (rank 0) about servers it leaves idle.
+
+    Example:
+        >>> tell_launch(AllReduce(), WorkerEnv())   # no servers started: nothing to say
+    """
+    if isinstance(strategy, Launched):
+        strategy.launched_with(env)
+    elif env.ps_servers and env.rank == 0:
+        warnings.warn(f"PHALANX_PS_ADDRS names {env.ps_servers} parameter servers (phalanx run --servers "
+                      f"{env.ps_servers}) but strategy {type(strategy).__name__} uses none; drop --servers, or use "
+                      "px.Downpour, px.AsyncEASGD or px.ParameterServer", stacklevel=4)
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -87,7 +112,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
                                 "Pass e.g. shard=px.FullyShard(group_size=2)."))
     if shard is not None:
         shard.check(g, strategy)
-    strategy.launched_with(g.env)  # e.g. `phalanx run --servers N` with a strategy that uses none
+    tell_launch(strategy, g.env)  # e.g. `phalanx run --servers N` with a strategy that uses none
     if g.env.profile_dir and g.timeline is None:  # `phalanx run --profile DIR`: the first model starts the timeline
         profiling.profile(g.env.profile_dir)
     model.to(g.device)

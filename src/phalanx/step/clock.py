@@ -27,7 +27,7 @@ worker's share of the global batch its next backward pass computes on
 loader sets it as it yields a batch, through :func:`set_batch_weight`, which reaches
 the clocks of every model wrapped in the current group (``group.clocks()``: the
 group, the one piece of module-level state, owns the registry; no other global is
-involved). While a strategy averages gradients (:meth:`Strategy.weighs_gradients`),
+involved). While a strategy averages gradients (:class:`~phalanx.step.protocols.WeighsGradients`),
 the clock scales each backward pass's gradient by the weight *as it arrives*, before
 it is accumulated into ``.grad`` (a tensor hook per parameter), so with gradient
 accumulation every micro-batch counts by its own share, and an empty part (whose
@@ -57,17 +57,17 @@ from torch import nn
 
 from ..group import group
 from . import preempt
+from .protocols import weighs_gradients
 from .backward import after_backward
 from ..group.spans import Spans, span, step_closed
 
 class StepHooks(Protocol):
     """What the clock calls on the rule it drives; :class:`phalanx.Strategy` is the one that implements it.
 
-    The clock depends on these four members only, so the step count sits below the strategies."""
+    The clock depends on these three members only (and on :class:`~phalanx.step.protocols.WeighsGradients`
+    where the rule implements it), so the step count sits below the strategies."""
 
     params: list[torch.Tensor]
-
-    def weighs_gradients(self, step: int) -> bool: ...
 
     def after_backward(self, step: int) -> None: ...
 
@@ -111,7 +111,7 @@ class StepClock:
         self.reached.add(key)
         self._grad_at = time.perf_counter()
         w = self.weight
-        if w == 1.0 or not self.strategy.weighs_gradients(self.step + 1):  # type: ignore[union-attr]
+        if w == 1.0 or not weighs_gradients(self.strategy, self.step + 1):
             return None  # unchanged: a group of one, and every even step, stay plain PyTorch bit for bit
         return torch.zeros_like(grad) if w == 0 else grad * w  # an empty part's gradient may be NaN
 

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..group import group
 from ..framing import MARKER, read_verified
+from .protocols import replicas_agree
 
 if TYPE_CHECKING:
     from ..group.group import Group
@@ -163,7 +164,7 @@ class Preemption:
         """
         strategies = [c.strategy for c in self.group.clocks if c.strategy is not None]
         for step in range(latest + 1, latest + 1 + 1_000_000):  # a sync schedule is a function of the step
-            if all(s.replicas_agree(step) for s in strategies):
+            if all(replicas_agree(s, step) for s in strategies):
                 return step
         return latest + 1  # a schedule that never syncs again: its workers never meet, any step will do
 
