@@ -7,6 +7,7 @@ from typing import Callable, Iterator, Mapping
 
 from .compression import FP16, PowerSGD, Threshold, TopK
 from ..errors import ConfigError, usage
+from .accounting import Accounted, Accounting
 from .allreduce import AllReduce
 from .base import Exchange, ParameterAverage, Periodic, Strategy, SyncCondition
 from .diloco import DiLoCo, OuterStep
@@ -105,6 +106,6 @@ def by_name(name: str) -> Strategy:
     return REGISTRY[name]()
 
 
-__all__ = ["average_gradients_", "fill_missing_grads",
+__all__ = ["average_gradients_", "fill_missing_grads", "Accounted", "Accounting",
            "AllReduce", "DiLoCo", "EASGD", "Elastic", "Exchange", "LocalSGD", "OuterStep", "ParameterAverage",
            "Periodic", "PRESETS", "StreamingDiLoCo", "Strategy", "SyncCondition", "REGISTRY", "by_name", "register"]
