@@ -191,7 +191,7 @@ def main() -> None:
                 opt.step()
                 if state.step == 1:
                     open(os.path.join(args.out, f"training{me}"), "w").close()
-                if args.mark_world:  # tests/test_elastic_hosts.py waits for these before it kills a host
+                if args.mark_world:  # tests/elastic/test_elastic_hosts.py waits for these before it kills a host
                     with open(os.path.join(args.out, f"world{me}-{px.world_size()}"), "a") as f:
                         f.write(".")  # one byte per step taken at that world size
                 if state.history and not first_after:

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_liveness.py: failures injected in one line, survivors report what they saw."""
+"""Worker functions for tests/group/test_liveness.py: failures injected in one line, survivors report what they saw."""
 from __future__ import annotations
 
 import os

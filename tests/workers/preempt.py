@@ -1,4 +1,4 @@
-"""A user's own loop that a preemption stops and ``--resume-from auto`` continues (run by tests/test_preempt.py).
+"""A user's own loop that a preemption stops and ``--resume-from auto`` continues (run by tests/step/test_preempt.py).
 
     phalanx run -n 2 --checkpoint-dir CKPT [--resume-from auto] preempt.py OUT [WAIT_AT] [--hang-before-save]
 

@@ -1,4 +1,4 @@
-"""A preempted job under a periodic strategy, whose workers drift apart between syncs (tests/test_preempt.py).
+"""A preempted job under a periodic strategy, whose workers drift apart between syncs (tests/step/test_preempt.py).
 
     phalanx run -n 2 --checkpoint-dir CKPT [--resume-from auto] preempt_periodic.py OUT STRATEGY [--drift]
 

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_ps_multiproc.py: real processes, real servers, digits data.
+"""Worker functions for tests/ps/test_ps_multiproc.py: real processes, real servers, digits data.
 
 Servers come from ``PHALANX_PS_ADDRS`` when the test passes ``servers.env()``,
 otherwise each worker hosts a colocated one.

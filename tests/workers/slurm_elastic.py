@@ -1,4 +1,4 @@
-"""An elastic job across a SLURM allocation's nodes (run by tests/test_slurm.py).
+"""An elastic job across a SLURM allocation's nodes (run by tests/launch/test_slurm.py).
 
     srun phalanx run -n 1 --elastic --min-workers 1 slurm_elastic.py --out DIR
 

@@ -1,4 +1,4 @@
-"""Workers for tests/test_streaming_diloco.py: real processes on gloo, digits data.
+"""Workers for tests/strategies/test_streaming_diloco.py: real processes on gloo, digits data.
 
 ``exchanges`` runs on every rank of ``run_workers`` (several experiments share one pair of
 processes). Run as a script under ``phalanx run --elastic -n 3`` it is the elastic tests'
