@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from .errors import ConfigError, usage
 from .sharding.layout import FullyShard
 from .step.clock import StepClock
 from .strategies import AllReduce, Strategy, by_name
+from .strategies.base import ServerBacked
 
 # What px.wrap attached lives on the user's own objects, not in a module-level registry (the current group is the
 # only module state): the optimizer knows its strategy, the model its step clock. Both already hold the clock
@@ -37,22 +38,14 @@ from .strategies import AllReduce, Strategy, by_name
 _STRATEGY, _CLOCK = "_phalanx_strategy", "_phalanx_clock"
 
 
-@runtime_checkable
-class Launched(Protocol):
-    """A rule that takes what ``phalanx run`` set up beyond the worker group: the parameter servers of
-    ``--servers N`` (``phalanx.ps``'s rules). ``px.wrap`` hands it the environment; beside any other rule
-    those servers would idle, and ``px.wrap`` warns."""
-
-    def launched_with(self, env: WorkerEnv) -> None: ...
-
-
 def tell_launch(strategy: Strategy, env: WorkerEnv) -> None:
-    """Give a :class:`Launched` rule the environment; for any other, warn (rank 0) about servers it leaves idle.
+    """Give a :class:`~phalanx.strategies.base.ServerBacked` rule the environment; for any other, warn (rank 0)
+    when ``phalanx run --servers N`` started servers it leaves idle.
 
     Example:
         >>> tell_launch(AllReduce(), WorkerEnv())   # no servers started: nothing to say
     """
-    if isinstance(strategy, Launched):
+    if isinstance(strategy, ServerBacked):
         strategy.launched_with(env)
     elif env.ps_servers and env.rank == 0:
         warnings.warn(f"PHALANX_PS_ADDRS names {env.ps_servers} parameter servers (phalanx run --servers "

@@ -13,8 +13,7 @@ from phalanx.elastic.rule import CommitPoint, Regroupable
 from phalanx.sharding.layout import OnShards
 from phalanx.step.protocols import ReplicasAgree, WeighsGradients
 from phalanx.strategies import PRESETS, REGISTRY, Accounted, by_name
-from phalanx.strategies.base import Joinable
-from phalanx.wrap import Launched
+from phalanx.strategies.base import Joinable, ServerBacked
 
 LIMIT = 8
 
@@ -37,12 +36,12 @@ def test_strategy_has_at_most_eight_members():
 def test_each_capability_is_a_protocol_the_built_in_rules_implement_where_they_take_part():
     bare = px.Strategy()
     protocols = [WeighsGradients, ReplicasAgree, ReplicaState, Joinable, Accounted, UnevenBatches, OnShards,
-                 Launched, Regroupable, CommitPoint]
+                 ServerBacked, Regroupable, CommitPoint]
     assert not any(isinstance(bare, p) for p in protocols)  # a bare rule takes part in nothing
     allreduce, local, easgd = px.AllReduce(), px.LocalSGD(every=4), px.EASGD()
     assert all(isinstance(allreduce, p) for p in (WeighsGradients, ReplicaState, Accounted, UnevenBatches,
                                                   Regroupable))
-    assert not isinstance(allreduce, (ReplicasAgree, OnShards, Launched, CommitPoint, Joinable))
+    assert not isinstance(allreduce, (ReplicasAgree, OnShards, ServerBacked, CommitPoint, Joinable))
     assert all(isinstance(local, p) for p in (ReplicasAgree, OnShards, ReplicaState, UnevenBatches))
     assert isinstance(easgd, Regroupable) and not isinstance(local, Regroupable)
 

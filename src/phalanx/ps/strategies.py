@@ -75,8 +75,8 @@ class PSStrategy(FollowsElasticGroup, Accounting, StepState, Strategy):
         return model
 
     def launched_with(self, env: WorkerEnv) -> None:
-        """``px.wrap`` tells this rule what ``phalanx run`` set up (:class:`phalanx.wrap.Launched`): the servers of
-        ``--servers N`` are this rule's (:func:`~phalanx.ps.link.connect` finds them at attach)."""
+        """``px.wrap`` tells this rule what ``phalanx run`` set up (a :class:`phalanx.strategies.base.ServerBacked`
+        rule): the servers of ``--servers N`` are this rule's (``connect`` finds them at attach)."""
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse, at wrap time, an optimizer this strategy cannot honour (the default accepts any)."""

@@ -40,7 +40,7 @@ from .. import check
 from ..group.collectives import Comm, local_shard
 from ..errors import ConfigError, usage
 from ..strategies import AllReduce, Strategy
-from ..strategies.base import check_same_model
+from ..strategies.base import ServerBacked, check_same_model
 from ..step.protocols import weighs_gradients
 
 if TYPE_CHECKING:
@@ -97,6 +97,10 @@ class FullyShard:
             raise ConfigError(usage(f"shard=FullyShard(group_size={s}) with {strategy!r} under `phalanx run "
                                     "--elastic`", "px.AllReduce() (HSDP): a regroup re-shards its state onto the "
                                     "survivors", "Use px.AllReduce(), drop --elastic, or drop shard=."))
+        if isinstance(strategy, ServerBacked):
+            raise ConfigError(usage(f"shard=FullyShard(...) with {type(strategy).__name__}",
+                                    "a strategy that agrees between workers (AllReduce, LocalSGD, DiLoCo, EASGD): a "
+                                    "parameter server holds the whole model", "Drop shard=, or use px.DiLoCo."))
         if not (hsdp(strategy) or (isinstance(strategy, OnShards) and strategy.on_shards())):
             raise ConfigError(usage(f"shard=FullyShard(...) with {strategy!r}",
                                     "px.AllReduce() without compression (HSDP), or a periodic rule that exchanges "

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..group.collectives import Comm, local_shard
+from ..group.env import WorkerEnv
 from ..errors import ConfigError, usage
 from ..step.clock import StepClock
 from .accounting import Accounting
@@ -108,7 +109,7 @@ class Strategy:
     ``strategies.accounting.Accounted``       ``bytes_sent``, ``bytes_per_step``
     ``data.balance.UnevenBatches``            ``uneven_batches``: workers may hold parts of different sizes
     ``sharding.layout.OnShards``              ``on_shards()``: exchanges each rank's shard
-    ``wrap.Launched``                         ``launched_with(env)``: uses the launcher's parameter servers
+    ``strategies.base.ServerBacked``          ``launched_with(env)``: agrees through parameter servers
     ``elastic.rule.Regroupable``              ``regroup()``: after the group was rebuilt
     ``elastic.rule.CommitPoint``              ``commit_point()``: around an elastic commit
     ========================================  =============================================================
@@ -172,6 +173,17 @@ class Joinable(Protocol):
     """
 
     def load_joiner_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class ServerBacked(Protocol):
+    """A rule whose replicas agree through parameter servers (``phalanx.ps``'s rules), which hold the model.
+
+    ``px.wrap`` hands it what ``phalanx run`` set up (the servers of ``--servers N``); beside any other rule
+    those servers would idle, and ``px.wrap`` warns. ``shard=`` refuses it.
+    """
+
+    def launched_with(self, env: WorkerEnv) -> None: ...
 
 
 def state_with_step(strategy: Strategy) -> dict[str, Any]:
