@@ -60,7 +60,13 @@ class ReplicaState(Protocol):
 
 
 def replica_state(strategy: Any) -> dict[str, Any]:
-    """``strategy``'s own state on this worker (:class:`ReplicaState`); {} where it keeps none. A pure read."""
+    """``strategy``'s own state on this worker (:class:`ReplicaState`); {} where it keeps none. A pure read.
+
+    Example:
+        >>> import phalanx as px
+        >>> replica_state(px.Strategy()), replica_state(px.AllReduce())
+        ({}, {})
+    """
     return strategy.replica_state_dict() if isinstance(strategy, ReplicaState) else {}
 
 

@@ -99,20 +99,16 @@ class Strategy:
     that takes part in a feature implements that feature's small Protocol as well, and the feature checks
     it with ``isinstance``; where a rule does not, the feature does nothing for it:
 
-    ========================================  =============================================================
-    protocol (owner)                          members
-    ========================================  =============================================================
-    ``step.protocols.WeighsGradients``        ``weighs_gradients(step)``: the batch weight scales gradients
-    ``step.protocols.ReplicasAgree``          ``replicas_agree(step)``: where a commit or a stop may be taken
-    ``checkpoint.training_state.ReplicaState`` ``replica_state_dict`` / ``load_replica_state_dict``
-    ``strategies.base.Joinable``              ``load_joiner_state_dict``: a worker entering a running job
-    ``strategies.accounting.Accounted``       ``bytes_sent``, ``bytes_per_step``
-    ``data.balance.UnevenBatches``            ``uneven_batches``: workers may hold parts of different sizes
-    ``sharding.layout.OnShards``              ``on_shards()``: exchanges each rank's shard
-    ``strategies.base.ServerBacked``          ``launched_with(env)``: agrees through parameter servers
-    ``elastic.rule.Regroupable``              ``regroup()``: after the group was rebuilt
-    ``elastic.rule.CommitPoint``              ``commit_point()``: around an elastic commit
-    ========================================  =============================================================
+    * ``step.protocols.WeighsGradients``: ``weighs_gradients(step)``, the batch weight scales gradients;
+    * ``step.protocols.ReplicasAgree``: ``replicas_agree(step)``, where a commit or a stop may be taken;
+    * ``checkpoint.training_state.ReplicaState``: ``replica_state_dict`` / ``load_replica_state_dict``;
+    * :class:`Joinable`: ``load_joiner_state_dict``, a worker entering a running elastic job;
+    * :class:`ServerBacked`: ``launched_with(env)``, agrees through parameter servers;
+    * ``strategies.accounting.Accounted``: ``bytes_sent``, ``bytes_per_step``;
+    * ``data.balance.UnevenBatches``: ``uneven_batches``, workers may hold parts of different sizes;
+    * ``sharding.layout.OnShards``: ``on_shards()``, exchanges each rank's shard;
+    * ``elastic.rule.Regroupable``: ``regroup()``, after the group was rebuilt;
+    * ``elastic.rule.CommitPoint``: ``commit_point()``, around an elastic commit.
 
     The base class broadcasts rank 0's parameters and buffers on attach, so replicas start identical
     even when the workers' seeds differ. ``state_dict()`` is the rule's own pure read; whoever captures
@@ -247,6 +243,11 @@ def compressor_replica_state(strategy: Any) -> dict[str, Any]:
     """A rule's compressor's own part (its residuals), for its ``replica_state_dict``; {} without a compressor.
 
     The shared part (PowerSGD's Q) is in the rule's ``state_dict``.
+
+    Example:
+        >>> import phalanx as px
+        >>> compressor_replica_state(px.AllReduce()), compressor_replica_state(px.AllReduce(compression=px.TopK(0.1)))
+        ({}, {'compression': {'residuals': {}}})
     """
     compression = getattr(strategy, "compression", None)
     return {"compression": compression.replica_state_dict()} if compression is not None else {}
