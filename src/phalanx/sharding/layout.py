@@ -41,7 +41,6 @@ from ..group.collectives import Comm, local_shard
 from ..errors import ConfigError, usage
 from ..strategies import AllReduce, Strategy
 from ..strategies.base import ServerBacked, check_same_model
-from ..step.protocols import weighs_gradients
 
 if TYPE_CHECKING:
     from ..group.group import Group
@@ -252,8 +251,7 @@ class _OutputHook:
         self.queued = False
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        strategy = self.clock.strategy
-        weighs = weighs_gradients(strategy, self.clock.step + 1)
+        weighs = self.clock.weighs_gradients(self.clock.step + 1)
         weight = self.clock.weight if weighs else None
         return tree_map_only(torch.Tensor, lambda t: _Scale.apply(t, weight, self)
                              if t.requires_grad and t.is_floating_point() else t, output)
