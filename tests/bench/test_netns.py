@@ -59,7 +59,7 @@ def test_torn_down_on_ctrl_c_and_sigterm(sig):
     # restore the terminal's behaviour, Ctrl-C as KeyboardInterrupt, so the test does not depend on how CI runs it.
     code = ("import signal, time; from phalanx.bench.netns import Link\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-            "with Link('10mbit') as link:\n    print(link.namespaces[0], flush=True); time.sleep(60)\n")
+            "with Link('10mbit') as link:\n    print(link.namespaces[0], flush=True); signal.pause()\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     name = proc.stdout.readline().strip()
     assert name.startswith(netns.PREFIX)

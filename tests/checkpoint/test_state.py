@@ -23,6 +23,7 @@ import phalanx as px
 from phalanx.framing import read_verified, write_verified
 from support.procs import run_workers
 from phalanx.train.trainer import Trainer
+from support.wait import until
 
 
 @pytest.fixture(scope="module")
@@ -185,11 +186,9 @@ def kill_during_saves(path: str, trials: int, seed: int = 0) -> list[int]:
     for _ in range(trials):
         proc = subprocess.Popen([sys.executable, "-c", SAVER, path], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.3))
-        deadline = time.monotonic() + 10
-        while not glob.glob(os.path.join(os.path.dirname(path), f".*.tmp-*-{proc.pid}-*")):  # mid-write
-            assert time.monotonic() < deadline, "the saver never started a write"
-            time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 0.3))  # sleep: a random instant to kill at is the trial (not a wait)
+        mid_write = os.path.join(os.path.dirname(path), f".*.tmp-*-{proc.pid}-*")
+        until(lambda m=mid_write: glob.glob(m), timeout=10, what="the saver's write", procs=[proc])
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         left.append(len(glob.glob(os.path.join(os.path.dirname(path), ".*.tmp-*"))))

@@ -20,11 +20,12 @@ import time
 import pytest
 import torch
 from conftest import needs_root_netns
-from test_elastic import oracle
+from support.elastic_job import oracle
 
 from phalanx.bench import netns
 from workers import elastic as worker
 from support.paths import TESTS
+from support.wait import until
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiproc, needs_root_netns()]
 
@@ -58,17 +59,13 @@ def two_hosts(link: netns.Link, out) -> tuple[subprocess.Popen, subprocess.Popen
     a = start(link, 0, ["run", "-n", "2", "--elastic", "--min-workers", "2", "--max-workers", "4",
                         "--heartbeat-timeout", str(HEARTBEAT_S), "--master-addr", link.addresses[0],
                         "--master-port", str(PORT)], out)
-    deadline = time.monotonic() + 60  # `phalanx join` refuses an endpoint with no job: wait for the store
-    while "its store is at" not in a.err_path.read_text():
-        assert a.poll() is None and time.monotonic() < deadline, a.err_path.read_text()[-2000:]
-        time.sleep(0.05)
+    # `phalanx join` refuses an endpoint with no job: wait for the store
+    until(lambda: "its store is at" in a.err_path.read_text(), timeout=60, what="host A's store", procs=[a],
+          detail=lambda: a.err_path.read_text()[-2000:])
     b = start(link, 1, ["join", "--rdzv-endpoint", f"{link.addresses[0]}:{PORT}", "-n", "2"], out)
-    deadline = time.monotonic() + 90
-    while sum(os.path.getsize(p) >= 4 for p in glob.glob(str(out / "world*-4"))) < 4:
-        assert a.poll() is None and b.poll() is None, (a.poll(), b.poll(), finish(a)[1][-2000:],
-                                                       finish(b)[1][-2000:])
-        assert time.monotonic() < deadline, "the 4 workers never trained together"
-        time.sleep(0.05)
+    until(lambda: sum(os.path.getsize(p) >= 4 for p in glob.glob(str(out / "world*-4"))) >= 4, timeout=90,
+          what="the 4 workers training together", procs=[a, b],
+          detail=lambda: f"{finish(a)[1][-2000:]} {finish(b)[1][-2000:]}")
     return a, b
 
 

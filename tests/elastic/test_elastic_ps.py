@@ -21,13 +21,14 @@ import subprocess
 
 import pytest
 import torch
-from test_elastic import CLI, check_recovered, launch, oracle
+from support.elastic_job import CLI, check_recovered, launch, oracle
 
 from phalanx.ps.reducer import Reducer
 from phalanx.ps.wire import Header
 from workers import elastic as worker
 from workers import elastic_ps
 from support.paths import TESTS
+from support.wait import until
 
 
 KILL = ["--kill", "1@5", "--kill-in-step", "--commit-every", "3", "--strategy", "ps-sync"]
@@ -173,13 +174,10 @@ def test_async_easgd_survives_a_kill_with_its_centre_rolled_back_to_the_commit(t
 @pytest.mark.multiproc
 def test_a_killed_server_is_started_again_and_the_workers_roll_back_its_shards_and_train_every_sample_once(tmp_path):
     import signal
-    import time
     cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--servers", "1", ASYNC, "--out", str(tmp_path),
            "--strategy", "downpour", "--commit-every", "3", "--server-dies-at", "4"]
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 90
-    while not (tmp_path / "kill-server").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    until((tmp_path / "kill-server").exists, timeout=90, what="the kill-server marker", procs=[launcher])
     [server] = [pid for pid in children(launcher.pid) if "phalanx.ps" in cmdline(pid)]
     os.kill(server, signal.SIGKILL)  # worker 0 waits after step 4, so the kill lands mid-epoch
     (tmp_path / "server-killed").touch()

@@ -18,6 +18,7 @@ import time
 
 import pytest
 from support.paths import TESTS
+from support.wait import until
 
 WORKER = os.path.join(TESTS, "workers", "elastic.py")
 DOOR = os.path.join(TESTS, "workers", "elastic_door.py")  # trains until OUT/stop exists
@@ -49,10 +50,9 @@ def start_job(tmp_path, *flags: str, n: int = 2, args: tuple[str, ...] = ()) -> 
     line = launcher.stderr.readline()
     match = re.search(r"its store is at (\S+):(\d+)", line)
     assert match, line
-    deadline = time.monotonic() + 90  # until the workers train: the launcher handles SIGTERM from then on
-    while len(glob.glob(str(tmp_path / "training*"))) < n and time.monotonic() < deadline:
-        assert launcher.poll() is None, launcher.communicate()[1][-2000:]
-        time.sleep(0.1)
+    # until the workers train: the launcher handles SIGTERM from then on
+    until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= n, timeout=90, what="the workers' training",
+          procs=[launcher], detail=lambda: launcher.communicate()[1][-2000:])
     return launcher, int(match.group(2))
 
 
@@ -79,7 +79,7 @@ def results_of(tmp_path) -> dict:
 
 def assert_untouched(tmp_path, launcher: subprocess.Popen, stderr: str, workers: tuple[str, ...] = ("0", "1")) -> None:
     """The job ended as if nobody had tried to enter: its own workers, its own world size, the oracle's weights."""
-    from test_elastic import oracle
+    from support.elastic_job import oracle
     assert launcher.returncode == 0, stderr[-3000:]
     results = results_of(tmp_path)
     assert sorted(results) == sorted(workers), stderr[-3000:]
@@ -104,10 +104,8 @@ def start_door(tmp_path, *flags: str, env: dict | None = None) -> tuple[subproce
     cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", *flags, DOOR, "--out", str(tmp_path)]
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     port = int(re.search(r"its store is at \S+:(\d+)", launcher.stderr.readline()).group(1))
-    deadline = time.monotonic() + 90
-    while len(glob.glob(str(tmp_path / "training*"))) < 2:
-        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-2000:]
-        time.sleep(0.1)
+    until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= 2, timeout=90, what="the workers' training",
+          procs=[launcher], detail=lambda: launcher.communicate()[1][-2000:])
     return launcher, port
 
 
@@ -158,22 +156,17 @@ def test_refused_joins_and_joiners_that_never_arrive_leave_the_job_untouched(tmp
     from phalanx.elastic.membership import key
 
     def dropped(wid: str) -> None:  # wait until the members gave up on ``wid`` (and the job still runs)
-        deadline = time.monotonic() + 90
-        while not store.check([key("dead", wid)]):
-            assert launcher.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        until(lambda: store.check([key("dead", wid)]), timeout=90, what=f"{wid} marked dead", procs=[launcher])
 
     dropped("ghost")
     idle = subprocess.Popen([*join, "--idle-joiner"], env={**os.environ, "PHALANX_SECRET": SECRET},
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 90
-    while not glob.glob(str(tmp_path / "idle*")):
-        assert idle.poll() is None and launcher.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
+    until(lambda: glob.glob(str(tmp_path / "idle*")), timeout=90, what="the idle joiner's place",
+          procs=[idle, launcher])
     [placed] = glob.glob(str(tmp_path / "idle*"))
     assert json.load(open(placed)) == {"rank": 2, "world_size": 3}  # its place, read right after px.init()
     dropped(os.path.basename(placed)[len("idle"):])
-    time.sleep(1.0)  # and the members go on training after it
+    time.sleep(1.0)  # sleep: the members go on training after it; a stray admission would show in this second
     assert not store.check([key("dead", "stray")])  # never admitted, so never dropped either
     stderr = end_door(tmp_path, launcher)
     assert idle.wait(timeout=60) == 0, idle.stderr.read()[-2000:]

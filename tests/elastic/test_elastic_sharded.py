@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from support.procs import run_workers
-from test_elastic import launch
+from support.elastic_job import launch
 from workers import elastic as worker
 from workers import sharded_reshard
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from phalanx import ConfigError
 from phalanx.elastic.options import ElasticConfig
 from phalanx.elastic.worker import admissible
 from phalanx.launch.run import RunConfig
-from test_elastic import launch, oracle
+from support.elastic_job import launch, oracle
 from workers import elastic as worker
+from support.wait import until
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -125,9 +125,7 @@ def test_the_launcher_uses_spares_first_then_replace_and_drops_a_dead_parked_spa
         def kill_and_wait(wid: str) -> None:
             w = next(w for w in workers if w.id == wid)
             w.proc.kill()
-            deadline = time.monotonic() + 10
-            while w.returncode is None and time.monotonic() < deadline:
-                time.sleep(0.02)
+            until(lambda: w.returncode is not None, timeout=10, what=f"worker {wid}'s exit")
             assert w.returncode == -signal.SIGKILL and store.check([key("dead", wid)])
 
         kill_and_wait("s1")  # a parked spare dies: one spare fewer, nothing started

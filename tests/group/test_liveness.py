@@ -58,7 +58,7 @@ def test_watch_counts_staleness_from_its_own_clock(store):
     beat = Heartbeat(store, 0, every_s=0.05).start()
     watch = Watch(store, world_size=2, stale_after_s=0.3)
     watch.poll()
-    time.sleep(0.5)
+    time.sleep(0.5)  # sleep: the Watch's own monotonic clock must pass stale_after_s (what is under test)
     watch.poll()
     beat.stop()
     assert watch.advanced() == [0] and watch.stale() == [1]

@@ -17,7 +17,7 @@ from phalanx.launch.run import RunConfig, _status
 from support.procs import free_port
 
 SCRIPT = """\
-import json, os, sys, time
+import json, os, signal, sys, time
 import torch, phalanx as px
 from support.procs import kill_at
 
@@ -41,10 +41,10 @@ for step in range(4 if mode in ("ok", "fail", "sleep") else 1000):
     px.Comm().all_reduce_([t], op="sum")
     total += t
     if mode == "raise":
-        time.sleep(0.01)
+        time.sleep(0.01)  # sleep: pacing, so that rank 0 is mid-loop, not past it, when rank 1 raises
 if mode == "sleep":
     say({"ready": px.rank(), "pid": os.getpid()})
-    time.sleep(120)
+    signal.pause()  # until the test's signal ends this worker
 say({"rank": px.rank(), "world": px.world_size(), "total": total.item(), "args": sys.argv[1:],
      "threads": torch.get_num_threads(), "timeout": os.environ.get("PHALANX_TIMEOUT"),
      "ps": os.environ.get("PHALANX_PS_ADDRS")})
@@ -305,7 +305,7 @@ def test_a_dead_parameter_server_is_named_instead_of_a_worker(tmp_path):
         "net = torch.nn.Linear(8, 2)\n"
         "model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.01), strategy=px.Downpour())\n"
         "print('ready', flush=True) if px.rank() == 0 else None\n"
-        "for step in range(100000):\n"
+        "for step in range(100000):  # sleep: a step of known length, so the job is mid-run when signalled\n"
         "    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step(); time.sleep(0.01)\n")
     proc = subprocess.Popen([*phalanx_command(), "run", "-n", "2", "--servers", "1", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

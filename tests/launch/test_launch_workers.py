@@ -23,7 +23,7 @@ if how == "hard":
     os._exit(5)
 if how == "hang":
     print("ready", flush=True)
-    import time; time.sleep(600)
+    import signal; signal.pause()
 """
 
 

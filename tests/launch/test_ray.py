@@ -27,6 +27,7 @@ pytest.importorskip("ray.train", reason="ray[train] is not installed (pip instal
 from phalanx.launch.raytrain import train  # noqa: E402
 from workers import elastic as loop  # noqa: E402
 from workers import ray_train as worker  # noqa: E402
+from support.wait import until  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +54,8 @@ def results(out) -> dict:
 
 def kill_when_parked(out, timeout_s: float = 600.0) -> dict:
     """Wait for the victim to write its pid at the step it parks on, then SIGKILL its actor's process."""
-    deadline = time.monotonic() + timeout_s
     path = out / "victim.json"
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(path.exists, timeout=timeout_s, what="the victim's pid file")
     victim = json.load(open(path))
     os.kill(victim["pid"], signal.SIGKILL)
     victim["killed_at"] = time.time()
@@ -99,9 +98,7 @@ def test_room_for_a_third_worker_mid_run_grows_the_job_from_2_to_3_workers(clust
     ray.get(hold.ping.remote())
 
     def free_a_cpu() -> None:
-        deadline = time.monotonic() + 600
-        while len(glob.glob(str(tmp_path / "start*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the two workers' start files
+        until(lambda: len(glob.glob(str(tmp_path / "start*"))) >= 2, timeout=600, what="the two workers' start files")
         ray.kill(hold)
 
     grower = threading.Thread(target=free_a_cpu, daemon=True)

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 import torch
@@ -26,7 +25,8 @@ from phalanx import ConfigError
 from phalanx.launch.run import RunConfig
 from phalanx.launch.slurm import SlurmEnv, expand_nodelist
 from support.procs import free_port
-from test_preempt import oracle, weights
+from support.wait import until
+from support.preempt_job import oracle, weights
 from workers import elastic as base
 from support.paths import REPO, TESTS
 
@@ -114,14 +114,9 @@ def _until(what: str, check, deadline_s: float = 120.0, every_s: float = 0.05, d
     The checks read a file or run one ``scontrol`` (20 ms): polling often costs little and ends the wait
     as soon as the state changed (SLURM has no event to block on for a job's state).
     """
-    end = time.monotonic() + deadline_s
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}\n{detail()}")
-        time.sleep(every_s)
+    got: list = []
+    until(lambda: got.append(check()) or got[-1], timeout=deadline_s, what=what, detail=detail)
+    return got[-1]
 
 
 class Cluster:

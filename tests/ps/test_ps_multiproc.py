@@ -8,13 +8,13 @@ test accuracy of at least 0.93.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
 from phalanx.ps import load_report, start_servers
 from support.procs import run_workers
+from support.wait import until
 
 pytestmark = pytest.mark.multiproc
 
@@ -75,9 +75,8 @@ def test_a_worker_that_joins_a_running_job_receives_the_current_parameters():
         # The late worker starts once the job's are running (a push reached the server): run_workers from two
         # threads at once would swap os.environ under each other (launch_workers starts the fork server in the
         # workers' environment). It waits for 40 pushes anyway.
-        deadline = time.monotonic() + 120
-        while running.is_alive() and not sum(load_report(servers).applied) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: not running.is_alive() or sum(load_report(servers).applied), timeout=120,
+              what="the job's first push")
         late = run_workers("workers.ps:late_join", world_size=1, env=servers.env(), after_versions=40).results[0]
         running.join()
         assert "run" in job

@@ -7,14 +7,15 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import phalanx as px
 from phalanx.step.preempt import PREEMPTED_EXIT, latest_checkpoint
+from support.preempt_job import oracle, weights
 from support.paths import REPO, TESTS
+from support.wait import until
 
 WORKER = os.path.join(TESTS, "workers", "preempt.py")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"),
@@ -28,32 +29,8 @@ def phalanx(*args: str, **kw) -> subprocess.Popen:
 
 def wait_for(path: str, proc: subprocess.Popen, deadline_s: float = 120) -> None:
     """Until the worker writes ``path`` (polling a file; the launcher ending first is a failure)."""
-    end = time.monotonic() + deadline_s
-    while not os.path.exists(path):
-        assert proc.poll() is None, f"the job ended first: {proc.returncode} {proc.stderr.read()}"
-        assert time.monotonic() < end, "the worker never reached the step"
-        time.sleep(0.05)
-
-
-def oracle() -> torch.nn.Module:
-    """The worker's model trained by one plain-torch process on the global batches (2 x 4 samples)."""
-    from phalanx.data.loader import global_batches
-    from workers import preempt as w
-    torch.manual_seed(1)
-    net = w.make_model()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    x, y = w.data().tensors
-    for epoch in range(w.EPOCHS):
-        for parts in global_batches(w.N, 2 * w.BATCH, 1, shuffle=True, seed=0, epoch=epoch):
-            idx = torch.tensor(parts[0])
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-            opt.step()
-    return net
-
-
-def weights(path: str) -> list[torch.Tensor]:
-    return list(torch.load(path, weights_only=True).values())
+    until(lambda: os.path.exists(path), timeout=deadline_s, what=f"the worker's {os.path.basename(path)}",
+          procs=[proc], detail=lambda: proc.stderr.read())
 
 
 def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_oracle(tmp_path):
@@ -150,10 +127,9 @@ def test_sigterm_during_start_up_ends_the_job_in_one_line_with_no_worker_left(tm
     out = str(tmp_path / "model.pt")
     job = phalanx("-n", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), WORKER, out)
     try:
-        deadline = time.monotonic() + 120
-        while len(_procs_with(out)) < 2:  # both workers started (importing torch, or in px.init): not trained
-            assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()
-            time.sleep(0.02)
+        # both workers started (importing torch, or in px.init): not trained
+        until(lambda: len(_procs_with(out)) >= 2, timeout=120, what="both workers' start", procs=[job],
+              detail=lambda: job.stderr.read())
         job.send_signal(signal.SIGTERM)
         _, err = job.communicate(timeout=60)
     finally:
@@ -169,10 +145,10 @@ def test_the_launcher_ends_the_processes_it_started_and_only_those():
     # A SIGTERM while torch's agent is starting the workers can leave some it does not track yet; under load
     # one such run left 2 workers alive (holding the launcher's stderr, retrying a store that was gone).
     from phalanx.launch.run import _children, _reap_children
-    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    older = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         before = _children()
-        newer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        newer = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
         assert {older.pid, newer.pid} <= _children()
         _reap_children(before)
         assert newer.wait(timeout=10) == -signal.SIGKILL and older.poll() is None
@@ -219,7 +195,7 @@ def test_bad_resume_flags_are_one_line(argv, given, tmp_path):
 
 @pytest.mark.multiproc
 def test_sigterm_to_one_elastic_worker_leaves_at_the_commit_and_the_others_redo_nothing(tmp_path):
-    from test_elastic import launch, oracle as elastic_oracle
+    from support.elastic_job import launch, oracle as elastic_oracle
     from workers import elastic as worker
     proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@5", "--term", "--commit-every", "3",
                            timeout=300)

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import torch
 from phalanx.checkpoint import read_checkpoint
 from support.procs import run_workers
 from support.paths import TESTS
+from support.wait import until
 
 pytestmark = pytest.mark.multiproc
 
@@ -173,10 +173,9 @@ def test_redis_stopped_mid_run_is_a_clear_error_in_bounded_time_and_the_last_com
 
     def kill_redis_after_a_commit():
         # Real processes: poll (bounded) for the first commit and two steps past it, then kill the broker.
-        log, deadline = tmp_path / "logs" / "inc0.rank0.log", time.monotonic() + 60
-        while time.monotonic() < deadline and not (ckpt.exists() and log.exists() and
-                                                   log.read_text().count("\n") >= 5):
-            time.sleep(0.05)
+        log = tmp_path / "logs" / "inc0.rank0.log"
+        until(lambda: ckpt.exists() and log.exists() and log.read_text().count("\n") >= 5, timeout=60,
+              what="the first commit and two steps past it")
         server.process.kill()
 
     killer = threading.Thread(target=kill_redis_after_a_commit)

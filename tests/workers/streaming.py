@@ -177,7 +177,7 @@ def main() -> None:
                 F.mse_loss(model(xb), yb).backward()
                 opt.step()
                 if px.world_size() < args.slow_while_below and time.monotonic() < began + 60:
-                    time.sleep(1.0)
+                    time.sleep(1.0)  # sleep: a slow step while below the world size (the behaviour tested)
 
     began = time.monotonic()
     run(state)

@@ -26,6 +26,7 @@ import gc
 import os
 import sys
 import time
+import traceback
 import warnings
 from datetime import timedelta
 from typing import Any, Callable
@@ -72,8 +73,16 @@ def _at_exit(g: Any, shutdown: Callable[[], None]) -> None:
     several on a busy machine, and the launcher only stops the others once this
     process is gone. Exit handlers registered after ``px.init()`` have already run by
     now (they run last-in, first-out); logging is flushed here.
+
+    A failure of the way out itself (an asynchronous checkpoint that failed and that nobody waited
+    for) ends the worker as any failure would: one line, exit status 1. Raised from here, it would
+    print a traceback and skip the group's teardown, which aborts the process now and then (rc 134).
     """
-    shutdown()
+    try:
+        shutdown()
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the group must still be left
+        _fail_at_exit(g, exc)
+        shutdown()  # nothing is in flight any more, and g.failed is set: it leaves as a failed worker
     uncaught = g.uncaught  # set by the excepthook, even when the script called shutdown() itself first
     if uncaught is not None:
         import logging
@@ -81,6 +90,19 @@ def _at_exit(g: Any, shutdown: Callable[[], None]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130 if isinstance(uncaught, KeyboardInterrupt) else 1)
+
+
+def _fail_at_exit(g: Any, exc: BaseException) -> None:
+    """Record ``exc`` as this worker's failure at exit and say it in one line (the traceback under ``--debug``)."""
+    g.uncaught = exc
+    g.fail(exc)
+    if g.env.launched_by_phalanx and not g.env.debug and isinstance(exc, PhalanxError):
+        return  # `phalanx run` prints it from the error file, once
+    if g.env.debug:
+        traceback.print_exception(exc)
+    else:
+        print(f"phalanx: error at exit: {reason(exc)}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def reason(exc: BaseException) -> str:
@@ -104,7 +126,7 @@ def finish_background_work(g: Any) -> None:
         saving, g.saving, leaving_with = g.saving, None, sys.exc_info()[1]
         failing = leaving_with is not None or g.failed is not None
         try:
-            saving.wait(timeout=g.timeout_s if failing else None)
+            saving.finish(timeout=g.timeout_s if failing else None)  # its error once: not if wait() raised it
         except Exception:
             if leaving_with is None and g.failed is None:
                 raise
