@@ -25,11 +25,12 @@ import atexit
 import gc
 import os
 import sys
+import threading
 import time
 import traceback
 import warnings
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -90,6 +91,34 @@ def _at_exit(g: Any, shutdown: Callable[[], None]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130 if isinstance(uncaught, KeyboardInterrupt) else 1)
+
+
+_ENDING = threading.Lock()  # a lock, not state: held for good by the thread that ends the process (one line only)
+
+
+def end_now(line: str, code: int = 1) -> NoReturn:
+    """End this process at once with one line on stderr: the job around it is gone, nobody can be told more.
+
+    No exit handlers run (they would wait on peers or a store that are gone). Whichever thread
+    comes first says its line; another that comes later (the launcher lost, then its store) waits
+    here until the process is gone, so a worker says one line, never two.
+
+    Example (what a worker whose launcher is gone runs; not here, it ends the process):
+        >>> callable(end_now)
+        True
+    """
+    _ENDING.acquire()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # the reader of our output went with the launcher
+    try:
+        # one write, newline included: every worker says this at once into the same pipe
+        os.write(2, (line.rstrip("\n") + "\n").encode())
+    except OSError:
+        pass
+    os._exit(code)
 
 
 def _fail_at_exit(g: Any, exc: BaseException) -> None:
