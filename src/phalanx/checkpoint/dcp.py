@@ -36,7 +36,8 @@ from torch import nn
 from ..group import group
 from ..errors import CheckpointError, ConfigError, usage
 from ..framing import MARKER, Opened, digest_files, unframe, write_marker
-from .training_state import TrainingState, check_fit, cpu_copy, resize_warning, rng_state
+from ..strategies.base import state_with_step
+from .training_state import TrainingState, check_fit, cpu_copy, replica_state, resize_warning, rng_state
 from ..wrap import unwrap
 
 
@@ -74,8 +75,8 @@ def _snapshot(state: TrainingState, me: int) -> tuple[dict[str, torch.Tensor], d
                and type(v) is torch.Tensor}
     strategy = state.strategy
     parts = {"model": msd, "optim": osd,
-             "strategy": strategy.state_with_step() if strategy is not None else None,
-             f"rank{me}": {"replica": (strategy.replica_state_dict() or None) if strategy is not None else None,
+             "strategy": state_with_step(strategy) if strategy is not None else None,
+             f"rank{me}": {"replica": (replica_state(strategy) or None) if strategy is not None else None,
                            "buffers": buffers}}
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(parts, "", tensors)

@@ -47,7 +47,9 @@ from ..group.spans import span
 from ..step.preempt import PREEMPTION
 from ..wrap import strategy_of
 from .membership import QuorumError
+from ..step.protocols import replicas_agree
 from .resize import ResizePolicy, check_policy
+from .rule import CommitPoint, Regroupable
 from .worker import ElasticWorker, place
 
 from ..checkpoint.training_state import TrainingState, shared
@@ -162,7 +164,7 @@ class State:
         # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; commit only where
         # every worker stands at the same step with the same model.
         if step - max(self.commits, default=0) >= self.commit_every and (strategy is None or
-                                                                          strategy.replicas_agree(step)):
+                                                                          replicas_agree(strategy, step)):
             self._commit_together()
             leavers = self.worker.membership.leavers(step)
             if self.worker.me in leavers:
@@ -196,13 +198,13 @@ class State:
     def _commit_together(self) -> None:
         """A commit every member takes at the same step. An async PS settles around it."""
         strategy = strategy_of(self.optimizer) if self.elastic else None
-        if strategy is not None:
+        if isinstance(strategy, CommitPoint):
             strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
         with span("phalanx/commit"):  # the timeline (phalanx.step.profiling)
             self.commit()
             if self.checkpoint is not None and self.elastic:
                 save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
-        if strategy is not None:
+        if isinstance(strategy, CommitPoint):
             strategy.commit_point()  # and no one's next push lands before every worker took it
 
     def _check(self) -> None:
@@ -347,7 +349,7 @@ class State:
             sampler.rank, sampler.world_size = group.rank(), group.world_size()
         self.resize.resized(self.loader, before=before, after=group.world_size())
         strategy = strategy_of(self.optimizer)
-        if strategy is not None:
+        if isinstance(strategy, Regroupable):
             strategy.regroup()
 
     # -- a loop kept at module level: `for epoch in state.epochs(n): with state: ...` --------------------------

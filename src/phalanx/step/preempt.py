@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..group import group
 from ..group.records import Record, Slot
 from ..framing import MARKER, read_verified, verify_directory
+from .protocols import ReplicasAgree
 
 if TYPE_CHECKING:
     from ..group.group import Group
@@ -168,8 +169,9 @@ class Preemption:
         checkpoint taken there holds one model).
         """
         strategies = [c.strategy for c in self.clocks if c.strategy is not None]
+        agree = [s.replicas_agree for s in strategies if isinstance(s, ReplicasAgree)]  # the rest agree every step
         for step in range(latest + 1, latest + 1 + 1_000_000):  # a sync schedule is a function of the step
-            if all(s.replicas_agree(step) for s in strategies):
+            if all(a(step) for a in agree):
                 return step
         return latest + 1  # a schedule that never syncs again: its workers never meet, any step will do
 
