@@ -43,6 +43,18 @@ class CommStats:
 # -- the guard: a failed collective or store wait becomes a typed WorkerLostError -------------------------------------
 # It lives here, beside the collectives it guards, so that liveness.py stays a leaf that knows no group.
 
+def lost_ranks(timeout_s: float = liveness.STALE_AFTER_S) -> list[int] | None:
+    """After a failed collective: the ranks that are no longer running (None: the store does not answer).
+
+    Never names a rank whose heartbeat still advances. Blocks at most about ``timeout_s``.
+    """
+    g = group.current()
+    if g.probe is None:
+        return None
+    seen = liveness.survey(g.probe, g.world_size, timeout_s, me=g.rank)
+    return None if seen is None else seen.lost
+
+
 @contextlib.contextmanager
 def guarded(what: str) -> Iterator[None]:
     """Turn a failure inside a collective or a store wait into one :class:`WorkerLostError` naming the lost ranks.
