@@ -197,14 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         rows += bench_model(name, warmup=args.warmup, windows=args.windows, window=args.window,
                             repeats=args.repeats, workers=args.workers)
-    payload = {"command": "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "started": started, "environment": report.environment(["loopback"]), "options": vars(args),
-               "rows": rows}
-    report.write_json(os.path.join(args.out, "gpu.json"), payload)
-    md = markdown(payload)
-    with open(os.path.join(args.out, "gpu.md"), "w") as f:
-        f.write(md)
-    print(md)
+    payload = {**report.run_header("python -m benchmarks.gpu", argv, started, args), "rows": rows}
+    report.write_report(args.out, "gpu", payload, markdown(payload))
     return 0
 
 

@@ -28,6 +28,28 @@ def launch(tmp_path, *flags: str, n: int = 3, timeout: float = 120) -> tuple[sub
 oracle = worker.oracle  # one process on the same global batches
 
 
+def check_each_epoch_whole(record: list, epochs: int = 2) -> None:
+    """Every sample exactly once per epoch, in the epoch's shuffled order, however the group changed.
+
+    Example:
+        >>> # check_each_epoch_whole(results["0"]["record"])
+    """
+    for epoch in range(epochs):
+        ids = [i for row in record if row[0] == epoch for i in row[2]]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+
+
+def check_oracle(results: dict, want: list) -> None:
+    """Every worker's final parameters are the one-process oracle's ``want``.
+
+    Example:
+        >>> # check_oracle(results, oracle(record))
+    """
+    for r in results.values():
+        for got, param in zip(r["params"], want, strict=True):
+            torch.testing.assert_close(torch.tensor(got), param, rtol=1e-5, atol=1e-6)
+
+
 def check_recovered(tmp_path, proc, results, victim: str, at: int, commit: int = 3) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     killed = json.load(open(tmp_path / "killed.json"))
@@ -39,19 +61,13 @@ def check_recovered(tmp_path, proc, results, victim: str, at: int, commit: int =
         assert r["world_size"] == 2 and [h["left"] for h in r["history"]] == [[victim]]
     record = results[survivors[0]]["record"]
     assert all(r["record"] == record for r in results.values())
-    # every sample exactly once per epoch, in the epoch's shuffled order, re-split over the survivors
-    for epoch in (0, 1):
-        ids = [i for e, _, step in record for i in step if e == epoch]
-        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    check_each_epoch_whole(record)  # re-split over the survivors
     worlds = [w for _, w, _ in record]
     rolled_back_to = results[survivors[0]]["history"][0]["step"]
     assert rolled_back_to == commit  # commit_every 3: the survivors took step 4, failed at 5, and redo 4
     assert results[survivors[0]]["history"][0]["redone_steps"] == at - 1 - commit
     assert worlds == [3] * rolled_back_to + [2] * (len(worlds) - rolled_back_to)
-    # the oracle: the same world sizes at the same steps, uninterrupted
-    for r in results.values():
-        for got, want in zip(r["params"], oracle(record), strict=True):
-            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+    check_oracle(results, oracle(record))  # the same world sizes at the same steps, uninterrupted
     seconds = min(r["first_step_after_recovery"] for r in results.values()) - killed["time"]
     assert seconds < 30  # generous: the suite runs on loaded machines; see benchmarks/elastic.py for figures
     return {"kill_to_first_step_s": seconds}

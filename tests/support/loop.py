@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -127,6 +128,49 @@ def group_ids(comm: Any, ids: torch.Tensor, width: int) -> list[int]:
     return gathered[gathered >= 0].tolist()
 
 
+def elastic_parser(epochs: int | None = 2, commit_every: int | None = 3, kill: bool = True) -> argparse.ArgumentParser:
+    """The flags elastic workers share: ``--out DIR``, ``--epochs``, ``--commit-every`` and ``--kill ID@STEP``.
+
+    ``None`` (or ``kill=False``) leaves a flag out, for a worker that fixes it.
+
+    Example:
+        >>> elastic_parser(epochs=4, commit_every=None).parse_args(["--out", "o"]).epochs
+        4
+    """
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    if epochs is not None:
+        p.add_argument("--epochs", type=int, default=epochs)
+    if commit_every is not None:
+        p.add_argument("--commit-every", type=int, default=commit_every)
+    if kill:
+        p.add_argument("--kill", default="", help="ID@STEP: the worker started as rank ID dies before step STEP")
+    return p
+
+
+def elastic_id() -> str:
+    """This worker's elastic id (``PHALANX_ELASTIC_ID``), its rank when it runs without ``--elastic``, else "0".
+
+    Example:
+        >>> isinstance(elastic_id(), str)
+        True
+    """
+    return os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
+
+
+def epoch_batches(state: Any, loader: Any, epochs: int) -> Iterator[tuple[int, Any, Any, Any]]:
+    """An elastic training function's loop: ``(epoch, x, y, ids)`` from the state's epoch (after a rollback, the
+    commit's) to ``epochs - 1``, the loader set to each epoch.
+
+    Example:
+        >>> # for epoch, x, y, ids in epoch_batches(state, loader, args.epochs): ...
+    """
+    for epoch in range(state.epoch, epochs):
+        loader.set_epoch(epoch)
+        for x, y, ids in loader:
+            yield epoch, x, y, ids
+
+
 def write_worker(out: str, me: str, model: nn.Module, record: Iterable[list], history: list, **extra: Any) -> None:
     """``out/worker<me>.json``: an elastic worker's id, world size, record, regroups and final parameters.
 
@@ -135,8 +179,9 @@ def write_worker(out: str, me: str, model: nn.Module, record: Iterable[list], hi
     """
     import phalanx as px
 
+    whole = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 (a sharded model's DTensors)
     result = {"id": me, "world_size": px.world_size(), "record": list(record), "history": history,
-              "params": [t.tolist() for t in px.unwrap(model).parameters()], **extra}
+              "params": [whole(t).tolist() for t in px.unwrap(model).parameters()], **extra}
     with open(os.path.join(out, f"worker{me}.json"), "w") as f:
         json.dump(result, f)
 

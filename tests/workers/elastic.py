@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any, Callable
 from support.wait import until
 
 if "--fail-replacements" in sys.argv and os.environ.get("PHALANX_ELASTIC_ID", "").startswith("r"):
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import phalanx as px  # noqa: E402
+from support.loop import elastic_id, elastic_parser, epoch_batches, group_ids, take_step, write_worker  # noqa: E402
 
 N, DIM, BATCH = 64, 5, 4
 
@@ -83,11 +85,26 @@ def oracle(record: list) -> list[torch.Tensor]:
     net, data = model(), dataset()
     opt = optimizer(net)
     for _epoch, _world, ids in record:
-        x, y, _ = data[torch.tensor(ids)]
-        opt.zero_grad()
-        F.mse_loss(net(x), y).backward()
-        opt.step()
+        take_step(net, opt, *data[torch.tensor(ids)][:2], loss=F.mse_loss)
     return [p.detach() for p in net.parameters()]
+
+
+def setup(commit_every: int, make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = optimizer,
+          strategy: Any = None, shard: Any = None, batch: int = BATCH, extra: dict | None = None,
+          **state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Record, px.elastic.State]:
+    """After ``px.init()``: this file's model and data made data-parallel, and an elastic state that commits them
+    with a :class:`Record` (and ``extra``) every ``commit_every`` steps; ``state`` goes to ``px.elastic.State``.
+
+    Example:
+        >>> # model_, opt, loader, record, state = setup(3, scaler=scaler, checkpoint=DIR)
+    """
+    net = model()
+    model_, opt = px.wrap(net, make_optimizer(net), strategy=strategy, shard=shard)
+    loader = px.shard(dataset(), batch_size=batch, seed=0)
+    record = Record()
+    elastic = px.elastic.State(model_, opt, loader, commit_every=commit_every,
+                               extra={"record": record, **(extra or {})}, **state)
+    return model_, opt, loader, record, elastic
 
 
 def digest(net: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
@@ -107,11 +124,7 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--commit-every", type=int, default=2)
-    p.add_argument("--kill", default="", help="ID@STEP: the worker started as rank ID dies at STEP")
+    p = elastic_parser(commit_every=2)
     p.add_argument("--stop", action="store_true", help="SIGSTOP instead of SIGKILL")
     p.add_argument("--term", action="store_true", help="SIGTERM instead of SIGKILL: a graceful leave (preemption)")
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -131,7 +144,7 @@ def main() -> None:
     p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S) (HSDP with allreduce)")
     p.add_argument("--checkpoint", default=None, help="px.elastic.State(checkpoint=DIR): every commit on disk too")
     args = p.parse_args()
-    me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
+    me = elastic_id()
     victim, _, at = args.kill.partition("@")
 
     if args.trainer:
@@ -142,13 +155,9 @@ def main() -> None:
     with open(os.path.join(args.out, f"init{me}.json"), "w") as f:  # what a script reads right after px.init()
         json.dump({"rank": px.rank(), "world_size": px.world_size(), "generation": g.generation,
                    "env": [os.environ.get("RANK"), os.environ.get("WORLD_SIZE")]}, f)
-    net, data = model(), dataset()
     shard = px.FullyShard(group_size=args.shard) if args.shard else None
-    model_, opt = px.wrap(net, optimizer(net), strategy=STRATEGIES[args.strategy](), shard=shard)
-    loader = px.shard(data, batch_size=BATCH, seed=0)
-    record = Record()
-    state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record},
-                             checkpoint=args.checkpoint)
+    model_, opt, loader, record, state = setup(args.commit_every, strategy=STRATEGIES[args.strategy](), shard=shard,
+                                               checkpoint=args.checkpoint)
     comm = px.Comm()
     first_after: list[float] = []
     reached: list[bool] = []  # --slow-until-world: has the group been that large yet?
@@ -170,44 +179,34 @@ def main() -> None:
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
-        for epoch in range(state.epoch, args.epochs):
-            loader.set_epoch(epoch)
-            for x, y, ids in loader:
-                if not args.kill_in_step:
-                    die()
-                digests.append([state.step, px.world_size(), digest(model_, opt)])
-                if len(state.history) > len(changes):  # the first step after a membership change
-                    changes.append([time.time(), px.world_size(), state.step])
-                    open(os.path.join(args.out, "regrouped"), "a").close()  # --replacement-after-regroup
-                padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])  # a short last step
-                everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
-                record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
-                if args.kill_in_step:  # past the gather: the others are left waiting in the step's exchange
-                    die()
-                opt.zero_grad()
-                F.mse_loss(model_(x), y).backward()
-                opt.step()
-                if state.step == 1:
-                    open(os.path.join(args.out, f"training{me}"), "w").close()
-                if args.mark_world:  # tests/elastic/test_elastic_hosts.py waits for these before it kills a host
-                    with open(os.path.join(args.out, f"world{me}-{px.world_size()}"), "a") as f:
-                        f.write(".")  # one byte per step taken at that world size
-                if state.history and not first_after:
-                    first_after.append(time.time())
-                reached.append(px.world_size() >= args.slow_until_world)
-                waiting = px.world_size() < args.slow_while_below and time.monotonic() < began + 60
-                # sleep: the step's length is the test's knob (slow until a joiner arrives, then --step-sleep)
-                time.sleep(1.0 if waiting else args.step_sleep if any(reached) else 0.4)
+        for epoch, x, y, ids in epoch_batches(state, loader, args.epochs):
+            if not args.kill_in_step:
+                die()
+            digests.append([state.step, px.world_size(), digest(model_, opt)])
+            if len(state.history) > len(changes):  # the first step after a membership change
+                changes.append([time.time(), px.world_size(), state.step])
+                open(os.path.join(args.out, "regrouped"), "a").close()  # --replacement-after-regroup
+            record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH)])  # the whole group's
+            if args.kill_in_step:  # past the gather: the others are left waiting in the step's exchange
+                die()
+            take_step(model_, opt, x, y, loss=F.mse_loss)
+            if state.step == 1:
+                open(os.path.join(args.out, f"training{me}"), "w").close()
+            if args.mark_world:  # tests/elastic/test_elastic_hosts.py waits for these before it kills a host
+                with open(os.path.join(args.out, f"world{me}-{px.world_size()}"), "a") as f:
+                    f.write(".")  # one byte per step taken at that world size
+            if state.history and not first_after:
+                first_after.append(time.time())
+            reached.append(px.world_size() >= args.slow_until_world)
+            waiting = px.world_size() < args.slow_while_below and time.monotonic() < began + 60
+            # sleep: the step's length is the test's knob (slow until a joiner arrives, then --step-sleep)
+            time.sleep(1.0 if waiting else args.step_sleep if any(reached) else 0.4)
 
     started = time.perf_counter()
     train(state)
-    result = {"train_seconds": time.perf_counter() - started, "steps": state.step, "id": me, "pid": os.getpid(),
-              "rank": px.rank(), "world_size": px.world_size(),
-              "record": record.steps, "params": [whole(t).tolist() for t in px.unwrap(model_).parameters()],
-              "history": state.history, "digests": digests,
-              "first_step_after_recovery": first_after[0] if first_after else None, "changes": changes}
-    with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
-        json.dump(result, f)
+    write_worker(args.out, me, model_, record.steps, state.history, train_seconds=time.perf_counter() - started,
+                 steps=state.step, pid=os.getpid(), rank=px.rank(), digests=digests, changes=changes,
+                 first_step_after_recovery=first_after[0] if first_after else None)
 
 
 def wait_for_spares(state: px.elastic.State, timeout_s: float = 60.0) -> None:

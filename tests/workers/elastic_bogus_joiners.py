@@ -9,7 +9,6 @@ trained, to ``OUT/worker<id>.json``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,7 +19,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
 from phalanx.elastic.membership import key  # noqa: E402
-from workers.elastic import BATCH, Record, dataset, model  # noqa: E402
+from support.loop import elastic_id, elastic_parser, epoch_batches, take_step  # noqa: E402
+from workers.elastic import setup  # noqa: E402
 
 
 class Counting:
@@ -39,20 +39,15 @@ class Counting:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p = elastic_parser(epochs=None, commit_every=None, kill=False)
     p.add_argument("--garbage-at", type=int, default=3)
     p.add_argument("--bogus-at", type=int, default=7)
     p.add_argument("--bogus", type=int, default=5000)
     args = p.parse_args()
-    me = os.environ.get("PHALANX_ELASTIC_ID", "0")
+    me = elastic_id()
 
     px.init()
-    net, data = model(), dataset()
-    model_, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.05))
-    loader = px.shard(data, batch_size=BATCH, seed=0)
-    record = Record()
-    state = px.elastic.State(model_, opt, loader, commit_every=1, extra={"record": record})
+    model_, opt, loader, record, state = setup(1, lambda net: torch.optim.SGD(net.parameters(), lr=0.05))
     worker, looks = state.worker, []
     look = worker.pending_joiners
 
@@ -68,17 +63,13 @@ def main() -> None:
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
-        for epoch in range(state.epoch, 2):
-            loader.set_epoch(epoch)
-            for x, y, ids in loader:
-                record.steps.append([epoch, px.world_size(), ids.tolist(), False])
-                opt.zero_grad()
-                F.mse_loss(model_(x), y).backward()
-                opt.step()
-                if me == "0" and state.step == args.garbage_at:
-                    worker.store.set(key("joiners"), b"\xff{not json")
-                if me == "0" and state.step == args.bogus_at:
-                    worker.store.set(key("joiners"), json.dumps([f"bogus-{i}" for i in range(args.bogus)]))
+        for epoch, x, y, ids in epoch_batches(state, loader, 2):
+            record.steps.append([epoch, px.world_size(), ids.tolist(), False])
+            take_step(model_, opt, x, y, loss=F.mse_loss)
+            if me == "0" and state.step == args.garbage_at:
+                worker.store.set(key("joiners"), b"\xff{not json")
+            if me == "0" and state.step == args.bogus_at:
+                worker.store.set(key("joiners"), json.dumps([f"bogus-{i}" for i in range(args.bogus)]))
 
     train(state)
     with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:

@@ -13,7 +13,6 @@ Each survivor writes what it trained (as ``tests/workers/elastic_commit.py``) to
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,7 +24,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
 from phalanx.checkpoint import handle, saver  # noqa: E402
-from workers.elastic import BATCH, Record, dataset, model  # noqa: E402
+from support.loop import elastic_id, elastic_parser, epoch_batches, group_ids, write_worker  # noqa: E402
+from workers.elastic import BATCH, setup  # noqa: E402
 from workers.elastic_commit import SCALE, optimizer  # noqa: E402
 
 HOLD_AT_STEP = 6
@@ -78,44 +78,30 @@ def arm(where: str, out: str, me: str, state_step) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p = elastic_parser(commit_every=None, kill=False)
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--hold", default="", help="ID@WHERE: that worker holds at WHERE in the save of step 6")
     args = p.parse_args()
-    me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
+    me = elastic_id()
     victim, _, where = args.hold.partition("@")
 
     px.init()
-    net, data = model(), dataset()
-    model_, opt = px.wrap(net, optimizer(net))
-    loader = px.shard(data, batch_size=BATCH, seed=0)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
-    record = Record()
-    state = px.elastic.State(model_, opt, loader, commit_every=3, scaler=scaler, extra={"record": record},
-                             checkpoint=args.ckpt)
+    model_, opt, loader, record, state = setup(3, optimizer, scaler=scaler, checkpoint=args.ckpt)
     if me == victim:
         arm(where, args.out, me, lambda: state.step if not state.history else -1)
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
-        for epoch in range(state.epoch, args.epochs):
-            loader.set_epoch(epoch)
-            for x, y, ids in loader:
-                everyone = torch.cat(px.Comm().all_gather(
-                    torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])))
-                record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist(), False])
-                opt.zero_grad()
-                scaler.scale(F.mse_loss(model_(x), y)).backward()
-                scaler.step(opt)
-                scaler.update(SCALE)
+        for epoch, x, y, ids in epoch_batches(state, loader, args.epochs):
+            record.steps.append([epoch, px.world_size(), group_ids(px.Comm(), ids, BATCH), False])
+            opt.zero_grad()
+            scaler.scale(F.mse_loss(model_(x), y)).backward()
+            scaler.step(opt)
+            scaler.update(SCALE)
 
     train(state)
-    with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
-        json.dump({"id": me, "pid": os.getpid(), "world_size": px.world_size(), "record": record.steps,
-                   "params": [t.tolist() for t in px.unwrap(model_).parameters()], "history": state.history,
-                   "step": state.step}, f)
+    write_worker(args.out, me, model_, record.steps, state.history, pid=os.getpid(), step=state.step)
 
 
 if __name__ == "__main__":

@@ -12,20 +12,19 @@ what it trained to ``OUT/worker<id>.json``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import sys
 
-import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
 from phalanx.elastic.membership import key  # noqa: E402
 from support.wait import until  # noqa: E402
-from workers.elastic import BATCH, Record, dataset, model, optimizer  # noqa: E402
+from support.loop import elastic_id, elastic_parser, epoch_batches, group_ids, take_step, write_worker  # noqa: E402
+from workers.elastic import BATCH, Record, setup  # noqa: E402
 
 KILL_AT = 4
 
@@ -33,8 +32,8 @@ KILL_AT = 4
 class KillInCommit:
     """An ``extra`` of the state whose capture SIGKILLs this process: a kill at a commit point."""
 
-    def __init__(self, record: Record, armed: bool) -> None:
-        self.record, self.armed = record, armed
+    def __init__(self, armed: bool) -> None:
+        self.record, self.armed = Record(), armed  # the state's record, once it is made
 
     def state_dict(self) -> dict:
         if self.armed and len(self.record.steps) == KILL_AT:
@@ -55,13 +54,11 @@ def wait_until_ready(state: px.elastic.State, joiner: str, give_up: float) -> No
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--epochs", type=int, default=4)
+    p = elastic_parser(epochs=4, commit_every=None, kill=False)
     p.add_argument("--survivor-steps", type=int, default=3)
     p.add_argument("--give-up", type=float, default=90.0)
     args = p.parse_args()
-    me = os.environ.get("PHALANX_ELASTIC_ID", "0")
+    me = elastic_id()
     stepped = os.path.join(args.out, "survivors-stepped")
 
     px.init()
@@ -73,35 +70,24 @@ def main() -> None:
         except AssertionError:
             print(f"replacement {me}: the survivors never trained while I started up", file=sys.stderr)
             raise SystemExit(3) from None
-    net, data = model(), dataset()
-    model_, opt = px.wrap(net, optimizer(net))
-    loader = px.shard(data, batch_size=BATCH, seed=0)
-    record = Record()
-    state = px.elastic.State(model_, opt, loader, commit_every=2,
-                             extra={"record": record, "kill": KillInCommit(record, me == "1")})
+    kill = KillInCommit(me == "1")
+    model_, opt, loader, record, state = setup(2, extra={"kill": kill})
+    kill.record = record
     without = []  # steps this survivor trained while the group was smaller than at the start
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
-        for epoch in range(state.epoch, args.epochs):
-            loader.set_epoch(epoch)
-            for x, y, ids in loader:
-                everyone = torch.cat(px.Comm().all_gather(
-                    torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])))
-                record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
-                opt.zero_grad()
-                F.mse_loss(model_(x), y).backward()
-                opt.step()
-                if px.world_size() == 2:
-                    without.append(state.step)
-                    if len(without) == args.survivor_steps:
-                        open(stepped, "w").close()
-                        wait_until_ready(state, "r1", args.give_up)
+        for epoch, x, y, ids in epoch_batches(state, loader, args.epochs):
+            record.steps.append([epoch, px.world_size(), group_ids(px.Comm(), ids, BATCH)])
+            take_step(model_, opt, x, y, loss=F.mse_loss)
+            if px.world_size() == 2:
+                without.append(state.step)
+                if len(without) == args.survivor_steps:
+                    open(stepped, "w").close()
+                    wait_until_ready(state, "r1", args.give_up)
 
     train(state)
-    with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
-        json.dump({"id": me, "record": record.steps, "history": state.history, "without": without,
-                   "params": [t.tolist() for t in px.unwrap(model_).parameters()]}, f)
+    write_worker(args.out, me, model_, record.steps, state.history, without=without)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,11 @@ import os
 import signal
 import time
 
-import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from workers.elastic import BATCH, Record, dataset, model, optimizer
+from workers.elastic import BATCH, setup
+from support.loop import elastic_id, epoch_batches, group_ids, take_step, write_worker
 from support.wait import until
 
 
@@ -53,7 +53,7 @@ def wait_for_the_end(out: str, victims: list[str], timeout: float) -> None:
 
 def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_below: int = 0,
          stop: bool = False, late: bool = False) -> dict:
-    me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
+    me = elastic_id()
     spec, _, at = kill.partition("@")
     victims = spec.split(",") if spec else []
     open(os.path.join(out, f"start{me}-{os.getpid()}"), "w").close()  # a restarted worker would leave a second one
@@ -61,41 +61,27 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
         wait_for_the_end(out, victims, timeout=300)
         open(os.path.join(out, f"late-{me}"), "w").close()  # it reached px.init() after the others had finished
     px.init()
-    net, data = model(), dataset()
-    model_, opt = px.wrap(net, optimizer(net), strategy=px.AllReduce())
-    loader = px.shard(data, batch_size=BATCH, seed=0)
-    record = Record()
-    state = px.elastic.State(model_, opt, loader, commit_every=commit_every, extra={"record": record})
+    model_, opt, loader, record, state = setup(commit_every, strategy=px.AllReduce())
     comm = px.Comm()
     began = time.monotonic()
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
-        for epoch in range(state.epoch, epochs):
-            loader.set_epoch(epoch)
-            for x, y, ids in loader:
-                if me in victims and state.step + 1 == int(at) and not state.history:
-                    name = "victim.json" if len(victims) == 1 else f"victim{me}.json"
-                    with open(os.path.join(out, f"{name}.tmp"), "w") as f:
-                        json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
-                    os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))  # whole or absent
-                    if stop:  # hung: only the heartbeat watcher in Ray's controller can free the others
-                        os.kill(os.getpid(), signal.SIGSTOP)
-                    while True:  # parked until the test kills this process (kill -9)
-                        signal.pause()
-                padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])
-                everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
-                record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
-                opt.zero_grad()
-                F.mse_loss(model_(x), y).backward()
-                opt.step()
-                if px.world_size() < slow_below:
-                    wait_for_joiner(state, deadline=began + 120)
+        for epoch, x, y, ids in epoch_batches(state, loader, epochs):
+            if me in victims and state.step + 1 == int(at) and not state.history:
+                name = "victim.json" if len(victims) == 1 else f"victim{me}.json"
+                with open(os.path.join(out, f"{name}.tmp"), "w") as f:
+                    json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
+                os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))  # whole or absent
+                if stop:  # hung: only the heartbeat watcher in Ray's controller can free the others
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                while True:  # parked until the test kills this process (kill -9)
+                    signal.pause()
+            record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH)])  # the whole group's
+            take_step(model_, opt, x, y, loss=F.mse_loss)
+            if px.world_size() < slow_below:
+                wait_for_joiner(state, deadline=began + 120)
 
     train(state)
-    result = {"id": me, "pid": os.getpid(), "rank": px.rank(), "world_size": px.world_size(),
-              "record": record.steps, "params": [t.tolist() for t in px.unwrap(model_).parameters()],
-              "history": state.history}
-    with open(os.path.join(out, f"worker{me}.json"), "w") as f:
-        json.dump(result, f)
+    write_worker(out, me, model_, record.steps, state.history, pid=os.getpid(), rank=px.rank())
     return {"id": me, "steps": state.step}

@@ -27,7 +27,7 @@ import time
 from typing import Any, Sequence
 
 from ..errors import ConfigError, usage
-from .report import environment, write_json
+from .report import run_header, write_report
 
 # (framework, wrapped by phalanx, workers)
 SETUPS = [("keras", False, 1), ("keras", True, 1), ("keras", True, 2),
@@ -158,15 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"repeat {r + 1}/{args.repeats}: {label(*setup[:2])} x{setup[2]}: "
                   f"{rates[setup][-1]:,.0f} samples/s", file=sys.stderr, flush=True)
     summary = summarise(rates)
-    md = markdown(summary, args)
-    os.makedirs(args.out, exist_ok=True)
-    write_json(os.path.join(args.out, "keras.json"),
-               {"command": "phalanx bench --keras " + " ".join(sys.argv[1:] if argv is None else argv),
-                "started": started.isoformat(timespec="seconds"), "options": vars(args),
-                "environment": environment(["loopback"]), **summary})
-    with open(os.path.join(args.out, "keras.md"), "w") as f:
-        f.write(md)
-    print(md)
+    header = run_header("phalanx bench --keras", argv, started.isoformat(timespec="seconds"), args)
+    write_report(args.out, "keras", {**header, **summary}, markdown(summary, args))
     return 0
 
 

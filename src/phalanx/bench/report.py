@@ -15,7 +15,7 @@ import os
 import platform
 import statistics
 from collections import defaultdict
-from typing import Any
+from typing import Any, Sequence
 
 from . import sanity, stats
 from .breakdown import LABELS, PHASES
@@ -209,6 +209,35 @@ def environment(links: list[str]) -> dict[str, Any]:
     return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
             "cpu_count": os.cpu_count(), "gpu": gpu, "torch_threads_default": torch.get_num_threads(),
             "platform": platform.platform(), "links": links, "loadavg_at_end": load}
+
+
+def run_header(command: str, argv: Sequence[str] | None, started: str, options: Any) -> dict[str, Any]:
+    """What every results file opens with: the command line, its start, the machine and the parsed options.
+
+    ``argv`` is what the command was given (``None``: this process's own ``sys.argv[1:]``).
+
+    Example:
+        >>> run_header("phalanx bench --keras", ["--repeats", "1"], "2026-01-01T00:00:00", {})["command"]
+        'phalanx bench --keras --repeats 1'
+    """
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    return {"command": command + " " + " ".join(args), "started": started, "environment": environment(["loopback"]),
+            "options": dict(vars(options)) if hasattr(options, "__dict__") else dict(options)}
+
+
+def write_report(out: str, name: str, payload: dict[str, Any], md: str) -> None:
+    """``out/<name>.json`` (the payload, strict JSON) and ``out/<name>.md`` (the tables), and the tables printed.
+
+    Example:
+        >>> # write_report(args.out, "gpu", payload, markdown(payload))
+    """
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, f"{name}.json"), payload)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(md)
+    print(md)
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
