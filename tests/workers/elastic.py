@@ -119,10 +119,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def main() -> None:
     p = elastic_parser(commit_every=2)
     p.add_argument("--stop", action="store_true", help="SIGSTOP instead of SIGKILL")
