@@ -139,7 +139,8 @@ def _checkpoint_group(previous: SaveHandle | None, g: group.Group) -> Any:
         return None
     if previous is not None and previous.pg is not None and previous.generation == g.generation:
         return previous.pg
-    return dist.new_group(backend="gloo")
+    # the group's own split of its generation (formed on the generation's keys where the group owns its groups)
+    return g.split([list(range(g.world_size))], "checkpoint", backend="gloo")
 
 
 def wait_for_saves() -> None:

@@ -132,9 +132,9 @@ def leave_normally(g: Any) -> bool:
     """Meet every peer in the store, then at a short barrier; True if all met. Records this worker's exit note."""
     met = g.heartbeat is not None and dist.is_initialized() and _everyone_leaving(g)
     if met:
-        try:
-            dist.monitored_barrier(timeout=timedelta(seconds=min(10.0, g.env.timeout_s)))
-        except RuntimeError:
+        try:  # the process group's own method: torch's function refuses a group phalanx formed (not named "gloo")
+            (g.process_group or dist.group.WORLD).monitored_barrier(timedelta(seconds=min(10.0, g.env.timeout_s)))
+        except (RuntimeError, ValueError):
             pass  # a peer is gone or went elsewhere; leave anyway
     if g.probe is not None:
         try:
