@@ -16,8 +16,16 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from ..group import group
-from ..group.leaving import destroy_process_group as destroy, release  # noqa: F401 (used by the elastic worker and tests)
+from ..group import group, leaving
+from ..group.leaving import release  # noqa: F401 (used by tests)
+
+
+def destroy() -> None:
+    """Leave the current generation's process groups (peers blocked on our sockets fail at once)."""
+    if group.is_initialized():
+        group.current().drop_process_groups()
+    else:
+        leaving.destroy_process_group()
 
 
 def generation_prefix(generation: int) -> str:

@@ -102,11 +102,13 @@ class Watched(dist.Store):
         pass  # the deadline above bounds every wait
 
 
-def form(store: dist.Store, rank: int, world_size: int, timeout_s: float, lost: Callable[[], Sequence[int]]) -> Any:
+def form(store: dist.Store, rank: int, world_size: int, timeout_s: float, lost: Callable[[], Sequence[int]],
+         op_timeout_s: float | None = None) -> Any:
     """Build ``rank``'s gloo backend of a group of ``world_size`` on ``store`` and agree with the others it formed.
 
     ``lost()`` names the ranks known gone (polled while waiting); the whole formation takes
-    at most ``timeout_s``. Collective across the group's ranks. Returns the backend (a
+    at most ``timeout_s``, and each collective on the group at most ``op_timeout_s`` (default:
+    ``timeout_s``). Collective across the group's ranks. Returns the backend (a
     ``ProcessGroupGloo``); raises :class:`WorkerLostError` when the group did not form on
     every rank, on every rank alike.
     """
@@ -114,7 +116,7 @@ def form(store: dist.Store, rank: int, world_size: int, timeout_s: float, lost: 
     verdict = "form/verdict"
     try:
         backend = dist.ProcessGroupGloo(Watched(dist.PrefixStore("gloo", store), lost, deadline), rank, world_size,
-                                        timedelta(seconds=timeout_s))
+                                        timedelta(seconds=timeout_s if op_timeout_s is None else op_timeout_s))
     except Exception as err:  # noqa: BLE001 - refused, reset, timed out, or a member known lost: all one failure
         store.compare_set(verdict, "", "no")
         raise WorkerLostError(f"rank {rank} of {world_size} could not form the group: {_line(err)}",

@@ -164,15 +164,17 @@ class Group:
                                                              mesh_dim_names=("replicate", "shard"))
         return self._meshes[shard_size]
 
-    def split(self, parts: Sequence[Sequence[int]], tag: str, backend: str | None = None) -> Any:
+    def split(self, parts: Sequence[Sequence[int]], tag: str, backend: str | None = None,
+              timeout_s: float | None = None) -> Any:
         """This rank's process group among ``parts`` (lists of ranks that cover the group), made once per generation.
 
         Collective: every rank calls it with the same ``parts`` and ``tag`` (a name for this
         split, e.g. "checkpoint"). A group that :attr:`owns_groups` forms each part on keys
         of its own (``<generation>/split/<tag>/<i>``), bounded and watching for lost peers like
         the generation itself; otherwise torch's ``new_group`` makes every part, with ``backend``
-        (default: the group's). Where the group owns its groups, a failure to form is a
-        :class:`~phalanx.errors.WorkerLostError`.
+        (default: the group's). ``timeout_s`` bounds each collective on the part (default: the
+        group's bound, :attr:`timeout_s`, on groups it owns; torch's default on torch's). Where
+        the group owns its groups, a failure to form is a :class:`~phalanx.errors.WorkerLostError`.
 
         Example:
             >>> import phalanx as px
@@ -189,11 +191,11 @@ class Group:
             part = key[1][mine]
             store = dist.PrefixStore(f"split/{tag}/{mine}", self.store)
             backend_ = forming.form(store, part.index(self.rank), len(part), self.timeout_s,
-                                    lambda: self._lost_now(self.store, self.world_size, None))
+                                    lambda: self._lost_now(self.store, self.world_size, None), timeout_s)
             pg = forming.register_subgroup(backend_, part)
         else:  # torch's new_group: every rank makes every part, in the same order
-            groups = [dist.new_group(list(part), backend=backend, timeout=timedelta(seconds=self.timeout_s))
-                      for part in key[1]]
+            bound = None if timeout_s is None else timedelta(seconds=timeout_s)  # None: torch's default, as before
+            groups = [dist.new_group(list(part), backend=backend, timeout=bound) for part in key[1]]
             pg = groups[mine]
         self._splits[key] = pg
         return pg
@@ -239,8 +241,7 @@ class Group:
         if generation < self.generation or (generation == self.generation and not self.entering):
             raise ConfigError(usage(f"rebuild to generation {generation}", f"a generation after {self.generation}",
                                     "Pass the next generation number the members agreed on."))
-        leaving.destroy_process_group()
-        self._meshes, self._splits, self.process_group = {}, {}, None  # they went with the old generation
+        self.drop_process_groups()
         self.backend = backend or self.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self._form(rank, world_size, store, lost)
         self.generation, self.entering = generation, False
@@ -252,6 +253,19 @@ class Group:
             leaving.leave_at_exit(self, shutdown)
         for callback in list(self._on_regroup):
             callback(self)
+
+    def drop_process_groups(self) -> None:
+        """Destroy this generation's process groups, and drop this group's references to them first.
+
+        gloo closes a group's sockets only when the group object is freed: a reference kept here
+        would leave a peer blocked on us waiting for its collective timeout instead of failing at once.
+
+        Example:
+            >>> import phalanx as px
+            >>> px.current_group().drop_process_groups()   # a group of one has none: nothing happens
+        """
+        self._meshes, self._splits, self.process_group = {}, {}, None
+        leaving.destroy_process_group()
 
     def _form(self, rank: int, world_size: int, store: dist.Store,
               lost: Callable[[], Sequence[int]] | None = None) -> None:
