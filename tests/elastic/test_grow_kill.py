@@ -32,7 +32,7 @@ WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 HEARTBEAT_S = 4.0
 COLLECTIVE_S = 300  # PHALANX_TIMEOUT: far beyond the bound below, so only a wait that consults the dead ends in time
-EPOCHS = 2
+EPOCHS = 1
 # start-up of three processes and training on a loaded 2-core machine, plus the loss: found by the watcher at once,
 # at worst by a stopped heartbeat, then one quorum wait (heartbeat + 10 s) and one admission wait (heartbeat)
 BOUND_S = 90 + 4 * HEARTBEAT_S + 10
