@@ -108,7 +108,7 @@ class Membership:
             arrived = {m for m in self.members if self.store.check([key("gen", g, "arrive", m)])}
             # A joiner whose entry failed (the group did not form, or a peer died before it had the state)
             # answered that it waits to join again: not a survivor, and not counted by the guard.
-            back = {m for m in arrived if self._joining_again(g, m)}
+            back = {m for m in arrived if self.joining_again(g, m)}
             dead = {m for m in self.members if m not in arrived and self.is_dead(m)}
             complete = len(arrived) + len(dead) == len(self.members)
             if complete or time.monotonic() > deadline:
@@ -128,16 +128,17 @@ class Membership:
         members = json.loads(self.store.get(members_key))
         if self.me not in members:
             raise QuorumError(f"worker {self.me} arrived after generation {g} closed without it")
-        survivors = [m for m in members if m in self.members and not self._joining_again(g, m)]
+        survivors = [m for m in members if m in self.members and not self.joining_again(g, m)]
         arrivals = [json.loads(self.store.get(key("gen", g, "arrive", m)))["commits"] for m in survivors]
         step = common_commit(arrivals)
         if step is None:
             raise QuorumError(f"the survivors hold no common commit (theirs: {arrivals})")
         self.store.set(key("gen"), str(g))
         self.members, self.generation = members, g
-        return {"generation": g, "members": members, "step": step, "survivors": survivors}
+        return {"generation": g, "members": members, "step": step}
 
-    def _joining_again(self, g: int, m: str) -> bool:
+    def joining_again(self, g: int, m: str) -> bool:
+        """Did ``m`` arrive at generation ``g`` as a joiner whose entry into ``g - 1`` failed (no commit held)?"""
         k = key("gen", g, "arrive", m)
         return self.store.check([k]) and bool(json.loads(self.store.get(k)).get("joining"))
 

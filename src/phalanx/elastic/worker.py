@@ -214,12 +214,15 @@ class ElasticWorker:
         while True:
             plan = self.membership.next_generation(commits, timeout_s=self.config["heartbeat_s"] + 10.0,
                                                    joiners=self.joiners_for)
-            if self._entered(plan["generation"], [m for m in plan["members"] if m not in plan["survivors"]]):
+            # survivors hold a commit; the others (spares, joiners, joiners whose entry failed) enter
+            survivors = [m for m in plan["members"]
+                         if m in before and not self.membership.joining_again(plan["generation"], m)]
+            if self._entered(plan["generation"], [m for m in plan["members"] if m not in survivors]):
                 break
             # an admitted spare or joiner never came: that generation is void; the next one goes without it
             self.membership.members = before
         members = plan["members"]
-        survivors = plan["survivors"]  # spares and joiners never count toward the minimum
+        # spares and joiners never count toward the minimum
         if len(survivors) < self.config["min_workers"]:
             raise QuorumError(f"{len(survivors)} worker(s) left, below --min-workers {self.config['min_workers']}")
         rebuild(self.store, plan["generation"], members.index(self.me), len(members), timeout_s=self.timeout_s,
