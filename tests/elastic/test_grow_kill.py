@@ -23,12 +23,14 @@ import time
 import pytest
 import torch
 
+from support.paths import TESTS
 from support.procs import free_port
+from support.wait import until
 from workers import elastic as worker
 
 pytestmark = pytest.mark.multiproc
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers", "elastic.py")
+WORKER = os.path.join(TESTS, "workers", "elastic.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 HEARTBEAT_S = 4.0
 COLLECTIVE_S = 300  # PHALANX_TIMEOUT: far beyond the bound below, so only a wait that consults the dead ends in time
@@ -54,12 +56,14 @@ def run_grow_kill(tmp_path, victim: str) -> tuple[int, str, dict, dict]:
         joiner, held = None, {}
         try:
             # the joiner asks once both members train (markers written at their first step)
-            wait_for(lambda: all(os.path.exists(tmp_path / f"training{w}") for w in "01"), launcher, started,
-                     err_path)
+            until(lambda: all(os.path.exists(tmp_path / f"training{w}") for w in "01"), timeout=BOUND_S,
+                  what="both workers training", procs=[launcher], detail=lambda: err_path.read_text()[-3000:])
             joiner = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", *flags],
                                       env=env, stdout=subprocess.DEVNULL, stderr=join_err)
             markers = str(tmp_path / f"holding{victim}*.json")  # the victim's id starts with `victim`
-            wait_for(lambda: bool(glob.glob(markers)), launcher, started, err_path)
+            until(lambda: glob.glob(markers), timeout=max(1.0, BOUND_S - (time.monotonic() - started)),
+                  what=f"worker {victim} inside the grow", procs=[launcher],
+                  detail=lambda: err_path.read_text()[-3000:])
             held = json.load(open(glob.glob(markers)[0]))
             os.kill(held["pid"], signal.SIGKILL)  # inside the grow: the others are forming the generation
             held["killed"] = time.time()
@@ -77,13 +81,6 @@ def run_grow_kill(tmp_path, victim: str) -> tuple[int, str, dict, dict]:
         f"the job did not end within {BOUND_S:.0f}s of its start (wedged):\n{stderr[-4000:]}"
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     return launcher.returncode, stderr, results, held
-
-
-def wait_for(ready, launcher: subprocess.Popen, started: float, err_path) -> None:
-    while not ready():
-        assert launcher.poll() is None, err_path.read_text()[-3000:]
-        assert time.monotonic() - started < BOUND_S, f"no marker within {BOUND_S:.0f}s:\n{err_path.read_text()[-3000:]}"
-        time.sleep(0.05)
 
 
 def check_trained_once(results: dict, survivors: set[str]) -> None:

@@ -224,11 +224,11 @@ def wait_for_joiner(state: px.elastic.State, timeout_s: float = 120.0) -> None:
     next commit point, whatever the time its start-up took."""
     from phalanx.elastic.membership import key
 
-    store, deadline = state.worker.store, time.monotonic() + timeout_s
-    while not (store.check([key("joiners")]) and json.loads(store.get(key("joiners")))):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no joiner asked within {timeout_s:g}s")
-        time.sleep(0.05)
+    from support.wait import until
+
+    store = state.worker.store
+    until(lambda: store.check([key("joiners")]) and json.loads(store.get(key("joiners"))), timeout=timeout_s,
+          what="a joiner asking to join")
 
 
 def hold_in_grow(out: str, me: str) -> None:
@@ -245,7 +245,7 @@ def hold_in_grow(out: str, me: str) -> None:
             with open(os.path.join(out, f"holding{me}.json"), "w") as f:
                 json.dump({"id": me, "pid": os.getpid(), "generation": generation, "time": time.time()}, f)
             while True:
-                time.sleep(1)  # until the test kills this process
+                signal.pause()  # until the test kills this process
         return rebuild(base_store, generation, rank, world_size, **kwargs)
 
     elastic_worker.rebuild = holding
