@@ -435,7 +435,9 @@ def shutdown() -> None:
             leaving.leave_failed(g, exc)
             return  # no barrier: a failed worker's teardown must not wait on anyone
         met = leaving.leave_normally(g)
-    if dist.is_initialized():
+    if g is not None:
+        g.drop_process_groups()  # the group object may outlive this (a script holds it): it keeps no process group
+    elif dist.is_initialized():
         dist.destroy_process_group()
     if g is not None and g.store is not None and not met and leaving.hosts_store(g):
         leaving.linger_for_peers(g)

@@ -124,7 +124,7 @@ def leave_failed(g: Any, exc: BaseException) -> None:
     """Leave on ``exc`` with no barrier: tell peers and the launcher; the store's host stays a moment for them."""
     g.fail(exc)
     if hosts_store(g) and dist.is_initialized():
-        dist.destroy_process_group()  # peers blocked on us in a collective see it fail now
+        g.drop_process_groups()  # peers blocked on us in a collective see it fail now (the group holds none after)
         linger_for_peers(g)
 
 
