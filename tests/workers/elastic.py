@@ -134,7 +134,7 @@ def main() -> None:
                    help="ID: the worker whose id starts with ID stops inside the first rebuild that grows the group, "
                         "writes holding<its id>.json and waits there to be killed (tests/elastic/test_grow_kill.py)")
     p.add_argument("--wait-for-joiner", action="store_true",
-                   help="the first workers do not take their 3rd step before a joiner has asked to join")
+                   help="the first workers do not take their 3rd step before a joiner is ready to enter")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     if args.hold_in_grow and me.startswith(args.hold_in_grow):
@@ -220,15 +220,19 @@ def main() -> None:
 
 
 def wait_for_joiner(state: px.elastic.State, timeout_s: float = 120.0) -> None:
-    """Block until a joiner has asked to join (``elastic/joiners`` in the launcher's store): it is admitted at the
-    next commit point, whatever the time its start-up took."""
+    """Block until a joiner is ready to enter (``elastic/ready/<id>``: it asked, started up and waits at the start
+    of training): it is admitted at the next commit point, whatever the time its start-up took."""
     from phalanx.elastic.membership import key
 
     from support.wait import until
 
     store = state.worker.store
-    until(lambda: store.check([key("joiners")]) and json.loads(store.get(key("joiners"))), timeout=timeout_s,
-          what="a joiner asking to join")
+
+    def ready() -> bool:
+        asked = json.loads(store.get(key("joiners"))) if store.check([key("joiners")]) else []
+        return any(store.check([key("ready", j)]) for j in asked)
+
+    until(ready, timeout=timeout_s, what="a joiner ready to enter")
 
 
 def hold_in_grow(out: str, me: str) -> None:

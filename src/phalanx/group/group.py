@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import time
 import traceback
-import weakref
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -27,7 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import forming, leaving, liveness
+from . import forming, leaving, liveness, orphan
+from .records import Records
 from ..errors import ConfigError, PhalanxError, WorkerLostError, usage
 from .env import DEFAULT_TIMEOUT_S, WorkerEnv  # noqa: F401 (re-exported: older imports)
 
@@ -80,14 +80,9 @@ class Group:
         self.supervisor: Callable[..., Any] | None = None
         self.leaves_at_exit = False  # px.shutdown() is registered to run at exit (once the group has a store)
         self._on_regroup: list[Callable[["Group"], None]] = []
-        # The checkpoint this worker is writing in the background (phalanx.checkpoint.SaveHandle): the next save
-        # and shutdown() wait for it.
-        self.saving: Any = None
-        # The step clocks of the models px.wrap attached in this group: the loaders tell them each batch's weight
-        # (phalanx.step.clock.set_batch_weight). Weak, so a model dropped by the user is forgotten.
-        self.clocks: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self.timeline: Any = None  # phalanx.step.profiling.Timeline while `--profile` / px.profile() records
-        self.preemption: Any = None  # phalanx.step.preempt.Preemption, made by the first px.wrap / px.preempted()
+        # What other packages keep for this group (the step clocks, the preemption handler, the checkpoint being
+        # written, the timeline), each a typed record its own package declares: the group holds membership.
+        self.records = Records()
         self._meshes: dict[int, Any] = {}  # shard size -> this generation's DeviceMesh (phalanx.sharding.layout)
         # This generation's torch process group (torch's default group too), and the subgroups split from it.
         # Both go with the generation: rebuild() destroys them before it forms the next one.
@@ -382,6 +377,8 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if use_cuda else "gloo")
     g = Group(env, device, backend=backend)
+    # Under a phalanx launcher, its end ends this worker (not the store's: group/orphan.py says why).
+    orphan.watch_launcher(env.launcher_pid, f"worker {env.elastic_id}" if env.elastic_id else f"worker rank {env.rank}")
     if env.world_size > 1 and not dist.is_initialized():
         # We own the store so that failure diagnosis (which rank is gone?) has a side channel
         # that does not depend on the broken process group.
@@ -501,15 +498,6 @@ def timeout_s() -> float:
 def store() -> dist.Store | None:
     """The group's key-value store (None in a group of one)."""
     return current().store
-
-
-def clocks() -> "weakref.WeakSet[Any]":
-    """The step clocks of the models wrapped in this group (``phalanx.step.clock``).
-
-    A plain process that never called px.init() has no lasting group, so this is empty
-    there; its batches all weigh 1, so nothing is lost.
-    """
-    return current().clocks
 
 
 def probe_store() -> dist.Store | None:
