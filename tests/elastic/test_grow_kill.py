@@ -1,7 +1,7 @@
 """A worker lost while the group grows for a joiner: the others regroup and train on; nothing wedges.
 
 ``phalanx run -n 2 --elastic --max-workers 3`` trains ``tests/workers/elastic.py``; once both
-workers train, ``phalanx join`` adds a third (the two wait at their third step until it is ready).
+workers train, ``phalanx join`` adds a third (the two wait for it: ``--wait-for-joiner``).
 At the next commit point the members and the joiner form the grown generation; one of them
 stops inside that rebuild (``--hold-in-grow`` writes ``holding<ID>.json`` there) and the test
 kills it with SIGKILL at that marker: the others are then forming the generation with a peer

@@ -134,7 +134,8 @@ def main() -> None:
                    help="ID: the worker whose id starts with ID stops inside the first rebuild that grows the group, "
                         "writes holding<its id>.json and waits there to be killed (tests/elastic/test_grow_kill.py)")
     p.add_argument("--wait-for-joiner", action="store_true",
-                   help="the first workers do not take their 3rd step before a joiner is ready to enter")
+                   help="the first workers wait before their 3rd step until a joiner asked to join, and before "
+                        "their 5th until it is ready to enter (it enters at the commit of step 6)")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     if args.hold_in_grow and me.startswith(args.hold_in_grow):
@@ -180,8 +181,8 @@ def main() -> None:
         for epoch in range(state.epoch, args.epochs):
             loader.set_epoch(epoch)
             for x, y, ids in loader:
-                if args.wait_for_joiner and state.step == 2:
-                    wait_for_joiner(state)
+                if args.wait_for_joiner and state.step in (2, 4) and not state.history:
+                    wait_for_joiner(state, "asked" if state.step == 2 else "ready")
                 if not args.kill_in_step:
                     die()
                 digests.append([state.step, px.world_size(), digest(model_, opt)])
@@ -219,20 +220,21 @@ def main() -> None:
         json.dump(result, f)
 
 
-def wait_for_joiner(state: px.elastic.State, timeout_s: float = 120.0) -> None:
-    """Block until a joiner is ready to enter (``elastic/ready/<id>``: it asked, started up and waits at the start
-    of training): it is admitted at the next commit point, whatever the time its start-up took."""
+def wait_for_joiner(state: px.elastic.State, stage: str, timeout_s: float = 120.0) -> None:
+    """Block until a joiner has ``asked`` to join (``elastic/joiners``: the next commit point offers it a place) or is
+    ``ready`` to enter (``elastic/ready/<id>``: it started up and waits at the start of training; the next commit
+    point admits it), whatever the time its start-up took."""
     from phalanx.elastic.membership import key
 
     from support.wait import until
 
     store = state.worker.store
 
-    def ready() -> bool:
+    def there() -> bool:
         asked = json.loads(store.get(key("joiners"))) if store.check([key("joiners")]) else []
-        return any(store.check([key("ready", j)]) for j in asked)
+        return any(stage == "asked" or store.check([key("ready", j)]) for j in asked)
 
-    until(ready, timeout=timeout_s, what="a joiner ready to enter")
+    until(there, timeout=timeout_s, what=f"a joiner {stage}")
 
 
 def hold_in_grow(out: str, me: str) -> None:
