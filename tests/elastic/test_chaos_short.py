@@ -1,0 +1,38 @@
+"""The chaos soak's short form: 5 SIGKILLs placed by the job's own markers, then exit 0, exactly once, the oracle.
+
+``phalanx run -n 3 --elastic --min-workers 1 --replace`` on a tiny GPT (AdamW, commits every 3
+steps, a ``px.save_checkpoint`` every 2 commits). The kills are placed by events the job writes
+and the launcher's store, never by timers (``tests/support/chaos.py``): one right after a step,
+one inside the survivors' regroup, one inside a join (the replacement as it is placed), one
+inside an in-memory commit and one inside a checkpoint write (those two phases are held by the
+victim until the harness kills it, so the kill is inside them every time). The long soak is
+``benchmarks/chaos.py``.
+"""
+from __future__ import annotations
+
+import json
+
+
+from support import chaos
+
+HEARTBEAT_S = 5
+PLAN = ["step", "regroup", "join", "commit", "ckpt"]
+
+
+def test_five_placed_kills_lose_nothing(tmp_path) -> None:
+    soak = chaos.Soak(str(tmp_path), ["-n", "3", "--elastic", "--min-workers", "1", "--replace",
+                                      "--heartbeat-timeout", str(HEARTBEAT_S)],
+                      ["--size", "tiny", "--commit-every", "3", "--ckpt-every", "2", "--hold", "commit,ckpt"],
+                      PLAN, period_s=2.0, commit_every=3, aim_s=6 * HEARTBEAT_S,
+                      # a stall longer than a regroup's own bound (the quorum waits heartbeat + 10 s) is a wedge
+                      stall_s=3 * HEARTBEAT_S + 10, finish_s=6 * HEARTBEAT_S)
+    report = soak.run()
+    brief = {k: v for k, v in report.items() if k not in ("launcher_tail", "stacks", "resources")}
+    why = (f"{json.dumps(brief, indent=1, default=str)}\n--- launcher log (tail)\n{report['launcher_tail']}"
+           + "".join(f"\n--- stacks {k}\n{v[-3000:]}" for k, v in report.get("stacks", {}).items()))
+    assert report["outcome"] == "finished", why
+    assert report["exit"] == 0, why
+    assert report["kills"] == len(PLAN), why
+    assert [k["landed"] for k in report["kill_log"]] == PLAN, why
+    assert report["exactly_once"], why
+    assert report["oracle_max_abs"] is not None and report["oracle_max_abs"] < 1e-5, why
