@@ -225,7 +225,7 @@ class Soak:
         self.rng = random.Random(seed)
         self.events = Events(out)
         self.kills: list[dict] = []
-        self.log = log or (lambda msg: print(f"chaos: {msg}", file=sys.stderr, flush=True))
+        self.log = log or (lambda msg: print(f"chaos: {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True))
         self.holds = {h for f in job_flags[job_flags.index("--hold") + 1:][:1] for h in f.split(",")} \
             if "--hold" in job_flags else set()
         self.released: set[tuple[int, int]] = set()
@@ -267,9 +267,9 @@ class Soak:
         """Read new events; release held workers we are not about to kill; raise Wedged on a long stall."""
         new = self.events.poll()
         now = time.time()
+        # not reset by kills: a job that kills keep from stepping (kills faster than a regroup) is stuck too
         last_step = self.events.steps[-1] if self.events.steps else self.started
-        since = max(last_step, self.kills[-1]["t"] if self.kills else self.started)
-        if self.running() and now - since > self.stall_s and (self.events.steps or now - self.started > 120):
+        if self.running() and now - last_step > self.stall_s and (self.events.steps or now - self.started > 120):
             raise Wedged(f"no step for {now - last_step:.0f}s")
         return new
 
@@ -309,6 +309,7 @@ class Soak:
     def kill(self, p: Proc, aimed: str) -> None:
         seen = p.phase()
         group = sorted({q.phase() for q in self.events.live_workers() if q is not p})
+        writing = self.writing()
         try:
             os.kill(p.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -316,7 +317,8 @@ class Soak:
         t = time.time()
         p.killed_at = t
         self.kills.append({"n": len(self.kills) + 1, "t": t, "since_start_s": round(t - self.started, 2),
-                           "id": p.id, "pid": p.pid, "aimed": aimed, "seen": seen, "others": group})
+                           "id": p.id, "pid": p.pid, "aimed": aimed, "seen": seen, "others": group,
+                           "checkpoint_files_being_written": writing})
         self.log(f"kill {len(self.kills)}: worker {p.id} (pid {p.pid}) aimed at {aimed}, seen in {seen}; "
                  f"others in {group}")
 
@@ -381,11 +383,28 @@ class Soak:
                     target = p
                     break
             self.release_all_held(new, keep=target.pid if target and aimed in self.holds else None)
+            if target is not None and aimed == "ckpt" and aimed not in self.holds:
+                target = self.inside_write(target)  # past the save's entry: its files are being written
             if target is not None:
                 self.kill(target, aimed)
                 return True
             time.sleep(0.005)
         return False
+
+    def writing(self) -> bool:
+        """A checkpoint write is under way: its temporary directory exists (``<path>.tmp-*``, phalanx's own)."""
+        return bool(glob.glob(os.path.join(self.out, "ckpt.tmp-*", "*")))
+
+    def inside_write(self, p: Proc) -> Proc | None:
+        """Wait until the save ``p`` entered has files in its temporary directory; None if ``p`` finished first."""
+        while self.running() and alive(p.pid):
+            if self.writing():
+                return p
+            self.events.poll()
+            if p.phase() != "ckpt":
+                return None
+            time.sleep(0.001)
+        return None
 
     # -- a whole run ------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -394,6 +413,7 @@ class Soak:
         try:
             if self.wait_step(self.started, self.stall_s + 120) is None:
                 raise Wedged("no first step")
+            self.log(f"first step {time.time() - self.started:.1f}s after the start; {len(self.plan)} kills to go")
             for aimed in self.plan:
                 if not self.kill_one(aimed):
                     break
@@ -402,6 +422,7 @@ class Soak:
                 if self.wait_step(self.kills[-1]["t"], self.stall_s) is None and self.running():
                     raise Wedged(f"no step after kill {len(self.kills)}")
             open(os.path.join(self.out, "stop"), "w").close()
+            self.log("kills done; asked the job to stop after this epoch")
             deadline = time.monotonic() + self.finish_s
             while self.running():
                 self.release_all_held(self.tick())
@@ -410,6 +431,7 @@ class Soak:
                 time.sleep(0.05)
         except Wedged as why:
             outcome = f"wedged: {why}"
+            self.wedged_at = time.time()
             self.log(f"{outcome}; asking every process for its stacks")
             self.stacks = self.dump_stacks()
             self.proc.terminate()
@@ -425,6 +447,7 @@ class Soak:
                 self.proc.wait()
             self.launcher_log.close()
         self.events.poll()
+        self.log(f"job ended with status {self.proc.returncode} ({outcome}); checking")
         return self.report(outcome)
 
     def dump_stacks(self) -> dict[str, str]:
@@ -476,7 +499,9 @@ class Soak:
         gaps = [k["to_next_step_s"] for k in self.kills if k["to_next_step_s"] is not None]
         steps = sorted(self.events.steps)
         result["longest_no_step_after_kill_s"] = max(gaps, default=None)
-        result["longest_no_step_s"] = round(max((b - a for a, b in zip(steps, steps[1:])), default=0.0), 2)
+        # to the wedge or the job's end too: a job that never steps again has its longest stretch at the end
+        ended = getattr(self, "wedged_at", None) or max((e["t"] for e in self.events.all), default=self.started)
+        result["longest_no_step_s"] = round(max((b - a for a, b in zip(steps, [*steps[1:], ended])), default=0.0), 2)
         result["steps_seen"] = len(steps)
         roles = {p.pid: f"worker {p.id}" for p in self.events.procs.values()}
         result["resources"] = growth(self.sampler.samples, self.proc.pid, roles)
@@ -497,7 +522,8 @@ class Soak:
                                                zip(final["params"], want, strict=True))
         result["errors"] = [{"id": e["id"], "pid": e["pid"], "t": round(e["t"] - self.started, 2), "type": e["type"],
                              "message": e["message"].splitlines()[0] if e["message"] else "",
-                             "where": e["traceback"].strip().splitlines()[-3:-1]}
+                             "where": e["traceback"].strip().splitlines()[-3:-1],
+                             "after_the_harness_stopped_the_job": e["t"] > getattr(self, "wedged_at", e["t"] + 1)}
                             for e in self.events.all if e["ev"] == "error"]
         result["kill_log"] = self.kills
         result["launcher_tail"] = open(os.path.join(self.out, "launcher.log"), errors="replace").read()[-4000:]
