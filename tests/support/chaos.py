@@ -309,7 +309,8 @@ class Soak:
     def kill(self, p: Proc, aimed: str) -> None:
         seen = p.phase()
         group = sorted({q.phase() for q in self.events.live_workers() if q is not p})
-        writing = self.writing()
+        writing = self.writing(self.last_save_began())
+        gen = max((e.get("gen") or 0 for e in self.events.all[-2000:] if e["ev"] == "step"), default=0)
         try:
             os.kill(p.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -318,7 +319,8 @@ class Soak:
         p.killed_at = t
         self.kills.append({"n": len(self.kills) + 1, "t": t, "since_start_s": round(t - self.started, 2),
                            "id": p.id, "pid": p.pid, "aimed": aimed, "seen": seen, "others": group,
-                           "checkpoint_files_being_written": writing})
+                           "checkpoint_files_being_written": writing,
+                           "generation": gen, "member": p.worker})
         self.log(f"kill {len(self.kills)}: worker {p.id} (pid {p.pid}) aimed at {aimed}, seen in {seen}; "
                  f"others in {group}")
 
@@ -391,14 +393,26 @@ class Soak:
             time.sleep(0.005)
         return False
 
-    def writing(self) -> bool:
-        """A checkpoint write is under way: its temporary directory exists (``<path>.tmp-*``, phalanx's own)."""
-        return bool(glob.glob(os.path.join(self.out, "ckpt.tmp-*", "*")))
+    def writing(self, since: float) -> bool:
+        """A checkpoint write is under way: files written since ``since`` in its temporary directory
+        (``<path>.tmp-*``, phalanx's own; one left behind by a save a kill interrupted is older)."""
+        for path in glob.glob(os.path.join(self.out, "ckpt.tmp-*", "*")):
+            try:
+                if os.path.getmtime(path) >= since - 0.05:
+                    return True
+            except OSError:
+                pass
+        return False
+
+    def last_save_began(self) -> float:
+        """When the newest ``ckpt+`` was seen (inf if none: nothing is being written)."""
+        return max((e["t"] for e in self.events.all[-2000:] if e["ev"] == "ckpt+"), default=float("inf"))
 
     def inside_write(self, p: Proc) -> Proc | None:
         """Wait until the save ``p`` entered has files in its temporary directory; None if ``p`` finished first."""
+        began = (p.last or {}).get("t", time.time())
         while self.running() and alive(p.pid):
-            if self.writing():
+            if self.writing(began):
                 return p
             self.events.poll()
             if p.phase() != "ckpt":
@@ -485,7 +499,10 @@ class Soak:
                 elif e["ev"] == "step":
                     p.open = []
             k["landed"] = p.phase()
-            later = [t for t in self.events.steps if t > k["t"]]
+            # the first step of the group that formed without the victim (a member's loss makes a generation;
+            # a step already under way when it died does not count), or any step after a joiner's loss
+            later = [e["t"] for e in self.events.all if e["ev"] == "step" and e["t"] > k["t"]
+                     and (not k["member"] or (e.get("gen") or 0) > k["generation"])]
             k["to_next_step_s"] = round(later[0] - k["t"], 2) if later else None
 
     def report(self, outcome: str) -> dict:
@@ -504,7 +521,15 @@ class Soak:
         result["longest_no_step_s"] = round(max((b - a for a, b in zip(steps, [*steps[1:], ended])), default=0.0), 2)
         result["steps_seen"] = len(steps)
         roles = {p.pid: f"worker {p.id}" for p in self.events.procs.values()}
-        result["resources"] = growth(self.sampler.samples, self.proc.pid, roles)
+        # a worker's memory from its first step on: a replacement parked before it (no model yet) would count
+        # its own start-up as growth
+        first_step: dict[int, float] = {}
+        for e in self.events.all:
+            if e["ev"] == "step":
+                first_step.setdefault(e["pid"], e["t"])
+        training = [x for x in self.sampler.samples
+                    if x["pid"] not in roles or x["t"] >= first_step.get(x["pid"], 1e18)]
+        result["resources"] = growth(training, self.proc.pid, roles)
         result["exactly_once"] = result["oracle_max_abs"] = None
         if os.path.exists(final_path):
             import torch
