@@ -3,7 +3,7 @@
     python benchmarks/bn_statistics.py                  # 130 steps, DiLoCo(every=50), 2 gloo workers
     python benchmarks/bn_statistics.py --steps 60 --every 20
 
-Two workers train ResNet-20 on the quality benchmark's teacher task (``phalanx.bench.quality``,
+Two workers train ResNet-20 on the quality benchmark's teacher task (``benchmarks.quality``,
 AdamW lr 1e-3, 32 images per worker and step) under ``px.DiLoCo``. Around each outer step and after
 ``finish()``, rank 0 scores the model on 256 fixed validation images twice: in eval mode with the
 running statistics as training left them, and on a copy whose statistics were recomputed on 8
@@ -26,7 +26,7 @@ def worker(steps: int, every: int) -> list[tuple[Any, float, float]]:
     import torch
 
     import phalanx as px
-    from phalanx.bench.quality.tasks import TASKS
+    from benchmarks.quality.tasks import TASKS
 
     px.init()
     task = TASKS["resnet20"]

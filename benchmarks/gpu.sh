@@ -28,9 +28,9 @@ for part in $PARTS; do
   echo "== $part: $(date -u +%T)"
   case $part in
     tests)
-      $PY -m pytest tests/test_gpu.py tests/test_prefetch.py -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu-tests.log" || status=1 ;;
+      $PY -m pytest tests/test_gpu.py tests/data/test_prefetch.py -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu-tests.log" || status=1 ;;
     gpu)
-      $PY -m phalanx.bench.gpu --out "$OUT/gpu" || status=1 ;;
+      $PY -m benchmarks.gpu --out "$OUT/gpu" || status=1 ;;
     sweep)
       # CPU only: the GPU is hidden so every worker process is a CPU worker on gloo, one thread each.
       CUDA_VISIBLE_DEVICES= $PY -c 'import sys; from phalanx.cli import main; sys.exit(main())' bench \

@@ -33,7 +33,7 @@ OUT=${1:-results/quality}
 shift $(( $# > 0 ? 1 : 0 ))
 PARTS=${*:-gpt resnet20 gpt-large}
 PY=${PY:-.venv/bin/python}
-Q="$PY -m phalanx.bench.quality --repeats 3"
+Q="$PY -m benchmarks.quality --repeats 3"
 if [ -n "${FULL:-}" ]; then
   exec $Q --tasks gpt,resnet20 --link 10mbit,100mbit,1gbit --out "$OUT" ${EXTRA:-}
 fi
@@ -44,7 +44,7 @@ fi
 
 merge() {  # merge() PART: OUT/PART/{fast,slow} into OUT/PART
   if [ -z "${EXTRA:-}" ]; then
-    $PY -m phalanx.bench.quality --from-json "$OUT/$1/fast/quality.json,$OUT/$1/slow/quality.json" --out "$OUT/$1"
+    $PY -m benchmarks.quality --from-json "$OUT/$1/fast/quality.json,$OUT/$1/slow/quality.json" --out "$OUT/$1"
   fi
 }
 

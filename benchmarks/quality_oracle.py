@@ -6,7 +6,7 @@
     python benchmarks/quality_oracle.py --task gpt --lr 0.001 --momentum 0.9 --seeds 0,1,2 --every 4
 
 One process trains the task's model on the global batch (``--world`` × the task's per-worker
-batch: exactly the samples two DDP workers see at each step, ``phalanx.bench.quality.tasks``)
+batch: exactly the samples two DDP workers see at each step, ``benchmarks.quality.tasks``)
 with the task's optimizer at its base lr (or ``--lr``), from the seed each benchmark repeat
 starts from, and evaluates every ``--every`` steps. DDP's all-reduced mean gradient equals
 this one's (up to float summation order), so its steps to a target are DDP's on any link.
@@ -36,7 +36,7 @@ def curve(task_name: str, seed: int, steps: int, every: int, world: int, lr: flo
     AdamW's β1 or SGD's momentum instead of the task's."""
     import torch
 
-    from phalanx.bench.quality.tasks import get
+    from benchmarks.quality.tasks import get
 
     torch.set_num_threads(threads)
     task = get(task_name)
@@ -80,7 +80,7 @@ def first_reaching(points: list[tuple[int, float]], threshold: float, higher: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from phalanx.bench.quality.tasks import TASKS, get
+    from benchmarks.quality.tasks import TASKS, get
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", default="gpt", choices=sorted(TASKS))

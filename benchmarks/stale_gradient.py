@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from phalanx.bench.quality.tasks import TASKS, get
+    from benchmarks.quality.tasks import TASKS, get
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", default="gpt", choices=sorted(TASKS))

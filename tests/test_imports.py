@@ -121,25 +121,40 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 # -- layers ----------------------------------------------------------------------------------------------------------
-# Every module of the package, by layer: a module is named by its path under phalanx/ (a subpackage by its folder).
-LAYERS = {
-    # What a training job needs. The Trainer is core: elastic supervises its epoch loop through the group
-    # (Group.supervisor), so it imports no feature. checkpoint/ and strategies/ are subpackages of the core: every
-    # module under them is core (the order inside checkpoint/ is CHECKPOINT_ORDER).
-    "core": ("check", "errors", "framing", "wrap", "group", "step", "data", "strategies", "sharding", "checkpoint",
-             "train"),
-    # Each feature is one subpackage; its modules may import each other, never another feature's.
-    "feature": ("elastic", "ps", "stream", "keras"),
-    # Processes around the workers and tools: `phalanx run` (its flags, its --elastic agent, `phalanx join`, SLURM),
-    # the CLI, the Ray Train backend (it runs in Ray's controller), `phalanx bench` and its demos.
-    "app": ("bench", "cli", "launch", "raytrain"),
-}
+# The floors of the house, bottom up, one tuple a floor; a name is a top-level module or package of src/phalanx. A
+# module may import from its own package and from any lower floor, never from its floor's other rooms or above: the
+# features (elastic, ps, stream, keras) share a floor, so none imports another; the core (up to train) imports none.
+FLOORS = (
+    ("errors",), ("check",), ("framing",),          # base: typed failures, argument checks, verified framing
+    ("group",),                                     # who is in the run and how they talk
+    ("step",),                                      # one step: clock, end of backward, compile, preemption, profiling
+    ("data",),                                      # which samples each worker reads
+    ("strategies",),                                # how replicas agree, with their codecs
+    ("sharding",),                                  # FSDP2 layout and resharding
+    ("wrap",),                                      # where a rule meets the user's model
+    ("checkpoint",),                                # verified, atomic, resharding checkpoints
+    ("train",),                                     # the Trainer and what it reports
+    ("elastic", "ps", "stream", "keras"),           # features
+    ("launch",),                                    # processes around the workers
+    ("raytrain",),                                  # phalanx.launch.raytrain's old name, for one release
+    ("bench", "cli"),                               # what users run
+)
+FEATURES = ("elastic", "ps", "stream", "keras")
 LEVEL = {"core": 0, "feature": 1, "app": 2}
+_FEATURE_FLOOR = FLOORS.index(FEATURES)
+LAYERS = {"core": tuple(n for floor in FLOORS[:_FEATURE_FLOOR] for n in floor), "feature": FEATURES,
+          "app": tuple(n for floor in FLOORS[_FEATURE_FLOOR + 1:] for n in floor)}
+FLOOR = {name: i for i, floor in enumerate(FLOORS) for name in floor}
+
+
+def room(module: str) -> str:
+    """The top-level module or package a module belongs to (its room)."""
+    return (module.split(".", 1)[1] if "." in module else module).split(".")[0]
 
 
 def layer(module: str) -> tuple[str, str]:
     """(layer, unit) of a module; a feature's unit is its subpackage, whose own modules may import each other."""
-    top = (module.split(".", 1)[1] if "." in module else module).split(".")[0]
+    top = room(module)
     for name, tops in LAYERS.items():
         if top in tops:
             return name, top if name == "feature" else name
@@ -160,6 +175,37 @@ def layering_violations(edges: dict[str, set[str]]) -> list[str]:
             elif src_layer == dst_layer == "feature" and dst_unit != src_unit:
                 bad.append(f"feature {source} imports another feature, {target}")
     return bad
+
+
+def floor_violations(edges: dict[str, set[str]]) -> list[str]:
+    """Edges that point up a floor or across rooms of one floor."""
+    bad = []
+    for source, targets in sorted(edges.items()):
+        a = room(source)
+        for target in sorted(targets):
+            b = room(target)
+            if a == b or a not in FLOOR or b not in FLOOR:
+                continue
+            if FLOOR[b] >= FLOOR[a]:
+                bad.append(f"{source} (floor {FLOOR[a]}) imports {target} (floor {FLOOR[b]})")
+    return bad
+
+
+def test_every_room_of_the_package_is_on_a_floor():
+    tops = {n.removesuffix(".py") for n in os.listdir(ROOT) if n.endswith(".py") or
+            os.path.exists(os.path.join(ROOT, n, "__init__.py"))} - {"__init__"}
+    assert sorted(tops - set(FLOOR)) == [], "place each new package on a floor in FLOORS"
+
+
+def test_imports_point_down_the_floors():
+    assert floor_violations(graph(every_import)) == []
+
+
+def test_the_floor_check_sees_an_upward_and_a_sideways_import():
+    assert floor_violations({"phalanx.group.collectives": {"phalanx.step.profiling", "phalanx.errors"},
+                             "phalanx.ps.link": {"phalanx.stream.loader", "phalanx.ps.wire"}}) == [
+        "phalanx.group.collectives (floor 3) imports phalanx.step.profiling (floor 4)",
+        "phalanx.ps.link (floor 11) imports phalanx.stream.loader (floor 11)"]
 
 
 def test_every_module_has_a_layer():

@@ -108,3 +108,24 @@ def test_a_parameter_server_without_pyzmq_says_what_to_install() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "pyzmq" in out.stdout and "phalanx[ps]" in out.stdout, out.stdout
+
+
+# -- the harness stays out of the product ------------------------------------------------------------------------------
+HARNESS = ("quality", "targets", "gpu", "torchft_peer")  # benchmarks/: what measures the product, never shipped in it
+
+
+def test_the_package_ships_no_harness_and_imports_no_benchmark_code() -> None:
+    import ast
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("phalanx").__file__)))
+    shipped, imports = [], []
+    for folder, dirs, files in os.walk(os.path.join(src, "phalanx")):
+        for name in dirs + files:
+            if name.removesuffix(".py") in HARNESS:
+                shipped.append(os.path.relpath(os.path.join(folder, name), src))
+        for f in (f for f in files if f.endswith(".py")):
+            for node in ast.walk(ast.parse(open(os.path.join(folder, f)).read())):
+                mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                        [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                imports += [f"{f}: {m}" for m in mods if m.split(".")[0] in ("benchmarks", "torchft")]
+    assert shipped == [] and imports == [], f"move these to benchmarks/: {shipped + imports}"

@@ -3,7 +3,7 @@
 # Creates benchmarks/torchft/.venv-torchft on top of phalanx's venv (--system-site-packages, so phalanx itself is
 # importable there) and installs torchft 0.2.0 under the project's constraints, which pin torch to the same version
 # (pip may still place its own copy of that torch wheel in this venv; it never touches phalanx's venv).
-# Then the quality benchmark runs torchft's DiLoCo and Streaming DiLoCo as peers (src/phalanx/bench/quality/torchft_peer.py):
+# Then the quality benchmark runs torchft's DiLoCo and Streaming DiLoCo as peers (benchmarks/quality/torchft_peer.py):
 #   PY=benchmarks/torchft/.venv-torchft/bin/python benchmarks/quality.sh OUT
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_accumulation.py: gradient accumulation over micro-batches of unequal size.
+"""Worker functions for tests/strategies/test_accumulation.py: gradient accumulation over micro-batches of unequal size.
 
 Each worker trains with ``px.shard`` on a dataset whose last global batch splits unevenly (3 / 2), accumulating
 two micro-batches per step (the first under ``px.no_sync``). The oracle, one process on the same samples with

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_balance.py: px.shard(balance="speed") with injected speeds.
+"""Worker functions for tests/data/test_balance.py: px.shard(balance="speed") with injected speeds.
 
 The speeds come from an object passed to the loader (no sleeps): rank 0 reports 1 s per sample
 and rank 1 3 s, then both 1 s, then 2 s and 1 s, so the split changes mid-epoch. The oracle,

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_bench.py; each runs in every rank of a real gloo group."""
+"""Worker functions for tests/bench/test_bench.py; each runs in every rank of a real gloo group."""
 from __future__ import annotations
 
 from typing import Any
@@ -46,8 +46,8 @@ def post_local_phases(warmup: int = 3, every: int = 4, steps: int = 13) -> dict[
     import torch.distributed as dist
 
     import phalanx as px
-    from phalanx.bench.quality.setups import torch_post_local
-    from phalanx.bench.worker import _StrategyAccountant
+    from benchmarks.quality.setups import torch_post_local
+    from phalanx.bench.worker import StrategyAccountant
 
     px.init()
     rank = dist.get_rank()
@@ -61,7 +61,7 @@ def post_local_phases(warmup: int = 3, every: int = 4, steps: int = 13) -> dict[
         else:
             strategy = px.LocalSGD(every=every, warmup_steps=warmup)
             module, opt = px.wrap(net, opt, strategy=strategy)
-            acc = _StrategyAccountant(strategy)
+            acc = StrategyAccountant(strategy)
         bytes0 = acc.bytes_sent()
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         equal = []

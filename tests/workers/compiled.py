@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_compile.py: a compiled tiny MLP under each strategy, 2 real workers.
+"""Worker functions for tests/step/test_compile.py: a compiled tiny MLP under each strategy, 2 real workers.
 
 Every case trains the same model from the same data three ways on the same two
 processes: eager, ``px.wrap(torch.compile(model))`` and ``torch.compile`` of the module

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_dcp.py: DCP checkpoints written and read by real gloo groups.
+"""Worker functions for tests/checkpoint/test_dcp.py: DCP checkpoints written and read by real gloo groups.
 
 ``train`` runs the user's loop (AdamW, AllReduce) over ``px.shard`` data with a fixed
 global batch, saving at ``SAVE_AT`` or resuming from a checkpoint; the test compares it

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from support.wait import until
 
 if "--fail-replacements" in sys.argv and os.environ.get("PHALANX_ELASTIC_ID", "").startswith("r"):
     # before importing torch: a script that fails at start usually fails fast (a typo, a missing file)
@@ -23,11 +24,8 @@ if "--replacement-after-regroup" in sys.argv and os.environ.get("PHALANX_ELASTIC
     # A replacement enters only once the survivors have regrouped without the lost worker, so the loss and the
     # join are two regroups however fast the replacement starts (an event, not a race against the start-up).
     regrouped = os.path.join(sys.argv[sys.argv.index("--out") + 1], "regrouped")
-    deadline = time.monotonic() + 120
-    while not os.path.exists(regrouped):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"replacement {os.environ['PHALANX_ELASTIC_ID']}: no regroup within 120 s ({regrouped})")
-        time.sleep(0.05)
+    until(lambda: os.path.exists(regrouped), timeout=120,
+          what=f"replacement {os.environ['PHALANX_ELASTIC_ID']}: a regroup ({regrouped})")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -166,7 +164,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
-            time.sleep(60)  # a stopped worker never gets here before the launcher kills it
+            time.sleep(60)  # sleep: a stopped worker never gets here before the launcher kills it
 
     began = time.monotonic()
 
@@ -191,13 +189,14 @@ def main() -> None:
                 opt.step()
                 if state.step == 1:
                     open(os.path.join(args.out, f"training{me}"), "w").close()
-                if args.mark_world:  # tests/test_elastic_hosts.py waits for these before it kills a host
+                if args.mark_world:  # tests/elastic/test_elastic_hosts.py waits for these before it kills a host
                     with open(os.path.join(args.out, f"world{me}-{px.world_size()}"), "a") as f:
                         f.write(".")  # one byte per step taken at that world size
                 if state.history and not first_after:
                     first_after.append(time.time())
                 reached.append(px.world_size() >= args.slow_until_world)
                 waiting = px.world_size() < args.slow_while_below and time.monotonic() < began + 60
+                # sleep: the step's length is the test's knob (slow until a joiner arrives, then --step-sleep)
                 time.sleep(1.0 if waiting else args.step_sleep if any(reached) else 0.4)
 
     started = time.perf_counter()
@@ -216,11 +215,9 @@ def wait_for_spares(state: px.elastic.State, timeout_s: float = 60.0) -> None:
     from phalanx.elastic.membership import key
 
     spares, store = set(state.worker.config.get("spares", [])), state.worker.store
-    deadline = time.monotonic() + timeout_s
-    while spares and time.monotonic() < deadline:
-        if store.check([key("joiners")]) and spares <= set(json.loads(store.get(key("joiners")))):
-            return
-        time.sleep(0.05)
+    if spares:
+        until(lambda: store.check([key("joiners")]) and spares <= set(json.loads(store.get(key("joiners")))),
+              timeout=timeout_s, what="the spares' knock")
 
 
 def trainer_main(args: argparse.Namespace, me: str, victim: str, at: int) -> None:

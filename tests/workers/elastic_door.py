@@ -15,11 +15,11 @@ import json
 import os
 import sys
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from support.wait import until
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
@@ -50,8 +50,8 @@ def main() -> None:
     if args.idle_joiner and os.environ.get("PHALANX_ELASTIC_JOIN") == "1":
         with open(os.path.join(args.out, f"idle{me}"), "w") as f:  # the place px.init() gave it
             json.dump({"rank": px.rank(), "world_size": px.world_size()}, f)
-        while not os.path.exists(os.path.join(args.out, "stop")):  # a script that believed it was alone
-            time.sleep(0.1)
+        # a script that believed it was alone, until the test ends it
+        until(lambda: os.path.exists(os.path.join(args.out, "stop")), timeout=600, what="the stop file")
         return
 
     @px.elastic.run

@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
 
 import phalanx as px
+from support.wait import until
 
 try:
     from workers import elastic as base
@@ -84,9 +84,7 @@ class RecordingState(px.elastic.State):
         if SERVER_DIES_AT and os.environ.get("PHALANX_ELASTIC_ID") == "0" and self.step == SERVER_DIES_AT \
                 and not self.history:
             open(os.path.join(OUT, "kill-server"), "w").close()
-            deadline = time.monotonic() + 60
-            while not os.path.exists(os.path.join(OUT, "server-killed")) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            until(lambda: os.path.exists(os.path.join(OUT, "server-killed")), timeout=60, what="the server's kill")
 
     def recover(self, failure: str, failed_at: float | None = None) -> None:
         super().recover(failure, failed_at)

@@ -1,7 +1,6 @@
 """Worker functions for the Group tests in tests/test_core.py: each runs in every rank of a real gloo group."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -10,6 +9,7 @@ import torch.distributed as dist
 import phalanx as px
 from phalanx.group import collectives as comm
 from phalanx.group import liveness
+from support.wait import until
 
 
 def rebuild_and_objects() -> dict[str, Any]:
@@ -41,7 +41,5 @@ def note_then_wait() -> dict[str, Any]:
     if g.rank == 1:
         raise ValueError("boom")
     before = g.lost_peers()
-    deadline = time.monotonic() + 30
-    while not g.lost_peers() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(g.lost_peers, timeout=30, what="rank 1 seen lost")
     return {"before": before, "after": g.lost_peers()}

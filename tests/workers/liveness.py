@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_liveness.py: failures injected in one line, survivors report what they saw."""
+"""Worker functions for tests/group/test_liveness.py: failures injected in one line, survivors report what they saw."""
 from __future__ import annotations
 
 import os
@@ -24,7 +24,7 @@ def raise_at(step: int, rank: int, steps: int = 50) -> None:
             print(f"RAISE {time.time():.6f}", flush=True)
             raise ValueError(f"boom at step {step}")
         _step()
-        time.sleep(0.01)
+        time.sleep(0.01)  # sleep: a step of known length, so the raise lands mid-run
 
 
 def _until_lost(victim: int, step: int, sig: signal.Signals, steps: int, slow: int | None = None,
@@ -38,7 +38,7 @@ def _until_lost(victim: int, step: int, sig: signal.Signals, steps: int, slow: i
                 if px.rank() == victim:
                     os.kill(os.getpid(), sig)
                 if px.rank() == slow:
-                    time.sleep(4.0)  # busy elsewhere: longer than the old 3 s check-in window
+                    time.sleep(4.0)  # sleep: busy elsewhere, longer than the old 3 s check-in window (under test)
             _step()
     except px.WorkerLostError as err:
         if on_lost is not None:

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_overlap.py: AllReduce's overlapped bucketed average (no DDP wrapper).
+"""Worker functions for tests/strategies/test_overlap.py: AllReduce's overlapped bucketed average (no DDP wrapper).
 
 The path is the one ``phalanx run --elastic`` takes (``PHALANX_ELASTIC_ID`` set when the
 strategy attaches); the oracle, a plain single-process loop with twice the batch, runs in

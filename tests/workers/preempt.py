@@ -1,4 +1,4 @@
-"""A user's own loop that a preemption stops and ``--resume-from auto`` continues (run by tests/test_preempt.py).
+"""A user's own loop that a preemption stops and ``--resume-from auto`` continues (run by tests/step/test_preempt.py).
 
     phalanx run -n 2 --checkpoint-dir CKPT [--resume-from auto] preempt.py OUT [WAIT_AT] [--hang-before-save]
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+import signal
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,8 @@ def main() -> None:
                 assert px.current_group().preemption.heard.wait(120), "no signal came"
             if px.preempted():
                 if a.hang_before_save and px.rank() == 1:
-                    time.sleep(600)  # until the launcher's grace runs out and it kills this worker
+                    while True:  # until the launcher's grace runs out and it kills this worker
+                        signal.pause()
                 px.save_checkpoint(os.path.join(px.step.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt,
                                    loader=loader, step=step)
                 raise SystemExit(px.PREEMPTED_EXIT)

@@ -1,4 +1,4 @@
-"""A preempted job under a periodic strategy, whose workers drift apart between syncs (tests/test_preempt.py).
+"""A preempted job under a periodic strategy, whose workers drift apart between syncs (tests/step/test_preempt.py).
 
     phalanx run -n 2 --checkpoint-dir CKPT [--resume-from auto] preempt_periodic.py OUT STRATEGY [--drift]
 
@@ -21,16 +21,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
 from workers.preempt import BATCH, EPOCHS, data, make_model  # noqa: E402
+from support.wait import until
 
 STRATEGIES = {"local-sgd": lambda: px.LocalSGD(every=8), "diloco": lambda: px.DiLoCo(every=8)}
 
 
 def wait_for(path: str) -> None:
-    import time
-    deadline = time.monotonic() + 120
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.02)  # the other worker's progress file; its process is not ours to wait on
+    until(lambda: os.path.exists(path), timeout=120, what=f"the other worker's {path}")
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_profiling.py: a timeline recorded while `phalanx bench`'s probe times the steps.
+"""Worker functions for tests/step/test_profiling.py: a timeline recorded while `phalanx bench`'s probe times the steps.
 
 Started with PHALANX_PROFILE set, as `phalanx run --profile DIR` starts workers: px.wrap starts the
 timeline (default window: 5 steps skipped, 3 recorded), and the loop itself never mentions it.

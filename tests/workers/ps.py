@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_ps_multiproc.py: real processes, real servers, digits data.
+"""Worker functions for tests/ps/test_ps_multiproc.py: real processes, real servers, digits data.
 
 Servers come from ``PHALANX_PS_ADDRS`` when the test passes ``servers.env()``,
 otherwise each worker hosts a colocated one.
@@ -16,6 +16,7 @@ import phalanx as px
 from phalanx.bench.models import digits_cnn, load_digits_split
 from phalanx.ps.config import PSConfig
 from support.procs import kill_at
+from support.wait import until
 
 BATCH = 32  # per worker
 
@@ -84,11 +85,12 @@ def sync_vs_allreduce(steps: int, lr: float, momentum: float) -> dict[str, list[
 def late_join(after_versions: int, seed: int = 123) -> dict[str, Any]:
     """A brand-new process joins a running Downpour job once its servers are ``after_versions`` in."""
     px.init()
-    while True:  # wait for the job to make progress; the test bounds how long with its timeout
+    def progressed() -> bool:  # every push updates each of a server's shards once: applied / shards = pushes so far
         load = px.ps.load_report(PSConfig.from_environ().addrs)
-        if min(load.shards) and min(a // s for a, s in zip(load.applied, load.shards, strict=True)) >= after_versions:
-            break  # every push updates each of a server's shards once: applied / shards = pushes so far
-        time.sleep(0.05)
+        return bool(min(load.shards)) and min(a // s for a, s in zip(load.applied, load.shards, strict=True)) \
+            >= after_versions
+
+    until(progressed, timeout=600, what=f"{after_versions} pushes on the servers")
     torch.manual_seed(seed)
     net = digits_cnn()
     own = [p.detach().clone() for p in net.parameters()]
@@ -237,7 +239,7 @@ def finish_holds_everyones_pushes(steps: int, push_every: int, slow_rank: int) -
     model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=strategy)
     for step in range(steps):
         if px.rank() == slow_rank and step == steps - 1:
-            time.sleep(1.0)
+            time.sleep(1.0)  # sleep: the slow rank whose late push is under test
         x, y = _batch(step, px.rank())
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()

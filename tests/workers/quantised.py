@@ -1,4 +1,4 @@
-"""Workers for tests/test_quantised_allreduce.py: AllReduce with px.Quantize, sent bucket by bucket in backward.
+"""Workers for tests/strategies/test_quantised_allreduce.py: AllReduce with px.Quantize, sent bucket by bucket.
 
 Every rank trains the same MLP on its own batch. The test replays each step in one process: each rank's
 gradient, cut into the same buckets (``plan_buckets``), quantised, and the messages averaged in rank order

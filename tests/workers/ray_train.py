@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 from workers.elastic import BATCH, Record, dataset, model, optimizer
+from support.wait import until
 
 
 def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
@@ -27,10 +28,11 @@ def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
     from phalanx.elastic.membership import key
 
     store, members = state.worker.store, set(state.worker.membership.members)
-    while time.monotonic() < deadline:
-        if store.check([key("joiners")]) and set(json.loads(store.get(key("joiners")))) - members:
-            return
-        time.sleep(0.05)
+    try:
+        until(lambda: store.check([key("joiners")]) and set(json.loads(store.get(key("joiners")))) - members,
+              timeout=max(0.0, deadline - time.monotonic()), what="a joiner's knock")
+    except AssertionError:
+        return  # none by the deadline: the caller goes on without it
 
 
 def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_below: int = 0,
@@ -58,7 +60,8 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
                     os.replace(os.path.join(out, "victim.tmp"), os.path.join(out, "victim.json"))  # whole or absent
                     if stop:  # hung: only the heartbeat watcher in Ray's controller can free the others
                         os.kill(os.getpid(), signal.SIGSTOP)
-                    time.sleep(3600)  # parked until the test kills this process (kill -9)
+                    while True:  # parked until the test kills this process (kill -9)
+                        signal.pause()
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])
                 everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
                 record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])

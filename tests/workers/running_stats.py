@@ -1,4 +1,4 @@
-"""Worker for tests/test_running_stats.py: BatchNorm statistics under periodic rules, 2 real gloo processes.
+"""Worker for tests/strategies/test_running_stats.py: BatchNorm statistics under periodic rules, 2 real gloo processes.
 
 Each rank feeds data of its own mean, so the replicas' running statistics differ between syncs. Every
 step records each rank's buffers after backward (what the forward just set) and after ``optimizer.step()``

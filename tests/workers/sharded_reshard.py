@@ -1,4 +1,4 @@
-"""Worker for tests/test_elastic_sharded.py: ``phalanx.sharding.reshard.reshard`` on 2 live processes, no launcher.
+"""Worker for tests/elastic/test_elastic_sharded.py: ``reshard`` on 2 live processes, no launcher.
 
 A model with tied weights, a buffer and uneven first dimensions (7 rows: shards of 4 and 3;
 1 row: shards of 1 and 0) trains 2 AdamW steps on FSDP over both ranks (1 x 2). Its commit

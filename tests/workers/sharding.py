@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_sharding.py: sharded training against its oracles (issue 21, item 1).
+"""Worker functions for tests/sharding/test_sharding.py: sharded training against its oracles (issue 21, item 1).
 
 ``gradient_oracle``: px.AllReduce on a sharded model (FSDP with S = world size, HSDP with
 2 x 2) equals one process on the global batch, with AdamW, clipping, a scheduler and a short

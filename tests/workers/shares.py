@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_shares.py: parameter averaging weighted by each replica's samples.
+"""Worker functions for tests/data/test_shares.py: parameter averaging weighted by each replica's samples.
 
 Plain SGD (no momentum), so LocalSGD(every=1) is AllReduce and both are one process on the global batch,
 also on a short last global batch (split 3 / 2) and on one with an empty part (1 / 0). The oracle, one

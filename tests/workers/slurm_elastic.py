@@ -1,4 +1,4 @@
-"""An elastic job across a SLURM allocation's nodes (run by tests/test_slurm.py).
+"""An elastic job across a SLURM allocation's nodes (run by tests/launch/test_slurm.py).
 
     srun phalanx run -n 1 --elastic --min-workers 1 slurm_elastic.py --out DIR
 
@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
 from phalanx.elastic.membership import key  # noqa: E402
 from workers.elastic import BATCH, Record, dataset, model, optimizer  # noqa: E402
+from support.wait import until
 
 
 def joiner_waiting(state: px.elastic.State) -> bool:
@@ -49,9 +49,7 @@ def main() -> None:
             loader.set_epoch(epoch)
             for x, y, ids in loader:
                 if me == "0" and state.step == 1:  # alone so far: wait for node 1's worker (it starts slower)
-                    deadline = time.monotonic() + 120
-                    while not joiner_waiting(state) and time.monotonic() < deadline:
-                        time.sleep(0.05)  # polling the store's joiner list; there is nothing to block on
+                    until(lambda: joiner_waiting(state), timeout=120, what="node 1's joiner")
                 if me == "0" and sum(row[1] == 2 for row in record.steps) == 2:
                     os.kill(os.getpid(), signal.SIGKILL)  # the node is lost mid-epoch
                 padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])

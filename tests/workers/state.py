@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_state.py; each runs in every rank of a real gloo group.
+"""Worker functions for tests/checkpoint/test_state.py; each runs in every rank of a real gloo group.
 
 Two groups do everything (starting processes is the expensive part): ``first``
 trains every strategy without interruption, checkpointing on the way, and runs the

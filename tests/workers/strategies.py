@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_strategies.py: real processes, gloo, digits data.
+"""Worker functions for tests/strategies/test_strategies.py: real processes, gloo, digits data.
 
 Each function runs on every rank (``run_workers``) and returns plain values and
 tensors. Several experiments share one pair of processes to save start-up time.

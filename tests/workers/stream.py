@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_stream_multiproc.py: the user's loop over a live Redis stream.
+"""Worker functions for tests/stream/test_stream_multiproc.py: the user's loop over a live Redis stream.
 
 Every rank appends one line per step to ``<log_dir>/inc<incarnation>.rank<rank>.log``:
 ``step weight id id ...`` (the ids it trained on). A test rebuilds the final model's

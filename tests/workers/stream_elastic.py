@@ -56,7 +56,7 @@ def main() -> None:
                 # A real process is being started (the replacement): the survivors slow down, bounded (only
                 # until it has joined, at the regroup after the loss or later), so the stream still lasts when
                 # it arrives. Not a synchronisation.
-                time.sleep(args.slow_after_loss)
+                time.sleep(args.slow_after_loss)  # sleep: survivors slowed so the stream outlasts the restart
 
     train(state)
     loader.state_dict()  # the final commit (a real run would save a checkpoint here) ...

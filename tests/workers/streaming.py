@@ -1,4 +1,4 @@
-"""Workers for tests/test_streaming_diloco.py: real processes on gloo, digits data.
+"""Workers for tests/strategies/test_streaming_diloco.py: real processes on gloo, digits data.
 
 ``exchanges`` runs on every rank of ``run_workers`` (several experiments share one pair of
 processes). Run as a script under ``phalanx run --elastic -n 3`` it is the elastic tests'
@@ -177,7 +177,7 @@ def main() -> None:
                 F.mse_loss(model(xb), yb).backward()
                 opt.step()
                 if px.world_size() < args.slow_while_below and time.monotonic() < began + 60:
-                    time.sleep(1.0)
+                    time.sleep(1.0)  # sleep: a slow step while below the world size (the behaviour tested)
 
     began = time.monotonic()
     run(state)

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_tracking.py: real processes on gloo write through px.Tracker and Keras.
+"""Worker functions for tests/train/test_tracking.py: real processes on gloo write through px.Tracker and Keras.
 
 ``everything`` runs on 2 workers: a Trainer fit with a TensorBoard tracker, a plain loop
 with an MLflow tracker that sees a real regroup (``Group.rebuild`` into generation 1,

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_trainer.py; each runs in every rank of a real gloo group.
+"""Worker functions for tests/train/test_trainer.py; each runs in every rank of a real gloo group.
 
 The data, models and Trainer settings are shared with the single-process oracles in
 the tests, so a worker and its oracle differ only in the number of processes.

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_unused.py: parameters that get no gradient on some ranks, or on none.
+"""Worker functions for tests/strategies/test_unused.py: parameters that get no gradient on some ranks, or on none.
 
 The model has a branch that only some samples take (on rank 0's half at even steps, nowhere at odd steps) and a
 parameter nothing uses. SGD with momentum and weight decay moves a parameter whose ``.grad`` is zeros but skips

@@ -9,7 +9,7 @@ in the rest of the package imports this subpackage.
 * :mod:`.cli`: the command (``phalanx bench --help``);
 * :mod:`.spec`: setups and the list of runs; :mod:`.runner`: real worker processes;
   :mod:`.worker` and :mod:`.tta`: what each process does;
-* :mod:`.stats`, :mod:`.report`, :mod:`.plots`, :mod:`.targets`, :mod:`.projection`: numbers to tables and PNGs;
+* :mod:`.stats`, :mod:`.report`, :mod:`.plots`, :mod:`.projection`: numbers to tables and PNGs;
 * :mod:`.breakdown`: the step-time probe, also a :class:`phalanx.Trainer` callback (:class:`StepBreakdown`);
 * :mod:`.netns`: the rate-limited link (network namespaces, veth, tc tbf).
 """

@@ -18,7 +18,7 @@ import sys
 from typing import Any, Sequence
 
 from ..errors import ConfigError, usage
-from . import plots, projection, report, sanity, targets, tta
+from . import plots, projection, report, sanity, tta
 from .netns import LinkError, parse_rate, why_not
 from .runner import Options, sweep
 from .spec import check_setup, parse_setup, plan, split_list
@@ -39,7 +39,6 @@ def parser() -> argparse.ArgumentParser:
                "--link loopback,100mbit --out results/\n"
                "  phalanx bench --time-to-accuracy --strategies ddp,ddp-powersgd,allreduce,local-sgd,powersgd "
                "--link 100mbit --models mlp --out results/link\n"
-               "  phalanx bench --quality --help    (time to quality on slow links; its own options)\n"
                "  phalanx bench --keras --help      (Keras 3 through px.keras beside plain PyTorch; its own options)")
     p.add_argument("--models", help=f"comma list from phalanx.bench.models.ZOO (default {FULL['models']})")
     p.add_argument("--workers", help="comma list of worker process counts (default 1,2)")
@@ -127,7 +126,7 @@ def rerender(path: str, out: str, *, no_plots: bool = False) -> str:
         payload = json.load(f)
     rows = report.aggregate(payload["raw"])
     alpha = payload["options"].get("alpha_us", 25.0) * 1e-6
-    payload.update(rows=rows, targets=targets.check(rows, payload.get("time_to_accuracy")),
+    payload.update(rows=rows,
                    projection={**projection.project(rows, alpha=alpha), "check": projection.check(rows, alpha=alpha)},
                    warnings=sanity.warnings(rows, payload["environment"]))
     os.makedirs(out, exist_ok=True)
@@ -140,11 +139,6 @@ def rerender(path: str, out: str, *, no_plots: bool = False) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # -- `phalanx bench --quality`: time to quality on slow links, its own options (phalanx.bench.quality) --
-    if "--quality" in (sys.argv[1:] if argv is None else argv):
-        from .quality.cli import main as quality_main
-        return quality_main([a for a in (sys.argv[1:] if argv is None else argv) if a != "--quality"])
-    # -- end of --quality --
     # -- `phalanx bench --keras`: Keras 3 beside the same model in plain PyTorch (phalanx.bench.keras_setup) --
     if "--keras" in (sys.argv[1:] if argv is None else argv):
         from .keras_setup import main as keras_main
@@ -174,13 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tta_rows = tta.rows(tta_records)
     proj = projection.project(rows, alpha=args.alpha_us * 1e-6)
     proj["check"] = projection.check(rows, alpha=args.alpha_us * 1e-6)
-    met = targets.check(rows, tta_rows)
     command = "phalanx bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     payload = {"command": command, "started": started.isoformat(timespec="seconds"),
                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "environment": {**report.environment(cfg["links"]), "loadavg_at_start": load_at_start},
                "options": {**vars(opts), "batch": args.batch, "alpha_us": args.alpha_us},
-               "rows": rows, "targets": met, "time_to_accuracy": tta_rows, "projection": proj,
+               "rows": rows, "time_to_accuracy": tta_rows, "projection": proj,
                "raw": records, "raw_time_to_accuracy": tta_records}
     payload["warnings"] = sanity.warnings(rows, payload["environment"])
     for line in payload["warnings"]:
@@ -218,8 +211,7 @@ def render(payload: dict[str, Any], pngs: list[str]) -> str:
              "\nSpeedup is thpt(N)/thpt(1) of the same setup (thread rows: against the plain loop 1×1); "
              "efficiency is speedup/N. The spread is the 2.5th to 97.5th percentile of the timed windows; a ratio "
              "marked ~ compares two rows whose spreads overlap, so it does not say which is faster.\n\n"
-             "## Targets\n\n", targets.markdown(payload["targets"]),
-             "\n## Where the time goes (measured, mean per timed step and worker)\n\n", report.breakdown_table(rows),
+             "## Where the time goes (measured, mean per timed step and worker)\n\n", report.breakdown_table(rows),
              "\n*optimizer step* includes the strategy's own work around `optimizer.step()` other than collectives "
              "(e.g. compression); *phases / step*: the four phases, timed by hooks, over the loop's own step time "
              "(median ratio over steps).\n"]

@@ -159,7 +159,7 @@ def recommend(table: dict[str, Any], gbit: float, threshold: float,
 
     Without a quality measurement it picks, by projected throughput, only among setups that converge per step
     exactly like all-reduce (:data:`EXACT`), and names any other setup projected faster as one to check with
-    ``phalanx bench --quality`` first. With ``steps_to_target`` (setup -> steps a time-to-quality run needed to
+    ``python -m benchmarks.quality`` first. With ``steps_to_target`` (setup -> steps a time-to-quality run needed to
     reach its target, for the same global batch) it ranks by projected time to target, steps × step time.
 
     Example:
@@ -167,7 +167,7 @@ def recommend(table: dict[str, Any], gbit: float, threshold: float,
         >>> pick, caveat = recommend({"ddp": row(100.0), "local-sgd": row(300.0)}, 1.0, 0.8).split("; ")
         >>> pick
         'ddp on 2 workers (projected efficiency 0.90)'
-        >>> caveat.split(" but ")[0], caveat.endswith("measure it with phalanx bench --quality before choosing it")
+        >>> caveat.split(" but ")[0], caveat.endswith("measure it with python -m benchmarks.quality before choosing it")
         ('local-sgd projects 3.0x the throughput', True)
         >>> recommend({"ddp": row(100.0), "local-sgd": row(300.0)}, 1.0, 0.8, {"ddp": 100, "local-sgd": 400})
         'ddp on 2 workers (projected 1.33x sooner to target than local-sgd, from measured steps to target)'

@@ -106,7 +106,7 @@ def config_for(run: Run, opts: Options) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _terminate_unwinds() -> Iterator[None]:
+def terminate_unwinds() -> Iterator[None]:
     """SIGTERM/SIGHUP unwind like Ctrl-C while the sweep runs, so its workers are killed and links torn down."""
     def interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -142,7 +142,7 @@ def sweep(runs: list[Run], opts: Options, *, make_config: Callable[[Run, Options
     records: list[dict[str, Any]] = []
     order = [(k, run) for k in range(opts.repeats) for run in (runs if k % 2 == 0 else runs[::-1])]
     bar = tqdm(total=len(order), desc=desc, unit="run", disable=not opts.progress, file=sys.stderr, dynamic_ncols=True)
-    with _terminate_unwinds(), links_for(runs) as links, bar:
+    with terminate_unwinds(), links_for(runs) as links, bar:
         for k, run in order:
             bar.set_postfix_str(run.title)
             start = time.perf_counter()

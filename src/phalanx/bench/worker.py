@@ -36,7 +36,7 @@ def setup_training(setup: Setup, model: nn.Module, opt: torch.optim.Optimizer) -
     worker put into collectives, and how many), and ``extra()``, strategy-specific figures.
     """
     if setup.kind == "plain":
-        return model, _Accountant()
+        return model, Accountant()
     if setup.kind == "phalanx":
         import phalanx as px
         px.init()
@@ -44,7 +44,7 @@ def setup_training(setup: Setup, model: nn.Module, opt: torch.optim.Optimizer) -
         size = int(setup.kwargs.get("shard", 1))  # allreduce[shard=2]: FSDP over groups of 2 (phalanx.sharding)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         module, _ = px.wrap(model, opt, strategy=strategy, shard=px.FullyShard(group_size=size) if size > 1 else None)
-        acc = _StrategyAccountant(strategy)
+        acc = StrategyAccountant(strategy)
         if size > 1:
             acc.fsdp_bytes = fsdp_payload(grad_bytes, size, px.world_size(), hsdp=setup.name == "allreduce")
             opt.register_step_post_hook(acc.count_step)
@@ -70,7 +70,7 @@ def _ddp(setup: Setup, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[nn
             options[name] = bool(kw[name])
     ddp = DDP(model, **options)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    acc = _PeerAccountant(grad_bytes)
+    acc = PeerAccountant(grad_bytes)
     opt.register_step_post_hook(acc.count_step)
     if setup.name == "ddp-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -87,7 +87,7 @@ def _ddp(setup: Setup, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[nn
     return ddp, acc
 
 
-class _Accountant:
+class Accountant:
     def bytes_sent(self) -> float:
         return 0.0
 
@@ -118,7 +118,7 @@ def fsdp_payload(grad_bytes: int, shard: int, world: int, *, hsdp: bool) -> floa
     return grad_bytes * (2 / shard + 1 + (1 / shard if hsdp and replicas > 1 else 0))
 
 
-class _StrategyAccountant(_Accountant):
+class StrategyAccountant(Accountant):
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
         self.fsdp_bytes, self.steps = 0.0, 0  # a sharded setup: FSDP's payload per step, and steps so far
@@ -158,7 +158,7 @@ class _StrategyAccountant(_Accountant):
             finish()
 
 
-class _PeerAccountant(_Accountant):
+class PeerAccountant(Accountant):
     def __init__(self, grad_bytes: int) -> None:
         self.grad_bytes, self.factor, self.powersgd, self.steps = grad_bytes, 1.0, None, 0
 

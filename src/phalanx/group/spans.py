@@ -15,14 +15,22 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import Any, ContextManager, Protocol
 
 from torch.autograd.profiler import record_function
 
 from . import group
 
-if TYPE_CHECKING:
-    from ..step.profiling import Timeline
+
+class Recorder(Protocol):
+    """What a span needs of the timeline that records it (:class:`phalanx.step.profiling.Timeline` is one)."""
+
+    recording: bool
+    _stopping: bool
+
+    def span(self, name: str) -> ContextManager[Any]: ...
+    def step(self, step: int) -> None: ...
+    def _stop(self) -> None: ...
 
 SPANS = ("phalanx/data wait", "phalanx/forward+backward", "phalanx/exchange", "phalanx/bucket",
          "phalanx/optimizer step", "phalanx/exchange after step", "phalanx/commit", "phalanx/checkpoint",
@@ -33,7 +41,7 @@ TOP_LEVEL = ("phalanx/data wait", "phalanx/forward+backward", "phalanx/optimizer
 _OFF: ContextManager[Any] = contextlib.nullcontext()  # stateless: shared by every span taken while not recording
 
 
-def active() -> Timeline | None:
+def active() -> Recorder | None:
     """The current group's timeline, or None (cheap: read on every span)."""
     return group.current().timeline if group.is_initialized() else None
 
@@ -75,4 +83,4 @@ class Spans:
             rf.__exit__(None, None, None)
 
 
-__all__ = ["SPANS", "TOP_LEVEL", "Spans", "active", "span", "step_closed"]
+__all__ = ["Recorder", "SPANS", "TOP_LEVEL", "Spans", "active", "span", "step_closed"]

@@ -5,7 +5,7 @@ phalanx drives Keras 3 through public names only: ``Model.fit``/``evaluate``/
 ``PyDataset``. It also relies on how Keras 3.15's torch trainer calls them: one
 ``optimizer.apply(grads, variables)`` per ``train_step`` after ``loss.backward()``;
 ``fit`` runs validation through ``self.evaluate``; ``compute_metrics`` reads
-``get_metrics_result`` every step. ``tests/test_keras.py::test_keras_calls_what_phalanx_relies_on``
+``get_metrics_result`` every step. ``tests/keras/test_keras.py::test_keras_calls_what_phalanx_relies_on``
 checks exactly these, so a Keras upgrade that changes them fails loudly.
 
 Example:

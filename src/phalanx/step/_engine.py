@@ -3,7 +3,7 @@
 PyTorch has no public way to run code once at the end of a backward pass, after
 every ``.grad`` has been accumulated and before ``backward()`` returns. DDP,
 FSDP and torch's own comm hooks all use ``Variable._execution_engine.queue_callback``
-for exactly this; so do we, here only, with its own test (tests/test_backward.py).
+for exactly this; so do we, here only, with its own test (tests/step/test_backward.py).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ Both are Chrome-trace JSON: open them at https://ui.perfetto.dev or ``chrome://t
 The files are written at the step after the window (or at ``px.shutdown()`` when the
 run ends first), so the window's own steps do not pay for the writing.
 
-Example (tests/test_profiling.py runs it; starting the profiler takes seconds):
+Example (tests/step/test_profiling.py runs it; starting the profiler takes seconds):
     >>> import tempfile, torch, phalanx as px
     >>> net = torch.nn.Linear(4, 2)
     >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))

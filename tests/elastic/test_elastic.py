@@ -1,0 +1,209 @@
+"""Elastic training: real workers under `phalanx run --elastic`, real kills (SIGKILL, SIGSTOP).
+
+Each run trains ``tests/workers/elastic.py`` (64 samples, batch 4 per worker, momentum
+SGD) for 2 epochs; the worker started as rank R dies at step S. The survivors'
+records say which samples the whole group trained on at every step, rolled back
+with the commits; the oracle retrains one process on exactly those global batches.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import time
+
+import pytest
+import torch
+
+from phalanx import ConfigError
+from phalanx.launch.elastic import ElasticConfig
+from phalanx.elastic.membership import common_commit, decide_members
+from phalanx.launch.run import RunConfig
+from workers import elastic as worker
+
+from support.elastic_job import CLI, WORKER, check_recovered, gone, launch, oracle  # noqa: F401 (shared)
+from support.wait import until
+
+
+# -- unit: the quorum rules and bad input ------------------------------------------------------------------------
+
+def test_next_generation_keeps_survivors_in_their_old_order_then_joiners():
+    assert decide_members(["0", "1", "2"], arrived={"2", "0"}, dead={"1"}, joiners=["5"]) == ["0", "2", "5"]
+
+
+def test_rollback_goes_to_the_newest_commit_every_survivor_holds():
+    assert common_commit([[2, 4], [4, 6]]) == 4
+    assert common_commit([[2, 4], [6, 8]]) is None
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["-n", "1", "--elastic"], "--elastic with -n 1"),
+    (["-n", "3", "--elastic", "--min-workers", "4"], "--min-workers 4 with -n 3"),
+    (["-n", "3", "--elastic", "--max-workers", "2"], "--max-workers 2 with -n 3"),
+    (["-n", "3", "--min-workers", "2"], "--min-workers without --elastic"),
+    (["-n", "3", "--elastic", "--heartbeat-timeout", "0"], "--heartbeat-timeout 0"),
+])
+def test_bad_elastic_flags_get_one_clear_line(argv, said):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_argv([*argv, WORKER])
+    assert said in str(err.value) and "\n" not in str(err.value)
+
+
+def test_elastic_defaults_to_a_majority_quorum(monkeypatch):
+    monkeypatch.delenv("PHALANX_START_METHOD")
+    cfg = RunConfig.from_argv(["-n", "4", "--elastic", WORKER]).elastic
+    assert cfg == ElasticConfig(min_workers=3, max_workers=4)
+
+
+def test_a_state_without_the_optimizer_is_refused_at_the_first_commit():
+    import phalanx as px
+    state = px.elastic.State(torch.nn.Linear(2, 1))
+    with pytest.raises(ConfigError, match="without an optimizer"):
+        state.commit()
+
+
+def test_outside_phalanx_run_elastic_the_loop_runs_plainly():
+    import phalanx as px
+    net = torch.nn.Linear(2, 1)
+    net, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    state = px.elastic.State(net, opt, commit_every=1)
+
+    @px.elastic.run
+    def train(state):
+        for _ in range(3):
+            opt.zero_grad()
+            net(torch.ones(1, 2)).sum().backward()
+            opt.step()
+        return state.step
+
+    assert train(state) == 3 and not state.elastic and state.commits == {}
+
+
+# -- real workers, real kills ----------------------------------------------------------------------------------------
+
+@pytest.mark.multiproc
+# rank 0 (the one that sends its state); another rank's SIGKILL is checked against the oracle by the spare and
+# KeepGlobalBatch tests (kill 1@5), and a hung one's by the heartbeat test below
+@pytest.mark.parametrize("victim", ["0"])
+def test_kill_one_of_three_survivors_continue_and_match_the_oracle(tmp_path, victim):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", f"{victim}@5", "--commit-every", "3")
+    measured = check_recovered(tmp_path, proc, results, victim, 5)
+    assert f"worker {victim}" in proc.stderr and "regroup" in proc.stderr
+    print(f"kill rank {victim}: kill -> first step {measured['kill_to_first_step_s']:.2f}s (under load)")
+
+
+@pytest.mark.multiproc
+def test_a_stopped_worker_is_killed_by_heartbeat_and_the_rest_continue(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--heartbeat-timeout", "2", "--",
+                           "--kill", "2@5", "--stop", "--commit-every", "3")
+    assert "worker 2" in proc.stderr and "no heartbeat" in proc.stderr, proc.stderr[-2000:]
+    measured = check_recovered(tmp_path, proc, results, "2", 5)
+    assert measured["kill_to_first_step_s"] > 2.0  # it waited for the heartbeat timeout, not for gloo's 60 s
+
+
+@pytest.mark.multiproc
+def test_below_min_workers_the_job_ends_with_one_line(tmp_path):
+    start = time.monotonic()
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@3", n=2, timeout=90)
+    assert proc.returncode != 0 and results == {}
+    lines = [ln for ln in proc.stderr.splitlines() if "below --min-workers" in ln]
+    assert len(lines) >= 1 and "checkpoint" in lines[0], proc.stderr[-2000:]
+    assert time.monotonic() - start < 90
+
+
+@pytest.mark.multiproc
+def test_local_sgd_survives_a_crash_and_trains_every_sample_once(tmp_path):
+    # Periodic strategies commit only at sync points, where every replica stands at the same step.
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "2@5", "--strategy", "local-sgd",
+                           "--commit-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "1"] and results["0"]["record"] == results["1"]["record"]
+    assert results["0"]["history"][0]["step"] == 4  # the first sync point (every 2) at least 3 steps in
+    for epoch in (0, 1):
+        ids = [i for e, _, step in results["0"]["record"] for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+
+
+@pytest.mark.multiproc
+def test_losing_the_launcher_ends_every_worker_with_one_line(tmp_path):
+    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", WORKER, "--out", str(tmp_path),
+           "--step-sleep", "0.5", "--epochs", "20"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= 2, timeout=60, what="the workers' training",
+          procs=[launcher])
+    pids = [int(p.rsplit("-", 1)[1].split(".")[0]) for p in glob.glob(str(tmp_path / "start*.json"))]
+    launcher.kill()  # the rendezvous host is gone; its store with it
+    stderr = launcher.communicate(timeout=30)[1]  # returns once every worker closed the inherited pipe
+    assert all(gone(pid) for pid in pids)
+    lines = [ln for ln in stderr.splitlines() if "lost the rendezvous host" in ln]
+    assert len(lines) == 2 and "checkpoint" in lines[0], stderr[-2000:]
+    assert "frame #" not in stderr, stderr[-2000:]  # one line each: no C++ store backtraces buried around it
+
+
+@pytest.mark.multiproc
+def test_trainer_fit_elastic_survives_a_crash_and_shows_the_world_size(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--", "--trainer", "--kill", "1@5", "--commit-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2"]
+    for r in results.values():
+        assert [row["epoch"] for row in r["rows"]] == [1, 2]  # the interrupted epoch is reported once
+        assert [row["world_size"] for row in r["rows"]] == [2, 2]
+        assert [(m["was"], m["world_size"], m["left"], m["step"]) for m in r["membership"]] == [(3, 2, ["1"], 3)]
+    assert results["0"]["params"] == results["2"]["params"]
+
+
+@pytest.mark.multiproc
+def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", "--kill", "1@5", "--commit-every", "3",
+                           "--epochs", "4", "--step-sleep", "0.3", "--slow-while-below", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "r1"] and "started worker r1" in proc.stderr
+    joiner, main = results["r1"], results["0"]
+    first_step, world, state = joiner["digests"][0]
+    assert world == 3 and [h["joined"] for h in joiner["history"]] == [["r1"]]
+    # right after px.init() the replacement already read its place in the group it entered
+    init = json.load(open(tmp_path / "initr1.json"))
+    assert (init["rank"], init["world_size"], init["generation"], init["env"]) == \
+        (2, 3, joiner["history"][0]["generation"], ["2", "3"])
+    at_join = [d for d in main["digests"] if d[0] == first_step and d[1] == 3]
+    assert at_join and at_join[0][2] == state  # bit-identical weights and momentum at its first step
+    assert joiner["record"] == main["record"] and joiner["params"] == main["params"]
+    for epoch in range(4):  # nobody rolled back at the join: still every sample once per epoch
+        ids = [i for e, _, step in main["record"] for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+
+
+@pytest.mark.multiproc
+def test_replacements_that_fail_at_start_are_not_restarted_forever(tmp_path):
+    proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", "--kill", "1@3", "--epochs", "2",
+                           "--fail-replacements", "--step-sleep", "0.5")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the survivors finish the job
+    assert sorted(results) == ["0", "2"]
+    assert proc.stderr.count("started worker r") == 3 and "before it joined (3 in a row)" in proc.stderr
+    assert proc.stderr.count("replacements in a row died before joining; starting no more") == 1, proc.stderr[-3000:]
+
+
+def test_join_refuses_an_endpoint_with_no_job_within_seconds():
+    from support.procs import free_port
+    start = time.monotonic()
+    proc = subprocess.run([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-n", "1", WORKER],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "no job answers" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert time.monotonic() - start < 30
+
+
+def test_join_refuses_a_job_that_is_not_elastic_and_leaves_a_finished_one_at_once(tmp_path):
+    import torch.distributed as dist
+
+    from phalanx.launch.join import probe
+    from phalanx.elastic.membership import key
+    from phalanx.errors import PhalanxError
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with pytest.raises(PhalanxError, match="not elastic"):
+        probe("127.0.0.1", store.port)
+    store.set(key("config"), "{}")
+    assert probe("127.0.0.1", store.port) == "running"
+    store.set(key("done"), "1")
+    proc = subprocess.run([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "-n", "1", WORKER],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "finished training" in proc.stderr

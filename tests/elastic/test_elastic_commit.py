@@ -1,0 +1,107 @@
+"""Elastic commits stay correct when one rank's step is skipped, or when rank 0 dies inside a commit.
+
+Real workers under ``phalanx run --elastic``, real deaths (SIGKILL, an exit inside the
+commit). The survivors' records say which samples the whole group trained on at every
+step, rolled back with the commits; the oracle retrains one process on exactly those
+global batches (``tests/workers/elastic_commit.py``).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from workers import elastic as base
+from workers import elastic_commit as worker
+from workers.elastic import N
+from support.paths import TESTS
+
+WORKER = os.path.join(TESTS, "workers", "elastic_commit.py")
+CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+
+
+def launch(tmp_path, *worker_flags: str, n: int = 3, script: str = WORKER,
+           timeout: float = 150) -> tuple[subprocess.CompletedProcess, dict]:
+    cmd = [*CLI, "run", "-n", str(n), "--elastic", "--min-workers", "2", script, "--out", str(tmp_path),
+           *worker_flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    return proc, results
+
+
+def check_survivors_match_the_oracle(proc, results, lost: str, rolled_back_to: int) -> list:
+    """Exit 0; the survivors agree on every step; every sample once per epoch; the one-process oracle."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    survivors = sorted(set("012") - {lost})
+    assert sorted(results) == survivors, proc.stderr[-3000:]
+    record = results[survivors[0]]["record"]
+    for r in results.values():
+        assert r["record"] == record and r["world_size"] == 2
+        assert [(h["left"], h["step"]) for h in r["history"]] == [([lost], rolled_back_to)]
+    for epoch in (0, 1):
+        ids = [i for row in record if row[0] == epoch for i in row[2]]
+        assert ids == torch.randperm(N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    worlds = [row[1] for row in record]
+    assert worlds == [3] * rolled_back_to + [2] * (len(worlds) - rolled_back_to)
+    for r in results.values():
+        for got, want in zip(r["params"], worker.oracle(record), strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+    return record
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("skipper", ["0", "1"])
+def test_a_step_skipped_by_one_ranks_grad_scaler_keeps_every_rank_on_one_step_count(tmp_path, skipper):
+    # Step 5 is skipped by one worker's GradScaler only; commits every 3 steps (3, 6), worker 2 dies before
+    # step 8: the survivors roll back to the commit of step 6, which every rank took at the same step.
+    proc, results = launch(tmp_path, "--skip", f"{skipper}@5", "--kill", "2@8")
+    record = check_survivors_match_the_oracle(proc, results, "2", rolled_back_to=6)
+    assert [row[3] for row in record].count(True) == 1
+    for r in results.values():  # the framework's step counts the skipped step too, on every rank
+        assert all(step == taken for step, taken in r["steps_at"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("at", [3, 6])
+def test_rank_0_killed_inside_a_commit_the_others_roll_back_and_go_on(tmp_path, at):
+    # Worker 0 (rank 0, who used to decide admissions alone) exits while it captures the commit of step `at`.
+    # The others finished that commit, so it is the newest one they all hold.
+    proc, results = launch(tmp_path, "--die-in-commit", f"0@{at}")
+    check_survivors_match_the_oracle(proc, results, "0", rolled_back_to=at)
+    assert "DistStoreError" not in proc.stderr
+
+
+LOOP = os.path.join(TESTS, "workers", "elastic_loop.py")
+
+
+def test_the_module_level_loop_runs_plainly_outside_phalanx_run(tmp_path):
+    subprocess.run([sys.executable, LOOP, "--out", str(tmp_path)], check=True, timeout=120)
+    result = json.load(open(tmp_path / "worker0.json"))
+    assert [row[1] for row in result["record"]] == [1] * 32 and result["history"] == []
+    for got, want in zip(result["params"], base.oracle(result["record"]), strict=True):
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_a_module_level_loop_survives_a_kill_and_matches_the_oracle(tmp_path):
+    # `for epoch in state.epochs(n): with state:` and no training function; worker 1 dies before step 5,
+    # the survivors roll back to the commit of step 3 and go on from there, mid-epoch.
+    proc, results = launch(tmp_path, "--kill", "1@5", script=LOOP)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2"]
+    record = results["0"]["record"]
+    for r in results.values():
+        assert r["record"] == record and r["world_size"] == 2
+        assert [(h["left"], h["step"]) for h in r["history"]] == [(["1"], 3)]
+    for epoch in (0, 1):
+        ids = [i for row in record if row[0] == epoch for i in row[2]]
+        assert ids == torch.randperm(N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    assert [row[1] for row in record] == [3] * 3 + [2] * (len(record) - 3)
+    for r in results.values():
+        for got, want in zip(r["params"], base.oracle(record), strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)

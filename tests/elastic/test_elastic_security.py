@@ -1,0 +1,218 @@
+"""Who can reach and enter an elastic job (issue 20, items 1, 2, 6, 7, 17): real launchers, real joiners.
+
+The store an elastic job coordinates through listens where ``--master-addr`` says
+(loopback by default); a joiner must present the job's secret; a joiner admitted but
+never arriving is dropped within the heartbeat timeout; a joiner arriving after the
+end leaves at once with no thread left behind.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from support.paths import TESTS
+from support.wait import until
+
+WORKER = os.path.join(TESTS, "workers", "elastic.py")
+DOOR = os.path.join(TESTS, "workers", "elastic_door.py")  # trains until OUT/stop exists
+CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+
+pytestmark = pytest.mark.multiproc
+
+
+def listening(port: int) -> list[str]:
+    """The local addresses of every listening TCP socket (IPv4 and IPv6) on ``port``, as hex from /proc."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, hexport = local.partition(":")
+            if state == "0A" and int(hexport, 16) == port:
+                found.append(addr)
+    return found
+
+
+def start_job(tmp_path, *flags: str, n: int = 2, args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int]:
+    """A long elastic job; returns the launcher and its store's port (read from its first line)."""
+    cmd = [*CLI, "run", "-n", str(n), "--elastic", *flags, WORKER, "--out", str(tmp_path), *args]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    line = launcher.stderr.readline()
+    match = re.search(r"its store is at (\S+):(\d+)", line)
+    assert match, line
+    # until the workers train: the launcher handles SIGTERM from then on
+    until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= n, timeout=90, what="the workers' training",
+          procs=[launcher], detail=lambda: launcher.communicate()[1][-2000:])
+    return launcher, int(match.group(2))
+
+
+def stop(launcher: subprocess.Popen) -> str:
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGTERM)
+    return launcher.communicate(timeout=60)[1]
+
+
+def test_the_elastic_store_listens_on_loopback_only_by_default(tmp_path):
+    launcher, port = start_job(tmp_path, "--min-workers", "1", args=("--step-sleep", "0.5", "--epochs", "20"))
+    try:
+        addrs = listening(port)
+        assert addrs, "nothing listens on the port the launcher printed"
+        loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+        assert set(addrs) <= loopback, addrs
+    finally:
+        stop(launcher)
+
+
+def results_of(tmp_path) -> dict:
+    return {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+
+
+def assert_untouched(tmp_path, launcher: subprocess.Popen, stderr: str, workers: tuple[str, ...] = ("0", "1")) -> None:
+    """The job ended as if nobody had tried to enter: its own workers, its own world size, the oracle's weights."""
+    from support.elastic_job import oracle
+    assert launcher.returncode == 0, stderr[-3000:]
+    results = results_of(tmp_path)
+    assert sorted(results) == sorted(workers), stderr[-3000:]
+    record = results["0"]["record"]
+    assert {w for _, w, _ in record} == {len(workers)} and all(r["record"] == record for r in results.values())
+    for r in results.values():
+        for got, want in zip(r["params"], oracle(record), strict=True):
+            torch_close(got, want)
+
+
+def torch_close(got, want) -> None:
+    import torch
+    torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+SECRET = "0123456789abcdef" * 4  # the tests' job secret (the launcher takes PHALANX_SECRET when it is set)
+
+
+def start_door(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
+    """``workers/elastic_door.py`` on 2 workers, training until :func:`end_door`; returns the launcher and port."""
+    env = {**os.environ, "PHALANX_SECRET": SECRET, **(env or {})}
+    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", *flags, DOOR, "--out", str(tmp_path)]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    port = int(re.search(r"its store is at \S+:(\d+)", launcher.stderr.readline()).group(1))
+    until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= 2, timeout=90, what="the workers' training",
+          procs=[launcher], detail=lambda: launcher.communicate()[1][-2000:])
+    return launcher, port
+
+
+def end_door(tmp_path, launcher: subprocess.Popen) -> str:
+    """Tell the job to stop (every worker at the same step) and return the launcher's stderr."""
+    open(tmp_path / "stop", "w").close()
+    return launcher.communicate(timeout=120)[1]
+
+
+def ghost(port: int, name: str, secret: str | None):  # -> its store connection
+    """What an intruder (or a joiner that dies at once) leaves: its name in the store's joiners list, no process."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phalanx.elastic import secret as job_secret
+    from phalanx.elastic.membership import key
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    if secret is not None:
+        config = json.loads(store.get(key("config")))
+        store.set(key("proof", name), job_secret.proof(secret, config["nonce"], name))
+    while True:
+        old = store.get(key("joiners")).decode() if store.check([key("joiners")]) else ""
+        new = json.dumps(sorted(set(json.loads(old or "[]")) | {name}))
+        if store.compare_set(key("joiners"), old, new).decode() == new:
+            return store
+
+
+def test_refused_joins_and_joiners_that_never_arrive_leave_the_job_untouched(tmp_path):
+    """One job, knocked on five ways while it trains with room for one more worker.
+
+    A join without the secret and one with another secret are refused in one line each; a
+    name written raw into the joiners list proves nothing and is never admitted; a name that
+    proves the secret but has no process behind it is admitted at the next commit and dropped
+    after the heartbeat timeout (3 s, not gloo's 60 s); and nanoGPT's joiner, placed in
+    px.init() but never entering the training function, is alive (its heartbeat runs), so the
+    members wait for it as for a joiner still setting up, the job's timeout (15 s here), then
+    drop it. The job ends as if nobody had knocked.
+    """
+    launcher, port = start_door(tmp_path, "--heartbeat-timeout", "3", "--max-workers", "3",  # room for one
+                                env={"PHALANX_TIMEOUT": "15"})
+    join = [*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", DOOR, "--out", str(tmp_path)]
+    bare = {k: v for k, v in os.environ.items() if k != "PHALANX_SECRET"}
+    without = subprocess.run(join, capture_output=True, text=True, timeout=60, env=bare)
+    wrong = subprocess.run(join, capture_output=True, text=True, timeout=60, env={**bare, "PHALANX_SECRET": "x" * 64})
+    ghost(port, "stray", None)
+    store = ghost(port, "ghost", SECRET)
+    from phalanx.elastic.membership import key
+
+    def dropped(wid: str) -> None:  # wait until the members gave up on ``wid`` (and the job still runs)
+        until(lambda: store.check([key("dead", wid)]), timeout=90, what=f"{wid} marked dead", procs=[launcher])
+
+    dropped("ghost")
+    idle = subprocess.Popen([*join, "--idle-joiner"], env={**os.environ, "PHALANX_SECRET": SECRET},
+                            stderr=subprocess.PIPE, text=True)
+    until(lambda: glob.glob(str(tmp_path / "idle*")), timeout=90, what="the idle joiner's place",
+          procs=[idle, launcher])
+    [placed] = glob.glob(str(tmp_path / "idle*"))
+    assert json.load(open(placed)) == {"rank": 2, "world_size": 3}  # its place, read right after px.init()
+    dropped(os.path.basename(placed)[len("idle"):])
+    time.sleep(1.0)  # sleep: the members go on training after it; a stray admission would show in this second
+    assert not store.check([key("dead", "stray")])  # never admitted, so never dropped either
+    stderr = end_door(tmp_path, launcher)
+    assert idle.wait(timeout=60) == 0, idle.stderr.read()[-2000:]
+    assert without.returncode == 2 and "secret" in without.stderr and len(without.stderr.splitlines()) == 1, \
+        without.stderr[-2000:]
+    assert wrong.returncode == 1 and "secret" in wrong.stderr and len(wrong.stderr.splitlines()) == 1, \
+        wrong.stderr[-2000:]
+    assert_untouched(tmp_path, launcher, stderr)
+    assert "ghost" in stderr and stderr.count("dropped") == 2, stderr[-3000:]
+    assert "stray" not in stderr, stderr[-3000:]
+
+
+def test_a_joiner_arriving_after_the_end_exits_0_at_once_with_no_thread_left(tmp_path):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phalanx.elastic import secret as job_secret
+    from phalanx.elastic.membership import key
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    nonce = job_secret.nonce()
+    store.set(key("config"), json.dumps({"min_workers": 1, "max_workers": 3, "heartbeat_s": 5.0, "workers": 2,
+                                         "spares": [], "nonce": nonce, "check": job_secret.verifier(SECRET, nonce)}))
+    store.set(key("gen", 0, "members"), json.dumps(["0", "1"]))
+    store.set(key("done"), "1")  # training ended; the launcher is still up while its workers exit
+    env = {**os.environ, "PHALANX_ELASTIC_ID": "r1", "PHALANX_ELASTIC_JOIN": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port), "PHALANX_SECRET": SECRET}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    threads = tmp_path / "threads.json"
+    proc = subprocess.run([sys.executable, "-u", DOOR, "--out", str(tmp_path), "--threads-at-exit", str(threads)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(threads.read_text()) == []  # the heartbeat thread was stopped and joined before exit
+
+
+@pytest.mark.parametrize("save", [True, False], ids=["saved", "never-saved"])
+def test_when_every_worker_is_gone_the_launcher_says_the_job_ended_and_where_to_resume(tmp_path, save):
+    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", DOOR, "--out", str(tmp_path), "--fail-at", "5",
+           *(["--save"] if save else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("phalanx: elastic:")]
+    assert "it was the last worker" in lines[-2], lines
+    assert "the job ended" in lines[-1] and "exited with status 3" in lines[-1], lines
+    where = str(tmp_path / "ckpt.pt") if save else "no disk checkpoint was saved"
+    assert where in lines[-1], lines
+
+

@@ -1,0 +1,111 @@
+"""Elastic training with sharded state: ``phalanx run --elastic`` with ``shard=px.FullyShard(group_size=2)``.
+
+4 workers = 2 replica groups x 2 shards (HSDP) train ``tests/workers/elastic.py``; the worker
+started as rank 1 (shard 1 of group 0) is killed with SIGKILL. The 3 survivors rebuild the
+group, take the lost shard from the surviving replica group and re-shard the model and the
+optimizer onto themselves (1 x 3: 2 does not divide 3); the replacement that ``--replace``
+starts then joins and receives its shards (2 x 2 again). With one replica group (1 x 2) the
+lost shard exists nowhere in memory: the survivor reloads the checkpoint every commit wrote.
+Each result equals one process trained on the same global batches (the oracle of
+tests/elastic/test_elastic.py). A joiner receives only the rows of its own shards (about 1/S of the
+model and optimizer state), point to point; and on 2 live processes without the launcher,
+``phalanx.sharding.reshard.reshard`` moves exactly the rows each worker lacks (1 x 2 -> 2 x 1 -> 1 x 2).
+"""
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+
+from support.procs import run_workers
+from support.elastic_job import launch
+from workers import elastic as worker
+from workers import sharded_reshard
+
+
+@pytest.fixture(autouse=True)
+def _spawned_workers(monkeypatch):
+    """Workers start as fresh interpreters here (a forked replacement, PHALANX_START_METHOD=forkserver, is ready
+    sooner; --replacement-after-regroup orders the loss's regroup before the join in any case)."""
+    monkeypatch.setenv("PHALANX_START_METHOD", "spawn")
+
+
+@pytest.fixture(scope="module")
+def hsdp_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
+    tmp_path = tmp_path_factory.mktemp("hsdp")
+    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
+                           "--commit-every", "3", "--epochs", "4", "--slow-while-below", "4",
+                           "--replacement-after-regroup", n=4, timeout=300)
+    return tmp_path, proc, results
+
+
+@pytest.mark.multiproc
+def test_hsdp_2x2_loses_a_worker_goes_on_as_1x3_then_a_replacement_joins_as_2x2_equal_to_the_oracle(
+        hsdp_2x2_loses_a_worker_then_a_replacement_joins):
+    tmp_path, proc, results = hsdp_2x2_loses_a_worker_then_a_replacement_joins
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "3", "r1"]
+    assert "3 workers re-shard as 1 x 3" in proc.stderr
+    for wid in ("0", "2", "3"):  # the same processes went on
+        assert len(glob.glob(str(tmp_path / f"start{wid}-*.json"))) == 1
+        assert [(h["left"], h["joined"]) for h in results[wid]["history"]] == [(["1"], []), ([], ["r1"])]
+    record = results["0"]["record"]
+    assert all(r["record"] == record and r["world_size"] == 4 for r in results.values())
+    worlds = [w for _, w, _ in record]
+    joined = worlds.index(4, 3)
+    assert worlds[:4] == [4, 4, 4, 3] and set(worlds[3:joined]) == {3} and set(worlds[joined:]) == {4}
+    for epoch in range(4):  # every sample once per epoch: rolled back at the loss, nothing redone at the join
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    for r in results.values():  # the oracle: one process on the same global batches
+        for got, want in zip(r["params"], worker.oracle(record), strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_a_joiner_receives_its_shards_not_the_whole_state(hsdp_2x2_loses_a_worker_then_a_replacement_joins):
+    _, proc, results = hsdp_2x2_loses_a_worker_then_a_replacement_joins
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the whole state: every parameter and its SGD momentum buffer, fp32
+    whole = 2 * 4 * sum(p.numel() for p in worker.model().parameters())
+    [entry] = results["r1"]["history"]  # the replacement's entry: 1 x 3 -> 2 x 2, it holds shard 0 or 1 of 2
+    assert entry["joined"] == ["r1"] and entry["state_bytes"] == whole
+    # its rows of each tensor (torch.chunk over 2: the 1-row output layer goes whole to shard 0), nothing else
+    assert 0 < entry["received_bytes"] <= 0.6 * whole, (entry["received_bytes"], whole)
+    for r in results.values():  # nobody receives more than a shard's rows in any regroup; rows held stay put
+        for h in r["history"]:
+            assert h["received_bytes"] <= 0.6 * whole, (r["id"], h)
+
+
+@pytest.mark.multiproc
+def test_fsdp_of_one_replica_group_loses_a_worker_and_the_survivor_reloads_the_checkpoint(tmp_path):
+    # R = 1: the lost worker's shard exists nowhere in memory; every commit also wrote a DCP checkpoint
+    proc, results = launch(tmp_path, "--min-workers", "1", "--", "--shard", "2", "--kill", "1@5", "--commit-every",
+                           "3", "--epochs", "1", "--checkpoint", str(tmp_path / "ckpt"), n=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "shard 1 of 2 of the commit died with its only holder; the model and optimizer of step 3 come from" \
+        in proc.stderr
+    assert sorted(results) == ["0"] and [h["left"] for h in results["0"]["history"]] == [["1"]]
+    record = results["0"]["record"]
+    worlds = [w for _, w, _ in record]
+    assert worlds == [2] * 3 + [1] * (len(worlds) - 3)
+    for got, want in zip(results["0"]["params"], worker.oracle(record), strict=True):
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_reshard_moves_only_the_rows_a_worker_lacks_and_training_goes_on_equal_to_one_process():
+    # tests/workers/sharded_reshard.py: 1 x 2 -> 2 x 1 -> 1 x 2 on 2 live processes, tied weights, uneven shards
+    runs = run_workers("workers.sharded_reshard:relayout", world_size=2, timeout=120).results
+    whole = runs[0]["to1"]["state_bytes"]  # the parameters and both Adam moments, fp32
+    assert whole == 3 * 4 * sum(p.numel() for p in sharded_reshard.Odd().parameters())
+    for out in runs:
+        for size in (1, 2):
+            assert out[f"to{size}"]["diff"] == 0 and out[f"to{size}"]["shard_size"] == size
+            assert out[f"to{size}"]["tied"]
+        assert out["to2"]["received_bytes"] == 0  # each rank held every row already: nothing is sent
+        assert out["diff"] < 1e-5  # one more step on the new layout: equal to one process's 3 steps
+    # to 2 x 1 each rank receives exactly the rows of the other shard: together, the whole state once
+    assert all(0 < out["to1"]["received_bytes"] < whole for out in runs)
+    assert sum(out["to1"]["received_bytes"] for out in runs) == whole

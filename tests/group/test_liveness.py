@@ -1,0 +1,96 @@
+"""Liveness and failure reporting: heartbeats in the store, and who gets blamed when a worker dies.
+
+Unit tests use a real TCPStore in this process and real heartbeat threads; the
+multi-process tests start real workers (gloo) with no launcher, as torchrun or a
+multi-host job would, and kill one with SIGKILL.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from phalanx.group.liveness import Heartbeat, Liveness, Watch, alive_ranks, describe, record_exit, survey
+from support.procs import free_port, run_workers
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30))
+
+
+# -- unit: one process, real store, real threads ----------------------------------------------------------------
+
+def test_a_beating_rank_is_alive_a_silent_one_stopped_and_a_note_says_how_one_exited(store):
+    beats = [Heartbeat(store, rank, every_s=0.05).start() for rank in (0, 1)]
+    beats[1].stop()  # rank 1 goes silent: it has beaten once, then stands still
+    record_exit(store, 2, "ValueError: boom\nsecond line dropped")
+    seen = survey(store, world_size=4, stale_after_s=0.5)
+    beats[0].stop()
+    assert seen == Liveness(alive=[0], exited={2: "ValueError: boom"}, stopped=[1, 3])
+    assert seen.lost == [1, 2, 3]
+
+
+def test_a_rank_blocked_in_a_long_store_wait_keeps_beating(store):
+    # The heartbeat has its own connection: the main thread's blocking wait must not delay it.
+    beat = Heartbeat(store, 0, every_s=0.05).start()
+    reader = store.clone()  # another process's view
+
+    def wait_in_vain() -> None:
+        with pytest.raises(dist.DistStoreError):
+            store.wait(["never-set"], timedelta(seconds=1.5))
+
+    waiter = threading.Thread(target=wait_in_vain, daemon=True)
+    waiter.start()
+    try:
+        assert alive_ranks(reader, world_size=1, stale_after_s=1.0) == [0]
+    finally:
+        waiter.join()
+        beat.stop()
+
+
+def test_watch_counts_staleness_from_its_own_clock(store):
+    beat = Heartbeat(store, 0, every_s=0.05).start()
+    watch = Watch(store, world_size=2, stale_after_s=0.3)
+    watch.poll()
+    time.sleep(0.5)  # sleep: the Watch's own monotonic clock must pass stale_after_s (what is under test)
+    watch.poll()
+    beat.stop()
+    assert watch.advanced() == [0] and watch.stale() == [1]
+
+
+def test_diagnosis_names_only_ranks_that_are_gone_or_says_it_cannot_tell():
+    assert describe(Liveness(alive=[0, 1, 2]), me=0).startswith("a peer, although every rank is still running")
+    assert describe(Liveness(alive=[0], exited={1: "ok"}), me=0).startswith(
+        "rank(s) 1 (rank 1 exited normally before this collective")
+    assert "cannot tell which rank is gone" in describe(None, me=1)
+
+
+# -- direct launch (no launcher): kill -9 one rank, never blame a live one ---------------------------------------
+
+def blamed(message: str) -> set[int]:
+    """The ranks a WorkerLostError message names as lost."""
+    found = re.search(r"lost contact with rank\(s\) ([\d, ]+)", message)
+    assert found, message
+    return {int(r) for r in found.group(1).split(",")}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world_size, victim, slow", [(3, 1, 2), (3, 2, 0), (4, 2, 3), (4, 1, 0)])
+def test_killing_one_rank_blames_it_and_never_a_live_rank(world_size, victim, slow):
+    # `slow` is busy (not in a collective) for 4 s when the victim dies: longer than the 3 s
+    # check-in window the old diagnosis used, which then blamed it.
+    run = run_workers("workers.liveness:kill_one", world_size=world_size, check=False, timeout=90,
+                      env={"PHALANX_TIMEOUT": "20"}, victim=victim, slow=slow)
+    assert run.returncodes[victim] == -9
+    for rank in set(range(world_size)) - {victim}:
+        assert run.returncodes[rank] == 0, run.log(rank)
+        message = run.results[rank]["message"]
+        assert message is not None and blamed(message) == {victim}, message
+        assert "heartbeat stopped" in message, message
+        assert run.results[rank]["lost_ranks"] == [victim]  # the error carries them: no one parses the message
