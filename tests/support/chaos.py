@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.elastic_job import gone
+from support.paths import TESTS
+
 JOB = os.path.join(TESTS, "workers", "chaos_job.py")
 # The launcher, with its stacks on SIGUSR2 (into its log) like the workers'
 LAUNCHER = [sys.executable, "-c", "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR2, "
@@ -67,11 +69,13 @@ class Proc:
 
 def alive(pid: int) -> bool:
     """Running: not gone, and not a zombie its parent has not reaped yet."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
+    return not gone(pid)
+
+
+def pause(seconds: float) -> None:
+    """The harness's one poll: the job's markers (event lines, files, store keys) come with no notification,
+    and the random kills' cadence is what the soak is about; every loop that calls this is bounded."""
+    time.sleep(seconds)  # sleep: the poll of the job's markers, and the random kills' cadence (see the docstring)
 
 
 class Events:
@@ -257,7 +261,7 @@ class Soak:
             except Exception:  # noqa: BLE001 - not listening yet
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise
-                time.sleep(0.1)
+                pause(0.1)
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -292,7 +296,7 @@ class Soak:
             later = [t for t in self.events.steps if t > after]
             if later:
                 return later[0]
-            time.sleep(0.01)
+            pause(0.01)
         return None
 
     # -- killing ----------------------------------------------------------------------------------
@@ -332,7 +336,7 @@ class Soak:
                 deadline = time.monotonic() + wait
                 while time.monotonic() < deadline and self.running():
                     self.release_all_held(self.tick())
-                    time.sleep(0.02)
+                    pause(0.02)
             while self.running():
                 new = self.tick()
                 self.release_all_held(new)
@@ -343,18 +347,18 @@ class Soak:
                                and (ce < 3 or e["step"] % ce not in (0, ce - 1))]
                     choices = [p for p in stepped if p in choices and p.phase() == "step"][-1:]
                     if not choices:
-                        time.sleep(0.005)
+                        pause(0.005)
                         continue
                 if choices:
                     self.kill(self.rng.choice(choices), aimed)
                     return True
-                time.sleep(0.05)
+                pause(0.05)
             return False
         if aimed not in ("regroup", "join"):  # these follow the previous kill: aim at once; the others pace first
             deadline = time.monotonic() + 0.5 * self.period_s
             while time.monotonic() < deadline and self.running():
                 self.release_all_held(self.tick())
-                time.sleep(0.02)
+                pause(0.02)
         deadline = time.monotonic() + self.aim_s
         joins = sum(k["aimed"] == "join" for k in self.kills)
         if aimed not in self.holds:  # a process inside that phase already (a regroup or join under way) will do
@@ -390,7 +394,7 @@ class Soak:
             if target is not None:
                 self.kill(target, aimed)
                 return True
-            time.sleep(0.005)
+            pause(0.005)
         return False
 
     def writing(self, since: float) -> bool:
@@ -417,7 +421,7 @@ class Soak:
             self.events.poll()
             if p.phase() != "ckpt":
                 return None
-            time.sleep(0.001)
+            pause(0.001)
         return None
 
     # -- a whole run ------------------------------------------------------------------------------
@@ -442,7 +446,7 @@ class Soak:
                 self.release_all_held(self.tick())
                 if time.monotonic() > deadline:
                     raise Wedged(f"not finished {self.finish_s:.0f}s after the stop")
-                time.sleep(0.05)
+                pause(0.05)
         except Wedged as why:
             outcome = f"wedged: {why}"
             self.wedged_at = time.time()
@@ -481,7 +485,7 @@ class Soak:
                     stacks[os.path.basename(path)] = open(path).read()
             if all(stacks.values()) and len(stacks) == len(pids):
                 break
-            time.sleep(0.1)
+            pause(0.1)
         return stacks
 
     # -- the verdict ------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ class Events:
         self("held", phase=phase, n=self.held)
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(mark) and time.monotonic() < deadline:
-            time.sleep(0.002)
+            time.sleep(0.002)  # sleep: a held worker polls for the harness's marker file (bounded above)
 
 
 def phase(events: Events, name: str, fn, **fields):  # noqa: ANN001, ANN201 - wraps a State method
