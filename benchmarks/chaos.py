@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--period", type=float, default=15.0, help="T: seconds between kills on average (default 15)")
     p.add_argument("--kills", type=int, default=40, help="K: kills in all (default 40)")
     p.add_argument("--aim", type=int, default=3, help="kills aimed at each phase (default 3)")
-    p.add_argument("--plan", default=None, help="comma-separated phases to aim every kill at, in turn (random, step, "
-                                                "commit, ckpt, regroup, join); default: --aim of each, the rest random")
+    p.add_argument("--plan", default=None,
+                   help="comma-separated phases to aim every kill at, in turn (random, step, commit, ckpt, regroup, "
+                        "regroup-arrived, join); default: --aim of each, the rest random")
     p.add_argument("--spares", type=int, default=0, help="--spares K on the launcher")
     p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S), on 4 workers")
     p.add_argument("--diloco", action="store_true", help="px.DiLoCo(every=--diloco-every)")

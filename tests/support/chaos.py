@@ -8,9 +8,10 @@ package); the benchmark puts ``tests/`` on its path, as ``benchmarks/elastic.py`
 ``tests/workers/elastic.py``. The product (``src/phalanx``) imports neither.
 
 What it watches is what the job writes: its event lines (``DIR/events/*.jsonl``, see
-``workers/chaos_job.py``) and the launcher's store (``elastic/gen``, ``elastic/gen/<g>/members``),
-never a timer. A kill is either *random* (a live worker chosen at random, on average every
-``period_s``) or *aimed* at a phase: the harness waits for a worker's ``<phase>+`` event and
+``workers/chaos_job.py``), phalanx's checkpoint temporaries and the launcher's store (``elastic/gen``,
+``elastic/gen/<g>/members``). A kill is either *random* (a live worker chosen at random, on average
+every ``period_s``: the one clock here, and the soak's point) or *aimed* at a phase, placed by those
+markers and never by a timer: the harness waits for a worker's ``<phase>+`` event and
 kills at once (or, for the phases the job holds with ``--hold``, kills the held worker, which is
 then inside that phase for certain). Where a kill landed is read afterwards from the victim's own
 event file: the innermost phase it had opened and not closed when it died. It never kills the last
@@ -251,17 +252,15 @@ class Soak:
         self.started = time.time()
         self.sampler = Sampler(self.proc.pid, self.sample_s)
         self.sampler.start()
+        # the launcher says where its store listens once it does (its first line): connect then, read-only
         deadline = time.monotonic() + 120
-        while True:  # the launcher's store, read-only from here: who the members are
-            try:
-                self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10),
-                                           wait_for_workers=False)
-                self.store.get("elastic/config")
-                break
-            except Exception:  # noqa: BLE001 - not listening yet
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise
-                pause(0.1)
+        log = os.path.join(self.out, "launcher.log")
+        while "its store is at" not in open(log, errors="replace").read():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise Wedged(f"the launcher never said where its store is (status {self.proc.poll()})")
+            pause(0.05)
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30),
+                                   wait_for_workers=False)
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -330,6 +329,8 @@ class Soak:
 
     def kill_one(self, aimed: str) -> bool:
         """Carry out one kill of the plan; False if the job ended first."""
+        arrived = aimed == "regroup-arrived"  # a survivor killed once it arrived at the next generation
+        aimed = "regroup" if arrived else aimed
         if aimed in ("random", "step"):
             if aimed == "random":
                 wait = self.rng.uniform(0.5, 1.5) * self.period_s
@@ -361,7 +362,8 @@ class Soak:
                 pause(0.02)
         deadline = time.monotonic() + self.aim_s
         joins = sum(k["aimed"] == "join" for k in self.kills)
-        if aimed not in self.holds:  # a process inside that phase already (a regroup or join under way) will do
+        # a process inside that phase already (a regroup or join under way) will do
+        if aimed not in self.holds and not arrived:
             inside = [p for p in self.events.procs.values() if p.killed_at is None and alive(p.pid)
                       and p.phase() == aimed and (not p.worker or p in self.victims())]
             if aimed == "join":  # alternately the joiner itself and a member admitting it
@@ -389,13 +391,29 @@ class Soak:
                     target = p
                     break
             self.release_all_held(new, keep=target.pid if target and aimed in self.holds else None)
+            if target is not None and arrived:
+                target = self.after_arrival(target)
             if target is not None and aimed == "ckpt" and aimed not in self.holds:
                 target = self.inside_write(target)  # past the save's entry: its files are being written
             if target is not None:
-                self.kill(target, aimed)
+                self.kill(target, "regroup-arrived" if arrived else aimed)
                 return True
             pause(0.005)
         return False
+
+    def after_arrival(self, p: Proc) -> Proc | None:
+        """Wait until survivor ``p`` arrived at the next generation (its ``elastic/gen/<g>/arrive/<id>`` key is in
+        the launcher's store); None if it left the regroup first. Its death then lands inside the group's
+        formation: the others count on it."""
+        gen = max((e.get("gen") or 0 for e in self.events.all if e["pid"] == p.pid and e["ev"] == "step"), default=0)
+        while self.running() and alive(p.pid):
+            if self.store.check([f"elastic/gen/{gen + 1}/arrive/{p.id}"]):
+                return p
+            self.events.poll()
+            if p.phase() != "regroup":
+                return None
+            pause(0.001)
+        return None
 
     def writing(self, since: float) -> bool:
         """A checkpoint write is under way: files written since ``since`` in its temporary directory
@@ -516,7 +534,8 @@ class Soak:
         result: dict[str, Any] = {"outcome": outcome, "exit": code, "kills": len(self.kills),
                                   "planned": len(self.plan), "seconds": round(time.time() - self.started, 1)}
         result["landed"] = {ph: sum(k["landed"] == ph for k in self.kills) for ph in ("step", *PHASES)}
-        result["aimed"] = {ph: sum(k["aimed"] == ph for k in self.kills) for ph in ("random", "step", *PHASES)}
+        result["aimed"] = {ph: sum(k["aimed"] == ph for k in self.kills)
+                           for ph in ("random", "step", *PHASES, "regroup-arrived")}
         gaps = [k["to_next_step_s"] for k in self.kills if k["to_next_step_s"] is not None]
         steps = sorted(self.events.steps)
         result["longest_no_step_after_kill_s"] = max(gaps, default=None)
