@@ -3,8 +3,8 @@
 ``phalanx run -n 3 --elastic --min-workers 1 --replace`` on a tiny GPT (AdamW, commits every 3
 steps, a ``px.save_checkpoint`` every 2 commits). The kills are placed by events the job writes
 and the launcher's store, never by timers (``tests/support/chaos.py``): one right after a step,
-one inside the survivors' regroup (once the victim's arrival at the next generation is in the store: the
-others form the group counting on it), one inside a join (the replacement as it is placed), one
+one inside the survivors' regroup (once the store's member list of the next generation holds the
+victim: the others form the group counting on it), one inside a join (the replacement as it is placed), one
 inside an in-memory commit and one inside a checkpoint save, as the victim enters
 ``px.save_checkpoint`` with its peers already inside it (those two phases are held by every worker
 until the harness kills the victim or lets it go, so the kill lands inside them every time). The

@@ -402,12 +402,13 @@ class Soak:
         return False
 
     def after_arrival(self, p: Proc) -> Proc | None:
-        """Wait until survivor ``p`` arrived at the next generation (its ``elastic/gen/<g>/arrive/<id>`` key is in
-        the launcher's store); None if it left the regroup first. Its death then lands inside the group's
-        formation: the others count on it."""
+        """Wait until survivor ``p`` is a member of the next generation (the quorum closed with it: its id is in
+        ``elastic/gen/<g>/members`` in the launcher's store); None if it left the regroup first. Its death then
+        lands inside the group's formation: the others count on it."""
         gen = max((e.get("gen") or 0 for e in self.events.all if e["pid"] == p.pid and e["ev"] == "step"), default=0)
+        closed = f"elastic/gen/{gen + 1}/members"
         while self.running() and alive(p.pid):
-            if self.store.check([f"elastic/gen/{gen + 1}/arrive/{p.id}"]):
+            if self.store.check([closed]) and p.id in json.loads(self.store.get(closed)):
                 return p
             self.events.poll()
             if p.phase() != "regroup":
