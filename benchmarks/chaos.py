@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     job += ["--hold", a.hold] if a.hold else []
     plan = make_plan(a.kills, a.aim, random.Random(a.seed), a.plan.split(",") if a.plan else None)
     soak = chaos.Soak(a.out, run_flags, job, plan, period_s=a.period, stall_s=a.stall, seed=a.seed,
-                      commit_every=commit_every)
+                      commit_every=commit_every,
+                      save_every=0 if a.state_checkpoint else commit_every * a.ckpt_every)
     report = soak.run()
     report["targets"] = verdict(report, a.period)
     report["command"] = " ".join(["python", "benchmarks/chaos.py", *(argv if argv is not None else sys.argv[1:])])

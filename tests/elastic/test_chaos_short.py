@@ -2,10 +2,10 @@
 
 ``phalanx run -n 3 --elastic --min-workers 1 --replace`` on a tiny GPT (AdamW, commits every 3
 steps, a ``px.save_checkpoint`` every 2 commits). The kills are placed by events the job writes
-and the launcher's store, never by timers (``tests/support/chaos.py``): one right after a step,
-one inside the survivors' regroup (once the store's member list of the next generation holds the
-victim: the others form the group counting on it), one inside a join (the replacement as it is placed), one
-inside an in-memory commit and one inside a checkpoint save, as the victim enters
+and the launcher's store, never by timers (``tests/support/chaos.py``): one inside an in-memory
+commit, one inside the survivors' regroup (once the store's member list of the next generation holds
+the victim: the others form the group counting on it), one inside another commit, one inside a join
+(the replacement as it is placed) and one inside a checkpoint save, as the victim enters
 ``px.save_checkpoint`` with its peers already inside it (those two phases are held by every worker
 until the harness kills the victim or lets it go, so the kill lands inside them every time). The
 long soak is ``benchmarks/chaos.py``.
@@ -17,14 +17,18 @@ import json
 from support import chaos
 
 HEARTBEAT_S = 5
-PLAN = ["step", "regroup-arrived", "join", "commit", "ckpt"]
+# the commit before the join: a joiner killed at once would void the regroup's generation before it forms
+PLAN = ["commit", "regroup-arrived", "commit", "join", "ckpt"]
+COMMIT_EVERY, SAVE_EVERY = 3, 2  # a disk save every 2 commits
 
 
 def test_five_placed_kills_lose_nothing(tmp_path) -> None:
     soak = chaos.Soak(str(tmp_path), ["-n", "3", "--elastic", "--min-workers", "1", "--replace",
                                       "--heartbeat-timeout", str(HEARTBEAT_S)],
-                      ["--size", "tiny", "--commit-every", "3", "--ckpt-every", "2", "--hold", "commit,ckpt"],
-                      PLAN, period_s=2.0, commit_every=3, aim_s=6 * HEARTBEAT_S,
+                      ["--size", "tiny", "--commit-every", str(COMMIT_EVERY), "--ckpt-every", str(SAVE_EVERY),
+                       "--hold", "commit,ckpt"],
+                      PLAN, period_s=2.0, commit_every=COMMIT_EVERY, save_every=COMMIT_EVERY * SAVE_EVERY,
+                      aim_s=6 * HEARTBEAT_S,
                       # a stall longer than a regroup's own bound (the quorum waits heartbeat + 10 s) is a wedge
                       stall_s=3 * HEARTBEAT_S + 10, finish_s=6 * HEARTBEAT_S)
     report = soak.run()

@@ -220,13 +220,17 @@ class Soak:
 
     def __init__(self, out: str, run_flags: list[str], job_flags: list[str], plan: list[str], *,
                  period_s: float = 15.0, stall_s: float = 60.0, seed: int = 0, aim_s: float | None = None,
-                 finish_s: float = 300.0, sample_s: float = 1.0, commit_every: int = 0, log: Any = None) -> None:
+                 finish_s: float = 300.0, sample_s: float = 1.0, commit_every: int = 0, save_every: int = 0,
+                 log: Any = None) -> None:
         self.out, self.run_flags, self.job_flags, self.plan = out, run_flags, job_flags, plan
         self.period_s, self.stall_s, self.finish_s, self.sample_s = period_s, stall_s, finish_s, sample_s
         self.aim_s = aim_s if aim_s is not None else 3 * period_s
         # a kill aimed at "step" lands after a step whose next one is not a commit point either (the victim may
         # already have done its part of the next step's collectives): a step kill stays a step kill
         self.commit_every = commit_every
+        # a kill aimed at a commit skips the commits a disk save follows at once (steps that are multiples of
+        # save_every): the survivors would meet the loss in that save, and the kill would test the save instead
+        self.save_every = save_every
         self.rng = random.Random(seed)
         self.events = Events(out)
         self.kills: list[dict] = []
@@ -384,7 +388,8 @@ class Soak:
                 if aimed == "join":  # alternately the joiner (as it is placed or enters) and a member admitting it
                     hit = e["ev"] in ("placed", "join+") if joins % 2 == 0 else e["ev"] == "grow+"
                 elif aimed in self.holds:
-                    hit = e["ev"] == "held" and e.get("phase") == aimed
+                    hit = e["ev"] == "held" and e.get("phase") == aimed and not (
+                        aimed == "commit" and self.save_every and (e.get("step") or 0) % self.save_every == 0)
                 else:
                     hit = e["ev"] == f"{aimed}+"
                 if hit and (not p.worker or p in self.victims()):

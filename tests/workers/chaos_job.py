@@ -98,13 +98,13 @@ class Events:
         line = json.dumps({"t": time.time(), "id": self.me, "pid": os.getpid(), "ev": ev, **fields})
         os.write(self.fd, (line + "\n").encode())
         if ev.endswith("+") and ev[:-1] in self.holds:
-            self.hold(ev[:-1])
+            self.hold(ev[:-1], step=fields.get("step"))
 
-    def hold(self, phase: str, timeout_s: float = 60.0) -> None:
+    def hold(self, phase: str, step: object = None, timeout_s: float = 60.0) -> None:
         """Wait for the harness's word (``release/<id>-<n>``) inside ``phase``: it kills us or lets us go."""
         self.held += 1
         mark = os.path.join(self.out, "release", f"{self.me}-{self.held}")
-        self("held", phase=phase, n=self.held)
+        self("held", phase=phase, n=self.held, step=step)
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(mark) and time.monotonic() < deadline:
             time.sleep(0.002)  # sleep: a held worker polls for the harness's marker file (bounded above)
