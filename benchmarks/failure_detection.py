@@ -6,11 +6,14 @@ idle 2-core machine, several times that on a busy one):
     python benchmarks/failure_detection.py                   # everything, 10 trials of the blame check
     python benchmarks/failure_detection.py --only blame --trials 10
     python benchmarks/failure_detection.py --only raise,kill,ctrl-c,hung --trials 5
+    python benchmarks/failure_detection.py --only orphans --trials 5
 
 What it measures (medians over trials, wall clock):
 - raise:  `phalanx run -n N`, rank 1 raises ValueError at step 5; seconds from the raise to the launcher's exit.
 - kill:   `phalanx run -n 3`, rank 1 is killed with SIGKILL; seconds from the kill to the launcher's exit.
 - ctrl-c: `phalanx run -n 3`, SIGINT to the whole process group (what Ctrl-C in a terminal does); seconds to exit.
+- orphans: `phalanx run -n 2` (and `--elastic`) itself killed with SIGKILL while its workers train; seconds from the
+          kill until every worker has exited (before, without --elastic, they trained on to the end).
 - hung:   3 workers started directly, rank 1 frozen with SIGSTOP, PHALANX_TIMEOUT=10; seconds until the
           survivors raise WorkerLostError, and whether they name rank 1.
 - blame:  3 and 4 workers started directly (no launcher, as torchrun or several hosts would), one rank killed with
@@ -40,7 +43,7 @@ import torch, phalanx as px
 px.init()
 mode = sys.argv[1]
 for step in range(100000):
-    if step == 5 and px.rank() == 1:
+    if step == 5 and (px.rank() == 1 or mode == "orphan"):
         print(json.dumps({"at": time.time(), "pid": os.getpid()}), flush=True)
         if mode == "raise":
             raise ValueError("boom")
@@ -79,6 +82,22 @@ def trial_launcher(mode: str, workers: int, path: str) -> tuple[float, str]:
     return time.time() - start, [line for line in err.splitlines() if line.startswith("phalanx:")][-1:]
 
 
+def trial_orphans(workers: int, path: str, elastic: bool) -> tuple[float, list[str]]:
+    """SIGKILL the launcher once every worker trains; seconds until they have all exited, and what they said."""
+    import select
+    proc = subprocess.Popen([*PHALANX, "run", "-n", str(workers), *(["--elastic"] if elastic else []), path,
+                             "orphan"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fds = [os.pidfd_open(_marker(proc)["pid"]) for _ in range(workers)]  # readable once that worker exited
+    proc.kill()
+    start = time.time()
+    proc.wait()
+    for fd in fds:
+        select.select([fd], [], [], 300)
+        os.close(fd)
+    took = time.time() - start
+    return took, [line for line in proc.stderr.read().splitlines() if line.startswith("phalanx: worker")][-1:]
+
+
 def trial_direct(workers: int, victim: int, slow: int | None, how: str) -> tuple[float | None, list[str]]:
     from phalanx.bench.procs import run_workers
     if how == "kill":
@@ -100,7 +119,7 @@ def blamed(message: str) -> set[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=10)
-    p.add_argument("--only", default="raise,kill,ctrl-c,hung,blame")
+    p.add_argument("--only", default="raise,kill,ctrl-c,orphans,hung,blame")
     args = p.parse_args()
     parts = args.only.split(",")
     print(f"# failure detection, {args.trials} trial(s); load average {os.getloadavg()[0]:.1f} "
@@ -117,6 +136,16 @@ def main() -> None:
                 t, line = trial_launcher(mode, workers, path)
                 times.append(t)
             print(f"{mode:7s} phalanx run -n {workers}: median {statistics.median(times):.2f} s, "
+                  f"max {max(times):.2f} s over {len(times)}; last line: {line}", flush=True)
+        for workers, elastic in [(2, False), (2, True)]:
+            if "orphans" not in parts:
+                continue
+            times, line = [], []
+            for _ in range(args.trials):
+                t, line = trial_orphans(workers, path, elastic)
+                times.append(t)
+            how = f"phalanx run -n {workers}{' --elastic' if elastic else ''}"
+            print(f"orphans {how} SIGKILLed: every worker gone after median {statistics.median(times):.2f} s, "
                   f"max {max(times):.2f} s over {len(times)}; last line: {line}", flush=True)
     if "hung" in parts:
         times, named = [], 0

@@ -13,8 +13,10 @@ it writes its pid and parks, and this script kills its actor's process with SIGK
 - ``ray``: ``ray.train.torch.TorchTrainer`` with ``FailureConfig(max_failures=1)``: Ray Train
   restarts every worker, which loads the newest checkpoint reported with ``ray.train.report``.
 
-Printed per run: kill -> first training step after it, kill -> 3 workers training again,
-and the steps redone. Take the figures as what they are on the machine that ran them.
+Printed per run: kill -> first training step after it, kill -> 3 workers training again
+(for ``phalanx``: Ray's own replacement time, the kill to the replacement's first step, which
+sets how often a chaos soak may kill under Ray), and the steps redone. Take the figures as
+what they are on the machine that ran them.
 """
 from __future__ import annotations
 

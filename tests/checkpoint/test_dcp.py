@@ -112,13 +112,14 @@ def test_kill_9_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_p
         held = torch.load(f"{ckpt}-held-{r}.pt", weights_only=True)
         assert held["done"] is False  # killed while its save was still being written...
         assert not torch.equal(held["trained"], torch.load(f"{ckpt}-weights-0.pt", weights_only=True))
+    assert glob.glob(f"{ckpt}.tmp-*/partial-*")  # ...killed half-way through: part of it had reached the disk
     model, opt = W._wrapped(99)
     with pytest.warns(UserWarning, match="taken with 2 workers"):
         assert px.load_checkpoint(ckpt, model, opt)["step"] == 2  # the previous checkpoint, whole
     torch.testing.assert_close(W.flat(model), torch.load(f"{ckpt}-weights-0.pt", weights_only=True), rtol=0, atol=0)
-    assert glob.glob(f"{ckpt}.tmp-*/partial-*")  # ...killed half-way through: part of it had reached the disk
-    px.save_checkpoint(ckpt, model, opt, step=3)  # the next save removes what the killed one left
-    assert not glob.glob(f"{ckpt}.tmp-*") and px.read_checkpoint(ckpt)["step"] == 3
+    assert not glob.glob(f"{ckpt}.tmp-*")  # the load removed what the killed save left (as the next save would)
+    px.save_checkpoint(ckpt, model, opt, step=3)
+    assert px.read_checkpoint(ckpt)["step"] == 3
 
 
 def test_an_asynchronous_save_returns_a_handle_and_writes_the_state_of_the_moment_it_was_called(tmp_path):

@@ -105,6 +105,7 @@ def test_config_for_several_hosts_means_what_torchrun_means(script):
     assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.rdzv_configs["rank"]) == ("static", "10.0.0.1:29501", 1)
     assert cfg.worker_env() == {"OMP_NUM_THREADS": "3", "PHALANX_THREADS": "3", "PHALANX_TIMEOUT": "30.0",
                                 "PHALANX_LAUNCHER": "run",  # several hosts: gloo picks the routable interface
+                                "PHALANX_LAUNCHER_PID": str(os.getpid()),  # a worker ends when its launcher is gone
                                 **heap_env(os.environ)}
     ranged = RunConfig.from_argv(["--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
                                   "--rdzv-id", "job7", "--max-restarts", "2", script]).launch_config()

@@ -25,27 +25,12 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phal
 pytest.importorskip("ray.train", reason="ray[train] is not installed (pip install 'phalanx[ray]')")
 
 from phalanx.launch.raytrain import train  # noqa: E402
+from support import ray_cluster  # noqa: E402
 from workers import elastic as loop  # noqa: E402
 from workers import ray_train as worker  # noqa: E402
 from support.wait import until  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A head and two worker nodes, one CPU each: Ray places one phalanx worker per node."""
-    from ray.cluster_utils import Cluster
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # Ray's controller polls its workers this often
-    small = {"num_cpus": 1, "object_store_memory": 80 * 1024 ** 2, "include_dashboard": False}
-    c = Cluster(initialize_head=True, head_node_args=dict(small))
-    for _ in range(2):
-        c.add_node(**small)
-    ray.init(address=c.address, log_to_driver=True)
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    mp.undo()
+cluster = ray_cluster.cluster  # the module's Ray cluster (a fixture)
 
 
 def results(out) -> dict:
@@ -94,7 +79,7 @@ def test_room_for_a_third_worker_mid_run_grows_the_job_from_2_to_3_workers(clust
     # One CPU of the 3 nodes is held, so 2 workers fit; once both train it is let go, as a node added to the
     # cluster would offer it (Cluster.add_node itself only runs on the main thread, which train() holds), and
     # the controller starts a third worker there, which joins at a commit. slow_below=3: the 2 wait for it.
-    hold = ray.remote(num_cpus=1)(Holder).remote()
+    hold = ray.remote(num_cpus=1)(ray_cluster.Holder).remote()
     ray.get(hold.ping.remote())
 
     def free_a_cpu() -> None:
@@ -121,13 +106,6 @@ def test_room_for_a_third_worker_mid_run_grows_the_job_from_2_to_3_workers(clust
         for have, want in zip(r["params"], loop.oracle(record), strict=True):
             torch.testing.assert_close(torch.tensor(have), want, rtol=1e-5, atol=1e-6)
     assert returned == {"id": "0", "steps": len(record)}
-
-
-class Holder:
-    """Takes one CPU of the cluster (a Ray actor), so that only two workers fit until a node is added."""
-
-    def ping(self) -> bool:
-        return True
 
 
 def test_without_ray_train_is_one_line_naming_the_extra(monkeypatch):

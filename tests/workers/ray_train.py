@@ -5,11 +5,16 @@ sample ids the whole group trained on (rolled back with the commits) and writes 
 pid, final parameters and that record to ``out``. ``kill="1@5"``: the worker started as
 rank 1 writes ``victim.json`` (its pid) before step 5 and parks there; the test kills its
 actor process with SIGKILL (``stop=True``: it stops itself with SIGSTOP, and the heartbeat
-watcher in Ray's controller kills it). ``slow_below=3``: while fewer than 3 workers train,
-each step waits until Ray's replacement has asked to join, so it enters before training ends.
+watcher in Ray's controller kills it). ``kill="1,2@5"``: ranks 1 and 2 both park before step 5
+(``victim1.json``, ``victim2.json``), for a test that kills them at the same moment.
+``late=True``: a replacement Ray starts waits, before ``px.init()``, until every survivor has
+written its result (training has ended), so that it arrives after the end. ``slow_below=3``:
+while fewer than 3 workers train, each step waits until Ray's replacement has asked to join,
+so it enters before training ends.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -35,11 +40,26 @@ def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
         return  # none by the deadline: the caller goes on without it
 
 
+def wait_for_the_end(out: str, victims: list[str], timeout: float) -> None:
+    """A replacement held back until every worker that was not killed has written its result."""
+    def ended() -> bool:
+        starts = {os.path.basename(p).removeprefix("start").split("-")[0]
+                  for p in glob.glob(os.path.join(out, "start*"))}
+        survivors = {s for s in starts if s.isdigit() and s not in victims}
+        return bool(survivors) and all(os.path.exists(os.path.join(out, f"worker{s}.json")) for s in survivors)
+
+    until(ended, timeout=timeout, what="the survivors' results")
+
+
 def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_below: int = 0,
-         stop: bool = False) -> dict:
+         stop: bool = False, late: bool = False) -> dict:
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
-    victim, _, at = kill.partition("@")
+    spec, _, at = kill.partition("@")
+    victims = spec.split(",") if spec else []
     open(os.path.join(out, f"start{me}-{os.getpid()}"), "w").close()  # a restarted worker would leave a second one
+    if late and me.startswith("r"):
+        wait_for_the_end(out, victims, timeout=300)
+        open(os.path.join(out, f"late-{me}"), "w").close()  # it reached px.init() after the others had finished
     px.init()
     net, data = model(), dataset()
     model_, opt = px.wrap(net, optimizer(net), strategy=px.AllReduce())
@@ -54,10 +74,11 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
         for epoch in range(state.epoch, epochs):
             loader.set_epoch(epoch)
             for x, y, ids in loader:
-                if me == victim and state.step + 1 == int(at) and not state.history:
-                    with open(os.path.join(out, "victim.tmp"), "w") as f:
+                if me in victims and state.step + 1 == int(at) and not state.history:
+                    name = "victim.json" if len(victims) == 1 else f"victim{me}.json"
+                    with open(os.path.join(out, f"{name}.tmp"), "w") as f:
                         json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
-                    os.replace(os.path.join(out, "victim.tmp"), os.path.join(out, "victim.json"))  # whole or absent
+                    os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))  # whole or absent
                     if stop:  # hung: only the heartbeat watcher in Ray's controller can free the others
                         os.kill(os.getpid(), signal.SIGSTOP)
                     while True:  # parked until the test kills this process (kill -9)

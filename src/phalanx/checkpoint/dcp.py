@@ -33,7 +33,7 @@ from torch import nn
 from ..group import group
 from ..errors import CheckpointError, ConfigError, usage
 from ..framing import MARKER, atomic_write, read_verified
-from .training_state import TrainingState, cpu_copy, resize_warning, rng_state
+from .training_state import TrainingState, check_fit, cpu_copy, resize_warning, rng_state
 from ..wrap import unwrap
 
 
@@ -81,7 +81,8 @@ def _snapshot(state: TrainingState, me: int) -> tuple[dict[str, torch.Tensor], d
                  "loader": cpu_copy(state.loader.state_dict()) if state.loader is not None else None,
                  "scheduler": cpu_copy(state.scheduler.state_dict()) if state.scheduler is not None else None,
                  "scaler": cpu_copy(state.scaler.state_dict()) if state.scaler is not None else None,
-                 "rng": rng_state(), "extra": cpu_copy(state.extra)}
+                 "rng": rng_state(), "extra": cpu_copy(state.extra),
+                 "optimizer_class": type(state.optimizer).__name__ if state.optimizer is not None else None}
     return tensors, rank_file
 
 
@@ -215,6 +216,8 @@ def _load_directory(path: str, state: TrainingState, *, restore_rng: bool) -> di
     optimizer = state.optimizer if skeleton.get("optim") is not None else None
     msd, osd = _live_state(model, optimizer)
     _check_same_model(path, skeleton["model"], msd, metadata)
+    check_fit(path, optimizer, skeleton.get("optim"), osd, own.get("rng") if same and restore_rng else None,
+              own.get("optimizer_class"))
     wanted = {"model": skeleton["model"], "optim": skeleton.get("optim") if optimizer is not None else None,
               "strategy": skeleton.get("strategy") if state.strategy is not None else None,
               "own": skeleton.get(f"rank{me}") if same else None}
@@ -232,11 +235,12 @@ def _load_directory(path: str, state: TrainingState, *, restore_rng: bool) -> di
     sd = _dcp().state_dict
     try:
         with _grads_present(optimizer):
+            sd.set_model_state_dict(model, parts["model"], options=sd.StateDictOptions(strict=True))
             if optimizer is not None:
-                sd.set_state_dict(model, optimizer, model_state_dict=parts["model"], optim_state_dict=parts["optim"],
-                                  options=sd.StateDictOptions(strict=True))
-            else:
-                sd.set_model_state_dict(model, parts["model"], options=sd.StateDictOptions(strict=True))
+                # Not strict: a parameter the optimizer kept no state for (no gradient yet, momentum 0) gets none,
+                # as it was saved; the param groups were matched above (check_fit).
+                sd.set_optimizer_state_dict(model, optimizer, parts["optim"],
+                                            options=sd.StateDictOptions(strict=False))
         if parts["own"] and parts["own"].get("buffers"):
             model.load_state_dict(parts["own"]["buffers"], strict=False)
     except (RuntimeError, ValueError, KeyError) as err:
@@ -357,6 +361,10 @@ def _read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         raise CheckpointError(f"{where!r} could not be read safely ({type(err).__name__}: "
                               f"{str(err)[:200]}); expected DCP metadata of tensors only. Refusing it: do not "
                               "load checkpoints from untrusted sources.") from None
+    problem = _metadata_problem(metadata)
+    if problem:  # a flipped bit in a field's name builds the classes without that field
+        raise CheckpointError(f"{where!r} is damaged: {problem}; expected the DCP metadata px.save_checkpoint "
+                              "writes. Resume from an earlier checkpoint.")
     if not isinstance(metadata, _dcp().metadata.Metadata) or not all(
             isinstance(v, _dcp().metadata.TensorStorageMetadata) for v in metadata.state_dict_metadata.values()):
         raise CheckpointError(f"{where!r} describes entries other than tensors; expected the metadata "
@@ -365,3 +373,42 @@ def _read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         metadata.storage_meta = _dcp().metadata.StorageMeta()
     metadata.storage_meta.load_id = self.load_id
     return metadata
+
+
+def _metadata_problem(metadata: Any) -> str | None:
+    """What in unpickled DCP metadata lacks the fields (and their types) loading reads; None if nothing does."""
+    m = _dcp().metadata
+    if not isinstance(metadata, m.Metadata):
+        return f"it holds a {type(metadata).__name__}, not DCP's Metadata"
+    entries = metadata.__dict__.get("state_dict_metadata")
+    if not isinstance(entries, dict):
+        return "it has no table of tensors (state_dict_metadata)"
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            return f"a tensor's name is a {type(key).__name__}"
+        if not isinstance(entry, m.TensorStorageMetadata):
+            continue  # refused below: entries other than tensors
+        fields = entry.__dict__
+        size, chunks, props = fields.get("size"), fields.get("chunks"), fields.get("properties")
+        if not _is_shape(size) or not isinstance(props, m.TensorProperties) or \
+                not isinstance(props.__dict__.get("dtype"), torch.dtype) or not isinstance(chunks, list):
+            return f"the entry of {key!r} lacks its size, dtype or chunks"
+        for chunk in chunks:
+            if not isinstance(chunk, m.ChunkStorageMetadata) or not all(
+                    _is_shape(chunk.__dict__.get(f)) and len(chunk.__dict__[f]) == len(size)
+                    for f in ("offsets", "sizes")):
+                return f"a chunk of {key!r} lacks its offsets or sizes"
+    storage = metadata.__dict__.get("storage_data")
+    if not isinstance(storage, dict):
+        return "it has no table of where each chunk is stored (storage_data)"
+    info = _dcp().filesystem._StorageInfo
+    for index, where in storage.items():
+        if not isinstance(index, m.MetadataIndex) or not isinstance(index.__dict__.get("fqn"), str) or \
+                not isinstance(where, info) or not isinstance(where.__dict__.get("relative_path"), str) or \
+                not all(type(where.__dict__.get(f)) is int for f in ("offset", "length")):
+            return "an entry of its storage table lacks its tensor's name, file, offset or length"
+    return None
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, (torch.Size, tuple, list)) and all(type(n) is int and n >= 0 for n in value)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
@@ -31,7 +32,8 @@ class SaveHandle:
 
     ``done()`` says whether it is written (and renamed into place); ``wait()`` blocks until
     then and raises its error, if any. The next ``px.save_checkpoint`` and ``px.shutdown()``
-    wait for it themselves.
+    wait for it themselves (:meth:`finish`): they raise its error only if no ``wait()`` did, so a
+    failure the caller handled does not fail the next save or the exit again.
     """
 
     def __init__(self, path: str, future: Future | None, key: str | None, rank: int,
@@ -41,7 +43,7 @@ class SaveHandle:
         self._future = future
         self._committed: Future = Future()  # rank 0: set once the directory is in place (or the save failed)
         self._error: BaseException | None = None
-        self._waited = False
+        self._ended = False  # its outcome is known (written, or _error): a wait() returned or raised it
 
     def done(self) -> bool:
         """True once this worker's part is written (on rank 0: and the checkpoint renamed into place)."""
@@ -58,11 +60,10 @@ class SaveHandle:
         ``timeout``: at most this many seconds for this worker's write (``TimeoutError`` after), e.g. for a worker
         that is leaving because of an error and must not hang on a stalled disk.
         """
-        if self._waited:
+        if self._ended:
             if self._error is not None:
                 raise self._error
             return
-        self._waited = True
         try:
             if self._future is not None:
                 try:
@@ -76,9 +77,39 @@ class SaveHandle:
                 self._committed.result(timeout)
             elif group.current().generation == self.generation:  # (a regrouped job has a new store: rank 0 wrote)
                 _wait_for_write(self.key)
+        except TimeoutError:
+            raise  # not an outcome: the save goes on, and a later wait() waits for it again
         except Exception as err:
-            self._error = err
+            self._error, self._ended = err, True
             raise
+        self._ended = True
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait for the save to end, as the next save and ``px.shutdown()`` do; raise its error once only.
+
+        An error a ``wait()`` already raised was the caller's to handle: it is not raised again (the next
+        save, perhaps to another disk, goes ahead). A save that a regroup interrupted (its generation of the
+        group is gone with a lost peer) ends with a warning: the checkpoint at its path is the previous one.
+
+        Example:
+            >>> import torch, phalanx as px, tempfile, os
+            >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+            >>> handle = px.save_checkpoint(path, torch.nn.Linear(2, 1), blocking=False)
+            >>> handle.finish(); handle.done()
+            True
+        """
+        if self._ended:
+            return
+        try:
+            self.wait(timeout)
+        except TimeoutError:
+            raise
+        except Exception as err:
+            if not (group.is_initialized() and group.current().generation != self.generation):
+                raise
+            warnings.warn(f"the asynchronous checkpoint {self.path!r} of generation {self.generation} was not "
+                          f"written: the group changed while it was ({str(err).splitlines()[0][:200]}); the "
+                          "checkpoint at that path is the previous one.", stacklevel=2)
 
     def __repr__(self) -> str:
         return f"SaveHandle({self.path!r}, done={self.done()})"

@@ -15,7 +15,7 @@ import torch
 from ..group import group
 from ..errors import CheckpointError
 from ..framing import read_verified
-from .training_state import TrainingState, resize_warning, shared
+from .training_state import TrainingState, check_fit, resize_warning, shared
 
 FORMAT = "phalanx-checkpoint-2"  # the one-file format of earlier versions, still loaded
 SAME_AS_RANK0 = "=rank0"  # one-file format: a part of a worker's snapshot that equals rank 0's is stored once
@@ -42,6 +42,9 @@ def _load_file(path: str, state: TrainingState, *, restore_rng: bool) -> dict[st
         snapshot = shared(ranks[0])
     if not restore_rng:
         snapshot = {k: v for k, v in snapshot.items() if k != "rng"}
+    optimizer = state.optimizer
+    check_fit(path, optimizer, snapshot.get("optimizer"), optimizer.state_dict() if optimizer is not None else None,
+              snapshot.get("rng"))
     try:
         state.restore(snapshot)
     except (RuntimeError, ValueError, KeyError) as err:

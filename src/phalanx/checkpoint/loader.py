@@ -8,14 +8,18 @@ files runs code.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
 from ..framing import MARKER, atomic_write, read_verified, to_bytes
 from .training_state import TrainingState
+from .agreement import _remove_abandoned
 from .dcp import DCP_FORMAT, _join, _load_directory, _load_whole, _read_marker, _read_rank_file, _refs
 from .handle import _resolve
 from .legacy import _load_file, _model_state
@@ -43,10 +47,26 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
 def load_state(path: str | os.PathLike, state: TrainingState, *, restore_rng: bool = True) -> dict[str, Any]:
     """Restore ``state`` from a checkpoint (this worker's part, or rank 0's shared part); returns its summary."""
-    found = _resolve(os.fspath(path))
-    if os.path.isdir(found):
-        return _load_directory(found, state, restore_rng=restore_rng)
-    return _load_file(found, state, restore_rng=restore_rng)
+    with _os_errors_refused(path):
+        with contextlib.suppress(OSError):  # housekeeping: what a save killed half-way left (elastic: a lost worker)
+            _remove_abandoned(os.path.abspath(os.fspath(path)))
+        found = _resolve(os.fspath(path))
+        if os.path.isdir(found):
+            return _load_directory(found, state, restore_rng=restore_rng)
+        return _load_file(found, state, restore_rng=restore_rng)
+
+
+@contextlib.contextmanager
+def _os_errors_refused(path: str | os.PathLike) -> Iterator[None]:
+    """An OS error while reading a checkpoint (a symbolic link loop, a file it may not read) is one CheckpointError."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno is None:
+            raise
+        raise CheckpointError(f"{os.fspath(path)!r} could not be read: {os.strerror(err.errno)} "
+                              f"({errno.errorcode.get(err.errno, err.errno)}) at {err.filename!r}; expected a "
+                              "checkpoint px.save_checkpoint wrote, readable. Check the path.") from None
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -58,12 +78,13 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     tensor whole (unsharded). A one-file checkpoint (or any framed phalanx file) is returned
     as it was written.
     """
-    found = _resolve(os.fspath(path))
-    if not os.path.isdir(found):
-        return read_verified(found)
-    marker = _read_marker(found)
-    ranks = [_read_rank_file(found, r) for r in range(marker["world_size"])]
-    tensors = _load_whole(found, sorted({k for rank in ranks for k in _refs(rank["skeleton"])}))
+    with _os_errors_refused(path):
+        found = _resolve(os.fspath(path))
+        if not os.path.isdir(found):
+            return read_verified(found)
+        marker = _read_marker(found)
+        ranks = [_read_rank_file(found, r) for r in range(marker["world_size"])]
+        tensors = _load_whole(found, sorted({k for rank in ranks for k in _refs(rank["skeleton"])}))
     for r, rank in enumerate(ranks):
         parts = _join(rank.pop("skeleton"), tensors)
         own = parts.get(f"rank{r}") or {}
@@ -79,13 +100,14 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict[str, t
     The file is what :func:`~phalanx.checkpoint.save` writes: it loads into the unwrapped model with
     ``Net().load_state_dict(torch.load(out, weights_only=True))``. ``phalanx export CKPT OUT``.
     """
-    found = _resolve(os.fspath(checkpoint))
-    if os.path.isdir(found):
-        _read_marker(found)
-        skeleton = _read_rank_file(found, 0)["skeleton"]["model"]
-        state = _join(skeleton, _load_whole(found, _refs(skeleton)))
-    else:
-        state = _model_state(found)
+    with _os_errors_refused(checkpoint):
+        found = _resolve(os.fspath(checkpoint))
+        if os.path.isdir(found):
+            _read_marker(found)
+            skeleton = _read_rank_file(found, 0)["skeleton"]["model"]
+            state = _join(skeleton, _load_whole(found, _refs(skeleton)))
+        else:
+            state = _model_state(found)
     atomic_write(out, to_bytes(dict(state)))
     return state
 

@@ -82,7 +82,9 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     g = group.current()
     previous, g.saving = g.saving, None
     if previous is not None:
-        previous.wait()  # one checkpoint in flight at a time: its error surfaces here (once), before the next starts
+        # One checkpoint in flight at a time. Its error surfaces here unless a wait() already raised it: the
+        # caller handled that one, and a stale error must not refuse a save to another path (or disk).
+        previous.finish()
     path = os.path.abspath(os.fspath(path))
     key = _all_enter("save_checkpoint")
     state.settle()  # a step this worker skipped is closed (its exchange runs on every worker) before capture
@@ -145,4 +147,4 @@ def _checkpoint_group(previous: SaveHandle | None, g: group.Group) -> Any:
 def wait_for_saves() -> None:
     """Wait for this worker's asynchronous checkpoint, if one is being written (``px.shutdown()`` calls it)."""
     if group.is_initialized() and group.current().saving is not None:
-        group.current().saving.wait()
+        group.current().saving.finish()

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
 from ..group import group
 from ..group.collectives import gather_object
 from ..wrap import strategy_of, unwrap
@@ -187,6 +188,112 @@ def _device_of(model: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+# -- fit, checked before anything is restored ----------------------------------------------------------------------
+
+def optimizer_mismatch(saved: Any, live: dict[str, Any], optimizer: Any, saved_class: str | None = None) -> str | None:
+    """Why the optimizer state ``saved`` does not fit ``optimizer`` (whose own state dict is ``live``); None if it does.
+
+    Checked before anything is loaded, so that the state of another optimizer is refused with the model untouched
+    rather than failing at the first step (AdamW's state loaded into ``SGD(momentum=0.9)`` has no ``momentum``):
+
+    * the param groups: as many, each with the same parameters (names, or torch's indices in a one-file checkpoint);
+    * the hyperparameters each group will have once loaded: torch takes them from the checkpoint and fills in only
+      those a newer torch added (the optimizer's ``__setstate__``), so one this optimizer needs must be there.
+
+    A parameter without saved state is no mismatch: an optimizer keeps none for a parameter that never had a gradient
+    (or for a group with momentum 0), and it loads back as it was saved. ``saved_class``: the class that saved it,
+    when the checkpoint records it (to name it).
+
+    Example:
+        >>> net = torch.nn.Linear(2, 1)
+        >>> adamw, sgd = torch.optim.AdamW(net.parameters()), torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        >>> optimizer_mismatch(adamw.state_dict(), sgd.state_dict(), sgd, "AdamW")
+        'it was saved from AdamW, whose param groups lack dampening, momentum, which this SGD needs'
+        >>> optimizer_mismatch(sgd.state_dict(), sgd.state_dict(), sgd) is None
+        True
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return None  # another kind (a Keras optimizer's state): its own load_state_dict checks it
+    mine = type(optimizer).__name__
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups) or not isinstance(saved.get("state"), dict):
+        return f"its optimizer state is not torch's (param groups with their parameters, and a state), for this {mine}"
+    theirs = groups, live["param_groups"]
+    if len(theirs[0]) != len(theirs[1]):
+        return (f"it holds {_groups(theirs[0])} and this {mine} has {_groups(theirs[1])}; build the same param groups")
+    for i, (then, now) in enumerate(zip(*theirs)):
+        if list(then["params"]) != list(now["params"]):
+            return f"its param group {i} holds {_params(then)} and this {mine}'s holds {_params(now)}"
+    needed = set().union(*(set(g) for g in theirs[1])) - {"params"}
+    missing = sorted(needed - set().union(*(set(g) for g in _as_loaded(optimizer, groups))))
+    if missing:
+        by = saved_class or "an optimizer"
+        return f"it was saved from {by}, whose param groups lack {', '.join(missing)}, which this {mine} needs"
+    return None
+
+
+def check_fit(where: str, optimizer: Any, saved_optimizer: Any, live_optimizer: Any, rng: Any = None,
+              saved_class: str | None = None) -> None:
+    """Refuse with one :class:`CheckpointError`, before anything is restored, the state of another optimizer
+    (:func:`optimizer_mismatch`) and an RNG state that cannot be set (:func:`rng_problem`). ``where``: the checkpoint.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 1); sgd = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> check_fit("ckpt", sgd, sgd.state_dict(), sgd.state_dict(), rng_state())
+    """
+    if optimizer is not None and saved_optimizer is not None:
+        problem = optimizer_mismatch(saved_optimizer, live_optimizer, optimizer, saved_class)
+        if problem:
+            raise CheckpointError(f"{where!r} holds the state of another optimizer: {problem}. Build the optimizer "
+                                  "that saved it (its class and param groups) before loading; nothing was changed.")
+    problem = rng_problem(rng) if rng is not None else None
+    if problem:
+        raise CheckpointError(f"{where!r} holds an RNG state that cannot be restored ({problem}); expected the "
+                              "generators' state px.save_checkpoint writes. Resume from an earlier checkpoint, or "
+                              "with restore_rng=False; nothing was changed.")
+
+
+def _as_loaded(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The param groups ``optimizer`` would have after loading ``groups`` (what its ``__setstate__`` fills in)."""
+    probe = object.__new__(type(optimizer))
+    try:  # on a bare instance of the same class: the optimizer itself is not touched
+        probe.__setstate__({"defaults": dict(optimizer.defaults), "state": {},
+                            "param_groups": [{**g, "params": []} for g in groups]})
+        return list(probe.param_groups)
+    except Exception:  # noqa: BLE001 - a class whose __setstate__ needs more: the groups as saved
+        return groups
+
+
+def _groups(groups: list[dict[str, Any]]) -> str:
+    sizes = ", ".join(str(len(g["params"])) for g in groups)
+    return f"{len(groups)} param group(s) of {sizes} parameter(s)"
+
+
+def _params(group: dict[str, Any]) -> str:
+    names = [str(p) for p in group["params"]]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"{len(names)} parameter(s) ({shown})" if names else "no parameters"
+
+
+def rng_problem(state: Any) -> str | None:
+    """Why ``state`` (from :func:`rng_state`) cannot be restored; None if it can. Tried, then put back as it was.
+
+    Example:
+        >>> rng_problem(rng_state()) is None, rng_problem({"torch": torch.zeros(3)}) is not None
+        (True, True)
+    """
+    current = rng_state()
+    try:
+        set_rng_state(state)
+    except Exception as err:  # noqa: BLE001 - whatever a crafted value makes torch, numpy or random raise
+        text = next(iter(str(err).strip().splitlines()), "")
+        return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+    finally:
+        set_rng_state(current)
+    return None
+
+
 # -- random number generators --------------------------------------------------------------------------------------
 
 def rng_state() -> dict[str, Any]:
@@ -214,5 +321,5 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-__all__ = ["FORMAT", "PER_WORKER", "TrainingState", "cpu_copy", "gather_to_main", "rng_state", "set_rng_state",
-           "shared", "to_device"]
+__all__ = ["FORMAT", "PER_WORKER", "TrainingState", "check_fit", "cpu_copy", "gather_to_main", "optimizer_mismatch",
+           "rng_problem", "rng_state", "set_rng_state", "shared", "to_device"]

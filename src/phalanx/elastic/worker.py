@@ -41,7 +41,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from ..group import group
+from ..group import group, leaving
 from ..errors import PhalanxError
 from ..step.preempt import PREEMPTED_EXIT
 from . import secret as job_secret
@@ -71,6 +71,22 @@ def admissible(members: list[str], waiting: list[str], *, spares: set[str], work
     return taken + [s for s in waiting if s in spares][:max(0, room)]
 
 
+class EndedBeforeAdmitted(SystemExit):
+    """A joiner found training over before it was admitted: status 0 (a ``SystemExit``: no traceback).
+
+    Under ``phalanx run`` the process ends with status 0. A launcher that runs the training
+    function in a process that lives on (Ray Train's worker actors) catches this type and
+    returns normally: the worker finished, nothing failed (``phalanx.launch.raytrain``).
+
+    Example:
+        >>> EndedBeforeAdmitted().code
+        0
+    """
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
 def place(g: group.Group) -> None:
     """``px.init()`` under ``--elastic``: start this worker's side of the job; a joiner waits here for its place.
 
@@ -78,7 +94,8 @@ def place(g: group.Group) -> None:
     holds its rank, world size and generation (:meth:`~phalanx.group.group.Group.place`), as
     ``RANK``/``WORLD_SIZE`` would under torchrun, and it enters (takes rank 0's state) where
     the script starts training (``px.elastic.run``, ``state.epochs``). Training that ended
-    before it was admitted ends the process here, with status 0: nothing is left for it to do.
+    before it was admitted ends the process here, with status 0 (:class:`EndedBeforeAdmitted`): nothing is
+    left for it to do.
     """
     worker = ElasticWorker.of(g)
     if worker is None or not worker.joining or g.entering:
@@ -88,14 +105,11 @@ def place(g: group.Group) -> None:
     if plan is None:
         print(f"phalanx: elastic: worker {worker.me}: training ended before it was admitted; nothing to do",
               file=sys.stderr, flush=True)
-        raise SystemExit(0)
+        raise EndedBeforeAdmitted
     g.place(plan["members"].index(worker.me), len(plan["members"]), plan["generation"])
     # The standard variables too, as torchrun gives its workers: scripts (nanoGPT's) decide from RANK whether
     # they run distributed and derive settings from WORLD_SIZE. Like every worker's, they tell the place at start.
     os.environ.update(RANK=str(g.rank), WORLD_SIZE=str(g.world_size), LOCAL_RANK=str(g.local_rank))
-
-
-_said = threading.Lock()  # held for good by the thread that reports a lost rendezvous host
 
 
 class ElasticWorker:
@@ -186,15 +200,11 @@ class ElasticWorker:
 
     def lost_host(self) -> None:
         """The launcher's store is gone: say so once (from whichever thread notices first) and end."""
-        with _said:
-            line = (f"phalanx: elastic: worker {self.me} lost the rendezvous host {self.addr}:{self.port} "
-                    "(the `phalanx run --elastic` launcher); stopping. Commits were in memory only: "
-                    "resume from your last disk checkpoint (px.save_checkpoint), if any.\n")
-            # One write, newline included: every worker says this at once into the same pipe, and print's
-            # separate write of the newline let two workers' lines run together.
-            sys.stderr.flush()
-            os.write(2, line.encode())
-            os._exit(1)  # no exit handlers: they would wait on the store that is gone
+        # No exit handlers: they would wait on the store that is gone. One line per worker, also when its
+        # launcher's end (group.orphan) is noticed at the same moment.
+        leaving.end_now(f"phalanx: elastic: worker {self.me} lost the rendezvous host {self.addr}:{self.port} "
+                        "(the `phalanx run --elastic` launcher); stopping. Commits were in memory only: "
+                        "resume from your last disk checkpoint (px.save_checkpoint), if any.")
 
     def host_alive(self) -> bool:
         try:

@@ -42,6 +42,7 @@ class WorkerEnv:
     checkpoint_dir: str | None = None  # `phalanx run --checkpoint-dir`: where a preempted job saves
     resume_from: str | None = None  # `phalanx run --resume-from`: the checkpoint to continue from (resolved)
     preempt_notes: str | None = None  # a directory where a preempted worker tells its launcher what it saved
+    launcher_pid: int | None = None  # PHALANX_LAUNCHER_PID: the launcher whose end ends this worker (group.orphan)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -62,6 +63,7 @@ class WorkerEnv:
                       checkpoint_dir=env.get("PHALANX_CHECKPOINT_DIR") or None,
                       resume_from=env.get("PHALANX_RESUME_FROM") or None,
                       preempt_notes=env.get("PHALANX_PREEMPT_NOTES") or None,
+                      launcher_pid=_opt_int(env, "PHALANX_LAUNCHER_PID"),
                       ps_servers=len([a for a in env.get("PHALANX_PS_ADDRS", "").split(",") if a.strip()]),
                       profile_dir=env.get("PHALANX_PROFILE") or None)
         if not present:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import leaving, liveness
+from . import leaving, liveness, orphan
 from ..errors import ConfigError, PhalanxError, WorkerLostError, usage
 from .env import DEFAULT_TIMEOUT_S, WorkerEnv  # noqa: F401 (re-exported: older imports)
 
@@ -292,6 +292,8 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if use_cuda else "gloo")
     g = Group(env, device, backend=backend)
+    # Under a phalanx launcher, its end ends this worker (not the store's: group/orphan.py says why).
+    orphan.watch_launcher(env.launcher_pid, f"worker {env.elastic_id}" if env.elastic_id else f"worker rank {env.rank}")
     if env.world_size > 1 and not dist.is_initialized():
         # We own the store so that failure diagnosis (which rank is gone?) has a side channel
         # that does not depend on the broken process group.

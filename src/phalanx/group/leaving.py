@@ -25,10 +25,12 @@ import atexit
 import gc
 import os
 import sys
+import threading
 import time
+import traceback
 import warnings
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -72,8 +74,16 @@ def _at_exit(g: Any, shutdown: Callable[[], None]) -> None:
     several on a busy machine, and the launcher only stops the others once this
     process is gone. Exit handlers registered after ``px.init()`` have already run by
     now (they run last-in, first-out); logging is flushed here.
+
+    A failure of the way out itself (an asynchronous checkpoint that failed and that nobody waited
+    for) ends the worker as any failure would: one line, exit status 1. Raised from here, it would
+    print a traceback and skip the group's teardown, which aborts the process now and then (rc 134).
     """
-    shutdown()
+    try:
+        shutdown()
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the group must still be left
+        _fail_at_exit(g, exc)
+        shutdown()  # nothing is in flight any more, and g.failed is set: it leaves as a failed worker
     uncaught = g.uncaught  # set by the excepthook, even when the script called shutdown() itself first
     if uncaught is not None:
         import logging
@@ -81,6 +91,47 @@ def _at_exit(g: Any, shutdown: Callable[[], None]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130 if isinstance(uncaught, KeyboardInterrupt) else 1)
+
+
+_ENDING = threading.Lock()  # a lock, not state: held for good by the thread that ends the process (one line only)
+
+
+def end_now(line: str, code: int = 1) -> NoReturn:
+    """End this process at once with one line on stderr: the job around it is gone, nobody can be told more.
+
+    No exit handlers run (they would wait on peers or a store that are gone). Whichever thread
+    comes first says its line; another that comes later (the launcher lost, then its store) waits
+    here until the process is gone, so a worker says one line, never two.
+
+    Example (what a worker whose launcher is gone runs; not here, it ends the process):
+        >>> callable(end_now)
+        True
+    """
+    _ENDING.acquire()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # the reader of our output went with the launcher
+    try:
+        # one write, newline included: every worker says this at once into the same pipe
+        os.write(2, (line.rstrip("\n") + "\n").encode())
+    except OSError:
+        pass
+    os._exit(code)
+
+
+def _fail_at_exit(g: Any, exc: BaseException) -> None:
+    """Record ``exc`` as this worker's failure at exit and say it in one line (the traceback under ``--debug``)."""
+    g.uncaught = exc
+    g.fail(exc)
+    if g.env.launched_by_phalanx and not g.env.debug and isinstance(exc, PhalanxError):
+        return  # `phalanx run` prints it from the error file, once
+    if g.env.debug:
+        traceback.print_exception(exc)
+    else:
+        print(f"phalanx: error at exit: {reason(exc)}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def reason(exc: BaseException) -> str:
@@ -104,7 +155,7 @@ def finish_background_work(g: Any) -> None:
         saving, g.saving, leaving_with = g.saving, None, sys.exc_info()[1]
         failing = leaving_with is not None or g.failed is not None
         try:
-            saving.wait(timeout=g.timeout_s if failing else None)
+            saving.finish(timeout=g.timeout_s if failing else None)  # its error once: not if wait() raised it
         except Exception:
             if leaving_with is None and g.failed is None:
                 raise

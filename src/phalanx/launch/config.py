@@ -243,7 +243,9 @@ class RunConfig:
     def worker_env(self) -> dict[str, str]:
         """Variables every worker gets on top of the launcher's environment."""
         env = {"OMP_NUM_THREADS": str(self.threads), "PHALANX_THREADS": str(self.threads),
-               "PHALANX_LAUNCHER": "run", **heap_env(os.environ)}
+               "PHALANX_LAUNCHER": "run", **heap_env(os.environ),
+               # this process: a worker ends when it is gone (phalanx.group.orphan), never trains on as an orphan
+               "PHALANX_LAUNCHER_PID": str(os.getpid())}
         if self.timeout_s is not None:
             env["PHALANX_TIMEOUT"] = repr(self.timeout_s)
         if self.debug:

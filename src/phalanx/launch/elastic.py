@@ -9,6 +9,12 @@ rebuild it themselves. The job ends when the workers end: status 0 if training
 finished on the survivors; one line and status 1 when fewer than
 ``--min-workers`` are left.
 
+A worker that fails on its own (an exception in the script, a ``px.PhalanxError``: anything
+but a lost peer) ends the job at once, with the one line ``phalanx run`` prints without
+``--elastic``: each worker writes its failure record into an error file of its own (torch
+elastic's format, :mod:`phalanx.launch.failures`), read here when it exits. No replacement is
+started for it: a new process running the same script would fail the same way.
+
 ``--spares K`` starts K more processes at once, as joiners: each imports torch and
 the script and then waits, parked in the store with its heartbeat running. A lost
 worker's place goes to the first spare in reserve, which the survivors' quorum
@@ -41,6 +47,7 @@ from ..elastic.options import DEFAULT_HEARTBEAT_S, ElasticConfig, add_arguments 
 from ..elastic.rebuild import generation_prefix
 from ..elastic.watch import Remote, Watched, describe, exit_note, poll
 from ..errors import PhalanxError
+from .failures import Recorded, failure_line, own_failure, status
 from .workers import start_worker
 
 if TYPE_CHECKING:
@@ -80,13 +87,19 @@ def run_elastic(cfg: "RunConfig") -> int:
             "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "true",
             "TORCHELASTIC_RESTART_COUNT": "0", secret.ENV: job_secret}
     command = [cfg.script, *cfg.script_args]
+    errors = tempfile.mkdtemp(prefix="phalanx-errors-")  # each worker's failure record: <id>.json
+
+    def record(wid: str) -> dict[str, str]:
+        return {"TORCHELASTIC_ERROR_FILE": _record(errors, wid)}
+
     workers = [_Worker(w, start_worker(el.start_method, command, {**base, "RANK": w, "LOCAL_RANK": w,
-                                                                  "PHALANX_ELASTIC_ID": w})) for w in ids]
+                                                                  "PHALANX_ELASTIC_ID": w, **record(w)}))
+               for w in ids]
 
     def joiner(wid: str) -> _Worker:
         """A spare or a replacement: a joiner with no rank; it enters when the quorum admits it."""
         env = {k: v for k, v in base.items() if k not in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")}
-        return _Worker(wid, start_worker(el.start_method, command, {**env, **joiner_env(wid)}))
+        return _Worker(wid, start_worker(el.start_method, command, {**env, **joiner_env(wid), **record(wid)}))
 
     workers += [joiner(s) for s in spares]  # they import torch and the script now, and wait parked
     stop = {"sig": None}
@@ -96,11 +109,12 @@ def run_elastic(cfg: "RunConfig") -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _watch(workers, store, el, stop, joiner, reserve=list(spares), servers=servers)
+        return _watch(workers, store, el, stop, joiner, reserve=list(spares), servers=servers, errors=errors)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         _stop_all(workers)
+        shutil.rmtree(errors, ignore_errors=True)
         if servers is not None:
             servers.stop()
         listener.close()
@@ -182,8 +196,9 @@ def _members(store) -> list[str]:
 
 
 def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner, reserve: list[str],
-           servers=None) -> int:
-    """Poll the workers until they are all gone. ``reserve``: the spares no lost worker has claimed yet.
+           servers=None, errors: str | None = None) -> int:
+    """Poll the workers until they are all gone. ``reserve``: the spares no lost worker has claimed yet;
+    ``errors``: the directory of the workers' failure records (``<id>.json``).
 
     Each lost worker (or lost claimed spare) leaves a hole: the first spare in reserve fills it
     at the survivors' regroup (the quorum admits it there); with none left, ``--replace`` starts
@@ -218,10 +233,13 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                   "if any.", file=sys.stderr, flush=True)
             return 1
         now = time.monotonic()
-        for w in workers:
-            code = poll(w, store, el.heartbeat_s, now=now)  # marks the dead and leaves their exit notes
-            if not code:
-                continue
+        # poll() marks the dead and leaves their exit notes. Every worker that ended is read before any is reported:
+        # a peer that ended because of another's own failure must not be reported as a loss the others regroup from.
+        ended = [(w, code) for w in workers if (code := poll(w, store, el.heartbeat_s, now=now))]
+        own = [(w, f) for w, code in ended if own_failure(f := Recorded.read(_record(errors, w.id), code))]
+        if own:
+            return _failed_on_its_own(own, workers, store, remotes, el.heartbeat_s, now)
+        for w, code in ended:
             first_failure = code if first_failure is None else first_failure
             if store.check([key("done")]):
                 continue
@@ -238,11 +256,14 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
             else:
                 failed_starts = 0
                 members = set(_members(store))
-                others = [x for x in workers if x is not w and x.id in members and x.proc.poll() is None]
+                running = [x for x in workers if x is not w and x.proc.poll() is None]
+                others = [x.id for x in running if x.id in members]
                 others += remotes.alive(store, {x.id for x in workers}, el.heartbeat_s, now=now)
-                print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; "
-                      f"{'the others regroup without it' if others else 'it was the last worker'}",
-                      file=sys.stderr, flush=True)
+                waiting = [x.id for x in running if x.id not in members]  # spares, replacements not yet admitted
+                after = "the others regroup without it" if others else "it was the last worker" if not waiting \
+                    else f"no member is left (not yet admitted: {', '.join(waiting)})"
+                print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {_how(code)}; {after}", file=sys.stderr,
+                      flush=True)
             if reserve:
                 spare = next(s for s in workers if s.id == reserve[0])
                 reserve.pop(0)
@@ -278,6 +299,35 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                   file=sys.stderr, flush=True)
             return 1
         time.sleep(POLL_S)
+
+
+def _record(errors: str | None, wid: str) -> str | None:
+    """Where worker ``wid`` writes its failure record (None: this launcher gave it no error file)."""
+    return os.path.join(errors, f"{wid}.json") if errors is not None else None
+
+
+def _failed_on_its_own(own: list, workers: list[_Worker], store, remotes: Remote, heartbeat_s: float,
+                       now: float) -> int:
+    """End the job on a worker's own failure (``own``: the (worker, :class:`Recorded`) pairs seen together).
+
+    Says the first failure in ``phalanx run``'s one line, then who is left, why the job ends and where the
+    newest checkpoint is; the caller stops the workers still running. Returns the exit status.
+    """
+    w, failure = min(own, key=lambda wf: (wf[1].timestamp, wf[0].id))
+    print(failure_line(0, failure, others=False, who=f"worker {w.id}"), file=sys.stderr, flush=True)
+    running = [x.id for x in workers if x.returncode is None and x.proc.poll() is None]
+    try:
+        remote = remotes.alive(store, {x.id for x in workers}, heartbeat_s, now=now)
+    except Exception:  # noqa: BLE001 - our own store; this is the last line, say what we know
+        remote = []
+    left = f"stopping worker{'s' * (len(running) > 1)} {', '.join(running)}, still running" if running \
+        else "no other worker is running"
+    if remote:
+        left += f"; those joined from other hosts ({', '.join(remote)}) stop when this store closes"
+    print(f"phalanx: elastic: the job stopped: worker {w.id} failed in the script, not by losing a peer, so neither "
+          f"a regroup nor a replacement can get past it; {left}; {last_checkpoint(store)}", file=sys.stderr,
+          flush=True)
+    return status(failure.exitcode)[1]
 
 
 def last_checkpoint(store) -> str:

@@ -41,6 +41,7 @@ from ..errors import ConfigError, PhalanxError, usage
 from .elastic import POLL_S, joiner_env, quiet_store_env
 
 PROBE_TIMEOUT_S = 5.0
+STOP_GRACE_S = 3.0  # Ctrl-C: how long the joiners get to leave before they are killed (as the launcher's)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -128,7 +129,8 @@ def main(argv: Sequence[str]) -> int:
     tag = uuid.uuid4().hex[:6]
     quiet = quiet_store_env(os.environ.get("PHALANX_DEBUG", "") not in ("", "0"))
     base = {**os.environ, **quiet, **heap_env(os.environ), "MASTER_ADDR": cfg.host, "MASTER_PORT": str(cfg.port),
-            "OMP_NUM_THREADS": str(cfg.threads), "PHALANX_THREADS": str(cfg.threads), secret.ENV: job}
+            "OMP_NUM_THREADS": str(cfg.threads), "PHALANX_THREADS": str(cfg.threads), secret.ENV: job,
+            "PHALANX_LAUNCHER_PID": str(os.getpid())}  # its joiners end when it is gone (phalanx.group.orphan)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         base.pop(name, None)
     procs = [subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
@@ -138,6 +140,13 @@ def main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         for p in procs:
             p.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S  # waited for: a joiner whose launcher is gone ends at once
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
         return 130
     failed = [c for c in codes if c]
     return 0 if not failed else (128 - failed[0] if failed[0] < 0 else failed[0])

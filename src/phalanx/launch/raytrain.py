@@ -31,6 +31,10 @@ parked workers that take a lost worker's place at the regroup; the group never g
 ``max_workers`` (default ``num_workers + spares``). ``max_failures`` bounds how many lost
 workers Ray Train replaces (Ray's ``FailureConfig``).
 
+Several workers lost in the same instant are replaced one by one, the survivors going on down to
+``min_workers``. A replacement that Ray starts after the survivors finished returns None at once
+(:func:`training_function`): the job is finished, and ``train`` returns rank 0's value.
+
 Growing: with ``max_workers`` above ``num_workers + spares``, the controller watches the
 cluster's free resources; when a node is added (room for one more worker's
 ``resources_per_worker``), it starts the training function in a new Ray actor there, which
@@ -56,6 +60,7 @@ from typing import Any, Callable
 from ..elastic import secret
 from ..elastic.membership import key
 from ..elastic.watch import mark_dead
+from ..elastic.worker import EndedBeforeAdmitted
 from ..errors import ConfigError, PhalanxError, usage
 from .elastic import listening_store, quiet_store_env
 
@@ -302,6 +307,66 @@ class _Grown:
         return fn()
 
 
+def training_function(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """What each Ray worker runs: ``fn(*args)``; a replacement that arrives after training ended returns None.
+
+    Its ``px.init()`` raises :class:`~phalanx.elastic.worker.EndedBeforeAdmitted` (status 0 under
+    ``phalanx run``); in a Ray actor, which lives on, Ray Train would count that exception as a worker
+    error and retry a job that had finished. Returning normally is what a finished worker does.
+    :func:`train` uses it; pass it to your own ``DataParallelTrainer`` beside :class:`PhalanxConfig`.
+
+    Example:
+        >>> training_function(max, 3, 5)()
+        5
+    """
+    def run() -> Any:
+        try:
+            return fn(*args)
+        except EndedBeforeAdmitted:
+            return None  # training ended before this worker got in: nothing failed, nothing is left to do
+
+    return run
+
+
+def one_line(err: BaseException) -> str:
+    """A failed Ray Train run as one line: its type and what failed on each worker (or in the controller).
+
+    Ray's messages are headings ending in a colon, followed by the detail on later lines, and
+    tracebacks: the detail is kept, joined into one line, never cut at the heading's colon.
+
+    Example:
+        >>> one_line(RuntimeError("Training failed due to controller error:\\nThe actor died."))
+        'RuntimeError: Training failed due to controller error: The actor died.'
+    """
+    failures = getattr(err, "worker_failures", None)
+    if isinstance(failures, dict) and failures:
+        return f"{type(err).__name__}: " + "; ".join(f"Ray Train rank {rank}: {_gist(e)}"
+                                                      for rank, e in sorted(failures.items()))
+    cause = getattr(err, "controller_failure", None)
+    if isinstance(cause, BaseException):
+        return f"{type(err).__name__}: controller: {_gist(cause)}"
+    return _gist(err)
+
+
+def _gist(err: BaseException, limit: int = 300) -> str:
+    """``Type: what happened`` for one exception: a traceback's exception line, else the heading and its detail."""
+    lines = [ln for ln in str(err).splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback (most recent call last):") for ln in lines):
+        said = [ln.strip() for ln in lines if not ln[:1].isspace()][-1]  # the traceback's last line names the error
+    else:
+        taken = []
+        for ln in lines:  # a heading "...:" is followed by its detail; the first line that is not a heading ends it
+            taken.append(ln.strip())
+            if not ln.rstrip().endswith(":"):
+                break
+        said = " ".join(taken) or type(err).__name__
+        said = f"{type(err).__name__}: {said}" if not said.startswith(type(err).__name__) else said
+    inner = getattr(err, "health_check_failure", None)  # Ray's worker health check names its cause apart
+    if isinstance(inner, BaseException):
+        said = f"{said} ({_gist(inner, limit)})"
+    return said if len(said) <= limit else said[:limit - 1] + "…"
+
+
 def _where() -> tuple[int, int, int]:
     """On a worker: its Ray Train world rank (slot), local rank and local world size."""
     import ray.train
@@ -323,15 +388,19 @@ class _PhalanxBackend(Backend):  # type: ignore[misc]
     # Ray Train 2.60: each worker is a replica group of one, so a lost worker is replaced alone
     # (ray.train.v2 controller: `_replace_bad_workers`) and the others keep running.
     has_replica_groups = True
+    PROBE_S = 30.0  # the bound on asking a replica group whether its workers are alive, at a replacement
 
     def __init__(self) -> None:
         self.job: _Job | None = None
+        self.whole: Any = None  # Ray Train's whole worker group (the first start), to see its other replica groups
+        self._retiring = False
 
     def on_start(self, worker_group: Any, backend_config: PhalanxConfig) -> None:
         cfg = backend_config
         joining = self.job is not None  # the first start hosts the job; later ones are Ray's replacements
         if self.job is None:
             self.job = _Job(cfg)
+            self.whole = worker_group
         places = worker_group.execute(_where)
         for i, (slot, local_rank, local_world) in enumerate(places):
             wid = self.job.replace(slot) if joining else self.job.ids[slot]
@@ -346,9 +415,50 @@ class _PhalanxBackend(Backend):  # type: ignore[misc]
         if len(workers) < backend_config.total_workers:  # a failed replica group: Ray replaces it next
             for w in workers:
                 self.job.lost(w.distributed_context.world_rank, "was lost (its Ray actor failed)")
+            self._retire_other_failures(worker_group)
             return
         self.job.close()  # the whole group ends: training finished, or Ray Train gave up or restarts it all
-        self.job = None
+        self.job = self.whole = None
+
+    def _retire_other_failures(self, replacing: Any) -> None:
+        """Shut down every other replica group that failed in the same poll, before Ray replaces ``replacing``.
+
+        Ray Train 2.60 replaces failed replica groups one at a time, and each replacement first
+        clears the result queue of every replica group still active, the other failed ones
+        included: a dead actor's call raises, the controller takes that for its own error
+        (``ControllerError``, never retried) and the job ends although the survivors hold
+        ``min_workers``. A replica group already shut down is skipped there, and Ray replaces it
+        next all the same (its shutdown is a no-op then), so two losses at the same moment are two
+        replacements, as two losses apart are. A worker that died after that poll is found by the
+        same call Ray is about to make (``clear_result_queue``, which Ray repeats right after): its
+        group is shut down too, and Ray's next poll sees it failed and replaces it.
+        """
+        import ray
+
+        if self.whole is None or self._retiring:
+            return  # a group shut down here calls on_shutdown again: one sweep at a time
+        self._retiring = True
+        try:
+            polled = self.whole.get_latest_poll_status()
+            groups = self.whole.get_replica_groups() or []
+            failing = polled.failing_replica_group_indices if polled is not None else set()
+            others = [g for g in groups if g is not replacing and g.is_active()]
+            calls = {id(g): [w.actor.clear_result_queue.remote() for w in g.get_workers()]
+                     for i, g in enumerate(groups) if g in others and i not in failing}
+            for i, g in enumerate(groups):
+                if g not in others:
+                    continue
+                if i not in failing:
+                    try:
+                        ray.get(calls[id(g)], timeout=self.PROBE_S)
+                        continue  # alive: Ray's own call will answer too
+                    except ray.exceptions.RayActorError:
+                        pass  # died after the poll
+                    except Exception:  # noqa: BLE001 - slow or odd, not known dead: left to Ray's own call
+                        continue
+                g.shutdown()
+        finally:
+            self._retiring = False
 
 
 def _connect(ray: Any, address: str | None) -> None:
@@ -381,9 +491,10 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     Raises :class:`~phalanx.PhalanxError` with one line when the job fails.
     """
     ray = require_ray()
+    run = training_function(fn, *args)
     cfg = PhalanxConfig(num_workers=num_workers, min_workers=min_workers, spares=spares, heartbeat_s=heartbeat_s,
                         threads=threads, timeout_s=timeout_s, debug=debug, max_workers=max_workers,
-                        grow=lambda: fn(*args), resources=resources_per_worker)
+                        grow=run, resources=resources_per_worker)
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < -1:
         raise ConfigError(usage(f"max_failures={max_failures!r}", "an integer >= 0 (or -1: no limit)",
                                 "Pass e.g. max_failures=3."))
@@ -392,7 +503,7 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     trainer = DataParallelTrainer(
-        lambda: fn(*args), backend_config=cfg,
+        run, backend_config=cfg,
         scaling_config=ScalingConfig(num_workers=cfg.total_workers, resources_per_worker=resources_per_worker),
         run_config=RunConfig(name=name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=max_failures),
@@ -400,8 +511,7 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     try:
         return trainer.fit().return_value
     except ray.train.TrainingFailedError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise PhalanxError(f"phalanx: ray: the job failed ({type(err).__name__}: {first})") from err
+        raise PhalanxError(f"phalanx: ray: the job failed ({one_line(err)})") from err
     except ray.exceptions.RayActorError as err:  # the controller, and the job's store with it
         raise PhalanxError("phalanx: ray: Ray Train's controller, which held the job's store, was lost "
                            f"({type(err).__name__}); the workers end with it. Commits were in memory only: resume "

@@ -16,10 +16,12 @@ the first one that failed, naming its rank and, for a Python exception, its type
 and message in one line. A worker's usage error (:class:`phalanx.PhalanxError`)
 is that one line with no traceback unless ``--debug`` (or ``PHALANX_DEBUG=1``).
 If a parameter server started by ``--servers`` died, the line names the server.
-Ctrl-C or SIGTERM stops every worker. A preempted job (SIGTERM, SLURM's SIGUSR1)
-exits 75 with one line, and ``--requeue`` requeues it under SLURM. ``--elastic``
-jobs are run by :mod:`phalanx.launch.elastic`; the other nodes of an elastic SLURM job
-join the first node's with :mod:`phalanx.launch.join`.
+Ctrl-C or SIGTERM stops every worker; a launcher killed outright (SIGKILL) leaves
+no orphans, since each worker ends when this process is gone
+(:mod:`phalanx.group.orphan`). A preempted job (SIGTERM, SLURM's SIGUSR1) exits 75
+with one line, and ``--requeue`` requeues it under SLURM. ``--elastic`` jobs are run
+by :mod:`phalanx.launch.elastic`; the other nodes of an elastic SLURM job join the
+first node's with :mod:`phalanx.launch.join`.
 
 Example:
     >>> _status(-9)[1]  # the exit status of a worker killed by SIGKILL, as `phalanx run` ends with it

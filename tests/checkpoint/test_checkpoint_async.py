@@ -1,0 +1,86 @@
+"""Asynchronous saves that fail: the next save after a handled failure works, a failure nobody waited for ends the
+process with one line (never a traceback or an abort), and what a save cut by a lost worker left is removed by the
+next save or load of that path. Real processes on a real full disk (a small tmpfs, so root) and real kills.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from workers import checkpoint_async as W
+
+import phalanx as px
+from support.procs import free_port
+
+SCRIPT = W.__file__
+CLI = [sys.executable, "-m", "phalanx.cli"]
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs: a checkpoint's files fit in part, then writes fail with ENOSPC, as on a full disk."""
+    where = tmp_path / "full"
+    where.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root to mount a small tmpfs as a full disk (CI runs as root)")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"could not mount a tmpfs: {done.stderr.decode().strip()}")
+    yield str(where)
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.multiproc
+def test_a_handled_failure_does_not_fail_the_next_save_and_an_unwaited_one_ends_the_process_in_one_line(
+        tmp_path, full_disk):
+    port, procs = free_port(), []
+    for rank in (0, 1):  # as torchrun starts them: real interpreters, whose exit is what is tested
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-u", SCRIPT, "full-disk", full_disk,
+                                       str(tmp_path / "other"), str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        result = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert full_disk in result["raised"]  # wait() raised the full disk's error, once...
+        assert result["other_step"] == 2  # ...and the next save, to another disk, was written
+        # the second failure, never waited for: one line at exit, status 1, no traceback, no abort (rc 134)
+        assert p.returncode == 1, (rank, p.returncode, err[-3000:])
+        said = [line for line in err.splitlines() if line.startswith("phalanx: error at exit: CheckpointError:")]
+        assert len(said) == 1 and full_disk in said[0], err[-3000:]
+        assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
+    assert os.listdir(full_disk) == []  # both failed saves removed their temporaries
+
+
+@pytest.mark.multiproc
+def test_an_asynchronous_save_cut_by_a_lost_worker_leaves_nothing_after_the_next_save(tmp_path):
+    proc = subprocess.run([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", SCRIPT, "elastic",
+                           str(tmp_path)], capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    survivor = json.load(open(tmp_path / "worker1.json"))
+    assert survivor["history"] == [["0"]]  # the worker started as rank 0 was lost...
+    assert [n for n in survivor["left_after_training"] if ".tmp-" in n]  # ...half-way through the write
+    assert survivor["left_after_save"] == ["ckpt"]  # the next save of that path went through and removed it
+    assert "was not written" in proc.stderr  # the cut save is named in a warning, not raised as a stale error
+    assert px.read_checkpoint(tmp_path / "ckpt")["step"] == 99
+
+
+def test_a_load_removes_what_a_killed_save_left_beside_the_checkpoint(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    ckpt = str(tmp_path / "ckpt")
+    px.save_checkpoint(ckpt, model, step=4)
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()  # a process that no longer exists: the writer of the temporary below, killed mid-save
+    left = f"{ckpt}.tmp-{socket.gethostname()}-{gone.pid}-0123abcd"
+    os.makedirs(left)
+    open(os.path.join(left, "__0_0.distcp"), "wb").write(b"x" * 100)
+    assert px.load_checkpoint(ckpt, model)["step"] == 4
+    assert not glob.glob(f"{ckpt}.tmp-*")

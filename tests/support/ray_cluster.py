@@ -1,0 +1,41 @@
+"""The Ray cluster the Ray tests share: a head and two worker nodes on this machine, one CPU each.
+
+Bind the fixture in a test module (``cluster = ray_cluster.cluster``); it is module-scoped, as Ray takes seconds
+to start. Ray's controller polls its workers every 0.5 s, so a loss is seen at once.
+"""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head and two worker nodes, one CPU each: Ray places one phalanx worker per node."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # Ray's controller polls its workers this often
+    # Ray's memory monitor kills workers when the *machine* is above 95% of its memory: on a shared test machine
+    # that is other processes' doing, and a kill the test did not place. The tests place their own kills.
+    mp.setenv("RAY_memory_monitor_refresh_ms", "0")
+    small = {"num_cpus": 1, "object_store_memory": 80 * 1024 ** 2, "include_dashboard": False}
+    c = Cluster(initialize_head=True, head_node_args=dict(small))
+    for _ in range(2):
+        c.add_node(**small)
+    ray.init(address=c.address, log_to_driver=True)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    mp.undo()
+
+
+class Holder:
+    """Takes one CPU of the cluster (a Ray actor), so that only two workers fit until a node is added.
+
+    Here, not in a test module: Ray's workers import an actor's class by its module, and tests/ is on their path
+    while the test folders are not.
+    """
+
+    def ping(self) -> bool:
+        return True

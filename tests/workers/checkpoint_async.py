@@ -1,0 +1,91 @@
+"""Scripts for tests/checkpoint/test_checkpoint_async.py: asynchronous saves that fail, and one a lost worker cuts.
+
+``python checkpoint_async.py full-disk FULL OTHER OUT`` (each rank, torchrun's variables set): an asynchronous
+save to the full disk ``FULL`` whose ``wait()`` raises and is handled, a save to ``OTHER`` that must work, then
+another asynchronous save to ``FULL`` that nobody waits for before the script ends (the exit must say it in one
+line). ``phalanx run --elastic -n 2 checkpoint_async.py elastic OUT``: the worker started as rank 0 kills itself
+half-way through an asynchronous save's write; the survivor trains on and then saves to the same path again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+
+
+def full_disk(full: str, other: str, out: str) -> None:
+    import phalanx as px
+    px.init()
+    model, opt = px.wrap(net := _net(), torch.optim.AdamW(net.parameters()))
+    F.mse_loss(model(torch.randn(4, 64)), torch.zeros(4, 8)).backward()
+    opt.step()
+    handle = px.save_checkpoint(os.path.join(full, "ckpt"), model, opt, step=1, blocking=False)
+    try:
+        handle.wait()
+        raised = ""
+    except px.CheckpointError as err:  # the caller handles it: saves elsewhere from now on
+        raised = str(err)
+    px.save_checkpoint(other, model, opt, step=2)  # another disk: must not raise the error handled above
+    result = {"raised": raised, "other_step": px.read_checkpoint(other)["step"]}
+    with open(os.path.join(out, f"rank{px.rank()}.json"), "w") as f:
+        json.dump(result, f)
+    px.save_checkpoint(os.path.join(full, "ckpt"), model, opt, step=3, blocking=False)  # fails; nobody waits
+
+
+def elastic(out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import phalanx as px
+    import phalanx.checkpoint.saver as saver
+    me = os.environ.get("PHALANX_ELASTIC_ID", "0")
+    px.init()
+    model, opt = px.wrap(net := _net(), torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+    data = torch.utils.data.TensorDataset(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)),
+                                          torch.zeros(64, 8))
+    loader = px.shard(data, batch_size=4, seed=0)
+    state = px.elastic.State(model, opt, loader, commit_every=2)
+    ckpt = os.path.join(out, "ckpt")
+    plain_writer = saver._writer
+
+    class Killed(dcp.FileSystemWriter):
+        """The worker started as rank 0 dies half-way through its write (part of it reached the disk)."""
+
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            if me == "0":
+                with open(os.path.join(self.path, "partial-0"), "wb") as f:
+                    f.write(b"x" * 1024)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().write_data(plan, planner)
+
+    steps = 0
+    for epoch in state.epochs(2):
+        with state:
+            loader.set_epoch(epoch)
+            for x, y in loader:
+                steps += 1
+                if steps == 3 and not state.history:
+                    saver._writer = Killed  # the test's hook into DCP's writer
+                    px.save_checkpoint(ckpt, model, opt, step=steps, blocking=False)
+                    saver._writer = plain_writer
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+    left = sorted(os.listdir(out))  # the survivor: what the cut save left
+    px.save_checkpoint(ckpt, model, opt, step=99)  # the next save of that path
+    result = {"left_after_training": left, "left_after_save": sorted(os.listdir(out)),
+              "history": [h["left"] for h in state.history]}
+    with open(os.path.join(out, f"worker{me}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    {"full-disk": full_disk, "elastic": elastic}[sys.argv[1]](*sys.argv[2:])
