@@ -13,6 +13,7 @@ import torch
 
 import phalanx as px
 from phalanx.step.preempt import PREEMPTED_EXIT, latest_checkpoint
+from phalanx.step.preempt import PREEMPTION
 from support.preempt_job import oracle, weights
 from support.paths import REPO, TESTS
 from support.wait import until
@@ -173,6 +174,8 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     (tmp_path / "dcp" / ".metadata").write_bytes(b"")
     assert latest_checkpoint(tmp_path) == new
     (tmp_path / "dcp" / "phalanx.json").write_bytes(b"{}")
+    assert latest_checkpoint(tmp_path) == new  # ... and verifies: a marker that vouches for nothing is passed over
+    px.save_checkpoint(str(tmp_path / "dcp"), net, step=3)
     assert latest_checkpoint(tmp_path) == str(tmp_path / "dcp")
     superseded = tmp_path / "step-5.pt.old-abcd1234"  # the copy a newer save replaced
     superseded.mkdir()
@@ -238,19 +241,19 @@ def test_the_trainer_saves_on_sigterm_exits_75_and_resume_auto_ends_as_the_unint
 
     try:
         want = fit()
-        g.preemption = None  # a fresh preemption state, as in a new process
+        PREEMPTION.of(g).value = None  # a fresh preemption state, as in a new process
         term = LambdaCallback(on_step_end=lambda t, step, logs: step == 7 and os.kill(os.getpid(), signal.SIGTERM))
         with pytest.raises(SystemExit) as stop:
             fit(cb=[term])
         assert stop.value.code == PREEMPTED_EXIT and stop.value.checkpoint.endswith("step-00000009.pt")
         assert latest_checkpoint(tmp_path / "ckpt") == stop.value.checkpoint  # newer than epoch-1.pt
-        g.preemption.uninstall()
-        g.preemption = None
+        PREEMPTION.of(g).value.uninstall()
+        PREEMPTION.of(g).value = None
         got = fit(resume_from="auto")
     finally:
-        if g.preemption is not None:
-            g.preemption.uninstall()
-        g.preemption = None
+        if PREEMPTION.of(g).value is not None:
+            PREEMPTION.of(g).value.uninstall()
+        PREEMPTION.of(g).value = None
         del preempt
     for a, b in zip(got.parameters(), want.parameters()):
         torch.testing.assert_close(a, b)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
+from phalanx.step import preempt
 
 EPOCHS, N, BATCH = 2, 64, 4
 
@@ -53,7 +54,7 @@ def main() -> None:
             if step == a.wait_at and px.rank() == 0:
                 with open(a.out + ".reached", "w") as f:
                     f.write(str(step))
-                assert px.current_group().preemption.heard.wait(120), "no signal came"
+                assert preempt.of().heard.wait(120), "no signal came"
             if px.preempted():
                 if a.hang_before_save and px.rank() == 1:
                     while True:  # until the launcher's grace runs out and it kills this worker

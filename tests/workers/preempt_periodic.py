@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
+from phalanx.step import preempt  # noqa: E402
 from workers.preempt import BATCH, EPOCHS, data, make_model  # noqa: E402
 from support.wait import until
 
@@ -45,7 +46,7 @@ def main() -> None:
     step = 0
     if px.resume_from() is not None:
         step = int(px.load_checkpoint(px.resume_from(), model, opt, loader=loader)["step"])
-    heard = px.current_group().preemption.heard
+    heard = preempt.of().heard
     for epoch in range(loader.sampler.epoch, EPOCHS):
         loader.set_epoch(epoch)
         for x, y in loader:

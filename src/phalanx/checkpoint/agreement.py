@@ -16,6 +16,13 @@ of them enters DCP's collective write (where it would hang). So, under one key p
 
 With no store (a plain process) or one worker every step is local.
 
+Every wait here is bounded by the group's timeout and consults who is known dead
+(:func:`_wait_keys`): a peer that left an exit note (its own, or the one the elastic
+launcher writes for a killed worker) or whose heartbeat stopped ends the wait at once
+with a :class:`~phalanx.WorkerLostError`, the type ``phalanx.elastic`` regroups on. A
+failure of DCP's own collectives is told the same way (:func:`peer_lost`): by the
+liveness of the peers and the error's type, never by its message.
+
 Example:
     >>> _ranks([0, 2])
     '0, 2'
@@ -28,10 +35,13 @@ import shutil
 import socket
 import time
 import uuid
+from typing import Callable, Mapping
 
-from ..group import group
-from ..group.collectives import guarded
-from ..errors import CheckpointError, ConfigError, usage
+import torch.distributed as dist
+
+from ..group import group, liveness
+from ..group.collectives import guarded, lost_ranks
+from ..errors import CheckpointError, ConfigError, StoreLostError, WorkerLostError, usage
 
 #: Seconds the first worker to enter ``save_checkpoint`` waits for the others before saying it is not collective.
 #: Synchronous strategies bring workers there within moments of each other; under local strategies (LocalSGD,
@@ -39,6 +49,99 @@ from ..errors import CheckpointError, ConfigError, usage
 ENTRY_WAIT_S = 10.0
 
 LAST_SAVED_KEY = "checkpoint/last"  # in the group's store: the newest px.save_checkpoint checkpoint (absolute path)
+
+POLL_S = 0.02  # how often a wait looks at the store for the keys it waits on
+LIVENESS_EVERY_S = 0.25  # how often it asks who is known dead (one store round trip per rank)
+
+
+class _Dead:
+    """Who of the ranks a wait depends on is known gone: an exit note other than "ok", or a stopped heartbeat."""
+
+    def __init__(self) -> None:
+        g = group.current()
+        self.me = g.rank
+        self.watch = None if g.probe is None else liveness.Watch(g.probe, g.world_size)
+        self.next = 0.0
+
+    def among(self, ranks: Callable[[], list[int]]) -> list[int]:
+        """The ranks of ``ranks()`` known gone now (asked at most every :data:`LIVENESS_EVERY_S`)."""
+        now = time.monotonic()
+        if self.watch is None or now < self.next:
+            return []
+        self.next = now + LIVENESS_EVERY_S
+        waiting = ranks()
+        if not waiting:
+            return []
+        gone = set(group.current().lost_peers())
+        self.watch.poll()
+        gone |= set(self.watch.stale())
+        return sorted(r for r in waiting if r in gone and r != self.me)
+
+
+def _lost(what: str, lost: list[int], why: str) -> WorkerLostError:
+    return WorkerLostError(f"rank {group.rank()} lost rank(s) {_ranks(lost)} {why} while {what}; the save is "
+                           "abandoned and the previous checkpoint at that path is untouched", lost_ranks=lost)
+
+
+def _wait_keys(keys: Mapping[int, str], what: str) -> None:
+    """Wait until every rank's key in ``keys`` ({rank: key}) is in the group's store; bounded, dead-aware.
+
+    Ends at once with a :class:`WorkerLostError` naming a rank it waits on that is known gone
+    (exit note, stopped heartbeat), and after the group's timeout with one naming those still
+    missing: never the store's own full timeout for a peer that is already dead.
+    """
+    store, g = group.store(), group.current()
+    deadline, dead = time.monotonic() + g.timeout_s, _Dead()
+    with guarded(what):  # the store itself gone: StoreLostError
+        while True:
+            missing = [r for r, k in keys.items() if not store.check([k])]  # type: ignore[union-attr]
+            if not missing:
+                return
+            lost = dead.among(lambda m=missing: m)
+            if lost:
+                raise _lost(what, lost, "(it exited or its heartbeat stopped)")
+            if time.monotonic() > deadline:
+                raise _lost(what, missing, f"(no answer within the group's timeout of {g.timeout_s:g}s)")
+            time.sleep(POLL_S)
+
+
+def peer_lost(err: BaseException, what: str) -> WorkerLostError | None:
+    """After DCP's save failed on this worker: a :class:`WorkerLostError` if a peer was lost, else None.
+
+    Told by the peers' liveness (exit notes and heartbeats, at most about
+    :data:`~phalanx.group.liveness.STALE_AFTER_S`) and by type (torch's distributed errors anywhere in
+    the cause chain or among DCP's per-rank failures), never by the message: a full disk, with every
+    peer alive, stays a :class:`CheckpointError`.
+
+    Example:
+        >>> peer_lost(OSError(28, "No space left on device"), "writing") is None   # a plain process
+        True
+    """
+    if not group.is_initialized() or group.world_size() == 1:
+        return None
+    lost = lost_ranks()
+    if lost is None and group.current().probe is not None:
+        return StoreLostError(f"rank {group.rank()} lost the group's store while {what}", lost_ranks=[])
+    if lost:
+        return _lost(what, lost, "(it exited or its heartbeat stopped)")
+    if any(isinstance(e, (dist.DistError, WorkerLostError)) for e in _causes(err)):
+        return WorkerLostError(f"rank {group.rank()} lost contact with a peer while {what}", lost_ranks=[])
+    return None
+
+
+def _causes(err: BaseException) -> list[BaseException]:
+    """``err``, its causes and contexts, and the per-rank failures DCP's CheckpointException carries."""
+    out: list[BaseException] = []
+    todo = [err]
+    while todo and len(out) < 64:
+        e = todo.pop()
+        if e is None or any(e is o for o in out):
+            continue
+        out.append(e)
+        todo += [e.__cause__, e.__context__]  # type: ignore[list-item]
+        for f in (getattr(e, "failures", None) or {}).values():
+            todo.append(f[0] if isinstance(f, tuple) else f)
+    return [e for e in out if isinstance(e, BaseException)]
 
 
 def _all_enter(what: str) -> str | None:
@@ -58,10 +161,14 @@ def _all_enter(what: str) -> str | None:
     key = f"phalanx-entry/{what}/{store.add(f'phalanx-entry/{what}/calls/{me}', 1)}"
     store.set(f"{key}/{me}", "1")
     count = store.add(f"{key}/count", 1)
-    deadline = time.monotonic() + ENTRY_WAIT_S
+    deadline, dead = time.monotonic() + ENTRY_WAIT_S, _Dead()
     while count < world:
         if store.check([f"{key}/gave-up"]):
             raise ConfigError(store.get(f"{key}/gave-up").decode())
+        # a peer known dead never comes: a lost peer (the elastic job regroups), not a call on some workers only
+        lost = dead.among(lambda: [r for r in range(world) if not store.check([f"{key}/{r}"])])
+        if lost:
+            raise _lost(f"waiting for every worker to enter px.{what}", lost, "(it exited or its heartbeat stopped)")
         if time.monotonic() > deadline:
             came = [r for r in range(world) if store.check([f"{key}/{r}"])]
             missing = [r for r in range(world) if r not in came]
@@ -90,8 +197,7 @@ def _agree_on_temporary(path: str, key: str | None) -> str:
         if key is not None and store is not None:
             store.set(f"{key}/tmp", tmp)
         return tmp
-    with guarded("waiting for rank 0 to name the checkpoint's directory"):
-        store.wait([f"{key}/tmp"])  # type: ignore[union-attr]
+    _wait_keys({0: f"{key}/tmp"}, "waiting for rank 0 to name the checkpoint's directory")
     return store.get(f"{key}/tmp").decode()  # type: ignore[union-attr]
 
 
@@ -126,8 +232,7 @@ def _agree(what: str, key: str | None, failure: BaseException | None, path: str,
         return
     mine = None if failure is None else _file_error(path, me, failure)
     store.set(f"{key}/{what}/{me}", "" if mine is None else f"{type(mine).__name__}: {mine}")
-    with guarded(f"waiting for every worker's {what} of the checkpoint"):
-        store.wait([f"{key}/{what}/{r}" for r in range(world)])
+    _wait_keys({r: f"{key}/{what}/{r}" for r in range(world)}, f"waiting for every worker's {what} of the checkpoint")
     for r in range(world):
         outcome = store.get(f"{key}/{what}/{r}").decode()
         if outcome:
@@ -160,8 +265,7 @@ def _wait_for_write(key: str | None) -> None:
     store = group.store()
     if key is None or store is None:
         return
-    with guarded("waiting for rank 0 to write the checkpoint"):
-        store.wait([f"{key}/written"])
+    _wait_keys({0: f"{key}/written"}, "waiting for rank 0 to write the checkpoint")
     outcome = store.get(f"{key}/written").decode()
     if outcome != "ok":
         kind, _, message = outcome.partition("\n")

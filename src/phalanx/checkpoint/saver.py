@@ -16,12 +16,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..group import group
+from ..group.records import Record, Slot
 from ..framing import atomic_write, check_plain, to_bytes, write_verified
 from ..sharding.layout import is_sharded
 from ..group.spans import span
+from ..step.protocols import replicas_agree
 from .training_state import TrainingState
 from ..wrap import unwrap
-from .agreement import _agree, _agree_on_temporary, _all_enter
+from .agreement import _agree, _agree_on_temporary, _all_enter, peer_lost
 from .dcp import _dcp, _quiet, _snapshot
 from .handle import SaveHandle, _abandon, _finish, _write_error
 
@@ -43,6 +45,28 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
         state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
     if group.is_main():
         atomic_write(path, to_bytes(state))
+
+
+class Saving(Slot[SaveHandle]):
+    """The group's record of the checkpoint this worker writes (or wrote last): the next save and leaving wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeout_s: float | None = None  # the group's bound, for a worker that leaves on an error
+
+    def before_leaving(self, failing: bool) -> None:
+        """Wait for the save; on an error at most the group's timeout, so a stalled write cannot hold the exit."""
+        handle, self.value = self.value, None
+        if handle is None:
+            return
+        try:
+            handle.finish(timeout=self.timeout_s if failing else None)  # its error once: not if wait() raised it
+        except Exception:
+            if not failing:
+                raise
+
+
+SAVING: Record[Saving] = Record("checkpoint being written", Saving)
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -80,7 +104,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool = True) -> SaveHandle:
     """Write ``state`` of every worker as one DCP checkpoint directory at ``path``; see :func:`save_checkpoint`."""
     g = group.current()
-    previous, g.saving = g.saving, None
+    saving = SAVING.of(g)
+    previous, saving.value = saving.value, None
+    saving.timeout_s = g.timeout_s
     if previous is not None:
         # One checkpoint in flight at a time. Its error surfaces here unless a wait() already raised it: the
         # caller handled that one, and a stale error must not refuse a save to another path (or disk).
@@ -102,7 +128,7 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     strategy = state.strategy
     # Replicated tensors are written once: spread over the workers when replicas agree, by rank 0 otherwise
     # (its model is the one every worker takes when resuming on another number of workers).
-    dedup = strategy is not None and not strategy.replicas_agree(strategy.steps)
+    dedup = strategy is not None and not replicas_agree(strategy, strategy.steps)
     planner = _dcp().default_planner.DefaultSavePlanner(dedup_save_to_lowest_rank=dedup)
     writer = _writer(tmp)
     distributed = dist.is_initialized() and world > 1
@@ -115,12 +141,17 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
         except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001 - raised on every rank
             if me == 0:
                 _abandon(tmp, key)
+            # A peer killed mid-write is a lost peer (elastic regroups on the type), not a bad checkpoint:
+            # the save is abandoned and the previous checkpoint at `path` stays.
+            lost = peer_lost(err, f"writing the checkpoint {path!r}")
+            if lost is not None:
+                raise lost from err
             raise _write_error(path, err) from err
         _finish(handle, tmp, world, state.step, blocking=True)
-        g.saving = handle  # done; kept for its process group
+        saving.value = handle  # done; kept for its process group
         return handle
     handle._future = _dcp().async_save(tensors, **kwargs)  # stages (copies) now, writes in a thread
-    g.saving = handle
+    saving.value = handle
     if me == 0:
         handle._future.add_done_callback(lambda fut: _finish(handle, tmp, world, state.step, blocking=False))
     return handle
@@ -146,5 +177,6 @@ def _checkpoint_group(previous: SaveHandle | None, g: group.Group) -> Any:
 
 def wait_for_saves() -> None:
     """Wait for this worker's asynchronous checkpoint, if one is being written (``px.shutdown()`` calls it)."""
-    if group.is_initialized() and group.current().saving is not None:
-        group.current().saving.finish()
+    handle = SAVING.of(group.current()).value if group.is_initialized() else None
+    if handle is not None:
+        handle.finish()

@@ -34,7 +34,7 @@ from ..errors import ConfigError, usage
 from .prefetch import prefetch
 from .sampler import ShardSampler, epoch_order, global_batches, split_sizes
 from ..group.spans import span
-from ..step.clock import set_batch_weight
+from ..step.clock import clocks, set_batch_weight
 
 
 class _EmptySafeCollate:
@@ -61,7 +61,7 @@ def _empty_like(batch: Any) -> Any:
 
 def _waited() -> float:
     """Seconds the wrapped models' step clocks spent waiting for peers so far (:attr:`StepClock.waited`)."""
-    return sum(clock.waited for clock in list(group.clocks()))
+    return sum(clock.waited for clock in list(clocks()))
 
 
 class ShardedLoader:

@@ -44,9 +44,12 @@ from ..errors import ConfigError, WorkerLostError, usage
 from ..sharding.reshard import ShardLostError, local_parts, reshard, reshard_empty
 from ..sharding.layout import sharded_by
 from ..group.spans import span
+from ..step.preempt import PREEMPTION
 from ..wrap import strategy_of
 from .membership import QuorumError
+from ..step.protocols import replicas_agree
 from .resize import ResizePolicy, check_policy
+from .rule import CommitPoint, Regroupable
 from .worker import ElasticWorker, place
 
 from ..checkpoint.training_state import TrainingState, shared
@@ -154,14 +157,14 @@ class State:
         clock.settle()  # a step this rank's GradScaler skipped is closed: every rank now counts the same
         step = clock.step
         strategy = self.training.strategy
-        preemption = group.current().preemption
+        preemption = PREEMPTION.of(group.current()).value
         if preemption is not None and preemption.signal is not None and not self._leaving:
             self._leaving = True  # SIGTERM to this worker (a node drained): leave at the next commit
             self.worker.membership.ask_to_leave()
         # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; commit only where
         # every worker stands at the same step with the same model.
         if step - max(self.commits, default=0) >= self.commit_every and (strategy is None or
-                                                                          strategy.replicas_agree(step)):
+                                                                          replicas_agree(strategy, step)):
             self._commit_together()
             leavers = self.worker.membership.leavers(step)
             if self.worker.me in leavers:
@@ -195,13 +198,13 @@ class State:
     def _commit_together(self) -> None:
         """A commit every member takes at the same step. An async PS settles around it."""
         strategy = strategy_of(self.optimizer) if self.elastic else None
-        if strategy is not None:
+        if isinstance(strategy, CommitPoint):
             strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
         with span("phalanx/commit"):  # the timeline (phalanx.step.profiling)
             self.commit()
             if self.checkpoint is not None and self.elastic:
                 save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
-        if strategy is not None:
+        if isinstance(strategy, CommitPoint):
             strategy.commit_point()  # and no one's next push lands before every worker took it
 
     def _check(self) -> None:
@@ -239,7 +242,7 @@ class State:
         try:
             self._reshard(snap)
         except ShardLostError as lost:
-            snap = self._from_disk(lost)
+            snap = self._from_disk(lost, joined=bool(plan["joined"]))
             lost_steps = max(0, lost_steps + plan["step"] - snap["elastic_step"])
         self._resplit(snap["elastic_world_size"])
         self._note(plan, before, started, redone=lost_steps, cause=failure,
@@ -265,7 +268,16 @@ class State:
         # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
         # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
         self._restore(shared(snap), joining=True)  # a joiner never puts the async PS back
-        self._reshard(None)  # a sharded model: its shards come from the members' commits
+        try:
+            self._reshard(None)  # a sharded model: its shards come from the members' commits
+        except ShardLostError:
+            if self.checkpoint is None:
+                raise  # the members have no checkpoint either: they end with the same error
+            # admitted at the regroup where a shard died with its only holder: the members roll back to the
+            # checkpoint's commit (sent again) and everyone, this joiner too, loads its shards from the checkpoint
+            snap = self._send_state()
+            self._restore(shared(snap), joining=True)
+            self._load_shards()
         self._resplit(snap["elastic_world_size"])
         self.commits = {}
         self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
@@ -282,9 +294,12 @@ class State:
             mine = {**mine, "model": None, "optimizer": None}
         return broadcast_object(mine, 0, "newest commit")
 
-    def _from_disk(self, lost: ShardLostError) -> dict:
+    def _from_disk(self, lost: ShardLostError, joined: bool = False) -> dict:
         """A shard of the commit died with its only holder (one replica group): roll back to the commit of the
-        newest checkpoint's step, and load the model and optimizer from that checkpoint onto the survivors."""
+        newest checkpoint's step, and load the model and optimizer from that checkpoint onto the survivors.
+
+        ``joined``: joiners were admitted at this regroup; they take that commit from rank 0 and load the
+        checkpoint with the survivors (:meth:`join`)."""
         step = checkpoint_step(self.checkpoint) if self.checkpoint is not None else None
         if step is None or step not in self.commits:
             raise ShardLostError(f"{lost} (px.elastic.State(checkpoint=...) holds "
@@ -294,15 +309,21 @@ class State:
             del self.commits[newer]
         snap = self.commits[step]
         self._restore(snap)
-        shard = sharded_by(self.optimizer)
-        reshard_empty(shard, self.model, self.optimizer, self.training.strategy, group.current())
-        with warnings.catch_warnings():  # "taken with N workers": expected, the survivors are fewer
-            warnings.simplefilter("ignore")
-            load_checkpoint(self.checkpoint, self.model, self.optimizer, restore_rng=False)
+        if joined:
+            self._send_state()  # the commit of the checkpoint's step: the newest one kept
+        self._load_shards()
         if group.rank() == 0:
             print(f"phalanx: elastic: {lost.lost} of the commit died with its only holder; the model and optimizer "
                   f"of step {step} come from {os.fspath(self.checkpoint)!r}", file=sys.stderr, flush=True)
         return snap
+
+    def _load_shards(self) -> None:
+        """Lay the sharded model out over the new group and fill it from the checkpoint (collective)."""
+        reshard_empty(sharded_by(self.optimizer), self.model, self.optimizer, self.training.strategy,
+                      group.current())
+        with warnings.catch_warnings():  # "taken with N workers": expected, the survivors are fewer
+            warnings.simplefilter("ignore")
+            load_checkpoint(self.checkpoint, self.model, self.optimizer, restore_rng=False)
 
     def _reshard(self, snap: dict | None) -> None:
         """A sharded model: lay the commit's shards out over the new group (collective; phalanx.sharding.reshard)."""
@@ -328,7 +349,7 @@ class State:
             sampler.rank, sampler.world_size = group.rank(), group.world_size()
         self.resize.resized(self.loader, before=before, after=group.world_size())
         strategy = strategy_of(self.optimizer)
-        if strategy is not None:
+        if isinstance(strategy, Regroupable):
             strategy.regroup()
 
     # -- a loop kept at module level: `for epoch in state.epochs(n): with state: ...` --------------------------

@@ -60,6 +60,24 @@ def decide_members(previous: Sequence[str], *, arrived: set[str], dead: set[str]
     return [m for m in previous if m in arrived and m not in dead] + [j for j in joiners if j not in previous]
 
 
+def joiner_ids(raw: bytes | str) -> list[str] | None:
+    """The ids listed in the store's ``joiners`` key; None when it is not a JSON list (anyone can write the store).
+
+    Entries that are not strings are left out: only ids that prove the job's secret are ever admitted.
+
+    Example:
+        >>> joiner_ids(b'["r1", 3, "j-0"]'), joiner_ids(b"{not json")
+        (['r1', 'j-0'], None)
+    """
+    try:
+        ids = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(ids, list):
+        return None
+    return [j for j in ids if isinstance(j, str)]
+
+
 def common_commit(commit_lists: Iterable[Sequence[int]]) -> int | None:
     """The newest commit step that every survivor holds, or None."""
     sets = [set(c) for c in commit_lists]
@@ -158,4 +176,4 @@ class Membership:
 
     def _joiners(self, g: int) -> list[str]:
         raw = self.store.get(key("joiners")) if self.store.check([key("joiners")]) else b"[]"
-        return [j for j in json.loads(raw) if not self.is_dead(j)]
+        return [j for j in joiner_ids(raw) or [] if not self.is_dead(j)]

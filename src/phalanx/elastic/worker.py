@@ -45,7 +45,7 @@ from ..group import group, leaving
 from ..errors import PhalanxError
 from ..step.preempt import PREEMPTED_EXIT
 from . import secret as job_secret
-from .membership import Membership, QuorumError, key
+from .membership import Membership, QuorumError, joiner_ids, key
 from .rebuild import destroy, rebuild
 
 HEARTBEAT_EVERY_S = 0.5
@@ -90,18 +90,20 @@ class EndedBeforeAdmitted(SystemExit):
 def place(g: group.Group) -> None:
     """``px.init()`` under ``--elastic``: start this worker's side of the job; a joiner waits here for its place.
 
-    A joiner or a spare asks to join and blocks until the members admit it; the group then
-    holds its rank, world size and generation (:meth:`~phalanx.group.group.Group.place`), as
-    ``RANK``/``WORLD_SIZE`` would under torchrun, and it enters (takes rank 0's state) where
-    the script starts training (``px.elastic.run``, ``state.epochs``). Training that ended
-    before it was admitted ends the process here, with status 0 (:class:`EndedBeforeAdmitted`): nothing is
-    left for it to do.
+    A joiner or a spare asks to join and blocks until the members offer it a place (at a commit
+    point) or admit it (a spare, at a regroup); the group then holds its rank, world size and
+    generation (:meth:`~phalanx.group.group.Group.place`), as ``RANK``/``WORLD_SIZE`` would under
+    torchrun. The members train on while its script starts up; it enters (takes rank 0's state)
+    at their first commit point after its script starts training (``px.elastic.run``,
+    ``state.epochs``). Training that ended before it got a place ends the process here, with
+    status 0 (:class:`EndedBeforeAdmitted`): nothing is left
+    for it to do.
     """
     worker = ElasticWorker.of(g)
     if worker is None or not worker.joining or g.entering:
         return
     worker.beat()  # parked here, possibly for the whole job (a spare): the launcher watches it from now on
-    plan = worker.wait_for_place()
+    plan = worker.wait_for_place(offers=True)
     if plan is None:
         print(f"phalanx: elastic: worker {worker.me}: training ended before it was admitted; nothing to do",
               file=sys.stderr, flush=True)
@@ -126,6 +128,14 @@ class ElasticWorker:
         self.joining = env.elastic_join  # started by `phalanx join` or `--replace`: enters at the next commit point
         self.secret = env.elastic_secret  # the job's: a joiner proves it holds it, a member checks joiners' proofs
         self._proven: set[str] = set()  # joiners whose proof this member has checked
+        # The joiners list as last read, and the ids in it that proved the secret: a list read again unchanged
+        # costs nothing more, and an id that failed its proof is never checked again (its proof was written
+        # before it was listed, so it cannot come later), so entries nobody admits cost one look each, not
+        # one per commit.
+        self._listed: tuple[bytes, list[str]] = (b"[]", [])
+        self._refused: set[str] = set()
+        self._warned = False
+        self._offered: dict[str, list[float]] = {}  # a joiner offered a place: [beats, when they last moved, since]
         self._asked = False  # a joiner: it asked to join (once; it waits in the joiners list until admitted)
         self.store = self._connect()
         members = [] if self.joining else json.loads(self.store.get(key("gen", 0, "members")))
@@ -223,7 +233,8 @@ class ElasticWorker:
         before = list(self.membership.members)
         while True:
             plan = self.membership.next_generation(commits, timeout_s=self.config["heartbeat_s"] + 10.0,
-                                                   joiners=self.joiners_for)
+                                                   joiners=lambda survivors: self.joiners_for(survivors,
+                                                                                              regroup=True))
             if self._entered(plan["generation"], [m for m in plan["members"] if m not in before]):
                 break
             # an admitted spare or joiner never came: that generation is void; the next one goes without it
@@ -250,8 +261,8 @@ class ElasticWorker:
         self.store.set(key("proof", self.me), job_secret.proof(self.secret or "", self.config["nonce"], self.me))
         joiners_key = key("joiners")
         while True:
-            old = self.store.get(joiners_key).decode() if self.store.check([joiners_key]) else ""
-            new = json.dumps(sorted(set(json.loads(old or "[]")) | {self.me}))
+            old = self.store.get(joiners_key) if self.store.check([joiners_key]) else b""
+            new = json.dumps(sorted(set(joiner_ids(old or b"[]") or []) | {self.me}))  # a bad value is replaced
             if self.store.compare_set(joiners_key, old, new).decode() == new:
                 return
 
@@ -267,18 +278,93 @@ class ElasticWorker:
             return True
         return False
 
-    def joiners_for(self, members: list[str]) -> list[str]:
+    def joiners_for(self, members: list[str], *, regroup: bool = False) -> list[str]:
         """Who enters a group of ``members`` now: waiting joiners and spares, by :func:`admissible`.
 
-        Only joiners that proved they hold the job's secret are considered at all.
+        Only joiners that proved they hold the job's secret are considered at all, and only those
+        *ready* enter: waiting at the start of training (``ready/<id>``, written by
+        :meth:`wait_for_admission`), so that entering costs the members no wait for anyone's start-up.
+        At a regroup the parked spares enter too (they take the places of the lost there). A joiner
+        still starting (a ``--replace`` replacement, a ``phalanx join`` worker, a spare at a commit
+        point) is offered a place instead (:meth:`_offer`): ``px.init()`` returns it, the joiner builds
+        its model while the members train on, and it enters at the first commit point after it is ready.
         """
-        if not self.store.check([key("joiners")]):
-            return []
-        waiting = [j for j in json.loads(self.store.get(key("joiners")))
-                   if j not in members and self._proves(j) and not self.membership.is_dead(j)]
-        return admissible(members, waiting, spares=set(self.config.get("spares", [])),
-                          workers=self.config.get("workers", self.config["max_workers"]),
-                          max_workers=self.config["max_workers"])
+        waiting = [j for j in self._listed_joiners() if j not in members and not self.membership.is_dead(j)]
+        spares = set(self.config.get("spares", []))
+        ready = [j for j in waiting if (regroup and j in spares) or self.store.check([key("ready", j)])]
+        rule = dict(spares=spares, workers=self.config.get("workers", self.config["max_workers"]),
+                    max_workers=self.config["max_workers"])
+        entering = admissible(members, ready, **rule)
+        if not regroup:
+            starting = self._not_stalled([j for j in waiting if j not in ready])
+            self._offer(members + entering, admissible(members + entering, starting, **rule))
+        return entering
+
+    def _not_stalled(self, starting: list[str]) -> list[str]:
+        """``starting`` without the joiners offered a place that went silent or did not start in time (dropped).
+
+        Looked at from commit points, never waited for: an offered joiner whose heartbeat stands
+        still for the heartbeat timeout (a stray name that proves the secret, a process that died),
+        or that is not ready within the job's timeout after its offer (a script that never reaches
+        training), is marked dead, never offered a place again, and the members never stopped for it.
+        """
+        now, heartbeat_s = time.monotonic(), float(self.config["heartbeat_s"])
+        keep = []
+        for j in starting:
+            if not self.store.check([key("offer", j)]):
+                keep.append(j)
+                continue
+            beats = int(self.store.add(key("hb", j), 0))
+            seen = self._offered.setdefault(j, [beats, now, now])
+            if beats != seen[0] and beats > 0:
+                seen[0], seen[1] = beats, now
+            if now - seen[1] <= heartbeat_s and now - seen[2] <= max(self.timeout_s, heartbeat_s):
+                keep.append(j)
+                continue
+            mark = f"dropped by {self.me}"
+            if self.store.compare_set(key("dead", j), "", mark).decode() == mark:  # one line, by one member
+                print(f"phalanx: elastic: {j} was offered a place but never got ready to train (no heartbeat for "
+                      f"{heartbeat_s:g}s, or not training {max(self.timeout_s, heartbeat_s):g}s after the offer); "
+                      "dropped, the others go on without it", file=sys.stderr, flush=True)
+        return keep
+
+    def _offer(self, members: list[str], joiners: list[str]) -> None:
+        """Offer each of ``joiners`` a place after ``members`` (``offer/<id>``, once): what its ``px.init()`` returns.
+
+        The place (rank, world size, generation) is the one it gets if nothing changes before it is
+        ready; the generation it enters decides in the end (:meth:`wait_for_admission`).
+        """
+        generation = self.membership.generation + (2 if len(members) > len(self.membership.members) else 1)
+        place = json.dumps({"generation": generation, "members": members + joiners})
+        for j in joiners:
+            if not self.store.check([key("offer", j)]):
+                self.store.compare_set(key("offer", j), "", place)
+
+    def _listed_joiners(self) -> list[str]:
+        """The listed joiners that proved the job's secret, in list order; what cannot be used is left out.
+
+        The store is writable by whoever reaches it: a value that is not a JSON list of ids is
+        ignored (one warning), and ids without a valid proof are checked once and dropped from
+        the list (a compare-and-set: a joiner appending meanwhile wins), so they slow no later commit.
+        """
+        joiners_key = key("joiners")
+        raw = self.store.get(joiners_key) if self.store.check([joiners_key]) else b"[]"
+        if raw == self._listed[0]:
+            return self._listed[1]
+        ids = joiner_ids(raw)
+        if ids is None:
+            if not self._warned and self.membership.members[:1] == [self.me]:
+                print(f"phalanx: elastic: ignoring the store's {joiners_key} ({raw[:60]!r}...: not a JSON list of "
+                      "worker ids; something other than phalanx wrote it); joiners add themselves again",
+                      file=sys.stderr, flush=True)
+            self._warned = True
+        listed = ids or []
+        proven = [j for j in listed if j not in self._refused and self._proves(j)]
+        self._refused.update(j for j in listed if j not in self._proven)
+        if ids is None or len(proven) < len(ids):  # prune what no member will ever admit
+            self.store.compare_set(joiners_key, raw, json.dumps(sorted(set(proven))))
+        self._listed = (raw, proven)
+        return proven
 
     def pending_joiners(self) -> list[str]:
         """Rank 0, at a commit point: joiners to admit now (up to --max-workers), in arrival order."""
@@ -349,22 +435,32 @@ class ElasticWorker:
         rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s, backend=backend)
         return {"generation": g, "members": members, "left": [], "joined": joiners}
 
-    def wait_for_place(self, after: int = -1, poll_s: float = 0.05) -> dict | None:
+    def wait_for_place(self, after: int = -1, poll_s: float = 0.05, *, offers: bool = False) -> dict | None:
         """A joiner: ask to join (once), then block until a generation after ``after`` includes us.
 
         Returns the plan (generation, members) without entering it: :meth:`wait_for_admission`
-        enters. None when training ended first. ``px.init()`` calls this, so a joiner's script
-        reads the rank and world size it will train with; it then has the heartbeat timeout to
-        reach its first step (``px.elastic``'s join), or the members go on without it.
+        enters. None when training ended first. ``px.init()`` calls this with ``offers=True``: a place
+        the members offered (``offer/<id>``, :meth:`_offer`) returns too, so a joiner's script reads
+        the rank and world size it will train with, and starts up while the members train on.
         """
         if not self._asked:
             self._ask_to_join()
             self._asked = True
         seen = after
+        offer = key("offer", self.me)
         while True:
             if self.store.check([key("done")]):
                 self.close()  # training ended before we got in: nothing of ours runs any more
                 return None
+            if self.store.check([key("dead", self.me)]):
+                raise PhalanxError(f"worker {self.me} was offered a place in the elastic job but did not reach "
+                                   f"training within the job's timeout ({self.timeout_s:g}s); the others went on "
+                                   "without it. Start training sooner after px.init(), or raise the timeout "
+                                   "(px.init(timeout=...) or PHALANX_TIMEOUT)")
+            if offers and self.store.check([offer]):
+                place = json.loads(self.store.get(offer))
+                return {"generation": place["generation"], "members": place["members"], "left": [],
+                        "joined": [self.me], "offered": True}
             g = int(self.store.get(key("gen"))) if self.store.check([key("gen")]) else -1
             if g > seen:
                 seen = g
@@ -381,7 +477,8 @@ class ElasticWorker:
         they admitted us), then the rebuild of the group with us in it. A generation that formed
         without us after all (another joiner never came) sends us back to wait for the next one.
         """
-        plan = self.placed or self.wait_for_place()
+        self.store.set(key("ready", self.me), "1")  # started up: the members admit us at their next commit point
+        plan = self.placed if self.placed is not None and not self.placed.get("offered") else self.wait_for_place()
         while plan is not None:
             g, members = plan["generation"], plan["members"]
             if self._enter(g):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import time
 import traceback
-import weakref
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import leaving, liveness, orphan
+from .records import Records
 from ..errors import ConfigError, PhalanxError, WorkerLostError, usage
 from .env import DEFAULT_TIMEOUT_S, WorkerEnv  # noqa: F401 (re-exported: older imports)
 
@@ -80,14 +80,9 @@ class Group:
         self.supervisor: Callable[..., Any] | None = None
         self.leaves_at_exit = False  # px.shutdown() is registered to run at exit (once the group has a store)
         self._on_regroup: list[Callable[["Group"], None]] = []
-        # The checkpoint this worker is writing in the background (phalanx.checkpoint.SaveHandle): the next save
-        # and shutdown() wait for it.
-        self.saving: Any = None
-        # The step clocks of the models px.wrap attached in this group: the loaders tell them each batch's weight
-        # (phalanx.step.clock.set_batch_weight). Weak, so a model dropped by the user is forgotten.
-        self.clocks: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self.timeline: Any = None  # phalanx.step.profiling.Timeline while `--profile` / px.profile() records
-        self.preemption: Any = None  # phalanx.step.preempt.Preemption, made by the first px.wrap / px.preempted()
+        # What other packages keep for this group (the step clocks, the preemption handler, the checkpoint being
+        # written, the timeline), each a typed record its own package declares: the group holds membership.
+        self.records = Records()
         self._meshes: dict[int, Any] = {}  # shard size -> this generation's DeviceMesh (phalanx.sharding.layout)
         if store is not None:
             self._attach_store(store)
@@ -410,15 +405,6 @@ def timeout_s() -> float:
 def store() -> dist.Store | None:
     """The group's key-value store (None in a group of one)."""
     return current().store
-
-
-def clocks() -> "weakref.WeakSet[Any]":
-    """The step clocks of the models wrapped in this group (``phalanx.step.clock``).
-
-    A plain process that never called px.init() has no lasting group, so this is empty
-    there; its batches all weigh 1, so nothing is lost.
-    """
-    return current().clocks
 
 
 def probe_store() -> dist.Store | None:

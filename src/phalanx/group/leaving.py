@@ -146,21 +146,12 @@ def reason(exc: BaseException) -> str:
 
 
 def finish_background_work(g: Any) -> None:
-    """Before leaving: wait for an asynchronous checkpoint and write the profiler timeline (collective).
+    """Before leaving: the group's records finish their work (a checkpoint being written, the timeline).
 
-    A worker leaving on an error waits at most its timeout for the checkpoint, so a stalled write
-    cannot keep a failed job from ending, and writes no timeline (its peers may be gone).
+    Each is told whether this worker leaves on an error: then a stalled write must not keep a failed
+    job from ending, and nothing collective runs (its peers may be gone).
     """
-    if g.saving is not None:
-        saving, g.saving, leaving_with = g.saving, None, sys.exc_info()[1]
-        failing = leaving_with is not None or g.failed is not None
-        try:
-            saving.finish(timeout=g.timeout_s if failing else None)  # its error once: not if wait() raised it
-        except Exception:
-            if leaving_with is None and g.failed is None:
-                raise
-    if g.timeline is not None and g.failed is None and sys.exc_info()[1] is None:
-        g.timeline.close()  # collective: written while the group is still up (a no-op once written)
+    g.records.before_leaving(failing=sys.exc_info()[1] is not None or g.failed is not None)
 
 
 def failure(g: Any) -> BaseException | None:

@@ -20,6 +20,7 @@ from typing import Any, ContextManager, Protocol
 from torch.autograd.profiler import record_function
 
 from . import group
+from .records import Record, Slot
 
 
 class Recorder(Protocol):
@@ -31,6 +32,19 @@ class Recorder(Protocol):
     def span(self, name: str) -> ContextManager[Any]: ...
     def step(self, step: int) -> None: ...
     def _stop(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Recording(Slot[Recorder]):
+    """The group's record of the timeline its spans go to (``None`` while nothing records)."""
+
+    def before_leaving(self, failing: bool) -> None:
+        """Write the timeline (collective) while the group is still up; not on an error: peers may be gone."""
+        if self.value is not None and not failing:
+            self.value.close()  # a no-op once written
+
+
+TIMELINE: Record[Recording] = Record("timeline", Recording)
 
 SPANS = ("phalanx/data wait", "phalanx/forward+backward", "phalanx/exchange", "phalanx/bucket",
          "phalanx/optimizer step", "phalanx/exchange after step", "phalanx/commit", "phalanx/checkpoint",
@@ -43,7 +57,7 @@ _OFF: ContextManager[Any] = contextlib.nullcontext()  # stateless: shared by eve
 
 def active() -> Recorder | None:
     """The current group's timeline, or None (cheap: read on every span)."""
-    return group.current().timeline if group.is_initialized() else None
+    return TIMELINE.of(group.current()).value if group.is_initialized() else None
 
 
 def span(name: str) -> ContextManager[Any]:
@@ -83,4 +97,4 @@ class Spans:
             rf.__exit__(None, None, None)
 
 
-__all__ = ["Recorder", "SPANS", "TOP_LEVEL", "Spans", "active", "span", "step_closed"]
+__all__ = ["TIMELINE", "Recorder", "Recording", "SPANS", "TOP_LEVEL", "Spans", "active", "span", "step_closed"]

@@ -25,9 +25,9 @@ when every worker holds as many samples. So each clock holds ``weight``, this
 worker's share of the global batch its next backward pass computes on
 (``n_i * world_size / total``: 1 on every even step, 0 for an empty part). The
 loader sets it as it yields a batch, through :func:`set_batch_weight`, which reaches
-the clocks of every model wrapped in the current group (``group.clocks()``: the
+the clocks of every model wrapped in the current group (:func:`clocks`: the
 group, the one piece of module-level state, owns the registry; no other global is
-involved). While a strategy averages gradients (:meth:`Strategy.weighs_gradients`),
+involved). While a strategy averages gradients (:class:`~phalanx.step.protocols.WeighsGradients`),
 the clock scales each backward pass's gradient by the weight *as it arrives*, before
 it is accumulated into ``.grad`` (a tensor hook per parameter), so with gradient
 accumulation every micro-batch counts by its own share, and an empty part (whose
@@ -50,24 +50,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Any, Iterator, Protocol
+import weakref
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
 
 from ..group import group
+from ..group.records import Record
 from . import preempt
+from .protocols import WeighsGradients
 from .backward import after_backward
 from ..group.spans import Spans, span, step_closed
 
 class StepHooks(Protocol):
     """What the clock calls on the rule it drives; :class:`phalanx.Strategy` is the one that implements it.
 
-    The clock depends on these four members only, so the step count sits below the strategies."""
+    The clock depends on these three members only (and on :class:`~phalanx.step.protocols.WeighsGradients`
+    where the rule implements it), so the step count sits below the strategies."""
 
     params: list[torch.Tensor]
-
-    def weighs_gradients(self, step: int) -> bool: ...
 
     def after_backward(self, step: int) -> None: ...
 
@@ -81,6 +83,7 @@ class StepClock:
         self.step = 0          # steps closed so far, identical on every rank
         self.pending = False   # a synchronising backward ended and its step is not closed yet
         self.strategy: StepHooks | None = None
+        self._weighs: Callable[[int], bool] | None = None  # the rule's weighs_gradients, where it has one
         self.module: nn.Module | None = None
         self.weight = 1.0      # this worker's share of the batch the next backward pass computes on
         self.step_weight = 1.0  # the weight of the step's synchronising backward pass (its share, for LocalSGD)
@@ -97,23 +100,31 @@ class StepClock:
              optimizer: torch.optim.Optimizer) -> None:
         """Called once by ``px.wrap``: hook the end of backward, the optimizer step and the next forward."""
         self.strategy, self.module = strategy, module
+        # asked once here: an isinstance against a Protocol costs tens of microseconds, and _weigh runs per parameter
+        self._weighs = strategy.weighs_gradients if isinstance(strategy, WeighsGradients) else None
         self.backward = after_backward(strategy.params, self._backward_done)
         self._handles = [optimizer.register_step_pre_hook(self._stepping),
                          optimizer.register_step_post_hook(self._stepped),
                          model.register_forward_pre_hook(self._forward),
                          *(p.register_hook(functools.partial(self._weigh, id(p)))
                            for p in strategy.params if p.requires_grad)]  # a sharded model's are its shards
-        group.clocks().add(self)
+        clocks().add(self)
         self.preemption = preempt.of()  # the step boundary is where a preemption signal is acted on
+        self.preemption.clocks.add(self)
 
     def _weigh(self, key: int, grad: torch.Tensor) -> torch.Tensor | None:
         """Scale one backward pass's gradient of one parameter by this worker's batch weight, before accumulation."""
         self.reached.add(key)
         self._grad_at = time.perf_counter()
         w = self.weight
-        if w == 1.0 or not self.strategy.weighs_gradients(self.step + 1):  # type: ignore[union-attr]
+        if w == 1.0 or not self.weighs_gradients(self.step + 1):
             return None  # unchanged: a group of one, and every even step, stay plain PyTorch bit for bit
         return torch.zeros_like(grad) if w == 0 else grad * w  # an empty part's gradient may be NaN
+
+    def weighs_gradients(self, step: int) -> bool:
+        """True where the rule averages step ``step``'s gradients (:class:`~phalanx.step.protocols.WeighsGradients`),
+        so each backward pass's gradient is scaled by this worker's batch weight; False before :meth:`bind`."""
+        return self._weighs is not None and self._weighs(step)
 
     def syncing(self) -> bool:
         """False inside ``px.no_sync`` (or DDP's own ``no_sync()``): the backward pass only accumulates."""
@@ -177,7 +188,9 @@ class StepClock:
             self._after_step(False)
 
     def remove(self) -> None:
-        group.clocks().discard(self)
+        clocks().discard(self)
+        if self.preemption is not None:
+            self.preemption.clocks.discard(self)
         for h in self._handles:
             h.remove()
         if getattr(self, "backward", None) is not None:
@@ -198,6 +211,20 @@ def _fsdp_no_sync(module: Any) -> Iterator[None]:
         switch(True)
 
 
+# The step clocks of the models px.wrap attached in a group: the loaders tell them each batch's weight. Weak, so a
+# model dropped by the user is forgotten.
+CLOCKS: "Record[weakref.WeakSet[StepClock]]" = Record("step clocks", weakref.WeakSet)
+
+
+def clocks(g: group.Group | None = None) -> "weakref.WeakSet[StepClock]":
+    """The step clocks of the models wrapped in group ``g`` (default: the current one).
+
+    A plain process that never called px.init() has no lasting group, so this is empty
+    there; its batches all weigh 1, so nothing is lost.
+    """
+    return CLOCKS.of(g if g is not None else group.current())
+
+
 def set_batch_weight(weight: float) -> None:
     """This worker's share of the batch just handed out: ``n_i * world_size / total`` (1 when parts are equal).
 
@@ -213,5 +240,5 @@ def set_batch_weight(weight: float) -> None:
         >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
         >>> set_batch_weight(1.0)
     """
-    for clock in list(group.clocks()):
+    for clock in list(clocks()):
         clock.weight = float(weight)

@@ -43,12 +43,17 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import shutil
 import signal
 import threading
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..group import group
-from ..framing import MARKER, read_verified
+from ..group.records import Record, Slot
+from ..framing import MARKER, read_verified, verify_directory
+from .protocols import ReplicasAgree
 
 if TYPE_CHECKING:
     from ..group.group import Group
@@ -71,11 +76,13 @@ class Preempted(SystemExit):
 class Preemption:
     """One worker's view of a preemption: the signal heard, and the step all workers stop at.
 
-    The group owns one (``group.preemption``); the handler and the step boundary are its only writers.
+    The group keeps one (:data:`PREEMPTION`, made by :func:`of`); the handler and the step boundary are its only
+    writers. The step clocks of the wrapped models report their boundaries here (:attr:`clocks`).
     """
 
     def __init__(self, g: "Group") -> None:
         self.group = g
+        self.clocks: weakref.WeakSet[Any] = weakref.WeakSet()  # the step clocks of this group's wrapped models
         self.signal: int | None = None  # written by the signal handler only
         self.heard = threading.Event()  # set with it, for tests and tools that wait for the signal
         self.armed = False  # a step boundary has passed: from now on a signal waits for the next one
@@ -161,9 +168,10 @@ class Preemption:
         after ``latest`` where the replicas agree: the next sync for those, the next step for the others (and a
         checkpoint taken there holds one model).
         """
-        strategies = [c.strategy for c in self.group.clocks if c.strategy is not None]
+        strategies = [c.strategy for c in self.clocks if c.strategy is not None]
+        agree = [s.replicas_agree for s in strategies if isinstance(s, ReplicasAgree)]  # the rest agree every step
         for step in range(latest + 1, latest + 1 + 1_000_000):  # a sync schedule is a function of the step
-            if all(s.replicas_agree(step) for s in strategies):
+            if all(a(step) for a in agree):
                 return step
         return latest + 1  # a schedule that never syncs again: its workers never meet, any step will do
 
@@ -175,14 +183,17 @@ class Preemption:
                 f.write(str(step))
 
 
+PREEMPTION: "Record[Slot[Preemption]]" = Record("preemption", Slot)
+
+
 def of(g: "Group | None" = None) -> Preemption:
     """The group's :class:`Preemption` (made, and its handlers installed, on first use)."""
     g = g if g is not None else group.current()
-    p = getattr(g, "preemption", None)
-    if p is None:
-        p = g.preemption = Preemption(g)
-        p.install()
-    return p
+    slot = PREEMPTION.of(g)
+    if slot.value is None:
+        slot.value = Preemption(g)
+        slot.value.install()
+    return slot.value
 
 
 def preempted() -> bool:
@@ -194,7 +205,7 @@ def preempted() -> bool:
     """
     g = group.current() if group.is_initialized() else group.init()
     p = of(g)
-    if not g.clocks:  # no wrapped optimizer marks the steps: this call does
+    if not p.clocks:  # no wrapped optimizer marks the steps: this call does
         return p.at_boundary(p.step + 1)
     p.armed = True
     return p.due
@@ -215,32 +226,65 @@ def checkpoint_dir(default: str = "checkpoints") -> str:
 
 
 def latest_checkpoint(directory: str | os.PathLike | None) -> str | None:
-    """The newest complete checkpoint in ``directory`` (a checkpoint directory, or a one-file checkpoint).
+    """The newest checkpoint in ``directory`` that verifies (a checkpoint directory, or a one-file checkpoint).
 
-    Both are put in place by an atomic rename, so a checkpoint present under its own name is complete; a directory
-    counts only with the marker ``px.save_checkpoint`` writes last. Temporaries (``*.tmp-*``), superseded copies
-    (``*.old-*``) and hidden files are skipped, and a file that fails verification is passed over for the next
-    newest. None when there is none.
+    Every candidate is checked whole, newest first, and the first that verifies is taken: a directory
+    needs its marker and every file the marker lists, each byte matching its SHA-256 (a missing
+    ``.metadata`` or data file, a truncated worker's file, a flipped bit: passed over for the next
+    newest); a file needs its framing's SHA-256. Temporaries (``*.tmp-*``) and hidden files are
+    skipped. A save killed between its two renames left the previous checkpoint as ``<name>.old-<id>``
+    with no ``<name>``: it is renamed back (or taken where it is, when the directory is read-only);
+    an ``.old-*`` beside a ``<name>`` that verifies is a leftover, and removed. None when none verifies.
     """
     if directory is None or not os.path.isdir(directory):
         return None
+    def verifies(path: str) -> bool:
+        try:
+            verify_directory(path) if os.path.isdir(path) else read_verified(path)
+        except Exception:  # noqa: BLE001 - a damaged, partial or foreign checkpoint: try the next newest
+            return False
+        return True
+
+    directory = os.fspath(directory)
+    recovered = _recover_replaced(directory, verifies)
     found = []
-    for path in glob.glob(os.path.join(glob.escape(os.fspath(directory)), "*")):
+    for path in glob.glob(os.path.join(glob.escape(directory), "*")):
         name = os.path.basename(path)
-        if name.startswith(".") or ".tmp-" in name or ".old-" in name:
+        if name.startswith(".") or ".tmp-" in name or (".old-" in name and path not in recovered):
             continue
         if os.path.isdir(path) and not os.path.exists(os.path.join(path, MARKER)):
             continue
         found.append((os.path.getmtime(path), name, path))
     for _, _, path in sorted(found, reverse=True):
-        if os.path.isdir(path):
+        if verifies(path):
             return path
-        try:
-            read_verified(path)
-        except Exception:  # noqa: BLE001 - a damaged or foreign file: try the next newest
-            continue
-        return path
     return None
+
+
+_OLD = re.compile(r"(.+)\.old-[0-9a-f]{8}")  # what handle._commit names the checkpoint it replaces
+
+
+def _recover_replaced(directory: str, verifies: Callable[[str], bool]) -> set[str]:
+    """Put back the checkpoints a save killed between its two renames left as ``<name>.old-<id>``; remove those a
+    newer ``<name>`` superseded. Returns the ``.old-*`` paths that could not be renamed back (taken where they are)."""
+    olds = [os.path.join(directory, n) for n in os.listdir(directory) if _OLD.fullmatch(n)]
+    kept = set()
+    for old in sorted(olds, key=lambda p: os.path.getmtime(p) if os.path.lexists(p) else 0, reverse=True):
+        target = os.path.join(directory, _OLD.fullmatch(os.path.basename(old)).group(1))
+        try:
+            if os.path.lexists(target):
+                if verifies(target):  # the replace finished but its removal of the old one did not
+                    shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.unlink(old)
+            elif verifies(old):
+                try:
+                    os.rename(old, target)  # atomic; another worker doing the same at once: one of them wins
+                except FileExistsError:
+                    pass
+                except OSError:  # a read-only directory: take it where it is
+                    kept.add(old)
+        except FileNotFoundError:  # another worker recovered or removed it first
+            continue
+    return kept
 
 
 def checkpoint_name(directory: str | os.PathLike, step: int) -> str:

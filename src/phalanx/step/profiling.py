@@ -49,7 +49,7 @@ from .. import check
 from ..group import group
 from ..group.collectives import barrier, gather_object
 from ..errors import usage
-from ..group.spans import _OFF, SPANS, TOP_LEVEL, Spans, active, span, step_closed  # noqa: F401 (re-exported)
+from ..group.spans import _OFF, SPANS, TIMELINE, TOP_LEVEL, Spans, active, span, step_closed  # noqa: F401 (re-exported)
 
 MERGED = "timeline.json"
 
@@ -225,10 +225,11 @@ def profile(directory: str | os.PathLike[str], *, steps: int = 3, skip: int = 5)
             warnings.warn(problem, stacklevel=2)
         return None
     g = group.init()  # a plain process gets its lasting group of one, which holds the timeline
-    if g.timeline is not None:
-        g.timeline.close()
-    g.timeline = Timeline(Path(directory), steps=steps, skip=skip)
-    return g.timeline
+    recording = TIMELINE.of(g)
+    if recording.value is not None:
+        recording.value.close()
+    timeline = recording.value = Timeline(Path(directory), steps=steps, skip=skip)
+    return timeline
 
 
 def unwritable(directory: str | os.PathLike[str]) -> str | None:

@@ -44,7 +44,8 @@ from ..group.collectives import Comm, guarded
 from .compression import check_compressor
 from ..errors import ConfigError, usage
 from .. import check
-from .base import Strategy
+from .accounting import Accounting
+from .base import StepState, Strategy, compressor_replica_state, load_compressor_replica_state
 from .gradients import average_gradients_
 from .overlap import OverlappedMean
 from .quantize import Quantize
@@ -61,7 +62,7 @@ def fitted_bucket_mb(model: nn.Module, buckets: int = 4, floor_mb: float = 1.0, 
     return float(min(cap_mb, max(floor_mb, total_mb / buckets)))
 
 
-class AllReduce(Strategy):
+class AllReduce(Accounting, StepState, Strategy):
     """Average gradients every step, by the end of ``backward()``.
 
     Args:
@@ -75,6 +76,8 @@ class AllReduce(Strategy):
 
     name = "allreduce"
     uneven_batches = True  # each rank's gradient is weighted by its batch share (phalanx.step.clock)
+    #: The ``px.FullyShard`` that ``px.wrap(..., shard=...)`` applied (phalanx.sharding.layout sets it), or None.
+    sharded_by: Any = None
 
     def __init__(self, compression: Any = None, *, bucket_mb: float | None = None) -> None:
         super().__init__()
@@ -183,6 +186,13 @@ class AllReduce(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "compression" in state:
             self.compression.load_state_dict(state["compression"])
+
+    def replica_state_dict(self) -> dict[str, Any]:
+        """This worker's own: its compressor's residuals."""
+        return compressor_replica_state(self)
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        load_compressor_replica_state(self, state)
 
     def __repr__(self) -> str:
         return f"AllReduce(compression={self.compression!r})"
