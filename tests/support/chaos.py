@@ -415,7 +415,7 @@ class Soak:
         while self.running() and alive(p.pid):
             if self.store.check([closed]) and p.id in json.loads(self.store.get(closed)):
                 return p
-            self.events.poll()
+            self.release_all_held(self.events.poll())  # the others go on meanwhile
             if p.phase() != "regroup":
                 return None
             pause(0.001)
@@ -442,7 +442,7 @@ class Soak:
         while self.running() and alive(p.pid):
             if self.writing(began):
                 return p
-            self.events.poll()
+            self.release_all_held(self.events.poll())  # the others go on meanwhile
             if p.phase() != "ckpt":
                 return None
             pause(0.001)
