@@ -42,7 +42,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..group import group
 from ..group.collectives import gather_object
-from ..strategies.base import load_state_with_step, state_with_step
+from ..strategies.base import device_of, load_state_with_step, state_with_step
 from ..wrap import strategy_of, unwrap
 
 FORMAT = "phalanx-state-1"
@@ -145,7 +145,7 @@ class TrainingState:
             self.optimizer.load_state_dict(snapshot["optimizer"])
         strategy = self.strategy
         if strategy is not None:
-            device = _device_of(self.model)
+            device = device_of(self.model)
             if snapshot.get("strategy") is not None:
                 load_state_with_step(strategy, to_device(snapshot["strategy"], device), joining=joining)
             if snapshot.get("replica"):
@@ -213,9 +213,6 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 # -- fit, checked before anything is restored ----------------------------------------------------------------------

@@ -396,8 +396,9 @@ class State:
         if group.rank() == 0:
             print(f"phalanx: elastic: generation {plan['generation']}: {before} -> {group.world_size()} workers "
                   f"(left: {', '.join(plan['left']) or '-'}; joined: {', '.join(plan['joined']) or '-'}); "
-                  f"at step {self.step}, redoing {redone} step(s) ({redone_s:.2f}s of work); regrouped in "
-                  f"{seconds:.2f}s", file=sys.stderr, flush=True)
+                  f"resuming from the commit at step {self.step}: {redone} finished step(s) to redo, "
+                  f"{redone_s:.2f}s of work since that commit lost; regrouped in {seconds:.2f}s",
+                  file=sys.stderr, flush=True)  # finished steps and lost seconds differ: a step in flight is lost too
 
 
 class _Resize(BaseException):

@@ -45,7 +45,7 @@ from .compression import check_compressor
 from ..errors import ConfigError, usage
 from .. import check
 from .accounting import Accounting
-from .base import StepState, Strategy, compressor_replica_state, load_compressor_replica_state
+from .base import StepState, Strategy, compressor_replica_state, device_of, load_compressor_replica_state
 from .gradients import average_gradients_
 from .overlap import OverlappedMean
 from .quantize import Quantize
@@ -110,7 +110,7 @@ class AllReduce(Accounting, StepState, Strategy):
             self._overlap = OverlappedMean(self.params, self.comm, bucket_bytes=bucket_bytes,
                                            syncing=self.clock.syncing, compression=self.compression)
             return model
-        device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
+        device_ids = [device_of(model)] if device_of(model).type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_bytes / 2**20,
                                       **_NO_FORWARD_BUFFER_SYNC,  # BatchNorm statistics stay per worker
                                       gradient_as_bucket_view=True)
@@ -256,6 +256,3 @@ _NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
                            else {"broadcast_buffers": False})
 
-
-def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device

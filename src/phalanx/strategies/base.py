@@ -72,7 +72,7 @@ def check_same_model(model: nn.Module, comm: Comm) -> None:
     if comm.world_size == 1:
         return
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in model.state_dict(keep_vars=True).items()]
-    digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=_device_of(model))
+    digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=device_of(model))
     if len({int(d) for d in comm.all_gather(digest)}) == 1:
         return
     other, theirs = next((r, lay) for r, lay in enumerate(comm.all_gather_state(layout)) if lay != layout)
@@ -87,9 +87,18 @@ def _entry(entry: tuple[str, tuple[int, ...], str] | None) -> str:
     return "nothing" if entry is None else f"{entry[0]!r} of shape {entry[1]} ({entry[2]})"
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    first = next(iter(model.state_dict().values()), None)
-    return first.device if first is not None else torch.device("cpu")
+def device_of(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (else its first buffer; a model with neither: the CPU).
+
+    The one device-of helper: strategies and checkpoints ask it where a model's tensors live.
+
+    Example:
+        >>> device_of(torch.nn.Linear(2, 1))
+        device(type='cpu')
+    """
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
 
 
 class Strategy:
