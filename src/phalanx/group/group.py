@@ -21,13 +21,16 @@ import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import forming, leaving, liveness, orphan
 from .records import Records
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh  # torch's, imported on first use only (1.1 s)
 from ..errors import ConfigError, PhalanxError, WorkerLostError, usage
 from .env import WorkerEnv
 
@@ -83,11 +86,11 @@ class Group:
         # What other packages keep for this group (the step clocks, the preemption handler, the checkpoint being
         # written, the timeline), each a typed record its own package declares: the group holds membership.
         self.records = Records()
-        self._meshes: dict[int, Any] = {}  # shard size -> this generation's DeviceMesh (phalanx.sharding.layout)
+        self._meshes: dict[int, DeviceMesh] = {}  # shard size -> this generation's mesh (phalanx.sharding.layout)
         # This generation's torch process group (torch's default group too), and the subgroups split from it.
         # Both go with the generation: rebuild() destroys them before it forms the next one.
-        self.process_group: Any = None
-        self._splits: dict[tuple, Any] = {}
+        self.process_group: dist.ProcessGroup | None = None
+        self._splits: dict[tuple[str, tuple[tuple[int, ...], ...]], dist.ProcessGroup] = {}
         if store is not None:
             self._attach_store(store)
 
@@ -138,7 +141,7 @@ class Group:
         """
         return self.elastic and (self.backend or "gloo") == "gloo"
 
-    def mesh(self, shard_size: int) -> Any:
+    def mesh(self, shard_size: int) -> DeviceMesh:
         """The 2-D ``DeviceMesh`` of this generation: dims ("replicate", "shard"), R = world_size // shard_size.
 
         Rank ``r * shard_size + s`` is shard ``s`` of replica group ``r``. Built once per generation
@@ -160,7 +163,7 @@ class Group:
         return self._meshes[shard_size]
 
     def split(self, parts: Sequence[Sequence[int]], tag: str, backend: str | None = None,
-              timeout_s: float | None = None) -> Any:
+              timeout_s: float | None = None) -> dist.ProcessGroup | None:
         """This rank's process group among ``parts`` (lists of ranks that cover the group), made once per generation.
 
         Collective: every rank calls it with the same ``parts`` and ``tag`` (a name for this
