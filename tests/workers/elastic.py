@@ -89,17 +89,18 @@ def oracle(record: list) -> list[torch.Tensor]:
     return [p.detach() for p in net.parameters()]
 
 
-def setup(commit_every: int, make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = optimizer,
+def setup(commit_every: int, make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
           strategy: Any = None, shard: Any = None, batch: int = BATCH, extra: dict | None = None,
           **state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Record, px.elastic.State]:
     """After ``px.init()``: this file's model and data made data-parallel, and an elastic state that commits them
     with a :class:`Record` (and ``extra``) every ``commit_every`` steps; ``state`` goes to ``px.elastic.State``.
+    ``make_optimizer`` defaults to this module's ``optimizer``.
 
     Example:
         >>> # model_, opt, loader, record, state = setup(3, scaler=scaler, checkpoint=DIR)
     """
-    net = model()
-    model_, opt = px.wrap(net, make_optimizer(net), strategy=strategy, shard=shard)
+    net = model()  # model, dataset and optimizer looked up now: tests/workers/elastic_ps.py replaces them
+    model_, opt = px.wrap(net, (make_optimizer or optimizer)(net), strategy=strategy, shard=shard)
     loader = px.shard(dataset(), batch_size=batch, seed=0)
     record = Record()
     elastic = px.elastic.State(model_, opt, loader, commit_every=commit_every,
