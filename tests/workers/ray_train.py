@@ -29,13 +29,18 @@ from support.wait import until
 
 
 def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
-    """Block until a worker Ray started asks to join (it then enters at the next commit), or the deadline."""
+    """Block until a worker Ray started is ready to enter (it started up and waits at the start of training; the
+    next commit point admits it), or the deadline: asking to join is not enough, its start-up may outlast training."""
     from phalanx.elastic.membership import key
 
     store, members = state.worker.store, set(state.worker.membership.members)
+
+    def ready() -> bool:
+        asked = set(json.loads(store.get(key("joiners")))) - members if store.check([key("joiners")]) else set()
+        return any(store.check([key("ready", j)]) for j in asked)
+
     try:
-        until(lambda: store.check([key("joiners")]) and set(json.loads(store.get(key("joiners")))) - members,
-              timeout=max(0.0, deadline - time.monotonic()), what="a joiner's knock")
+        until(ready, timeout=max(0.0, deadline - time.monotonic()), what="a joiner ready to enter")
     except AssertionError:
         return  # none by the deadline: the caller goes on without it
 

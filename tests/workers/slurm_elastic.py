@@ -27,8 +27,10 @@ from support.wait import until  # noqa: E402
 
 
 def joiner_waiting(state: px.elastic.State) -> bool:
+    """A joiner is ready to enter (started up, waiting at the start of training): the next commit admits it."""
     store = state.worker.store
-    return store.check([key("joiners")]) and bool(json.loads(store.get(key("joiners"))))
+    asked = json.loads(store.get(key("joiners"))) if store.check([key("joiners")]) else []
+    return any(store.check([key("ready", j)]) for j in asked)
 
 
 def main() -> None:
