@@ -139,8 +139,8 @@ class Recovery:
     def _resplit(self, before: int) -> None:
         """The rest of the epoch, re-split over the new group; ``before``: the world the live state was built for."""
         sampler = getattr(self.loader, "sampler", None)
-        if sampler is not None and hasattr(sampler, "world_size"):
-            sampler.rank, sampler.world_size = group.rank(), group.world_size()
+        if sampler is not None and hasattr(sampler, "reassign"):  # px.shard's: the position counts samples
+            sampler.reassign(group.rank(), group.world_size())
         self.resize.resized(self.loader, before=before, after=group.world_size())
         strategy = strategy_of(self.optimizer)
         if strategy is not None:

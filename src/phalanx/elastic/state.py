@@ -222,7 +222,7 @@ class State(Recovery, Reentry):
         self.resize.load_state_dict(snap["elastic_resize"])
         clock = self._clock()
         if clock is not None:
-            clock.step, clock.pending = int(snap["elastic_step"]), False
+            clock.restore(snap["elastic_step"])
 
 
 

@@ -185,7 +185,7 @@ class Strategy:
         """
         (self.load_joiner_state_dict if joining else self.load_state_dict)(state)
         step = state["step"] if "step" in state else state.get("steps", 0)  # "steps": files from older versions
-        self.clock.step, self.clock.pending = int(step), False
+        self.clock.restore(step)
 
     def load_joiner_state_dict(self, state: dict[str, Any]) -> None:
         """A worker joining a running elastic job takes rank 0's shared state; by default as a rollback does."""
