@@ -36,7 +36,7 @@ class Recovery:
         started, failed_at = time.monotonic(), time.time() if failed_at is None else failed_at
         before = group.world_size()
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
-        plan = self.worker.regroup(sorted(self.commits), backend=backend)
+        plan = self.worker.rebuild(sorted(self.commits), backend=backend)
         snap = self.commits[plan["step"]]
         for newer in [s for s in self.commits if s > plan["step"]]:
             del self.commits[newer]

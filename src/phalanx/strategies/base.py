@@ -221,6 +221,7 @@ class Strategy:
         """Called by ``phalanx.elastic`` after the worker group was rebuilt with a new size.
 
         Strategies whose state depends on the world size (a divisor, a per-rank buffer) refresh it here.
+        ``regroup`` has this one meaning, a rule's reaction; forming the new group is ``ElasticWorker.rebuild``.
         """
 
     def replicas_agree(self, step: int) -> bool:
