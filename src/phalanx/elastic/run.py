@@ -61,11 +61,32 @@ class Reentry:
         return _caught(self, exc)  # True: the epoch ends here; epochs() regroups and resumes at the commit
 
 
-class _Resize(BaseException):
-    """Raised at a commit point where joiners are admitted: the training function is re-entered.
+class MembershipChange(BaseException):
+    """The group changes at this commit point: the attempt ends here, and ``@px.elastic.run`` (or
+    ``state.epochs`` with ``with state:``) rebuilds the group and re-enters the training from the commit.
 
-    A BaseException, as KeyboardInterrupt is: it is control flow out of ``opt.step()``, and a
-    user's ``except Exception:`` around the step must not swallow it.
+    Raised only at a commit point: where a ``px.shard`` loader hands out the next batch (the loop's
+    ``for batch in loader``), or, with another loader, right after ``optimizer.step()``. A
+    ``BaseException``, as ``KeyboardInterrupt`` is, so a user's ``except Exception:`` around the step
+    cannot swallow it; code that must clean up uses ``finally`` and lets it pass.
+
+    Example:
+        >>> import phalanx as px
+        >>> try:
+        ...     try:
+        ...         raise px.elastic.JoinersAdmitted(["j1"])
+        ...     except Exception:
+        ...         pass  # never reached: a user's handler does not swallow it
+        ... except px.elastic.MembershipChange as change:
+        ...     print(change.joiners)
+        ['j1']
+    """
+
+
+class JoinersAdmitted(MembershipChange):
+    """Joiners (``phalanx join``, ``--replace``) were admitted at this commit: the group grows here.
+
+    ``joiners``: their worker ids. Nothing is redone: the members send them the commit just taken.
     """
 
     def __init__(self, joiners: list[str]) -> None:
@@ -73,13 +94,18 @@ class _Resize(BaseException):
         self.joiners = joiners
 
 
-class _Leave(BaseException):
-    """Raised at a commit point where workers leave gracefully: the others regroup at that commit."""
+class WorkersLeaving(MembershipChange):
+    """Workers leave gracefully at this commit (a drained node: SIGTERM): the others regroup here.
+
+    ``leavers``: their worker ids. Nothing is redone: the others roll back to this very commit.
+    """
 
     def __init__(self, leavers: list[str]) -> None:
         super().__init__(f"{', '.join(leavers)} leaving")
         self.leavers = leavers
 
+
+_Resize, _Leave = JoinersAdmitted, WorkersLeaving  # their private names before they were public, for one release
 
 
 def is_peer_failure(err: BaseException) -> bool:
@@ -108,10 +134,10 @@ def _begin(state: Reentry) -> bool:
 
 def _caught(state: Reentry, err: BaseException) -> bool:
     """Note what ended an attempt, to act on outside the except block; False: not ours, re-raise it."""
-    if isinstance(err, _Resize):
+    if isinstance(err, JoinersAdmitted):
         state._pending = ("joiners", err.joiners)
         return True
-    if isinstance(err, _Leave):
+    if isinstance(err, WorkersLeaving):
         state._pending = ("failure", f"worker(s) {', '.join(err.leavers)} left (preempted)", time.time())
         return True
     if not isinstance(err, Exception) or not state.elastic or not is_peer_failure(err):

@@ -41,7 +41,7 @@ from ..step.preempt import PREEMPTION
 from ..wrap import strategy_of
 from .recovery import Recovery
 from .resize import ResizePolicy, check_policy
-from .run import Reentry, _Leave, _Resize
+from .run import JoinersAdmitted, Reentry, WorkersLeaving
 from .worker import ElasticWorker, place
 
 from ..checkpoint.training_state import TrainingState
@@ -157,10 +157,10 @@ class State(Recovery, Reentry):
             if self.worker.me in leavers:
                 self.worker.leave(step)  # says goodbye and ends this process with PREEMPTED_EXIT
             if leavers:
-                raise _Leave(leavers)  # the others regroup at this very commit: nothing is redone
+                raise WorkersLeaving(leavers)  # the others regroup at this very commit: nothing is redone
             joiners = self.worker.membership.admit(step, self.worker.pending_joiners)
             if joiners:
-                raise _Resize(joiners)  # out of the loop and the training function; the group grows outside it
+                raise JoinersAdmitted(joiners)  # out of the loop and the training function; the group grows outside it
 
     def commit(self) -> None:
         """Capture this worker's state in memory (no collective); keeps the newest two."""
