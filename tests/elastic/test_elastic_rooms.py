@@ -84,3 +84,38 @@ def test_regroup_has_one_meaning_a_rules_reaction_with_no_arguments():
                             [a.arg for a in node.args.args] != ["self"] or node.args.kwonlyargs):
                         odd.append(f"{os.path.relpath(os.path.join(folder, f), SRC)}:{node.lineno}")
     assert odd == []
+
+
+def test_allreduce_picks_one_of_four_named_averagers_from_explicit_facts():
+    from phalanx.strategies.allreduce import averager
+    plain = dict(sharded=False, compressed=False, quantised=False, world_size=4, rebuilt=False, wrapper=True)
+    assert averager(**plain) == "ddp"
+    assert averager(**{**plain, "sharded": True, "rebuilt": True}) == "sharded"
+    assert averager(**{**plain, "world_size": 1}) == "after_backward"
+    assert averager(**{**plain, "compressed": True, "rebuilt": True}) == "after_backward"
+    assert averager(**{**plain, "world_size": 1, "rebuilt": True}) == "overlapped"  # a joiner attaches alone
+    assert averager(**{**plain, "compressed": True, "quantised": True}) == "overlapped"
+    assert averager(**{**plain, "wrapper": False}) == "overlapped"
+
+
+def test_the_core_reads_its_own_records_that_elastic_fills_not_the_membership_mode():
+    import torch
+
+    from phalanx.step.preempt import HANDED_OVER, of
+    from phalanx.strategies.allreduce import REBUILT
+    g = px.init()
+    assert g.elastic is False and REBUILT.of(g).value is None and HANDED_OVER.of(g).value is None
+    net = torch.nn.Linear(2, 1)
+    _, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert px.strategy_of(opt)._overlap is None  # a group of one nobody rebuilds: plain PyTorch
+    REBUILT.of(g).value = HANDED_OVER.of(g).value = "a test"
+    try:
+        net = torch.nn.Linear(2, 1)
+        _, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        assert px.strategy_of(opt)._overlap is not None  # its hooks follow the group wherever it goes
+        preemption = of(g)
+        preemption.signal = 15  # as the handler records a SIGTERM
+        assert preemption.at_boundary(1) is False  # whoever took it over takes the worker out, not the boundary
+    finally:
+        REBUILT.of(g).value = HANDED_OVER.of(g).value = None
+        of(g).signal = None

@@ -37,7 +37,8 @@ from ..errors import ConfigError, usage
 from ..sharding.reshard import local_parts
 from ..sharding.layout import sharded_by
 from ..group.spans import span
-from ..step.preempt import PREEMPTION
+from ..step.preempt import HANDED_OVER, PREEMPTION
+from ..strategies.allreduce import REBUILT
 from ..wrap import strategy_of
 from .recovery import Recovery
 from .resize import ResizePolicy, check_policy
@@ -236,5 +237,8 @@ def attach(g: group.Group) -> None:
     place(g)
     if g.elastic:
         g.supervisor = State
+        # the facts the core reads in its own records, rather than asking whether membership can change
+        HANDED_OVER.of(g).value = "phalanx.elastic"  # a signalled worker leaves at the next commit
+        REBUILT.of(g).value = "phalanx.elastic"  # joiners attach alone; gradient hooks follow the rebuilt group
 
 
