@@ -1,4 +1,4 @@
-"""What a one-step-stale gradient costs in quality: the check behind leaving Pipe-SGD out (docs/performance.md §7).
+"""What a one-step-stale gradient costs in quality: why phalanx leaves Pipe-SGD out (benchmarks/reports/quality.md).
 
     python benchmarks/stale_gradient.py --task gpt --lr 0.001
     python benchmarks/stale_gradient.py --task resnet20 --lr 0.025

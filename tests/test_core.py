@@ -428,17 +428,21 @@ def test_a_checkpoint_closes_a_skipped_step_and_holds_the_framework_step(tmp_pat
     assert other.steps == 1
 
 
-def test_every_optional_hook_has_a_default_on_the_base_class():
+def test_a_rule_that_implements_no_capability_is_left_alone_by_every_feature():
+    from phalanx.checkpoint.training_state import replica_state
+    from phalanx.elastic.rule import CommitPoint, Regroupable
+    from phalanx.step.protocols import replicas_agree, weighs_gradients
+    from phalanx.strategies.accounting import bytes_sent
     strategy = px.Strategy()
-    strategy.regroup()
-    strategy.commit_point()
-    strategy.load_joiner_state_dict({})
-    assert strategy.replicas_agree(3) and not strategy.uses_servers
-    assert px.Periodic(px.every(4), px.ParameterAverage()).replicas_agree(4)
-    assert not px.Periodic(px.every(4), px.ParameterAverage()).replicas_agree(3)
+    assert not isinstance(strategy, (Regroupable, CommitPoint))
+    assert replicas_agree(strategy, 3) and not weighs_gradients(strategy, 1)
+    assert replica_state(strategy) == {} and bytes_sent(strategy) == 0
+    assert replicas_agree(px.Periodic(px.every(4), px.ParameterAverage()), 4)
+    assert not replicas_agree(px.Periodic(px.every(4), px.ParameterAverage()), 3)
 
 
 def test_a_strategy_that_uses_no_servers_warns_when_the_launcher_started_some():
     from phalanx.group.env import WorkerEnv
+    from phalanx.wrap import tell_launch
     with pytest.warns(UserWarning, match="names 2 parameter servers"):
-        px.AllReduce().launched_with(WorkerEnv(ps_servers=2))
+        tell_launch(px.AllReduce(), WorkerEnv(ps_servers=2))

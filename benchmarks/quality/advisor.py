@@ -40,7 +40,7 @@ from phalanx.bench import projection
 from .curves import INF, winner
 
 UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-# The throughput projection's measured error: 0.88-1.23x of the measured samples/s (docs/performance.md §7).
+# The throughput projection's measured error: 0.88-1.23x of the measured samples/s (benchmarks/reports/quality.md).
 MARGIN = 1.25
 
 

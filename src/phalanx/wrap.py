@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator
 
 import torch
@@ -23,17 +24,34 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .group import group
 from .group.spans import TIMELINE
+from .group.env import WorkerEnv
 from .step import profiling
 from .step.compiled import original
 from .errors import ConfigError, usage
 from .sharding.layout import FullyShard
 from .step.clock import StepClock
 from .strategies import AllReduce, Strategy, by_name
+from .strategies.base import ServerBacked
 
 # What px.wrap attached lives on the user's own objects, not in a module-level registry (the current group is the
 # only module state): the optimizer knows its strategy, the model its step clock. Both already hold the clock
 # through their hooks, so copying or pickling them is as it was.
 _STRATEGY, _CLOCK = "_phalanx_strategy", "_phalanx_clock"
+
+
+def tell_launch(strategy: Strategy, env: WorkerEnv) -> None:
+    """Give a :class:`~phalanx.strategies.base.ServerBacked` rule the environment; for any other, warn (rank 0)
+    when ``phalanx run --servers N`` started servers it leaves idle.
+
+    Example:
+        >>> tell_launch(AllReduce(), WorkerEnv())   # no servers started: nothing to say
+    """
+    if isinstance(strategy, ServerBacked):
+        strategy.launched_with(env)
+    elif env.ps_servers and env.rank == 0:
+        warnings.warn(f"PHALANX_PS_ADDRS names {env.ps_servers} parameter servers (phalanx run --servers "
+                      f"{env.ps_servers}) but strategy {type(strategy).__name__} uses none; drop --servers, or use "
+                      "px.Downpour, px.AsyncEASGD or px.ParameterServer", stacklevel=4)
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -88,7 +106,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
                                 "Pass e.g. shard=px.FullyShard(group_size=2)."))
     if shard is not None:
         shard.check(g, strategy)
-    strategy.launched_with(g.env)  # e.g. `phalanx run --servers N` with a strategy that uses none
+    tell_launch(strategy, g.env)  # e.g. `phalanx run --servers N` with a strategy that uses none
     if g.env.profile_dir and TIMELINE.of(g).value is None:  # `phalanx run --profile DIR`: the first model starts it
         profiling.profile(g.env.profile_dir)
     model.to(g.device)

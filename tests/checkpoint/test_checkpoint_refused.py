@@ -4,6 +4,7 @@ link loop, an RNG state that cannot be set, a flipped bit in DCP's ``.metadata``
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 
@@ -15,7 +16,7 @@ import phalanx as px
 from phalanx.checkpoint import FORMAT
 from phalanx.checkpoint.training_state import TrainingState
 from phalanx.cli import main as cli
-from phalanx.framing import read_verified, write_verified
+from phalanx.framing import digest_file, read_verified, write_marker, write_verified
 
 
 def trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -61,6 +62,9 @@ def test_an_rng_state_that_cannot_be_set_is_refused_before_the_model_is_loaded(t
         body = read_verified(path / "rank-0.pt")
         body["rng"]["torch"] = torch.zeros(7, dtype=torch.uint8)  # edited, then framed again: its hash is valid
         write_verified(path / "rank-0.pt", body)
+        marker = json.loads((path / "phalanx.json").read_text())  # and the marker vouches for the edited file
+        marker["files"]["rank-0.pt"] = digest_file(str(path), "rank-0.pt")
+        write_marker(str(path), {k: marker[k] for k in ("format", "world_size", "step")}, marker["files"])
     else:
         path = tmp_path / "ckpt.pt"
         snapshot = TrainingState(model, opt).capture()

@@ -181,9 +181,21 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
 
     with open(tmp_path / "c" / ".metadata", "wb") as f:
         pickle.dump(Evil(), f)
+    with pytest.raises(px.CheckpointError, match=".metadata"):  # it no longer matches what the marker vouches for
+        px.load_checkpoint(tmp_path / "c", model, opt)
+    _reseal(tmp_path / "c", ".metadata")  # an editor who rewrote the marker too meets the unpickler
     with pytest.raises(px.CheckpointError, match="could not be read safely"):
         px.load_checkpoint(tmp_path / "c", model, opt)
     assert not os.path.exists(tmp_path / "ran")
+
+
+def _reseal(path, name: str) -> None:
+    """Rewrite the marker of the checkpoint ``path`` so that it vouches for the edited file ``name``."""
+    import json
+    from phalanx.framing import digest_file, write_marker
+    marker = json.loads((path / "phalanx.json").read_text())
+    marker["files"][name] = digest_file(str(path), name)
+    write_marker(str(path), {k: marker[k] for k in ("format", "world_size", "step")}, marker["files"])
 
 
 def test_a_one_file_checkpoint_of_the_earlier_format_still_loads(tmp_path):

@@ -132,6 +132,20 @@ def test_the_trainer_shows_the_world_size_on_its_progress_line_and_takes_a_polic
         trainer.fit(data, epochs=1, resize=px.elastic.KeepGlobalBatch())
 
 
+def test_the_regroup_line_tells_finished_steps_to_redo_from_the_seconds_of_work_lost(capsys):
+    # A kill in the middle of the step after a commit loses that step's seconds but no finished step: the line once
+    # read "redoing 0 step(s) (5.18s of work)", which contradicts itself.
+    from types import SimpleNamespace
+    from phalanx.elastic.commits import State
+    state = SimpleNamespace(history=[], _moved={}, step=4)
+    plan = {"generation": 1, "left": ["1"], "joined": []}
+    State._note(state, plan, 3, 0.0, redone=0, cause="killed", redone_s=5.18)
+    line = capsys.readouterr().err
+    assert ("resuming from the commit at step 4: 0 finished step(s) to redo, 5.18s of work since that commit lost"
+            in line)
+    assert state.history[0]["redone_steps"] == 0 and state.history[0]["redone_seconds"] == 5.18
+
+
 # -- real workers, real kills ----------------------------------------------------------------------------------------
 
 @pytest.mark.multiproc
@@ -145,7 +159,7 @@ def test_keep_global_batch_kill_one_of_three_matches_one_process_on_the_same_glo
     change = results["0"]["history"][0]
     assert (change["was"], change["world_size"], change["step"], change["redone_steps"]) == (3, 2, 3, 1)
     assert change["redone_seconds"] >= 0 and change["seconds"] >= 0
-    assert "left: 1" in proc.stderr and "redoing 1 step(s)" in proc.stderr
+    assert "left: 1" in proc.stderr and "1 finished step(s) to redo" in proc.stderr
     want = oracle(record)
     for r in results.values():
         for got, expected in zip(r["params"], want, strict=True):

@@ -174,6 +174,8 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     (tmp_path / "dcp" / ".metadata").write_bytes(b"")
     assert latest_checkpoint(tmp_path) == new
     (tmp_path / "dcp" / "phalanx.json").write_bytes(b"{}")
+    assert latest_checkpoint(tmp_path) == new  # ... and verifies: a marker that vouches for nothing is passed over
+    px.save_checkpoint(str(tmp_path / "dcp"), net, step=3)
     assert latest_checkpoint(tmp_path) == str(tmp_path / "dcp")
     superseded = tmp_path / "step-5.pt.old-abcd1234"  # the copy a newer save replaced
     superseded.mkdir()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ps.report import load_report
+from ..strategies.accounting import bytes_sent
 from . import models
 from .breakdown import StepProbe
 from .spec import Setup, build_strategy
@@ -127,7 +128,7 @@ class StrategyAccountant(Accountant):
         self.steps += 1
 
     def bytes_sent(self) -> float:
-        return float(self.strategy.bytes_sent) + self.fsdp_bytes * self.steps
+        return float(bytes_sent(self.strategy)) + self.fsdp_bytes * self.steps
 
     def calls(self) -> int:
         stats = getattr(getattr(self.strategy, "comm", None), "stats", None)

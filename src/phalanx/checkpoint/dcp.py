@@ -4,7 +4,10 @@ The directory holds DCP's files (``.metadata``, ``__<rank>_0.distcp``) with ever
 (model, optimizer, the strategy's shared state, each worker's own strategy state and
 buffers), one small verified file per worker (``rank-<r>.pt``: the skeleton of its state
 with each tensor replaced by a reference to its DCP key, plus data position, RNG, step,
-scheduler, scaler, ``extra``) and the marker (``phalanx.json``), written last.
+scheduler, scaler, ``extra``) and the marker (``phalanx.json``), written last, which lists
+every file's size and SHA-256 (the data files' per stored chunk). A read goes through
+:class:`phalanx.framing.Opened`: one open directory, its regular files only, every byte
+checked before it is used, and DCP's metadata checked to tile each tensor with its chunks.
 
 Reading runs no code from the files: the per-worker files load with ``weights_only=True``
 and DCP's metadata is read by :class:`_MetadataUnpickler`, which builds only DCP's own
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
+import io
 import os
 import pickle
 import warnings
@@ -32,8 +35,9 @@ from torch import nn
 
 from ..group import group
 from ..errors import CheckpointError, ConfigError, usage
-from ..framing import MARKER, atomic_write, read_verified
-from .training_state import TrainingState, check_fit, cpu_copy, resize_warning, rng_state
+from ..framing import MARKER, Opened, digest_files, unframe, write_marker
+from ..strategies.base import state_with_step
+from .training_state import TrainingState, check_fit, cpu_copy, replica_state, resize_warning, rng_state
 from ..wrap import unwrap
 
 
@@ -71,8 +75,8 @@ def _snapshot(state: TrainingState, me: int) -> tuple[dict[str, torch.Tensor], d
                and type(v) is torch.Tensor}
     strategy = state.strategy
     parts = {"model": msd, "optim": osd,
-             "strategy": strategy.state_with_step() if strategy is not None else None,
-             f"rank{me}": {"replica": (strategy.replica_state_dict() or None) if strategy is not None else None,
+             "strategy": state_with_step(strategy) if strategy is not None else None,
+             f"rank{me}": {"replica": (replica_state(strategy) or None) if strategy is not None else None,
                            "buffers": buffers}}
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(parts, "", tensors)
@@ -160,58 +164,68 @@ def _grads_present(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
 
 
 def _seal(tmp: str, path: str, world: int, step: int) -> None:
-    """Check the temporary directory holds every worker's part, then write the marker (last: it says "complete")."""
-    lacking = [name for name in [".metadata", *(f"rank-{r}.pt" for r in range(world))]
-               if not os.path.exists(os.path.join(tmp, name))]
+    """Check the temporary directory holds every worker's part, then write the marker (last: it says "complete").
+
+    The marker lists every file with its size and SHA-256 (DCP's data files per stored chunk, as
+    ``.metadata`` places them): a reader uses no byte it does not vouch for (:class:`phalanx.framing.Opened`).
+    """
+    names = [".metadata", *(f"rank-{r}.pt" for r in range(world))]
+    lacking = [name for name in names if not os.path.exists(os.path.join(tmp, name))]
     if lacking:
         raise CheckpointError(f"the checkpoint written to {tmp!r} lacks {', '.join(lacking)}; expected every "
                               f"worker's part. {path!r} is left as it was: save again.")
-    atomic_write(os.path.join(tmp, MARKER),
-                 json.dumps({"format": DCP_FORMAT, "world_size": world, "step": step}).encode())
+    with open(os.path.join(tmp, ".metadata"), "rb") as f:
+        storage = _MetadataUnpickler(f).load().storage_data
+    chunks: dict[str, list[tuple[int, int]] | None] = {name: None for name in names}
+    for info in storage.values():
+        chunks.setdefault(info.relative_path, []).append((info.offset, info.length))
+    write_marker(tmp, {"format": DCP_FORMAT, "world_size": world, "step": step}, digest_files(tmp, chunks))
 
 
 # -- reading --------------------------------------------------------------------------------------------------------
 
 def _read_marker(path: str) -> dict[str, Any]:
-    """The marker of the complete checkpoint directory ``path`` (format, world size, step), checked."""
-    try:
-        with open(os.path.join(path, MARKER), "rb") as f:
-            marker = json.loads(f.read().decode())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path!r} is not a complete phalanx checkpoint (it lacks {MARKER}, written last); "
-                              "expected a directory px.save_checkpoint finished. Resume from an earlier "
-                              "checkpoint.") from None
-    except ValueError as err:
-        raise CheckpointError(f"{path!r} has a damaged {MARKER} ({err}); expected the JSON px.save_checkpoint "
-                              "writes. Resume from an earlier checkpoint.") from None
-    ok = isinstance(marker, dict) and marker.get("format") == DCP_FORMAT and \
-        all(type(marker.get(k)) is int for k in ("world_size", "step")) and marker["world_size"] >= 1
+    """The marker of the complete checkpoint directory ``path`` (format, world size, step, files), checked."""
+    with Opened(path) as ckpt:
+        return _marker(ckpt)
+
+
+def _marker(ckpt: Opened) -> dict[str, Any]:
+    """The opened checkpoint's marker, with the format, world size and step px.save_checkpoint writes."""
+    marker = ckpt.marker
+    ok = marker.get("format") == DCP_FORMAT and all(type(marker.get(k)) is int for k in ("world_size", "step")) \
+        and marker["world_size"] >= 1
     if not ok:
-        raise CheckpointError(f"{path!r} has a {MARKER} that is not phalanx's ({str(marker)[:120]}); expected "
+        raise CheckpointError(f"{ckpt.path!r} has a {MARKER} that is not phalanx's ({str(marker)[:120]}); expected "
                               f"format {DCP_FORMAT!r} with a world size and step. Resume from a checkpoint "
                               "px.save_checkpoint wrote, unedited.")
     return marker
 
 
-def _read_rank_file(path: str, rank: int) -> dict[str, Any]:
-    """Worker ``rank``'s own file of the checkpoint directory ``path``: its skeleton and non-tensor state."""
-    body = read_verified(os.path.join(path, f"rank-{rank}.pt"))
+def _read_rank_file(ckpt: Opened, rank: int) -> dict[str, Any]:
+    """Worker ``rank``'s own file of the opened checkpoint: its skeleton and non-tensor state."""
+    name = f"rank-{rank}.pt"
+    body = unframe(ckpt.read(name), ckpt.where(name))
     if body.get("format") != DCP_FORMAT or body.get("rank") != rank or not isinstance(body.get("skeleton"), dict) \
             or "model" not in body["skeleton"]:
-        raise CheckpointError(f"{path!r}: rank-{rank}.pt has the framing of a phalanx checkpoint but not its "
+        raise CheckpointError(f"{ckpt.path!r}: rank-{rank}.pt has the framing of a phalanx checkpoint but not its "
                               "structure; expected a worker's file from px.save_checkpoint. Resume from a "
                               "checkpoint px.save_checkpoint wrote, unedited.")
     return body
 
 
-def _load_directory(path: str, state: TrainingState, *, restore_rng: bool) -> dict[str, Any]:
-    """Restore ``state`` from the directory ``path``: this worker's own part, or rank 0's on another world size."""
-    marker = _read_marker(path)
+def _load_directory(ckpt: Opened, state: TrainingState, *, restore_rng: bool) -> dict[str, Any]:
+    """Restore ``state`` from the opened directory: this worker's own part, or rank 0's on another world size.
+
+    Every byte is read and checked before the first thing is changed (:class:`phalanx.framing.Opened`).
+    """
+    path = ckpt.path
+    marker = _marker(ckpt)
     me, world = group.rank(), group.world_size()
     same = marker["world_size"] == world
-    own = _read_rank_file(path, me if same else 0)
+    own = _read_rank_file(ckpt, me if same else 0)
     skeleton = own["skeleton"]
-    metadata = _safe_reader(path).read_metadata()
+    metadata = _safe_reader(ckpt).read_metadata()
     model = unwrap(state.model)
     optimizer = state.optimizer if skeleton.get("optim") is not None else None
     msd, osd = _live_state(model, optimizer)
@@ -228,9 +242,10 @@ def _load_directory(path: str, state: TrainingState, *, restore_rng: bool) -> di
                               "every tensor its workers' files name. Resume from an earlier checkpoint.")
     live: dict[str, torch.Tensor] = {}
     _split({"model": msd, "optim": osd}, "", live)
+    _check_chunks(path, metadata, keys)
     targets = {k: _target(k, metadata.state_dict_metadata[k], live, msd) for k in keys}
     if targets:
-        _dcp_load(path, targets)
+        _dcp_load(ckpt, targets)
     parts = _join(wanted, targets)
     sd = _dcp().state_dict
     try:
@@ -294,29 +309,73 @@ def _few(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def _load_whole(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors ``keys`` of a checkpoint directory, whole (unsharded), in this process alone."""
-    metadata = _safe_reader(path).read_metadata().state_dict_metadata
-    lacking = [k for k in keys if k not in metadata]
+def _load_whole(ckpt: Opened, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``keys`` of an opened checkpoint directory, whole (unsharded), in this process alone."""
+    path = ckpt.path
+    metadata = _safe_reader(ckpt).read_metadata()
+    lacking = [k for k in keys if k not in metadata.state_dict_metadata]
     if lacking:
         raise CheckpointError(f"{path!r} is damaged: its DCP metadata lacks {', '.join(lacking[:5])}; expected "
                               "every tensor its workers' files name. Resume from an earlier checkpoint.")
-    tensors = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
+    _check_chunks(path, metadata, keys)
+    entries = metadata.state_dict_metadata
+    tensors = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in keys}
     if tensors:
-        _dcp_load(path, tensors)
+        _dcp_load(ckpt, tensors)
     return tensors
 
 
-def _dcp_load(path: str, targets: dict[str, torch.Tensor]) -> None:
+def _check_chunks(path: str, metadata: Any, keys: list[str]) -> None:
+    """Refuse metadata whose stored chunks do not tile each tensor exactly (a part never read would be memory
+    left uninitialised), or that places a chunk nowhere in the files."""
+    for key in keys:
+        meta = metadata.state_dict_metadata[key]
+        size = tuple(meta.size)
+        boxes = []
+        problem = None
+        for chunk in meta.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                    o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, size)):
+                problem = f"a chunk at {list(offsets)} of {list(sizes)} lies outside its size {list(size)}"
+            elif _dcp().metadata.MetadataIndex(key, chunk.offsets) not in metadata.storage_data:
+                problem = f"the chunk at {list(offsets)} is stored nowhere"
+            boxes.append((offsets, sizes))
+        if problem is None:
+            covered = sum(_volume(sizes) for _, sizes in boxes)
+            overlap = any(all(a < c + m and c < a + n for a, n, c, m in zip(o1, s1, o2, s2))
+                          for i, (o1, s1) in enumerate(boxes) for o2, s2 in boxes[i + 1:]
+                          if _volume(s1) and _volume(s2))
+            if overlap or covered != _volume(size):
+                problem = f"its {len(boxes)} stored chunk(s) cover {covered:,} of its {_volume(size):,} elements" \
+                    + (" and overlap" if overlap else "")
+        if problem is not None:
+            raise CheckpointError(f"{path!r}: DCP's metadata for {key!r} is inconsistent ({problem}); expected "
+                                  "chunks that tile each tensor once. Refusing it: resume from an earlier "
+                                  "checkpoint.")
+
+
+def _volume(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _dcp_load(ckpt: Opened, targets: dict[str, torch.Tensor]) -> None:
     """DCP's load into ``targets``, in this process alone; a damaged data file is one CheckpointError."""
     try:
         with _quiet():
-            _dcp().load(targets, storage_reader=_safe_reader(path), no_dist=True)
+            _dcp().load(targets, storage_reader=_safe_reader(ckpt), no_dist=True)
     except CheckpointError:
         raise
     except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001 - a damaged file
+        inner = next(iter((getattr(err, "failures", None) or {}).values()), None)
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, CheckpointError):  # ours, raised in read_data and wrapped by DCP: it names the file
+            raise type(inner)(*inner.args) from None
         first = next(iter(str(err).strip().splitlines()), type(err).__name__)
-        raise CheckpointError(f"{path!r} could not be read: its DCP data is truncated or corrupted "
+        raise CheckpointError(f"{ckpt.path!r} could not be read: its DCP data is truncated or corrupted "
                               f"({type(err).__name__}: {first[:200]}); expected an intact checkpoint. Resume from "
                               "an earlier checkpoint.") from None
 
@@ -338,25 +397,28 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
 
-def _safe_reader(path: str) -> Any:
-    """DCP's file reader for ``path``, with its metadata read by :class:`_MetadataUnpickler` and tensors only."""
-    return _safe_reader_class()(path)
+def _safe_reader(ckpt: Opened) -> Any:
+    """DCP's file reader for the opened checkpoint: metadata by :class:`_MetadataUnpickler`, every byte checked."""
+    reader = _safe_reader_class()(ckpt.path)
+    reader.opened = ckpt
+    return reader
 
 
 @functools.cache
 def _safe_reader_class() -> type:
     """The reader's class: it derives from DCP's, which is imported at the first checkpoint (see :func:`_dcp`)."""
-    return type("_SafeReader", (_dcp().FileSystemReader,), {"read_metadata": _read_metadata})
+    return type("_SafeReader", (_dcp().FileSystemReader,), {"read_metadata": _read_metadata, "read_data": _read_data})
 
 
 def _read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-    where = os.path.join(os.fspath(self.path), ".metadata")
+    ckpt: Opened = self.opened
+    where = ckpt.where(".metadata")
+    if ".metadata" not in ckpt.files:
+        raise CheckpointError(f"{ckpt.path!r} lacks DCP's .metadata; expected a whole checkpoint "
+                              "directory. Resume from an earlier checkpoint.")
+    data = ckpt.read(".metadata")  # its SHA-256 checked first: a flipped bit is refused, not misread
     try:
-        with open(where, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"{os.fspath(self.path)!r} lacks DCP's .metadata; expected a whole checkpoint "
-                              "directory. Resume from an earlier checkpoint.") from None
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as err:  # noqa: BLE001 - anything unreadable is one refusal
         raise CheckpointError(f"{where!r} could not be read safely ({type(err).__name__}: "
                               f"{str(err)[:200]}); expected DCP metadata of tensors only. Refusing it: do not "
@@ -366,13 +428,83 @@ def _read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         raise CheckpointError(f"{where!r} is damaged: {problem}; expected the DCP metadata px.save_checkpoint "
                               "writes. Resume from an earlier checkpoint.")
     if not isinstance(metadata, _dcp().metadata.Metadata) or not all(
-            isinstance(v, _dcp().metadata.TensorStorageMetadata) for v in metadata.state_dict_metadata.values()):
+            isinstance(v, _dcp().metadata.TensorStorageMetadata) for v in metadata.state_dict_metadata.values()) \
+            or not isinstance(metadata.storage_data, dict) or not all(
+            type(v) is _dcp().filesystem._StorageInfo for v in metadata.storage_data.values()):
         raise CheckpointError(f"{where!r} describes entries other than tensors; expected the metadata "
                               "px.save_checkpoint writes (objects would be unpickled). Refusing it.")
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = _dcp().metadata.StorageMeta()
     metadata.storage_meta.load_id = self.load_id
+    self.phalanx_metadata = metadata  # read_data checks each chunk's shape against it
     return metadata
+
+
+def _read_ahead(ckpt: Opened, infos: list[Any], items: list[Any]) -> Iterator[tuple[Any, bytes]]:
+    """``(item, its chunk's bytes, checked)`` in order, the next few chunks read and hashed in threads meanwhile
+    (hashlib releases the GIL): the check's SHA-256 runs beside the deserialisation instead of before it."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+    window = max(1, min(4, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=window) as pool:
+        pending: deque = deque()
+        upcoming = iter(zip(items, infos))
+        for _ in range(window):
+            for req, info in upcoming:
+                pending.append((req, pool.submit(ckpt.read_chunk, info.relative_path, info.offset, info.length)))
+                break
+        while pending:
+            req, future = pending.popleft()
+            data = future.result()
+            for nxt, info in upcoming:
+                pending.append((nxt, pool.submit(ckpt.read_chunk, info.relative_path, info.offset, info.length)))
+                break
+            yield req, data
+
+
+def _read_data(self, plan: Any, planner: Any) -> Any:
+    """DCP's ``read_data``, reading each chunk through the opened checkpoint: confined to its regular files, inside
+    their sizes, and checked against the marker's SHA-256 before it is used."""
+    ckpt: Opened = self.opened
+    items = sorted(plan.items, key=lambda r: (self.storage_data[r.storage_index].relative_path,
+                                              self.storage_data[r.storage_index].offset))
+    for req in items:
+        info = self.storage_data[req.storage_index]
+        if info.transform_descriptors or req.type != _dcp().planner.LoadItemType.TENSOR:
+            raise CheckpointError(f"{ckpt.path!r}: DCP's metadata asks for a transformed or non-tensor read of "
+                                  f"{info.relative_path!r}; expected plain tensors as px.save_checkpoint writes them.")
+        ckpt.open_data(info.relative_path)  # here, in this thread: the reads ahead below share the descriptors
+    for req, data in _read_ahead(ckpt, [self.storage_data[r.storage_index] for r in items], items):
+        info = self.storage_data[req.storage_index]
+        where = ckpt.where(info.relative_path)
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001
+            raise CheckpointError(f"{where!r} holds a chunk that does not load as a tensor ({type(err).__name__}); "
+                                  "expected the data px.save_checkpoint wrote. Refusing it.") from None
+        target = planner.resolve_tensor(req).detach()
+        meta = self.phalanx_metadata.state_dict_metadata.get(req.storage_index.fqn)
+        chunk = next((c for c in getattr(meta, "chunks", ()) if tuple(c.offsets) == tuple(req.storage_index.offset)),
+                     None)
+        if not isinstance(tensor, torch.Tensor) or chunk is None or tensor.dtype != target.dtype or \
+                tuple(tensor.shape) != tuple(chunk.sizes):
+            raise CheckpointError(f"{where!r} holds a chunk of {req.storage_index.fqn!r} that is not the tensor its "
+                                  "metadata describes (another shape or dtype); expected what px.save_checkpoint "
+                                  "wrote. Refusing it.")
+        narrowed = tensor
+        try:
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                narrowed = narrowed.narrow(dim, start, length)
+        except (RuntimeError, IndexError, ValueError):
+            narrowed = None
+        if narrowed is None or narrowed.size() != target.size():
+            raise CheckpointError(f"{where!r}: the chunk of {req.storage_index.fqn!r} does not hold the part asked "
+                                  "for; expected the data px.save_checkpoint wrote. Refusing it.")
+        target.copy_(narrowed)
+        planner.commit_tensor(req, target)
+    fut: torch.futures.Future = torch.futures.Future()  # DCP waits on torch's future, as its own reader returns
+    fut.set_result(None)
+    return fut
 
 
 def _metadata_problem(metadata: Any) -> str | None:

@@ -148,8 +148,15 @@ def _commit(tmp: str, path: str, world: int, step: int) -> None:
         os.replace(path, old)  # a kill between these two renames leaves the old one here: _resolve finds it
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(path))
-    if old is not None:
-        (shutil.rmtree if os.path.isdir(old) else os.unlink)(old)
+    if old is not None:  # (``latest_checkpoint`` may be removing the same leftover: either may finish it)
+        shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else _unlink(old)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _abandon(tmp: str, key: str | None, err: BaseException | None = None) -> None:

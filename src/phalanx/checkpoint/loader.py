@@ -11,18 +11,46 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..framing import MARKER, atomic_write, read_verified, to_bytes
+from ..framing import MARKER, Opened, Vanished, atomic_write, read_verified, to_bytes
 from .training_state import TrainingState
 from .agreement import _remove_abandoned
-from .dcp import DCP_FORMAT, _join, _load_directory, _load_whole, _read_marker, _read_rank_file, _refs
+from .dcp import DCP_FORMAT, _join, _load_directory, _load_whole, _marker, _read_marker, _read_rank_file, _refs
 from .handle import _resolve
 from .legacy import _load_file, _model_state
+
+T = TypeVar("T")
+READ_ATTEMPTS = 5  # a checkpoint replaced under a reader this many times in a row is refused, not read half
+
+
+def _consistently(path: str | os.PathLike, directory: Callable[[Opened], T], file: Callable[[str], T]) -> T:
+    """``directory(opened)`` on the checkpoint at ``path`` (``file(path)`` for a one-file one), all from one save.
+
+    Every file is read through one open directory; if a save renamed a new checkpoint over the path and the old one
+    was removed while it was read (a file vanished), it starts again on the new one, before anything is applied.
+    """
+    for _ in range(READ_ATTEMPTS):
+        found = _resolve(os.fspath(path))
+        if not os.path.isdir(found):
+            return file(found)
+        try:
+            ckpt = Opened(found)
+        except Vanished:  # gone between finding and opening it: a save replaced it; find it again
+            continue
+        with ckpt:
+            try:
+                return directory(ckpt)
+            except Vanished:
+                if not ckpt.replaced():  # a file missing from a directory still in place: damaged, say so
+                    raise
+    raise CheckpointError(f"{os.fspath(path)!r} was replaced by a newer save {READ_ATTEMPTS} times while it was "
+                          "being read; expected a checkpoint that stays in place for one read. Read it again once "
+                          "the saves pause, or copy it first.")
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -50,10 +78,8 @@ def load_state(path: str | os.PathLike, state: TrainingState, *, restore_rng: bo
     with _os_errors_refused(path):
         with contextlib.suppress(OSError):  # housekeeping: what a save killed half-way left (elastic: a lost worker)
             _remove_abandoned(os.path.abspath(os.fspath(path)))
-        found = _resolve(os.fspath(path))
-        if os.path.isdir(found):
-            return _load_directory(found, state, restore_rng=restore_rng)
-        return _load_file(found, state, restore_rng=restore_rng)
+        return _consistently(path, lambda ckpt: _load_directory(ckpt, state, restore_rng=restore_rng),
+                             lambda found: _load_file(found, state, restore_rng=restore_rng))
 
 
 @contextlib.contextmanager
@@ -79,12 +105,13 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     as it was written.
     """
     with _os_errors_refused(path):
-        found = _resolve(os.fspath(path))
-        if not os.path.isdir(found):
-            return read_verified(found)
-        marker = _read_marker(found)
-        ranks = [_read_rank_file(found, r) for r in range(marker["world_size"])]
-        tensors = _load_whole(found, sorted({k for rank in ranks for k in _refs(rank["skeleton"])}))
+        return _consistently(path, _read_directory, read_verified)
+
+
+def _read_directory(ckpt: Opened) -> dict[str, Any]:
+    marker = _marker(ckpt)
+    ranks = [_read_rank_file(ckpt, r) for r in range(marker["world_size"])]
+    tensors = _load_whole(ckpt, sorted({k for rank in ranks for k in _refs(rank["skeleton"])}))
     for r, rank in enumerate(ranks):
         parts = _join(rank.pop("skeleton"), tensors)
         own = parts.get(f"rank{r}") or {}
@@ -100,14 +127,13 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict[str, t
     The file is what :func:`~phalanx.checkpoint.save` writes: it loads into the unwrapped model with
     ``Net().load_state_dict(torch.load(out, weights_only=True))``. ``phalanx export CKPT OUT``.
     """
+    def directory(ckpt: Opened) -> dict[str, torch.Tensor]:
+        _marker(ckpt)
+        skeleton = _read_rank_file(ckpt, 0)["skeleton"]["model"]
+        return _join(skeleton, _load_whole(ckpt, _refs(skeleton)))
+
     with _os_errors_refused(checkpoint):
-        found = _resolve(os.fspath(checkpoint))
-        if os.path.isdir(found):
-            _read_marker(found)
-            skeleton = _read_rank_file(found, 0)["skeleton"]["model"]
-            state = _join(skeleton, _load_whole(found, _refs(skeleton)))
-        else:
-            state = _model_state(found)
+        state = _consistently(checkpoint, directory, _model_state)  # every byte checked before the file is written
     atomic_write(out, to_bytes(dict(state)))
     return state
 

@@ -20,6 +20,7 @@ from ..group.records import Record, Slot
 from ..framing import atomic_write, check_plain, to_bytes, write_verified
 from ..sharding.layout import is_sharded
 from ..group.spans import span
+from ..step.protocols import replicas_agree
 from .training_state import TrainingState
 from ..wrap import unwrap
 from .agreement import _agree, _agree_on_temporary, _all_enter, peer_lost
@@ -127,7 +128,7 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     strategy = state.strategy
     # Replicated tensors are written once: spread over the workers when replicas agree, by rank 0 otherwise
     # (its model is the one every worker takes when resuming on another number of workers).
-    dedup = strategy is not None and not strategy.replicas_agree(strategy.steps)
+    dedup = strategy is not None and not replicas_agree(strategy, strategy.steps)
     planner = _dcp().default_planner.DefaultSavePlanner(dedup_save_to_lowest_rank=dedup)
     writer = _writer(tmp)
     distributed = dist.is_initialized() and world > 1

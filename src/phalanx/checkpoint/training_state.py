@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import random
 import warnings
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -42,9 +42,39 @@ from torch import nn
 from ..errors import CheckpointError
 from ..group import group
 from ..group.collectives import gather_object
+from ..strategies.base import device_of, load_state_with_step, state_with_step
 from ..wrap import strategy_of, unwrap
 
 FORMAT = "phalanx-state-1"
+
+
+@runtime_checkable
+class ReplicaState(Protocol):
+    """A rule whose workers each hold state the others do not share (compressor residuals, a drifting replica).
+
+    A snapshot keeps it per worker (:data:`PER_WORKER`); a rule without it has none.
+    """
+
+    def replica_state_dict(self) -> dict[str, Any]: ...
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def replica_state(strategy: Any) -> dict[str, Any]:
+    """``strategy``'s own state on this worker (:class:`ReplicaState`); {} where it keeps none. A pure read.
+
+    Example:
+        >>> import phalanx as px
+        >>> replica_state(px.Strategy()), replica_state(px.AllReduce())
+        ({}, {})
+    """
+    return strategy.replica_state_dict() if isinstance(strategy, ReplicaState) else {}
+
+
+def load_replica_state(strategy: Any, state: dict[str, Any]) -> None:
+    """Put back what :func:`replica_state` returned on this worker (nothing where the rule keeps none)."""
+    if isinstance(strategy, ReplicaState):
+        strategy.load_replica_state_dict(state)
 #: The parts of a snapshot that belong to one worker only; the rest is shared by all.
 PER_WORKER = ("replica", "rng")
 
@@ -79,7 +109,7 @@ class TrainingState:
     def settle(self) -> None:
         """Close a step this worker skipped, so the snapshot counts it (collective: call on every worker)."""
         if self.strategy is not None:
-            self.strategy.settle()
+            self.strategy.clock.settle()
 
     def capture(self) -> dict[str, Any]:
         """This worker's snapshot: detached CPU copies of tensors and plain values; no collective.
@@ -87,12 +117,12 @@ class TrainingState:
         A step this worker skipped and has not closed yet is not in it: call :meth:`settle` first.
         """
         strategy = self.strategy
-        replica = strategy.replica_state_dict() if strategy is not None else None
+        replica = replica_state(strategy) if strategy is not None else None
         return {
             "format": FORMAT, "rank": group.rank(), "world_size": group.world_size(), "step": self.step,
             "model": cpu_copy(unwrap(self.model).state_dict()),
             "optimizer": cpu_copy(self.optimizer.state_dict()) if self.optimizer is not None else None,
-            "strategy": cpu_copy(strategy.state_with_step()) if strategy is not None else None,
+            "strategy": cpu_copy(state_with_step(strategy)) if strategy is not None else None,
             "replica": cpu_copy(replica) if replica else None,
             "loader": copy.deepcopy(self.loader.state_dict()) if self.loader is not None else None,
             "scheduler": cpu_copy(self.scheduler.state_dict()) if self.scheduler is not None else None,
@@ -107,7 +137,7 @@ class TrainingState:
         The order matters: the optimizer after the model (it maps its state onto the
         parameters' devices), the strategy's replica state after its shared state, the
         RNG last (loading anything must not shift the streams). ``joining``: this worker enters
-        a running elastic job (see :meth:`phalanx.Strategy.load_joiner_state_dict`).
+        a running elastic job (see :class:`phalanx.strategies.base.Joinable`).
         """
         if snapshot.get("model") is not None:  # None: a checkpoint directory restored the model already
             unwrap(self.model).load_state_dict(snapshot["model"])
@@ -115,11 +145,11 @@ class TrainingState:
             self.optimizer.load_state_dict(snapshot["optimizer"])
         strategy = self.strategy
         if strategy is not None:
-            device = _device_of(self.model)
+            device = device_of(self.model)
             if snapshot.get("strategy") is not None:
-                strategy.load_state_with_step(to_device(snapshot["strategy"], device), joining=joining)
+                load_state_with_step(strategy, to_device(snapshot["strategy"], device), joining=joining)
             if snapshot.get("replica"):
-                strategy.load_replica_state_dict(to_device(snapshot["replica"], device))
+                load_replica_state(strategy, to_device(snapshot["replica"], device))
         if self.loader is not None and snapshot.get("loader") is not None:
             self.loader.load_state_dict(snapshot["loader"])
         if self.scheduler is not None and snapshot.get("scheduler") is not None:
@@ -183,9 +213,6 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 # -- fit, checked before anything is restored ----------------------------------------------------------------------

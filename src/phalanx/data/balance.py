@@ -9,14 +9,14 @@ reports are all-gathered and the next global batches, still contiguous slices of
 shared epoch order, are cut in proportion to 1 / seconds per sample (each worker keeps at
 least one sample; :func:`phalanx.data.sampler.split_sizes`). Every sample is still trained once
 per epoch, and the batch weights keep each step one process's step on the same global batch.
-Only strategies that weight workers by their share accept uneven parts (``Strategy.uneven_batches``:
+Only strategies that weight workers by their share accept uneven parts (:class:`UnevenBatches`:
 AllReduce, LocalSGD, DiLoCo, the synchronous parameter server); the split lives in the loader's
 ``state_dict`` (:class:`phalanx.data.loader.ShardedLoader`), and returns to equal after an elastic regroup.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 from ..errors import ConfigError, usage
 from ..step.clock import clocks
@@ -80,11 +80,20 @@ def shares_from(seconds: Sequence[float]) -> list[float] | None:
     return [r / sum(rates) for r in rates]
 
 
+@runtime_checkable
+class UnevenBatches(Protocol):
+    """A rule that weights each worker by its share of the global batch (the step clock's weight), so workers
+    may hold parts of different sizes: ``uneven_batches = True`` on the rule. Others are refused beside
+    ``balance="speed"``."""
+
+    uneven_batches: bool
+
+
 def refuse_unweighted_strategies() -> None:
     """Refuse ``balance="speed"`` beside a wrapped model whose strategy counts every worker alike."""
     for clock in list(clocks()):
         strategy = clock.strategy
-        if strategy is not None and not getattr(strategy, "uneven_batches", False):
+        if strategy is not None and not (isinstance(strategy, UnevenBatches) and strategy.uneven_batches):
             raise ConfigError(usage(
                 f"px.shard(..., balance='speed') with strategy {type(strategy).__name__}",
                 "a strategy that weights each worker by its share of the global batch (px.AllReduce, px.LocalSGD, "

@@ -26,6 +26,7 @@ from ..sharding.layout import sharded_by
 from ..wrap import strategy_of
 
 from ..checkpoint.training_state import shared
+from .rule import Regroupable
 
 
 class Recovery:
@@ -143,7 +144,7 @@ class Recovery:
             sampler.reassign(group.rank(), group.world_size())
         self.resize.resized(self.loader, before=before, after=group.world_size())
         strategy = strategy_of(self.optimizer)
-        if strategy is not None:
+        if isinstance(strategy, Regroupable):
             strategy.regroup()
 
     def _note(self, plan: dict, before: int, started: float, *, redone: int, cause: str,
@@ -159,6 +160,7 @@ class Recovery:
         if group.rank() == 0:
             print(f"phalanx: elastic: generation {plan['generation']}: {before} -> {group.world_size()} workers "
                   f"(left: {', '.join(plan['left']) or '-'}; joined: {', '.join(plan['joined']) or '-'}); "
-                  f"at step {self.step}, redoing {redone} step(s) ({redone_s:.2f}s of work); regrouped in "
-                  f"{seconds:.2f}s", file=sys.stderr, flush=True)
+                  f"resuming from the commit at step {self.step}: {redone} finished step(s) to redo, "
+                  f"{redone_s:.2f}s of work since that commit lost; regrouped in {seconds:.2f}s",
+                  file=sys.stderr, flush=True)  # finished steps and lost seconds differ: a step in flight is lost too
 

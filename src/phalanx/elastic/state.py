@@ -40,8 +40,10 @@ from ..group.spans import span
 from ..step.preempt import HANDED_OVER, PREEMPTION
 from ..strategies.allreduce import REBUILT
 from ..wrap import strategy_of
+from ..step.protocols import replicas_agree
 from .recovery import Recovery
 from .resize import ResizePolicy, check_policy
+from .rule import CommitPoint
 from .run import JoinersAdmitted, Reentry, WorkersLeaving
 from .worker import ElasticWorker, place
 
@@ -152,7 +154,7 @@ class State(Recovery, Reentry):
         # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; commit only where
         # every worker stands at the same step with the same model.
         if step - max(self.commits, default=0) >= self.commit_every and (strategy is None or
-                                                                          strategy.replicas_agree(step)):
+                                                                          replicas_agree(strategy, step)):
             self._commit_together()
             leavers = self.worker.membership.leavers(step)
             if self.worker.me in leavers:
@@ -186,13 +188,13 @@ class State(Recovery, Reentry):
     def _commit_together(self) -> None:
         """A commit every member takes at the same step. An async PS settles around it."""
         strategy = strategy_of(self.optimizer) if self.elastic else None
-        if strategy is not None:
+        if isinstance(strategy, CommitPoint):
             strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
         with span("phalanx/commit"):  # the timeline (phalanx.step.profiling)
             self.commit()
             if self.checkpoint is not None and self.elastic:
                 save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
-        if strategy is not None:
+        if isinstance(strategy, CommitPoint):
             strategy.commit_point()  # and no one's next push lands before every worker took it
 
     def _check(self) -> None:

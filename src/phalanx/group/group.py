@@ -29,7 +29,7 @@ import torch.distributed as dist
 from . import leaving, liveness, orphan
 from .records import Records
 from ..errors import ConfigError, PhalanxError, WorkerLostError, usage
-from .env import DEFAULT_TIMEOUT_S, WorkerEnv  # noqa: F401 (re-exported: older imports)
+from .env import WorkerEnv
 
 class Group:
     """The worker group this process belongs to: the one owner of who is in the run now.

@@ -25,8 +25,10 @@ import torch
 
 from ..group import group
 from ..checkpoint import read_checkpoint, write_verified
+from ..checkpoint.training_state import load_replica_state, replica_state
 from ..group.collectives import Comm
 from ..errors import CheckpointError
+from ..strategies.base import load_state_with_step, state_with_step
 from .runs import run_of
 
 
@@ -108,15 +110,15 @@ def save_checkpoint(path: str | os.PathLike, model: Any, *, epoch: int) -> None:
     comm = run.comm if run is not None else Comm()
     strategy = run.strategy if run is not None else None
     if strategy is not None:
-        strategy.settle()  # a skipped step is closed on every worker before the state is read
+        strategy.clock.settle()  # a skipped step is closed on every worker before the state is read
     rngs = comm.all_gather(torch.get_rng_state())
-    replicas = comm.all_gather_state(strategy.replica_state_dict()) if strategy is not None else None
+    replicas = comm.all_gather_state(replica_state(strategy)) if strategy is not None else None
     if not group.is_main():
         return
     write_verified(path, {
         "keras_model": model_state_dict(model),
         "keras_optimizer": OptimizerState(model.optimizer).state_dict(),
-        "strategy": strategy.state_with_step() if strategy is not None else None,
+        "strategy": state_with_step(strategy) if strategy is not None else None,
         "replicas": replicas,
         "torch_rng_per_rank": rngs,
         "epoch": int(epoch),
@@ -136,10 +138,10 @@ def load_checkpoint(path: str | os.PathLike, model: Any) -> int:
     OptimizerState(model.optimizer).load_state_dict(body["keras_optimizer"])
     run = run_of(model)
     if run is not None and body["strategy"] is not None:
-        run.strategy.load_state_with_step(body["strategy"])
+        load_state_with_step(run.strategy, body["strategy"])
         replicas = body["replicas"] or []
         if len(replicas) == group.world_size():
-            run.strategy.load_replica_state_dict(replicas[group.rank()])
+            load_replica_state(run.strategy, replicas[group.rank()])
     per_rank = body["torch_rng_per_rank"]
     if group.rank() < len(per_rank):
         torch.set_rng_state(per_rank[group.rank()])

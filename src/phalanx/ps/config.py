@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 from .. import check
 from ..errors import ConfigError, usage
@@ -64,12 +63,3 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a host name or a wildcard such as "*": treat it as reachable from outside
-
-
-def warn_unused_servers(strategy: Any, rank: int = 0, env: Mapping[str, str] | None = None) -> None:
-    """At wrap: warn (once, on rank 0) when ``phalanx run --servers N`` started servers this strategy never uses."""
-    addrs = PSConfig.from_environ(env).addrs if (env or os.environ).get(ADDRS) else ()
-    if addrs and not getattr(strategy, "uses_servers", False) and rank == 0:
-        warnings.warn(f"{ADDRS} names {len(addrs)} parameter servers (phalanx run --servers {len(addrs)}) but "
-                      f"strategy {type(strategy).__name__} uses none; drop --servers, or use px.Downpour, "
-                      "px.AsyncEASGD or px.ParameterServer", stacklevel=3)

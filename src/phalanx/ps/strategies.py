@@ -25,8 +25,9 @@ from .. import check
 from ..group import group
 from ..strategies import sync
 from ..errors import ConfigError, usage
-from ..strategies import register
-from ..strategies.base import Strategy
+from ..group.env import WorkerEnv
+from ..strategies.accounting import Accounting
+from ..strategies.base import StepState, Strategy
 from ..strategies.gradients import local_grads, set_averaged_grads_
 from .client import ParamTable
 from .elastic import FollowsElasticGroup
@@ -37,7 +38,7 @@ from .shards import Policy
 from .wire import require_zmq
 
 
-class PSStrategy(FollowsElasticGroup, Strategy):
+class PSStrategy(FollowsElasticGroup, Accounting, StepState, Strategy):
     """What every PS strategy shares: connect, shard the parameters, account the traffic.
 
     Args:
@@ -45,9 +46,6 @@ class PSStrategy(FollowsElasticGroup, Strategy):
         placement: "greedy_bytes" (default), "round_robin", or a policy object.
         timeout: seconds to wait for a server (default ``PHALANX_PS_TIMEOUT`` or 30).
     """
-
-    #: ``phalanx run --servers N`` starts servers only strategies with this flag use.
-    uses_servers = True
 
     def __init__(self, *, servers: str | Sequence[str] | None = None, placement: Any = "greedy_bytes",
                  timeout: float | None = None) -> None:
@@ -76,6 +74,10 @@ class PSStrategy(FollowsElasticGroup, Strategy):
         self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # bytes_per_step leaves out the join
         return model
 
+    def launched_with(self, env: WorkerEnv) -> None:
+        """``px.wrap`` tells this rule what ``phalanx run`` set up (a :class:`phalanx.strategies.base.ServerBacked`
+        rule): the servers of ``--servers N`` are this rule's (``connect`` finds them at attach)."""
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse, at wrap time, an optimizer this strategy cannot honour (the default accepts any)."""
 
@@ -84,6 +86,11 @@ class PSStrategy(FollowsElasticGroup, Strategy):
 
     #: The servers hold the trained model (Downpour's parameters, EASGD's centre): finish() pulls it.
     servers_hold_the_model = True
+
+    def finish(self) -> None:
+        """Close a skipped last step, then :meth:`reconcile` (on every worker)."""
+        super().finish()
+        self.reconcile()
 
     def reconcile(self) -> None:
         """End of training, on every worker: leave each one holding the same final model.
@@ -130,13 +137,12 @@ class PSStrategy(FollowsElasticGroup, Strategy):
 
     def replica_state_dict(self) -> dict[str, Any]:
         """When the servers hold the model, each worker's copy drifts from it: keep the copy and its optimizer."""
-        state = super().replica_state_dict()
+        state: dict[str, Any] = {}
         if self.servers_hold_the_model:
             state.update(params=[p.detach().clone() for p in self.params], optimizer=self.optimizer.state_dict())
         return state
 
     def load_replica_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_replica_state_dict(state)
         if "params" in state:
             with torch.no_grad():
                 for p, saved in zip(self.params, state["params"], strict=True):
@@ -405,7 +411,3 @@ def ParameterServer(sync: bool = True, **kwargs: Any) -> PSStrategy:  # noqa: N8
                                 "Use px.Downpour(...) for asynchronous knobs."))
     return SyncParameterServer(**kwargs)
 
-
-register("downpour", Downpour)
-register("easgd-async", AsyncEASGD)
-register("ps-sync", SyncParameterServer)

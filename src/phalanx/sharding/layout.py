@@ -29,7 +29,7 @@ Example (a group of one, where ``group_size=1`` leaves the model as it is):
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -40,11 +40,23 @@ from .. import check
 from ..group.collectives import Comm, local_shard
 from ..errors import ConfigError, usage
 from ..strategies import AllReduce, Strategy
-from ..strategies.base import check_same_model
+from ..strategies.base import ServerBacked, check_same_model
 
 if TYPE_CHECKING:
     from ..group.group import Group
     from ..step.clock import StepClock
+
+
+@runtime_checkable
+class OnShards(Protocol):
+    """A rule that can work on each rank's shard of the parameters (``px.wrap(..., shard=...)``).
+
+    Where ``on_shards()`` is True it exchanges the shards (never their gradients) with the same shard
+    of the other replica groups, over the mesh's "replicate" group. Every ``px.Periodic`` rule does;
+    a rule without this method runs on shards only as HSDP (``px.AllReduce()``).
+    """
+
+    def on_shards(self) -> bool: ...
 
 
 class FullyShard:
@@ -84,11 +96,11 @@ class FullyShard:
             raise ConfigError(usage(f"shard=FullyShard(group_size={s}) with {strategy!r} under `phalanx run "
                                     "--elastic`", "px.AllReduce() (HSDP): a regroup re-shards its state onto the "
                                     "survivors", "Use px.AllReduce(), drop --elastic, or drop shard=."))
-        if strategy.uses_servers:
+        if isinstance(strategy, ServerBacked):
             raise ConfigError(usage(f"shard=FullyShard(...) with {type(strategy).__name__}",
                                     "a strategy that agrees between workers (AllReduce, LocalSGD, DiLoCo, EASGD): a "
                                     "parameter server holds the whole model", "Drop shard=, or use px.DiLoCo."))
-        if not (hsdp(strategy) or strategy.on_shards()):
+        if not (hsdp(strategy) or (isinstance(strategy, OnShards) and strategy.on_shards())):
             raise ConfigError(usage(f"shard=FullyShard(...) with {strategy!r}",
                                     "px.AllReduce() without compression (HSDP), or a periodic rule that exchanges "
                                     "parameters (LocalSGD without warm-up, DiLoCo with or without a compressor, "
@@ -239,8 +251,7 @@ class _OutputHook:
         self.queued = False
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        strategy = self.clock.strategy
-        weighs = strategy is not None and strategy.weighs_gradients(self.clock.step + 1)
+        weighs = self.clock.weighs_gradients(self.clock.step + 1)
         weight = self.clock.weight if weighs else None
         return tree_map_only(torch.Tensor, lambda t: _Scale.apply(t, weight, self)
                              if t.requires_grad and t.is_floating_point() else t, output)
@@ -259,4 +270,4 @@ class _OutputHook:
         self.clock.backward.callback()
 
 
-__all__ = ["FullyShard", "hsdp", "is_sharded", "sharded_by"]
+__all__ = ["FullyShard", "OnShards", "hsdp", "is_sharded", "sharded_by"]

@@ -27,7 +27,7 @@ worker's share of the global batch its next backward pass computes on
 loader sets it as it yields a batch, through :func:`set_batch_weight`, which reaches
 the clocks of every model wrapped in the current group (:func:`clocks`: the
 group, the one piece of module-level state, owns the registry; no other global is
-involved). While a strategy averages gradients (:meth:`Strategy.weighs_gradients`),
+involved). While a strategy averages gradients (:class:`~phalanx.step.protocols.WeighsGradients`),
 the clock scales each backward pass's gradient by the weight *as it arrives*, before
 it is accumulated into ``.grad`` (a tensor hook per parameter), so with gradient
 accumulation every micro-batch counts by its own share, and an empty part (whose
@@ -51,7 +51,7 @@ import contextlib
 import functools
 import time
 import weakref
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -59,17 +59,17 @@ from torch import nn
 from ..group import group
 from ..group.records import Record
 from . import preempt
+from .protocols import WeighsGradients
 from .backward import after_backward
 from ..group.spans import Spans, span, step_closed
 
 class StepHooks(Protocol):
     """What the clock calls on the rule it drives; :class:`phalanx.Strategy` is the one that implements it.
 
-    The clock depends on these four members only, so the step count sits below the strategies."""
+    The clock depends on these three members only (and on :class:`~phalanx.step.protocols.WeighsGradients`
+    where the rule implements it), so the step count sits below the strategies."""
 
     params: list[torch.Tensor]
-
-    def weighs_gradients(self, step: int) -> bool: ...
 
     def after_backward(self, step: int) -> None: ...
 
@@ -83,6 +83,7 @@ class StepClock:
         self.step = 0          # steps closed so far, identical on every rank
         self.pending = False   # a synchronising backward ended and its step is not closed yet
         self.strategy: StepHooks | None = None
+        self._weighs: Callable[[int], bool] | None = None  # the rule's weighs_gradients, where it has one
         self.module: nn.Module | None = None
         self.weight = 1.0      # this worker's share of the batch the next backward pass computes on
         self.step_weight = 1.0  # the weight of the step's synchronising backward pass (its share, for LocalSGD)
@@ -99,6 +100,8 @@ class StepClock:
              optimizer: torch.optim.Optimizer) -> None:
         """Called once by ``px.wrap``: hook the end of backward, the optimizer step and the next forward."""
         self.strategy, self.module = strategy, module
+        # asked once here: an isinstance against a Protocol costs tens of microseconds, and _weigh runs per parameter
+        self._weighs = strategy.weighs_gradients if isinstance(strategy, WeighsGradients) else None
         self.backward = after_backward(strategy.params, self._backward_done)
         self._handles = [optimizer.register_step_pre_hook(self._stepping),
                          optimizer.register_step_post_hook(self._stepped),
@@ -114,9 +117,14 @@ class StepClock:
         self.reached.add(key)
         self._grad_at = time.perf_counter()
         w = self.weight
-        if w == 1.0 or not self.strategy.weighs_gradients(self.step + 1):  # type: ignore[union-attr]
+        if w == 1.0 or not self.weighs_gradients(self.step + 1):
             return None  # unchanged: a group of one, and every even step, stay plain PyTorch bit for bit
         return torch.zeros_like(grad) if w == 0 else grad * w  # an empty part's gradient may be NaN
+
+    def weighs_gradients(self, step: int) -> bool:
+        """True where the rule averages step ``step``'s gradients (:class:`~phalanx.step.protocols.WeighsGradients`),
+        so each backward pass's gradient is scaled by this worker's batch weight; False before :meth:`bind`."""
+        return self._weighs is not None and self._weighs(step)
 
     def syncing(self) -> bool:
         """False inside ``px.no_sync`` (or DDP's own ``no_sync()``): the backward pass only accumulates."""

@@ -43,14 +43,17 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import shutil
 import signal
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..group import group
 from ..group.records import Record, Slot
-from ..framing import MARKER, read_verified
+from ..framing import MARKER, read_verified, verify_directory
+from .protocols import ReplicasAgree
 
 if TYPE_CHECKING:
     from ..group.group import Group
@@ -167,8 +170,9 @@ class Preemption:
         checkpoint taken there holds one model).
         """
         strategies = [c.strategy for c in self.clocks if c.strategy is not None]
+        agree = [s.replicas_agree for s in strategies if isinstance(s, ReplicasAgree)]  # the rest agree every step
         for step in range(latest + 1, latest + 1 + 1_000_000):  # a sync schedule is a function of the step
-            if all(s.replicas_agree(step) for s in strategies):
+            if all(a(step) for a in agree):
                 return step
         return latest + 1  # a schedule that never syncs again: its workers never meet, any step will do
 
@@ -229,32 +233,65 @@ def checkpoint_dir(default: str = "checkpoints") -> str:
 
 
 def latest_checkpoint(directory: str | os.PathLike | None) -> str | None:
-    """The newest complete checkpoint in ``directory`` (a checkpoint directory, or a one-file checkpoint).
+    """The newest checkpoint in ``directory`` that verifies (a checkpoint directory, or a one-file checkpoint).
 
-    Both are put in place by an atomic rename, so a checkpoint present under its own name is complete; a directory
-    counts only with the marker ``px.save_checkpoint`` writes last. Temporaries (``*.tmp-*``), superseded copies
-    (``*.old-*``) and hidden files are skipped, and a file that fails verification is passed over for the next
-    newest. None when there is none.
+    Every candidate is checked whole, newest first, and the first that verifies is taken: a directory
+    needs its marker and every file the marker lists, each byte matching its SHA-256 (a missing
+    ``.metadata`` or data file, a truncated worker's file, a flipped bit: passed over for the next
+    newest); a file needs its framing's SHA-256. Temporaries (``*.tmp-*``) and hidden files are
+    skipped. A save killed between its two renames left the previous checkpoint as ``<name>.old-<id>``
+    with no ``<name>``: it is renamed back (or taken where it is, when the directory is read-only);
+    an ``.old-*`` beside a ``<name>`` that verifies is a leftover, and removed. None when none verifies.
     """
     if directory is None or not os.path.isdir(directory):
         return None
+    def verifies(path: str) -> bool:
+        try:
+            verify_directory(path) if os.path.isdir(path) else read_verified(path)
+        except Exception:  # noqa: BLE001 - a damaged, partial or foreign checkpoint: try the next newest
+            return False
+        return True
+
+    directory = os.fspath(directory)
+    recovered = _recover_replaced(directory, verifies)
     found = []
-    for path in glob.glob(os.path.join(glob.escape(os.fspath(directory)), "*")):
+    for path in glob.glob(os.path.join(glob.escape(directory), "*")):
         name = os.path.basename(path)
-        if name.startswith(".") or ".tmp-" in name or ".old-" in name:
+        if name.startswith(".") or ".tmp-" in name or (".old-" in name and path not in recovered):
             continue
         if os.path.isdir(path) and not os.path.exists(os.path.join(path, MARKER)):
             continue
         found.append((os.path.getmtime(path), name, path))
     for _, _, path in sorted(found, reverse=True):
-        if os.path.isdir(path):
+        if verifies(path):
             return path
-        try:
-            read_verified(path)
-        except Exception:  # noqa: BLE001 - a damaged or foreign file: try the next newest
-            continue
-        return path
     return None
+
+
+_OLD = re.compile(r"(.+)\.old-[0-9a-f]{8}")  # what handle._commit names the checkpoint it replaces
+
+
+def _recover_replaced(directory: str, verifies: Callable[[str], bool]) -> set[str]:
+    """Put back the checkpoints a save killed between its two renames left as ``<name>.old-<id>``; remove those a
+    newer ``<name>`` superseded. Returns the ``.old-*`` paths that could not be renamed back (taken where they are)."""
+    olds = [os.path.join(directory, n) for n in os.listdir(directory) if _OLD.fullmatch(n)]
+    kept = set()
+    for old in sorted(olds, key=lambda p: os.path.getmtime(p) if os.path.lexists(p) else 0, reverse=True):
+        target = os.path.join(directory, _OLD.fullmatch(os.path.basename(old)).group(1))
+        try:
+            if os.path.lexists(target):
+                if verifies(target):  # the replace finished but its removal of the old one did not
+                    shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.unlink(old)
+            elif verifies(old):
+                try:
+                    os.rename(old, target)  # atomic; another worker doing the same at once: one of them wins
+                except FileExistsError:
+                    pass
+                except OSError:  # a read-only directory: take it where it is
+                    kept.add(old)
+        except FileNotFoundError:  # another worker recovered or removed it first
+            continue
+    return kept
 
 
 def checkpoint_name(directory: str | os.PathLike, step: int) -> str:

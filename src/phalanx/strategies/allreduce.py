@@ -45,7 +45,8 @@ from ..group.collectives import Comm, guarded
 from .compression import check_compressor
 from ..errors import ConfigError, usage
 from .. import check
-from .base import Strategy
+from .accounting import Accounting
+from .base import StepState, Strategy, compressor_replica_state, device_of, load_compressor_replica_state
 from .gradients import average_gradients_
 from .overlap import OverlappedMean
 from .quantize import Quantize
@@ -94,7 +95,7 @@ def averager(*, sharded: bool, compressed: bool, quantised: bool, world_size: in
     return "ddp"
 
 
-class AllReduce(Strategy):
+class AllReduce(Accounting, StepState, Strategy):
     """Average gradients every step, by the end of ``backward()``.
 
     Args:
@@ -108,6 +109,8 @@ class AllReduce(Strategy):
 
     name = "allreduce"
     uneven_batches = True  # each rank's gradient is weighted by its batch share (phalanx.step.clock)
+    #: The ``px.FullyShard`` that ``px.wrap(..., shard=...)`` applied (phalanx.sharding.layout sets it), or None.
+    sharded_by: Any = None
 
     def __init__(self, compression: Any = None, *, bucket_mb: float | None = None) -> None:
         super().__init__()
@@ -137,7 +140,7 @@ class AllReduce(Strategy):
             self._overlap = OverlappedMean(self.params, self.comm, bucket_bytes=bucket_bytes,
                                            syncing=self.clock.syncing, compression=self.compression)
             return model
-        device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
+        device_ids = [device_of(model)] if device_of(model).type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_bytes / 2**20,
                                       **_NO_FORWARD_BUFFER_SYNC,  # BatchNorm statistics stay per worker
                                       gradient_as_bucket_view=True)
@@ -214,6 +217,13 @@ class AllReduce(Strategy):
         if "compression" in state:
             self.compression.load_state_dict(state["compression"])
 
+    def replica_state_dict(self) -> dict[str, Any]:
+        """This worker's own: its compressor's residuals."""
+        return compressor_replica_state(self)
+
+    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
+        load_compressor_replica_state(self, state)
+
     def __repr__(self) -> str:
         return f"AllReduce(compression={self.compression!r})"
 
@@ -276,6 +286,3 @@ _NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
                            else {"broadcast_buffers": False})
 
-
-def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device

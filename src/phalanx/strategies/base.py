@@ -26,7 +26,6 @@ Example (a complete custom rule: average parameters every 4 steps):
 from __future__ import annotations
 
 import itertools
-import warnings
 import zlib
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,9 +33,10 @@ import torch
 from torch import nn
 
 from ..group.collectives import Comm, local_shard
+from ..group.env import WorkerEnv
 from ..errors import ConfigError, usage
 from ..step.clock import StepClock
-from ..group.env import WorkerEnv
+from .accounting import Accounting
 from .buffers import BufferMean
 
 
@@ -72,7 +72,7 @@ def check_same_model(model: nn.Module, comm: Comm) -> None:
     if comm.world_size == 1:
         return
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in model.state_dict(keep_vars=True).items()]
-    digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=_device_of(model))
+    digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=device_of(model))
     if len({int(d) for d in comm.all_gather(digest)}) == 1:
         return
     other, theirs = next((r, lay) for r, lay in enumerate(comm.all_gather_state(layout)) if lay != layout)
@@ -87,36 +87,48 @@ def _entry(entry: tuple[str, tuple[int, ...], str] | None) -> str:
     return "nothing" if entry is None else f"{entry[0]!r} of shape {entry[1]} ({entry[2]})"
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    first = next(iter(model.state_dict().values()), None)
-    return first.device if first is not None else torch.device("cpu")
+def device_of(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (else its first buffer; a model with neither: the CPU).
+
+    The one device-of helper: strategies and checkpoints ask it where a model's tensors live.
+
+    Example:
+        >>> device_of(torch.nn.Linear(2, 1))
+        device(type='cpu')
+    """
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
 
 
 class Strategy:
-    """Base of every strategy: attach, then the two per-step hooks; every other hook has a no-op default.
+    """A rule for how replicas agree: attach, two per-step hooks, finish, its state, and the step count.
 
-    The base class broadcasts rank 0's parameters and buffers on attach, so replicas
-    start identical even when the workers' seeds differ. Nothing here rewrites a
-    subclass's methods: ``state_dict()`` is the subclass's own pure read, and whoever
-    captures state adds the framework's step (:meth:`state_with_step`) after closing
-    a skipped step explicitly (:meth:`settle`).
+    These seven members are the whole protocol every rule implements (each has a default here). A rule
+    that takes part in a feature implements that feature's small Protocol as well, and the feature checks
+    it with ``isinstance``; where a rule does not, the feature does nothing for it:
+
+    * ``step.protocols.WeighsGradients``: ``weighs_gradients(step)``, the batch weight scales gradients;
+    * ``step.protocols.ReplicasAgree``: ``replicas_agree(step)``, where a commit or a stop may be taken;
+    * ``checkpoint.training_state.ReplicaState``: ``replica_state_dict`` / ``load_replica_state_dict``;
+    * :class:`Joinable`: ``load_joiner_state_dict``, a worker entering a running elastic job;
+    * :class:`ServerBacked`: ``launched_with(env)``, agrees through parameter servers;
+    * ``strategies.accounting.Accounted``: ``bytes_sent``, ``bytes_per_step``;
+    * ``data.balance.UnevenBatches``: ``uneven_batches``, workers may hold parts of different sizes;
+    * ``sharding.layout.OnShards``: ``on_shards()``, exchanges each rank's shard;
+    * ``elastic.rule.Regroupable``: ``regroup()``, after the group was rebuilt;
+    * ``elastic.rule.CommitPoint``: ``commit_point()``, around an elastic commit.
+
+    The base class broadcasts rank 0's parameters and buffers on attach, so replicas start identical
+    even when the workers' seeds differ. ``state_dict()`` is the rule's own pure read; whoever captures
+    state adds the framework's step (:func:`state_with_step`) after closing a skipped step explicitly
+    (``strategy.clock.settle()``).
     """
-
-    #: Name used by ``px.wrap(..., strategy="name")`` and the benchmark.
-    name = "custom"
-    #: True for strategies that talk to parameter servers (``phalanx run --servers N``).
-    uses_servers = False
-    #: True when the rule weights each worker by its share of the global batch, so workers may hold parts of
-    #: different sizes (``px.shard(..., balance="speed")``); a rule that counts every worker alike keeps False.
-    uneven_batches = False
-    #: The ``px.FullyShard`` that ``px.wrap(..., shard=...)`` applied (phalanx.sharding.layout), or None.
-    sharded_by: Any = None
 
     def __init__(self) -> None:
         self.comm = Comm()
         self.clock = StepClock()
 
-    # -- the template ---------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         """Called once by ``px.wrap``; returns the module the user trains."""
         self.model, self.optimizer = model, optimizer
@@ -124,40 +136,20 @@ class Strategy:
         self.params = [local_shard(p) for p in model.parameters() if p.requires_grad]
         check_same_model(model, self.comm)  # before the broadcast, which would fail obscurely otherwise
         self.comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
-        self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # for bytes_per_step
+        self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # for bytes_per_step (strategies.accounting)
         return model
 
     def after_backward(self, step: int) -> None:
         """Inside ``backward()``, once step ``step``'s gradient is complete: average gradients here."""
 
-    def on_shards(self) -> bool:
-        """True where this rule works on each rank's shard of the parameters (``px.wrap(..., shard=...)``):
-        it then exchanges them, never their gradients, over the mesh's "replicate" group."""
-        return False
-
     def after_step(self, step: int, taken: bool) -> None:
         """After step ``step`` on every rank: ``taken`` is False where ``optimizer.step()`` was skipped."""
-
-    def weighs_gradients(self, step: int) -> bool:
-        """True where step ``step``'s gradients are averaged over the workers (``phalanx.step.clock`` then weights
-        each backward pass by this worker's share of the batch); local steps keep their own mean gradient."""
-        return False
 
     @property
     def steps(self) -> int:
         """Training steps so far (the framework's count, identical on every rank)."""
         return self.clock.step
 
-    def settle(self) -> None:
-        """Close a step this rank skipped (its ``optimizer.step()`` never ran): collective, explicit.
-
-        ``after_step(step, taken=False)`` runs now rather than at the next forward pass, so
-        every rank has run the same exchanges. Whoever captures state or ends training calls
-        it first (:func:`phalanx.save_checkpoint`, :meth:`finish`); a no-op when nothing is pending.
-        """
-        self.clock.settle()
-
-    # -- state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Shared state, identical on every rank (tensors and plain values only). A pure read: no collective."""
         return {}
@@ -165,123 +157,130 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (rank 0's, on every rank)."""
 
-    def state_with_step(self) -> dict[str, Any]:
-        """:meth:`state_dict` plus the framework's ``"step"``: what checkpoints and commits hold. A pure read.
-
-        Example:
-            >>> import torch, phalanx as px
-            >>> net = torch.nn.Linear(2, 1)
-            >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
-            >>> px.strategy_of(opt).state_with_step()
-            {'step': 0}
-        """
-        return {**self.state_dict(), "step": self.clock.step}
-
-    def load_state_with_step(self, state: dict[str, Any], *, joining: bool = False) -> None:
-        """Restore what :meth:`state_with_step` returned: the subclass's state, then the step count.
-
-        ``joining``: this worker enters a running elastic job and takes rank 0's state through
-        :meth:`load_joiner_state_dict` instead of :meth:`load_state_dict`.
-        """
-        (self.load_joiner_state_dict if joining else self.load_state_dict)(state)
-        step = state["step"] if "step" in state else state.get("steps", 0)  # "steps": files from older versions
-        self.clock.restore(step)
-
-    def load_joiner_state_dict(self, state: dict[str, Any]) -> None:
-        """A worker joining a running elastic job takes rank 0's shared state; by default as a rollback does."""
-        self.load_state_dict(state)
-
-    def replica_state_dict(self) -> dict[str, Any]:
-        """This rank's own state that the other replicas do not share.
-
-        By default: the compressor's own part (its residuals), when the strategy has a ``compression``;
-        the shared part (PowerSGD's Q) is in the subclass's ``state_dict``.
-        """
-        compression = getattr(self, "compression", None)
-        return {"compression": compression.replica_state_dict()} if compression is not None else {}
-
-    def load_replica_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`replica_state_dict` returned on this rank."""
-        if "compression" in state:
-            self.compression.load_replica_state_dict(state["compression"])
-
-    @property
-    def bytes_sent(self) -> int:
-        """Payload bytes this worker has sent so far."""
-        return self.comm.stats.bytes_sent
-
-    @property
-    def bytes_per_step(self) -> float:
-        """Mean payload bytes sent per step since attach (the initial broadcast excluded)."""
-        bytes0, steps0 = getattr(self, "_attach_mark", (0, 0))
-        return (self.comm.stats.bytes_sent - bytes0) / max(1, self.steps - steps0)
-
-    # -- membership changes (phalanx.elastic); no-ops by default ----------------------------------------------
-    def regroup(self) -> None:
-        """Called by ``phalanx.elastic`` after the worker group was rebuilt with a new size.
-
-        Strategies whose state depends on the world size (a divisor, a per-rank buffer) refresh it here.
-        ``regroup`` has this one meaning, a rule's reaction; forming the new group is ``ElasticWorker.rebuild``.
-        """
-
-    def replicas_agree(self, step: int) -> bool:
-        """True when, after ``step``, every replica holds the same model at the same step (a commit may be taken).
-
-        Synchronous strategies agree after every step; periodic ones only at their sync points.
-        """
-        return True
-
-    def commit_point(self) -> None:
-        """Called on every rank just before and just after an elastic commit; collective where overridden.
-
-        A strategy whose model lives outside the workers (asynchronous parameter servers) makes
-        the commit one consistent cut here.
-        """
-
-    def launched_with(self, env: WorkerEnv) -> None:
-        """Called once by ``px.wrap`` with what the launcher set up; warns about what this strategy ignores.
-
-        By default: servers that ``phalanx run --servers N`` started, which only a parameter-server
-        strategy uses.
-        """
-        if env.ps_servers and not self.uses_servers and env.rank == 0:
-            warnings.warn(f"PHALANX_PS_ADDRS names {env.ps_servers} parameter servers (phalanx run --servers "
-                          f"{env.ps_servers}) but strategy {type(self).__name__} uses none; drop --servers, or use "
-                          "px.Downpour, px.AsyncEASGD or px.ParameterServer", stacklevel=4)
-
-    # -- the end -------------------------------------------------------------------------------------------------
     def finish(self) -> None:
-        """Collective, once when training ends: close a skipped last step, then :meth:`reconcile`.
+        """Collective, once when training ends: close a skipped last step (its exchange runs on every rank).
 
-        Override :meth:`reconcile`, not this: the last step's exchange must run on every rank first.
+        A rule whose replicas drift apart between syncs overrides this: ``super().finish()`` first, then
+        leave every replica holding the model to keep (a last average, or EASGD's centre).
         """
-        self.settle()
-        self.reconcile()
-
-    def reconcile(self) -> None:
-        """Leave every replica holding the model to keep (called by :meth:`finish`).
-
-        Strategies whose replicas drift apart between syncs reconcile here (a last
-        average, or EASGD's centre variable); synchronous ones have nothing to do.
-        """
+        self.clock.settle()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
-class Periodic(Strategy):
+@runtime_checkable
+class Joinable(Protocol):
+    """A rule whose worker entering a running elastic job takes rank 0's shared state otherwise than a rollback.
+
+    :func:`load_state_with_step` calls it for a joiner (``phalanx.ps``: the servers are not put back); a rule
+    without it gives a joiner its ``load_state_dict``, as a rollback does.
+    """
+
+    def load_joiner_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class ServerBacked(Protocol):
+    """A rule whose replicas agree through parameter servers (``phalanx.ps``'s rules), which hold the model.
+
+    ``px.wrap`` hands it what ``phalanx run`` set up (the servers of ``--servers N``); beside any other rule
+    those servers would idle, and ``px.wrap`` warns. ``shard=`` refuses it.
+    """
+
+    def launched_with(self, env: WorkerEnv) -> None: ...
+
+
+def state_with_step(strategy: Strategy) -> dict[str, Any]:
+    """``strategy.state_dict()`` plus the framework's ``"step"``: what checkpoints and commits hold. A pure read.
+
+    Example:
+        >>> import torch, phalanx as px
+        >>> from phalanx.strategies.base import state_with_step
+        >>> net = torch.nn.Linear(2, 1)
+        >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> state_with_step(px.strategy_of(opt))
+        {'step': 0}
+    """
+    return {**strategy.state_dict(), "step": strategy.clock.step}
+
+
+def load_state_with_step(strategy: Strategy, state: dict[str, Any], *, joining: bool = False) -> None:
+    """Restore what :func:`state_with_step` returned: the rule's state, then the step count.
+
+    ``joining``: this worker enters a running elastic job; a :class:`Joinable` rule takes rank 0's state
+    through ``load_joiner_state_dict``, any other through ``load_state_dict``.
+
+    Example:
+        >>> import torch, phalanx as px
+        >>> net = torch.nn.Linear(2, 1)
+        >>> model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> load_state_with_step(px.strategy_of(opt), {"step": 7}); px.strategy_of(opt).steps
+        7
+    """
+    (strategy.load_joiner_state_dict if joining and isinstance(strategy, Joinable) else strategy.load_state_dict)(
+        state)
+    step = state["step"] if "step" in state else state.get("steps", 0)  # "steps": files from older versions
+    strategy.clock.restore(step)
+
+
+class StepState:
+    """The step count folded into a rule's state, as methods (mixed into every built-in rule).
+
+    The same as :func:`state_with_step`, :func:`load_state_with_step` and ``clock.settle()`` (what the
+    framework calls, for any rule), for scripts that call them on ``px.strategy_of(opt)``.
+    """
+
+    def settle(self: Strategy) -> None:
+        """Close a step this rank skipped (its ``optimizer.step()`` never ran): collective, explicit.
+
+        ``after_step(step, taken=False)`` runs now rather than at the next forward pass, so every rank has
+        run the same exchanges; a no-op when nothing is pending.
+        """
+        self.clock.settle()
+
+    def state_with_step(self: Strategy) -> dict[str, Any]:
+        """:func:`state_with_step` of this rule."""
+        return state_with_step(self)
+
+    def load_state_with_step(self: Strategy, state: dict[str, Any], *, joining: bool = False) -> None:
+        """:func:`load_state_with_step` for this rule."""
+        load_state_with_step(self, state, joining=joining)
+
+
+def compressor_replica_state(strategy: Any) -> dict[str, Any]:
+    """A rule's compressor's own part (its residuals), for its ``replica_state_dict``; {} without a compressor.
+
+    The shared part (PowerSGD's Q) is in the rule's ``state_dict``.
+
+    Example:
+        >>> import phalanx as px
+        >>> compressor_replica_state(px.AllReduce()), compressor_replica_state(px.AllReduce(compression=px.TopK(0.1)))
+        ({}, {'compression': {'residuals': {}}})
+    """
+    compression = getattr(strategy, "compression", None)
+    return {"compression": compression.replica_state_dict()} if compression is not None else {}
+
+
+def load_compressor_replica_state(strategy: Any, state: dict[str, Any]) -> None:
+    """Put back what :func:`compressor_replica_state` captured."""
+    if "compression" in state:
+        strategy.compression.load_replica_state_dict(state["compression"])
+
+
+class Periodic(Accounting, StepState, Strategy):
     """Local steps, then an exchange whenever the sync condition says so.
 
     A step that this rank skipped (``taken=False``) still counts: the exchange runs on
     every rank at the same steps, with this rank's replica as the skipped step left it.
+    Replicas drift apart between syncs: :meth:`finish` reconciles them (:meth:`reconcile`), and their
+    weights and optimizer states are each worker's replica state.
 
     Example:
         >>> import phalanx as px
         >>> px.Periodic(px.every(8), px.ParameterAverage())
         Periodic(every(8), ParameterAverage)
     """
-
-    name = "periodic"
 
     def __init__(self, sync: SyncCondition, exchange: Exchange) -> None:
         super().__init__()
@@ -310,6 +309,11 @@ class Periodic(Strategy):
     def replicas_agree(self, step: int) -> bool:
         return bool(self.sync(step))
 
+    def finish(self) -> None:
+        """Close a skipped last step, then :meth:`reconcile` (collective)."""
+        super().finish()
+        self.reconcile()
+
     def reconcile(self) -> None:
         """Exchange once more if local steps were taken since the last sync."""
         if self.steps and not self.sync(self.steps):
@@ -318,10 +322,10 @@ class Periodic(Strategy):
 
     def replica_state_dict(self) -> dict[str, Any]:
         """Replicas differ between syncs, and so do their optimizers' states (momentum, Adam moments)."""
-        return {**super().replica_state_dict(), **drifting_replica_state(self)}
+        return {**compressor_replica_state(self), **drifting_replica_state(self)}
 
     def load_replica_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_replica_state_dict(state)
+        load_compressor_replica_state(self, state)
         load_drifting_replica_state(self, state)
 
     def __repr__(self) -> str:

@@ -56,7 +56,9 @@ from ..group.collectives import guarded
 from .compression import Compressor, check_compressor
 from ..errors import ConfigError, usage
 from .quantize import Quantize, check_floating
-from .base import Strategy, drifting_replica_state, load_drifting_replica_state
+from .accounting import Accounting
+from .base import (StepState, Strategy, compressor_replica_state, drifting_replica_state,
+                   load_compressor_replica_state, load_drifting_replica_state)
 from .buffers import BufferMean
 from .diloco import _outer_dtype, outer_direction
 from .gradients import share_total
@@ -119,7 +121,7 @@ class Fragment:
         return sum(a.numel() for a in self.anchor)
 
 
-class StreamingDiLoCo(Strategy):
+class StreamingDiLoCo(Accounting, StepState, Strategy):
     """DiLoCo by fragments on staggered schedules, each outer exchange overlapped with ``overlap`` inner steps.
 
     Args:
@@ -215,12 +217,14 @@ class StreamingDiLoCo(Strategy):
         a commit taken with an exchange in flight sends it again after a rollback."""
         return True
 
-    def reconcile(self) -> None:
-        """Apply what is in flight, then every fragment whose replicas differ (local steps, or a mix, since the
-        anchor was last copied into it) takes the replicas' mean: every replica ends on the anchors.
+    def finish(self) -> None:
+        """Close a skipped last step; apply what is in flight, then every fragment whose replicas differ (local
+        steps, or a mix, since the anchor was last copied into it) takes the replicas' mean: every replica ends
+        on the anchors.
 
         The mean, not an outer step: Nesterov's look-ahead would add 0.81x the last outer momentum to a
         pseudo-gradient of a few steps and overshoot (as :class:`phalanx.DiLoCo`)."""
+        super().finish()
         self._resend()
         for f in self.fragments:
             if f.sent_at >= 0:  # sent at the last step: no local step to keep, the anchor replaces the replica
@@ -376,7 +380,7 @@ class StreamingDiLoCo(Strategy):
 
     def replica_state_dict(self) -> dict[str, Any]:
         """This worker's weights, optimizer state, shares and the messages it has in flight."""
-        return {**super().replica_state_dict(), **drifting_replica_state(self),
+        return {**compressor_replica_state(self), **drifting_replica_state(self),
                 "shares": [f.share for f in self.fragments],
                 "messages": [None if f.message is None or f.result is not None else f.message.clone()
                              for f in self.fragments],
@@ -386,7 +390,7 @@ class StreamingDiLoCo(Strategy):
                 "moment_steps": [f.moment_steps for f in self.fragments]}
 
     def load_replica_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_replica_state_dict(state)
+        load_compressor_replica_state(self, state)
         load_drifting_replica_state(self, state)
         eager = state.get("eager", [None] * len(self.fragments))
         sent = state.get("moments_sent", [None] * len(self.fragments))

@@ -236,12 +236,6 @@ def loss_sum_and_denominator(loss_fn: Callable[..., torch.Tensor], output: torch
     return losses.detach().to(torch.float64).sum(), denominator
 
 
-def per_sample_loss_sum(loss_fn: Callable[..., torch.Tensor], output: torch.Tensor,
-                        target: torch.Tensor) -> torch.Tensor:
-    """Sum over the batch of each sample's loss, in float64 (kept for callers of the old helper)."""
-    return loss_sum_and_denominator(loss_fn, output, target)[0]
-
-
 def reduce_all(metrics: Sequence[Metric], comm: Any = None, extra: torch.Tensor | None = None) -> torch.Tensor | None:
     """Sum every metric's sums (and ``extra``) across workers in ONE all-reduce.
 

@@ -50,6 +50,7 @@ import torch
 from ..group import group
 from .callbacks import Callback
 from ..errors import ConfigError, usage
+from ..strategies.accounting import bytes_sent
 from ..wrap import strategy_of
 
 if TYPE_CHECKING:
@@ -281,7 +282,7 @@ class Tracker(Callback):
             values["lr"] = float(self.optimizer.param_groups[0]["lr"])
             strategy = strategy_of(self.optimizer)
             if strategy is not None:
-                values["bytes_sent"] = strategy.bytes_sent
+                values["bytes_sent"] = bytes_sent(strategy)
         if batch_size is not None and self._last_time is not None and now > self._last_time:
             values["samples_per_s"] = self._samples * g.world_size / (now - self._last_time)
         if batch_size is not None or self._last_time is None:

@@ -50,6 +50,7 @@ from .metrics import MeanLoss, Metric, ThroughputMeter, batch_denominator, check
 from .progress import bar as _bar
 from .progress import postfix as _postfix
 from ..strategies import Strategy
+from ..strategies.accounting import bytes_sent as bytes_sent_by
 from ..wrap import strategy_of, unwrap, wrap
 
 
@@ -235,7 +236,7 @@ class Trainer:
         model.train()
         train_metrics = [m.fresh() for m in self.metrics]
         loss_sum, count, steps = 0.0, 0, 0
-        bytes0 = self.strategy.bytes_sent if self.strategy is not None else 0
+        bytes0 = bytes_sent_by(self.strategy)
         samples0, seconds0 = self.meter.samples, self.meter.seconds
         bar = _bar(loader.steps_left(), f"epoch {epoch + 1}/{epochs}") if show else None
         t_epoch = time.perf_counter()
@@ -281,7 +282,7 @@ class Trainer:
         if epoch == epochs - 1 or self.stop_training:
             self._finish()  # validate the model training ends with, not replicas mid-drift
         val_metrics = self._evaluate_local(val_data, val_batch_size) if val_data is not None else []
-        bytes_sent = (self.strategy.bytes_sent if self.strategy is not None else 0) - bytes0
+        bytes_sent = bytes_sent_by(self.strategy) - bytes0
         local = torch.tensor([loss_sum, count, self.meter.samples - samples0, self.meter.seconds - seconds0,
                               time.perf_counter() - t_epoch, bytes_sent], dtype=torch.float64)
         # One all-reduce per epoch carries the training sums, every metric and the timings.
