@@ -163,4 +163,3 @@ class Recovery:
                   f"resuming from the commit at step {self.step}: {redone} finished step(s) to redo, "
                   f"{redone_s:.2f}s of work since that commit lost; regrouped in {seconds:.2f}s",
                   file=sys.stderr, flush=True)  # finished steps and lost seconds differ: a step in flight is lost too
-

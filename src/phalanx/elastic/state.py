@@ -228,7 +228,6 @@ class State(Recovery, Reentry):
             clock.restore(snap["elastic_step"])
 
 
-
 def attach(g: group.Group) -> None:
     """``px.init()``: take this worker's place in an elastic job, and supervise training loops in it.
 
@@ -242,5 +241,3 @@ def attach(g: group.Group) -> None:
         # the facts the core reads in its own records, rather than asking whether membership can change
         HANDED_OVER.of(g).value = "phalanx.elastic"  # a signalled worker leaves at the next commit
         REBUILT.of(g).value = "phalanx.elastic"  # joiners attach alone; gradient hooks follow the rebuilt group
-
-
