@@ -68,6 +68,17 @@ def fitted_bucket_mb(model: nn.Module, buckets: int = 4, floor_mb: float = 1.0, 
 REBUILT: "Record[Slot[str]]" = Record("rebuilt with joiners", Slot)
 
 
+def rebuilt(g: group.Group) -> bool:
+    """True when ``g`` may be rebuilt with workers that attached alone (:data:`REBUILT` is set).
+
+    Example:
+        >>> import phalanx as px
+        >>> rebuilt(px.init())   # not under `phalanx run --elastic`
+        False
+    """
+    return REBUILT.of(g).value is not None
+
+
 def averager(*, sharded: bool, compressed: bool, quantised: bool, world_size: int, rebuilt: bool,
              wrapper: bool) -> str:
     """Which of :class:`AllReduce`'s four gradient averagers a model gets, decided from explicit facts.
@@ -132,7 +143,7 @@ class AllReduce(Accounting, StepState, Strategy):
         chosen = averager(  # an elastic joiner's model is sharded when it enters; a joiner attaches alone
             sharded=(fsdp is not None and isinstance(model, fsdp.FSDPModule)) or self.sharded_by is not None,
             compressed=self.compression is not None, quantised=isinstance(self.compression, Quantize),
-            world_size=self.comm.world_size, rebuilt=REBUILT.of(group.current()).value is not None, wrapper=wrapper)
+            world_size=self.comm.world_size, rebuilt=rebuilt(group.current()), wrapper=wrapper)
         if chosen in ("sharded", "after_backward"):
             return model
         bucket_bytes = int((self.bucket_mb or fitted_bucket_mb(model)) * 2**20)
