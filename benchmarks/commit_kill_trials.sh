@@ -4,21 +4,13 @@
 # A trial passes when the job exits 0, the two survivors roll back to that commit, train every sample once per
 # epoch and end equal to the one-process oracle (tests/elastic/test_elastic_commit.py checks all of it).
 #   benchmarks/commit_kill_trials.sh [TRIALS]        (default 20; about 20-60 s a trial)
-set -u
-cd "$(dirname "$0")/.."
-N=${1:-20}
-PY=${PY:-python3}
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-fails=0
-for i in $(seq 1 "$N"); do
-  at=$(( i % 2 == 1 ? 3 : 6 ))
-  log=$(mktemp)
-  if timeout 300 "$PY" -m pytest tests/elastic/test_elastic_commit.py -q -p no:cacheprovider \
-      -k "rank_0_killed_inside and $at" > "$log" 2>&1; then
-    echo "trial $i (commit of step $at): ok"
-  else
-    fails=$((fails + 1)); echo "trial $i (commit of step $at): FAILED (log: $log)"; tail -3 "$log"
-  fi
-done
-echo "failed $fails of $N"
-[ "$fails" -eq 0 ]
+. "$(dirname "$0")/trials.sh"
+
+at() { echo $(( $1 % 2 == 1 ? 3 : 6 )); }
+name() { echo " (commit of step $(at "$1"))"; }
+trial() {
+  timeout 300 "$PY" -m pytest tests/elastic/test_elastic_commit.py -q -p no:cacheprovider \
+    -k "rank_0_killed_inside and $(at "$1")"
+}
+
+trials "${1:-20}"

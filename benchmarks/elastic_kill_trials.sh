@@ -4,21 +4,11 @@
 # the job exits 0. On the H100 machine (torch 2.11, 16 cores) this failed 10 of 10 times before the old group was
 # garbage-collected at its destruction, 0 of 6 after.
 #   benchmarks/elastic_kill_trials.sh [TRIALS]        (default 10; about 10-20 s a trial)
-set -u
-cd "$(dirname "$0")/.."
-N=${1:-10}
-PY=${PY:-python3}
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-fails=0
-for i in $(seq 1 "$N"); do
-  out=$(mktemp -d)
-  if timeout 150 "$PY" -c "import sys; from phalanx.cli import main; sys.exit(main())" run -n 4 --elastic \
-      --min-workers 3 --heartbeat-timeout 20 tests/workers/elastic_policy.py --out "$out" --kill 2@4 --epochs 1 \
-      > "$out/log" 2>&1; then
-    echo "trial $i: ok"
-  else
-    fails=$((fails + 1)); echo "trial $i: FAILED (log: $out/log)"; tail -3 "$out/log"
-  fi
-done
-echo "failed $fails of $N"
-[ "$fails" -eq 0 ]
+. "$(dirname "$0")/trials.sh"
+
+trial() {
+  timeout 150 "$PY" -c "import sys; from phalanx.cli import main; sys.exit(main())" run -n 4 --elastic \
+    --min-workers 3 --heartbeat-timeout 20 tests/workers/elastic_policy.py --out "$(mktemp -d)" --kill 2@4 --epochs 1
+}
+
+trials "${1:-10}"

@@ -31,8 +31,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "benchmarks"), os
 sys.path[:0] = [os.path.join(ROOT, "src")]
 
 
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``, ``VmSize``); sharded_oom.py reads them too."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -52,7 +52,7 @@ def worker(shard: int, layers: int, width: int, steps: int) -> dict:
 
     px.init()
     torch.set_num_threads(1)
-    before = _status("VmRSS")
+    before = status_bytes("VmRSS")
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     params = sum(p.numel() for p in model.parameters())
@@ -68,7 +68,7 @@ def worker(shard: int, layers: int, width: int, steps: int) -> dict:
         opt.zero_grad(set_to_none=True)
         model(x).pow(2).mean().backward()
         opt.step()
-    return {"params": params, "before": before, "training_peak": _status("VmHWM") - before,
+    return {"params": params, "before": before, "training_peak": status_bytes("VmHWM") - before,
             "process_peak": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
 
 

@@ -17,21 +17,10 @@ reserves 64 MiB of address space, which would count against the cap without bein
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "src"),
-                                            os.environ.get("PYTHONPATH", "")])
-sys.path[:0] = [os.path.join(ROOT, "src")]
-
-
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+# importing it puts benchmarks/ and src/ on this process's and its workers' paths, as it does for its own
+from sharded_memory import status_bytes as _vm
 
 
 def worker(shard: int, layers: int, width: int, steps: int, limit_mb: int) -> dict:

@@ -28,33 +28,33 @@ def module_name(path: str) -> str:
     return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
 
 
-def top_level_imports(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:
-    """Imports run at import time: module level, and inside top-level if/try, but not under TYPE_CHECKING."""
-    found, todo = [], list(tree.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        elif isinstance(node, ast.If):
-            if "TYPE_CHECKING" not in ast.unparse(node.test):
-                todo += node.body + node.orelse
-        elif isinstance(node, ast.Try):
-            todo += node.body + node.orelse + node.finalbody + [n for h in node.handlers for n in h.body]
-    return found
-
-
-def run_time_imports(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:
-    """Every import that can run: anywhere in the module (functions too), but not under TYPE_CHECKING."""
+def _imports(tree: ast.Module, *, anywhere: bool) -> list[ast.ImportFrom | ast.Import]:
+    """The imports below ``tree``, none under TYPE_CHECKING; ``anywhere``: functions too (only an ``else`` of a
+    TYPE_CHECKING test), else only what runs at import time (module level, and inside top-level if/try)."""
     found, todo = [], list(tree.body)
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
         elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            todo += node.orelse
-        else:
+            todo += node.orelse if anywhere else []
+        elif anywhere:
             todo += list(ast.iter_child_nodes(node))
+        elif isinstance(node, ast.If):
+            todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody + [n for h in node.handlers for n in h.body]
     return found
+
+
+def top_level_imports(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:
+    """Imports run at import time: module level, and inside top-level if/try, but not under TYPE_CHECKING."""
+    return _imports(tree, anywhere=False)
+
+
+def run_time_imports(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:
+    """Every import that can run: anywhere in the module (functions too), but not under TYPE_CHECKING."""
+    return _imports(tree, anywhere=True)
 
 
 def every_import(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:

@@ -62,6 +62,18 @@ def _peer(name: str, **kwargs: Any):
     return build
 
 
+def _streamed(every: int, overlap: int, *, averaged: bool = True, **options: Any):
+    """The builder of a Streaming DiLoCo setup with 4-bit outer gradients (a float32 scale per STREAM_BLOCK) over
+    STREAM_FRAGMENTS fragments; ``averaged``: plain averaging as the outer step (outer lr 1, no momentum)."""
+    def make(lr: float) -> Any:
+        import phalanx as px
+
+        outer = {"outer_lr": 1.0, "outer_momentum": 0.0} if averaged else {}
+        return px.StreamingDiLoCo(every=every, fragments=STREAM_FRAGMENTS, overlap=overlap,
+                                  quantize=px.Quantize(4, block=STREAM_BLOCK), **outer, **options)
+    return _phalanx(make)
+
+
 def _phalanx(make: Callable[[float], Any]):
     def build(model, opt, lr):
         import phalanx as px
@@ -184,53 +196,41 @@ def _make() -> dict[str, QSetup]:
             every=DILOCO_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP)), optim="adamw",
                note=f"H={DILOCO_EVERY}, P={STREAM_FRAGMENTS} fragments, overlap τ={STREAM_OVERLAP}, mixing 0.5, "
                     "AdamW inner, Nesterov outer lr 0.7 momentum 0.9, float32 exchange"),
-        QSetup("streaming-diloco-4bit", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
-            every=DILOCO_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP,
-            quantize=px.Quantize(4, block=STREAM_BLOCK))), optim="adamw",
+        QSetup("streaming-diloco-4bit", "phalanx", _streamed(DILOCO_EVERY, STREAM_OVERLAP, averaged=False),
+               optim="adamw",
                note=f"as streaming-diloco, outer gradients as packed 4-bit values with a float32 scale per "
                     f"{STREAM_BLOCK} (px.Quantize(4, block={STREAM_BLOCK})), all-gathered"),
-        QSetup("streaming-diloco-4bit-h16", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
-            every=16, fragments=STREAM_FRAGMENTS, overlap=3, quantize=px.Quantize(4, block=STREAM_BLOCK))),
+        QSetup("streaming-diloco-4bit-h16", "phalanx", _streamed(16, 3, averaged=False),
                optim="adamw", lr_of="streaming-diloco-4bit",
                note="as streaming-diloco-4bit with H=16 (a fragment every 4 steps) and τ=3: 3x the bytes of H=50, "
                     "fewer local steps between a fragment's syncs"),
-        QSetup("streaming-diloco-4bit-avg", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
-            every=DILOCO_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP,
-            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0)),
+        QSetup("streaming-diloco-4bit-avg", "phalanx", _streamed(DILOCO_EVERY, STREAM_OVERLAP),
                optim="adamw", lr_of="streaming-diloco-4bit",
                note="as streaming-diloco-4bit with plain averaging as the outer step (outer lr 1, no momentum): "
                     "a short run takes few outer steps per fragment (3-4 in the GPT's 180), too few for momentum"),
-        QSetup("streaming-diloco-4bit-avg-h64", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
-            every=STREAM_EVERY_SPARSE, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP,
-            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0)),
+        QSetup("streaming-diloco-4bit-avg-h64", "phalanx", _streamed(STREAM_EVERY_SPARSE, STREAM_OVERLAP),
                optim="adamw", lr_of="streaming-diloco-4bit",
                note=f"as streaming-diloco-4bit-avg with H={STREAM_EVERY_SPARSE} (a fragment every "
                     f"{STREAM_EVERY_SPARSE // STREAM_FRAGMENTS} steps): 4 x {STREAM_EVERY_SPARSE} / 0.516 = "
                     f"{4 * STREAM_EVERY_SPARSE / (0.5 + 4 / STREAM_BLOCK):.0f}x fewer bytes than DDP by arithmetic"),
-        QSetup("streaming-local-sgd-4bit", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
-            every=STREAM_LOCAL_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP_LOCAL,
-            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0)), lr_of="ddp",
+        QSetup("streaming-local-sgd-4bit", "phalanx", _streamed(STREAM_LOCAL_EVERY, STREAM_OVERLAP_LOCAL), lr_of="ddp",
                note=f"local SGD streamed: the task's own optimizer (SGD with momentum on ResNet-20, AdamW on the "
                     f"GPTs) at its own swept lr (the GPT: 0.002, twice DDP's) or else DDP's, each of "
                     f"{STREAM_FRAGMENTS} fragments averaged every H={STREAM_LOCAL_EVERY} "
                     f"steps (one fragment leaves every step), as 4-bit values sent while {STREAM_OVERLAP_LOCAL} "
                     f"inner steps go on: 4 x {STREAM_LOCAL_EVERY} / 0.516 = "
                     f"{4 * STREAM_LOCAL_EVERY / (0.5 + 4 / STREAM_BLOCK):.0f}x fewer bytes than DDP by arithmetic"),
-        QSetup("streaming-local-sgd-4bit-eager", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
-            every=STREAM_LOCAL_EVERY, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP_LOCAL,
-            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0, mixing="eager")),
+        QSetup("streaming-local-sgd-4bit-eager", "phalanx",
+               _streamed(STREAM_LOCAL_EVERY, STREAM_OVERLAP_LOCAL, mixing="eager"),
                lr_of="streaming-local-sgd-4bit",
                note="as streaming-local-sgd-4bit with eager updates (arXiv 2502.12996): the average replaces this "
                     "worker's own pseudo-gradient when it lands, and the inner steps taken meanwhile are kept whole"),
-        QSetup("streaming-diloco-4bit-eager-h64", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
-            every=STREAM_EVERY_SPARSE, fragments=STREAM_FRAGMENTS, overlap=STREAM_OVERLAP,
-            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0, mixing="eager")),
+        QSetup("streaming-diloco-4bit-eager-h64", "phalanx",
+               _streamed(STREAM_EVERY_SPARSE, STREAM_OVERLAP, mixing="eager"),
                optim="adamw", lr_of="streaming-diloco-4bit",
                note="as streaming-diloco-4bit-avg-h64 with eager updates (arXiv 2502.12996): the average replaces "
                     "this worker's own pseudo-gradient when it lands, and the inner steps taken meanwhile are kept"),
-        QSetup("streaming-local-sgd-4bit-moments", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
-            every=STREAM_LOCAL_EVERY, fragments=STREAM_FRAGMENTS, overlap=1,
-            quantize=px.Quantize(4, block=STREAM_BLOCK), outer_lr=1.0, outer_momentum=0.0, moments=("momentum",))),
+        QSetup("streaming-local-sgd-4bit-moments", "phalanx", _streamed(STREAM_LOCAL_EVERY, 1, moments=("momentum",)),
                lr_of="streaming-local-sgd-4bit",
                note="as streaming-local-sgd-4bit with the inner optimizer's momentum (AdamW's exp_avg, SGD's "
                     "momentum buffer) averaged with each fragment in the same 4-bit message (DES-LOC, arXiv "

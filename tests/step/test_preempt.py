@@ -34,16 +34,22 @@ def wait_for(path: str, proc: subprocess.Popen, deadline_s: float = 120) -> None
           procs=[proc], detail=lambda: proc.stderr.read())
 
 
-def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_oracle(tmp_path):
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
-    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, WORKER, out, "5")
+def sigterm_once(job: subprocess.Popen, *markers: str) -> str:
+    """SIGTERM to the launcher once the workers wrote every marker file; its stderr once it ended (killed if not)."""
     try:
-        wait_for(out + ".reached", job)  # rank 0 finished step 5 and waits for the signal
+        for marker in markers:
+            wait_for(marker, job)
         job.send_signal(signal.SIGTERM)
-        _, err = job.communicate(timeout=120)
+        return job.communicate(timeout=120)[1]
     finally:
         if job.poll() is None:
             job.kill()
+
+
+def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_oracle(tmp_path):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
+    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, WORKER, out, "5")
+    err = sigterm_once(job, out + ".reached")  # rank 0 finished step 5 and waits for the signal
     assert job.returncode == PREEMPTED_EXIT, err
     # Both workers name one step (the launcher lists every distinct one): the step after the last one heard it.
     stopped = re.search(r"received SIGTERM; the workers stopped after step (\d+) to save", err)
@@ -67,13 +73,7 @@ def test_a_stop_that_wrote_no_checkpoint_within_the_grace_is_not_reported_as_res
     # launcher kills them. It must not say "stopped to save a checkpoint ... resumable" and exit 75.
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
     job = phalanx("-n", "2", "--grace", "8", "--checkpoint-dir", ckpt, WORKER, out, "5", "--hang-before-save")
-    try:
-        wait_for(out + ".reached", job)
-        job.send_signal(signal.SIGTERM)
-        _, err = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            job.kill()
+    err = sigterm_once(job, out + ".reached")
     assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert re.search(r"received SIGTERM; the workers stopped after step \d+ but wrote no checkpoint in ", err), err
     assert latest_checkpoint(ckpt) is None
@@ -90,14 +90,7 @@ def test_under_diloco_drifting_workers_stop_at_one_sync_step_and_resume_as_the_u
     ckpt, out, ref = str(tmp_path / "ckpt"), str(tmp_path / "model.pt"), str(tmp_path / "reference.pt")
     reference = phalanx("-n", "2", PERIODIC, ref, "diloco")  # uninterrupted, alongside
     job = phalanx("-n", "2", "--checkpoint-dir", ckpt, PERIODIC, out, "diloco", "--drift")
-    try:
-        wait_for(out + ".reached0", job)
-        wait_for(out + ".reached1", job)
-        job.send_signal(signal.SIGTERM)
-        _, err = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            job.kill()
+    err = sigterm_once(job, out + ".reached0", out + ".reached1")
     assert job.returncode == PREEMPTED_EXIT, err[-3000:]
     assert "the workers stopped after step 8 to save" in err, err[-3000:]
     assert os.listdir(ckpt) == ["step-8.pt"]

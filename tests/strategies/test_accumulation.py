@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from support.procs import run_workers
+from support.procs import shared_run
 
 NAMES = ["allreduce", "topk1", "local-warmup"]
 
 
-@pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_workers("workers.accumulation:uneven", world_size=2, timeout=180, names=NAMES).results
+runs = shared_run("workers.accumulation:uneven", timeout=180, names=NAMES)
 
 
 @pytest.mark.multiproc

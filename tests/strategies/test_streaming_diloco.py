@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.strategies.streaming_diloco import balanced_split
+from support.loop import lockstep
 from support.procs import run_workers
 from workers import streaming
 from support.paths import TESTS
@@ -212,13 +213,7 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
     in_flight: dict[int, tuple[int, list[torch.Tensor]]] = {}
     stand_in: dict[tuple[int, int], torch.Tensor] = {}  # (worker, parameter) -> its weights after the eager step
     buffers_sent: dict[int, list[list[torch.Tensor]]] = {}  # fragment -> per worker, its momentum buffers as sent
-    for loader in loaders:
-        loader.set_epoch(0)
-    for t, batches in enumerate(zip(*loaders, strict=True), start=1):
-        for model, opt, (x, y) in zip(replicas, opts, batches, strict=True):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+    for t in lockstep(replicas, opts, loaders):
         with torch.no_grad():
             for p, idx in enumerate(frags):
                 if t % every == offsets[p]:  # the outer gradient, averaged over the workers, starts travelling

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from support.procs import run_workers
+from support.procs import shared_run
 
 NAMES = ["allreduce", "topk1", "powersgd", "int8", "local-warmup", "ps-sync", "downpour"]
 
 
-@pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_workers("workers.unused:unused", world_size=2, timeout=180, names=NAMES).results
+runs = shared_run("workers.unused:unused", timeout=180, names=NAMES)
 
 
 @pytest.mark.multiproc

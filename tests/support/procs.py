@@ -17,13 +17,28 @@ from typing import Any
 from phalanx.bench import procs
 from phalanx.bench.procs import WorkerRun, free_port
 
-__all__ = ["WorkerRun", "free_port", "kill_at", "run_workers"]
+__all__ = ["WorkerRun", "free_port", "kill_at", "run_workers", "shared_run"]
 
 
 def run_workers(target: str, world_size: int = 2, **options: Any) -> WorkerRun:
     """:func:`phalanx.bench.procs.run_workers`, forking ranks from the preloaded server unless told otherwise."""
     options.setdefault("start_method", "forkserver")
     return procs.run_workers(target, world_size, **options)
+
+
+def shared_run(target: str, world_size: int = 2, *, name: str = "runs", **options: Any) -> Any:
+    """A module-scoped fixture ``name``: each rank's result of one :func:`run_workers`, shared by the module's tests.
+
+    Example:
+        >>> runs = shared_run("workers.unused:unused", timeout=180, names=["allreduce"])  # at module level
+    """
+    import pytest  # here: the workers import this module too, and need no pytest
+
+    @pytest.fixture(scope="module", name=name)
+    def results() -> list:
+        return run_workers(target, world_size, **options).results
+
+    return results
 
 
 def kill_at(step: int, *, rank: int, now: int, my_rank: int | None = None, code: int = 1) -> None:

@@ -6,6 +6,7 @@ twice the batch, runs in the same worker (no collectives).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -13,19 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
+from support.loop import classification, mlp
 
 IN, CLASSES, B, N, EPOCHS = 5, 3, 4, 45, 2   # 45 = 5 global batches of 8, then 5: split 3 / 2
 
 
 def dataset() -> torch.utils.data.TensorDataset:
-    gen = torch.Generator().manual_seed(5)
-    return torch.utils.data.TensorDataset(torch.randn(N, IN, generator=gen),
-                                          torch.randint(0, CLASSES, (N,), generator=gen))
+    return classification(N, IN, CLASSES, seed=5)
 
 
 def net() -> nn.Module:
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(IN, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+    return mlp(IN, 8, CLASSES, seed=3)
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, loader: Any, no_sync: Callable[[Any], Any] | None) -> None:
@@ -35,19 +34,11 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, loader: Any, no_sync: Ca
         for k, (x, y) in enumerate(loader):
             if k % 2 == 0:
                 opt.zero_grad()
-                with (no_sync(model) if no_sync is not None else _Nothing()):
+                with (no_sync(model) if no_sync is not None else nullcontext()):
                     (F.cross_entropy(model(x), y) / 2).backward()
             else:
                 (F.cross_entropy(model(x), y) / 2).backward()
                 opt.step()
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def flat(model: nn.Module) -> torch.Tensor:

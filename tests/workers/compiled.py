@@ -15,6 +15,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx.step.compiled import compilations, graph_breaks
+from support.loop import train
 
 IN, CLASSES, B = 8, 3, 4
 N = 2 * B * 3 + 3  # three even steps of 2 x 4 samples, then 2 + 1: uneven, and second input shapes
@@ -50,15 +51,6 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in px.unwrap(model).parameters()])
 
 
-def _loop(model: nn.Module, opt: torch.optim.Optimizer, loader: Any, epochs: int) -> None:
-    for epoch in range(epochs):
-        loader.set_epoch(epoch)
-        for x, y in loader:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-
-
 def _run(case: str, order: str, backend: str, epochs: int) -> dict[str, Any]:
     torch.compiler.reset()
     net = mlp()
@@ -76,7 +68,7 @@ def _run(case: str, order: str, backend: str, epochs: int) -> dict[str, Any]:
     finally:
         group.elastic = False
     graphs0, breaks0 = compilations(), graph_breaks()
-    _loop(model, opt, px.shard(dataset(), batch_size=B, shuffle=True, seed=3), epochs)
+    train(model, opt, px.shard(dataset(), batch_size=B, shuffle=True, seed=3), epochs)
     strategy.finish()
     return {"params": _flat(model), "graphs": compilations() - graphs0, "breaks": graph_breaks() - breaks0,
             "steps": strategy.steps}
@@ -88,7 +80,7 @@ def oracle(backend: str, epochs: int) -> torch.Tensor:
     net = mlp()
     opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
     model = torch.compile(net, backend=backend)
-    _loop(model, opt, px.shard(dataset(), batch_size=2 * B, shuffle=True, seed=3, rank=0, world_size=1), epochs)
+    train(model, opt, px.shard(dataset(), batch_size=2 * B, shuffle=True, seed=3, rank=0, world_size=1), epochs)
     return _flat(net)
 
 

@@ -14,10 +14,10 @@ import threading
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
+from support.loop import take_step
 
 IN, HIDDEN, CLASSES, N = 6, 12, 3, 48
 GLOBAL_BATCH, STEPS, SAVE_AT = 12, 8, 3  # 4 steps per epoch; step 3 is inside epoch 0; 12 = 2 x 6 = 3 x 4
@@ -48,9 +48,7 @@ def loop(model: nn.Module, opt: torch.optim.Optimizer, loader: Any, step: int, u
     while step < until:
         loader.set_epoch(loader.state_dict()["epoch"])
         for x, y in loader:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+            take_step(model, opt, x, y)
             step += 1
             on_step(step)
             if step == until:

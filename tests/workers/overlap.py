@@ -6,6 +6,7 @@ the test itself from the same data and the same loop (:func:`train`).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 import time
 from typing import Any
 
@@ -63,20 +64,12 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, loader: Any, epochs: int
             if k % accumulate == 0:
                 opt.zero_grad()
             last = k % accumulate == accumulate - 1
-            with (no_sync(model) if no_sync is not None and not last else _nothing()):
+            with (no_sync(model) if no_sync is not None and not last else nullcontext()):
                 F.cross_entropy(model(x), y).backward()
             if last:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.3)  # sees the average: clips
                 opt.step()
                 on_step()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def flat(model: nn.Module) -> torch.Tensor:

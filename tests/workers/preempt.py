@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 
 import torch
-import torch.nn.functional as F
 
-import phalanx as px
-from phalanx.step import preempt
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import phalanx as px  # noqa: E402
+from phalanx.step import preempt  # noqa: E402
+from support.preempt_job import train_preemptible  # noqa: E402
 
 EPOCHS, N, BATCH = 2, 64, 4
 
@@ -41,27 +43,19 @@ def main() -> None:
     net = make_model()
     model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     loader = px.shard(data(), batch_size=BATCH, shuffle=True, seed=0)
-    step = 0
-    if px.resume_from() is not None:
-        step = int(px.load_checkpoint(px.resume_from(), model, opt, loader=loader)["step"])
-    for epoch in range(loader.sampler.epoch, EPOCHS):
-        loader.set_epoch(epoch)
-        for x, y in loader:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            step += 1
-            if step == a.wait_at and px.rank() == 0:
-                with open(a.out + ".reached", "w") as f:
-                    f.write(str(step))
-                assert preempt.of().heard.wait(120), "no signal came"
-            if px.preempted():
-                if a.hang_before_save and px.rank() == 1:
-                    while True:  # until the launcher's grace runs out and it kills this worker
-                        signal.pause()
-                px.save_checkpoint(os.path.join(px.step.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt,
-                                   loader=loader, step=step)
-                raise SystemExit(px.PREEMPTED_EXIT)
+
+    def on_step(step: int) -> None:
+        if step == a.wait_at and px.rank() == 0:
+            with open(a.out + ".reached", "w") as f:
+                f.write(str(step))
+            assert preempt.of().heard.wait(120), "no signal came"
+
+    def before_save() -> None:
+        if a.hang_before_save and px.rank() == 1:
+            while True:  # until the launcher's grace runs out and it kills this worker
+                signal.pause()
+
+    train_preemptible(model, opt, loader, EPOCHS, on_step, before_save)
     px.save(model, a.out)
     px.shutdown()
 

@@ -16,13 +16,13 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
 from phalanx.step import preempt  # noqa: E402
 from workers.preempt import BATCH, EPOCHS, data, make_model  # noqa: E402
-from support.wait import until
+from support.preempt_job import train_preemptible  # noqa: E402
+from support.wait import until  # noqa: E402
 
 STRATEGIES = {"local-sgd": lambda: px.LocalSGD(every=8), "diloco": lambda: px.DiLoCo(every=8)}
 
@@ -43,29 +43,19 @@ def main() -> None:
     model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
                          strategy=STRATEGIES[a.strategy]())
     loader = px.shard(data(), batch_size=BATCH, shuffle=True, seed=0)
-    step = 0
-    if px.resume_from() is not None:
-        step = int(px.load_checkpoint(px.resume_from(), model, opt, loader=loader)["step"])
     heard = preempt.of().heard
-    for epoch in range(loader.sampler.epoch, EPOCHS):
-        loader.set_epoch(epoch)
-        for x, y in loader:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            step += 1
-            if a.drift and px.resume_from() is None:
-                if px.rank() == 1:
-                    open(f"{a.out}.rank1-{step}", "w").close()
-                if step == 1 + px.rank():  # rank 0 after step 1, rank 1 after step 2: wait for the signal there
-                    open(f"{a.out}.reached{px.rank()}", "w").close()
-                    assert heard.wait(120), "no signal came"
-                    if px.rank() == 0:
-                        wait_for(f"{a.out}.rank1-7")
-            if px.preempted():
-                px.save_checkpoint(os.path.join(px.step.preempt.checkpoint_dir(), f"step-{step}.pt"), model, opt,
-                                   loader=loader, step=step)
-                raise SystemExit(px.PREEMPTED_EXIT)
+
+    def on_step(step: int) -> None:
+        if a.drift and px.resume_from() is None:
+            if px.rank() == 1:
+                open(f"{a.out}.rank1-{step}", "w").close()
+            if step == 1 + px.rank():  # rank 0 after step 1, rank 1 after step 2: wait for the signal there
+                open(f"{a.out}.reached{px.rank()}", "w").close()
+                assert heard.wait(120), "no signal came"
+                if px.rank() == 0:
+                    wait_for(f"{a.out}.rank1-7")
+
+    train_preemptible(model, opt, loader, EPOCHS, on_step)
     px.save(model, a.out)
     px.shutdown()
 

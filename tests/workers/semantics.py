@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.step.clock import set_batch_weight
 
+from support.loop import strategies
 from workers.core import IN, CLASSES, net
 
 GLOBAL = 16      # global batch; each of the 2 workers holds half
@@ -124,13 +125,7 @@ def local_sgd_oracle(steps: int, every: int, bad: set[int]) -> list[torch.Tensor
     return params(replicas[0])
 
 
-AMP: dict[str, Callable[[], px.Strategy]] = {
-    "allreduce": px.AllReduce,
-    "powersgd": lambda: px.AllReduce(compression=px.PowerSGD(rank=1)),
-    "local-sgd": lambda: px.LocalSGD(every=2),
-    "diloco": lambda: px.DiLoCo(every=2),
-    "easgd": lambda: px.EASGD(every=2),
-}
+AMP: dict[str, Callable[[], px.Strategy]] = strategies(every=2)
 
 
 def amp(steps: int = 6) -> dict[str, Any]:

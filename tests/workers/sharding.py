@@ -17,19 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
+from support.loop import classification, mlp
 
 IN, HIDDEN, CLASSES = 6, 8, 4  # every tensor's first dimension is even: 2 shards split it exactly
 
 
 def dataset(n: int) -> torch.utils.data.TensorDataset:
-    gen = torch.Generator().manual_seed(8)
-    return torch.utils.data.TensorDataset(torch.randn(n, IN, generator=gen),
-                                          torch.randint(0, CLASSES, (n,), generator=gen))
+    return classification(n, IN, CLASSES, seed=8)
 
 
 def net() -> nn.Module:
-    torch.manual_seed(2)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
+    return mlp(IN, HIDDEN, CLASSES, seed=2)
 
 
 class Tied(nn.Module):

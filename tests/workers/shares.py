@@ -13,19 +13,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
+from support.loop import classification, mlp
 
 IN, CLASSES, B = 5, 3, 4
 
 
 def dataset(n: int) -> torch.utils.data.TensorDataset:
-    gen = torch.Generator().manual_seed(8)
-    return torch.utils.data.TensorDataset(torch.randn(n, IN, generator=gen),
-                                          torch.randint(0, CLASSES, (n,), generator=gen))
+    return classification(n, IN, CLASSES, seed=8)
 
 
 def net() -> nn.Module:
-    torch.manual_seed(2)
-    return nn.Sequential(nn.Linear(IN, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+    return mlp(IN, 8, CLASSES, seed=2)
 
 
 def train(strategy: px.Strategy | None, n: int) -> torch.Tensor:

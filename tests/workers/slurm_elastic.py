@@ -16,14 +16,14 @@ import os
 import signal
 import sys
 
-import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
 from phalanx.elastic.membership import key  # noqa: E402
 from workers.elastic import BATCH, Record, dataset, model, optimizer  # noqa: E402
-from support.wait import until
+from support.loop import group_ids, take_step, write_worker  # noqa: E402
+from support.wait import until  # noqa: E402
 
 
 def joiner_waiting(state: px.elastic.State) -> bool:
@@ -52,15 +52,9 @@ def main() -> None:
                     until(lambda: joiner_waiting(state), timeout=120, what="node 1's joiner")
                 if me == "0" and sum(row[1] == 2 for row in record.steps) == 2:
                     os.kill(os.getpid(), signal.SIGKILL)  # the node is lost mid-epoch
-                padded = torch.cat([ids, torch.full((BATCH - len(ids),), -1, dtype=ids.dtype)])
-                everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
-                record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
-                opt.zero_grad()
-                F.mse_loss(model_(x), y).backward()
-                opt.step()
-    with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
-        json.dump({"id": me, "world_size": px.world_size(), "record": record.steps, "history": state.history,
-                   "params": [t.tolist() for t in px.unwrap(model_).parameters()]}, f)
+                record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH)])
+                take_step(model_, opt, x, y, loss=F.mse_loss)
+    write_worker(args.out, me, model_, record.steps, state.history)
 
 
 if __name__ == "__main__":

@@ -19,18 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx as px
+from support.loop import strategies, take_step
 from phalanx.train.callbacks import LambdaCallback
 from phalanx.train.trainer import Trainer
 
 IN, CLASSES, N_TRAIN = 6, 3, 48
 BATCH, EPOCHS, SAVE_AT = 4, 2, 7  # 6 steps per epoch; step 7 is inside epoch 1 and mid-round for every=4
-STRATEGIES: dict[str, Callable[[], px.Strategy]] = {
-    "allreduce": px.AllReduce,
-    "powersgd": lambda: px.AllReduce(compression=px.PowerSGD(rank=1)),
-    "local-sgd": lambda: px.LocalSGD(every=4),
-    "diloco": lambda: px.DiLoCo(every=4),
-    "easgd": lambda: px.EASGD(every=4),
-}
+STRATEGIES: dict[str, Callable[[], px.Strategy]] = strategies(every=4)
 IGNORE = -1
 CLASS_WEIGHTS = [0.2, 1.0, 3.0]
 
@@ -65,9 +60,7 @@ def noisy_loop(model: nn.Module, opt: torch.optim.Optimizer, loader: Any, *, ste
         loader.set_epoch(epoch)
         for x, y in loader:
             x = x * (1 + 0.05 * random.random()) + 0.05 * float(np.random.randn()) + 0.05 * torch.randn_like(x)
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+            take_step(model, opt, x, y)
             step += 1
             on_step(step)
     return step
@@ -176,9 +169,7 @@ def uneven(tmp: str) -> dict[str, Any]:
         sizes = []
         for x, y in loader:
             sizes.append(len(y))
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+            take_step(model, opt, x, y)
         out[n] = {"weights": flat(model), "sizes": sizes}
     return out
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 
-from workers.core import train as train_epochs
+from support.loop import lockstep, train_steps as train, train as train_epochs
 from phalanx.bench.models import digits_cnn, load_digits_split
 
 BATCH = 32  # per worker
@@ -38,21 +38,6 @@ def adam(lr: float = 1e-3):
     return lambda ps: torch.optim.Adam(ps, lr=lr)
 
 
-def train(model, opt, loader, steps: int, start_epoch: int = 0) -> None:
-    """``steps`` optimizer steps over the shard, epochs as they come."""
-    done, epoch = 0, start_epoch
-    while done < steps:
-        loader.set_epoch(epoch)
-        for x, y in loader:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            done += 1
-            if done == steps:
-                return
-        epoch += 1
-
-
 def run(strategy: px.Strategy, opt, steps: int, train_set) -> list[torch.Tensor]:
     model, optimizer, _ = build(strategy, opt)
     train(model, optimizer, px.shard(train_set, batch_size=BATCH, seed=0), steps)
@@ -69,13 +54,7 @@ def easgd_oracle(steps: int, every: int, alpha: float, lr: float) -> dict[str, A
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in replicas]
     loaders = [px.shard(train_set, batch_size=BATCH, seed=0, rank=r, world_size=2) for r in range(2)]
     centre = [p.detach().clone() for p in first.parameters()]
-    for loader in loaders:
-        loader.set_epoch(0)
-    for step, batches in enumerate(zip(*loaders, strict=True), start=1):
-        for model, opt, (x, y) in zip(replicas, opts, batches, strict=True):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+    for step in lockstep(replicas, opts, loaders):
         if step % every == 0:  # eqs. 5-6 of Zhang et al. 2015, with the x_i of before the pull
             with torch.no_grad():
                 xs = [[p.detach().clone() for p in m.parameters()] for m in replicas]

@@ -17,7 +17,6 @@ import argparse
 import copy
 import json
 import os
-import signal
 import time
 from typing import Any
 
@@ -25,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from workers.elastic import wait_for_spares
+from support.loop import kill_if_victim, train_steps
+from workers.elastic import Record, wait_for_spares  # Record: per step (epoch, world size, each rank's ids)
 
 BATCH = 32  # per worker (digits)
 
@@ -43,17 +43,7 @@ def train(strategy: px.Strategy, opt: Any, steps: int, *, finish: bool = True) -
     net = digits_cnn()
     model, optimizer = px.wrap(net, opt(net.parameters()), strategy=strategy)
     loader = px.shard(train_set, batch_size=BATCH, seed=0)
-    done, epoch = 0, 0
-    while done < steps:
-        loader.set_epoch(epoch)
-        for x, y in loader:
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            done += 1
-            if done == steps:
-                break
-        epoch += 1
+    train_steps(model, optimizer, loader, steps)
     out = {"before_finish": params_of(model), "bytes_per_step": strategy.bytes_per_step}
     if finish:
         strategy.finish()
@@ -122,19 +112,6 @@ def elastic_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(DIM, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
-class Record:
-    """Per step: (epoch, world size, each rank's sample ids); rolled back with the commit."""
-
-    def __init__(self) -> None:
-        self.steps: list[list] = []
-
-    def state_dict(self) -> dict:
-        return {"steps": [list(s) for s in self.steps]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = [list(s) for s in state["steps"]]
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -146,7 +123,6 @@ def main() -> None:
                    help="steps take 1 s while the group is smaller than this (a replacement is starting), 60 s at most")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
-    victim, _, at = args.kill.partition("@")
     px.init()
     data, net = elastic_data(), elastic_model()
     # With overlap 2 one exchange is always in flight, so every commit holds one, and a kill leaves the
@@ -165,9 +141,8 @@ def main() -> None:
         for epoch in range(state.epoch, args.epochs):
             loader.set_epoch(epoch)
             for xb, yb, ids in loader:
-                if me == victim and state.step + 1 == int(at) and not state.history:
-                    wait_for_spares(state)  # so that a spare is parked (hot) when the kill comes
-                    os.kill(os.getpid(), signal.SIGKILL)
+                # wait until a spare is parked, so that it is hot when the kill comes
+                kill_if_victim(state, me, args.kill, first=lambda: wait_for_spares(state))
                 if state.step in state.commits and state.step not in in_flight:
                     in_flight[state.step] = [f.index for f in strategy.fragments if f.sent_at >= 0]
                 padded = torch.cat([ids, torch.full((EBATCH - len(ids),), -1, dtype=ids.dtype)])

@@ -197,8 +197,8 @@ def recommend(table: dict[str, Any], gbit: float, threshold: float,
         text = f"{best[1]} on {best[2]} workers (projected efficiency {best[3]:.2f})"
         why = f"projects {faster[0] / best[0]:.1f}x the throughput" if faster else ""
     if faster is not None and (best is None or faster[0] > 1.1 * best[0]):
-        text += (f"; {faster[1]} {why} but converges differently per step: measure it with phalanx bench "
-                 "--quality before choosing it")
+        text += (f"; {faster[1]} {why} but converges differently per step: measure it with "
+                 "python -m benchmarks.quality before choosing it")
     return text
 
 
