@@ -130,8 +130,16 @@ def main() -> None:
     p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
     p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S) (HSDP with allreduce)")
     p.add_argument("--checkpoint", default=None, help="px.elastic.State(checkpoint=DIR): every commit on disk too")
+    p.add_argument("--hold-in-grow", default="",
+                   help="ID: the worker whose id starts with ID stops inside the first rebuild that grows the group, "
+                        "writes holding<its id>.json and waits there to be killed (tests/elastic/test_grow_kill.py)")
+    p.add_argument("--wait-for-joiner", action="store_true",
+                   help="the first workers wait before their 3rd step until a joiner asked to join, and before "
+                        "their 5th until it is ready to enter (it enters at the commit of step 6)")
     args = p.parse_args()
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
+    if args.hold_in_grow and me.startswith(args.hold_in_grow):
+        hold_in_grow(args.out, me)
     victim, _, at = args.kill.partition("@")
 
     if args.trainer:
@@ -173,6 +181,8 @@ def main() -> None:
         for epoch in range(state.epoch, args.epochs):
             loader.set_epoch(epoch)
             for x, y, ids in loader:
+                if args.wait_for_joiner and state.step in (2, 4) and not state.history:
+                    wait_for_joiner(state, "asked" if state.step == 2 else "ready")
                 if not args.kill_in_step:
                     die()
                 digests.append([state.step, px.world_size(), digest(model_, opt)])
@@ -208,6 +218,43 @@ def main() -> None:
               "first_step_after_recovery": first_after[0] if first_after else None, "changes": changes}
     with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
         json.dump(result, f)
+
+
+def wait_for_joiner(state: px.elastic.State, stage: str, timeout_s: float = 120.0) -> None:
+    """Block until a joiner has ``asked`` to join (``elastic/joiners``: the next commit point offers it a place) or is
+    ``ready`` to enter (``elastic/ready/<id>``: it started up and waits at the start of training; the next commit
+    point admits it), whatever the time its start-up took."""
+    from phalanx.elastic.membership import key
+
+    from support.wait import until
+
+    store = state.worker.store
+
+    def there() -> bool:
+        asked = json.loads(store.get(key("joiners"))) if store.check([key("joiners")]) else []
+        return any(stage == "asked" or store.check([key("ready", j)]) for j in asked)
+
+    until(there, timeout=timeout_s, what=f"a joiner {stage}")
+
+
+def hold_in_grow(out: str, me: str) -> None:
+    """Stop this worker inside the first rebuild that grows the group (a member's or a joiner's), past the
+    agreement that it forms (``gen/<g>/go``), before it takes part in forming the group: it writes
+    ``holding<me>.json`` (its pid) and waits to be killed there. The others are then forming that generation."""
+    from phalanx.elastic import worker as elastic_worker
+    from phalanx.group import group
+
+    rebuild = elastic_worker.rebuild
+
+    def holding(base_store, generation: int, rank: int, world_size: int, **kwargs):  # noqa: ANN001, ANN202
+        if world_size > group.current().world_size or group.current().entering:
+            with open(os.path.join(out, f"holding{me}.json"), "w") as f:
+                json.dump({"id": me, "pid": os.getpid(), "generation": generation, "time": time.time()}, f)
+            while True:
+                signal.pause()  # until the test kills this process
+        return rebuild(base_store, generation, rank, world_size, **kwargs)
+
+    elastic_worker.rebuild = holding
 
 
 def wait_for_spares(state: px.elastic.State, timeout_s: float = 60.0) -> None:

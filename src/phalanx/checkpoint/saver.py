@@ -172,7 +172,11 @@ def _checkpoint_group(previous: SaveHandle | None, g: group.Group) -> Any:
         return None
     if previous is not None and previous.pg is not None and previous.generation == g.generation:
         return previous.pg
-    return dist.new_group(backend="gloo")
+    # the group's own split of its generation (formed on the generation's keys where the group owns its groups)
+    # torch's bound for a new group (30 min), not the job's collective bound: a large write on one worker keeps
+    # the others waiting in DCP's final gather that long.
+    return g.split([list(range(g.world_size))], "checkpoint", backend="gloo",
+                   timeout_s=dist.constants.default_pg_timeout.total_seconds())
 
 
 def wait_for_saves() -> None:

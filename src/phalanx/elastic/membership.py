@@ -19,7 +19,8 @@ Keys (all under ``elastic/`` in the launcher's TCPStore):
     dead/<id>              set by the launcher when worker <id> exited or was killed
     gen                    the newest closed generation
     gen/<g>/members        JSON list of ids, rank order
-    gen/<g>/arrive/<id>    JSON {"commits": [...]} of a survivor
+    gen/<g>/arrive/<id>    JSON {"commits": [...]} of a survivor; {"commits": [], "joining": true} of a joiner
+                           whose entry into g-1 failed and that waits to be admitted again
     gen/<g>/join/<id>      a joiner asking to enter generation g
     admit/<g>/<step>       JSON list of the joiners admitted at the commit of <step> in generation g
     finished/<id>          worker <id> finished training (its heartbeat may stop while it exits)
@@ -123,17 +124,21 @@ class Membership:
             if self.store.check([members_key]):
                 break
             arrived = {m for m in self.members if self.store.check([key("gen", g, "arrive", m)])}
+            # A joiner whose entry failed (the group did not form, or a peer died before it had the state)
+            # answered that it waits to join again: not a survivor, and not counted by the guard.
+            back = {m for m in arrived if self.joining_again(g, m)}
             dead = {m for m in self.members if m not in arrived and self.is_dead(m)}
             complete = len(arrived) + len(dead) == len(self.members)
             if complete or time.monotonic() > deadline:
                 # Members a watcher saw exit are known gone, not partitioned: the guard counts the rest
                 # (so losing every worker of one host of two still leaves a quorum).
-                if 2 * len(arrived) <= len(self.members) - len(dead):
+                counted = len(self.members) - len(dead) - len(back)
+                if 2 * len(arrived - back) <= counted:
                     raise QuorumError(
-                        f"only {len(arrived)} of the {len(self.members) - len(dead)} workers of generation {g - 1} "
+                        f"only {len(arrived - back)} of the {counted} workers of generation {g - 1} "
                         f"not known dead answered within {timeout_s:.0f}s; more than half are needed to go on "
                         "(split-brain guard)")
-                survivors = decide_members(self.members, arrived=arrived, dead=dead, joiners=[])
+                survivors = decide_members(self.members, arrived=arrived - back, dead=dead, joiners=[])
                 proposal = survivors + (joiners(survivors) if joiners is not None else self._joiners(g))
                 self.store.compare_set(members_key, "", json.dumps(proposal))
                 break
@@ -141,7 +146,7 @@ class Membership:
         members = json.loads(self.store.get(members_key))
         if self.me not in members:
             raise QuorumError(f"worker {self.me} arrived after generation {g} closed without it")
-        survivors = [m for m in members if m in self.members]
+        survivors = [m for m in members if m in self.members and not self.joining_again(g, m)]
         arrivals = [json.loads(self.store.get(key("gen", g, "arrive", m)))["commits"] for m in survivors]
         step = common_commit(arrivals)
         if step is None:
@@ -149,6 +154,17 @@ class Membership:
         self.store.set(key("gen"), str(g))
         self.members, self.generation = members, g
         return {"generation": g, "members": members, "step": step}
+
+    def joining_again(self, g: int, m: str) -> bool:
+        """Did ``m`` arrive at generation ``g`` as a joiner whose entry into ``g - 1`` failed (no commit held)?"""
+        k = key("gen", g, "arrive", m)
+        return self.store.check([k]) and bool(json.loads(self.store.get(k)).get("joining"))
+
+    def join_again(self, failed: int) -> None:
+        """A joiner whose entry into generation ``failed`` failed: tell the members regrouping from it (who wait
+        for every member of ``failed`` to arrive) that it holds no commit and waits to be admitted again."""
+        self.store.set(key("gen", failed + 1, "arrive", self.me), json.dumps({"commits": [], "joining": True}))
+        self.members, self.generation = [], failed
 
     def admit(self, step: int, proposal: Callable[[], list[str]]) -> list[str]:
         """Who joins at the commit of ``step``: the first member to get there decides for all.

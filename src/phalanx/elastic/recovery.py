@@ -16,7 +16,6 @@ import sys
 import time
 import warnings
 
-import torch.distributed as dist
 
 from ..group import group
 from ..checkpoint import checkpoint_step, load_checkpoint
@@ -27,6 +26,7 @@ from ..wrap import strategy_of
 
 from ..checkpoint.training_state import shared
 from .rule import Regroupable
+from .run import is_peer_failure
 
 
 class Recovery:
@@ -36,8 +36,7 @@ class Recovery:
         """Leave the broken group, agree on the next one, roll back to the common commit (collective)."""
         started, failed_at = time.monotonic(), time.time() if failed_at is None else failed_at
         before = group.world_size()
-        backend = dist.get_backend() if dist.is_initialized() else "gloo"
-        plan = self.worker.rebuild(sorted(self.commits), backend=backend)
+        plan = self.worker.rebuild(sorted(self.commits), backend=group.current().backend or "gloo")
         snap = self.commits[plan["step"]]
         for newer in [s for s in self.commits if s > plan["step"]]:
             del self.commits[newer]
@@ -58,7 +57,7 @@ class Recovery:
     def grow(self, joiners: list[str]) -> None:
         """Members at a commit point: rebuild with the joiners and send them rank 0's state (collective)."""
         started, before = time.monotonic(), group.world_size()
-        plan = self.worker.grow(joiners, backend=dist.get_backend() if dist.is_initialized() else "gloo")
+        plan = self.worker.grow(joiners, backend=group.current().backend or "gloo")
         self._send_state()
         self._reshard(self.commits[max(self.commits)])  # taken at this commit point: the live state
         self._resplit(before)
@@ -67,23 +66,30 @@ class Recovery:
     def join(self) -> bool:
         """A joiner: wait for admission, then take rank 0's state; False if training had ended."""
         started = time.monotonic()
-        plan = self.worker.wait_for_admission()
-        if plan is None:
-            return False
-        snap = self._send_state()
-        # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
-        # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
-        self._restore(shared(snap), joining=True)  # a joiner never puts the async PS back
-        try:
-            self._reshard(None)  # a sharded model: its shards come from the members' commits
-        except ShardLostError:
-            if self.checkpoint is None:
-                raise  # the members have no checkpoint either: they end with the same error
-            # admitted at the regroup where a shard died with its only holder: the members roll back to the
-            # checkpoint's commit (sent again) and everyone, this joiner too, loads its shards from the checkpoint
-            snap = self._send_state()
-            self._restore(shared(snap), joining=True)
-            self._load_shards()
+        while True:
+            plan = self.worker.wait_for_admission()
+            if plan is None:
+                return False
+            try:
+                snap = self._send_state()
+                # rank 0's model, optimizer, shared strategy state and data position; not its own RNG streams or
+                # compressor residuals (its error feedback would be counted twice): a joiner starts those fresh.
+                self._restore(shared(snap), joining=True)  # a joiner never puts the async PS back
+                try:
+                    self._reshard(None)  # a sharded model: its shards come from the members' commits
+                except ShardLostError:
+                    if self.checkpoint is None:
+                        raise  # the members have no checkpoint either: they end with the same error
+                    # admitted at the regroup where a shard died with its only holder: the members roll back to the
+                    # checkpoint's commit (sent again) and everyone, this joiner too, loads its shards from it
+                    snap = self._send_state()
+                    self._restore(shared(snap), joining=True)
+                    self._load_shards()
+                break
+            except Exception as err:  # noqa: BLE001 - a lost peer sends it back to the joiners; the rest is raised
+                if not is_peer_failure(err):
+                    raise
+                self.worker.join_again(plan["generation"])  # no commit of its own yet: it is admitted again
         self._resplit(snap["elastic_world_size"])
         self.commits = {}
         self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)

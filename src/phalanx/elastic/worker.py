@@ -40,12 +40,12 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
 from ..group import group, leaving
-from ..errors import PhalanxError
+from ..errors import PhalanxError, WorkerLostError
 from ..step.preempt import PREEMPTED_EXIT
 from . import secret as job_secret
 from .membership import Membership, QuorumError, joiner_ids, key
@@ -240,19 +240,26 @@ class ElasticWorker:
             plan = self.membership.next_generation(commits, timeout_s=self.config["heartbeat_s"] + 10.0,
                                                    joiners=lambda survivors: self.joiners_for(survivors,
                                                                                               regroup=True))
-            if self._entered(plan["generation"], [m for m in plan["members"] if m not in before]):
+            # survivors hold a commit; the others (spares, joiners, joiners whose entry failed) enter
+            survivors = [m for m in plan["members"]
+                         if m in before and not self.membership.joining_again(plan["generation"], m)]
+            if self._entered(plan["generation"], [m for m in plan["members"] if m not in survivors]):
                 break
             # an admitted spare or joiner never came: that generation is void; the next one goes without it
             self.membership.members = before
         members = plan["members"]
-        survivors = [m for m in members if m in before]  # spares and joiners never count toward the minimum
+        # spares and joiners never count toward the minimum
         if len(survivors) < self.config["min_workers"]:
             raise QuorumError(f"{len(survivors)} worker(s) left, below --min-workers {self.config['min_workers']}")
         rebuild(self.store, plan["generation"], members.index(self.me), len(members), timeout_s=self.timeout_s,
-                backend=backend)
+                backend=backend, lost=self.lost_among(members))
         plan["left"] = [m for m in before if m not in members]
-        plan["joined"] = [m for m in members if m not in before]
+        plan["joined"] = [m for m in members if m not in survivors]
         return plan
+
+    def lost_among(self, members: list[str]) -> Callable[[], list[int]]:
+        """The ranks of ``members`` marked dead now (``dead/<id>``): what forming their group stops waiting for."""
+        return lambda: [r for r, m in enumerate(members) if m != self.me and self.membership.is_dead(m)]
 
     # -- joining ------------------------------------------------------------------------------
     def _holds_secret(self) -> bool:
@@ -437,7 +444,8 @@ class ElasticWorker:
             self.store.compare_set(key("gen", g, "members"), "", json.dumps(members))
             self.store.set(key("gen"), str(g))
         self.membership.members, self.membership.generation = members, g
-        rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s, backend=backend)
+        rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s, backend=backend,
+                lost=self.lost_among(members))
         return {"generation": g, "members": members, "left": [], "joined": joiners}
 
     def wait_for_place(self, after: int = -1, poll_s: float = 0.05, *, offers: bool = False) -> dict | None:
@@ -487,13 +495,31 @@ class ElasticWorker:
         while plan is not None:
             g, members = plan["generation"], plan["members"]
             if self._enter(g):
-                rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s,
-                        backend="gloo")
+                # a member from here on: if the group does not form, the members regroup from generation g
                 self.membership.members, self.membership.generation = members, g
-                self.joining, self.placed = False, None
-                return plan
+                try:
+                    rebuild(self.store, g, members.index(self.me), len(members), timeout_s=self.timeout_s,
+                            backend="gloo", lost=self.lost_among(members))
+                except WorkerLostError:
+                    self.join_again(g)  # a peer was lost while the group formed: wait to be admitted again
+                else:
+                    self.joining, self.placed = False, None
+                    return plan
             plan = self.placed = self.wait_for_place(after=g)
         return None
+
+    def join_again(self, failed: int) -> None:
+        """A joiner whose entry into generation ``failed`` failed (the group did not form, or a peer died before it
+        had rank 0's state): leave what formed, tell the regrouping members not to count on it, wait again.
+
+        It has no commit to roll back to, so it is no survivor: the members admit it again as a joiner
+        (it is still in ``joiners``), at their regroup or at a later commit point.
+        """
+        destroy()
+        self.membership.join_again(failed)
+        self.group.entering, self.joining, self.placed = True, True, None
+        print(f"phalanx: elastic: worker {self.me}: a peer was lost while it entered generation {failed}; it waits "
+              "to be admitted again", file=sys.stderr, flush=True)
 
     def _enter(self, generation: int) -> bool:
         """Claim our place in ``generation``; True once the members agree it forms with us (``gen/<g>/go``)."""

@@ -102,12 +102,13 @@ def _objects(kind: str, obj: Any, root: int, what: str, pg: Any = None) -> Any:
     received is unpickled freely: ``torch.load(weights_only=True)`` builds tensors and
     plain containers only, so tensors and plain values (numbers, strings, lists,
     dicts) travel; received tensors are on the CPU. Guarded: a lost peer raises
-    :class:`WorkerLostError`. ``pg``: a process group other than the default one (ranks are in it).
+    :class:`WorkerLostError`. ``pg``: a process group other than the generation's (ranks are in it).
     """
     g = group.current()
     if g.entering:  # a joiner not yet in its group: nobody to send to
         return [obj] if kind in ("all_gather", "gather") else obj
     world, me = (g.world_size, g.rank) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
+    pg = g.process_group if pg is None else pg  # the generation's own group, named explicitly
     if world == 1:
         return [obj] if kind in ("all_gather", "gather") else obj
     device = _wire_device()
@@ -211,7 +212,7 @@ def scatter_back(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
 
 
 class Comm:
-    """All-reduce, broadcast and all-gather over the default group, or over ``process_group``, accounted.
+    """All-reduce, broadcast and all-gather over the generation's group, or over ``process_group``, accounted.
 
     ``process_group`` (for example a device mesh's "replicate" group, :mod:`phalanx.sharding.layout`)
     makes a strategy run among that group's ranks only: ``rank``, ``world_size`` and every
@@ -224,7 +225,12 @@ class Comm:
 
     def __init__(self, process_group: Any = None) -> None:
         self.stats = CommStats()
-        self.group = process_group  # None: the default group, wherever phalanx.elastic moves it
+        self.group = process_group  # None: the generation's group, wherever phalanx.elastic moves it
+
+    @property
+    def process_group(self) -> Any:
+        """The torch process group the collectives run on now: ``process_group``, or the current generation's."""
+        return self.group if self.group is not None else group.current().process_group
 
     @property
     def world_size(self) -> int:
@@ -260,7 +266,7 @@ class Comm:
             return
         for flat, ts in _coalesced(tensors):
             with self._timed("all_reduce", flat.numel() * flat.element_size()):
-                dist.all_reduce(flat, group=self.group)  # gloo has no AVG, so sum then scale
+                dist.all_reduce(flat, group=self.process_group)  # gloo has no AVG, so sum then scale
             if op == "mean":
                 flat.div_(self.world_size)
             scatter_back(flat, ts)
@@ -272,7 +278,7 @@ class Comm:
         for flat, ts in _coalesced(tensors):
             sent = flat.numel() * flat.element_size() if self.rank == src else 0
             with self._timed("broadcast", sent):
-                dist.broadcast(flat, group=self.group, group_src=src)
+                dist.broadcast(flat, group=self.process_group, group_src=src)
             scatter_back(flat, ts)
 
     def all_gather_state(self, state: Any) -> list[Any]:
@@ -296,7 +302,7 @@ class Comm:
         The bytes are counted now; the time is not (it overlaps the caller's work, e.g. backward).
         """
         with span("phalanx/bucket"):  # the timeline: the send; the wait is in the exchange's span
-            future = dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
+            future = dist.all_reduce(tensor, group=self.process_group, async_op=True).get_future()
         self.record(tensor.numel() * tensor.element_size())
         return future
 
@@ -318,7 +324,8 @@ class Comm:
             theirs = torch.empty_like(flat)
             with self._timed(f"exchange with rank {peer}", flat.numel() * flat.element_size()):
                 to = peer if self.group is None else dist.get_global_rank(self.group, peer)
-                ops = [dist.P2POp(dist.isend, flat, to), dist.P2POp(dist.irecv, theirs, to)]
+                pg = self.process_group
+                ops = [dist.P2POp(dist.isend, flat, to, pg), dist.P2POp(dist.irecv, theirs, to, pg)]
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
             outs = [torch.empty_like(t) for t in ts]
@@ -344,9 +351,9 @@ class Comm:
         into = [b if b.is_contiguous() else torch.empty_like(b, memory_format=torch.contiguous_format)
                 for _, b in recvs]
         with self._timed("send_recv", sum(t.numel() * t.element_size() for t in out)):
-            works = [dist.isend(t, group=self.group, group_dst=r, tag=tag)
+            works = [dist.isend(t, group=self.process_group, group_dst=r, tag=tag)
                      for (r, _), t in zip(sends, out, strict=True)]
-            works += [dist.irecv(b, group=self.group, group_src=r, tag=tag)
+            works += [dist.irecv(b, group=self.process_group, group_src=r, tag=tag)
                       for (r, _), b in zip(recvs, into, strict=True)]
             for work in works:
                 work.wait()
@@ -359,7 +366,7 @@ class Comm:
         """Wait for every worker; a no-op in a group of one."""
         if self.world_size > 1:
             with self._timed("barrier", 0):
-                dist.barrier(group=self.group)
+                dist.barrier(group=self.process_group)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's ``tensor`` (same shape on all), in rank order."""
@@ -368,7 +375,7 @@ class Comm:
         tensor = local_shard(tensor).contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         with self._timed("all_gather", tensor.numel() * tensor.element_size()):
-            dist.all_gather(out, tensor, group=self.group)
+            dist.all_gather(out, tensor, group=self.process_group)
         return out
 
 
@@ -381,4 +388,4 @@ def barrier() -> None:
     """
     if Comm().world_size > 1:
         with guarded("barrier"):
-            dist.barrier()
+            dist.barrier(group=group.current().process_group)

@@ -21,13 +21,16 @@ import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import leaving, liveness, orphan
+from . import forming, leaving, liveness, orphan
 from .records import Records
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh  # torch's, imported on first use only (1.1 s)
 from ..errors import ConfigError, PhalanxError, WorkerLostError, usage
 from .env import WorkerEnv
 
@@ -83,7 +86,11 @@ class Group:
         # What other packages keep for this group (the step clocks, the preemption handler, the checkpoint being
         # written, the timeline), each a typed record its own package declares: the group holds membership.
         self.records = Records()
-        self._meshes: dict[int, Any] = {}  # shard size -> this generation's DeviceMesh (phalanx.sharding.layout)
+        self._meshes: dict[int, DeviceMesh] = {}  # shard size -> this generation's mesh (phalanx.sharding.layout)
+        # This generation's torch process group (torch's default group too), and the subgroups split from it.
+        # Both go with the generation: rebuild() destroys them before it forms the next one.
+        self.process_group: dist.ProcessGroup | None = None
+        self._splits: dict[tuple[str, tuple[tuple[int, ...], ...]], dist.ProcessGroup] = {}
         if store is not None:
             self._attach_store(store)
 
@@ -124,22 +131,72 @@ class Group:
             return []
         return sorted(r for r, why in notes.items() if r != self.rank and not why.startswith("ok"))
 
-    def mesh(self, shard_size: int) -> Any:
+    @property
+    def owns_groups(self) -> bool:
+        """True when this group forms its process groups itself (:mod:`phalanx.group.forming`), on keys that name
+        the generation: a group rebuilt while the job runs (``phalanx run --elastic``), over gloo.
+
+        Elsewhere torch's ``init_process_group`` forms the one group of the run, as under plain torchrun:
+        a group formed once, whose failure ends the run, never meets torch's per-process naming again.
+        """
+        return self.elastic and (self.backend or "gloo") == "gloo"
+
+    def mesh(self, shard_size: int) -> DeviceMesh:
         """The 2-D ``DeviceMesh`` of this generation: dims ("replicate", "shard"), R = world_size // shard_size.
 
         Rank ``r * shard_size + s`` is shard ``s`` of replica group ``r``. Built once per generation
-        (collective the first time: every rank must ask for the same sizes in the same order) and
-        dropped by :meth:`rebuild`.
+        from this generation's own subgroups (:meth:`split`; collective the first time: every rank
+        must ask for the same sizes in the same order) and dropped by :meth:`rebuild`.
         """
         if shard_size < 1 or self.world_size % shard_size:
             raise ConfigError(usage(f"a mesh of shards of {shard_size} over {self.world_size} workers",
                                     "a shard size that divides the world size",
                                     f"Pick a divisor of {self.world_size}."))
         if shard_size not in self._meshes:
-            from torch.distributed.device_mesh import init_device_mesh  # torch's, imported on first use only
-            self._meshes[shard_size] = init_device_mesh(
-                self.device.type, (self.world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+            from torch.distributed.device_mesh import DeviceMesh  # torch's, imported on first use only (1.1 s)
+            replicas = self.world_size // shard_size
+            layout = torch.arange(self.world_size).view(replicas, shard_size)
+            replicate = self.split([layout[:, s].tolist() for s in range(shard_size)], f"mesh{shard_size}/replicate")
+            shard = self.split([layout[r].tolist() for r in range(replicas)], f"mesh{shard_size}/shard")
+            self._meshes[shard_size] = DeviceMesh.from_group([replicate, shard], self.device.type, mesh=layout,
+                                                             mesh_dim_names=("replicate", "shard"))
         return self._meshes[shard_size]
+
+    def split(self, parts: Sequence[Sequence[int]], tag: str, backend: str | None = None,
+              timeout_s: float | None = None) -> dist.ProcessGroup | None:
+        """This rank's process group among ``parts`` (lists of ranks that cover the group), made once per generation.
+
+        Collective: every rank calls it with the same ``parts`` and ``tag`` (a name for this
+        split, e.g. "checkpoint"). A group that :attr:`owns_groups` forms each part on keys
+        of its own (``<generation>/split/<tag>/<i>``), bounded and watching for lost peers like
+        the generation itself; otherwise torch's ``new_group`` makes every part, with ``backend``
+        (default: the group's). ``timeout_s`` bounds each collective on the part (default: the
+        group's bound, :attr:`timeout_s`, on groups it owns; torch's default on torch's). Where
+        the group owns its groups, a failure to form is a :class:`~phalanx.errors.WorkerLostError`.
+
+        Example:
+            >>> import phalanx as px
+            >>> px.current_group().split([[0]], "example") is None   # a group of one has no process group
+            True
+        """
+        key = (tag, tuple(tuple(int(r) for r in part) for part in parts))
+        if key in self._splits:
+            return self._splits[key]
+        if self.process_group is None:
+            return None
+        mine = next(i for i, part in enumerate(key[1]) if self.rank in part)
+        if self.owns_groups:
+            part = key[1][mine]
+            store = dist.PrefixStore(f"split/{tag}/{mine}", self.store)
+            backend_ = forming.form(store, part.index(self.rank), len(part), self.timeout_s,
+                                    lambda: self._lost_now(self.store, self.world_size, None), timeout_s)
+            pg = forming.register_subgroup(backend_, part)
+        else:  # torch's new_group: every rank makes every part, in the same order
+            bound = None if timeout_s is None else timedelta(seconds=timeout_s)  # None: torch's default, as before
+            groups = [dist.new_group(list(part), backend=backend, timeout=bound) for part in key[1]]
+            pg = groups[mine]
+        self._splits[key] = pg
+        return pg
 
     # -- membership changes ---------------------------------------------------------------------------------
     def on_regroup(self, callback: Callable[["Group"], None]) -> Callable[[], None]:
@@ -164,25 +221,28 @@ class Group:
         self.generation, self.entering = int(generation), True
 
     def rebuild(self, rank: int, world_size: int, store: dist.Store, *, generation: int | None = None,
-                job_store: dist.Store | None = None, backend: str | None = None) -> None:
+                job_store: dist.Store | None = None, backend: str | None = None,
+                lost: Callable[[], Sequence[int]] | None = None) -> None:
         """Leave the current process group and form the next generation's: ``rank`` of ``world_size`` on ``store``.
 
         Collective across the new members. ``generation`` is the number the members agreed
-        on (default: the next one); it must grow. The heartbeat and the probe connection
+        on (default: the next one); it must grow. gloo's group cannot shrink, so the old one is
+        destroyed first: a peer blocked on our sockets then fails at once instead of at its
+        timeout. The new one is formed on ``store`` alone (:mod:`phalanx.group.forming`): its
+        waits end at the bound of every collective or as soon as a member is known lost (an exit
+        note in ``store``, or a rank that ``lost()`` names). A failure to form raises
+        :class:`~phalanx.errors.WorkerLostError` and leaves this group as it was, without a process
+        group: the caller regroups once more. Once formed, the heartbeat and the probe connection
         move to ``store`` under the new rank, then the :meth:`on_regroup` callbacks run.
-        gloo's group cannot shrink, so the old one is destroyed first: a peer blocked on
-        our sockets then fails at once instead of at its timeout.
         """
         generation = self.generation + 1 if generation is None else int(generation)
         if generation < self.generation or (generation == self.generation and not self.entering):
             raise ConfigError(usage(f"rebuild to generation {generation}", f"a generation after {self.generation}",
                                     "Pass the next generation number the members agreed on."))
-        leaving.destroy_process_group()
-        self._meshes = {}  # their process groups went with the old generation
-        backend = backend or self.backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=self.timeout_s))
-        self.backend, self.generation, self.entering = backend, generation, False
+        self.drop_process_groups()
+        self.backend = backend or self.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self._form(rank, world_size, store, lost)
+        self.generation, self.entering = generation, False
         self.env = replace(self.env, rank=rank, world_size=world_size)
         self.job_store = job_store if job_store is not None else self.job_store
         self.losses = []
@@ -191,6 +251,39 @@ class Group:
             leaving.leave_at_exit(self, shutdown)
         for callback in list(self._on_regroup):
             callback(self)
+
+    def drop_process_groups(self) -> None:
+        """Destroy this generation's process groups, and drop this group's references to them first.
+
+        gloo closes a group's sockets only when the group object is freed: a reference kept here
+        would leave a peer blocked on us waiting for its collective timeout instead of failing at once.
+
+        Example:
+            >>> import phalanx as px
+            >>> px.current_group().drop_process_groups()   # a group of one has none: nothing happens
+        """
+        self._meshes, self._splits, self.process_group = {}, {}, None
+        leaving.destroy_process_group()
+
+    def _form(self, rank: int, world_size: int, store: dist.Store,
+              lost: Callable[[], Sequence[int]] | None = None) -> None:
+        """Form this generation's process group on ``store`` and make it torch's default group (collective)."""
+        if self.owns_groups:
+            backend = forming.form(store, rank, world_size, self.timeout_s,
+                                   lambda: self._lost_now(store, world_size, lost, rank))
+            self.process_group = forming.install(backend, store, rank, world_size, self.timeout_s)
+        else:
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=self.timeout_s))
+            self.process_group = dist.group.WORLD
+
+    def _lost_now(self, store: dist.Store, world_size: int, lost: Callable[[], Sequence[int]] | None,
+                  me: int | None = None) -> list[int]:
+        """Ranks of the generation in ``store`` known gone now: an exit note there (left by the rank or by the
+        watcher that saw it exit), or named by ``lost()`` (the elastic layer's dead marks)."""
+        me = self.rank if me is None else me
+        gone = {r for r in liveness.exit_records(store, world_size) if r != me}
+        return sorted(gone | set(lost() if lost is not None else ()))
 
     def _attach_store(self, store: dist.Store) -> None:
         """Beat and probe on ``store`` (the first one, or the next generation's) under the current rank."""
@@ -298,8 +391,9 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
         g.job_store = job
         # Beat before joining: once the process group exists, every rank is visibly alive.
         g._attach_store(dist.PrefixStore(f"phalanx/{env.attempt}", job))
-        dist.init_process_group(backend, store=g.store, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        g._form(env.rank, env.world_size, g.store)
+    elif dist.is_initialized():  # the script formed torch's default group itself before px.init()
+        g.process_group = dist.group.WORLD
     _group = g
     if g.store is not None:
         leaving.leave_at_exit(g, shutdown)
@@ -341,7 +435,9 @@ def shutdown() -> None:
             leaving.leave_failed(g, exc)
             return  # no barrier: a failed worker's teardown must not wait on anyone
         met = leaving.leave_normally(g)
-    if dist.is_initialized():
+    if g is not None:
+        g.drop_process_groups()  # the group object may outlive this (a script holds it): it keeps no process group
+    elif dist.is_initialized():
         dist.destroy_process_group()
     if g is not None and g.store is not None and not met and leaving.hosts_store(g):
         leaving.linger_for_peers(g)

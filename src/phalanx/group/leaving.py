@@ -166,7 +166,7 @@ def leave_failed(g: Any, exc: BaseException) -> None:
     """Leave on ``exc`` with no barrier: tell peers and the launcher; the store's host stays a moment for them."""
     g.fail(exc)
     if hosts_store(g) and dist.is_initialized():
-        dist.destroy_process_group()  # peers blocked on us in a collective see it fail now
+        g.drop_process_groups()  # peers blocked on us in a collective see it fail now (the group holds none after)
         linger_for_peers(g)
 
 
@@ -174,9 +174,9 @@ def leave_normally(g: Any) -> bool:
     """Meet every peer in the store, then at a short barrier; True if all met. Records this worker's exit note."""
     met = g.heartbeat is not None and dist.is_initialized() and _everyone_leaving(g)
     if met:
-        try:
-            dist.monitored_barrier(timeout=timedelta(seconds=min(10.0, g.env.timeout_s)))
-        except RuntimeError:
+        try:  # the process group's own method: torch's function refuses a group phalanx formed (not named "gloo")
+            (g.process_group or dist.group.WORLD).monitored_barrier(timedelta(seconds=min(10.0, g.env.timeout_s)))
+        except (RuntimeError, ValueError):
             pass  # a peer is gone or went elsewhere; leave anyway
     if g.probe is not None:
         try:

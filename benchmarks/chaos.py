@@ -1,0 +1,161 @@
+"""The chaos soak: SIGKILL a worker of an elastic job at random and inside chosen phases, for K kills; report.
+
+    python benchmarks/chaos.py --out results/chaos                      # base: T = 15 s, K = 40
+    python benchmarks/chaos.py --out results/chaos --spares 1           # a parked spare fills each hole first
+    python benchmarks/chaos.py --out results/chaos --shard 2            # px.FullyShard(group_size=2) on 4 workers
+    python benchmarks/chaos.py --out results/chaos --diloco             # px.DiLoCo, a period well under T/3
+    python benchmarks/chaos.py --out results/chaos --period 2 --kills 20   # kills faster than a regroup
+    python benchmarks/chaos.py --out /tmp/c --kills 6 --period 5        # a short look while developing
+    python benchmarks/chaos.py --out /tmp/c --plan join --kills 1       # one kill, aimed at a join
+
+It runs ``phalanx run -n 3 --elastic --min-workers 1 --replace tests/workers/chaos_job.py``: the
+benchmark's small GPT (``phalanx.bench.models.gpt``, about 1.8M parameters, a checkpoint of about
+22 MB: weights and AdamW's moments), AdamW, ``px.elastic.State`` committing every 4 steps and a
+``px.save_checkpoint`` every 3 commits. The harness (``tests/support/chaos.py``, shared with the
+short form in ``make test``, ``tests/elastic/test_chaos_short.py``) kills a live worker, never the last
+one, on average every ``--period`` seconds; ``--aim`` kills per phase (commit, checkpoint write,
+regroup, join) are placed by the job's own markers instead (its event lines and the launcher's
+store): it waits for a worker to enter that phase and kills at once (a checkpoint: once its files are
+being written, phalanx's own ``<path>.tmp-*``; a commit, which takes milliseconds: every worker waits
+after its ``commit+`` marker for the harness's word, ``--hold``, and the victim is killed there).
+Where each kill landed is read back from the victim's own event file. The job is asked to stop after
+a whole epoch once the kills are done.
+
+It reports (OUT/chaos.json, and a short table): kills survived and where they landed, the job's
+exit, every sample trained exactly once per epoch (the record each worker keeps, rolled back with
+the commits), the final model against one process replayed on that record (AllReduce variants),
+the longest time without a step after a kill and overall, and RSS and open descriptors of every
+process sampled every second (peak RSS of each long-lived process in the last quarter of its life
+over the first, descriptors' change). A job with no step for ``--stall`` seconds is declared
+wedged: every process dumps its stacks (faulthandler, SIGUSR2) into the report, and it is stopped.
+
+Targets (issue 36): T = 15 s, K >= 40, >= 3 kills inside each phase; exit 0, exactly once, oracle
+within 1e-5, no stretch without a step longer than 30 s, RSS <= 1.1x, descriptors <= +10. With
+``--period 2`` the job must go on or end with one line, never wedge (the report says which).
+
+``--ray`` (phalanx.raytrain, worker actors killed on the same cadence) is not built yet: see the TODO
+at :func:`main`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the harness core and the job live with the tests (see there why)
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+from support import chaos  # noqa: E402
+
+TARGETS = {"exit": 0, "oracle": 1e-5, "no_step_s": 30.0, "rss_ratio": 1.1, "fds_delta": 10, "per_phase": 3}
+
+
+def make_plan(kills: int, aim: int, rng: random.Random, only: list[str] | None = None) -> list[str]:
+    """``kills`` kills: ``aim`` aimed at each phase, the rest at random; regroup and join never first.
+
+    Example:
+        >>> make_plan(6, 1, random.Random(0)).count("random")
+        2
+    """
+    if only:
+        return (only * kills)[:kills]
+    aimed = [p for p in chaos.PHASES for _ in range(aim)]
+    plan = ["random"] * max(0, kills - len(aimed)) + aimed[:kills]
+    rng.shuffle(plan)
+    while plan and plan[0] in ("regroup", "join"):  # they follow a kill: there is none before the first
+        plan.append(plan.pop(0))
+    return plan
+
+
+def verdict(r: dict, period_s: float) -> dict:
+    """Each target: met or not (None where it does not apply)."""
+    res = r["resources"]
+    launcher = res.get("launcher") or {}
+    out = {"exit 0": r["exit"] == 0, "exactly once": r["exactly_once"],
+           "oracle <= 1e-5": None if r["oracle_max_abs"] is None else r["oracle_max_abs"] <= TARGETS["oracle"],
+           "no step gap > 30 s": r["longest_no_step_s"] <= TARGETS["no_step_s"],
+           f">= {TARGETS['per_phase']} kills in each phase": all(r["landed"][p] >= TARGETS["per_phase"]
+                                                               for p in chaos.PHASES),
+           "RSS <= 1.1x": None if res["worst_rss_ratio"] is None else res["worst_rss_ratio"] <= TARGETS["rss_ratio"],
+           "descriptors <= +10": None if res["worst_fds_delta"] is None else res["worst_fds_delta"] <= 10,
+           "launcher RSS <= 1.1x": launcher.get("rss_ratio", 0) <= TARGETS["rss_ratio"] if launcher else None}
+    if period_s <= 2:  # kills faster than a regroup: going on or one line at the end are both fine, a wedge is not
+        lines = [x for x in r["launcher_tail"].splitlines() if x.startswith("phalanx:")]
+        out["fast kills: went on or ended with one line"] = not r["outcome"].startswith("wedged")
+        r["fast_kills"] = ("went on" if r["exit"] == 0 else
+                           f"ended: {lines[-1] if lines else '(no line)'}" if not r["outcome"].startswith("wedged")
+                           else r["outcome"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for the job's files and chaos.json")
+    p.add_argument("--period", type=float, default=15.0, help="T: seconds between kills on average (default 15)")
+    p.add_argument("--kills", type=int, default=40, help="K: kills in all (default 40)")
+    p.add_argument("--aim", type=int, default=3, help="kills aimed at each phase (default 3)")
+    p.add_argument("--plan", default=None,
+                   help="comma-separated phases to aim every kill at, in turn (random, step, commit, ckpt, regroup, "
+                        "regroup-arrived, join); default: --aim of each, the rest random")
+    p.add_argument("--spares", type=int, default=0, help="--spares K on the launcher")
+    p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S), on 4 workers")
+    p.add_argument("--diloco", action="store_true", help="px.DiLoCo(every=--diloco-every)")
+    p.add_argument("--diloco-every", type=int, default=8)
+    p.add_argument("--ray", action="store_true", help="phalanx.raytrain (not built yet)")
+    p.add_argument("--size", default="small", choices=("small", "tiny"), help="the GPT (default small)")
+    p.add_argument("--commit-every", type=int, default=4)
+    p.add_argument("--ckpt-every", type=int, default=3, help="a px.save_checkpoint every this many commits")
+    p.add_argument("--state-checkpoint", action="store_true", help="State(checkpoint=DIR) instead: every commit")
+    p.add_argument("--hold", default="commit",
+                   help="phases every worker waits in for the harness's word (default commit: an in-memory commit "
+                        "takes milliseconds, too short to hit otherwise); '' for none")
+    p.add_argument("--heartbeat-timeout", type=float, default=None, help="the launcher's (default its own, 10 s)")
+    p.add_argument("--stall", type=float, default=120.0, help="seconds without a step that count as a wedge")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.ray:
+        # TODO(issue 36): the Ray variant. phalanx.raytrain.train with ScalingConfig(num_workers=3) on a local
+        # ray.cluster_utils.Cluster, the same job body, and a killer that SIGKILLs a worker actor's pid (from the job's
+        # "start" events, as here) on the same cadence; T = 2x the measured time Ray takes to place a replacement.
+        p.error("--ray: the Ray variant is not built yet (see the TODO in benchmarks/chaos.py)")
+    if a.period <= 0 or a.kills < 0 or a.aim < 0:
+        p.error(f"got --period {a.period} --kills {a.kills} --aim {a.aim}; expected a period > 0 and counts >= 0 "
+                "(--kills 0: a run without kills)")
+    os.makedirs(a.out, exist_ok=True)
+    n = 4 if a.shard else 3
+    run_flags = ["-n", str(n), "--elastic", "--min-workers", "1", "--replace"]
+    run_flags += ["--spares", str(a.spares)] if a.spares else []
+    run_flags += ["--heartbeat-timeout", f"{a.heartbeat_timeout:g}"] if a.heartbeat_timeout else []
+    commit_every = a.diloco_every if a.diloco else a.commit_every  # DiLoCo commits only where replicas agree
+    job = ["--size", a.size, "--commit-every", str(commit_every), "--ckpt-every", str(a.ckpt_every)]
+    job += ["--strategy", "diloco", "--diloco-every", str(a.diloco_every)] if a.diloco else []
+    job += ["--shard", str(a.shard)] if a.shard else []
+    job += ["--state-checkpoint"] if a.state_checkpoint else []
+    job += ["--hold", a.hold] if a.hold else []
+    plan = make_plan(a.kills, a.aim, random.Random(a.seed), a.plan.split(",") if a.plan else None)
+    soak = chaos.Soak(a.out, run_flags, job, plan, period_s=a.period, stall_s=a.stall, seed=a.seed,
+                      commit_every=commit_every,
+                      save_every=0 if a.state_checkpoint else commit_every * a.ckpt_every)
+    report = soak.run()
+    report["targets"] = verdict(report, a.period)
+    report["command"] = " ".join(["python", "benchmarks/chaos.py", *(argv if argv is not None else sys.argv[1:])])
+    report["job"] = {"run": run_flags, "script": job, "plan": plan}
+    with open(os.path.join(a.out, "chaos.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(chaos.table(report))
+    for name, ok in report["targets"].items():
+        print(f"  target {name}: {'-' if ok is None else 'met' if ok else 'NOT MET'}")
+    if report.get("fast_kills"):
+        print(f"  kills faster than a regroup: {report['fast_kills']}")
+    for e in report["errors"]:
+        late = " (after the harness stopped the job)" if e["after_the_harness_stopped_the_job"] else ""
+        print(f"  worker {e['id']} raised {e['type']}{late}: {e['message'][:300]}")
+    print(f"wrote {os.path.join(a.out, 'chaos.json')}")
+    return 0 if all(ok is not False for ok in report["targets"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The chaos soak's training job: ``phalanx run -n 3 --elastic --replace tests/workers/chaos_job.py --out DIR ...``.
+
+A small GPT (``phalanx.bench.models.gpt``) trained with AdamW on synthetic token
+windows, ``px.elastic.State`` committing every ``--commit-every`` steps and a
+``px.save_checkpoint`` every ``--ckpt-every`` commits (or ``State(checkpoint=...)``
+with ``--state-checkpoint``). It trains epoch after epoch until the harness asks it to
+stop (the file ``DIR/stop``, agreed by an all-reduce at the end of an epoch, so every
+worker stops after the same whole epoch) or ``--max-epochs``.
+
+What the harness watches (``tests/support/chaos.py``) is this job's own structured
+event output: one JSON line per event, appended to ``DIR/events/<id>-<pid>.jsonl`` with
+one ``write`` each (whole lines even when the writer is SIGKILLed). A phase is a pair
+``<name>+`` / ``<name>-``: ``commit`` (the in-memory commit), ``ckpt`` (a disk
+checkpoint write), ``regroup`` (after a lost peer: quorum, rebuild, rollback), ``grow``
+(members admitting a joiner) and ``join`` (a joiner taking its place); a joiner also
+writes ``placed`` when ``px.init()`` returns. ``step`` after every optimizer step.
+They are written by wrapping the State's public methods in this script, so nothing in
+phalanx changes for the soak. ``--hold PHASES`` (the short test) makes a worker that
+enters one of those phases wait, bounded, for ``DIR/release/<id>-<n>`` after its ``+``
+event: the harness then kills it or releases it, so a kill lands inside the phase every time.
+
+Each worker records the global batch of every step (``workers.elastic.Record``, rolled
+back with the commits); rank 0 writes ``DIR/final.pt`` with the final parameters, the
+record and ``state.history``. SIGUSR2 dumps every thread's stack to ``DIR/stacks/``.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import phalanx as px
+from phalanx.bench.models import gpt
+from workers.elastic import Record, whole
+
+SIZES = {  # name -> (gpt kwargs, samples, batch per worker)
+    # about 1M parameters in float64: a checkpoint (weights + AdamW's two moments) of about 23 MB
+    "small": (dict(vocab=256, context=64, dim=160, layers=3, heads=4), 384, 8),
+    "tiny": (dict(vocab=64, context=16, dim=32, layers=1, heads=2), 96, 4),
+}
+
+
+def dataset(size: str) -> torch.utils.data.TensorDataset:
+    """Token windows ``(x, y = x shifted by one, id)``, the same on every worker and in the oracle."""
+    spec, n, _ = SIZES[size]
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, spec["vocab"], (n, spec["context"] + 1), generator=g)
+    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:], torch.arange(n))
+
+
+def model(size: str) -> torch.nn.Module:
+    """In float64: AdamW divides by the root of its second moment, which turns float32's different summation
+    orders (one process vs an all-reduce) into differences above 1e-5 within 16 steps; in float64 the oracle
+    stays near 1e-12, so a sample trained twice or skipped stands out by orders of magnitude."""
+    torch.manual_seed(0)
+    return gpt(**SIZES[size][0]).double()
+
+
+def optimizer(net: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(net.parameters(), lr=3e-4, weight_decay=0.01)
+
+
+def loss_fn(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+
+
+def oracle(size: str, record: list) -> list[torch.Tensor]:
+    """One process trained on the record's global batches, in order (N workers x b == 1 process x N*b)."""
+    net, data = model(size), dataset(size)
+    opt = optimizer(net)
+    for _epoch, _world, ids in record:
+        x, y, _ = data[torch.tensor(ids)]
+        opt.zero_grad()
+        loss_fn(net, x, y).backward()
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
+class Events:
+    """This process's event stream: one JSON line per ``write`` on an O_APPEND descriptor."""
+
+    def __init__(self, out: str, me: str) -> None:
+        os.makedirs(os.path.join(out, "events"), exist_ok=True)
+        self.me, self.out = me, out
+        self.fd = os.open(os.path.join(out, "events", f"{me}-{os.getpid()}.jsonl"),
+                          os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.holds: set[str] = set()
+        self.held = 0
+
+    def __call__(self, ev: str, **fields: object) -> None:
+        line = json.dumps({"t": time.time(), "id": self.me, "pid": os.getpid(), "ev": ev, **fields})
+        os.write(self.fd, (line + "\n").encode())
+        if ev.endswith("+") and ev[:-1] in self.holds:
+            self.hold(ev[:-1], step=fields.get("step"))
+
+    def hold(self, phase: str, step: object = None, timeout_s: float = 60.0) -> None:
+        """Wait for the harness's word (``release/<id>-<n>``) inside ``phase``: it kills us or lets us go."""
+        self.held += 1
+        mark = os.path.join(self.out, "release", f"{self.me}-{self.held}")
+        self("held", phase=phase, n=self.held, step=step)
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(mark) and time.monotonic() < deadline:
+            time.sleep(0.002)  # sleep: a held worker polls for the harness's marker file (bounded above)
+
+
+def phase(events: Events, name: str, fn, **fields):  # noqa: ANN001, ANN201 - wraps a State method
+    def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        events(f"{name}+", **fields)
+        result = fn(*args, **kwargs)
+        events(f"{name}-", **fields)
+        return result
+    return wrapped
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--size", default="small", choices=sorted(SIZES))
+    p.add_argument("--commit-every", type=int, default=4)
+    p.add_argument("--ckpt-every", type=int, default=3, help="a px.save_checkpoint every this many commits (0: none)")
+    p.add_argument("--state-checkpoint", action="store_true", help="State(checkpoint=DIR): every commit on disk")
+    p.add_argument("--strategy", default="allreduce", choices=("allreduce", "diloco"))
+    p.add_argument("--diloco-every", type=int, default=4)
+    p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S)")
+    p.add_argument("--max-epochs", type=int, default=1000)
+    p.add_argument("--hold", default="", help="comma-separated phases a worker waits in for the harness's word")
+    args = p.parse_args()
+    me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
+    os.makedirs(os.path.join(args.out, "stacks"), exist_ok=True)
+    stacks = open(os.path.join(args.out, "stacks", f"{me}-{os.getpid()}.txt"), "w")  # noqa: SIM115 - for good
+    faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)  # before "start": the harness may ask
+    events = Events(args.out, me)
+    events.holds = {h for h in args.hold.split(",") if h}
+    events("start")
+    torch.set_num_threads(1)
+    g = px.init()
+    events("placed" if me[:1] in "rs" else "init", gen=g.generation, rank=px.rank(), world=px.world_size())
+    net, data = model(args.size), dataset(args.size)
+    shard = px.FullyShard(group_size=args.shard) if args.shard else None
+    strategy = px.DiLoCo(every=args.diloco_every) if args.strategy == "diloco" else px.AllReduce()
+    model_, opt = px.wrap(net, optimizer(net), strategy=strategy, shard=shard)
+    loader = px.shard(data, batch_size=SIZES[args.size][2], seed=0)
+    record = Record()
+    ckpt = os.path.join(args.out, "ckpt")
+    state = px.elastic.State(model_, opt, loader, commit_every=args.commit_every, extra={"record": record},
+                             checkpoint=ckpt if args.state_checkpoint else None)
+    joining = [False]  # a joiner's own commit inside join() is not collective: no checkpoint there
+    every = args.commit_every * args.ckpt_every
+
+    def commit() -> None:
+        events("commit+", step=state.step)
+        real_commit()
+        events("commit-", step=state.step)
+        # the script's own disk checkpoint every few commits (by step, so every member agrees), where a DDP port
+        # puts its torch.save
+        if (every and not args.state_checkpoint and state.elastic and not joining[0] and state.step > 0
+                and state.step % every == 0):
+            events("ckpt+", step=state.step)
+            px.save_checkpoint(ckpt, model_, opt, step=state.step)
+            events("ckpt-", step=state.step)
+
+    real_commit = state.commit
+    state.commit = commit  # type: ignore[method-assign]
+    if args.state_checkpoint:
+        # State(checkpoint=...) saves right after the in-memory commit, inside phalanx: mark that save through the
+        # name the elastic package calls (this script's marker, nothing changes in phalanx)
+        from phalanx.elastic import commits as elastic_commits
+        elastic_commits.save_checkpoint = phase(events, "ckpt", elastic_commits.save_checkpoint)
+    state.recover = phase(events, "regroup", state.recover)  # type: ignore[method-assign]
+    state.grow = phase(events, "grow", state.grow)  # type: ignore[method-assign]
+    real_join = phase(events, "join", state.join)
+
+    def join() -> bool:
+        joining[0] = True
+        try:
+            return real_join()
+        finally:
+            joining[0] = False
+
+    state.join = join  # type: ignore[method-assign]
+    comm = px.Comm()
+    batch = SIZES[args.size][2]
+
+    @px.elastic.run
+    def train(state: px.elastic.State) -> None:
+        for epoch in range(state.epoch, args.max_epochs):
+            loader.set_epoch(epoch)
+            for x, y, ids in loader:
+                padded = torch.cat([ids, torch.full((batch - len(ids),), -1, dtype=ids.dtype)])
+                everyone = torch.cat(comm.all_gather(padded))  # what the whole group trains on at this step
+                record.steps.append([epoch, px.world_size(), everyone[everyone >= 0].tolist()])
+                opt.zero_grad()
+                loss_fn(model_, x, y).backward()
+                opt.step()
+                events("step", step=state.step, epoch=epoch, world=px.world_size(), gen=g.generation)
+            # stop after a whole epoch, all together: rank 0 reads the harness's word, everyone takes its answer
+            flag = torch.tensor([float(px.rank() == 0 and os.path.exists(os.path.join(args.out, "stop")))])
+            comm.all_reduce_([flag], op="sum")
+            if flag.item() > 0:
+                return
+
+    try:
+        train(state)
+    except BaseException as err:  # what ended this worker, in its own event stream (the launcher may not say)
+        events("error", type=type(err).__name__, message=str(err)[:2000], traceback=traceback.format_exc()[-6000:])
+        raise
+    params = [whole(t).detach().clone() for t in px.unwrap(model_).parameters()]  # collective when sharded
+    if px.rank() == 0:
+        torch.save({"params": params, "record": record.steps, "history": state.history, "size": args.size,
+                    "strategy": args.strategy, "step": state.step}, os.path.join(args.out, "final.pt.tmp"))
+        os.replace(os.path.join(args.out, "final.pt.tmp"), os.path.join(args.out, "final.pt"))
+    events("end", step=state.step, world=px.world_size())
+
+
+if __name__ == "__main__":
+    main()
