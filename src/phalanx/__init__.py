@@ -46,7 +46,7 @@ from .train.trainer import History, Trainer
 from .train.tracking import Tracker
 from .wrap import no_sync, strategy_of, unwrap, wrap
 from . import elastic  # px.elastic.State / px.elastic.run
-from .elastic.commits import attach as _attach_elastic
+from .elastic.state import attach as _attach_elastic
 from . import stream  # px.stream.RedisStream / px.stream.StreamLoader (redis itself is imported on first use)
 
 __version__ = "0.1.0"

@@ -109,6 +109,17 @@ class ShardSampler(Sampler[list[int]]):
         self.shares: list[float] | None = None  # balance="speed": each rank's part of a global batch (sums to 1)
         self.window: int | None = None  # steps the next iteration takes before the split is measured again
 
+    def reassign(self, rank: int, world_size: int) -> None:
+        """Hand out ``rank``'s part of ``world_size`` from the current position on: the rest of the epoch is
+        re-split over a new group (the position counts samples, so none is dropped or read twice).
+
+        Example:
+            >>> s = ShardSampler(8, 2, rank=0, world_size=2, shuffle=False, seed=0, drop_last=True)
+            >>> s.reassign(0, 1); list(s)[0]
+            [0, 1]
+        """
+        self.rank, self.world_size = rank, world_size
+
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch, self.samples = epoch, 0

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from .membership import QuorumError
 from .resize import KeepGlobalBatch, KeepWorkerBatch, Resize, ResizePolicy, rescale_lr
-from .commits import State, is_peer_failure, run
+from .run import JoinersAdmitted, MembershipChange, WorkersLeaving, is_peer_failure, run
+from .state import State
 
-__all__ = ["State", "run", "QuorumError", "is_peer_failure", "KeepGlobalBatch", "KeepWorkerBatch", "Resize",
-           "ResizePolicy", "rescale_lr"]
+__all__ = ["State", "run", "QuorumError", "is_peer_failure", "MembershipChange", "JoinersAdmitted", "WorkersLeaving",
+           "KeepGlobalBatch", "KeepWorkerBatch", "Resize", "ResizePolicy", "rescale_lr"]

@@ -22,7 +22,10 @@ class Regroupable(Protocol):
     """A rule whose state depends on the group (a divisor, a per-rank buffer, an exchange in flight)."""
 
     def regroup(self) -> None:
-        """Called on every member after the group was rebuilt with a new size, before training goes on."""
+        """Called on every member after the group was rebuilt with a new size, before training goes on.
+
+        ``regroup`` has this one meaning, a rule's reaction; forming the new group is ``ElasticWorker.rebuild``.
+        """
 
 
 @runtime_checkable

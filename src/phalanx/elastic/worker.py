@@ -7,7 +7,10 @@ launcher's store; a stopped or hung process stops bumping and the launcher kills
 away (the launcher's host is lost) the worker says so in one line and exits: no
 one is left to coordinate a recovery.
 
-Why this is a second heartbeat, beside the group's (:attr:`phalanx.group.group.Group.heartbeat`):
+Why this is a second heartbeat, beside the group's (:attr:`phalanx.group.group.Group.heartbeat`), in two lines:
+the group's beats a *rank* in one generation's store and is restarted at every rebuild; the launcher watches an
+*id* that must beat without a gap through every rebuild and while parked, and a lost launcher store ends the worker.
+In detail:
 
 * **different readers and keys.** The group's beats under the *rank*, in the *generation's*
   key space (peers diagnose a lost rank there; a dead generation's keys are never read
@@ -223,8 +226,10 @@ class ElasticWorker:
         except Exception:  # noqa: BLE001 - any failure to reach it
             return False
 
-    def regroup(self, commits: list[int], *, backend: str) -> dict:
+    def rebuild(self, commits: list[int], *, backend: str) -> dict:
         """Leave the broken group, agree on the next generation, and join it; returns the plan.
+
+        Forming the next group is ``rebuild``; ``Strategy.regroup()`` is a rule's reaction to it, afterwards.
 
         The quorum also admits waiting joiners (spares first fill the places of the lost):
         the caller sends them the state when ``plan["joined"]`` is not empty.

@@ -68,6 +68,9 @@ class Heartbeat:
     itself, so a rank is visible as soon as ``start()`` returns. If the store goes away
     the thread ends quietly (the reader then cannot tell anything either).
 
+    Why an elastic worker beats twice (this one, and ``phalanx.elastic.worker``'s under its id): this one beats a
+    *rank* in one generation's store and is restarted at every rebuild; the launcher must see an *id* beat without gaps.
+
     Example:
         >>> import torch.distributed as dist
         >>> store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

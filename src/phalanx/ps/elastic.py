@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..group import group
+from ..strategies.allreduce import rebuilt
 
 
 class FollowsElasticGroup:
@@ -51,7 +52,7 @@ class FollowsElasticGroup:
         once in the final model's history. Elsewhere (no group, or servers holding no model)
         it does nothing.
         """
-        if self.servers_hold_the_model and group.current().elastic and group.world_size() > 1:
+        if self.servers_hold_the_model and rebuilt(group.current()) and group.world_size() > 1:
             self.comm.barrier()  # type: ignore[attr-defined]
 
     def load_joiner_state_dict(self, state: dict[str, Any]) -> None:
@@ -72,7 +73,7 @@ class FollowsElasticGroup:
         :class:`~phalanx.WorkerLostError`, and the group rolls back to its last commit,
         which holds the servers' shards.
         """
-        if group.current().elastic and self.link is not None and self.link.hosted is None:  # type: ignore[attr-defined]
+        if rebuilt(group.current()) and self.link is not None and self.link.hosted is None:  # type: ignore[attr-defined]
             self._restarts_seen = servers_restarted()
             self.link.client.abandon = self.server_restarted  # type: ignore[attr-defined]
 
@@ -108,7 +109,7 @@ class FollowsElasticGroup:
     def _regroup_pending(self) -> bool:
         """Under ``--elastic``: the group changed and :meth:`regroup` has not run yet (we are rolling back)."""
         g = group.current()
-        return g.elastic and g.generation != getattr(self, "_generation", 0)
+        return rebuilt(g) and g.generation != getattr(self, "_generation", 0)
 
 
 def servers_restarted() -> int:
@@ -117,7 +118,7 @@ def servers_restarted() -> int:
     Read from the job's store, which outlives every generation of the group.
     """
     store = group.current().job_store
-    if store is None or not group.current().elastic:
+    if store is None or not rebuilt(group.current()):
         return 0
     return int(store.get(RESTARTS)) if store.check([RESTARTS]) else 0
 

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from ..group import group
+from ..strategies.allreduce import rebuilt
 from ..errors import ConfigError, usage
 from .client import Client, PSError
 from .config import HOST, TOKEN, PSConfig, is_loopback
@@ -107,7 +108,7 @@ def connect(servers: str | Sequence[str] | None = None, *, timeout: float | None
 def _colocated(cfg: PSConfig, timeout: float, key: str | None = None) -> Link:
     # An elastic joiner's local world size says nothing about where the others run (a joiner is alone here).
     g = group.current()
-    if is_loopback(cfg.host) and g.env.local_world_size < g.world_size and not g.elastic:
+    if is_loopback(cfg.host) and g.env.local_world_size < g.world_size and not rebuilt(g):
         raise ConfigError(usage(f"colocated parameter servers on {cfg.host} in a multi-host run",
                                 "an address the other hosts can reach",
                                 f"Set {HOST}=<this host's IP> and {TOKEN} on every worker, or start servers "

@@ -29,6 +29,7 @@ from ..group.env import WorkerEnv
 from ..strategies.accounting import Accounting
 from ..strategies.base import StepState, Strategy
 from ..strategies.gradients import local_grads, set_averaged_grads_
+from ..strategies.allreduce import rebuilt
 from .client import ParamTable
 from .elastic import FollowsElasticGroup
 from .link import Link, connect, follow_group
@@ -368,7 +369,7 @@ class SyncParameterServer(PSStrategy):
         grads, flags = local_grads(self.params)
         g = group.current()  # under --elastic a round belongs to one generation; a dead peer ends the wait
         elastic = {"generation": g.generation,
-                   "abandon": lambda: _lost(g) or self.server_restarted()} if g.elastic else {}
+                   "abandon": lambda: _lost(g) or self.server_restarted()} if rebuilt(g) else {}
         self._exchange(self.table.reduce, grads, step=step - 1,  # type: ignore[union-attr]
                        workers=group.world_size(), **elastic)
         self.comm.all_reduce_([flags])  # a few bytes over the workers' own group (the servers take named tensors)

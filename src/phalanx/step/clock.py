@@ -179,6 +179,15 @@ class StepClock:
         if torch.is_grad_enabled():
             self.spans.begin("phalanx/forward+backward")
 
+    def restore(self, step: int) -> None:
+        """Stand at ``step`` with no step open: where a loaded checkpoint or an elastic rollback resumes.
+
+        Example:
+            >>> clock = StepClock(); clock.restore(7); (clock.step, clock.pending)
+            (7, False)
+        """
+        self.step, self.pending = int(step), False
+
     def settle(self) -> None:
         """Close a step this rank skipped (its ``optimizer.step()`` never ran); a no-op otherwise."""
         if self.pending:

@@ -101,7 +101,8 @@ class Preemption:
         training ended still ends it.
         """
         env = self.group.env
-        launched = env.launched_by_phalanx or env.world_size > 1 or env.elastic_id is not None  # (a joiner too)
+        launched = (env.launched_by_phalanx or env.world_size > 1
+                    or HANDED_OVER.of(self.group).value is not None)  # (a joiner too)
         if self._installed or not launched or threading.current_thread() is not threading.main_thread():
             return
         for sig in SIGNALS:
@@ -139,8 +140,8 @@ class Preemption:
             return True
         g = self.group
         store, world = g.store, g.world_size
-        if g.elastic:
-            return False  # under --elastic a signalled worker leaves at the next commit (phalanx.elastic.State)
+        if HANDED_OVER.of(g).value is not None:
+            return False  # e.g. under --elastic a signalled worker leaves at the next commit (phalanx.elastic.State)
         if store is None or world == 1:
             self.stop_at = step
         elif self.posted_at is None:
@@ -184,6 +185,12 @@ class Preemption:
 
 
 PREEMPTION: "Record[Slot[Preemption]]" = Record("preemption", Slot)
+
+#: Who takes a signalled worker out of the group instead of the step boundary: ``None`` (every worker stops
+#: at one step, :meth:`Preemption.at_boundary`), or the name of the feature that does (``phalanx.elastic`` sets
+#: itself when it takes the worker's place: the worker leaves at its next commit and the others go on). A feature
+#: that takes this over also launched the worker, so its signal handler is installed.
+HANDED_OVER: "Record[Slot[str]]" = Record("preemption handed over", Slot)
 
 
 def of(g: "Group | None" = None) -> Preemption:

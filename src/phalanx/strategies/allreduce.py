@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..group import group
+from ..group.records import Record, Slot
 from ..group.collectives import Comm, guarded
 from .compression import check_compressor
 from ..errors import ConfigError, usage
@@ -60,6 +61,49 @@ def fitted_bucket_mb(model: nn.Module, buckets: int = 4, floor_mb: float = 1.0, 
     """
     total_mb = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
     return float(min(cap_mb, max(floor_mb, total_mb / buckets)))
+
+
+#: Who may rebuild this group with workers that attached alone (``None``: nobody; ``phalanx.elastic`` sets itself
+#: when it takes the worker's place). Its gradient averaging must then follow the default group wherever it goes.
+REBUILT: "Record[Slot[str]]" = Record("rebuilt with joiners", Slot)
+
+
+def rebuilt(g: group.Group) -> bool:
+    """True when ``g`` may be rebuilt with workers that attached alone (:data:`REBUILT` is set).
+
+    Example:
+        >>> import phalanx as px
+        >>> rebuilt(px.init())   # not under `phalanx run --elastic`
+        False
+    """
+    return REBUILT.of(g).value is not None
+
+
+def averager(*, sharded: bool, compressed: bool, quantised: bool, world_size: int, rebuilt: bool,
+             wrapper: bool) -> str:
+    """Which of :class:`AllReduce`'s four gradient averagers a model gets, decided from explicit facts.
+
+    - ``"sharded"``: FSDP's reduce-scatter (and all-reduce across replica groups, HSDP) averages; nothing added.
+    - ``"after_backward"``: a compressor (not quantised) exchanges in ``after_backward``; a group of one that is
+      never rebuilt is plain PyTorch, bit for bit.
+    - ``"overlapped"``: bucketed hooks that follow the default group (:class:`OverlappedMean`): a group that may be
+      rebuilt with joiners that attached alone (a DDP reducer would keep the old group's buckets), a quantised
+      (asynchronous) exchange, or a caller that runs the model itself (``wrapper=False``, ``px.keras.wrap``).
+    - ``"ddp"``: torch's ``DistributedDataParallel`` with the guarded mean as its comm hook.
+
+    Example:
+        >>> averager(sharded=False, compressed=False, quantised=False, world_size=4, rebuilt=False, wrapper=True)
+        'ddp'
+        >>> averager(sharded=False, compressed=False, quantised=False, world_size=1, rebuilt=True, wrapper=True)
+        'overlapped'
+    """
+    if sharded:
+        return "sharded"
+    if (compressed and not quantised) or (world_size == 1 and not rebuilt):
+        return "after_backward"
+    if not wrapper or rebuilt or quantised:
+        return "overlapped"
+    return "ddp"
 
 
 class AllReduce(Accounting, StepState, Strategy):
@@ -96,17 +140,14 @@ class AllReduce(Accounting, StepState, Strategy):
         """
         super().attach(model, optimizer)
         fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by px.FullyShard only (a 1 s import)
-        if (fsdp is not None and isinstance(model, fsdp.FSDPModule)) or self.sharded_by is not None:
-            return model  # HSDP: FSDP's reduce-scatter (and all-reduce across replica groups) averages; an elastic
-            # joiner's model is sharded when it enters
-        elastic = group.current().elastic  # a joiner attaches alone: it needs the hooks once the group grows
-        quantised = isinstance(self.compression, Quantize)  # an asynchronous exchange: sent bucket by bucket
-        if (self.compression is not None and not quantised) or (self.comm.world_size == 1 and not elastic):
-            return model  # a group of one is plain PyTorch, bit for bit; compression runs in after_backward
+        chosen = averager(  # an elastic joiner's model is sharded when it enters; a joiner attaches alone
+            sharded=(fsdp is not None and isinstance(model, fsdp.FSDPModule)) or self.sharded_by is not None,
+            compressed=self.compression is not None, quantised=isinstance(self.compression, Quantize),
+            world_size=self.comm.world_size, rebuilt=rebuilt(group.current()), wrapper=wrapper)
+        if chosen in ("sharded", "after_backward"):
+            return model
         bucket_bytes = int((self.bucket_mb or fitted_bucket_mb(model)) * 2**20)
-        if not wrapper or elastic or quantised:
-            # Elastic: the group may be rebuilt with joiners that attached alone, and a DDP reducer would keep
-            # the old group's buckets; the hooks follow the default group wherever it goes.
+        if chosen == "overlapped":
             self._overlap = OverlappedMean(self.params, self.comm, bucket_bytes=bucket_bytes,
                                            syncing=self.clock.syncing, compression=self.compression)
             return model

@@ -221,7 +221,7 @@ def load_state_with_step(strategy: Strategy, state: dict[str, Any], *, joining: 
     (strategy.load_joiner_state_dict if joining and isinstance(strategy, Joinable) else strategy.load_state_dict)(
         state)
     step = state["step"] if "step" in state else state.get("steps", 0)  # "steps": files from older versions
-    strategy.clock.step, strategy.clock.pending = int(step), False
+    strategy.clock.restore(step)
 
 
 class StepState:

@@ -1,0 +1,243 @@
+"""``px.elastic.State``: the snapshot ring, a worker's training state committed in memory.
+
+A commit is this worker's training state captured in memory (model, optimizer,
+strategy, data position, RNG, step): no collective, no disk. The ring keeps the
+newest two; what happens after a membership change is :mod:`phalanx.elastic.recovery`
+(roll back to the newest commit every survivor holds, reshard, joiners take rank 0's
+state), and re-entering the training is :mod:`phalanx.elastic.run`.
+
+Under plain ``torchrun`` or ``python`` (no ``phalanx run --elastic``) the same script
+runs unchanged: commits are skipped and a failure ends the job as usual.
+
+Example:
+    >>> import torch, phalanx as px
+    >>> net = torch.nn.Linear(2, 1)
+    >>> net, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    >>> state = px.elastic.State(net, opt, commit_every=5)
+    >>> @px.elastic.run
+    ... def train(state):
+    ...     for _ in range(3):
+    ...         opt.zero_grad(); net(torch.ones(1, 2)).sum().backward(); opt.step()
+    ...     return state.step
+    >>> train(state)
+    3
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Any
+
+import torch
+
+from ..group import group
+from ..checkpoint import save_checkpoint
+from ..errors import ConfigError, usage
+from ..sharding.reshard import local_parts
+from ..sharding.layout import sharded_by
+from ..group.spans import span
+from ..step.preempt import HANDED_OVER, PREEMPTION
+from ..strategies.allreduce import REBUILT
+from ..wrap import strategy_of
+from ..step.protocols import replicas_agree
+from .recovery import Recovery
+from .resize import ResizePolicy, check_policy
+from .rule import CommitPoint
+from .run import JoinersAdmitted, Reentry, WorkersLeaving
+from .worker import ElasticWorker, place
+
+from ..checkpoint.training_state import TrainingState
+
+DEFAULT_COMMIT_EVERY = 10
+KEEP = 2  # commits held; survivors roll back to the newest one they all hold
+
+
+class State(Recovery, Reentry):
+    """What a worker rolls back to: a :class:`TrainingState` captured in memory every ``commit_every`` steps.
+
+    Args:
+        model, optimizer, loader, scheduler: the objects to capture (the optimizer is required,
+            as ``px.wrap`` returned it: its strategy counts the steps).
+        commit_every: commit after every this many steps of the framework's step count
+            (``px.strategy_of(optimizer).steps``, the same on every rank, steps a GradScaler
+            skipped included), at the strategy's next sync point; None commits only when you
+            call :meth:`commit`.
+        extra: more objects with ``state_dict``/``load_state_dict`` to roll back with the rest
+            (their state is deep-copied at every commit).
+        resize: what a membership change keeps: ``px.elastic.KeepWorkerBatch()`` (default: the
+            global batch follows the world size) or ``px.elastic.KeepGlobalBatch()`` (the
+            per-worker batch is re-split); see :mod:`phalanx.elastic.resize`.
+        checkpoint: a directory that every commit also writes (``px.save_checkpoint``, blocking):
+            the fallback of a sharded model with one replica group (``px.FullyShard(group_size=N)``),
+            whose lost worker takes a shard no survivor holds. The survivors then roll back to the
+            commit of that checkpoint's step and load the model and optimizer from it, resharded.
+
+    A commit is taken between two steps: where a ``px.shard`` loader is about to hand out
+    the next batch (the step before is over on every rank, and the loader's position still
+    points at that batch), or, with any other loader, right after ``optimizer.step()``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, loader: Any = None,
+                 scheduler: Any = None, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
+                 extra: dict[str, Any] | None = None, scaler: Any = None,
+                 resize: ResizePolicy | None = None, checkpoint: str | os.PathLike | None = None) -> None:
+        if commit_every is not None and (isinstance(commit_every, bool) or not isinstance(commit_every, int)
+                                         or commit_every < 1):
+            raise ConfigError(usage(f"commit_every={commit_every!r}", "an integer >= 1 or None",
+                                    "Pass e.g. commit_every=10 (steps between in-memory commits)."))
+        self.model, self.optimizer, self.loader = model, optimizer, loader
+        self.training = TrainingState(model, optimizer, loader=loader, scheduler=scheduler, scaler=scaler)
+        self.extra = dict(extra or {})
+        self.resize = check_policy(resize)
+        self.commit_every = commit_every
+        self.checkpoint = checkpoint
+        self.commits: dict[int, dict] = {}  # keyed by the framework's step
+        self.history: list[dict] = []  # one entry per membership change
+        self._checked = False
+        # what ended the last attempt, kept until the group is rebuilt outside the except block that caught it:
+        # ("failure", text, time) or ("joiners", ids)
+        self._pending: tuple | None = None
+        self._in_epochs = False
+        self._leaving = False  # this worker asked to leave (it was sent SIGTERM/SIGUSR1)
+        self._handles: list[Any] = []
+        self._moved: dict[str, int] = {}  # bytes of sharded state the last reshard received, for the history
+        self.worker = ElasticWorker.of(group.current())
+        if self.worker is not None:
+            self.worker.beat()
+        if self.elastic:
+            self._hook_commit_point()
+
+    @property
+    def elastic(self) -> bool:
+        """True under ``phalanx run --elastic``; otherwise commits are skipped."""
+        return self.worker is not None
+
+    @property
+    def step(self) -> int:
+        """The framework's step count (``px.strategy_of(optimizer).steps``), rolled back with the commit.
+
+        It advances identically on every rank, a step a GradScaler skipped on one rank included,
+        so every rank commits at the same steps. 0 for an optimizer that ``px.wrap`` did not return.
+        """
+        clock = self._clock()
+        return int(clock.step) if clock is not None else 0
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the loader is in (restored with the commit): start your epoch loop here."""
+        sampler = getattr(self.loader, "sampler", None)
+        return int(getattr(sampler, "epoch", 0))
+
+    def _clock(self) -> Any:
+        return getattr(self.training.strategy, "clock", None)
+
+    def _hook_commit_point(self) -> None:
+        before_batch = getattr(self.loader, "before_batch", None)
+        if callable(before_batch):  # px.shard: between two steps, before the position moves past the next batch
+            self._handles.append(before_batch(self.at_commit_point))
+        elif self.optimizer is not None:  # any other loader: right after the step (a skipped step takes none)
+            self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self.at_commit_point()))
+
+    def at_commit_point(self) -> None:
+        """Between two steps: commit when one is due and admit the joiners waiting (``px.elastic`` calls it)."""
+        clock = self._clock()
+        if self.commit_every is None or not self.elastic or clock is None:
+            return
+        clock.settle()  # a step this rank's GradScaler skipped is closed: every rank now counts the same
+        step = clock.step
+        strategy = self.training.strategy
+        preemption = PREEMPTION.of(group.current()).value
+        if preemption is not None and preemption.signal is not None and not self._leaving:
+            self._leaving = True  # SIGTERM to this worker (a node drained): leave at the next commit
+            self.worker.membership.ask_to_leave()
+        # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; commit only where
+        # every worker stands at the same step with the same model.
+        if step - max(self.commits, default=0) >= self.commit_every and (strategy is None or
+                                                                          replicas_agree(strategy, step)):
+            self._commit_together()
+            leavers = self.worker.membership.leavers(step)
+            if self.worker.me in leavers:
+                self.worker.leave(step)  # says goodbye and ends this process with PREEMPTED_EXIT
+            if leavers:
+                raise WorkersLeaving(leavers)  # the others regroup at this very commit: nothing is redone
+            joiners = self.worker.membership.admit(step, self.worker.pending_joiners)
+            if joiners:
+                raise JoinersAdmitted(joiners)  # out of the loop and the training function; the group grows outside it
+
+    def commit(self) -> None:
+        """Capture this worker's state in memory (no collective); keeps the newest two."""
+        if not self._checked:
+            self._check()
+        if not self.elastic:
+            return
+        clock = self._clock()
+        clock.settle()  # a skipped step is closed before the step count is read
+        snap = self.training.capture()
+        snap["elastic_step"] = step = clock.step
+        snap["elastic_extra"] = {k: copy.deepcopy(v.state_dict()) for k, v in self.extra.items()}
+        # the world the commit was taken in (its lr is that world's) and when: a rollback's cost in seconds
+        snap["elastic_world_size"], snap["elastic_time"] = group.world_size(), time.time()
+        snap["elastic_resize"] = self.resize.state_dict()
+        if sharded_by(self.optimizer) is not None:  # this rank's shards, free of the mesh that dies with the group
+            snap["model"], snap["optimizer"] = local_parts(snap["model"]), local_parts(snap["optimizer"])
+        self.commits[step] = snap
+        for old in sorted(self.commits)[:-KEEP]:
+            del self.commits[old]
+
+    def _commit_together(self) -> None:
+        """A commit every member takes at the same step. An async PS settles around it."""
+        strategy = strategy_of(self.optimizer) if self.elastic else None
+        if isinstance(strategy, CommitPoint):
+            strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
+        with span("phalanx/commit"):  # the timeline (phalanx.step.profiling)
+            self.commit()
+            if self.checkpoint is not None and self.elastic:
+                save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
+        if isinstance(strategy, CommitPoint):
+            strategy.commit_point()  # and no one's next push lands before every worker took it
+
+    def _check(self) -> None:
+        self._checked = True
+        if self.optimizer is None:
+            raise ConfigError(usage("px.elastic.State without an optimizer",
+                                    "State(model, optimizer, loader, ...)",
+                                    "Pass the optimizer: a rollback without its state (momentum, Adam moments) "
+                                    "would not continue the run you had."))
+        if self.elastic and self._clock() is None:
+            raise ConfigError(usage("px.elastic.State with an optimizer px.wrap did not return",
+                                    "the optimizer from model, opt = px.wrap(model, opt)",
+                                    "Wrap first: the strategy's step count is the one every worker commits at."))
+        ours = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in ours]
+        if missing:
+            raise ConfigError(usage(f"an optimizer that does not hold {len(missing)} trainable parameter(s) of "
+                                    f"the model (e.g. {missing[0]})", "the optimizer of this model",
+                                    "Pass the optimizer built from model.parameters()."))
+        self.resize.start(self.loader, group.world_size())
+
+    def _restore(self, snap: dict, joining: bool = False) -> None:
+        if sharded_by(self.optimizer) is not None:  # its model and optimizer are shards: _reshard lays them out
+            snap = {**snap, "model": None, "optimizer": None}
+        self.training.restore(snap, joining=joining)
+        for k, v in snap["elastic_extra"].items():
+            self.extra[k].load_state_dict(copy.deepcopy(v))
+        self.resize.load_state_dict(snap["elastic_resize"])
+        clock = self._clock()
+        if clock is not None:
+            clock.restore(snap["elastic_step"])
+
+
+def attach(g: group.Group) -> None:
+    """``px.init()``: take this worker's place in an elastic job, and supervise training loops in it.
+
+    Under ``phalanx run --elastic`` the group gets :class:`State` as its supervisor
+    (:attr:`phalanx.group.group.Group.supervisor`), which ``Trainer.fit(elastic=...)`` calls; a
+    joiner waits here for its place (:func:`phalanx.elastic.worker.place`). Elsewhere it does nothing.
+    """
+    place(g)
+    if g.elastic:
+        g.supervisor = State
+        # the facts the core reads in its own records, rather than asking whether membership can change
+        HANDED_OVER.of(g).value = "phalanx.elastic"  # a signalled worker leaves at the next commit
+        REBUILT.of(g).value = "phalanx.elastic"  # joiners attach alone; gradient hooks follow the rebuilt group

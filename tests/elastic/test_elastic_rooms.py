@@ -1,0 +1,121 @@
+"""Elastic in three rooms: its control flow is public types, and it asks the clock and the sampler, never writes them.
+
+In-process and fast: the multi-process behaviour is the oracle suites' (tests/elastic/*); these pin the contracts
+that the split into ``elastic/state.py``, ``recovery.py`` and ``run.py`` put in place.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import types
+
+import pytest
+
+import phalanx as px
+from phalanx.data.sampler import ShardSampler
+from phalanx.elastic.run import _caught
+from phalanx.step.clock import StepClock
+
+SRC = os.path.dirname(px.__file__)
+DOCS = os.path.join(os.path.dirname(os.path.dirname(SRC)), "docs", "elastic.md")
+
+
+@pytest.mark.parametrize("change", [px.elastic.JoinersAdmitted(["j1"]), px.elastic.WorkersLeaving(["w2"])])
+def test_a_membership_change_is_a_public_documented_base_exception_a_users_handler_cannot_swallow(change):
+    assert isinstance(change, px.elastic.MembershipChange) and not isinstance(change, Exception)
+    with pytest.raises(px.elastic.MembershipChange):
+        try:
+            raise change
+        except Exception:  # what a user's loop may wrap its step in
+            pass
+    assert f"px.elastic.{type(change).__name__}" in open(DOCS).read()
+
+
+def test_the_reentry_loop_takes_each_change_as_its_own():
+    state = types.SimpleNamespace(_pending=None)
+    assert _caught(state, px.elastic.JoinersAdmitted(["j1"])) and state._pending == ("joiners", ["j1"])
+    assert _caught(state, px.elastic.WorkersLeaving(["w2"])) and state._pending[0] == "failure"
+    assert "w2" in state._pending[1]
+
+
+def test_the_clock_restores_a_step_and_the_sampler_is_reassigned_the_rest_of_its_epoch():
+    clock = StepClock()
+    clock.pending = True  # a backward ended, its step not closed: a rollback drops it
+    clock.restore(7)
+    assert (clock.step, clock.pending) == (7, False)
+    sampler = ShardSampler(8, 2, rank=1, world_size=2, shuffle=False, seed=0, drop_last=True)
+    sampler.samples = 4  # one global batch of 4 trained by two workers
+    sampler.reassign(0, 1)  # the survivor alone: the rest of the epoch, whole
+    assert list(sampler) == [[4, 5], [6, 7]]
+
+
+def _writes(tree: ast.AST, owners: set[str], fields: set[str]) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(el, ast.Attribute) and el.attr in fields and isinstance(el.value, ast.Name) and \
+                        el.value.id in owners:
+                    found.append(f"{el.value.id}.{el.attr} (line {el.lineno})")
+    return found
+
+
+def test_elastic_never_writes_the_clocks_or_the_samplers_fields():
+    writes = []
+    for folder, _, files in os.walk(os.path.join(SRC, "elastic")):
+        for f in files:
+            if f.endswith(".py"):
+                tree = ast.parse(open(os.path.join(folder, f)).read())
+                writes += [f"{f}: {w}" for w in _writes(tree, {"clock", "sampler"},
+                                                         {"step", "pending", "rank", "world_size"})]
+    assert writes == []
+
+
+def test_regroup_has_one_meaning_a_rules_reaction_with_no_arguments():
+    # forming the next group is ElasticWorker.rebuild(commits, backend=...); a rule's reaction is regroup()
+    odd = []
+    for folder, _, files in os.walk(SRC):
+        for f in files:
+            if f.endswith(".py"):
+                for node in ast.walk(ast.parse(open(os.path.join(folder, f)).read())):
+                    if isinstance(node, ast.FunctionDef) and node.name == "regroup" and (
+                            [a.arg for a in node.args.args] != ["self"] or node.args.kwonlyargs):
+                        odd.append(f"{os.path.relpath(os.path.join(folder, f), SRC)}:{node.lineno}")
+    assert odd == []
+
+
+def test_allreduce_picks_one_of_four_named_averagers_from_explicit_facts():
+    from phalanx.strategies.allreduce import averager
+    plain = dict(sharded=False, compressed=False, quantised=False, world_size=4, rebuilt=False, wrapper=True)
+    assert averager(**plain) == "ddp"
+    assert averager(**{**plain, "sharded": True, "rebuilt": True}) == "sharded"
+    assert averager(**{**plain, "world_size": 1}) == "after_backward"
+    assert averager(**{**plain, "compressed": True, "rebuilt": True}) == "after_backward"
+    assert averager(**{**plain, "world_size": 1, "rebuilt": True}) == "overlapped"  # a joiner attaches alone
+    assert averager(**{**plain, "compressed": True, "quantised": True}) == "overlapped"
+    assert averager(**{**plain, "wrapper": False}) == "overlapped"
+
+
+def test_the_core_reads_its_own_records_that_elastic_fills_not_the_membership_mode():
+    import torch
+
+    from phalanx.step.preempt import HANDED_OVER, of
+    from phalanx.strategies.allreduce import REBUILT
+    g = px.init()
+    assert g.elastic is False and REBUILT.of(g).value is None and HANDED_OVER.of(g).value is None
+    net = torch.nn.Linear(2, 1)
+    _, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert px.strategy_of(opt)._overlap is None  # a group of one nobody rebuilds: plain PyTorch
+    REBUILT.of(g).value = HANDED_OVER.of(g).value = "a test"
+    try:
+        net = torch.nn.Linear(2, 1)
+        _, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        assert px.strategy_of(opt)._overlap is not None  # its hooks follow the group wherever it goes
+        preemption = of(g)
+        preemption.signal = 15  # as the handler records a SIGTERM
+        assert preemption.at_boundary(1) is False  # whoever took it over takes the worker out, not the boundary
+    finally:
+        REBUILT.of(g).value = HANDED_OVER.of(g).value = None
+        of(g).signal = None
