@@ -29,18 +29,20 @@ from support.wait import until
 
 
 def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
-    """Block until a worker Ray started is ready to enter (it started up and waits at the start of training; the
-    next commit point admits it), or the deadline: asking to join is not enough, its start-up may outlast training."""
+    """Block until a worker Ray started took its next step towards entering, or the deadline: asked to join (the
+    next commit point offers it a place), or, once offered one, ready (started up and waiting at the start of
+    training; the next commit point admits it). Asking is not enough on its own, its start-up may outlast training;
+    waiting for ready before it was offered a place wedges: places are offered at commit points."""
     from phalanx.elastic.membership import key
 
     store, members = state.worker.store, set(state.worker.membership.members)
 
-    def ready() -> bool:
+    def moved_on() -> bool:
         asked = set(json.loads(store.get(key("joiners")))) - members if store.check([key("joiners")]) else set()
-        return any(store.check([key("ready", j)]) for j in asked)
+        return any(store.check([key("ready", j)]) or not store.check([key("offer", j)]) for j in asked)
 
     try:
-        until(ready, timeout=max(0.0, deadline - time.monotonic()), what="a joiner ready to enter")
+        until(moved_on, timeout=max(0.0, deadline - time.monotonic()), what="a joiner asking or ready to enter")
     except AssertionError:
         return  # none by the deadline: the caller goes on without it
 
