@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -23,7 +24,7 @@ import torch
 
 from phalanx import ConfigError
 from phalanx.launch.run import RunConfig
-from phalanx.launch.slurm import SlurmEnv, expand_nodelist
+from phalanx.launch.slurm import PORT_BASE, PORT_SPAN, SlurmEnv, expand_nodelist
 from support.procs import free_port
 from support.wait import until
 from support.preempt_job import oracle, weights
@@ -103,6 +104,24 @@ def _skip_reason() -> str | None:
     return None
 
 
+def _first_job_id(jobs: int = 8) -> int:
+    """A first job id whose stores' ports (``PORT_BASE`` + job id, one per job of the module) are free now.
+
+    Every test cluster numbering its jobs from 1 gave every cluster's first job port 15001: two
+    clusters on one machine (parallel test runs) collided there (EADDRINUSE, the job FAILED).
+    """
+    rng = random.Random(os.getpid())
+    while True:
+        first = rng.randrange(1, PORT_SPAN - jobs)
+        try:
+            for port in range(PORT_BASE + first, PORT_BASE + first + jobs):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+
+
 def _bin(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
@@ -143,6 +162,7 @@ class Cluster:
         os.makedirs(f"{r}/state")
         with open(self.env["SLURM_CONF"], "w") as f:
             f.write(f"""ClusterName=phalanxtest
+FirstJobId={_first_job_id()}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld}
 AuthType=auth/munge
