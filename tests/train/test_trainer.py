@@ -17,7 +17,7 @@ import phalanx as px
 from phalanx.train.callbacks import Callback, LambdaCallback, ModelCheckpoint
 from phalanx.train.metrics import Accuracy, MeanLoss, ThroughputMeter, reduce_all, resolve
 from support.procs import run_workers
-from phalanx.train.trainer import History
+from phalanx.train.trainer import SUPERVISOR, History
 
 TIMING_KEYS = {"samples_per_s", "time_s"}
 HISTORY_KEYS = {"epoch", "loss", "accuracy", "top2_accuracy", "val_loss", "val_accuracy", "val_top2_accuracy",
@@ -268,11 +268,11 @@ def test_an_elastic_fit_runs_its_epochs_through_the_groups_supervisor(monkeypatc
     net = torch.nn.Linear(4, 2)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     trainer = px.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), F.cross_entropy)
-    monkeypatch.setattr(g, "supervisor", Supervisor)
+    monkeypatch.setattr(SUPERVISOR.of(g), "value", Supervisor)
     history = trainer.fit(data, epochs=2, batch_size=8, elastic=3, resize="policy", progress=False)
     assert made == [(3, "policy")] and history.membership == [{"generation": 1}]
     assert history["epoch"] == [2] and history["world_size"] == [1]  # entered at the commit's epoch
-    monkeypatch.setattr(g, "supervisor", None)
+    monkeypatch.setattr(SUPERVISOR.of(g), "value", None)
     monkeypatch.setattr(g, "elastic", True)  # under --elastic, but px.init() never took the worker's place
     with pytest.raises(ConfigError, match="px.init"):
         trainer.fit(data, epochs=1, batch_size=8, elastic=True, progress=False)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..group import group
+from ..train.trainer import SUPERVISOR
 from ..checkpoint import save_checkpoint
 from ..errors import ConfigError, usage
 from ..sharding.reshard import local_parts
@@ -232,12 +233,12 @@ def attach(g: group.Group) -> None:
     """``px.init()``: take this worker's place in an elastic job, and supervise training loops in it.
 
     Under ``phalanx run --elastic`` the group gets :class:`State` as its supervisor
-    (:attr:`phalanx.group.group.Group.supervisor`), which ``Trainer.fit(elastic=...)`` calls; a
+    (:data:`phalanx.train.trainer.SUPERVISOR`), which ``Trainer.fit(elastic=...)`` calls; a
     joiner waits here for its place (:func:`phalanx.elastic.worker.place`). Elsewhere it does nothing.
     """
     place(g)
     if g.elastic:
-        g.supervisor = State
+        SUPERVISOR.of(g).value = State
         # the facts the core reads in its own records, rather than asking whether membership can change
         HANDED_OVER.of(g).value = "phalanx.elastic"  # a signalled worker leaves at the next commit
         REBUILT.of(g).value = "phalanx.elastic"  # joiners attach alone; gradient hooks follow the rebuilt group

@@ -45,6 +45,7 @@ from typing import Callable, NoReturn
 import torch.distributed as dist
 
 from ..group import group, leaving
+from ..group.records import Record, Slot
 from ..errors import PhalanxError, WorkerLostError
 from ..step.preempt import PREEMPTED_EXIT
 from . import secret as job_secret
@@ -117,6 +118,10 @@ def place(g: group.Group) -> None:
     os.environ.update(RANK=str(g.rank), WORLD_SIZE=str(g.world_size), LOCAL_RANK=str(g.local_rank))
 
 
+# This worker's side of the elastic job, kept per group (a record elastic owns, not a slot on the Group).
+WORKER: "Record[Slot[ElasticWorker]]" = Record("elastic worker", Slot)
+
+
 class ElasticWorker:
     """This worker's side of an elastic job: membership, admission, and its id kept alive in the launcher's store.
 
@@ -161,10 +166,10 @@ class ElasticWorker:
         """This worker's side of the elastic job of group ``g`` (made once, kept on the group); None outside one."""
         if not g.elastic:
             return None
-        worker = g.extensions.get("elastic")
-        if worker is None:
-            worker = g.extensions["elastic"] = cls(g)
-        return worker
+        slot = WORKER.of(g)
+        if slot.value is None:
+            slot.value = cls(g)
+        return slot.value
 
     def beat(self) -> None:
         """Start bumping ``elastic/hb/<id>`` in the launcher's store (a daemon thread); idempotent.

@@ -21,7 +21,7 @@ import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -73,14 +73,6 @@ class Group:
         # world size and generation are its place in the group, but its process group forms only when it enters
         # (phalanx.elastic takes rank 0's state then). Until that, collectives have nobody to talk to.
         self.entering = False
-        # Per-worker objects of the features (phalanx.elastic's membership), kept here rather than in module
-        # globals: the group is the one piece of module state.
-        self.extensions: dict[str, Any] = {}
-        # What re-enters a training loop at a shared commit after a membership change: phalanx.elastic puts its
-        # State here when it takes this worker's place in an elastic job (px.init()), None elsewhere. Called as
-        # supervisor(model, optimizer, loader, commit_every=, resize=) -> an object with .history and
-        # .supervise(loop); the Trainer uses it this way, so the core never imports the feature.
-        self.supervisor: Callable[..., Any] | None = None
         self.leaves_at_exit = False  # px.shutdown() is registered to run at exit (once the group has a store)
         self._on_regroup: list[Callable[["Group"], None]] = []
         # What other packages keep for this group (the step clocks, the preemption handler, the checkpoint being

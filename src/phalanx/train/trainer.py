@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from torch.utils.data import Dataset
 
 from .. import check
 from ..group import group
+from ..group.records import Record, Slot
 from ..step import preempt
 from .callbacks import Callback, ModelCheckpoint
 from ..checkpoint import load_checkpoint, save_checkpoint
@@ -53,6 +54,26 @@ from ..strategies import Strategy
 from ..strategies.accounting import bytes_sent as bytes_sent_by
 from ..wrap import strategy_of, unwrap, wrap
 
+
+
+class Supervised(Protocol):
+    """A training loop under supervision: re-entered at a shared commit after a membership change."""
+
+    history: list[dict[str, Any]]
+
+    def supervise(self, loop: Callable[[], None]) -> None: ...
+
+
+class Supervisor(Protocol):
+    """What supervises an elastic fit: called with the fit's model, optimizer and loader (``px.elastic.State``)."""
+
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, *, commit_every: int | None,
+                 resize: Any) -> Supervised: ...
+
+
+# The group's supervisor of elastic fits: phalanx.elastic sets it when it takes this worker's place in an elastic
+# job (px.init()), None elsewhere; the Trainer hands it the epoch loop, so the core never imports the feature.
+SUPERVISOR: "Record[Slot[Supervisor]]" = Record("supervisor of elastic fits", Slot)
 
 class History(list):
     """One dict per epoch; ``history["val_accuracy"]`` gives that column as a list.
@@ -210,7 +231,7 @@ class Trainer:
         # Under `phalanx run --elastic` the feature that survives a lost peer (phalanx.elastic) put its supervisor on
         # the group when it took this worker's place (px.init()): it commits every `commit_every` steps and re-enters
         # the epoch loop at the commit the survivors share. Elsewhere an elastic fit is a plain one.
-        supervisor = group.current().supervisor if elastic else None
+        supervisor = SUPERVISOR.of(group.current()).value if elastic else None
         if elastic and supervisor is None and group.current().elastic:
             raise ConfigError(usage("Trainer.fit(elastic=...) under `phalanx run --elastic` before px.init()",
                                     "px.init() first: it starts this worker's side of the elastic job",
