@@ -27,10 +27,14 @@ from support.wait import until  # noqa: E402
 
 
 def joiner_waiting(state: px.elastic.State) -> bool:
-    """A joiner is ready to enter (started up, waiting at the start of training): the next commit admits it."""
+    """The next commit point lets a joiner in: one asked and has no place offered yet (that commit offers it one), or
+    one offered a place is ready to enter (started up, waiting at the start of training: that commit admits it).
+
+    Waiting for *ready* before the offer would hold back the very commit point that makes the offer: nobody moves.
+    """
     store = state.worker.store
     asked = json.loads(store.get(key("joiners"))) if store.check([key("joiners")]) else []
-    return any(store.check([key("ready", j)]) for j in asked)
+    return any(not store.check([key("offer", j)]) or store.check([key("ready", j)]) for j in asked)
 
 
 def main() -> None:
@@ -50,8 +54,8 @@ def main() -> None:
         with state:
             loader.set_epoch(epoch)
             for x, y, ids in loader:
-                if me == "0" and state.step == 1:  # alone so far: wait for node 1's worker (it starts slower)
-                    until(lambda: joiner_waiting(state), timeout=120, what="node 1's joiner")
+                if me == "0" and px.world_size() == 1 and not state.history:  # alone so far: wait for node 1's
+                    until(lambda: joiner_waiting(state), timeout=120, what="node 1's joiner")  # (it starts slower)
                 if me == "0" and sum(row[1] == 2 for row in record.steps) == 2:
                     os.kill(os.getpid(), signal.SIGKILL)  # the node is lost mid-epoch
                 record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH)])
