@@ -171,6 +171,16 @@ def epoch_batches(state: Any, loader: Any, epochs: int) -> Iterator[tuple[int, A
             yield epoch, x, y, ids
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded model's parameter (a DTensor: collective), or ``t`` itself.
+
+    Example:
+        >>> whole(torch.ones(2)).tolist()
+        [1.0, 1.0]
+    """
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def write_worker(out: str, me: str, model: nn.Module, record: Iterable[list], history: list, **extra: Any) -> None:
     """``out/worker<me>.json``: an elastic worker's id, world size, record, regroups and final parameters.
 
@@ -179,7 +189,6 @@ def write_worker(out: str, me: str, model: nn.Module, record: Iterable[list], hi
     """
     import phalanx as px
 
-    whole = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 (a sharded model's DTensors)
     result = {"id": me, "world_size": px.world_size(), "record": list(record), "history": history,
               "params": [whole(t).tolist() for t in px.unwrap(model).parameters()], **extra}
     with open(os.path.join(out, f"worker{me}.json"), "w") as f:

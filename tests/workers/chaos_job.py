@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.bench.models import gpt
-from workers.elastic import Record, whole
+from support.loop import whole
+from workers.elastic import Record
 
 SIZES = {  # name -> (gpt kwargs, samples, batch per worker)
     # about 1M parameters in float64: a checkpoint (weights + AdamW's two moments) of about 23 MB

@@ -16,6 +16,7 @@ from torch import nn
 import phalanx as px
 from phalanx.step.compiled import compilations, graph_breaks
 from support.loop import train
+from phalanx.strategies.allreduce import REBUILT
 
 IN, CLASSES, B = 8, 3, 4
 N = 2 * B * 3 + 3  # three even steps of 2 x 4 samples, then 2 + 1: uneven, and second input shapes
@@ -56,8 +57,9 @@ def _run(case: str, order: str, backend: str, epochs: int) -> dict[str, Any]:
     net = mlp()
     opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
     strategy = CASES[case]()
-    group = px.current_group()
-    group.elastic = case == "overlap"  # what `phalanx run --elastic` makes the group: the overlapped hooks
+    rebuilt = REBUILT.of(px.current_group())
+    # what `phalanx run --elastic` records for the group (it may be rebuilt with joiners): the overlapped hooks
+    rebuilt.value = "tests" if case == "overlap" else None
     try:
         if order == "before":
             model, opt = px.wrap(torch.compile(net, backend=backend), opt, strategy=strategy)
@@ -66,7 +68,7 @@ def _run(case: str, order: str, backend: str, epochs: int) -> dict[str, Any]:
             if order == "after":
                 model = torch.compile(model, backend=backend)
     finally:
-        group.elastic = False
+        rebuilt.value = None
     graphs0, breaks0 = compilations(), graph_breaks()
     train(model, opt, px.shard(dataset(), batch_size=B, shuffle=True, seed=3), epochs)
     strategy.finish()

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import phalanx as px
 from support.procs import kill_at
+from phalanx.strategies.allreduce import REBUILT
 
 IN, CLASSES, B = 6, 3, 4
 BUCKET_MB = 0.0003  # ~300 bytes: several buckets for this small net, so their order matters
@@ -79,12 +80,12 @@ def flat(model: nn.Module) -> torch.Tensor:
 def _wrapped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, px.AllReduce]:
     model = net(seed)
     strategy = px.AllReduce(bucket_mb=BUCKET_MB)
-    group = px.current_group()
-    group.elastic = True  # what `phalanx run --elastic` makes the group: no DDP wrapper, the overlapped hooks
+    rebuilt = REBUILT.of(px.current_group())
+    rebuilt.value = "tests"  # what `phalanx run --elastic` records for the group: no DDP wrapper, the overlapped hooks
     try:
         model, opt = px.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), strategy=strategy)
     finally:
-        group.elastic = False
+        rebuilt.value = None
     return model, opt, strategy
 
 

@@ -369,12 +369,14 @@ class ElasticWorker:
         if raw == self._listed[0]:
             return self._listed[1]
         ids = joiner_ids(raw)
-        if ids is None:
-            if not self._warned and self.membership.members[:1] == [self.me]:
+        if ids is None and not self._warned:
+            self._warned = True
+            # One line for the job: whichever member reads the garbage first claims the warning (any member may
+            # read it first, and the one that prunes it leaves nothing for the others to see).
+            if self.store.compare_set(key("joiners-warned"), "", self.me) == self.me.encode():
                 print(f"phalanx: elastic: ignoring the store's {joiners_key} ({raw[:60]!r}...: not a JSON list of "
                       "worker ids; something other than phalanx wrote it); joiners add themselves again",
                       file=sys.stderr, flush=True)
-            self._warned = True
         listed = ids or []
         proven = [j for j in listed if j not in self._refused and self._proves(j)]
         self._refused.update(j for j in listed if j not in self._proven)
