@@ -73,8 +73,9 @@ def test_a_replacement_arriving_after_training_ended_leaves_the_job_finished(clu
 
 def test_two_workers_killed_at_once_regroup_down_to_min_workers_and_finish(cluster, tmp_path):
     # Ranks 1 and 2 park before step 4 and are killed together: worker 0 goes on alone (min_workers=1), and Ray
-    # replaces both; slow_below=3 makes worker 0 wait at each step until a replacement asks to join, so both
-    # join before the end (the last loss and the last join are not a race against Ray's start-up).
+    # replaces both; slow_below=3 makes worker 0 wait at each step until a replacement can be let in (offered a
+    # place at the next commit point, or ready to enter at it), so both join before the end (the last loss and the
+    # last join are not a race against Ray's start-up).
     killed: list = []
     names = ["victim1.json", "victim2.json"]
     killer = threading.Thread(target=lambda: killed.extend(kill_when_parked(tmp_path, names)), daemon=True)

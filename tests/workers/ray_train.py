@@ -29,20 +29,25 @@ from support.wait import until
 
 
 def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
-    """Block until a worker Ray started took its next step towards entering, or the deadline: asked to join (the
-    next commit point offers it a place), or, once offered one, ready (started up and waiting at the start of
-    training; the next commit point admits it). Asking is not enough on its own, its start-up may outlast training;
-    waiting for ready before it was offered a place wedges: places are offered at commit points."""
+    """Block until a worker Ray started can be let in by the next commit point, or the deadline.
+
+    A joiner enters in two stages, each at a commit point: one offers it a place (``offer/<id>``; its
+    ``px.init()`` waits for that), a later one admits it once it is ready (``ready/<id>``: it started up and waits
+    at the start of training). So this returns as soon as a joiner asked and has no offer yet (waiting here would
+    hold back the very commit point that offers it one: nobody moves until the deadline), and otherwise once an
+    offered joiner is ready: asking is not enough, its start-up may outlast training.
+    """
     from phalanx.elastic.membership import key
 
     store, members = state.worker.store, set(state.worker.membership.members)
 
-    def moved_on() -> bool:
+    def next_commit_lets_one_in() -> bool:
         asked = set(json.loads(store.get(key("joiners")))) - members if store.check([key("joiners")]) else set()
-        return any(store.check([key("ready", j)]) or not store.check([key("offer", j)]) for j in asked)
+        return any(not store.check([key("offer", j)]) or store.check([key("ready", j)]) for j in asked)
 
     try:
-        until(moved_on, timeout=max(0.0, deadline - time.monotonic()), what="a joiner asking or ready to enter")
+        until(next_commit_lets_one_in, timeout=max(0.0, deadline - time.monotonic()),
+              what="a joiner to offer a place to, or one ready to enter")
     except AssertionError:
         return  # none by the deadline: the caller goes on without it
 

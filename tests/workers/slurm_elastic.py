@@ -2,10 +2,9 @@
 
     srun phalanx run -n 1 --elastic --min-workers 1 slurm_elastic.py --out DIR
 
-Node 0's worker ("0") trains alone, keeping pace with node 1's worker (a joiner): it waits
-for it to ask to join and, once offered a place, to be ready, so the group is sure to reach
-2; two steps after it did, worker "0" dies with SIGKILL (a node lost) and node 1's worker
-goes on alone from the last commit. Each survivor writes
+Node 0's worker ("0") trains alone until node 1's worker (a joiner) has asked to join, so
+the group is sure to reach 2; two steps after it did, worker "0" dies with SIGKILL (a
+node lost) and node 1's worker goes on alone from the last commit. Each survivor writes
 ``DIR/worker<ID>.json``: its id, per step (epoch, world size, the group's sample ids) and
 its final parameters, for the one-process oracle of tests/workers/elastic.py.
 """
@@ -27,16 +26,15 @@ from support.loop import group_ids, take_step, write_worker  # noqa: E402
 from support.wait import until  # noqa: E402
 
 
-def joiner_moved_on(state: px.elastic.State) -> bool:
-    """Node 1's joiner took its next step towards entering: asked to join (the next commit point offers it a place),
-    or, once offered one, ready (started up, waiting at the start of training: the next commit point admits it).
+def joiner_waiting(state: px.elastic.State) -> bool:
+    """The next commit point lets a joiner in: one asked and has no place offered yet (that commit offers it one), or
+    one offered a place is ready to enter (started up, waiting at the start of training: that commit admits it).
 
-    Waiting for *ready* alone before the first commit point wedges: a joiner is offered its place at a commit
-    point and only then builds its model and gets ready, so rank 0 must let that commit point come.
+    Waiting for *ready* before the offer would hold back the very commit point that makes the offer: nobody moves.
     """
     store = state.worker.store
     asked = json.loads(store.get(key("joiners"))) if store.check([key("joiners")]) else []
-    return any(store.check([key("ready", j)]) or not store.check([key("offer", j)]) for j in asked)
+    return any(not store.check([key("offer", j)]) or store.check([key("ready", j)]) for j in asked)
 
 
 def main() -> None:
@@ -51,20 +49,17 @@ def main() -> None:
     loader = px.shard(dataset(), batch_size=BATCH, seed=0)
     record = Record()
     # A commit point after every step: the joiner is offered its place at the first (step 1) and enters at the one
-    # after it is ready (step 2), so the group trains at 2 for steps 3 and 4 whatever the timing. Which steps run
-    # at 2 decides the float32 rounding against the one-process oracle: its worker is bit-identical to a two-way
-    # all-reduce replayed in one process, and entering at step 4 (commit_every=2) rounds 2.6e-6 away from it.
+    # after it is ready (step 2), so the group trains at 2 for the third and fourth steps whatever the timing. Which
+    # steps run at 2 decides the float32 rounding against the one-process oracle: this job's worker is bit-identical
+    # to a two-way all-reduce replayed in one process, and entering at step 4 (commit_every=2) rounds 2.6e-6 away.
     state = px.elastic.State(model_, opt, loader, commit_every=1, extra={"record": record})
     comm = px.Comm()
     for epoch in state.epochs(args.epochs):
         with state:
             loader.set_epoch(epoch)
             for x, y, ids in loader:
-                if me == "0" and px.world_size() == 1 and not any(row[1] == 2 for row in record.steps):
-                    # alone so far: keep pace with node 1's worker (it starts slower), so the group is sure to
-                    # reach 2 before training ends: it asks, is offered a place at a commit point, gets ready,
-                    # and enters at the commit point after that
-                    until(lambda: joiner_moved_on(state), timeout=120, what="node 1's joiner to ask or get ready")
+                if me == "0" and px.world_size() == 1 and not state.history:  # alone so far: wait for node 1's
+                    until(lambda: joiner_waiting(state), timeout=120, what="node 1's joiner")  # (it starts slower)
                 if me == "0" and sum(row[1] == 2 for row in record.steps) == 2:
                     os.kill(os.getpid(), signal.SIGKILL)  # the node is lost mid-epoch
                 record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH)])
