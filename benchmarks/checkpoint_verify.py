@@ -30,14 +30,14 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx import framing
+from phalanx import sealed
 from phalanx.checkpoint import dcp
 
 
 @contextmanager
 def unchecked() -> Iterator[None]:
     """Saves record sizes only, loads compare nothing: the check taken out, everything else the same."""
-    digest_files, matches = dcp.digest_files, framing._matches
+    digest_files, matches = dcp.digest_files, sealed._matches
 
     def sizes_only(directory: str, wanted: dict) -> dict:
         def entry(name: str, chunks: list | None) -> dict:
@@ -46,11 +46,11 @@ def unchecked() -> Iterator[None]:
                 return {"size": size, "sha256": "0" * 64}
             return {"size": size, "chunks": [[o, n, "0" * 64] for o, n in sorted(set(chunks))]}
         return {name: entry(name, chunks) for name, chunks in wanted.items()}
-    dcp.digest_files, framing._matches = sizes_only, lambda data, digest: True
+    dcp.digest_files, sealed._matches = sizes_only, lambda data, digest: True
     try:
         yield
     finally:
-        dcp.digest_files, framing._matches = digest_files, matches
+        dcp.digest_files, sealed._matches = digest_files, matches
 
 
 def main() -> None:

@@ -125,7 +125,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # module may import from its own package and from any lower floor, never from its floor's other rooms or above: the
 # features (elastic, ps, stream, keras) share a floor, so none imports another; the core (up to train) imports none.
 FLOORS = (
-    ("errors",), ("check",), ("framing",),          # base: typed failures, argument checks, verified framing
+    ("errors",), ("check",), ("framing",), ("sealed",),  # base: failures, argument checks, framed files, sealed dirs
     ("group",),                                     # who is in the run and how they talk
     ("step",),                                      # one step: clock, end of backward, compile, preemption, profiling
     ("data",),                                      # which samples each worker reads

@@ -16,7 +16,8 @@ import phalanx as px
 from phalanx.checkpoint import FORMAT
 from phalanx.checkpoint.training_state import TrainingState
 from phalanx.cli import main as cli
-from phalanx.framing import digest_file, read_verified, write_marker, write_verified
+from phalanx.framing import read_verified, write_verified
+from phalanx.sealed import digest_file, write_marker
 
 
 def trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

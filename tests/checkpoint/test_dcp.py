@@ -192,7 +192,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
 def _reseal(path, name: str) -> None:
     """Rewrite the marker of the checkpoint ``path`` so that it vouches for the edited file ``name``."""
     import json
-    from phalanx.framing import digest_file, write_marker
+    from phalanx.sealed import digest_file, write_marker
     marker = json.loads((path / "phalanx.json").read_text())
     marker["files"][name] = digest_file(str(path), name)
     write_marker(str(path), {k: marker[k] for k in ("format", "world_size", "step")}, marker["files"])

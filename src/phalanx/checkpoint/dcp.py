@@ -6,7 +6,7 @@ buffers), one small verified file per worker (``rank-<r>.pt``: the skeleton of i
 with each tensor replaced by a reference to its DCP key, plus data position, RNG, step,
 scheduler, scaler, ``extra``) and the marker (``phalanx.json``), written last, which lists
 every file's size and SHA-256 (the data files' per stored chunk). A read goes through
-:class:`phalanx.framing.Opened`: one open directory, its regular files only, every byte
+:class:`phalanx.sealed.Opened`: one open directory, its regular files only, every byte
 checked before it is used, and DCP's metadata checked to tile each tensor with its chunks.
 
 Reading runs no code from the files: the per-worker files load with ``weights_only=True``
@@ -35,7 +35,8 @@ from torch import nn
 
 from ..group import group
 from ..errors import CheckpointError, ConfigError, usage
-from ..framing import MARKER, Opened, digest_files, unframe, write_marker
+from ..framing import MARKER, unframe
+from ..sealed import Opened, digest_files, write_marker
 from ..strategies.base import state_with_step
 from .training_state import TrainingState, check_fit, cpu_copy, replica_state, resize_warning, rng_state
 from ..wrap import unwrap
@@ -167,7 +168,7 @@ def _seal(tmp: str, path: str, world: int, step: int) -> None:
     """Check the temporary directory holds every worker's part, then write the marker (last: it says "complete").
 
     The marker lists every file with its size and SHA-256 (DCP's data files per stored chunk, as
-    ``.metadata`` places them): a reader uses no byte it does not vouch for (:class:`phalanx.framing.Opened`).
+    ``.metadata`` places them): a reader uses no byte it does not vouch for (:class:`phalanx.sealed.Opened`).
     """
     names = [".metadata", *(f"rank-{r}.pt" for r in range(world))]
     lacking = [name for name in names if not os.path.exists(os.path.join(tmp, name))]
@@ -217,7 +218,7 @@ def _read_rank_file(ckpt: Opened, rank: int) -> dict[str, Any]:
 def _load_directory(ckpt: Opened, state: TrainingState, *, restore_rng: bool) -> dict[str, Any]:
     """Restore ``state`` from the opened directory: this worker's own part, or rank 0's on another world size.
 
-    Every byte is read and checked before the first thing is changed (:class:`phalanx.framing.Opened`).
+    Every byte is read and checked before the first thing is changed (:class:`phalanx.sealed.Opened`).
     """
     path = ckpt.path
     marker = _marker(ckpt)

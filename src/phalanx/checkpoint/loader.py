@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..framing import MARKER, Opened, Vanished, atomic_write, read_verified, to_bytes
+from ..framing import MARKER, atomic_write, read_verified, to_bytes
+from ..sealed import Opened, Vanished
 from .training_state import TrainingState
 from .agreement import _remove_abandoned
 from .dcp import DCP_FORMAT, _join, _load_directory, _load_whole, _marker, _read_marker, _read_rank_file, _refs

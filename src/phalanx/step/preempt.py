@@ -52,7 +52,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..group import group
 from ..group.records import Record, Slot
-from ..framing import MARKER, read_verified, verify_directory
+from ..framing import MARKER, read_verified
+from ..sealed import verify_directory
 from .protocols import ReplicasAgree
 
 if TYPE_CHECKING:
