@@ -10,7 +10,7 @@ Example:
     >>> d = tempfile.mkdtemp(); open(os.path.join(d, "a"), "wb").write(b"x")
     1
     >>> sorted(digest_files(d, {"a": None})["a"])
-    ['bytes', 'sha256']
+    ['sha256', 'size']
 """
 from __future__ import annotations
 import errno
