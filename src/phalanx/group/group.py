@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 from dataclasses import replace
@@ -309,9 +310,11 @@ class Group:
                                 "usage": isinstance(exc, PhalanxError) and not isinstance(exc, WorkerLostError),
                                 "consequence": isinstance(exc, WorkerLostError),
                                 "traceback": "".join(traceback.format_exception(exc))[-20000:]}}
-            try:
-                with open(path, "w") as f:
+            try:  # whole or absent: the launcher may read it the moment this worker's sibling exits
+                tmp = f"{path}.tmp-{os.getpid()}"
+                with open(tmp, "w") as f:
                     json.dump(data, f)
+                os.replace(tmp, path)
             except OSError:
                 pass
 
