@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .group import group
 from .group.spans import TIMELINE
 from .group.env import WorkerEnv
-from .step import profiling
+from .step import profiling, report
 from .step.compiled import original
 from .errors import ConfigError, usage
 from .sharding.layout import FullyShard
@@ -109,6 +109,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
     tell_launch(strategy, g.env)  # e.g. `phalanx run --servers N` with a strategy that uses none
     if g.env.profile_dir and TIMELINE.of(g).value is None:  # `phalanx run --profile DIR`: the first model starts it
         profiling.profile(g.env.profile_dir)
+    if g.env.status:  # `phalanx run --status`: the workers report their steps to the page (phalanx.step.report)
+        report.start(g)
     model.to(g.device)
     if shard is not None:
         model = shard.apply(model, optimizer, strategy, g)

@@ -20,6 +20,7 @@ import warnings
 from ..group import group
 from ..checkpoint import checkpoint_step, load_checkpoint
 from ..group.collectives import broadcast_object
+from ..step import report
 from ..sharding.reshard import ShardLostError, reshard, reshard_empty
 from ..sharding.layout import sharded_by
 from ..wrap import strategy_of
@@ -163,6 +164,9 @@ class Recovery:
                              "time": time.time(), "seconds": round(seconds, 3), "cause": cause[:200],
                              **self._moved})
         self._moved = {}
+        reporter = report.of()  # `phalanx run --status`: the page lists the change and its cost
+        if reporter is not None:
+            reporter.changed(self.history[-1])
         if group.rank() == 0:
             print(f"phalanx: elastic: generation {plan['generation']}: {before} -> {group.world_size()} workers "
                   f"(left: {', '.join(plan['left']) or '-'}; joined: {', '.join(plan['joined']) or '-'}); "

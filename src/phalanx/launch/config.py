@@ -27,6 +27,7 @@ from .allocator import heap_env
 from ..elastic.options import ElasticConfig
 from ..elastic.options import add_arguments as add_elastic_arguments
 from ..errors import ConfigError, OneLineParser, usage
+from ..monitor.server import parse_address
 from .slurm import SlurmEnv, node_address
 from ..step.preempt import PREEMPTED_EXIT, latest_checkpoint
 
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", default="0", metavar="S", help="parameter-server processes to start (default 0)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="record a timeline of a few steps per worker into DIR (Chrome-trace JSON; see px.profile)")
+    p.add_argument("--status", default=None, metavar="[HOST:]PORT",
+                   help="serve a live status page, /status.json and /metrics on PORT (loopback unless HOST is given), "
+                        "for the holder of the job's secret only; the link is printed at start (docs/monitoring.md)")
     p.add_argument("--debug", action="store_true",
                    help="show full tracebacks for workers' usage errors (same as PHALANX_DEBUG=1)")
     hosts = p.add_argument_group("several hosts (same meaning as torchrun's)")
@@ -133,6 +137,7 @@ class RunConfig:
     standalone: bool = False  # one host, no rendezvous options: we host the store, on loopback
     debug: bool = False
     profile_dir: str | None = None  # --profile DIR: the workers record a timeline there (phalanx.step.profiling)
+    status: tuple[str, int] | None = None  # --status [HOST:]PORT: the launcher serves the status page there
     elastic: "ElasticConfig | None" = None  # --elastic: phalanx.launch.elastic runs the job
     checkpoint_dir: str | None = None  # --checkpoint-dir
     resume_from: str | None = None  # --resume-from, resolved: a checkpoint path, or None for a fresh start
@@ -219,7 +224,10 @@ class RunConfig:
             raise ConfigError(usage("--elastic on several SLURM nodes without PHALANX_SECRET",
                                     "the job's secret in PHALANX_SECRET on every node",
                                     "Add `export PHALANX_SECRET=$(openssl rand -hex 32)` to the job script."))
-        return cls(elastic=elastic, script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
+        status = _status_flag(getattr(a, "status", None), standalone=standalone, elastic=elastic is not None,
+                              node_rank=node_rank)
+        return cls(elastic=elastic, status=status, script=a.script, script_args=tuple(a.args), nproc=nproc,
+                   min_nodes=min_nodes,
                    max_nodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                    rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=a.rdzv_id or "none",
                    max_restarts=max_restarts, threads=threads, timeout_s=timeout_s, servers=servers,
@@ -252,6 +260,8 @@ class RunConfig:
             env["PHALANX_DEBUG"] = "1"
         if self.profile_dir:  # read once by the workers (WorkerEnv); rank 0 says in one line if it cannot write
             env["PHALANX_PROFILE"] = os.path.abspath(self.profile_dir)
+        if self.status is not None:  # the workers report their steps to the page (phalanx.step.report)
+            env["PHALANX_STATUS"] = "1"
         if self.checkpoint_dir is not None:
             env["PHALANX_CHECKPOINT_DIR"] = self.checkpoint_dir
         if self.resume_from is not None:
@@ -282,6 +292,22 @@ class RunConfig:
                             run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
                             max_restarts=self.max_restarts, local_addr=local_addr,
                             signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", shutdown_timeout=self.grace_s)
+
+
+def _status_flag(text: str | None, *, standalone: bool, elastic: bool, node_rank: int) -> tuple[str, int] | None:
+    """``--status [HOST:]PORT`` -> (host, port): served by the launcher that holds the job's store."""
+    if text is None:
+        return None
+    try:
+        address = parse_address(text)
+    except ValueError:
+        raise ConfigError(usage(f"--status {text}", "[HOST:]PORT, e.g. --status 8080 or --status 0.0.0.0:8080",
+                                "Pass a port number, with the host to listen on if not loopback.")) from None
+    if not (standalone or (elastic and node_rank == 0)):
+        raise ConfigError(usage(f"--status {text} on a {'node other than the first' if elastic else 'multi-host'} "
+                                "run", "--status where the launcher holds the job's store: a one-host run, or node 0 "
+                                "of an --elastic job", "Pass --status on the first node's launcher only."))
+    return address
 
 
 def _apply_slurm(a: argparse.Namespace, slurm: SlurmEnv) -> argparse.Namespace:

@@ -52,6 +52,7 @@ from .workers import start_worker
 
 if TYPE_CHECKING:
     from .config import RunConfig
+    from .status import JobStatus
 
 POLL_S = 0.05  # a process's exit is seen this soon (a waitpid, no store call): recovery starts from it
 STORE_POLL_S = 0.5  # heartbeats, members and remote workers are read from the store this often
@@ -62,8 +63,11 @@ MAX_FAILED_STARTS = 3  # replacements in a row that died before any generation a
 _Worker, _how, _exit_note = Watched, describe, exit_note
 
 
-def run_elastic(cfg: "RunConfig") -> int:
-    """Host the store, start ``cfg.nproc`` workers and the spares, watch them; returns the exit status."""
+def run_elastic(cfg: "RunConfig", status: "JobStatus | None" = None) -> int:
+    """Host the store, start ``cfg.nproc`` workers and the spares, watch them; returns the exit status.
+
+    ``status``: ``--status``'s server, bound already; it serves this job once the store and secret exist.
+    """
     el: ElasticConfig = cfg.elastic
     store, listener = listening_store(cfg.master_addr, cfg.master_port or 0)
     port = store.port
@@ -78,6 +82,9 @@ def run_elastic(cfg: "RunConfig") -> int:
           f"`phalanx join {how}--rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`"
           f"{'' if secret_file else f' and the {secret.ENV} you set'}", file=sys.stderr, flush=True)
     store.set(key("gen", 0, "members"), json.dumps(ids))
+    if status is not None:
+        status.attach(store, members=generation_members, secret=job_secret,
+                      checkpoint=lambda s: saved_checkpoint(s, generation_members(s)[0]))
     servers = None  # `--servers K`: started before the workers, outlive every one of them
     if cfg.servers:
         from ..ps.launcher import start_servers  # parameter servers only with --servers (as in launch.py)
@@ -191,8 +198,13 @@ def _admitted(store) -> set[str]:
 
 def _members(store) -> list[str]:
     """The newest generation's workers (rank order)."""
+    return generation_members(store)[1]
+
+
+def generation_members(store) -> tuple[int, list[str]]:
+    """The newest generation and its workers (rank order), as the status page shows them."""
     generation = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
-    return json.loads(store.get(key("gen", generation, "members")))
+    return generation, json.loads(store.get(key("gen", generation, "members")))
 
 
 def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner, reserve: list[str],
@@ -337,14 +349,21 @@ def last_checkpoint(store) -> str:
     so the newest generation that saved one names it.
     """
     try:
-        newest = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
-        for g in range(newest, -1, -1):
-            k = f"{'phalanx/0' if g == 0 else generation_prefix(g)}/{LAST_SAVED_KEY}"
-            if store.check([k]):
-                return f"resume from the last disk checkpoint, {store.get(k).decode()}"
+        newest = saved_checkpoint(store, int(store.get(key("gen"))) if store.check([key("gen")]) else 0)
+        if newest is not None:
+            return f"resume from the last disk checkpoint, {newest}"
     except Exception:  # noqa: BLE001 - our own store; unreadable only if it broke, and this is the last line
         pass
     return "no disk checkpoint was saved (px.save_checkpoint), so the job restarts from the beginning"
+
+
+def saved_checkpoint(store, newest: int) -> str | None:
+    """The newest file ``px.save_checkpoint`` wrote in this job, from generation ``newest`` down (None: none)."""
+    for g in range(newest, -1, -1):
+        k = f"{'phalanx/0' if g == 0 else generation_prefix(g)}/{LAST_SAVED_KEY}"
+        if store.check([k]):
+            return store.get(k).decode()
+    return None
 
 
 def _stop_all(workers: list[_Worker], grace_s: float = 3.0) -> None:

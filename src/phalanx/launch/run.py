@@ -44,7 +44,8 @@ from typing import Iterator, Sequence
 from . import join as launch_join
 from ..errors import ConfigError, usage
 from .config import DEFAULT_MASTER_ADDR, RunConfig, build_parser
-from .elastic import run_elastic
+from .elastic import run_elastic, saved_checkpoint
+from .status import JobStatus, run_with_status
 from .failures import failure_line, root_cause as _root_cause, status as _status
 from .slurm import requeue
 from ..step.preempt import PREEMPTED_EXIT, latest_checkpoint
@@ -131,7 +132,14 @@ def _start_servers(cfg: RunConfig):
 
 
 def run(cfg: RunConfig) -> int:
-    """Start the workers and wait; returns the exit status ``phalanx run`` should end with."""
+    """Start the workers and wait; returns the exit status ``phalanx run`` should end with.
+
+    With ``--status`` the launcher serves the status page around the job (:mod:`phalanx.launch.status`).
+    """
+    return run_with_status(cfg, lambda status: _run(cfg, status))
+
+
+def _run(cfg: RunConfig, status: JobStatus | None) -> int:
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -141,11 +149,14 @@ def run(cfg: RunConfig) -> int:
     if cfg.elastic is not None:  # elastic: our own agent keeps survivors running
         if cfg.slurm is not None and cfg.node_rank > 0:  # the other nodes of the allocation join node 0's job
             return _join_slurm_job(cfg)
-        return run_elastic(cfg)
+        return run_elastic(cfg, status)
     _quiet_torch_elastic()
     for line in cfg.warnings():
         print(line, file=sys.stderr, flush=True)
     store = _loopback_store() if cfg.standalone else None
+    if status is not None and store is not None:  # --status needs the store here (config.py refuses it elsewhere)
+        status.attach(store[0], members=lambda _: (0, [str(r) for r in range(cfg.nproc)]),
+                      checkpoint=lambda s: saved_checkpoint(s, 0))
     launch = cfg.launch_config(store[0].port if store else 0)
     env, servers, watching, children = cfg.worker_env(), None, None, _children()
     before = _newest_checkpoint(cfg.checkpoint_dir)  # another one after the workers end was written by this run
