@@ -85,6 +85,8 @@ class StatusServer:
         self._polled = 0.0  # monotonic time of the last /status.json served
         self._told = threading.Event()  # a /status.json saying the job ended has been served
         self._ended = False
+        self.connections: set[socket.socket] = set()  # open keep-alive connections: closed with the server
+        self._conn_lock = threading.Lock()
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="phalanx-status-http", daemon=True)
         self._thread.start()
@@ -109,6 +111,15 @@ class StatusServer:
             self._told.wait(linger_s)
         self.httpd.shutdown()
         self.httpd.server_close()
+        # a browser keeps its connection open between polls: were it left, the next job on this port would not
+        # be the one that answers it
+        self.status, self.token = None, None
+        with self._conn_lock:
+            for conn in list(self.connections):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def authorized(self, headers: Any) -> bool:
         if self.token is None:
@@ -127,12 +138,22 @@ class StatusServer:
 
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
-    allow_reuse_address = False  # another live server on the port must refuse us
+    allow_reuse_address = True  # a port left in TIME_WAIT by the last job is free; a live listener still refuses
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server_: StatusServer
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server_._conn_lock:
+            self.server_.connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server_._conn_lock:
+            self.server_.connections.discard(self.connection)
+        super().finish()
 
     def log_message(self, *_: Any) -> None:  # the launcher's stderr is the job's log, not an access log
         pass
