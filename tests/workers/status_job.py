@@ -74,6 +74,7 @@ slow = slowness(args.slow)
 loader = px.shard(Data(), batch_size=BATCH, seed=0)
 comm = px.Comm()
 stop_file, started = os.path.join(args.out, "stop"), False
+sent: list[int] = []  # the rule's bytes sent so far, at each 10th step: what this worker itself says it sends
 
 
 def step(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -90,6 +91,7 @@ def step(x: torch.Tensor, y: torch.Tensor) -> bool:
         open(os.path.join(args.out, f"training{me}"), "w").close()
     if px.strategy_of(opt).clock.step % 10:  # the step count every worker agrees on (rolled back with a commit)
         return False
+    sent.append(px.strategy_of(opt).bytes_sent)
     if args.then is not None and os.path.exists(os.path.join(args.out, "next")):
         slow = slowness(args.then)
     flag = torch.tensor([1.0 if os.path.exists(stop_file) else 0.0])
@@ -123,5 +125,5 @@ rule = px.strategy_of(opt)
 with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
     json.dump({"id": me, "rank": px.rank(), "world_size": px.world_size(),
                "generation": px.current_group().generation, "step": rule.clock.step, "strategy": type(rule).__name__,
-               "bytes_per_step": rule.bytes_per_step, "pid": os.getpid()}, f)
+               "bytes_per_step": (sent[-1] - sent[-2]) / 10 if len(sent) > 1 else None, "pid": os.getpid()}, f)
 px.shutdown()

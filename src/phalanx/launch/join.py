@@ -119,6 +119,13 @@ def check_secret(host: str, port: int, given: str | None) -> str:
     return given
 
 
+def _serves_status(host: str, port: int) -> bool:
+    """Does the job at ``host:port`` serve a status page (``phalanx run --status``)?"""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
+                          wait_for_workers=False)
+    return bool(json.loads(store.get(key("config"))).get("status"))
+
+
 def main(argv: Sequence[str]) -> int:
     """``phalanx join``: start the joiners, wait for them; returns the exit status."""
     cfg = JoinConfig.from_argv(argv)
@@ -133,6 +140,8 @@ def main(argv: Sequence[str]) -> int:
             "PHALANX_LAUNCHER_PID": str(os.getpid())}  # its joiners end when it is gone (phalanx.group.orphan)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         base.pop(name, None)
+    if _serves_status(cfg.host, cfg.port):  # `phalanx run --status`: the joiners report to the page as the others
+        base["PHALANX_STATUS"] = "1"
     procs = [subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
                               env={**base, **joiner_env(f"j{tag}-{i}")}) for i in range(cfg.nproc)]
     try:

@@ -71,15 +71,22 @@ class Collector:
                     self._seen[wid] = (seq, now)
                 self.summaries[wid] = s
                 for c in s.get("changes", []):
-                    if all(c.get("generation") != k.get("generation") for k in self.changes):
-                        self.changes.append(c)
-                    else:  # a later summary knows the seconds to the first step after it
-                        for k in self.changes:
-                            if k.get("generation") == c.get("generation"):
-                                k.update(c)
+                    self._note(c)
             rates = [found[w].get("samples_per_s") for w in ids if w in found]
             if rates and all(r is not None for r in rates) and self._fresh(ids, now):
                 self.throughput.append((round(time.time() - self.started, 1), round(sum(rates), 2)))
+
+    def _note(self, change: dict) -> None:
+        """Keep one entry per generation: a member's that lived through the change (a joiner was in no group
+        before it), with what later summaries add (the seconds to the first step after it)."""
+        same = [k for k in self.changes if k.get("generation") == change.get("generation")]
+        if not same:
+            self.changes.append(dict(change))
+        elif change.get("was", 0) > same[0].get("was", 0):
+            same[0].update(change)
+        else:
+            for key, v in change.items():
+                same[0].setdefault(key, v)
 
     def _fresh(self, ids: list[str], now: float) -> bool:
         return all(w in self._seen and now - self._seen[w][1] < 3 * self.every_s for w in ids)

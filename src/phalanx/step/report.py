@@ -54,12 +54,14 @@ class Reporter:
 
     def __init__(self, g: group.Group | None, worker: str, every_s: float = EVERY_S) -> None:
         self.group, self.worker, self.every_s = g, worker, every_s
-        self.steps: deque[tuple[float, float, float, int]] = deque(maxlen=WINDOW)  # (step, input, exchange, samples)
+        # per step of this generation: (seconds, input seconds, exchange seconds, samples, bytes sent so far)
+        self.steps: deque[tuple[float, float, float, int, int]] = deque(maxlen=WINDOW)
         self.step = 0
         self.share: float | None = None  # this worker's share of the global batch (px.shard(balance="speed"))
         self.changes: deque[dict] = deque(maxlen=10)  # the last membership changes (phalanx.elastic notes them)
         self.strategy: Any = None  # the first wrapped model's rule: its name and its bytes per step
         self._clock: Any = None  # the clock whose steps are timed (the first model's, with several)
+        self._sent: Any = None  # the rule's CommStats (phalanx.group.collectives), if it has a comm
         self._last: float | None = None  # perf_counter when the previous step closed
         self._waited = 0.0  # the clock's exchange seconds then
         self._input, self._samples = 0.0, 0
@@ -81,11 +83,13 @@ class Reporter:
         """A step closed on ``clock`` (:class:`~phalanx.step.clock.StepClock`): time it, from the previous one."""
         if self._clock is None:
             self._clock, self.strategy = clock, clock.strategy
+            self._sent = getattr(getattr(clock.strategy, "comm", None), "stats", None)
         elif clock is not self._clock:
             return
         now = time.perf_counter()
         if self._last is not None:
-            self.steps.append((now - self._last, self._input, clock.waited - self._waited, self._samples))
+            self.steps.append((now - self._last, self._input, clock.waited - self._waited, self._samples,
+                               self._sent.bytes_sent if self._sent is not None else 0))
         self._last, self._waited, self._input, self._samples = now, clock.waited, 0.0, 0
         self.step = clock.step
         if self._first_after is not None:
@@ -99,6 +103,7 @@ class Reporter:
         self.changes.append(entry)
         self._first_after = entry
         self._last = None  # the regroup is not a step
+        self.steps.clear()  # the medians describe this generation: its world size sets the step
 
     # -- every EVERY_S: the reporter's thread -------------------------------------------------------------
     def summary(self) -> dict:
@@ -119,11 +124,10 @@ class Reporter:
                        compute_s=statistics.median(t - i - e for t, i, e in zip(total, inputs, exchange)))
             samples = sum(s[3] for s in steps)
             out["samples_per_s"] = samples / sum(total) if samples else None
-        rule = self.strategy
-        if rule is not None:
-            out["strategy"] = type(rule).__name__
-            per_step = getattr(rule, "bytes_per_step", None)  # phalanx.strategies.accounting.Accounted
-            out["bytes_per_step"] = float(per_step) if isinstance(per_step, (int, float)) else None
+            if self._sent is not None and len(steps) > 1:  # what the last steps sent, not a mean since the start
+                out["bytes_per_step"] = (steps[-1][4] - steps[0][4]) / (len(steps) - 1)
+        if self.strategy is not None:
+            out["strategy"] = type(self.strategy).__name__
         return out
 
     def send(self) -> None:
