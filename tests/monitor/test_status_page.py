@@ -90,7 +90,8 @@ def test_one_open_page_follows_a_kill_and_a_join_and_the_end(tmp_path, browser):
         # as the members report them (the joiner's own note, "0 -> 3", may come first and is then replaced)
         wait_dom(page, "[...document.querySelectorAll('#changes tbody tr')].map(r => r.cells[1].textContent).join()"
                        " === '2 → 3,3 → 2'")
-        rows = page.locator("#changes tbody tr").evaluate_all("rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+        rows = page.locator("#changes tbody tr").evaluate_all(
+            "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
         assert [r[:4] for r in rows] == [["2", "2 → 3", "–", members[2]], ["1", "3 → 2", "2", "–"]]  # newest first
         wait_dom(page, "[...document.querySelectorAll('#workers tbody tr')].every(r => r.cells[4].textContent !== '–')")
 
@@ -167,8 +168,9 @@ def test_a_page_left_open_shows_a_new_job_only_with_its_token(browser):
     wait_dom(page, "document.getElementById('generation').textContent === '7'")
     old.close()
     new = StatusServer("127.0.0.1", port)  # another job takes the port over, with another secret
-    new.serve(lambda: {"generation": 5, "members": ["worker-of-the-new-job"], "workers": [], "straggler": None, "throughput": [],
-                       "changes": [], "checkpoint": None, "ended": None, "strategy": "X"}, token("new"))
+    new.serve(lambda: {"generation": 5, "members": ["worker-of-the-new-job"], "workers": [], "straggler": None,
+                       "throughput": [], "changes": [], "checkpoint": None, "ended": None, "strategy": "X"},
+              token("new"))
     try:
         wait_dom(page, "document.getElementById('state').textContent === 'not authorized'")
         assert dom(page, "#generation") == "–" and "worker-of-the-new-job" not in page.content()

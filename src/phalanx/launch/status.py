@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, TextIO
 
 from ..elastic import secret as job_secret
 from ..errors import ConfigError, usage
-from ..monitor import Collector, StatusServer, token
+from ..monitor import Collector, StatusServer, parse_address, token
 from ..monitor.collect import Members
 from .config import RunConfig
 
@@ -36,26 +36,36 @@ class JobStatus:
     @classmethod
     def open(cls, cfg: RunConfig) -> "JobStatus | None":
         """Bind ``--status``'s port now (None without ``--status``); a port in use is one ConfigError naming it."""
-        if cfg.status is None:
-            return None
-        host, port = cfg.status
+        return None if cfg.status is None else cls.bind(*cfg.status)
+
+    @classmethod
+    def bind(cls, host: str, port: int, flag: str = "--status") -> "JobStatus":
+        """A status server bound on ``host:port`` now; a port in use is one ConfigError naming it."""
         try:
             return cls(StatusServer(host, port))
         except OSError as err:
-            raise ConfigError(usage(f"--status {host}:{port}: port {port} cannot be served on {host} "
+            raise ConfigError(usage(f"{flag} {host}:{port}: port {port} cannot be served on {host} "
                                     f"({err.strerror or err})", "a free port on an address of this host",
                                     f"Pick another port (or stop what holds port {port}); nothing was started."))\
                 from None
 
+    @staticmethod
+    def link(address: tuple[str, int], secret: str) -> str:
+        """The link a holder of ``secret`` opens for the page served on ``address``."""
+        host = f"[{address[0]}]" if ":" in address[0] else address[0]
+        return f"http://{host}:{address[1]}/?token={token(secret)}"
+
     def attach(self, store: Any, members: Members, secret: str | None = None,
-               checkpoint: Callable[[Any], str | None] = lambda store: None) -> None:
-        """Serve the job in ``store``: ``members(store)`` says who is in it; ``secret``: the job's (None: made now)."""
+               checkpoint: Callable[[Any], str | None] = lambda store: None, announce: bool = True) -> None:
+        """Serve the job in ``store``: ``members(store)`` says who is in it; ``secret``: the job's (None: made now);
+        ``announce``: print the link (the Ray driver prints it itself)."""
         secret = secret or os.environ.get(job_secret.ENV) or job_secret.make()
         self.collector = Collector(store, members, checkpoint, clone=True).start()
         self.server.serve(self.collector.status, token(secret))
-        print(f"phalanx: status page at {self.server.url} (also /status.json and /metrics with the header "
-              "`Authorization: Bearer <token>`; the token comes from the job's secret: keep the link private)",
-              file=sys.stderr, flush=True)
+        if announce:
+            print(f"phalanx: status page at {self.server.url} (also /status.json and /metrics with the header "
+                  "`Authorization: Bearer <token>`; the token comes from the job's secret: keep the link private)",
+                  file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def watching_stderr(self) -> Iterator[None]:
@@ -67,9 +77,10 @@ class JobStatus:
         finally:
             sys.stderr = real
 
-    def end(self, code: int) -> None:
+    def end(self, code: int, reason: str | None = None) -> None:
         """The job ended with ``code``: the page says so (and why), then the server goes."""
-        reason = self.last_line or ("training finished" if code == 0 else f"the launcher exited with status {code}")
+        reason = reason or self.last_line or ("training finished" if code == 0
+                                              else f"the launcher exited with status {code}")
         if self.collector is not None:
             self.collector.end(code, reason)
             self.server.ended()
@@ -92,6 +103,23 @@ class _Tee:
         return getattr(self.real, name)
 
 
+def status_address(value: str | int | None, flag: str) -> tuple[str, int] | None:
+    """``[HOST:]PORT`` (or a port number) -> (host, port); one ConfigError line for anything else.
+
+    Example:
+        >>> status_address(8080, "status="), status_address(None, "status=")
+        (('127.0.0.1', 8080), None)
+    """
+    if value is None:
+        return None
+    try:
+        return parse_address(str(value))
+    except ValueError:
+        raise ConfigError(usage(f"{flag}{value!r}" if flag.endswith("=") else f"{flag} {value}",
+                                "[HOST:]PORT, e.g. 8080 or 0.0.0.0:8080",
+                                "Pass a port number, with the host to listen on if not loopback.")) from None
+
+
 def run_with_status(cfg: RunConfig, body: Callable[["JobStatus | None"], int]) -> int:
     """Run ``body(status)`` (the job) with ``--status``'s server around it; returns the job's exit status."""
     status = JobStatus.open(cfg)  # before anything starts: a port in use refuses the job
@@ -106,4 +134,4 @@ def run_with_status(cfg: RunConfig, body: Callable[["JobStatus | None"], int]) -
     return code
 
 
-__all__ = ["JobStatus", "run_with_status"]
+__all__ = ["JobStatus", "run_with_status", "status_address"]

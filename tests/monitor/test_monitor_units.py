@@ -1,0 +1,102 @@
+"""The status page's parts without a job: who is named a straggler, who gets an answer, a port in use."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+
+from phalanx.monitor import StatusServer, attribute, token
+from phalanx.monitor.metrics import render
+from support.status_job import CLI, WORKER
+
+
+def worker(wid: str, compute: float, input_: float, exchange: float, steps: int = 50) -> dict:
+    return {"worker": wid, "rank": int(wid), "compute_s": compute, "input_s": input_, "exchange_s": exchange,
+            "step_s": compute + input_ + exchange, "steps": steps}
+
+
+def test_the_slow_rank_is_named_by_its_own_work_not_by_the_others_waiting_for_it():
+    # two workers: the fast one waits in the exchange exactly as long as the slow one computes more
+    s = attribute([worker("0", 0.010, 0.0, 0.030), worker("1", 0.040, 0.0, 0.0)])
+    assert (s["rank"], s["cause"]) == (1, "compute") and s["ratio"] == pytest.approx(4.0)
+    s = attribute([worker("0", 0.010, 0.0001, 0.0), worker("1", 0.010, 0.0001, 0.03), worker("2", 0.01, 0.03, 0.0)])
+    assert (s["rank"], s["cause"]) == (2, "input")
+    assert s["text"].startswith("rank 2: input 300.0x the median of the others over the last 50 steps")
+
+
+def test_nobody_is_named_when_the_workers_are_alike_or_have_too_few_steps():
+    assert attribute([worker("0", 0.010, 0.001, 0.002), worker("1", 0.012, 0.001, 0.001)]) is None
+    assert attribute([worker("0", 0.010, 0.0, 0.0, steps=2), worker("1", 0.1, 0.0, 0.0, steps=2)]) is None
+    assert attribute([worker("0", 0.010, 0.0, 0.0)]) is None
+
+
+def test_a_slow_link_alone_is_named_as_the_exchange():
+    s = attribute([worker("0", 0.01, 0.0, 0.002), worker("1", 0.01, 0.0, 0.002), worker("2", 0.01, 0.0, 0.02)])
+    assert (s["rank"], s["cause"]) == (2, "exchange")
+
+
+def test_metrics_text_names_the_straggler_with_its_cause():
+    status = {"generation": 3, "members": ["0", "1"], "changes": [], "throughput": [[1.0, 50.0]], "ended": None,
+              "checkpoint": None, "workers": [dict(worker("0", 0.01, 0, 0.03), step=9),
+                                              dict(worker("1", 0.04, 0, 0), step=9)]}
+    status["straggler"] = attribute(status["workers"])
+    text = render(status)
+    assert 'phalanx_worker_straggler{worker="1",rank="1",generation="3",cause="compute"} 1' in text
+    assert 'phalanx_worker_straggler{worker="0",rank="0",generation="3"} 0' in text
+    assert "phalanx_samples_per_second 50.0" in text
+
+
+def _get(url: str, **headers: str) -> tuple[int, bytes, dict]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return r.status, r.read(), dict(r.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), dict(err.headers)
+
+
+def test_only_the_token_of_the_jobs_secret_gets_an_answer():
+    server = StatusServer("127.0.0.1", 0)
+    server.serve(lambda: {"generation": 1, "members": [], "workers": [], "straggler": None, "changes": [],
+                          "throughput": [], "ended": None, "checkpoint": None}, token("the secret"))
+    server.actions["stacks"] = lambda: "stacks of every worker"  # the hook the stacks button uses
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        for path in ("/", "/status.json", "/metrics", "/nothing"):
+            assert _get(base + path)[:2] == (401, b"")
+            assert _get(base + path, Authorization="Bearer " + token("another secret"))[:2] == (401, b"")
+            assert _get(base + path, Cookie=f"phalanx_status_{server.port}={token('another')}")[:2] == (401, b"")
+        assert _get(base + "/?token=" + token("another secret"))[:2] == (401, b"")
+        good = {"Authorization": "Bearer " + token("the secret")}
+        assert json.loads(_get(base + "/status.json", **good)[1])["actions"] == ["stacks"]
+        assert _get(base + "/status.json", Cookie=f"phalanx_status_{server.port}={token('the secret')}")[0] == 200
+        request = urllib.request.Request(base + "/action/stacks", data=b"", headers=good, method="POST")
+        assert urllib.request.urlopen(request, timeout=10).read() == b"stacks of every worker"
+        try:
+            urllib.request.urlopen(urllib.request.Request(base + "/action/stacks", data=b"", method="POST"),
+                                   timeout=10)
+            raise AssertionError("an action without the token ran")
+        except urllib.error.HTTPError as err:
+            assert (err.code, err.read()) == (401, b"")
+    finally:
+        server.close()
+
+
+def test_a_port_in_use_refuses_the_job_before_it_starts(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        proc = subprocess.run([*CLI, "run", "-n", "2", "--status", str(port), WORKER, "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"port {port}" in lines[0], proc.stderr
+    assert not any(n.startswith("training") for n in os.listdir(tmp_path))  # no worker started
