@@ -86,6 +86,7 @@ def run_elastic(cfg: "RunConfig", status: "JobStatus | None" = None) -> int:
     if status is not None:
         status.attach(store, members=generation_members, secret=job_secret,
                       checkpoint=lambda s: saved_checkpoint(s, generation_members(s)[0]))
+        # buttons of the page go here: status.action("stacks", fn) shows what fn() returns
     servers = None  # `--servers K`: started before the workers, outlive every one of them
     if cfg.servers:
         from ..ps.launcher import start_servers  # parameter servers only with --servers (as in launch.py)
@@ -121,6 +122,8 @@ def run_elastic(cfg: "RunConfig", status: "JobStatus | None" = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if status is not None:
+            status.settle()  # the workers' last reports, before the store closes
         _stop_all(workers)
         shutil.rmtree(errors, ignore_errors=True)
         if servers is not None:

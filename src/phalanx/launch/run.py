@@ -210,6 +210,8 @@ def _run(cfg: RunConfig, status: JobStatus | None) -> int:
         if servers is not None:
             servers.stop()
         if store is not None:
+            if status is not None:
+                status.settle()  # the workers' last reports, before the store closes
             store[1].close()
         _reap_children(children)
 

@@ -67,6 +67,11 @@ class JobStatus:
                   "`Authorization: Bearer <token>`; the token comes from the job's secret: keep the link private)",
                   file=sys.stderr, flush=True)
 
+    def action(self, name: str, fn: Callable[[], str]) -> None:
+        """Add a button ``name`` to the page: it runs ``fn()`` here and shows the text it returns (e.g. "stacks":
+        every worker's Python stacks). Only the token's holder can press it (``POST /action/<name>``)."""
+        self.server.actions[name] = fn
+
     @contextlib.contextmanager
     def watching_stderr(self) -> Iterator[None]:
         """Keep the launcher's last ``phalanx:`` line (the reason the job ended) while passing everything through."""
@@ -76,6 +81,11 @@ class JobStatus:
             yield
         finally:
             sys.stderr = real
+
+    def settle(self) -> None:
+        """Read the workers' last reports now: the launcher calls it before it closes the job's store."""
+        if self.collector is not None:
+            self.collector.settle()
 
     def end(self, code: int, reason: str | None = None) -> None:
         """The job ended with ``code``: the page says so (and why), then the server goes."""

@@ -134,9 +134,18 @@ class Collector:
 
     def end(self, code: int, reason: str) -> None:
         """The job ended with exit status ``code``; ``reason``: the launcher's last line about it."""
+        self.settle()
         with self._lock:
             self.ended = {"code": code, "reason": reason, "at": time.time()}
         self._stop.set()
+
+    def settle(self) -> None:
+        """Read the workers' last summaries now, while the store is still up (the launcher calls it at the end)."""
+        if self.ended is None:
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the store went first: the page keeps the previous reading
+                pass
 
     def start(self) -> "Collector":
         """Poll every ``every_s`` from a daemon thread until :meth:`end`; returns self."""
