@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import urllib.error
 import urllib.request
 
@@ -12,7 +11,7 @@ import pytest
 
 from phalanx.monitor import StatusServer, attribute, token
 from phalanx.monitor.metrics import render
-from support.status_job import CLI, WORKER
+from support.status_job import WORKER
 
 
 def worker(wid: str, compute: float, input_: float, exchange: float, steps: int = 50) -> dict:
@@ -86,17 +85,18 @@ def test_only_the_token_of_the_jobs_secret_gets_an_answer():
         server.close()
 
 
-def test_a_port_in_use_refuses_the_job_before_it_starts(tmp_path):
+def test_a_port_in_use_refuses_the_job_before_it_starts(tmp_path, capsys):
+    from phalanx.cli import main
+
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
     port = taken.getsockname()[1]
     try:
-        proc = subprocess.run([*CLI, "run", "-n", "2", "--status", str(port), WORKER, "--out", str(tmp_path)],
-                              capture_output=True, text=True, timeout=120)
+        code = main(["run", "-n", "2", "--status", str(port), WORKER, "--out", str(tmp_path)])
     finally:
         taken.close()
-    assert proc.returncode != 0
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"port {port}" in lines[0], proc.stderr
-    assert not any(n.startswith("training") for n in os.listdir(tmp_path))  # no worker started
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"port {port}" in lines[0] and "nothing was started" in lines[0], lines
+    assert os.listdir(tmp_path) == []  # no worker started
