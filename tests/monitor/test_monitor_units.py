@@ -100,3 +100,34 @@ def test_a_port_in_use_refuses_the_job_before_it_starts(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"port {port}" in lines[0] and "nothing was started" in lines[0], lines
     assert os.listdir(tmp_path) == []  # no worker started
+
+
+def test_a_bad_status_flag_is_one_line():
+    from phalanx import ConfigError
+    from phalanx.launch.config import RunConfig
+
+    with pytest.raises(ConfigError, match=r"--status abc; expected \[HOST:\]PORT"):
+        RunConfig.from_argv(["--status", "abc", WORKER])
+    with pytest.raises(ConfigError, match="where the launcher holds the job's store"):
+        RunConfig.from_argv(["--status", "8080", "--nnodes", "2", "--master-addr", "10.0.0.1", WORKER])
+    assert RunConfig.from_argv(["--status", "0.0.0.0:8080", WORKER]).status == ("0.0.0.0", 8080)
+
+
+def test_a_worker_reports_its_rule_and_exchange_schedule(one_thread):
+    import torch
+
+    import phalanx as px
+    from phalanx.step.report import Reporter
+
+    net = torch.nn.Linear(4, 1)
+    rule = px.StreamingDiLoCo(every=2, fragments=2)
+    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=rule)
+    reporter = Reporter(None, "0")
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        reporter.closed(px.strategy_of(opt).clock)
+    s = reporter.summary()
+    assert s["strategy"] == "StreamingDiLoCo" and s["schedule"].startswith("StreamingDiLoCo(every=2, fragments=2")
+    assert s["step"] == 3 and s["steps"] == 2 and isinstance(s["in_flight"], list)

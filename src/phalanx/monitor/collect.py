@@ -112,9 +112,12 @@ class Collector:
             for row in workers:
                 if straggler is not None and row["worker"] == straggler["worker"]:
                     row["straggler"] = straggler["text"]
-            strategy = next((s.get("strategy") for s in self.summaries.values() if s.get("strategy")), None)
+            first = next((self.summaries[w] for w in self.ids if self.summaries.get(w, {}).get("strategy")), {})
+            strategy = first.get("schedule") or first.get("strategy")
+            in_flight = first.get("in_flight") or []
             out = {"generation": self.generation, "members": list(self.ids), "workers": workers,
-                   "straggler": straggler, "strategy": strategy, "changes": list(self.changes[-10:]),
+                   "straggler": straggler, "strategy": strategy, "in_flight": in_flight,
+                   "changes": list(self.changes[-10:]),
                    "throughput": list(self.throughput), "started": self.started, "ended": self.ended,
                    "checkpoint": self._checkpoint(), "now": time.time()}
         return out

@@ -128,6 +128,10 @@ class Reporter:
                 out["bytes_per_step"] = (steps[-1][4] - steps[0][4]) / (len(steps) - 1)
         if self.strategy is not None:
             out["strategy"] = type(self.strategy).__name__
+            out["schedule"] = repr(self.strategy)[:300]  # the rule and its exchange schedule, e.g. LocalSGD(every(4))
+            # StreamingDiLoCo: the fragments whose exchange is in flight (sent, not applied yet)
+            out["in_flight"] = [f.index for f in getattr(self.strategy, "fragments", None) or []
+                                if getattr(f, "sent_at", -1) >= 0]
         return out
 
     def send(self) -> None:
