@@ -107,6 +107,19 @@ def test_a_meta_module_without_an_initialiser_is_refused_in_one_line():
         px.wrap(half, torch.optim.SGD(half.parameters(), lr=0.1), shard=px.FullyShard(group_size=1))
 
 
+class Partial(Transformer):
+    def reset_parameters(self) -> None:  # as pytorch/examples' FSDP2 Transformer: the blocks are forgotten
+        for m in (self.emb, self.norm, self.head):
+            m.reset_parameters()
+
+
+def test_an_initialisation_that_leaves_a_tensor_unset_is_refused_naming_it():
+    model = _meta(Partial)
+    with pytest.raises(ConfigError) as e:
+        px.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), shard=px.FullyShard(group_size=1))
+    assert "whose Partial.reset_parameters() left 'layers.0.norm.weight' unset" in str(e.value)
+
+
 @pytest.mark.parametrize("policy, given", [
     (MixedPrecisionPolicy(reduce_dtype=torch.int8), "reduce_dtype=torch.int8"),
     (MixedPrecisionPolicy(param_dtype=torch.float8_e4m3fn), "param_dtype=torch.float8_e4m3fn"),

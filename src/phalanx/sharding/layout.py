@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..step import _engine
 from .. import check
-from ..group.collectives import Comm, broadcast_object, local_shard
+from ..group.collectives import Comm, all_gather_object, broadcast_object, local_shard
 from ..errors import ConfigError, usage
 from ..strategies import AllReduce, Strategy
 from ..strategies.base import ServerBacked, check_same_model
@@ -450,6 +450,10 @@ def _materialise(model: nn.Module, init: Callable[[], None], device: torch.devic
         model.to_empty(device=device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
+    floats = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
+    with torch.no_grad():
+        for _, t in floats:  # what init leaves untouched stays NaN, where to_empty would leave whatever was there
+            local_shard(t).fill_(float("nan"))
     mine = torch.get_rng_state()
     theirs = broadcast_object(mine, 0, "rank 0's random state, to initialise the model built on the meta device")
     torch.set_rng_state(theirs)
@@ -457,6 +461,15 @@ def _materialise(model: nn.Module, init: Callable[[], None], device: torch.devic
         init()
     if not torch.equal(mine, theirs):
         torch.set_rng_state(mine)
+    left = next((name for name, t in floats if local_shard(t).isnan().any()), None)
+    untouched = [n for n in all_gather_object(left, "what the model's initialisation left empty") if n is not None]
+    if untouched:
+        how = f"{init.__qualname__}()" if hasattr(init, "__self__") else "submodules' reset_parameters()"
+        raise ConfigError(usage(f"a {type(model).__name__} on the meta device whose {how} left {untouched[0]!r} "
+                                "unset", "an initialisation that sets every parameter and buffer (on the meta device "
+                                "it is their only source of values)", "Make it also reset that tensor's module (e.g. "
+                                "`for layer in self.layers: layer.reset_parameters()`), or build the model on a "
+                                "real device."))
 
 
 def is_sharded(model: nn.Module) -> bool:
