@@ -29,6 +29,7 @@ Example (a group of one, where ``group_size=1`` leaves the model as it is):
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Union, runtime_checkable
 
 import torch
@@ -155,6 +156,9 @@ class FullyShard:
         if g.world_size == 1 and self.group_size == 1:
             if init is not None:
                 _materialise(model, init, g.device)
+            if self.mp_policy is not None:
+                warnings.warn("FullyShard(mp_policy=...) in a group of one with group_size=1 leaves the model as it "
+                              "is (plain PyTorch, in its own dtype); on one worker use torch.autocast", stacklevel=3)
             return model  # nothing to shard, nobody to agree with: plain PyTorch
         strategy.sharded_by = self  # phalanx.elastic finds it there to re-shard after a regroup
         if g.entering:
