@@ -147,3 +147,11 @@ def test_a_unit_class_that_matches_no_module_is_refused_naming_it():
     tied.head.weight = tied.emb.weight  # a GPT's tied embedding: the head cannot be a unit of its own
     with pytest.raises(ConfigError, match="picking 'head' \\(Linear\\), whose parameters a module outside it"):
         px.wrap(tied, torch.optim.SGD(tied.parameters(), lr=0.1), shard=px.FullyShard(group_size=1, units=nn.Linear))
+
+
+def test_mixed_precision_in_a_group_of_one_says_that_nothing_is_cast():
+    net = nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="leaves the model as it is"):
+        model, _ = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), shard=px.FullyShard(
+            group_size=1, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
+    assert model.weight.dtype == torch.float32
