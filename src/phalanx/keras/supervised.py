@@ -37,6 +37,7 @@ import torch
 from ..group import group
 from .callbacks import WRITERS
 from .keras_api import keras
+from .metrics import leaves
 
 
 @runtime_checkable
@@ -63,8 +64,14 @@ class Position:
     (the commit point, called where a batch begins) and ``sampler`` with ``epoch`` and ``reassign``.
     """
 
-    def __init__(self, data: Any, model: Any, others: Any) -> None:
+    def __init__(self, data: Any, model: Any, others: Any, comm: Any = None, steps: Callable[[], int] = lambda: 0,
+                 commit_every: int = 1) -> None:
         self.data, self.model, self.others = data, model, [d for d in others if hasattr(d, "reassign")]
+        self.comm, self.steps, self.commit_every = comm, steps, commit_every
+        # The metrics' running state summed over the world where a commit is due: a lost worker's part of the
+        # epoch so far is then not lost with it (each worker's own state is summed only at the epoch's end).
+        self._world: list[torch.Tensor] | None = None
+        self._world_at, self._last = -1, 0
         self.rows: list[dict[str, float]] = []  # one per epoch ended, rolled back with the commit
         self.commit: Callable[[], None] | None = None
         self._hooks: list[Callable[[], None]] = []
@@ -89,13 +96,18 @@ class Position:
         return _Handle(self._hooks, fn)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data": self.data.state_dict(), "rows": [dict(r) for r in self.rows],
-                "metrics": [v.value.detach().cpu().clone() for v in self._metric_variables()]}
+        now = self._last = self.steps()
+        summed = self._world is not None and self._world_at == now
+        metrics = self._world if summed else [v.value.detach().cpu().clone() for v in self._metric_variables()]
+        return {"data": self.data.state_dict(), "rows": [dict(r) for r in self.rows], "metrics": metrics,
+                "metrics_summed": summed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data.load_state_dict(state["data"])
         self.rows = [dict(r) for r in state["rows"]]
         self._pending = list(state["metrics"])
+        if state.get("metrics_summed") and group.rank() != 0:  # the world's sum goes to one worker of the new world
+            self._pending = [torch.zeros_like(t) for t in self._pending]
 
     # -- what px.keras's EpochSync calls ---------------------------------------------------------------------
     def epoch_begins(self) -> None:
@@ -109,6 +121,8 @@ class Position:
     def batch_begins(self, step: int) -> None:
         """Between two steps: the commit point (may raise the supervisor's membership change)."""
         self.data.begin(step)
+        if self._hooks and self.comm is not None and self.steps() - self._last >= self.commit_every:
+            self._world, self._world_at = self._summed(), self.steps()  # a commit is due here
         for hook in list(self._hooks):
             hook()
 
@@ -123,8 +137,22 @@ class Position:
         self._pending = None
         self.data.set_epoch(self.data.epoch + 1)
 
+    def _summed(self) -> list[torch.Tensor]:
+        """The metrics' state summed over every worker (collective: one all-reduce of a few numbers)."""
+        local = [v.value.detach().cpu().clone() for v in self._metric_variables()]
+        if not local or self.comm.world_size == 1:
+            return local
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in local])
+        self.comm.all_reduce_([flat], op="sum")
+        out, offset = [], 0
+        for t in local:
+            out.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
+            offset += t.numel()
+        return out
+
     def _metric_variables(self) -> list[Any]:
-        return [v for m in self.model.metrics for v in m.variables]
+        # the leaves: Keras's compile_metrics container lists none of its metrics' variables as its own
+        return [v for m in leaves(list(self.model.metrics)) for v in m.variables]
 
 
 class Relay(keras.callbacks.Callback):
@@ -220,7 +248,8 @@ def fit_supervised(supervisor: Any, run: Any, x: Any, y: Any, kwargs: dict[str, 
     """
     model = run.model
     epochs, initial = int(kwargs.pop("epochs", 1)), int(kwargs.pop("initial_epoch", 0) or 0)
-    position = Position(x, model, [kwargs.get("validation_data")])
+    position = Position(x, model, [kwargs.get("validation_data")], run.comm, lambda: int(run.strategy.steps),
+                        commit_every)
     relay = Relay(user_callbacks, x)
     if initial:
         x.set_epoch(initial)
