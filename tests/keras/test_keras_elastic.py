@@ -2,10 +2,11 @@
 
 Three real workers train tests/workers/keras_elastic.py for 3 epochs (48 samples, batch 4
 per worker, momentum SGD, commits every 2 steps); worker 2 is killed with SIGKILL as step 7
-begins, so the survivors roll back to the commit of step 6 and redo it over 2 workers. The
-oracle is plain Keras on one process, ``fit`` on exactly the global batches the survivors
-recorded (the same world sizes at the same steps), one ``fit`` per epoch. The same script with
-``--mismatch`` gives each worker its own shuffle of the arrays, which ``fit`` refuses.
+begins, so the survivors roll back to the commit of step 6 and redo it over 2 workers. A
+replacement (``--replace``) is offered a place at the commit of step 11 and enters at step 13.
+The oracle is plain Keras on one process, ``fit`` on exactly the global batches the survivors
+recorded (the same world sizes at the same steps), one ``fit`` per epoch. Before all that, each
+worker first calls ``fit`` on its own shuffle of the arrays, which every worker refuses.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ EPOCHS = 3
 
 
 def _launch(tmp_path, n: int, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = subprocess.run([*CLI, "run", "-n", str(n), "--elastic", WORKER, "--out", str(tmp_path), *args],
+    flags, rest = (args[:args.index("--")], args[args.index("--") + 1:]) if "--" in args else ((), args)
+    proc = subprocess.run([*CLI, "run", "-n", str(n), "--elastic", *flags, WORKER, "--out", str(tmp_path), *rest],
                           capture_output=True, text=True, timeout=300)
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     return proc, results
@@ -121,23 +123,34 @@ def test_digest_tells_a_reshuffled_copy_from_the_same_arrays() -> None:
     assert px.keras.shard(x, y.astype("int32"), batch_size=2).digest() != same  # dtype counts
 
 
-def test_fit_survives_a_sigkilled_worker_and_equals_plain_keras_replayed(tmp_path) -> None:  # noqa: ANN001
-    proc, results = _launch(tmp_path, 3, "--kill", "2@7", "--commit-every", "2", "--epochs", str(EPOCHS))
+def test_fit_survives_a_sigkilled_worker_and_a_replacement_joins_equal_to_plain_keras_replayed(tmp_path) -> None:  # noqa: ANN001,E501
+    proc, results = _launch(tmp_path, 3, "--min-workers", "2", "--replace", "--", "--kill", "2@7", "--wait-at", "10,12",
+                            "--commit-every", "2", "--epochs", str(EPOCHS), "--mismatch-first")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(results) == ["0", "1"]  # the same processes went on, without worker 2
+    # first, each worker's own shuffle of the arrays: refused on every worker, in one line, under --elastic too
+    for wid in "012":
+        said = (tmp_path / f"refused{wid}.txt").read_text()
+        assert "workers given different x arrays" in said and "\n" not in said and "seed" in said
+    assert sorted(results) == ["0", "1", "r1"]  # the same processes went on without worker 2; r1 replaced it
     first = results["0"]
+    for wid in ("0", "1"):
+        changes = results[wid]["membership"]
+        assert changes[0] == {"left": ["2"], "joined": [], "step": 6, "redone_steps": 1}
+        assert [c["joined"] for c in changes[1:]] == [["r1"]] and changes[1]["redone_steps"] == 0
+        assert results[wid]["steps"] == first["steps"]
     for r in results.values():
-        assert r["world_size"] == 2
-        assert r["membership"] == [{"left": ["2"], "joined": [], "step": 6, "redone_steps": 1}]
-        assert r["history"] == first["history"] and r["steps"] == first["steps"]
+        assert r["world_size"] == 3 and r["history"] == first["history"]  # the joiner took rank 0's rows
     steps = _effective(first["steps"])
-    assert [w for _, _, _, w, _ in steps] == [3] * 6 + [2] * (len(steps) - 6)  # step 6 redone over 2 workers
-    for epoch in range(EPOCHS):  # every sample exactly once per epoch, re-split over the survivors
+    joined_at = first["membership"][1]["step"]
+    assert [w for _, _, _, w, _ in steps] == [3] * 6 + [2] * (joined_at - 6) + [3] * (len(steps) - joined_at)
+    assert results["r1"]["steps"] == [s for s in steps if s[0] >= joined_at]  # it trained the rest with them
+    for epoch in range(EPOCHS):  # every sample exactly once per epoch, re-split over whoever is there
         assert sorted(i for _, e, _, _, ids in steps if e == epoch for i in ids) == list(range(worker.N))
     history, calls, per_epoch, final = _oracle(steps)
     _close(first["history"], history)
     assert first["epochs"] == list(range(EPOCHS))
-    for r in results.values():
+    for wid in ("0", "1"):
+        r = results[wid]
         # epoch-level calls: once each, with plain Keras's logs; a step redone after the rollback is heard again at
         # batch level (its first hearing was lost with the step), so batch ends are compared as the run kept them
         heard = [c for c in r["calls"] if c[0] != "batch_end"]
@@ -147,16 +160,8 @@ def test_fit_survives_a_sigkilled_worker_and_equals_plain_keras_replayed(tmp_pat
         ends = [tuple(c[1:]) for c in r["calls"] if c[0] == "batch_end"]
         assert list(dict.fromkeys(reversed(ends)))[::-1] == [tuple(c[1:]) for c in calls if c[0] == "batch_end"]
         assert len(ends) == len(steps) + 1  # step 6's first hearing, before the loss
+    for r in results.values():
         _close(r["weights"], [w.tolist() for w in final])
     for epoch in range(EPOCHS):  # ModelCheckpoint: one plain .keras file per epoch, the replay's weights
         saved = keras.models.load_model(tmp_path / f"model-{epoch + 1}.keras")
         _close([w.tolist() for w in saved.get_weights()], [w.tolist() for w in per_epoch[epoch]])
-
-
-def test_workers_given_different_arrays_are_refused_in_one_line(tmp_path) -> None:  # noqa: ANN001
-    proc, results = _launch(tmp_path, 2, "--mismatch", "--epochs", "1")
-    assert proc.returncode != 0 and not results
-    for wid in "01":
-        said = (tmp_path / f"refused{wid}.txt").read_text()
-        assert "workers given different x arrays" in said and "\n" not in said and "seed" in said
-    assert "workers given different x arrays" in proc.stderr + proc.stdout

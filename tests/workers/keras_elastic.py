@@ -46,11 +46,12 @@ def weights(m: keras.Model) -> list:
 class Recorder(keras.callbacks.Callback):
     """Every call this worker's callbacks hear, with the epoch logs; per batch begin, the step's global batch."""
 
-    def __init__(self, data: object = None, kill: tuple[str, int] | None = None) -> None:
+    def __init__(self, data: object = None, kill: tuple[str, int] | None = None,
+                 wait_at: tuple[int, int] = (-1, -1)) -> None:
         super().__init__()
         self.calls: list[list] = []
         self.steps: list[list] = []  # (framework step, epoch, batch, world size, the global batch's sample ids)
-        self.data, self.kill, self.epoch = data, kill, 0
+        self.data, self.kill, self.epoch, self.wait_at = data, kill, 0, wait_at
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.calls.append(["train_begin"])
@@ -70,6 +71,8 @@ class Recorder(keras.callbacks.Callback):
             step = px.keras.strategy_of(self.model).steps
             if self.kill is not None and self.kill == (elastic_id(), step):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step in self.wait_at and px.world_size() < 3:
+                wait_for_replacement("asked" if step == self.wait_at[0] else "ready")
             parts = self.data._plan[self.data.begun]
             self.steps.append([step, self.epoch, batch, px.world_size(), [int(i) for p in parts for i in p]])
 
@@ -77,9 +80,32 @@ class Recorder(keras.callbacks.Callback):
         self.calls.append(["batch_end", self.epoch, batch])
 
 
+def wait_for_replacement(stage: str, timeout_s: float = 120.0) -> None:
+    """Block until a replacement has ``asked`` to join (``elastic/joiners``: the next commit point offers it a place)
+    or is ``ready`` to enter (``elastic/ready/<id>``: it reached training; the next commit point admits it), whatever
+    its start-up took (an event, not a race against Keras's import)."""
+    from phalanx.elastic.membership import key
+    from phalanx.elastic.worker import ElasticWorker
+    from phalanx.group import group
+    from support.wait import until
+
+    store = ElasticWorker.of(group.current()).store
+
+    def there() -> bool:
+        asked = json.loads(store.get(key("joiners"))) if store.check([key("joiners")]) else []
+        return any(stage == "asked" or store.check([key("ready", j)]) for j in asked)
+
+    until(there, timeout=timeout_s, what=f"a replacement {stage}")
+
+
 def main() -> None:
     p = elastic_parser(epochs=3, commit_every=2)
     p.add_argument("--mismatch", action="store_true", help="each worker shuffles its own copy (no seed)")
+    p.add_argument("--mismatch-first", action="store_true",
+                   help="first fit each worker's own shuffle (refused: written to refused<ID>.txt), then the data")
+    p.add_argument("--wait-at", default="-1,-1",
+                   help="A,B: as step A begins with fewer than 3 workers, wait until a replacement asked to join; "
+                        "as step B begins, until it is ready to enter (a commit point lies between them)")
     args = p.parse_args()
     victim, _, at = args.kill.partition("@")
     px.init()
@@ -88,8 +114,16 @@ def main() -> None:
         order = np.random.default_rng(int(elastic_id())).permutation(N)
         x, y = x[order], y[order]
     m = px.keras.wrap(model(), commit_every=args.commit_every)
+    if args.mismatch_first and not elastic_id().startswith("r"):
+        order = np.random.default_rng(int(elastic_id())).permutation(N)
+        try:
+            m.fit(px.keras.shard(x[order], y[order], batch_size=B), epochs=1, verbose=0)
+        except px.ConfigError as err:
+            with open(os.path.join(args.out, f"refused{elastic_id()}.txt"), "w") as f:
+                f.write(str(err))
     train = px.keras.shard(x, y, batch_size=B, seed=3)
-    recorder = Recorder(train, (victim, int(at)) if victim else None)
+    recorder = Recorder(train, (victim, int(at)) if victim else None,
+                        tuple(int(s) for s in args.wait_at.split(",")))
     checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(args.out, "model-{epoch}.keras"))
     try:
         history = m.fit(train, epochs=args.epochs, verbose=0, callbacks=[recorder, checkpoint],

@@ -133,6 +133,12 @@ class Position:
         if self.commit is not None:
             self.commit()
 
+    def resuming(self) -> None:
+        """Before Keras's fit is entered again mid-epoch without a rollback (joiners were admitted): Keras resets
+        the metrics at the epoch's begin, so their live state is kept to be put back (:meth:`epoch_begins`)."""
+        if self._pending is None and self.data.step_in_epoch > 0:
+            self._pending = [v.value.detach().cpu().clone() for v in self._metric_variables()]
+
     def next_epoch(self) -> None:
         self._pending = None
         self.data.set_epoch(self.data.epoch + 1)
@@ -264,6 +270,7 @@ def fit_supervised(supervisor: Any, run: Any, x: Any, y: Any, kwargs: dict[str, 
                 if agree(run.comm, relay.stop_requested) or x.epoch + 1 >= epochs:
                     return
                 position.next_epoch()
+            position.resuming()
             epoch = x.epoch
             type(model).fit(model, x, y, epochs=epoch + 1, initial_epoch=epoch, callbacks=callbacks, **kwargs)
 
