@@ -170,3 +170,9 @@ def test_fit_survives_a_sigkilled_worker_and_a_replacement_joins_equal_to_plain_
     for epoch in range(EPOCHS):  # ModelCheckpoint: one plain .keras file per epoch, the replay's weights
         saved = keras.models.load_model(tmp_path / f"model-{epoch + 1}.keras")
         _close([w.tolist() for w in saved.get_weights()], [w.tolist() for w in per_epoch[epoch]])
+
+
+def test_a_bad_commit_every_gets_one_clear_line() -> None:
+    with pytest.raises(px.ConfigError, match="commit_every") as err:
+        px.keras.wrap(worker.model(), commit_every=0)
+    assert "\n" not in str(err.value)

@@ -86,8 +86,7 @@ def wrap(model: keras.Model, strategy: Strategy | str | None = None, *, commit_e
     refuse_double_averaging(model)
     commit_every = check.positive_int("px.keras.wrap(commit_every", commit_every,
                                       "Pass the steps between in-memory commits, e.g. commit_every=10.", close=")")
-    run = KerasRun(model, _resolve(strategy))
-    run.commit_every = commit_every
+    run = KerasRun(model, _resolve(strategy), commit_every=commit_every)
     _runs[model] = run
     return model
 
@@ -131,8 +130,9 @@ def _resolve(strategy: Strategy | str | None) -> Strategy:
 class KerasRun:
     """What ``wrap`` attaches to one model: the strategy, the exact metrics, and the method wrappers."""
 
-    def __init__(self, model: Any, strategy: Strategy) -> None:
+    def __init__(self, model: Any, strategy: Strategy, *, commit_every: int = 10) -> None:
         self._model = weakref.ref(model)
+        self.commit_every = commit_every  # steps between in-memory commits under `phalanx run --elastic`
         self.strategy = strategy
         optimizer = model.optimizer
         if not optimizer.built:
@@ -150,7 +150,6 @@ class KerasRun:
                                     "a strategy that averages in after_backward or after_step",
                                     "Average in the strategy's after_backward (phalanx calls it at the end of "
                                     "Keras's loss.backward()), or use px.AllReduce()."))
-        self.commit_every = 10
         self.comm: Comm = strategy.comm
         self.comm.broadcast_([v.value.data for v in optimizer.variables])  # moments, iteration count: rank 0's
         strategy.clock.bind(strategy, model, model, self.optimizer_state)  # Keras calls the model, not `module`
