@@ -69,7 +69,7 @@ class Pending:
     this worker's part of the exchange bit for bit.
     """
 
-    quantize: "Quantize"
+    quantize: "Gathered"
     message: torch.Tensor
     numel: int
     comm: Comm
@@ -85,6 +85,46 @@ class Pending:
         return self.quantize.sum_messages(self.gathered or [self.message], self.numel)
 
 
+class Gathered(_ErrorFeedback):
+    """A compressor whose message is one uint8 tensor of a size fixed by ``numel``: all-gathered, then added
+    locally in rank order (every worker gets the same bits). :class:`Quantize` and :class:`phalanx.SparseLoCo`.
+
+    A subclass gives ``message_bytes(numel)``, ``encode(tensor, key, weight)`` (the message, the weight inside it)
+    and ``sum_messages(messages, numel)`` (the weighted mean, flat float32); sending, the asynchronous exchange
+    (:meth:`send`, used by ``px.StreamingDiLoCo`` to overlap it) and ``average_`` are shared.
+    """
+
+    def message_bytes(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def encode(self, tensor: torch.Tensor, key: str = "t", weight: float = 1.0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sum_messages(self, messages: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def send(self, message: torch.Tensor, numel: int, comm: Comm) -> Pending:
+        """Start all-gathering ``message`` (asynchronously); the bytes are counted now."""
+        pending = Pending(self, message, numel, comm)
+        if comm.world_size > 1:
+            pending.gathered = [torch.empty_like(message) for _ in range(comm.world_size)]
+            with guarded("the quantised all-gather"):
+                pending.work = dist.all_gather(pending.gathered, message, async_op=True)
+            comm.record(message.numel() * message.element_size())
+        return pending
+
+    def start_mean(self, tensors: Sequence[torch.Tensor], comm: Comm, key: str = "grad",
+                   weight: float = 1.0) -> Pending:
+        """Encode ``tensors`` (as one flat vector) and start the exchange; ``weight``: this worker's share."""
+        flat = _flatten(tensors)
+        return self.send(self.encode(flat, key, weight), flat.numel(), comm)
+
+    def average_(self, tensors: Sequence[torch.Tensor], comm: Comm, key: str = "grad") -> None:
+        with torch.no_grad():
+            mean = self.start_mean(tensors, comm, key).wait()
+            scatter_back(mean, tensors)
+
+
 def _max_scale(levels: int) -> float:
     """The largest float32 scale whose ``levels`` multiple is finite in float32."""
     scale = torch.tensor(torch.finfo(torch.float32).max / levels, dtype=torch.float32)
@@ -93,7 +133,7 @@ def _max_scale(levels: int) -> float:
     return float(scale)
 
 
-class Quantize(_ErrorFeedback):
+class Quantize(Gathered):
     """int8 or 4-bit block quantisation (a compressor); see the module docstring.
 
     Args:
@@ -215,31 +255,10 @@ class Quantize(_ErrorFeedback):
         torch.bitwise_right_shift(values, 4, out=q[:, 1])
         return q.view(torch.int8).sub_(8).view(nblocks, self.block)
 
-    def send(self, message: torch.Tensor, numel: int, comm: Comm) -> Pending:
-        """Start all-gathering ``message`` (asynchronously); the bytes are counted now."""
-        pending = Pending(self, message, numel, comm)
-        if comm.world_size > 1:
-            pending.gathered = [torch.empty_like(message) for _ in range(comm.world_size)]
-            with guarded("the quantised all-gather"):
-                pending.work = dist.all_gather(pending.gathered, message, async_op=True)
-            comm.record(message.numel() * message.element_size())
-        return pending
-
-    def start_mean(self, tensors: Sequence[torch.Tensor], comm: Comm, key: str = "grad",
-                   weight: float = 1.0) -> Pending:
-        """Quantise ``tensors`` (as one flat vector) and start the exchange; ``weight``: this worker's share."""
-        flat = _flatten(tensors)
-        return self.send(self.encode(flat, key, weight), flat.numel(), comm)
-
-    def average_(self, tensors: Sequence[torch.Tensor], comm: Comm, key: str = "grad") -> None:
-        with torch.no_grad():
-            mean = self.start_mean(tensors, comm, key).wait()
-            scatter_back(mean, tensors)
-
     def __repr__(self) -> str:
         extra = "" if self.rounding == "nearest" else f", rounding={self.rounding!r}"
         extra += ", error_feedback=True" if self.error_feedback else ""
         return f"Quantize(bits={self.bits}, block={self.block}{extra})"
 
 
-__all__ = ["Pending", "Quantize", "check_floating"]
+__all__ = ["Gathered", "Pending", "Quantize", "check_floating"]
