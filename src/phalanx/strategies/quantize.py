@@ -92,6 +92,11 @@ class Gathered(_ErrorFeedback):
     A subclass gives ``message_bytes(numel)``, ``encode(tensor, key, weight)`` (the message, the weight inside it)
     and ``sum_messages(messages, numel)`` (the weighted mean, flat float32); sending, the asynchronous exchange
     (:meth:`send`, used by ``px.StreamingDiLoCo`` to overlap it) and ``average_`` are shared.
+
+    Example:
+        >>> import phalanx as px
+        >>> isinstance(px.Quantize(4), Gathered), isinstance(px.SparseLoCo(), Gathered)
+        (True, True)
     """
 
     def message_bytes(self, numel: int) -> int:
