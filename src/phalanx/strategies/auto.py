@@ -469,6 +469,8 @@ class Auto(Accounting, StepState, Strategy):
             return
         rule.comm, rule.clock = self.comm, self.clock  # one byte count, one step count
         if isinstance(rule, AllReduce):
+            if old is not None and not isinstance(old, AllReduce):
+                self._average_optimizer_state()
             rule.attach(self.model, self.optimizer, wrapper=False)  # no DDP module: the user's module stays
         else:
             rule.attach(self.model, self.optimizer)
@@ -476,6 +478,13 @@ class Auto(Accounting, StepState, Strategy):
             for f in rule.fragments:
                 f.offset = (start + f.offset) % rule.every
                 f.synced_at = start
+
+    def _average_optimizer_state(self) -> None:
+        """Leaving a rule whose replicas drift for AllReduce: the inner optimizers' states (momentum, Adam's
+        moments) drifted with the replicas; from here every rank steps one model, so they take their mean."""
+        states = [v for state in self.optimizer.state.values() for v in state.values()
+                  if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
+        self.comm.all_reduce_(states)
 
     def _say(self, line: str) -> None:
         if line and self.comm.rank == 0:
