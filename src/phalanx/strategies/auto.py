@@ -213,10 +213,21 @@ class Decision:
             f"{self.planned_steps} steps assumed (pass px.Auto(planned_steps=N))"
         c = self.choice
         rest = "; ".join(f"{o.describe().split('(')[0]} {o.time_s:.1f} s" for o in self.others)
-        return (f"phalanx auto: {c.describe()} from step {step}: link {m.rate * 8 / 1e6:.3g} Mbit/s, compute "
+        return (f"phalanx auto: {c.describe()} from step {step}: link {rate_words(m.rate)}, compute "
                 f"{m.compute_s * 1e3:.3g} ms/step, {100 * m.overlap:.0f}% of the all-reduce hidden behind backward, "
                 f"{m.workers} workers, {planned}: projected {c.time_s:.1f} s to target ({c.step_s * 1e3:.3g} ms/step "
                 f"x {c.steps:.0f} expected steps)" + (f"; {rest}" if rest else ""))
+
+
+def rate_words(rate: float) -> str:
+    """A rate in bytes/s in tc's units.
+
+    Example:
+        >>> rate_words(1.25e8), rate_words(1.17e7), rate_words(2e9)
+        ('1 Gbit/s', '93.6 Mbit/s', '16 Gbit/s')
+    """
+    mbit = rate * 8 / 1e6
+    return f"{mbit / 1e3:.3g} Gbit/s" if mbit >= 1e3 else f"{mbit:.3g} Mbit/s"
 
 
 def _outer(rounds: float) -> tuple[tuple[str, Any], ...]:
