@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError, usage
 from . import plots, projection, report, sanity, tta
-from .netns import LinkError, parse_rate, why_not
+from ..launch.netns import LinkError, parse_rate, why_not
 from .runner import Options, sweep
 from .spec import check_setup, parse_setup, plan, split_list
 
