@@ -216,3 +216,19 @@ def test_auto_trains_on_two_ranks_with_its_own_decision():
     assert r0["measured"]["workers"] == 2 and r0["measured"]["rate"] > 0 and math.isfinite(r0["measured"]["rate"])
     for a, b in zip(r0["params"], r1["params"], strict=True):
         torch.testing.assert_close(a, b)  # finish leaves every rank on one model
+
+
+def test_the_bench_advisor_asks_the_same_decision():
+    from phalanx.bench.projection import auto_pick
+    for gbit in (0.01, 0.1, 1.0, 10.0):
+        m = Measurement(compute_s=0.03, grad_bytes=2 * MB, rate=gbit * 1e9 / 8, overlap=0.0, workers=2)
+        assert auto_pick(0.03, 2 * MB, gbit, 500).startswith(decide(m, 500).choice.describe() + ":")
+
+
+def test_trainer_fit_tells_auto_the_planned_length():
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6), torch.randint(0, 3, (40,)))
+    n = net()
+    auto = px.Auto(out=io.StringIO())
+    px.Trainer(n, torch.optim.SGD(n.parameters(), lr=0.1), F.cross_entropy, strategy=auto).fit(
+        data, epochs=3, batch_size=8, progress=False)
+    assert auto.planned_steps == 3 * 5
