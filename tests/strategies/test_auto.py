@@ -198,6 +198,8 @@ def test_the_switches_happen_at_commit_points_and_match_the_oracle_of_the_chosen
 def test_rank_zero_prints_one_line_per_choice(scripted):
     log0, log1 = scripted.logs
     assert sum(line.startswith("phalanx auto: DiLoCo(every=3") for line in log0.splitlines()) == 1
+    # decided at step 8, it names step 9, where it took over; the resumed run took the same decision there again
+    assert sum(line.startswith("phalanx auto: AllReduce() from step 9") for line in log0.splitlines()) == 2
     assert "phalanx auto:" not in log1
 
 
@@ -210,8 +212,8 @@ def test_the_choice_is_checkpointed_and_a_resume_follows_the_same_schedule(scrip
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_auto_trains_on_two_ranks_with_its_own_decision():
-    r0, r1 = run_workers("workers.auto:real", world_size=2, timeout=240, planned=12).results
+def test_auto_trains_on_two_ranks_with_its_own_decision(scripted):
+    r0, r1 = (r["real"] for r in scripted.results)
     assert r0["kind"] == "Auto" and r0["schedule"] and r0["same_as_decide"]
     assert r0["measured"]["workers"] == 2 and r0["measured"]["rate"] > 0 and math.isfinite(r0["measured"]["rate"])
     for a, b in zip(r0["params"], r1["params"], strict=True):

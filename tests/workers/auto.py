@@ -93,6 +93,7 @@ def scripted(tmp: str) -> dict[str, Any]:
     auto2.finish()
     out["resumed_params"] = params(model2)
     out["resumed_schedule"] = [(s["step"], s["choice"]["rule"]) for s in auto2.schedule]
+    out["real"] = real(12)  # the same pair of processes: a third model, Auto's own decision
     return out
 
 

@@ -348,7 +348,7 @@ class Auto(Accounting, StepState, Strategy):
         self.checked = 0  # the step the rate was last measured at
         self._probe: list[tuple[float, float]] = []
         self._regrouped = False
-        self._line = ""  # the line of the pending choice
+        self._decision: Decision | None = None  # the decision of the pending choice
 
     # -- the template ------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -423,11 +423,10 @@ class Auto(Accounting, StepState, Strategy):
     def _decide(self, step: int, *, initial: bool = False) -> None:
         assert self.measurement is not None
         decision = self.decider(self.measurement, self.planned_steps)
-        line = decision.line(step)
         if initial:
-            self._switch(decision.choice, step, line)
+            self._switch(decision.choice, step, decision.line(step))
         elif _differs(decision.choice, self.running):
-            self.pending, self._line = decision.choice, line
+            self.pending, self._decision = decision.choice, decision  # its line names the step it takes over at
         else:
             self.pending = None  # the rate came back: the rule in charge is the right one again
 
@@ -463,7 +462,9 @@ class Auto(Accounting, StepState, Strategy):
         if _differs(choice, self.running):
             self._use(choice, step)
         self.choice, self.checked = choice, step
-        line = line or self._line
+        if line is None:
+            line = self._decision.line(step) if self._decision is not None else ""
+        self._decision = None
         self.schedule.append({"step": step, "choice": choice.state(), "line": line})
         self._say(line)
 
