@@ -197,7 +197,10 @@ def test_the_switches_happen_at_commit_points_and_match_the_oracle_of_the_chosen
 
 def test_rank_zero_prints_one_line_per_choice(scripted):
     log0, log1 = scripted.logs
-    assert sum(line.startswith("phalanx auto: DiLoCo(every=3") for line in log0.splitlines()) == 1
+    # once: the resume takes DiLoCo back from the checkpoint and says nothing (the slowing run's is from step 10)
+    assert sum(line.startswith("phalanx auto: DiLoCo(every=3") and " from step 3:" in line
+               for line in log0.splitlines()) == 1
+
     # decided at step 8, it names step 9, where it took over; the resumed run took the same decision there again
     assert sum(line.startswith("phalanx auto: AllReduce() from step 9") for line in log0.splitlines()) == 2
     assert "phalanx auto:" not in log1
@@ -234,3 +237,19 @@ def test_trainer_fit_tells_auto_the_planned_length():
     px.Trainer(n, torch.optim.SGD(n.parameters(), lr=0.1), F.cross_entropy, strategy=auto).fit(
         data, epochs=3, batch_size=8, progress=False)
     assert auto.planned_steps == 3 * 5
+
+
+def test_a_rate_that_moves_more_than_2x_is_decided_again_and_one_that_stays_is_not(scripted):
+    r0, r1 = (r["slowing"] for r in scripted.results)
+    assert r0["schedule"] == [(2, "allreduce"), (10, "diloco")] and r0["calls"] == 2  # step 6: same rate, no call
+    for a, b in zip(r0["params"], r1["params"], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_leaving_streaming_diloco_averages_every_fragment_first_so_the_replicas_are_one_model(scripted):
+    r0, r1 = (r["leaving_streaming"] for r in scripted.results)
+    assert r0["schedule"] == [(2, "streaming-diloco"), (7, "allreduce")]
+    for a, b in zip(r0["at_switch"], r1["at_switch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)  # one model before AllReduce's attach broadcast
+    for a, b in zip(r0["params"], r1["params"], strict=True):
+        assert torch.equal(a, b)

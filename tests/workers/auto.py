@@ -18,6 +18,31 @@ from phalanx.strategies.auto import Choice, Decision, Measurement, decide
 
 DILOCO = Choice("diloco", (("every", 3), ("outer_lr", 0.7), ("outer_momentum", 0.9)))
 ALLREDUCE = Choice("allreduce")
+STREAMING = Choice("streaming-diloco", (("every", 4), ("fragments", 2), ("overlap", 1), ("quantize", 4),
+                                        ("outer_lr", 1.0), ("outer_momentum", 0.0)))
+
+
+class SlowingAuto(px.Auto):
+    """Auto whose link probe (still a real all-reduce) reports 1 ms times ``slow``, set by the loop: a link whose
+    rate stays put, then falls 10x, whatever the load on the test machine does to a probe of a few hundred bytes."""
+
+    slow = 1.0
+
+    def _probe_link(self) -> tuple[int, float]:
+        nbytes, _ = super()._probe_link()
+        return nbytes, 1e-3 * self.slow
+
+
+class RecordingAuto(px.Auto):
+    """Auto that keeps each rank's weights as they stand when the next rule takes over (before its attach, which
+    broadcasts rank 0's): the full average at the commit point must already have made them one model."""
+
+    at_switch: list[list[torch.Tensor]] = []
+
+    def _use(self, choice: Choice, start: int) -> None:
+        if self.rule is not None:
+            self.at_switch.append([p.detach().clone() for p in self.params])
+        super()._use(choice, start)
 
 
 def net() -> torch.nn.Module:
@@ -94,7 +119,33 @@ def scripted(tmp: str) -> dict[str, Any]:
     out["resumed_params"] = params(model2)
     out["resumed_schedule"] = [(s["step"], s["choice"]["rule"]) for s in auto2.schedule]
     out["real"] = real(12)  # the same pair of processes: a third model, Auto's own decision
+    out["slowing"] = slowing()
+    out["leaving_streaming"] = leaving_streaming()
     return out
+
+
+def slowing() -> dict[str, Any]:
+    """Rechecks every 4 steps: at step 6 the link is as fast as at step 2 (no decision), at step 10 it is 10x
+    slower (decide again; AllReduce's every step is a commit point, so the switch is at once)."""
+    decider = Scripted(ALLREDUCE, DILOCO)
+    auto = SlowingAuto(planned_steps=100, probe_steps=2, recheck_every=4, decider=decider)
+    model, opt = wrapped(auto)
+    steps(model, opt, 1, 12, lambda t: setattr(auto, "slow", 10.0 if t >= 9 else 1.0))
+    auto.finish()
+    return {"schedule": [(s["step"], s["choice"]["rule"]) for s in auto.schedule], "calls": decider.calls,
+            "params": params(model)}
+
+
+def leaving_streaming() -> dict[str, Any]:
+    """Streaming DiLoCo from step 2, a regroup after step 6 whose decision is AllReduce: Auto averages every
+    fragment fully at step 7 and AllReduce takes over; replicas are one model from there."""
+    decider = Scripted(STREAMING, ALLREDUCE)
+    auto = RecordingAuto(planned_steps=100, probe_steps=2, decider=decider)
+    auto.at_switch = []
+    model, opt = wrapped(auto)
+    steps(model, opt, 1, 10, lambda t: auto.regroup() if t == 6 else None)
+    return {"schedule": [(s["step"], s["choice"]["rule"]) for s in auto.schedule], "params": params(model),
+            "at_switch": auto.at_switch[-1]}
 
 
 def wrapped(strategy: Any, opt: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
