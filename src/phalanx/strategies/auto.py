@@ -372,9 +372,8 @@ class Auto(Accounting, StepState, Strategy):
             self.rule.after_backward(step)
 
     def after_step(self, step: int, taken: bool) -> None:
-        if self.rule is None:
-            return
-        self.rule.after_step(step, taken)
+        if self.rule is not None:
+            self.rule.after_step(step, taken)
         if self.choice is None:  # measuring
             self._probe.append((time.perf_counter(), self.clock.waited))
             if len(self._probe) >= self.probe_steps:
@@ -405,7 +404,9 @@ class Auto(Accounting, StepState, Strategy):
         grad_bytes = 4.0 * sum(p.numel() for p in self.params)
         m = Measurement(compute_s=max(step_s - waited, 1e-6), grad_bytes=grad_bytes, rate=1.0,
                         overlap=0.0, workers=self.comm.world_size, tensors=len(self.params))
-        rate = m.ring_s(probe_bytes) / max(probe_s, 1e-9)  # ring_s at rate 1 is the bytes the ring moves
+        # ring_s at rate 1 is the bytes the ring moves; alone (an elastic group of one) nothing crossed a link: the
+        # rate is unknown, taken as infinite until a probe among peers (after the group grows) measures it
+        rate = m.ring_s(probe_bytes) / max(probe_s, 1e-9) if m.workers > 1 else math.inf
         m = dataclasses.replace(m, rate=rate)
         full = m.ring_s(grad_bytes)
         overlap = min(1.0, max(0.0, 1 - waited / full)) if full > 0 else 1.0
@@ -435,18 +436,24 @@ class Auto(Accounting, StepState, Strategy):
         assert self.measurement is not None
         self.checked = step
         regrouped, self._regrouped = self._regrouped, False
-        probe_bytes, probe_s = self._probe_link()
-        vals = torch.tensor([probe_s], dtype=torch.float64)
-        self.comm.all_reduce_([vals])
-        self.comm.broadcast_([vals])
         m = dataclasses.replace(self.measurement, workers=self.comm.world_size)
-        rate = dataclasses.replace(m, rate=1.0).ring_s(probe_bytes) / max(float(vals[0]), 1e-9)
-        moved = not (0.5 <= rate / self.measurement.rate <= 2.0)
+        rate = self._rate(m)
+        moved = rate != m.rate and not (0.5 <= rate / m.rate <= 2.0)
         if moved:
             m = dataclasses.replace(m, rate=rate)
         if moved or regrouped:
             self.measurement = m
             self._decide(step)
+
+    def _rate(self, m: Measurement) -> float:
+        """The link's rate now, agreed on every rank (one probe); alone, nothing to probe: the last one stands."""
+        if m.workers <= 1:
+            return m.rate
+        probe_bytes, probe_s = self._probe_link()
+        vals = torch.tensor([probe_s], dtype=torch.float64)
+        self.comm.all_reduce_([vals])
+        self.comm.broadcast_([vals])
+        return dataclasses.replace(m, rate=1.0).ring_s(probe_bytes) / max(float(vals[0]), 1e-9)
 
     def _commit_point(self, step: int) -> bool:
         """Right after a full average: every AllReduce step, a DiLoCo round; Streaming DiLoCo makes one (finish)."""
@@ -512,7 +519,7 @@ class Auto(Accounting, StepState, Strategy):
         """The group was rebuilt: the rule forgets what was in flight, and Auto decides again at the next step."""
         if self.rule is not None and hasattr(self.rule, "regroup"):
             self.rule.regroup()
-        self._regrouped = self.measurement is not None
+        self._regrouped = self.measurement is not None  # a group of one from the start measured nothing: stays plain
 
     # -- state ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
