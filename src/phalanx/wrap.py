@@ -30,6 +30,7 @@ from .step.compiled import original
 from .errors import ConfigError, usage
 from .sharding.layout import FullyShard, on_meta
 from .step.clock import StepClock
+from .step.report import StepReport
 from .strategies import AllReduce, Strategy, by_name
 from .strategies.base import ServerBacked
 
@@ -125,6 +126,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
     if shard is not None:
         shard.hook(model, strategy.clock)
     setattr(optimizer, _STRATEGY, strategy)
+    if g.env.step_report:  # `phalanx run --link`: where the steps went, for its summary
+        StepReport(g.env.step_report, strategy.clock, optimizer, rank=g.rank)
     # on the user's module, however compiled (px.no_sync finds it either way); not nn.Module's __setattr__: a clock
     # is no submodule
     object.__setattr__(unwrap(model), _CLOCK, strategy.clock)

@@ -21,7 +21,7 @@ no orphans, since each worker ends when this process is gone
 (:mod:`phalanx.group.orphan`). A preempted job (SIGTERM, SLURM's SIGUSR1) exits 75
 with one line, and ``--requeue`` requeues it under SLURM. ``--elastic`` jobs are run
 by :mod:`phalanx.launch.elastic`; the other nodes of an elastic SLURM job join the
-first node's with :mod:`phalanx.launch.join`.
+first node's with :mod:`phalanx.launch.join`. ``--link RATE`` jobs are run by :mod:`phalanx.launch.linked`.
 
 Example:
     >>> _status(-9)[1]  # the exit status of a worker killed by SIGKILL, as `phalanx run` ends with it
@@ -46,6 +46,7 @@ from ..errors import ConfigError, usage
 from .config import DEFAULT_MASTER_ADDR, RunConfig, build_parser
 from .elastic import run_elastic
 from .failures import failure_line, root_cause as _root_cause, status as _status
+from .linked import run_linked
 from .slurm import requeue
 from ..step.preempt import PREEMPTED_EXIT, latest_checkpoint
 
@@ -138,6 +139,8 @@ def run(cfg: RunConfig) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    if cfg.link is not None:  # --link RATE: the workers on either side of a shaped link, started by us
+        return run_linked(cfg)
     if cfg.elastic is not None:  # elastic: our own agent keeps survivors running
         if cfg.slurm is not None and cfg.node_rank > 0:  # the other nodes of the allocation join node 0's job
             return _join_slurm_job(cfg)
