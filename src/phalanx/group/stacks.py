@@ -272,7 +272,8 @@ def respond(env: WorkerEnv, where: Callable[[], tuple[int, int]], progress: Prog
 
 
 def name_threads(dump: str) -> str:
-    """faulthandler's dump without the dumping thread's own stack, each thread named (``Thread 0x... (MainThread)``).
+    """faulthandler's dump without the dumping thread's own stack, each thread named (``Thread 0x... (MainThread)``),
+    the main thread first.
 
     Example:
         >>> print(name_threads('Current thread 0x01 (most recent call first):\\n  File "a.py", line 1 in f\\n'))
@@ -291,6 +292,7 @@ def name_threads(dump: str) -> str:
         if name:
             head = head.replace(word, f"{word} ({name})", 1)
         out.append(f"{head}\n{rest}".rstrip("\n"))
+    out.sort(key=lambda block: "(MainThread)" not in block.partition("\n")[0])  # the script's own thread first
     return "\n\n".join(out)
 
 
