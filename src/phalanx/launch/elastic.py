@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 POLL_S = 0.05  # a process's exit is seen this soon (a waitpid, no store call): recovery starts from it
 STORE_POLL_S = 0.5  # heartbeats, members and remote workers are read from the store this often
 MAX_FAILED_STARTS = 3  # replacements in a row that died before any generation admitted them
+SILENT_S = 1.5  # a worker whose heartbeat stood still this long is not waited for when stacks are collected
 
 
 # the watching code lives in watch.py, shared with `phalanx join`'s local watcher
@@ -248,8 +249,10 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
         now = time.monotonic()
         # poll() marks the dead and leaves their exit notes. Every worker that ended is read before any is reported:
         # a peer that ended because of another's own failure must not be reported as a loss the others regroup from.
-        if dog is not None:
-            dog.poll(now)  # before the hung are killed: their stacks first
+        # before the hung are killed: their stacks first. A report blocks this loop (a second or so, less the silent
+        # workers' answers): the heartbeats are then judged by the time after it, not before.
+        if dog is not None and dog.poll(now, silent=[w.id for w in workers if w.beats and now - w.seen > SILENT_S]):
+            now = time.monotonic()
         kill_hook = dog.before_kill if dog is not None else None
         ended = [(w, code) for w in workers if (code := poll(w, store, el.heartbeat_s, now=now,
                                                              before_kill=kill_hook))]

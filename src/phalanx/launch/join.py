@@ -183,7 +183,7 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
     def before_kill(wid: str, why: str) -> None:
         if dog is not None:
             dog.report(f"worker {wid} {why}; before it is killed, this host's joiners", 0.0,
-                       [w.id for w in workers if w.returncode is None])
+                       [w.id for w in workers if w.returncode is None], hung=[wid])
     while store is not None and any(w.returncode is None for w in workers):
         try:
             for w in workers:

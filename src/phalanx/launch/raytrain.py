@@ -272,7 +272,8 @@ class _Job:
                             lost=lambda: [w for w in self.ids.values() if self.store.check([key("dead", w)])],
                             epoch=lambda: self.store.get(key("gen")) if self.store.check([key("gen")]) else b"0")
         while not self.stopped.wait(poll_s):
-            self._look_for_stalls()
+            now = time.monotonic()
+            self._look_for_stalls(silent=[w for w, (beats, t) in seen.items() if beats and now - t > 1.5])
             try:
                 for wid, actor in list(self.actors.items()):
                     if self.store.check([key("finished", wid)]) or self.store.check([key("dead", wid)]):
@@ -290,11 +291,13 @@ class _Job:
             except Exception:  # noqa: BLE001 - the store is closing with the job
                 return
 
-    def _look_for_stalls(self, killing: str | None = None, why: str = "") -> None:
-        """The watchdog's look (or, before ``killing`` a worker, its stacks); never ends the heartbeat watcher."""
+    def _look_for_stalls(self, killing: str | None = None, why: str = "", silent: list[str] | None = None) -> None:
+        """The watchdog's look (or, before ``killing`` a worker, its stacks); never ends the heartbeat watcher.
+
+        ``silent``: workers whose heartbeat stood still a while, not waited for."""
         try:
             if killing is None:
-                self.dog.poll()
+                self.dog.poll(silent=silent or [])
             else:
                 self.dog.before_kill(killing, why)
         except Exception:  # noqa: BLE001 - the store is closing with the job; the hang watcher goes on

@@ -124,8 +124,12 @@ class Watchdog:
         self.firing = False
 
     # -- one look at the job ------------------------------------------------------------------------------------------
-    def poll(self, now: float | None = None) -> bool:
-        """Read the step counts once and report a stall if there is one; True when stacks were printed now."""
+    def poll(self, now: float | None = None, silent: Iterable[str] = ()) -> bool:
+        """Read the step counts once and report a stall if there is one; True when stacks were printed now.
+
+        ``silent``: workers whose heartbeat has stood still a while; their answers are not waited for (a
+        stopped process cannot answer), which keeps the caller's watch short.
+        """
         now = time.monotonic() if now is None else now
         if self.store is None:
             return False
@@ -151,7 +155,7 @@ class Watchdog:
         how = f"{FACTOR:g} x the recent step time of {step:.3f} s, at least {FLOOR_S:g} s, at most {self.cap_s:g} s" \
             if step is not None else "no step time measured yet, so the most it may be"
         self.report(f"the group has completed no step for {waited:.1f} s (worker(s) {', '.join(who)} the longest; "
-                    f"the bound is {bound:.1f} s: {how})", waited, ids)
+                    f"the bound is {bound:.1f} s: {how})", waited, ids, hung=list(silent))
         return True
 
     def before_kill(self, wid: str, why: str) -> None:
@@ -160,14 +164,22 @@ class Watchdog:
             return
         ids = list(self.expect()) if self.expect is not None else stacks.responders(self.store)
         waited, _ = self.stalled(time.monotonic())
-        self.report(f"worker {wid} {why}; before it is killed", waited, ids)
+        self.report(f"worker {wid} {why}; before it is killed", waited, ids, hung=[wid])
 
-    def report(self, why: str, waited: float, ids: list[str]) -> None:
-        """Ask every worker in ``ids`` for its stacks and print them, one block per rank, under one header."""
+    def report(self, why: str, waited: float, ids: list[str], hung: Iterable[str] = ()) -> None:
+        """Ask every worker in ``ids`` for its stacks and print them, one block per rank, under one header.
+
+        ``hung``: workers whose heartbeat stopped; they cannot answer, so their answers are not waited for.
+        """
         self.firing = True
         self.printed.append((time.time(), waited))
+        hung = list(hung)
+
+        def lost() -> list[str]:
+            return [*(self.lost() if self.lost is not None else ()), *hung]
+
         try:
-            got = request_stacks(self.store, self.secret, expect=ids, timeout_s=self.answer_s, lost=self.lost)
+            got = request_stacks(self.store, self.secret, expect=ids, timeout_s=self.answer_s, lost=lost)
             text = "\n".join(blocks(got, self.answer_s))
         except (PhalanxError, dist.DistError) as err:
             text = f"(the stacks could not be collected: {type(err).__name__}: {str(err).splitlines()[0][:200]})"
