@@ -13,13 +13,16 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 
 import pytest
 import torch.distributed as dist
 
+from phalanx.cli import main
 from phalanx.errors import StacksRefused
 from phalanx.group import stacks
+from phalanx.launch.stacks import jobs_dir, register_job, running_jobs
 from support.paths import TESTS
 from support.wait import exited, until
 
@@ -96,3 +99,29 @@ def test_a_stuck_job_shows_where_each_rank_is_stuck_before_anything_is_killed(tm
         open(os.environ["STACKS_OUT"], "w").write("".join(out))
     last = [ln for ln in "".join(out).splitlines() if ln.startswith("phalanx: the group stalled")]
     assert len(last) == 1 and "1 time(s)" in last[0] and "under 'phalanx: stacks:'" in last[0], "".join(out)[-3000:]
+
+
+def test_phalanx_stacks_without_a_job_or_with_bad_flags_says_so_in_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's own jobs folder
+    assert main(["stacks"]) == 1
+    assert capsys.readouterr().err.startswith("phalanx: error: no phalanx job of yours runs on this host")
+    assert main(["stacks", "--timeout", "0"]) == 2 and "--timeout 0; expected a positive" in capsys.readouterr().err
+    assert main(["stacks", "--rdzv-endpoint", "nohost"]) == 2
+    assert "--rdzv-endpoint nohost; expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_phalanx_stacks_finds_the_jobs_running_here_and_forgets_the_ended(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    mine = register_job("127.0.0.1", 1234, None, "a.py")
+    with open(os.path.join(jobs_dir(), f"{ended.pid}.json"), "w") as f:
+        json.dump({"pid": ended.pid, "host": "127.0.0.1", "port": 99, "script": "old.py"}, f)
+    assert [j["port"] for j in running_jobs()] == [1234]
+    assert not os.path.exists(os.path.join(jobs_dir(), f"{ended.pid}.json"))  # an ended launcher's note is removed
+    assert oct(os.stat(jobs_dir()).st_mode & 0o777) == "0o700" and oct(os.stat(mine).st_mode & 0o777) == "0o600"
+    with open(os.path.join(jobs_dir(), "again.json"), "w") as f:  # a second job of ours, here
+        json.dump({"pid": os.getpid(), "host": "127.0.0.1", "port": 5678, "script": "b.py"}, f)
+    assert main(["stacks"]) == 2
+    said = capsys.readouterr().err
+    assert "with 2 jobs running here" in said and "127.0.0.1:1234 (a.py" in said and "--rdzv-endpoint" in said
