@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -108,6 +109,13 @@ def test_phalanx_stacks_without_a_job_or_with_bad_flags_says_so_in_one_line(monk
     assert main(["stacks", "--timeout", "0"]) == 2 and "--timeout 0; expected a positive" in capsys.readouterr().err
     assert main(["stacks", "--rdzv-endpoint", "nohost"]) == 2
     assert "--rdzv-endpoint nohost; expected HOST:PORT" in capsys.readouterr().err
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("PHALANX_SECRET", "s")
+    assert main(["stacks", "--rdzv-endpoint", f"127.0.0.1:{port}"]) == 1
+    assert capsys.readouterr().err == f"phalanx: error: no job answers at 127.0.0.1:{port} (Connection refused); " \
+        "check the address, and that the job is still running\n"
 
 
 def test_phalanx_stacks_finds_the_jobs_running_here_and_forgets_the_ended(monkeypatch, tmp_path, capsys):

@@ -379,8 +379,9 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     # Under a phalanx launcher, its end ends this worker (not the store's: group/orphan.py says why).
     orphan.watch_launcher(env.launcher_pid, f"worker {env.elastic_id}" if env.elastic_id else f"worker rank {env.rank}")
     # Answers `phalanx stacks` and the launcher's watchdog; stopped after shutdown's leaving (atexit runs last first).
-    responder = stacks.respond(env, lambda: (g.rank if g.store is not None or g.entering else -1, g.generation),
-                               stacks.PROGRESS.of(g))
+    # (a joiner has no rank until it is admitted: -1 till then)
+    responder = stacks.respond(env, lambda: (-1 if g.env.elastic_join and g.store is None and not g.entering
+                                             else g.rank, g.generation), stacks.PROGRESS.of(g))
     if responder is not None:
         stacks.RESPONDER.of(g).value = responder
         atexit.register(responder.stop)

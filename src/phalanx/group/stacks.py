@@ -264,7 +264,7 @@ def respond(env: WorkerEnv, where: Callable[[], tuple[int, int]], progress: Prog
         >>> respond(WorkerEnv(), lambda: (0, 0), Progress()) is None   # a plain process
         True
     """
-    if not env.elastic_secret or (env.world_size < 2 and env.elastic_id is None):
+    if not env.elastic_secret or (env.world_size < 2 and env.elastic_id is None and not env.launched_by_phalanx):
         return None
     wid = env.elastic_id if env.elastic_id is not None else str(env.rank)
     responder = Responder(env.master_addr, env.master_port, env.elastic_secret, wid, where, progress).start()

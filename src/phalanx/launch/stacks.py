@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -232,6 +233,11 @@ class WatchThread:
 
 def connect(host: str, port: int) -> dist.TCPStore:
     """A client connection to the job's store at ``host:port``; one :class:`PhalanxError` line if none answers."""
+    try:  # a plain socket first: torch logs a failed store connection at length (as `phalanx join` does)
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as err:
+        raise PhalanxError(f"no job answers at {host}:{port} ({err.strerror or type(err).__name__}); check the "
+                           "address, and that the job is still running") from None
     try:
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
                              wait_for_workers=False)
