@@ -247,13 +247,13 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                   "if any.", file=sys.stderr, flush=True)
             return 1
         now = time.monotonic()
-        # poll() marks the dead and leaves their exit notes. Every worker that ended is read before any is reported:
-        # a peer that ended because of another's own failure must not be reported as a loss the others regroup from.
-        # before the hung are killed: their stacks first. A report blocks this loop (a second or so, less the silent
-        # workers' answers): the heartbeats are then judged by the time after it, not before.
+        # Before the hung are killed: their stacks first. A report blocks this loop (a second or so: the silent
+        # workers' answers are not waited for), so the heartbeats are then judged by the time after it, not before.
         if dog is not None and dog.poll(now, silent=[w.id for w in workers if w.beats and now - w.seen > SILENT_S]):
             now = time.monotonic()
         kill_hook = dog.before_kill if dog is not None else None
+        # poll() marks the dead and leaves their exit notes. Every worker that ended is read before any is reported:
+        # a peer that ended because of another's own failure must not be reported as a loss the others regroup from.
         ended = [(w, code) for w in workers if (code := poll(w, store, el.heartbeat_s, now=now,
                                                              before_kill=kill_hook))]
         own = [(w, f) for w, code in ended if own_failure(f := Recorded.read(_record(errors, w.id), code))]
