@@ -33,7 +33,7 @@ def direct(steps: int) -> None:
     import torch.distributed as dist
 
     import phalanx as px
-    from phalanx.step.report import Reporter
+    from phalanx.step.telemetry import Reporter
 
     px.init()
     net = torch.nn.Linear(4, 1)

@@ -117,7 +117,7 @@ def test_a_worker_reports_its_rule_and_exchange_schedule(one_thread):
     import torch
 
     import phalanx as px
-    from phalanx.step.report import Reporter
+    from phalanx.step.telemetry import Reporter
 
     net = torch.nn.Linear(4, 1)
     rule = px.StreamingDiLoCo(every=2, fragments=2)

@@ -95,6 +95,11 @@ def test_one_open_page_follows_a_kill_and_a_join_and_the_end(tmp_path, browser):
         assert [r[:4] for r in rows] == [["2", "2 → 3", "–", members[2]], ["1", "3 → 2", "2", "–"]]  # newest first
         wait_dom(page, "[...document.querySelectorAll('#workers tbody tr')].every(r => r.cells[4].textContent !== '–')")
 
+        # the stacks button: every member's Python stacks, naming the worker script's lines
+        page.click("button[data-action='stacks']")
+        wait_dom(page, "document.getElementById('action-output').textContent.split('-----').length >= 7")
+        assert dom(page, "#action-output").count("status_job.py") >= 3, dom(page, "#action-output")
+
         # /metrics, read by Prometheus's own parser, against the job's own record (each worker's file at the end)
         job.wait_for(lambda s: all(w["generation"] == 2 and w["steps"] >= 5 for w in s["workers"]),
                      "every member reported from generation 2")

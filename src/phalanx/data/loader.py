@@ -34,7 +34,7 @@ from ..errors import ConfigError, usage
 from .prefetch import prefetch
 from .sampler import ShardSampler, epoch_order, global_batches, split_sizes
 from ..group.spans import span
-from ..step import report
+from ..step import telemetry
 from ..step.clock import clocks, set_batch_weight
 
 
@@ -119,7 +119,7 @@ class ShardedLoader:
                 self._generator.manual_seed(hash((s.seed, s.epoch, s.samples, s.rank)) & (2**63 - 1))
             # The prefetcher reads one batch ahead; the position and the weight follow what was handed out.
             batches = prefetch(self._loader, self.device)
-            reporter = report.of()  # `phalanx run --status`: the wait for each batch is the step's input time
+            reporter = telemetry.of()  # `phalanx run --status`: the wait for each batch is the step's input time
             for step_sizes in sizes:
                 fetch = time.perf_counter()
                 with span("phalanx/data wait"):  # the timeline (phalanx.step.profiling)

@@ -20,10 +20,9 @@ import warnings
 from ..group import group
 from ..checkpoint import checkpoint_step, load_checkpoint
 from ..group.collectives import broadcast_object
-from ..step import report
+from ..step import telemetry
 from ..sharding.reshard import ShardLostError, reshard, reshard_empty
 from ..sharding.layout import sharded_by
-from ..wrap import strategy_of
 
 from ..checkpoint.training_state import shared
 from .rule import Regroupable
@@ -150,7 +149,7 @@ class Recovery:
         if sampler is not None and hasattr(sampler, "reassign"):  # px.shard's: the position counts samples
             sampler.reassign(group.rank(), group.world_size())
         self.resize.resized(self.loader, before=before, after=group.world_size())
-        strategy = strategy_of(self.optimizer)
+        strategy = self.training.strategy  # px.wrap's, or the one a Keras run's optimizer state carries
         if isinstance(strategy, Regroupable):
             strategy.regroup()
 
@@ -164,7 +163,7 @@ class Recovery:
                              "time": time.time(), "seconds": round(seconds, 3), "cause": cause[:200],
                              **self._moved})
         self._moved = {}
-        reporter = report.of()  # `phalanx run --status`: the page lists the change and its cost
+        reporter = telemetry.of()  # `phalanx run --status`: the page lists the change and its cost
         if reporter is not None:
             reporter.changed(self.history[-1])
         if group.rank() == 0:

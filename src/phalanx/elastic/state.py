@@ -40,7 +40,6 @@ from ..sharding.layout import sharded_by
 from ..group.spans import span
 from ..step.preempt import HANDED_OVER, PREEMPTION
 from ..strategies.allreduce import REBUILT
-from ..wrap import strategy_of
 from ..step.protocols import replicas_agree
 from .recovery import Recovery
 from .resize import ResizePolicy, check_policy
@@ -188,7 +187,7 @@ class State(Recovery, Reentry):
 
     def _commit_together(self) -> None:
         """A commit every member takes at the same step. An async PS settles around it."""
-        strategy = strategy_of(self.optimizer) if self.elastic else None
+        strategy = self.training.strategy if self.elastic else None  # px.wrap's, or a Keras run's
         if isinstance(strategy, CommitPoint):
             strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
         with span("phalanx/commit"):  # the timeline (phalanx.step.profiling)
@@ -209,8 +208,11 @@ class State(Recovery, Reentry):
             raise ConfigError(usage("px.elastic.State with an optimizer px.wrap did not return",
                                     "the optimizer from model, opt = px.wrap(model, opt)",
                                     "Wrap first: the strategy's step count is the one every worker commits at."))
-        ours = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in ours]
+        # a torch optimizer must hold the model's parameters; a Keras run's optimizer state (px.keras) holds variables
+        groups = self.optimizer.param_groups if isinstance(self.optimizer, torch.optim.Optimizer) else None
+        ours = {id(p) for g in groups or [] for p in g["params"]}
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in ours] \
+            if groups is not None else []
         if missing:
             raise ConfigError(usage(f"an optimizer that does not hold {len(missing)} trainable parameter(s) of "
                                     f"the model (e.g. {missing[0]})", "the optimizer of this model",

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from ..group import group, leaving
 from ..group.records import Record, Slot
 from ..errors import PhalanxError, WorkerLostError
-from ..step import report
+from ..step import telemetry
 from ..step.preempt import PREEMPTED_EXIT
 from . import secret as job_secret
 from .membership import Membership, QuorumError, joiner_ids, key
@@ -560,7 +560,7 @@ class ElasticWorker:
 
     def finished(self) -> None:
         """Training is over on this worker: late joiners may leave; our heartbeat stops."""
-        reporter = report.of(self.group)  # `--status`: the page shows the last step (a Ray actor does not exit)
+        reporter = telemetry.of(self.group)  # `--status`: the page shows the last step (a Ray actor does not exit)
         if reporter is not None:
             try:
                 reporter.send()

@@ -16,6 +16,7 @@ Example:
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import forming, leaving, liveness, orphan
+from . import forming, leaving, liveness, orphan, stacks
 from .records import Records
 
 if TYPE_CHECKING:
@@ -377,6 +378,13 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     g = Group(env, device, backend=backend)
     # Under a phalanx launcher, its end ends this worker (not the store's: group/orphan.py says why).
     orphan.watch_launcher(env.launcher_pid, f"worker {env.elastic_id}" if env.elastic_id else f"worker rank {env.rank}")
+    # Answers `phalanx stacks` and the launcher's watchdog; stopped after shutdown's leaving (atexit runs last first).
+    # (a joiner has no rank until it is admitted: -1 till then)
+    responder = stacks.respond(env, lambda: (-1 if g.env.elastic_join and g.store is None and not g.entering
+                                             else g.rank, g.generation), stacks.PROGRESS.of(g))
+    if responder is not None:
+        stacks.RESPONDER.of(g).value = responder
+        atexit.register(responder.stop)
     if env.world_size > 1 and not dist.is_initialized():
         # We own the store so that failure diagnosis (which rank is gone?) has a side channel
         # that does not depend on the broken process group.
@@ -436,6 +444,8 @@ def shutdown() -> None:
         dist.destroy_process_group()
     if g is not None and g.store is not None and not met and leaving.hosts_store(g):
         leaving.linger_for_peers(g)
+    if g is not None and stacks.RESPONDER.of(g).value is not None:
+        stacks.RESPONDER.of(g).value.stop()  # a later px.init() starts its own
     _group = None
 
 

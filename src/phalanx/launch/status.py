@@ -22,7 +22,9 @@ from ..elastic import secret as job_secret
 from ..errors import ConfigError, usage
 from ..monitor import Collector, StatusServer, parse_address, token
 from ..monitor.collect import Members
+from ..group.stacks import ANSWER_S, blocks, request_stacks
 from .config import RunConfig
+from .stacks import connect
 
 
 class JobStatus:
@@ -113,6 +115,15 @@ class _Tee:
         return getattr(self.real, name)
 
 
+def stacks_button(host: str, port: int, secret: str) -> Callable[[], str]:
+    """The page's "stacks" button: every worker's Python stacks, one block per rank, as ``phalanx stacks`` prints
+    them (:mod:`phalanx.launch.stacks`), on a store connection of its own for each press."""
+    def press() -> str:
+        got = request_stacks(connect(host, port), secret, timeout_s=ANSWER_S)
+        return "\n".join(blocks(got, ANSWER_S))
+    return press
+
+
 def status_address(value: str | int | None, flag: str) -> tuple[str, int] | None:
     """``[HOST:]PORT`` (or a port number) -> (host, port); one ConfigError line for anything else.
 
@@ -144,4 +155,4 @@ def run_with_status(cfg: RunConfig, body: Callable[["JobStatus | None"], int]) -
     return code
 
 
-__all__ = ["JobStatus", "run_with_status", "status_address"]
+__all__ = ["JobStatus", "run_with_status", "stacks_button", "status_address"]

@@ -1,7 +1,7 @@
 """See inside a running job: the status page, ``/status.json`` and ``/metrics`` the launcher serves.
 
 ``phalanx run --status [HOST:]PORT`` (loopback unless a host is given) starts the workers
-with their reporters on (:mod:`phalanx.step.report`: each step's time split into compute,
+with their reporters on (:mod:`phalanx.step.telemetry`: each step's time split into compute,
 input and exchange, summarised once a second into the job's store) and serves, from the
 launcher that holds the store:
 

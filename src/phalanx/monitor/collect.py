@@ -3,14 +3,14 @@
 The launcher that holds the store gives a :class:`Collector` the store and two small
 functions of the store: who the members are now (the generation and the worker ids in rank order) and
 where the newest checkpoint is. A thread of its own reads each member's summary
-(:func:`phalanx.step.report.status_key`) on a connection of its own; a summary whose
+(:func:`phalanx.step.telemetry.status_key`) on a connection of its own; a summary whose
 sequence number stopped moving ages (its heartbeat age, by this process's clock, so hosts
 need not agree on the time). :meth:`Collector.status` is what ``/status.json`` serves and
 what the page and ``/metrics`` show.
 
 Example (a store of our own and one summary in it):
     >>> import json, torch.distributed as dist
-    >>> from phalanx.step.report import status_key
+    >>> from phalanx.step.telemetry import status_key
     >>> store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     >>> store.set(status_key("0"), json.dumps({"worker": "0", "rank": 0, "generation": 0, "step": 7, "seq": 1}))
     >>> c = Collector(store, lambda store: (0, ["0", "1"])); c.poll()
@@ -27,7 +27,7 @@ from collections import deque
 from datetime import timedelta
 from typing import Any, Callable
 
-from ..step.report import EVERY_S, status_key
+from ..step.telemetry import EVERY_S, status_key
 from .straggler import attribute
 
 Members = Callable[[Any], "tuple[int, list[str]]"]  # (store) -> (generation, worker ids in rank order)

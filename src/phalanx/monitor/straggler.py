@@ -1,6 +1,6 @@
 """Which rank holds the others back, and why: compute, input, or the exchange.
 
-Each worker's summary (:mod:`phalanx.step.report`) holds the medians of its last steps,
+Each worker's summary (:mod:`phalanx.step.telemetry`) holds the medians of its last steps,
 split into compute, input (waiting for the loader) and exchange (from its last local
 gradient to the end of the averaging). In a synchronous group everybody's step lasts as
 long as the slowest worker's own work, and the fast ones spend the difference waiting in

@@ -64,15 +64,16 @@ class Exchange:
         pass
 
 
-def check_same_model(model: nn.Module, comm: Comm) -> None:
+def check_same_model(model: nn.Module, comm: Comm, device: torch.device | None = None) -> None:
     """Refuse, on every rank, a model whose tensor names, shapes or dtypes differ between ranks.
 
-    Collective: one 8-byte all-gather of a checksum; the full lists travel only on a mismatch.
+    Collective: one 8-byte all-gather of a checksum, on ``device`` (default: the model's; a model on the
+    meta device names the workers' device); the full lists travel only on a mismatch.
     """
     if comm.world_size == 1:
         return
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in model.state_dict(keep_vars=True).items()]
-    digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=device_of(model))
+    digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=device or device_of(model))
     if len({int(d) for d in comm.all_gather(digest)}) == 1:
         return
     other, theirs = next((r, lay) for r, lay in enumerate(comm.all_gather_state(layout)) if lay != layout)

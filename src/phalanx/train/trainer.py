@@ -52,6 +52,7 @@ from .progress import bar as _bar
 from .progress import postfix as _postfix
 from ..strategies import Strategy
 from ..strategies.accounting import bytes_sent as bytes_sent_by
+from ..strategies.auto import PlansLength
 from ..wrap import strategy_of, unwrap, wrap
 
 
@@ -201,6 +202,8 @@ class Trainer:
             # device=: batches are prefetched to the GPU on a side stream (a no-op on CPU)
             self.loader = shard(train_data, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                 device=self.device, **(loader_kwargs or {}))
+        if isinstance(self.strategy, PlansLength) and hasattr(self.loader, "__len__"):
+            self.strategy.plan(epochs * len(self.loader))  # px.Auto weighs rules by the run's planned length
         self.history, start = History(), 0
         self._preemption = preempt.of()
         if resume_from == "auto":  # the launcher's --resume-from, else the newest checkpoint of this run's directory
