@@ -68,9 +68,9 @@ def diloco_oracle(record: list, group_size: int, every: int = 2, outer_lr: float
     """DiLoCo on unsharded replicas, replayed in one process: at each recorded step of world size W the replicas
     are the replica groups of the layout (W / S of them, or one of all W when S does not divide W), each an inner
     SGD step on the mean of its workers' batch-mean gradients (rank order, px.shard's split: FSDP averages the
-    workers of a replica group, so a short last batch of 2, 1, 1 samples weighs its workers equally); every ``every`` steps the outer Nesterov step
-    on the replicas' mean pseudo-gradient. Returns each replica group's weights at the end (the worker script
-    calls no finish(), so a partial last round leaves them apart)."""
+    workers of a replica group, so a short last batch of 2, 1, 1 samples weighs its workers equally); every
+    ``every`` steps the outer Nesterov step on the replicas' mean pseudo-gradient. Returns each replica group's
+    weights at the end (the worker script calls no finish(), so a partial last round leaves them apart)."""
     from phalanx.data.sampler import split_sizes
 
     net, data = worker.model(), worker.dataset()
