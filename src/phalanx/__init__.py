@@ -63,9 +63,8 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
         >>> import phalanx as px; px.init().world_size
         1
     """
-    g = _join_group(backend, timeout, threads)
-    _attach_elastic(g)  # the group is core; elastic membership is a feature, composed here
-    return g
+    # the group is core; elastic membership is a feature, composed here: it takes this worker's place in the job
+    return _join_group(backend, timeout, threads, place=_attach_elastic)
 
 
 def __getattr__(name: str):  # noqa: ANN202 - px.keras imports Keras (seconds), so only on first use

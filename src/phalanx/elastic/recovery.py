@@ -103,7 +103,7 @@ class Recovery:
         :meth:`_reshard`, each worker receiving only the rows of its new shards."""
         mine = self.commits[max(self.commits)] if group.rank() == 0 else None
         if mine is not None and sharded_by(self.optimizer) is not None:
-            mine = {**mine, "model": None, "optimizer": None}
+            mine = {**mine, "model": None, "optimizer": None, "rows": None}
         return broadcast_object(mine, 0, "newest commit")
 
     def _from_disk(self, lost: ShardLostError, joined: bool = False) -> dict:

@@ -337,11 +337,15 @@ def job_key(*parts: object) -> str:
     return "/".join(["phalanx/job", *map(str, parts)])
 
 
-def init(backend: str | None = None, timeout: float | None = None, threads: int | None = None) -> Group:
+def init(backend: str | None = None, timeout: float | None = None, threads: int | None = None,
+         place: Callable[[Group], None] | None = None) -> Group:
     """Join the worker group described by the environment and return it; idempotent.
 
     ``backend`` defaults to NCCL when CUDA is available and gloo otherwise.
     ``timeout`` bounds every collective (seconds), so a lost peer fails fast.
+    ``place`` takes this worker's place in a job whose membership can change (``px.init()`` passes the elastic
+    feature's); a worker of such a job started without it is refused, so that no core path (a Trainer, a
+    preemption handler) that joins the group on the user's behalf trains alone beside the job.
 
     Example:
         >>> import phalanx as px; px.init().world_size
@@ -351,6 +355,8 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     if _group is not None:
         return _group
     env = WorkerEnv.from_environ()
+    if env.elastic_id is not None and place is None:
+        raise _unplaced()
     if timeout is not None:
         if not float(timeout) > 0:
             raise ConfigError(usage(f"timeout={timeout}", "a positive number of seconds", "Pass e.g. timeout=60."))
@@ -400,7 +406,17 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     _group = g
     if g.store is not None:
         leaving.leave_at_exit(g, shutdown)
+    if place is not None:
+        place(g)
     return g
+
+
+def _unplaced() -> ConfigError:
+    # A worker of `phalanx run --elastic` takes its place in px.init() (a joiner waits there to be admitted);
+    # without it this process would train alone as a group of one, beside the job it was started for.
+    return ConfigError(usage("a phalanx call in a `phalanx run --elastic` worker before px.init()",
+                             "px.init() first: it takes this worker's place in the elastic job",
+                             "Call px.init() at the top of the script."))
 
 
 def shutdown() -> None:
@@ -465,6 +481,8 @@ def current() -> Group:
     if env.world_size > 1:
         raise ConfigError(usage(f"a phalanx call in a {env.world_size}-worker run before px.init()",
                                 "px.init() first", "Call px.init() at the top of the script."))
+    if env.elastic_id is not None:
+        raise _unplaced()
     return Group(env, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 

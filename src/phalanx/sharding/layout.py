@@ -121,10 +121,6 @@ class FullyShard:
             raise ConfigError(usage(f"FullyShard(group_size={s}) with {n} workers",
                                     f"a group size that divides the world size ({_divisors(n)})",
                                     f"Pick one of those, or start a multiple of {s} workers."))
-        if g.elastic and not hsdp(strategy):
-            raise ConfigError(usage(f"shard=FullyShard(group_size={s}) with {strategy!r} under `phalanx run "
-                                    "--elastic`", "px.AllReduce() (HSDP): a regroup re-shards its state onto the "
-                                    "survivors", "Use px.AllReduce(), drop --elastic, or drop shard=."))
         if isinstance(strategy, ServerBacked):
             raise ConfigError(usage(f"shard=FullyShard(...) with {type(strategy).__name__}",
                                     "a strategy that agrees between workers (AllReduce, LocalSGD, DiLoCo, EASGD): a "

@@ -24,7 +24,7 @@ from ..group.collectives import Comm
 from .compression import Compressor, check_compressor
 from .. import check
 from .sync import as_condition
-from .base import Exchange, Periodic
+from .base import Exchange, Periodic, load_rows
 from .gradients import share_total, share_weighted_mean_
 from .sparseloco import outer_defaults
 
@@ -94,8 +94,15 @@ class OuterStep(Exchange):
         return {"anchor": [a.clone() for a in self.anchor], "momentum": [b.clone() for b in self.buffers]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for mine, saved in zip(self.anchor + self.buffers, state["anchor"] + state["momentum"], strict=True):
-            mine.copy_(saved)
+        self.anchor = load_rows(self.anchor, state["anchor"])
+        self.buffers = load_rows(self.buffers, state["momentum"])
+
+    def row_state(self) -> dict[str, list[torch.Tensor]]:
+        """Per parameter: the anchor and the outer momentum (a sharded model: this rank's rows of each)."""
+        return {"anchor": self.anchor, "momentum": self.buffers}
+
+    def load_row_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        self.anchor, self.buffers = list(state["anchor"]), list(state["momentum"])
 
 
 class DiLoCo(Periodic):

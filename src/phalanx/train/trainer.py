@@ -234,11 +234,9 @@ class Trainer:
         # Under `phalanx run --elastic` the feature that survives a lost peer (phalanx.elastic) put its supervisor on
         # the group when it took this worker's place (px.init()): it commits every `commit_every` steps and re-enters
         # the epoch loop at the commit the survivors share. Elsewhere an elastic fit is a plain one.
+        # (group.current() refuses an elastic worker that skipped px.init(), so a missing supervisor means a job
+        # whose membership cannot change)
         supervisor = SUPERVISOR.of(group.current()).value if elastic else None
-        if elastic and supervisor is None and group.current().elastic:
-            raise ConfigError(usage("Trainer.fit(elastic=...) under `phalanx run --elastic` before px.init()",
-                                    "px.init() first: it starts this worker's side of the elastic job",
-                                    "Call px.init() at the top of the script."))
         if supervisor is not None:
             state = supervisor(self.model, self.optimizer, self.loader, commit_every=commit_every, resize=resize)
             self.history.membership = state.history
