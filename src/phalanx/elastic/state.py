@@ -37,6 +37,7 @@ from ..checkpoint import save_checkpoint
 from ..errors import ConfigError, usage
 from ..sharding.reshard import RowState, local_parts
 from ..sharding.layout import hsdp, sharded_by
+from ..wrap import strategy_of
 from ..group.spans import span
 from ..step.preempt import HANDED_OVER, PREEMPTION
 from ..strategies.allreduce import REBUILT
