@@ -18,7 +18,8 @@ SECRET = "s"
 
 
 def _at(store, wid: str, step: int, progress: stacks.Progress | None) -> None:
-    """Worker ``wid`` at ``step``: set where its responder publishes it (and wait for that), or straight in the store."""
+    """Worker ``wid`` at ``step``: set where its responder publishes it (and wait for that), or straight in the
+    store."""
     if progress is None:
         store.set(stacks.key("step", wid), str(step))
         return
