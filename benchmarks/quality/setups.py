@@ -243,10 +243,11 @@ def _make() -> dict[str, QSetup]:
                optim="adamw", lr_of="diloco",
                note=f"SparseLoCo (arXiv 2508.15706): DiLoCo H={SPARSE_EVERY}, AdamW inner, the pseudo-gradient's "
                     "top 64 of every 4096 values (plus the residual) as 2-bit values, error feedback (decay 0.95) "
-                    "in place of the outer momentum, outer lr 1"),
+                    "in place of the outer momentum, outer lr 1; on the GPT at inner lr 0.002 (lrs.json: at DiLoCo's "
+                    "0.001 the sparse anchor lags and 0/3 seeds reached the target)"),
         QSetup("streaming-diloco-sparseloco", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
             every=SPARSE_EVERY, fragments=STREAM_FRAGMENTS, overlap=3, quantize=px.SparseLoCo())),
-               optim="adamw", lr_of="diloco",
+               optim="adamw", lr_of="diloco-sparseloco",
                note=f"as diloco-sparseloco, streamed: {STREAM_FRAGMENTS} fragments (one leaves every "
                     f"{SPARSE_EVERY // STREAM_FRAGMENTS} steps), each exchange given 3 inner steps, mixing 0.5"),
         QSetup("torchft-diloco", "torchft", torchft_peer.build(streaming=False), optim="adamw",

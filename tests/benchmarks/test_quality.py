@@ -167,6 +167,15 @@ def test_committed_lrs_cover_every_setup_and_the_fast_links_run_a_subset():
         plan.FAST_SETUPS)
 
 
+def test_sparseloco_setups_on_the_gpt_take_their_own_lr_not_dilocos():
+    """At DiLoCo's 0.001 the 2-bit exchange's anchor lags and no seed reached the GPT's target (reports/sparseloco.md);
+    at 0.002 every seed did. The streamed variant inherits it; ResNet-20 (not measured) keeps DiLoCo's."""
+    lrs = plan.inherit_lrs({k: v["lr"] for k, v in plan.stored_choice().items()})
+    assert lrs[("gpt", "diloco")] == 1e-3
+    assert lrs[("gpt", "diloco-sparseloco")] == lrs[("gpt", "streaming-diloco-sparseloco")] == 2e-3
+    assert lrs[("resnet20", "diloco-sparseloco")] == lrs[("resnet20", "diloco")]
+
+
 def test_lr_sweep_picks_the_best_final_quality_and_ignores_failures():
     recs = [{"run": {"task": "gpt", "setup": "ddp", "lr": lr}, "error": err, "ranks": [{"final": f}]}
             for lr, f, err in [(1e-3, 2.5, None), (2e-3, 2.3, None), (4e-3, 1.0, "rank 1 exited 1")]]
