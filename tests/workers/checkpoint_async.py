@@ -3,14 +3,14 @@
 ``python checkpoint_async.py full-disk FULL OTHER OUT`` (each rank, torchrun's variables set): an asynchronous
 save to the full disk ``FULL`` whose ``wait()`` raises and is handled, a save to ``OTHER`` that must work, then
 another asynchronous save to ``FULL`` that nobody waits for before the script ends (the exit must say it in one
-line). ``phalanx run --elastic -n 2 checkpoint_async.py elastic OUT``: the worker started as rank 0 kills itself
-half-way through an asynchronous save's write; the survivor trains on and then saves to the same path again.
+line). ``phalanx run --elastic -n 2 checkpoint_async.py elastic OUT``: the worker started as rank 0 is killed
+half-way through an asynchronous save's write (by its writer process, tests/workers/writer_hooks.py); the survivor
+trains on and then saves to the same path again.
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 
 import torch
@@ -42,10 +42,9 @@ def full_disk(full: str, other: str, out: str) -> None:
 
 
 def elastic(out: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
     import phalanx as px
     import phalanx.checkpoint.saver as saver
+    from workers.writer_hooks import KillsItsWorker
     me = os.environ.get("PHALANX_ELASTIC_ID", "0")
     px.init()
     model, opt = px.wrap(net := _net(), torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
@@ -56,16 +55,6 @@ def elastic(out: str) -> None:
     ckpt = os.path.join(out, "ckpt")
     plain_writer = saver._writer
 
-    class Killed(dcp.FileSystemWriter):
-        """The worker started as rank 0 dies half-way through its write (part of it reached the disk)."""
-
-        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
-            if me == "0":
-                with open(os.path.join(self.path, "partial-0"), "wb") as f:
-                    f.write(b"x" * 1024)
-                os.kill(os.getpid(), signal.SIGKILL)
-            return super().write_data(plan, planner)
-
     steps = 0
     for epoch in state.epochs(2):
         with state:
@@ -73,7 +62,9 @@ def elastic(out: str) -> None:
             for x, y in loader:
                 steps += 1
                 if steps == 3 and not state.history:
-                    saver._writer = Killed  # the test's hook into DCP's writer
+                    # the test's hook into DCP's writer: the worker started as rank 0 dies half-way through its write
+                    # (its writer process writes a part, then kills it)
+                    saver._writer = lambda tmp: KillsItsWorker(tmp, kill=me == "0")
                     px.save_checkpoint(ckpt, model, opt, step=steps, blocking=False)
                     saver._writer = plain_writer
                 opt.zero_grad()
