@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -44,8 +45,12 @@ def full_disk(full: str, other: str, out: str) -> None:
 def elastic(out: str) -> None:
     import phalanx as px
     import phalanx.checkpoint.saver as saver
-    from workers.writer_hooks import KillsItsWorker
+    from phalanx.checkpoint.writer import WRITERS
+    from phalanx.group.orphan import launcher_gone
+    from support.wait import until
+    from workers.writer_hooks import CutWriter
     me = os.environ.get("PHALANX_ELASTIC_ID", "0")
+    held = os.path.join(out, f"held-{me}.json")
     px.init()
     model, opt = px.wrap(net := _net(), torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
     data = torch.utils.data.TensorDataset(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)),
@@ -63,17 +68,27 @@ def elastic(out: str) -> None:
                 steps += 1
                 if steps == 3 and not state.history:
                     # the test's hook into DCP's writer: the worker started as rank 0 dies half-way through its write
-                    # (its writer process writes a part, then kills it)
-                    saver._writer = lambda tmp: KillsItsWorker(tmp, kill=me == "0")
+                    # (its writer process writes a part, then kills it); the other's writer holds half-way, so that
+                    # the regroup comes while its write is in flight
+                    saver._writer = lambda tmp: CutWriter(tmp, kill_worker=me == "0", held=None if me == "0" else held)
                     px.save_checkpoint(ckpt, model, opt, step=steps, blocking=False)
                     saver._writer = plain_writer
+                    until(lambda: os.path.exists(held), timeout=60, what="the writer holding the write half-way")
                 opt.zero_grad()
                 F.mse_loss(model(x), y).backward()
                 opt.step()
-    left = sorted(os.listdir(out))  # the survivor: what the cut save left
+    def left() -> list[str]:
+        return sorted(n for n in os.listdir(out) if not n.startswith("held-"))
+
+    cut = left()  # the survivor: what the cut save left
+    writer = json.load(open(held))["writer"]  # the regroup ended the writer that held the old generation's write
     px.save_checkpoint(ckpt, model, opt, step=99)  # the next save of that path
-    result = {"left_after_training": left, "left_after_save": sorted(os.listdir(out)),
-              "history": [h["left"] for h in state.history]}
+    result = {"left_after_training": cut, "left_after_save": left(), "history": [h["left"] for h in state.history],
+              "held_writer_gone": launcher_gone(writer)}
+    px.save_checkpoint(os.path.join(out, "again"), model, opt, step=100, blocking=False).wait()  # a new writer
+    result["again"] = px.read_checkpoint(os.path.join(out, "again"))["step"]
+    result["new_writer"] = WRITERS.of(px.current_group()).value.pid != writer
+    shutil.rmtree(os.path.join(out, "again"))
     with open(os.path.join(out, f"worker{me}.json"), "w") as f:
         json.dump(result, f)
 

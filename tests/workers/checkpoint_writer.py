@@ -22,7 +22,7 @@ def main(out: str) -> None:
     import phalanx as px
     import phalanx.checkpoint.saver as saver
     from phalanx.checkpoint.writer import WRITERS
-    from workers.writer_hooks import HeldWriter
+    from workers.writer_hooks import CutWriter
     px.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
@@ -35,7 +35,7 @@ def main(out: str) -> None:
 
     def held(n: int) -> px.checkpoint.SaveHandle:
         plain = saver._writer
-        saver._writer = lambda tmp: HeldWriter(tmp, os.path.join(out, f"held-{n}.json"))  # the test's hook
+        saver._writer = lambda tmp: CutWriter(tmp, held=os.path.join(out, f"held-{n}.json"))  # the test's hook
         try:
             return px.save_checkpoint(os.path.join(out, f"step-{n}"), model, opt, step=n, blocking=False)
         finally:

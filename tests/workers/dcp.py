@@ -136,7 +136,7 @@ def killed(ckpt: str) -> dict[str, Any]:
     SIGKILL. The test then loads ``ckpt``, and checks that the writer processes ended with their workers."""
     import phalanx.checkpoint.saver as saver
     from support.wait import until
-    from workers.writer_hooks import HeldWriter
+    from workers.writer_hooks import CutWriter
     g = px.init()
     store = g.store
     held = f"{ckpt}-held-{px.rank()}.json"
@@ -148,7 +148,7 @@ def killed(ckpt: str) -> dict[str, Any]:
     saved = flat(model)
     torch.save(saved, f"{ckpt}-weights-{px.rank()}.pt")
     loop(model, opt, loader, 2, 4)
-    saver._writer = lambda tmp: HeldWriter(tmp, held, px.rank())  # the test's hook into DCP's writer
+    saver._writer = lambda tmp: CutWriter(tmp, held=held, rank=px.rank())  # the test's hook into DCP's writer
     handle = px.save_checkpoint(ckpt, model, opt, loader=loader, step=4, blocking=False)
     loop(model, opt, loader, 4, 6)  # training goes on while the checkpoint is being written
     until(lambda: os.path.exists(held), timeout=60, what="the writer process holding the write half-way")

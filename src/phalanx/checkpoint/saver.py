@@ -157,7 +157,7 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     writers = WRITERS.of(g)
     process = writers.process(g)
     staging = Staging(process)
-    kwargs["storage_writer"] = storage_writer(process, writer, staging, path)
+    kwargs["storage_writer"] = storage_writer(process, writer, staging, path, g.generation)
     handle._future = _dcp().async_save(tensors, async_stager=staging, **kwargs)
     saving.value = handle
     if me == 0:

@@ -16,13 +16,14 @@ back and hashes every byte. The writer runs at the lowest CPU priority (``nice``
 torch thread, so training keeps the cores and the write takes what training leaves; its
 kernel and disk time is its own. It never touches a GPU (``CUDA_VISIBLE_DEVICES`` is empty).
 
-Its lifetime is the worker's group generation:
+Its lifetime is its worker's:
 
-* one is started at a generation's first asynchronous save and serves every later one;
+* one is started at the worker's first asynchronous save and serves every later one;
 * it ends with its worker (it waits on a pidfd of the worker, whichever way the worker ends);
-* at a regroup, a write in flight is killed at once (its save is abandoned with the old
-  generation: its collectives are gone), a commit in flight (a whole checkpoint being put in
-  place) is let finish, and the writer ends; the next generation starts its own;
+* at a regroup, a write in flight is killed at once with its writer (its save is abandoned with
+  the old generation, whose collectives are gone; the next save starts another writer); a commit
+  in flight (a whole checkpoint being put in place) is let finish; an idle writer serves the next
+  generation, as the worker does;
 * when the group is left (``px.shutdown()``, at exit) it ends after the last save.
 
 A writer killed half-way loses only the checkpoint in flight: its worker's wait raises a
@@ -62,8 +63,7 @@ from .handle import _commit
 NICE = 19  # the writer's CPU priority: the lowest, training first
 _ALIGN = 64  # each staged tensor starts on a cache line
 _HEADER = struct.Struct("!Q")
-_CHILD = ("import os, sys; os.nice(int(sys.argv[3])); "
-          "from phalanx.checkpoint.writer import _serve; _serve(int(sys.argv[1]), int(sys.argv[2]))")
+_CHILD = "import sys; from phalanx.checkpoint.writer import _serve; _serve(*map(int, sys.argv[1:4]))"
 
 
 class WriterGone(CheckpointError):
@@ -76,8 +76,7 @@ class WriterProcess:
     ``stage`` runs on the caller's thread; ``write`` and ``commit`` on DCP's, one at a time.
     """
 
-    def __init__(self, generation: int) -> None:
-        self.generation = generation
+    def __init__(self) -> None:
         mine, theirs = socket.socketpair()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
                # the worker's own import path (a test's or a script's directory too): a writer class it passes
@@ -115,15 +114,18 @@ class WriterProcess:
         return self.region.entries
 
     # -- DCP's thread ------------------------------------------------------------------------------------------
-    def write(self, inner: Any, plan: Any, entries: list, what: str) -> list:
-        """The writer process runs ``inner.write_data(plan, ...)`` over the staged tensors; its WriteResults."""
+    def write(self, inner: Any, plan: Any, entries: list, what: str, generation: int) -> list:
+        """The writer process runs ``inner.write_data(plan, ...)`` over the staged tensors; its WriteResults.
+
+        Refused once the group has left ``generation`` (the save's): a regroup abandoned that save.
+        """
         region = self.region
         assert region is not None, "stage() comes first"
         if hasattr(inner, "per_thread_copy_ahead"):
             inner.per_thread_copy_ahead = 0  # the staged tensors are in memory already (as DCP's own staging does)
         fds = [] if self._sent == region.ident else [region.fd]
         body = {"writer": inner, "plan": plan, "entries": entries, "region": (region.ident, region.size)}
-        results = self._ask("write", body, fds, what)
+        results = self._ask("write", body, fds, what, generation)
         self._sent = region.ident
         return results
 
@@ -131,12 +133,13 @@ class WriterProcess:
         """Rank 0: the writer process seals ``tmp`` and renames it over ``path`` (:func:`~.handle._commit`)."""
         self._ask("commit", (tmp, path, world, step), [], f"sealing the checkpoint {path!r}")
 
-    def _ask(self, kind: str, body: Any, fds: list[int], what: str) -> Any:
+    def _ask(self, kind: str, body: Any, fds: list[int], what: str, generation: int | None = None) -> Any:
         with self._request:
-            with self._state:
-                if self._retiring or not self.alive():
-                    raise WriterGone(f"the checkpoint writer process (pid {self.pid}) was stopped (its group "
-                                     f"changed) before {what}; this checkpoint is abandoned and the previous one "
+            with self._state:  # (a regroup changes the generation, then kills a write in flight under this lock)
+                if self._retiring or not self.alive() or (
+                        generation is not None and group.current().generation != generation):
+                    raise WriterGone(f"the checkpoint writer process (pid {self.pid}) was stopped, or the group "
+                                     f"changed, before {what}; this checkpoint is abandoned and the previous one "
                                      "at that path is untouched.")
                 self._busy = kind
             try:
@@ -178,6 +181,15 @@ class WriterProcess:
                 self._kill()  # the request's thread sees the end of the channel, says so, and closes it
             # a commit in flight puts a whole checkpoint in place: _ask ends the writer after it
 
+    def abandon_write(self) -> bool:
+        """Kill it if a write is in flight (its save is abandoned; the caller starts another writer); True if so."""
+        with self._state:
+            if self._busy != "write":
+                return False  # idle (kept for the next save), or a commit putting a whole checkpoint in place
+            self._retiring = True
+            self._kill()
+            return True
+
     def _kill(self) -> None:
         """SIGKILL and reap it (an idle writer holds nothing; a write in flight is abandoned by its caller)."""
         if self.proc.poll() is None:
@@ -195,31 +207,34 @@ class WriterProcess:
         self.sock.close()
 
     def __repr__(self) -> str:
-        return f"WriterProcess(pid={self.pid}, generation={self.generation}, alive={self.alive()})"
+        return f"WriterProcess(pid={self.pid}, alive={self.alive()})"
 
 
 class Writers(Slot[WriterProcess]):
-    """The group's record of its writer process: started at the first asynchronous save of a generation."""
+    """The group's record of its worker's writer process: started at the first asynchronous save, ended with it."""
 
     def __init__(self) -> None:
         super().__init__()
         self._watching = False
 
     def process(self, g: group.Group) -> WriterProcess:
-        """This generation's writer, started now if it has none (or the last one ended)."""
+        """The worker's writer, started now if it has none (or the last one ended)."""
         writer = self.value
-        if writer is not None and (writer.generation != g.generation or not writer.alive()):
+        if writer is not None and not writer.alive():
             writer.retire()
             writer = None
         if writer is None:
-            writer = self.value = WriterProcess(g.generation)
+            writer = self.value = WriterProcess()
             if not self._watching:
                 g.on_regroup(self._regrouped)
                 self._watching = True
         return writer
 
     def _regrouped(self, g: group.Group) -> None:
-        self.stop()
+        """A write in flight belonged to the generation that ended: kill it (the next save starts a new writer)."""
+        writer = self.value
+        if writer is not None and writer.abandon_write():
+            self.value = None
 
     def stop(self) -> None:
         """End this group's writer (see :meth:`WriterProcess.retire`)."""
@@ -343,8 +358,9 @@ def _proxy_class() -> type:
     class ProcessStorageWriter(base):  # type: ignore[misc, valid-type]
         """``inner``'s plans and metadata in this worker; its data files written by the writer process."""
 
-        def __init__(self, writer: WriterProcess, inner: Any, entries: list, path: str) -> None:
+        def __init__(self, writer: WriterProcess, inner: Any, entries: list, path: str, generation: int) -> None:
             self.writer, self.inner, self.entries, self.path = writer, inner, entries, path
+            self.generation = generation
 
         def reset(self, checkpoint_id: Any = None) -> None:
             self.inner.reset(checkpoint_id)
@@ -363,7 +379,8 @@ def _proxy_class() -> type:
             return self.inner.prepare_global_plan(plans)
 
         def write_data(self, plan: Any, planner: Any) -> Any:
-            results = self.writer.write(self.inner, plan, self.entries, f"writing the checkpoint {self.path!r}")
+            results = self.writer.write(self.inner, plan, self.entries, f"writing the checkpoint {self.path!r}",
+                                        self.generation)
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(results)
             return done
@@ -405,19 +422,24 @@ class Staging:
         pass
 
 
-def storage_writer(writer: WriterProcess, inner: Any, staging: Staging, path: str) -> Any:
-    """DCP's storage writer for an asynchronous save: ``inner``'s, with its data written by ``writer``."""
-    return _proxy_class()(writer, inner, staging.entries, path)
+def storage_writer(writer: WriterProcess, inner: Any, staging: Staging, path: str, generation: int) -> Any:
+    """DCP's storage writer for an asynchronous save of ``generation``: ``inner``'s, its data written by ``writer``."""
+    return _proxy_class()(writer, inner, staging.entries, path, generation)
 
 
 # -- the writer process ----------------------------------------------------------------------------------------
 
-def _serve(fd: int, parent: int) -> None:
+def _serve(fd: int, parent: int, nice: int) -> None:
     """The writer process's loop: answer each request on the socket ``fd`` until the worker ``parent`` is gone."""
     if os.getppid() != parent:
         os._exit(1)  # the worker ended before we started
     threading.Thread(target=_end_with, args=(parent,), name="phalanx-writer-watch", daemon=True).start()
     torch.set_num_threads(1)
+    _dcp()  # (its import is most of the start)
+    # Niced once started, not before: a start at the lowest priority on a busy machine would take minutes (CFS gives
+    # a nice-19 process 1.5% of a nice-0 one's share), and the first save would wait for it; a write's bursts of
+    # work are scheduled soon at any priority.
+    os.nice(nice)
     sock = socket.socket(fileno=fd)
     mapped: tuple[int, Any] | None = None
     while True:
