@@ -61,10 +61,11 @@ def test_a_checkpoint_of_2_workers_resumes_on_1_equal_to_the_uninterrupted_run(s
 
 @pytest.fixture(scope="module")
 def hsdp_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
-    """A checkpoint written at SAVE_AT by 4 workers sharded 2 x 2 (HSDP)."""
+    """A checkpoint written at SAVE_AT by 4 workers sharded 2 x 2 (HSDP), asynchronously: each worker's writer
+    process writes the shards it staged."""
     ckpt = str(tmp_path_factory.mktemp("hsdp") / "sharded")
     return ckpt, run_workers("workers.dcp:sharded", world_size=4, timeout=180, ckpt=ckpt, mesh=[2, 2],
-                             load=False).results
+                             load=False, asynchronous=True).results
 
 
 @pytest.mark.multiproc

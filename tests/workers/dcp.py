@@ -87,14 +87,15 @@ def _wrapped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return px.wrap(model, optimizer(model), strategy=px.AllReduce())
 
 
-def sharded(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
+def sharded(ckpt: str, mesh: list[int], load: bool, asynchronous: bool = False) -> dict[str, Any]:
     """A model sharded by torch's ``fully_shard`` over ``mesh`` (replicas x shards: [2, 2] is HSDP, [2] is FSDP).
 
-    ``load=False``: train SAVE_AT steps and save. ``load=True``: resume from ``ckpt`` (written on another mesh)
-    and train on to STEPS. Reports each parameter whole, and how much of it this worker held.
+    ``load=False``: train SAVE_AT steps and save (``asynchronous``: from the writer process, each worker staging
+    its shards). ``load=True``: resume from ``ckpt`` (written on another mesh) and train on to STEPS. Reports each
+    parameter whole, and how much of it this worker held.
     """
     px.init()
-    return _sharded_run(ckpt, mesh, load)
+    return _sharded_run(ckpt, mesh, load, asynchronous)
 
 
 def reloaded(ckpt: str, meshes: list[list[int]]) -> list[dict[str, Any]]:
@@ -104,7 +105,7 @@ def reloaded(ckpt: str, meshes: list[list[int]]) -> list[dict[str, Any]]:
     return [_sharded_run(ckpt, mesh, True) for mesh in meshes]
 
 
-def _sharded_run(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
+def _sharded_run(ckpt: str, mesh: list[int], load: bool, asynchronous: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     model = net(seed=99 if load else 1)
@@ -120,7 +121,9 @@ def _sharded_run(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
 
     def save(now: int) -> None:
         if not load and now == SAVE_AT:
-            px.save_checkpoint(ckpt, model, opt, loader=loader, step=now)
+            handle = px.save_checkpoint(ckpt, model, opt, loader=loader, step=now, blocking=not asynchronous)
+            if handle is not None:
+                handle.wait()
 
     # fully_shard averages gradients over every worker: each one's mean over its part makes the global mean
     step = loop(model, opt, loader, step, STEPS if load else SAVE_AT, save)
