@@ -119,9 +119,16 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     me, world = group.rank(), group.world_size()
     tmp = _agree_on_temporary(path, key)
     tensors, rank_file = _snapshot(state, me)
+    writers = WRITERS.of(g)
+    staging = None
     try:
         os.makedirs(tmp, exist_ok=True)
         write_verified(os.path.join(tmp, f"rank-{me}.pt"), rank_file)
+        if not blocking:
+            # The copy into the writer process's shared memory: the part of an asynchronous save that blocks
+            # training. Here, before the agreement, so that a worker that cannot (no memory) stops them all.
+            staging = Staging(writers.process(g))
+            staging.copy(tensors)
         failure = None
     except Exception as err:  # noqa: BLE001 - every worker must learn of it before the collective write starts
         failure = err
@@ -152,12 +159,11 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
         _finish(handle, tmp, world, state.step, blocking=True)
         saving.value = handle  # done; kept for its process group
         return handle
-    # Stages (copies into the writer process's shared memory) now; DCP's protocol runs in a thread, the files are
-    # written, and on rank 0 sealed and put in place, by the writer process (phalanx.checkpoint.writer).
-    writers = WRITERS.of(g)
-    process = writers.process(g)
-    staging = Staging(process)
-    kwargs["storage_writer"] = storage_writer(process, writer, staging, path, g.generation)
+    # Staged above; DCP's protocol runs in a thread, the files are written, and on rank 0 sealed and put in place,
+    # by the writer process (phalanx.checkpoint.writer).
+    assert staging is not None
+    process = staging.writer
+    kwargs["storage_writer"] = storage_writer(staging, writer, path, g.generation)
     handle._future = _dcp().async_save(tensors, async_stager=staging, **kwargs)
     saving.value = handle
     if me == 0:

@@ -395,24 +395,28 @@ def _proxy_class() -> type:
 
 
 class Staging:
-    """DCP's ``async_stager``: the copy into the writer's shared region, on the caller's thread (the blocking part).
+    """An asynchronous save's staging: :meth:`copy` (the blocking part) and DCP's ``async_stager``.
 
-    It returns the state as given: DCP plans from it in its thread (shapes and layouts only,
-    which training does not change); the bytes written are the staged ones.
+    :meth:`copy` copies the tensors into the writer's shared region on the caller's thread; DCP's
+    ``stage`` then returns the state as given: DCP plans from it in its thread (shapes and layouts
+    only, which training does not change), and the bytes written are the staged ones.
     """
 
-    _synchronize_after_execute = False  # the copy is done when stage() returns
+    _synchronize_after_execute = False  # the copy is done before DCP is called
 
     def __init__(self, writer: WriterProcess) -> None:
         self.writer = writer
         self.entries: list = []
+
+    def copy(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` into the writer's shared region (see :meth:`WriterProcess.stage`)."""
+        self.entries = self.writer.stage(tensors)
 
     @property
     def should_synchronize_after_execute(self) -> bool:
         return False
 
     def stage(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        self.entries[:] = self.writer.stage(state_dict)
         return state_dict
 
     def synchronize_staging(self) -> None:
@@ -422,9 +426,10 @@ class Staging:
         pass
 
 
-def storage_writer(writer: WriterProcess, inner: Any, staging: Staging, path: str, generation: int) -> Any:
-    """DCP's storage writer for an asynchronous save of ``generation``: ``inner``'s, its data written by ``writer``."""
-    return _proxy_class()(writer, inner, staging.entries, path, generation)
+def storage_writer(staging: Staging, inner: Any, path: str, generation: int) -> Any:
+    """DCP's storage writer for an asynchronous save of ``generation``: ``inner``'s, its data written from
+    ``staging`` by its writer process."""
+    return _proxy_class()(staging.writer, inner, staging.entries, path, generation)
 
 
 # -- the writer process ----------------------------------------------------------------------------------------
