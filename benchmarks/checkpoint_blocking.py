@@ -5,7 +5,8 @@ process. Each repeat times, in this order, the same ``--steps`` training steps t
 
 * plain: the steps alone (the baseline, measured in every repeat, next to the others);
 * asynchronous (``blocking=False``): the save's call, the steps (run while the writer process
-  writes), and the handle's ``wait()`` at the end (zero when the write finished during the steps);
+  writes; more, up to 4 times as many, until the write is done), and the handle's ``wait()`` at the
+  end (zero when the write finished during the steps), against as many plain steps;
 * synchronous (``blocking=True``): the save, then the steps.
 
 and reports, as medians over the repeats:
@@ -21,7 +22,7 @@ and the torch thread counts of the training process and of the writer process.
 The first asynchronous save of a run also starts the writer process and allocates the shared
 region (both kept for the next saves); it is done once before the repeats and reported apart.
 
-    python benchmarks/checkpoint_blocking.py [--width 2048] [--layers 24] [--repeat 3] [--steps 0] [--dir DIR]
+    python benchmarks/checkpoint_blocking.py [--width 2048] [--layers 24] [--repeat 3] [--steps 0] [--nice N]
 
 ``--steps 0`` (default) picks enough steps to cover two synchronous saves' time.
 """
@@ -49,7 +50,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=0, help="steps timed after each save (0: cover 2 sync saves)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--nice", type=int, default=None, help="the writer process's nice (default: phalanx's)")
     args = parser.parse_args()
+    if args.nice is not None:
+        import phalanx.checkpoint.writer as writer
+        writer.NICE = args.nice
 
     px.init()
     model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
@@ -91,12 +96,15 @@ def main() -> None:
         started = time.perf_counter()
         handle = px.save_checkpoint(path, model, opt, step=2 * r + 1, blocking=False)
         call = time.perf_counter() - started
-        steps(n)
+        taken = 0
+        while taken < n or (not handle.done() and taken < 4 * n):  # until the write is done (at most 4 n steps)
+            steps(1)
+            taken += 1
         waited = time.perf_counter()
         handle.wait()
         rows["wait"].append(time.perf_counter() - waited)
         rows["call"].append(call)
-        rows["async_cost"].append(time.perf_counter() - started - rows["plain"][-1])
+        rows["async_cost"].append(time.perf_counter() - started - rows["plain"][-1] * taken / n)
         started = time.perf_counter()
         px.save_checkpoint(path, model, opt, step=2 * r + 2)
         rows["sync"].append(time.perf_counter() - started)
@@ -110,7 +118,7 @@ def main() -> None:
     load = os.getloadavg()
     print(f"model: {params / 1e6:.1f}M parameters, AdamW; state {state_mib:,.0f} MiB, checkpoint {size:,.0f} MiB; "
           f"plain step {med['plain'] / n:.3f} s; {n} steps timed after each save; median of {args.repeat}")
-    print(f"threads: training process torch.get_num_threads()={torch.get_num_threads()}; {writer_threads()}; "
+    print(f"threads: training process torch.get_num_threads()={torch.get_num_threads()}; {writer_threads(args.nice)}; "
           f"{os.cpu_count()} CPUs; load average {load[0]:.1f} (1 min) / {load[1]:.1f} (5 min) at the end")
     print(f"floor (one memcpy of the state): {floor:.3f} s = {floor / med['sync']:.1%} of a synchronous save")
     print(f"synchronous:  save {med['sync']:.3f} s; total cost to training {med['sync_cost']:.3f} s")
@@ -127,13 +135,13 @@ def main() -> None:
     px.shutdown()
 
 
-def writer_threads() -> str:
+def writer_threads(nice: int | None) -> str:
     """Where the asynchronous write runs (a phalanx without the writer process writes from a thread)."""
     try:
         from phalanx.checkpoint.writer import NICE
     except ImportError:
         return "asynchronous write: a thread of the training process"
-    return f"asynchronous write: the writer process, torch.get_num_threads()=1, nice {NICE}"
+    return f"asynchronous write: the writer process, torch.get_num_threads()=1, nice {NICE if nice is None else nice}"
 
 
 def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
