@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 	@# the streaming tests and `phalanx demo --stream` need a real redis-server (skipped with a reason if absent)
 	command -v redis-server >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update && apt-get install -y redis-server)
 	@# tests/test_slurm.py runs a two-node SLURM cluster on this machine (skipped with a reason if absent or not root)
+	@# tests/monitor/ keep a status page open in Debian's headless chromium (driven by playwright; nothing downloaded)
+	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update && apt-get install -y chromium)
 	command -v slurmctld >/dev/null || [ -x /usr/sbin/slurmctld ] || [ "$$(id -u)" != 0 ] || (apt-get update && apt-get install -y slurm-wlm)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@# .[dev]: every extra (bench: the demo's scikit-learn and matplotlib; ps, keras, stream) plus pytest and ruff

@@ -135,6 +135,7 @@ FLOORS = (
     ("checkpoint",),                                # verified, atomic, resharding checkpoints
     ("train",),                                     # the Trainer and what it reports
     ("elastic", "ps", "stream", "keras"),           # features
+    ("monitor",),                                   # the job seen from outside: status page, /metrics
     ("launch",),                                    # processes around the workers
     ("raytrain",),                                  # phalanx.launch.raytrain's old name, for one release
     ("bench", "cli"),                               # what users run

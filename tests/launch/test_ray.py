@@ -132,3 +132,58 @@ def test_an_unreachable_ray_address_is_one_line_within_seconds(monkeypatch):
         _connect(ray, "127.0.0.1:1")
     assert "\n" not in str(err.value) and time.monotonic() - started < 15
     assert issubclass(ConfigError, PhalanxError)
+
+
+def test_status_serves_the_same_page_under_ray(cluster, tmp_path, monkeypatch):
+    # train(status=PORT): Ray Train's controller, which holds the job's store, serves the page of `phalanx run --status`
+    import urllib.error
+    import urllib.request
+
+    from phalanx.monitor import token
+    from phalanx.monitor.server import PAGE
+    from support.procs import free_port
+
+    monkeypatch.setenv("PHALANX_SECRET", "7a" * 32)  # the driver's secret: the page's token derives from it
+    port, seen, done = free_port(), {"pages": [], "status": []}, threading.Event()
+
+    def get(path: str, auth: bool = True) -> tuple[int, bytes]:
+        headers = {"Authorization": f"Bearer {token('7a' * 32)}"} if auth else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers),
+                                        timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def watch() -> None:
+        while not done.is_set():
+            try:
+                code, body = get("/status.json")
+            except OSError:  # not serving yet, or gone
+                done.wait(0.1)
+                continue
+            if code == 200:
+                status = json.loads(body)
+                seen["status"].append(status)
+                if not seen["pages"]:
+                    seen["pages"] = [get("/"), get("/", auth=False), get("/metrics", auth=False)]
+                if status["ended"]:
+                    return
+            done.wait(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        returned = train(worker.main, str(tmp_path), "", 4, 2, num_workers=2, heartbeat_s=20, status=port)
+    finally:
+        watcher.join(timeout=30)
+        done.set()
+    assert returned["id"] == "0"
+    page, anonymous, metrics = seen["pages"]
+    assert page == (200, open(PAGE, "rb").read())  # the same page as under `phalanx run --status`
+    assert anonymous == (401, b"") and metrics == (401, b"")
+    assert all(s["members"] == ["0", "1"] for s in seen["status"])
+    last = seen["status"][-1]
+    assert last["ended"]["code"] == 0 and last["ended"]["reason"] == "training finished"
+    # each worker's last report, sent as it finished training (a Ray actor outlives the training function)
+    assert [w["step"] for w in last["workers"]] == [returned["steps"]] * 2, last["workers"]

@@ -34,6 +34,7 @@ from ..errors import ConfigError, usage
 from .prefetch import prefetch
 from .sampler import ShardSampler, epoch_order, global_batches, split_sizes
 from ..group.spans import span
+from ..step import telemetry
 from ..step.clock import clocks, set_batch_weight
 
 
@@ -118,6 +119,7 @@ class ShardedLoader:
                 self._generator.manual_seed(hash((s.seed, s.epoch, s.samples, s.rank)) & (2**63 - 1))
             # The prefetcher reads one batch ahead; the position and the weight follow what was handed out.
             batches = prefetch(self._loader, self.device)
+            reporter = telemetry.of()  # `phalanx run --status`: the wait for each batch is the step's input time
             for step_sizes in sizes:
                 fetch = time.perf_counter()
                 with span("phalanx/data wait"):  # the timeline (phalanx.step.profiling)
@@ -129,6 +131,8 @@ class ShardedLoader:
                 s.samples += total
                 self.batch_weight = step_sizes[s.rank] * s.world_size / total
                 set_batch_weight(self.batch_weight)
+                if reporter is not None:
+                    reporter.input_waited(fetch, step_sizes[s.rank], step_sizes[s.rank] / total)
                 if balance is None:
                     yield batch
                     continue

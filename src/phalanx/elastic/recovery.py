@@ -20,9 +20,9 @@ import warnings
 from ..group import group
 from ..checkpoint import checkpoint_step, load_checkpoint
 from ..group.collectives import broadcast_object
+from ..step import telemetry
 from ..sharding.reshard import ShardLostError, reshard, reshard_empty
 from ..sharding.layout import sharded_by
-from ..wrap import strategy_of
 
 from ..checkpoint.training_state import shared
 from .rule import Regroupable
@@ -103,7 +103,7 @@ class Recovery:
         :meth:`_reshard`, each worker receiving only the rows of its new shards."""
         mine = self.commits[max(self.commits)] if group.rank() == 0 else None
         if mine is not None and sharded_by(self.optimizer) is not None:
-            mine = {**mine, "model": None, "optimizer": None}
+            mine = {**mine, "model": None, "optimizer": None, "rows": None}
         return broadcast_object(mine, 0, "newest commit")
 
     def _from_disk(self, lost: ShardLostError, joined: bool = False) -> dict:
@@ -149,7 +149,7 @@ class Recovery:
         if sampler is not None and hasattr(sampler, "reassign"):  # px.shard's: the position counts samples
             sampler.reassign(group.rank(), group.world_size())
         self.resize.resized(self.loader, before=before, after=group.world_size())
-        strategy = strategy_of(self.optimizer)
+        strategy = self.training.strategy  # px.wrap's, or the one a Keras run's optimizer state carries
         if isinstance(strategy, Regroupable):
             strategy.regroup()
 
@@ -163,6 +163,9 @@ class Recovery:
                              "time": time.time(), "seconds": round(seconds, 3), "cause": cause[:200],
                              **self._moved})
         self._moved = {}
+        reporter = telemetry.of()  # `phalanx run --status`: the page lists the change and its cost
+        if reporter is not None:
+            reporter.changed(self.history[-1])
         if group.rank() == 0:
             print(f"phalanx: elastic: generation {plan['generation']}: {before} -> {group.world_size()} workers "
                   f"(left: {', '.join(plan['left']) or '-'}; joined: {', '.join(plan['joined']) or '-'}); "

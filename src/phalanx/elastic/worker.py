@@ -47,6 +47,7 @@ import torch.distributed as dist
 from ..group import group, leaving
 from ..group.records import Record, Slot
 from ..errors import PhalanxError, WorkerLostError
+from ..step import telemetry
 from ..step.preempt import PREEMPTED_EXIT
 from . import secret as job_secret
 from .membership import Membership, QuorumError, joiner_ids, key
@@ -559,6 +560,12 @@ class ElasticWorker:
 
     def finished(self) -> None:
         """Training is over on this worker: late joiners may leave; our heartbeat stops."""
+        reporter = telemetry.of(self.group)  # `--status`: the page shows the last step (a Ray actor does not exit)
+        if reporter is not None:
+            try:
+                reporter.send()
+            except Exception:  # noqa: BLE001 - the page's store is the launcher's: it may be gone at exit
+                pass
         try:
             self.store.set(key("finished", self.me), "1")
             self.store.set(key("done"), "1")

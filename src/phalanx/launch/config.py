@@ -27,6 +27,8 @@ from .allocator import heap_env
 from ..elastic.options import ElasticConfig
 from ..elastic.options import add_arguments as add_elastic_arguments
 from ..errors import ConfigError, OneLineParser, usage
+from .netns import parse_rate, why_not
+from ..monitor.server import parse_address
 from .slurm import SlurmEnv, node_address
 from ..step.preempt import PREEMPTED_EXIT, latest_checkpoint
 
@@ -62,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", default="0", metavar="S", help="parameter-server processes to start (default 0)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="record a timeline of a few steps per worker into DIR (Chrome-trace JSON; see px.profile)")
+    p.add_argument("--link", default=None, metavar="RATE",
+                   help="root: split the workers over two network namespaces joined by a link shaped to RATE "
+                        "(tc tbf; 100mbit, 1gbit, 500kbit as phalanx bench --link spells them); prints where the "
+                        "steps went and the bytes on the wire at the end")
+    p.add_argument("--status", default=None, metavar="[HOST:]PORT",
+                   help="serve a live status page, /status.json and /metrics on PORT (loopback unless HOST is given), "
+                        "for the holder of the job's secret only; the link is printed at start (docs/monitoring.md)")
     p.add_argument("--debug", action="store_true",
                    help="show full tracebacks for workers' usage errors (same as PHALANX_DEBUG=1)")
     hosts = p.add_argument_group("several hosts (same meaning as torchrun's)")
@@ -133,12 +142,14 @@ class RunConfig:
     standalone: bool = False  # one host, no rendezvous options: we host the store, on loopback
     debug: bool = False
     profile_dir: str | None = None  # --profile DIR: the workers record a timeline there (phalanx.step.profiling)
+    status: tuple[str, int] | None = None  # --status [HOST:]PORT: the launcher serves the status page there
     elastic: "ElasticConfig | None" = None  # --elastic: phalanx.launch.elastic runs the job
     checkpoint_dir: str | None = None  # --checkpoint-dir
     resume_from: str | None = None  # --resume-from, resolved: a checkpoint path, or None for a fresh start
     requeue: bool = False
     grace_s: int = 30  # --grace: torch's agent waits this long for stopping workers, then SIGKILL
     slurm: SlurmEnv | None = None  # inside a SLURM allocation: the hosts came from its variables
+    link: str | None = None  # --link RATE: the workers on either side of a shaped veth (phalanx.launch.linked)
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> "RunConfig":
@@ -219,7 +230,13 @@ class RunConfig:
             raise ConfigError(usage("--elastic on several SLURM nodes without PHALANX_SECRET",
                                     "the job's secret in PHALANX_SECRET on every node",
                                     "Add `export PHALANX_SECRET=$(openssl rand -hex 32)` to the job script."))
-        return cls(elastic=elastic, script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
+        status = _status_flag(getattr(a, "status", None), standalone=standalone, elastic=elastic is not None,
+                              node_rank=node_rank)
+        link = _link_flag(a, nproc=nproc, max_nodes=max_nodes, servers=servers, elastic=elastic is not None,
+                          explicit=not standalone)
+        return cls(link=link, elastic=elastic, status=status, script=a.script, script_args=tuple(a.args),
+                   nproc=nproc,
+                   min_nodes=min_nodes,
                    max_nodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                    rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=a.rdzv_id or "none",
                    max_restarts=max_restarts, threads=threads, timeout_s=timeout_s, servers=servers,
@@ -252,6 +269,8 @@ class RunConfig:
             env["PHALANX_DEBUG"] = "1"
         if self.profile_dir:  # read once by the workers (WorkerEnv); rank 0 says in one line if it cannot write
             env["PHALANX_PROFILE"] = os.path.abspath(self.profile_dir)
+        if self.status is not None:  # the workers report their steps to the page (phalanx.step.telemetry)
+            env["PHALANX_STATUS"] = "1"
         if self.checkpoint_dir is not None:
             env["PHALANX_CHECKPOINT_DIR"] = self.checkpoint_dir
         if self.resume_from is not None:
@@ -284,6 +303,22 @@ class RunConfig:
                             signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", shutdown_timeout=self.grace_s)
 
 
+def _status_flag(text: str | None, *, standalone: bool, elastic: bool, node_rank: int) -> tuple[str, int] | None:
+    """``--status [HOST:]PORT`` -> (host, port): served by the launcher that holds the job's store."""
+    if text is None:
+        return None
+    try:
+        address = parse_address(text)
+    except ValueError:
+        raise ConfigError(usage(f"--status {text}", "[HOST:]PORT, e.g. --status 8080 or --status 0.0.0.0:8080",
+                                "Pass a port number, with the host to listen on if not loopback.")) from None
+    if not (standalone or (elastic and node_rank == 0)):
+        raise ConfigError(usage(f"--status {text} on a {'node other than the first' if elastic else 'multi-host'} "
+                                "run", "--status where the launcher holds the job's store: a one-host run, or node 0 "
+                                "of an --elastic job", "Pass --status on the first node's launcher only."))
+    return address
+
+
 def _apply_slurm(a: argparse.Namespace, slurm: SlurmEnv) -> argparse.Namespace:
     """Fill the host flags from SLURM's variables; a flag that disagrees with them is refused in one line."""
     slurm.check_launchers()
@@ -308,6 +343,33 @@ def _apply_slurm(a: argparse.Namespace, slurm: SlurmEnv) -> argparse.Namespace:
         a.master_addr = first
         a.master_port = a.master_port or str(slurm.port)
     return a
+
+
+def _link_flag(a: argparse.Namespace, *, nproc: int, max_nodes: int, servers: int, elastic: bool,
+               explicit: bool) -> str | None:
+    """``--link RATE`` checked: a rate in tc's units, a one-host job of 2 or more workers, and root with ``ip``
+    and ``tc`` here; each refusal is one line."""
+    raw = getattr(a, "link", None)
+    if raw is None:
+        return None
+    rate = parse_rate(raw, expected="a rate such as 100mbit, 1gbit or 500kbit (tc's units, as phalanx bench --link "
+                      "spells them)", fix="Pass e.g. --link 100mbit.")
+    fix = "Drop --link, or run the job on its own with -n 2 or more."
+    if nproc < 2:
+        raise ConfigError(usage(f"--link {rate} with -n {nproc}", "2 or more workers (they sit on either side of "
+                                "the link)", fix))
+    for given, what in ((max_nodes > 1, f"--nnodes {a.nnodes}"), (explicit and max_nodes == 1,
+                        "--master-addr/--master-port/--rdzv-*"), (servers > 0, f"--servers {servers}"),
+                        (elastic, "--elastic")):
+        if given:
+            raise ConfigError(usage(f"--link {rate} with {what}", "a plain one-host job (the link joins two "
+                                    "namespaces of this machine, and phalanx run --link starts the workers itself)",
+                                    fix))
+    reason = why_not("run without --link")
+    if reason:
+        raise ConfigError(usage(f"--link {rate}", "a machine where it can be built", reason[0].upper() + reason[1:]
+                                + "."))
+    return rate
 
 
 def _preemption_flags(a: argparse.Namespace) -> tuple[str | None, str | None]:

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -48,36 +49,48 @@ from ..elastic.rebuild import generation_prefix
 from ..elastic.watch import Remote, Watched, describe, exit_note, poll
 from ..errors import PhalanxError
 from .failures import Recorded, failure_line, own_failure, status
+from .stacks import Watchdog, register_job
+from .status import stacks_button
 from .workers import start_worker
 
 if TYPE_CHECKING:
     from .config import RunConfig
+    from .status import JobStatus
 
 POLL_S = 0.05  # a process's exit is seen this soon (a waitpid, no store call): recovery starts from it
 STORE_POLL_S = 0.5  # heartbeats, members and remote workers are read from the store this often
 MAX_FAILED_STARTS = 3  # replacements in a row that died before any generation admitted them
+SILENT_S = 1.5  # a worker whose heartbeat stood still this long is not waited for when stacks are collected
 
 
 # the watching code lives in watch.py, shared with `phalanx join`'s local watcher
 _Worker, _how, _exit_note = Watched, describe, exit_note
 
 
-def run_elastic(cfg: "RunConfig") -> int:
-    """Host the store, start ``cfg.nproc`` workers and the spares, watch them; returns the exit status."""
+def run_elastic(cfg: "RunConfig", status: "JobStatus | None" = None) -> int:
+    """Host the store, start ``cfg.nproc`` workers and the spares, watch them; returns the exit status.
+
+    ``status``: ``--status``'s server, bound already; it serves this job once the store and secret exist.
+    """
     el: ElasticConfig = cfg.elastic
     store, listener = listening_store(cfg.master_addr, cfg.master_port or 0)
     port = store.port
     ids, spares = [str(r) for r in range(cfg.nproc)], [f"s{i}" for i in range(el.spares)]
-    job_secret, secret_file = _job_secret()
+    job_secret, secret_file = make_job_secret()
     job_nonce = secret.nonce()
     store.set(key("config"), json.dumps({"min_workers": el.min_workers, "max_workers": el.max_workers,
                                          "heartbeat_s": el.heartbeat_s, "workers": cfg.nproc, "spares": spares,
-                                         "nonce": job_nonce, "check": secret.verifier(job_secret, job_nonce)}))
+                                         "nonce": job_nonce, "check": secret.verifier(job_secret, job_nonce),
+                                         "status": status is not None}))  # joiners report to the page too
     how = f"--secret-file {secret_file} " if secret_file else ""
     print(f"phalanx: elastic job: its store is at {cfg.master_addr}:{port}; add workers with "
           f"`phalanx join {how}--rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`"
           f"{'' if secret_file else f' and the {secret.ENV} you set'}", file=sys.stderr, flush=True)
     store.set(key("gen", 0, "members"), json.dumps(ids))
+    if status is not None:
+        status.attach(store, members=generation_members, secret=job_secret,
+                      checkpoint=lambda s: saved_checkpoint(s, generation_members(s)[0]))
+        status.action("stacks", stacks_button(cfg.master_addr, port, job_secret))  # a button on the page
     servers = None  # `--servers K`: started before the workers, outlive every one of them
     if cfg.servers:
         from ..ps.launcher import start_servers  # parameter servers only with --servers (as in launch.py)
@@ -108,11 +121,23 @@ def run_elastic(cfg: "RunConfig") -> int:
         stop["sig"] = sig
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Stacks of every worker when the group stops stepping, and before a hung worker is killed (launch/stacks.py)
+    dog = Watchdog(store, job_secret, el.heartbeat_s, expect=lambda: _members(store),
+                   lost=lambda: [w.id for w in workers if w.returncode is not None or w.proc.poll() is not None],
+                   epoch=lambda: store.get(key("gen")) if store.check([key("gen")]) else b"0")
+    note = register_job(cfg.master_addr, port, secret_file, cfg.script)
     try:
-        return _watch(workers, store, el, stop, joiner, reserve=list(spares), servers=servers, errors=errors)
+        return _watch(workers, store, el, stop, joiner, reserve=list(spares), servers=servers, errors=errors,
+                      dog=dog)
     finally:
+        if dog.end_note():
+            print(dog.end_note(), file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            os.remove(note)
         for s, h in old.items():
             signal.signal(s, h)
+        if status is not None:
+            status.settle()  # the workers' last reports, before the store closes
         _stop_all(workers)
         shutil.rmtree(errors, ignore_errors=True)
         if servers is not None:
@@ -122,8 +147,9 @@ def run_elastic(cfg: "RunConfig") -> int:
             shutil.rmtree(os.path.dirname(secret_file), ignore_errors=True)
 
 
-def _job_secret() -> tuple[str, str | None]:
-    """The job's secret and the file a joiner reads it from (None: the user set PHALANX_SECRET and holds it).
+def make_job_secret() -> tuple[str, str | None]:
+    """The job's secret and the file a joiner (or ``phalanx stacks``) reads it from (None: the user set
+    PHALANX_SECRET and holds it).
 
     The file is in a directory of its own, readable by this user only (mkdtemp makes it 0700), and is
     removed when the job ends.
@@ -191,12 +217,17 @@ def _admitted(store) -> set[str]:
 
 def _members(store) -> list[str]:
     """The newest generation's workers (rank order)."""
+    return generation_members(store)[1]
+
+
+def generation_members(store) -> tuple[int, list[str]]:
+    """The newest generation and its workers (rank order), as the status page shows them."""
     generation = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
-    return json.loads(store.get(key("gen", generation, "members")))
+    return generation, json.loads(store.get(key("gen", generation, "members")))
 
 
 def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner, reserve: list[str],
-           servers=None, errors: str | None = None) -> int:
+           servers=None, errors: str | None = None, dog: Watchdog | None = None) -> int:
     """Poll the workers until they are all gone. ``reserve``: the spares no lost worker has claimed yet;
     ``errors``: the directory of the workers' failure records (``<id>.json``).
 
@@ -233,12 +264,20 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                   "if any.", file=sys.stderr, flush=True)
             return 1
         now = time.monotonic()
+        # Before the hung are killed: their stacks first. A report blocks this loop (a second or so: the silent
+        # workers' answers are not waited for), so the heartbeats are then judged by the time after it, not before.
+        if dog is not None and dog.poll(now, silent=[w.id for w in workers if w.beats and now - w.seen > SILENT_S]):
+            now = time.monotonic()
+        kill_hook = dog.before_kill if dog is not None else None
         # poll() marks the dead and leaves their exit notes. Every worker that ended is read before any is reported:
         # a peer that ended because of another's own failure must not be reported as a loss the others regroup from.
-        ended = [(w, code) for w in workers if (code := poll(w, store, el.heartbeat_s, now=now))]
+        ended = [(w, code) for w in workers if (code := poll(w, store, el.heartbeat_s, now=now,
+                                                             before_kill=kill_hook))]
         own = [(w, f) for w, code in ended if own_failure(f := Recorded.read(_record(errors, w.id), code))]
         if own:
             return _failed_on_its_own(own, workers, store, remotes, el.heartbeat_s, now)
+        if ended and dog is not None:
+            dog.reset(now)  # the survivors regroup: not a stall
         for w, code in ended:
             first_failure = code if first_failure is None else first_failure
             if store.check([key("done")]):
@@ -337,14 +376,21 @@ def last_checkpoint(store) -> str:
     so the newest generation that saved one names it.
     """
     try:
-        newest = int(store.get(key("gen"))) if store.check([key("gen")]) else 0
-        for g in range(newest, -1, -1):
-            k = f"{'phalanx/0' if g == 0 else generation_prefix(g)}/{LAST_SAVED_KEY}"
-            if store.check([k]):
-                return f"resume from the last disk checkpoint, {store.get(k).decode()}"
+        newest = saved_checkpoint(store, int(store.get(key("gen"))) if store.check([key("gen")]) else 0)
+        if newest is not None:
+            return f"resume from the last disk checkpoint, {newest}"
     except Exception:  # noqa: BLE001 - our own store; unreadable only if it broke, and this is the last line
         pass
     return "no disk checkpoint was saved (px.save_checkpoint), so the job restarts from the beginning"
+
+
+def saved_checkpoint(store, newest: int) -> str | None:
+    """The newest file ``px.save_checkpoint`` wrote in this job, from generation ``newest`` down (None: none)."""
+    for g in range(newest, -1, -1):
+        k = f"{'phalanx/0' if g == 0 else generation_prefix(g)}/{LAST_SAVED_KEY}"
+        if store.check([k]):
+            return store.get(k).decode()
+    return None
 
 
 def _stop_all(workers: list[_Worker], grace_s: float = 3.0) -> None:

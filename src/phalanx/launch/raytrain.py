@@ -62,7 +62,9 @@ from ..elastic.membership import key
 from ..elastic.watch import mark_dead
 from ..elastic.worker import EndedBeforeAdmitted
 from ..errors import ConfigError, PhalanxError, usage
-from .elastic import listening_store, quiet_store_env
+from .elastic import _members, generation_members, listening_store, quiet_store_env, saved_checkpoint
+from .stacks import Watchdog
+from .status import JobStatus, stacks_button, status_address
 
 try:  # Ray is an extra (`pip install 'phalanx[ray]'`); without it this module imports and train() says so
     from ray.train.backend import Backend, BackendConfig
@@ -114,6 +116,8 @@ class PhalanxConfig(BackendConfig):  # type: ignore[misc]
     max_workers: int | None = None
     grow: Callable[[], Any] | None = None  # the training function, for the workers started when a node is added
     resources: dict[str, float] | None = None  # one worker's Ray resources (the room a new worker needs)
+    status: tuple[str, int] | None = None  # `status=`: the controller serves the status page there (phalanx.monitor)
+    secret: str | None = field(default=None, repr=False)  # the job's secret, made by the driver (None: the controller)
 
     def __post_init__(self) -> None:
         n = self.num_workers
@@ -159,6 +163,8 @@ class PhalanxConfig(BackendConfig):  # type: ignore[misc]
             env["PHALANX_TIMEOUT"] = repr(float(self.timeout_s))
         if self.debug:
             env["PHALANX_DEBUG"] = "1"
+        if self.status is not None:  # the workers report their steps to the page (phalanx.step.telemetry)
+            env["PHALANX_STATUS"] = "1"
         return env
 
 
@@ -170,7 +176,7 @@ class _Job:
 
         self.host = cfg.host or ray.util.get_node_ip_address()
         self.store, self.listener = listening_store(self.host, 0)
-        self.secret, nonce = secret.make(), secret.nonce()
+        self.secret, nonce = cfg.secret or secret.make(), secret.nonce()
         self.heartbeat_s = float(cfg.heartbeat_s)
         self.ids = {r: str(r) for r in range(cfg.num_workers)}  # Ray Train's world rank (its slot) -> worker id
         self.ids.update({cfg.num_workers + i: f"s{i}" for i in range(cfg.spares)})
@@ -182,6 +188,12 @@ class _Job:
             "workers": cfg.num_workers, "spares": self.spares, "nonce": nonce,
             "check": secret.verifier(self.secret, nonce)}))
         self.store.set(key("gen", 0, "members"), json.dumps([self.ids[r] for r in range(cfg.num_workers)]))
+        self.status: JobStatus | None = None
+        if cfg.status is not None:  # the page is served where the store is: this controller (the driver's node)
+            self.status = JobStatus.bind(*cfg.status)
+            self.status.attach(self.store, members=generation_members, secret=self.secret, announce=False,
+                               checkpoint=lambda s: saved_checkpoint(s, generation_members(s)[0]))
+            self.status.action("stacks", stacks_button(self.host, self.store.port, self.secret))
         self.stopped = threading.Event()
         self.watcher = threading.Thread(target=self._watch_heartbeats, name="phalanx-ray-heartbeats", daemon=True)
         self.watcher.start()
@@ -266,7 +278,13 @@ class _Job:
         import ray
 
         seen: dict[str, tuple[int, float]] = {}
+        # every worker's stacks when the group stops stepping, and before a hung worker is killed (launch/stacks.py)
+        self.dog = Watchdog(self.store, self.secret, self.heartbeat_s, expect=lambda: _members(self.store),
+                            lost=lambda: [w for w in self.ids.values() if self.store.check([key("dead", w)])],
+                            epoch=lambda: self.store.get(key("gen")) if self.store.check([key("gen")]) else b"0")
         while not self.stopped.wait(poll_s):
+            now = time.monotonic()
+            self._look_for_stalls(silent=[w for w, (beats, t) in seen.items() if beats and now - t > 1.5])
             try:
                 for wid, actor in list(self.actors.items()):
                     if self.store.check([key("finished", wid)]) or self.store.check([key("dead", wid)]):
@@ -276,6 +294,7 @@ class _Job:
                     if last is None or last[0] != beats or not beats:
                         seen[wid] = (beats, now)
                     elif now - last[1] > self.heartbeat_s:
+                        self._look_for_stalls(wid, f"sent no heartbeat for {now - last[1]:.1f}s (hung or stopped)")
                         print(f"phalanx: ray: worker {wid} sent no heartbeat for {now - last[1]:.1f}s (hung or "
                               "stopped); killing its actor", file=sys.stderr, flush=True)
                         self.actors.pop(wid, None)
@@ -283,12 +302,27 @@ class _Job:
             except Exception:  # noqa: BLE001 - the store is closing with the job
                 return
 
+    def _look_for_stalls(self, killing: str | None = None, why: str = "", silent: list[str] | None = None) -> None:
+        """The watchdog's look (or, before ``killing`` a worker, its stacks); never ends the heartbeat watcher.
+
+        ``silent``: workers whose heartbeat stood still a while, not waited for."""
+        try:
+            if killing is None:
+                self.dog.poll(silent=silent or [])
+            else:
+                self.dog.before_kill(killing, why)
+        except Exception:  # noqa: BLE001 - the store is closing with the job; the hang watcher goes on
+            pass
+
     def close(self) -> None:
         import ray
 
         from ..elastic.membership import key
 
         self.stopped.set()
+        note = self.dog.end_note() if getattr(self, "dog", None) is not None else None
+        if note:
+            print(note, file=sys.stderr, flush=True)
         if self.grown:
             try:  # training is over: let the grown workers return (they finish with the others), then end them
                 if self.store.check([key("done")]):
@@ -297,6 +331,12 @@ class _Job:
                 pass
             for actor, _ in self.grown.values():
                 ray.kill(actor)
+        if self.status is not None:
+            try:
+                done = self.store.check([key("done")])
+            except Exception:  # noqa: BLE001 - the store is closing with the job
+                done = False
+            self.status.end(0 if done else 1, "training finished" if done else "Ray Train ended the worker group")
         self.listener.close()
 
 
@@ -480,21 +520,30 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
           heartbeat_s: float = 10.0, threads: int = 1, timeout_s: float | None = None, max_failures: int = 3,
           resources_per_worker: dict[str, float] | None = None, address: str | None = None,
           storage_path: str | None = None, name: str | None = None, debug: bool = False,
-          max_workers: int | None = None) -> Any:
+          max_workers: int | None = None, status: str | int | None = None) -> Any:
     """Run ``fn(*args)`` on ``num_workers`` Ray Train workers as one elastic phalanx job; returns rank 0's result.
 
     ``fn`` is the function ``phalanx run --elastic`` would run (``px.init()``, ``px.wrap``,
     ``px.elastic.State``...). A lost worker is replaced by Ray alone, up to ``max_failures``
     times; the survivors regroup in process (see the module's docstring). ``address``: a
     running Ray cluster (``ray.init`` is called unless Ray is already initialised). ``max_workers``: grow up
-    to this many workers when nodes are added (each new one joins at the next commit).
+    to this many workers when nodes are added (each new one joins at the next commit). ``status``:
+    ``"[HOST:]PORT"``, where Ray Train's controller (on this node) serves the job's status page, as
+    ``phalanx run --status`` does; the link is printed here.
     Raises :class:`~phalanx.PhalanxError` with one line when the job fails.
     """
     ray = require_ray()
     run = training_function(fn, *args)
+    address = status_address(status, "status=")  # the port is tried here first: in use, nothing starts
+    job_secret = (os.environ.get(secret.ENV) or secret.make()) if address is not None else None
     cfg = PhalanxConfig(num_workers=num_workers, min_workers=min_workers, spares=spares, heartbeat_s=heartbeat_s,
                         threads=threads, timeout_s=timeout_s, debug=debug, max_workers=max_workers,
-                        grow=run, resources=resources_per_worker)
+                        grow=run, resources=resources_per_worker, status=address, secret=job_secret)
+    if address is not None:
+        JobStatus.bind(*address).server.close(0)  # free now: the controller binds it in a moment
+        print(f"phalanx: status page at {JobStatus.link(address, job_secret)} (served by Ray Train's controller "
+              "on this node; /status.json and /metrics take `Authorization: Bearer <token>`)", file=sys.stderr,
+              flush=True)
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < -1:
         raise ConfigError(usage(f"max_failures={max_failures!r}", "an integer >= 0 (or -1: no limit)",
                                 "Pass e.g. max_failures=3."))
