@@ -11,10 +11,10 @@ and reused by the next save). Everything else of the write runs beside training:
 * rank 0's seal and rename (:func:`phalanx.checkpoint.handle._commit`: the SHA-256 of every byte,
   the marker written last, the directory renamed into place) runs in the writer process too.
 
-Why a process: a thread shares the interpreter and the cores with training, and the seal reads
-back and hashes every byte. The writer runs at the lowest CPU priority (``nice`` 19) with one
-torch thread, so training keeps the cores and the write takes what training leaves; its
-kernel and disk time is its own. It never touches a GPU (``CUDA_VISIBLE_DEVICES`` is empty).
+Why a process: a thread shares the interpreter (its GIL) and the cores with training, and the
+seal reads back and hashes every byte. The writer runs with one torch thread at the worker's own
+CPU priority (:data:`NICE`; at the lowest, 19, a write on busy cores was starved until the next
+wait). It never touches a GPU (``CUDA_VISIBLE_DEVICES`` is empty).
 
 Its lifetime is its worker's:
 
@@ -60,7 +60,10 @@ from ..group.records import Record, Slot
 from .dcp import _dcp
 from .handle import _commit
 
-NICE = 19  # the writer's CPU priority: the lowest, training first
+# The writer's CPU priority (added to the worker's). 0: at 19, the lowest, a write on cores that training (or anyone
+# else) keeps busy was starved and deferred whole to the next save's or the exit's wait, longer than a synchronous
+# save (benchmarks/reports/checkpoint_blocking.md); at the worker's own it shares the cores and is done in the steps.
+NICE = 0
 _ALIGN = 64  # each staged tensor starts on a cache line
 _HEADER = struct.Struct("!Q")
 _CHILD = "import sys; from phalanx.checkpoint.writer import _serve; _serve(*map(int, sys.argv[1:4]))"
@@ -441,10 +444,10 @@ def _serve(fd: int, parent: int, nice: int) -> None:
     threading.Thread(target=_end_with, args=(parent,), name="phalanx-writer-watch", daemon=True).start()
     torch.set_num_threads(1)
     _dcp()  # (its import is most of the start)
-    # Niced once started, not before: a start at the lowest priority on a busy machine would take minutes (CFS gives
-    # a nice-19 process 1.5% of a nice-0 one's share), and the first save would wait for it; a write's bursts of
-    # work are scheduled soon at any priority.
-    os.nice(nice)
+    # Niced (if at all) once started, not before: a start at the lowest priority on a busy machine takes minutes (CFS
+    # gives a nice-19 process 1.5% of a nice-0 one's share), and the first save would wait for it.
+    if nice:
+        os.nice(nice)
     sock = socket.socket(fileno=fd)
     mapped: tuple[int, Any] | None = None
     while True:
