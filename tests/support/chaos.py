@@ -233,6 +233,8 @@ class Soak:
         # ray: run_flags go to tests/workers/chaos_ray.py (Ray starts, replaces and places the workers; the job's
         # store lives in Ray Train's controller, so the harness goes by the job's events alone)
         self.ray = ray
+        # the first step may come late: Ray starts its own cluster first (minutes on a loaded 2-core machine)
+        self.first_step_s = 600.0 if ray else 120.0
         self.period_s, self.stall_s, self.finish_s, self.sample_s = period_s, stall_s, finish_s, sample_s
         self.aim_s = aim_s if aim_s is not None else 3 * period_s
         # a kill aimed at "step" lands after a step whose next one is not a commit point either (the victim may
@@ -287,7 +289,8 @@ class Soak:
         now = time.time()
         # not reset by kills: a job that kills keep from stepping (kills faster than a regroup) is stuck too
         last_step = self.events.steps[-1] if self.events.steps else self.started
-        if self.running() and now - last_step > self.stall_s and (self.events.steps or now - self.started > 120):
+        if self.running() and now - last_step > self.stall_s and (self.events.steps
+                                                                   or now - self.started > self.first_step_s):
             raise Wedged(f"no step for {now - last_step:.0f}s")
         return new
 
@@ -464,7 +467,7 @@ class Soak:
         self.start()
         outcome = "finished"
         try:
-            if self.wait_step(self.started, self.stall_s + 120) is None:
+            if self.wait_step(self.started, self.stall_s + self.first_step_s) is None:
                 raise Wedged("no first step")
             self.log(f"first step {time.time() - self.started:.1f}s after the start; {len(self.plan)} kills to go")
             for aimed in self.plan:

@@ -12,7 +12,9 @@ replacement joins at the next commit with rank 0's state. It prints one line whe
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,6 +25,7 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
     a, job = p.parse_known_args()
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # the harness asks every process for its stacks
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # Ray's controller polls its workers this often
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # a loaded shared machine: no kills we did not place
     import ray
