@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.period <= 0 or a.kills < 0 or a.aim < 0:
         p.error(f"got --period {a.period} --kills {a.kills} --aim {a.aim}; expected a period > 0 and counts >= 0 "
                 "(--kills 0: a run without kills)")
+    a.out = os.path.abspath(a.out)  # the workers' own working directory may differ (Ray Train sets its own)
     os.makedirs(a.out, exist_ok=True)
     n = 4 if a.shard else 3
     run_flags = ["-n", str(n), "--elastic", "--min-workers", "1", "--replace"]
