@@ -17,7 +17,7 @@ import time
 from typing import Any, Sequence
 
 from phalanx.errors import ConfigError, usage
-from phalanx.bench.netns import LinkError, parse_rate, why_not
+from phalanx.launch.netns import LinkError, parse_rate, why_not
 from phalanx.bench.report import environment, write_json
 from phalanx.bench.runner import terminate_unwinds, links_for
 from phalanx.bench.spec import split_list

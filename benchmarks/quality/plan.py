@@ -37,7 +37,8 @@ FAST_BITS = 1e9
 # 4-bit all-reduce (7.8x fewer bytes than DDP, sent during backward) run.
 SLOW_SETUPS = ("ddp", "diloco", "streaming-diloco-4bit", "torchft-streaming-diloco",  # torchft: only when importable
                "streaming-diloco-4bit-avg", "streaming-diloco-4bit-avg-h64", "torchft-streaming-diloco-avg",
-               "allreduce-4bit", "streaming-local-sgd-4bit", "streaming-local-sgd-4bit-moments")
+               "allreduce-4bit", "streaming-local-sgd-4bit", "streaming-local-sgd-4bit-moments", "diloco-sparseloco",
+               "streaming-diloco-sparseloco")
 SLOW_BITS = 50e6
 LRS_PATH = os.path.join(os.path.dirname(__file__), "lrs.json")
 

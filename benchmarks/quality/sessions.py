@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from phalanx.bench.procs import free_port
-from phalanx.bench.netns import Link
+from phalanx.launch.netns import Link
 
 
 @dataclass

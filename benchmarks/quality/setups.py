@@ -41,6 +41,9 @@ STREAM_BLOCK = 256
 # At H the exchange sends 0.516 bytes a value once per H steps where DDP sends 4 every step: 4 H / 0.516 fewer
 # bytes, 388x at H = 50. H = 64 (a fragment every 16 steps) is 496x: room above 400x for the headers on the wire.
 STREAM_EVERY_SPARSE = 64
+# SparseLoCo (2-bit chunked top-k, 64 of 4096): 116 bytes per 4096 values per exchange, 141x fewer than float32; at
+# H = 16 that is 2250x fewer bytes than DDP per step by arithmetic (the paper's H is 15 to 50).
+SPARSE_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,17 @@ def _make() -> dict[str, QSetup]:
                note="as streaming-local-sgd-4bit with the inner optimizer's momentum (AdamW's exp_avg, SGD's "
                     "momentum buffer) averaged with each fragment in the same 4-bit message (DES-LOC, arXiv "
                     "2505.22549), landing 1 step after the send (τ=1): twice the bytes, 16x fewer than DDP"),
+        QSetup("diloco-sparseloco", "phalanx", _phalanx(lambda lr: px.DiLoCo(every=SPARSE_EVERY,
+                                                                           compression=px.SparseLoCo())),
+               optim="adamw", lr_of="diloco",
+               note=f"SparseLoCo (arXiv 2508.15706): DiLoCo H={SPARSE_EVERY}, AdamW inner, the pseudo-gradient's "
+                    "top 64 of every 4096 values (plus the residual) as 2-bit values, error feedback (decay 0.95) "
+                    "in place of the outer momentum, outer lr 1"),
+        QSetup("streaming-diloco-sparseloco", "phalanx", _phalanx(lambda lr: px.StreamingDiLoCo(
+            every=SPARSE_EVERY, fragments=STREAM_FRAGMENTS, overlap=3, quantize=px.SparseLoCo())),
+               optim="adamw", lr_of="diloco",
+               note=f"as diloco-sparseloco, streamed: {STREAM_FRAGMENTS} fragments (one leaves every "
+                    f"{SPARSE_EVERY // STREAM_FRAGMENTS} steps), each exchange given 3 inner steps, mixing 0.5"),
         QSetup("torchft-diloco", "torchft", torchft_peer.build(streaming=False), optim="adamw",
                note=f"torchft 0.2.0 DiLoCo, H={torchft_peer.H}, AdamW inner, Nesterov outer lr 0.7 momentum 0.9; "
                     "lighthouse in rank 0's namespace (bench/quality/torchft_peer.py)"),

@@ -37,7 +37,8 @@ from .train.metrics import Accuracy, MeanLoss, Metric, ThroughputMeter
 from .step.profiling import Timeline, profile
 from .ps import AsyncEASGD, Downpour, ParameterServer
 from .strategies.quantize import Quantize
-from .strategies import (EASGD, AllReduce, DiLoCo, Exchange, LocalSGD, ParameterAverage, Periodic, Strategy,
+from .strategies.sparseloco import SparseLoCo
+from .strategies import (EASGD, AllReduce, Auto, DiLoCo, Exchange, LocalSGD, ParameterAverage, Periodic, Strategy,
                          StreamingDiLoCo, SyncCondition, fill_missing_grads)
 from .sharding.layout import FullyShard
 from .strategies.sync import every, schedule
@@ -62,9 +63,8 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
         >>> import phalanx as px; px.init().world_size
         1
     """
-    g = _join_group(backend, timeout, threads)
-    _attach_elastic(g)  # the group is core; elastic membership is a feature, composed here
-    return g
+    # the group is core; elastic membership is a feature, composed here: it takes this worker's place in the job
+    return _join_group(backend, timeout, threads, place=_attach_elastic)
 
 
 def __getattr__(name: str):  # noqa: ANN202 - px.keras imports Keras (seconds), so only on first use
@@ -80,9 +80,9 @@ __all__ = [
     "Group", "current_group", "FullyShard",
     # strategies, sync conditions and compressors
     "Strategy", "Periodic", "Exchange", "ParameterAverage", "SyncCondition", "every", "schedule",
-    "AllReduce", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "EASGD", "AsyncEASGD", "Downpour", "ParameterServer",
-    "Compressor", "FP16", "TopK", "Threshold", "PowerSGD", "Quantize", "Comm", "CommStats", "scatter_back",
-    "fill_missing_grads",
+    "Auto", "AllReduce", "LocalSGD", "DiLoCo", "StreamingDiLoCo", "EASGD", "AsyncEASGD", "Downpour",
+    "ParameterServer", "Compressor", "FP16", "TopK", "Threshold", "PowerSGD", "Quantize", "SparseLoCo", "Comm",
+    "CommStats", "scatter_back", "fill_missing_grads",
     # the Trainer
     "Trainer", "History", "Callback", "LambdaCallback", "ModelCheckpoint", "Metric", "Accuracy", "MeanLoss",
     "ThroughputMeter", "Tracker",

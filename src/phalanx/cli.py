@@ -1,4 +1,4 @@
-"""The ``phalanx`` command: ``run``, ``join``, ``demo``, ``bench`` and ``export``.
+"""The ``phalanx`` command: ``run``, ``join``, ``stacks``, ``demo``, ``bench`` and ``export``.
 
 Each subcommand's module is imported only when it is used, so ``phalanx --help``
 is quick. A usage error (:class:`phalanx.ConfigError`) is printed as one line and
@@ -24,6 +24,7 @@ from .errors import ConfigError, PhalanxError, usage
 COMMANDS = {
     "run": ("phalanx.launch.run", "start N workers running a script (like torchrun); see `phalanx run --help`"),
     "join": ("phalanx.launch.join", "add workers to a running `phalanx run --elastic` job"),  # elastic
+    "stacks": ("phalanx.launch.stacks", "print every worker's Python stacks of a running job, one block per rank"),
     "demo": ("phalanx.bench.demo", "train a small CNN on bundled digits with 1, then 2 workers, and compare"),
     "bench": ("phalanx.bench.cli", "measure throughput and scaling of the strategies"),
     "export": ("phalanx.cli:export_main", "write a checkpoint's model as a plain state_dict file (CKPT OUT)"),

@@ -43,6 +43,10 @@ class CheckpointError(PhalanxError, RuntimeError):
     """A checkpoint is missing, truncated, corrupted or from another model."""
 
 
+class StacksRefused(PhalanxError):
+    """A request for a job's stacks (``phalanx stacks``) made without that job's secret: its workers answer none."""
+
+
 def usage(given: str, expected: str, fix: str) -> str:
     """Format the three parts every usage error carries."""
     return f"{given}; expected {expected}. {fix}"

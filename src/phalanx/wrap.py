@@ -28,8 +28,9 @@ from .group.env import WorkerEnv
 from .step import profiling
 from .step.compiled import original
 from .errors import ConfigError, usage
-from .sharding.layout import FullyShard
+from .sharding.layout import FullyShard, on_meta
 from .step.clock import StepClock
+from .step.report import StepReport
 from .strategies import AllReduce, Strategy, by_name
 from .strategies.base import ServerBacked
 
@@ -62,7 +63,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``shard=px.FullyShard(group_size=S)`` shards the model, its gradients and the optimizer's
     state over groups of S workers (FSDP2), and ``strategy`` agrees across the groups
     (:mod:`phalanx.sharding.layout`); the model is then sharded in place and the optimizer points at
-    its sharded parameters.
+    its sharded parameters. A model built on the meta device (``with torch.device("meta"):``) needs
+    ``shard=``: it is sharded first, then each worker allocates and initialises its own shards.
 
     Example:
         >>> import torch, phalanx as px
@@ -109,7 +111,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
     tell_launch(strategy, g.env)  # e.g. `phalanx run --servers N` with a strategy that uses none
     if g.env.profile_dir and TIMELINE.of(g).value is None:  # `phalanx run --profile DIR`: the first model starts it
         profiling.profile(g.env.profile_dir)
-    model.to(g.device)
+    if on_meta(model):  # built on the meta device: FullyShard lays it out, then each worker fills its own shards
+        if shard is None:
+            raise ConfigError(usage(f"a {type(model).__name__} on the meta device without shard=",
+                                    "shard=px.FullyShard(...), which shards it first and then initialises each "
+                                    "worker's shards", "Pass shard=px.FullyShard(group_size=px.world_size()), or "
+                                    "build the model on a real device."))
+    else:
+        model.to(g.device)
     if shard is not None:
         model = shard.apply(model, optimizer, strategy, g)
     module = strategy.attach(model, optimizer)
@@ -117,6 +126,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
     if shard is not None:
         shard.hook(model, strategy.clock)
     setattr(optimizer, _STRATEGY, strategy)
+    if g.env.step_report:  # `phalanx run --link`: where the steps went, for its summary
+        StepReport(g.env.step_report, strategy.clock, optimizer, rank=g.rank)
     # on the user's module, however compiled (px.no_sync finds it either way); not nn.Module's __setattr__: a clock
     # is no submodule
     object.__setattr__(unwrap(model), _CLOCK, strategy.clock)

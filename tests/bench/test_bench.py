@@ -161,7 +161,7 @@ def test_unknown_names_get_one_clear_error(capsys):
 
 
 def test_a_link_without_root_says_why(monkeypatch):
-    from phalanx.bench import netns
+    from phalanx.launch import netns
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     assert "root" in netns.why_not()
@@ -173,7 +173,7 @@ def test_a_link_without_root_says_why(monkeypatch):
 
 
 def test_link_rates_parse():
-    from phalanx.bench import netns
+    from phalanx.launch import netns
 
     assert netns.parse_rate("100Mbit") == "100mbit" and netns.parse_rate(" 1.5gbit") == "1.5gbit"
     with pytest.raises(ValueError, match="loopback or a rate"):

@@ -97,6 +97,12 @@ def test_a_stopped_worker_is_killed_by_heartbeat_and_the_rest_continue(tmp_path)
     proc, results = launch(tmp_path, "--min-workers", "2", "--heartbeat-timeout", "2", "--",
                            "--kill", "2@5", "--stop", "--commit-every", "3")
     assert "worker 2" in proc.stderr and "no heartbeat" in proc.stderr, proc.stderr[-2000:]
+    # every worker's stacks were printed before the kill: the two running ones', and a line for the stopped one
+    printed, killing = proc.stderr.split("phalanx: stacks: end", 1)[0], "(hung or stopped); killing it"
+    assert killing in proc.stderr.split("phalanx: stacks: end", 1)[1], proc.stderr[-4000:]
+    assert "----- rank 0 (worker 0" in printed and "----- rank 1 (worker 1" in printed, proc.stderr[-4000:]
+    assert "----- worker 2: no answer" in printed and killing not in printed, proc.stderr[-4000:]
+    assert "phalanx: the group stalled" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
     measured = check_recovered(tmp_path, proc, results, "2", 5)
     assert measured["kill_to_first_step_s"] > 2.0  # it waited for the heartbeat timeout, not for gloo's 60 s
 

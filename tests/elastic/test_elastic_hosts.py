@@ -22,7 +22,7 @@ import torch
 from conftest import needs_root_netns
 from support.elastic_job import oracle
 
-from phalanx.bench import netns
+from phalanx.launch import netns
 from workers import elastic as worker
 from support.paths import TESTS
 from support.wait import until

@@ -63,6 +63,76 @@ def test_hsdp_2x2_loses_a_worker_goes_on_as_1x3_then_a_replacement_joins_as_2x2_
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
 
 
+def diloco_oracle(record: list, group_size: int, every: int = 2, outer_lr: float = 0.7,
+                  momentum: float = 0.9) -> list[list[torch.Tensor]]:
+    """DiLoCo on unsharded replicas, replayed in one process: at each recorded step of world size W the replicas
+    are the replica groups of the layout (W / S of them, or one of all W when S does not divide W), each an inner
+    SGD step on the mean of its workers' batch-mean gradients (rank order, px.shard's split: FSDP averages the
+    workers of a replica group, so a short last batch of 2, 1, 1 samples weighs its workers equally); every
+    ``every`` steps the outer Nesterov step on the replicas' mean pseudo-gradient. Returns each replica group's
+    weights at the end (the worker script calls no finish(), so a partial last round leaves them apart)."""
+    from phalanx.data.sampler import split_sizes
+
+    net, data = worker.model(), worker.dataset()
+    anchor = [p.detach().clone() for p in net.parameters()]
+    buffers = [torch.zeros_like(a) for a in anchor]
+    replicas: list[list[torch.Tensor]] = []
+    for step, (_epoch, world, ids) in enumerate(record, start=1):
+        groups = world // group_size if world % group_size == 0 else 1
+        if len(replicas) != groups:
+            assert all(torch.equal(r, a) for rep in replicas for r, a in zip(rep, anchor)), "a layout changed " \
+                "between two rounds"
+            replicas = [[a.clone() for a in anchor] for _ in range(groups)]
+        sizes = split_sizes(len(ids), [1.0] * world)
+        per_rank = [sum(sizes[:r]) for r in range(world + 1)]
+        ranks = world // groups
+        for j, rep in enumerate(replicas):
+            grads = [torch.zeros_like(v) for v in rep]
+            for r in range(j * ranks, (j + 1) * ranks):  # FSDP's mean over the replica group's workers
+                x, y = data[torch.tensor(ids[per_rank[r]:per_rank[r + 1]])][:2]
+                for p, value in zip(net.parameters(), rep):
+                    p.data.copy_(value)
+                net.zero_grad()
+                torch.nn.functional.mse_loss(net(x), y).backward()
+                for grad, p in zip(grads, net.parameters()):
+                    grad.add_(p.grad, alpha=1 / ranks)
+            for value, grad in zip(rep, grads):
+                value.sub_(grad, alpha=worker.PLAIN_LR)
+        if step % every == 0:
+            for i, (a, buf) in enumerate(zip(anchor, buffers)):
+                d = a - torch.stack([rep[i] for rep in replicas]).mean(0)
+                buf.mul_(momentum).add_(d)
+                a.sub_(d + momentum * buf, alpha=outer_lr)
+            replicas = [[a.clone() for a in anchor] for _ in replicas]
+    return replicas
+
+
+@pytest.fixture(scope="module")
+def diloco_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
+    tmp_path = tmp_path_factory.mktemp("diloco")
+    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
+                           "--strategy", "diloco", "--plain-sgd", "--commit-every", "3", "--epochs", "3",
+                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
+    return tmp_path, proc, results
+
+
+@pytest.mark.multiproc
+def test_sharded_diloco_2x2_to_1x3_to_2x2_equals_diloco_on_unsharded_replicas(
+        diloco_2x2_loses_a_worker_then_a_replacement_joins):
+    # issue 39 item 4: the anchor and the outer momentum are shards of their own; a regroup moves their rows
+    _, proc, results = diloco_2x2_loses_a_worker_then_a_replacement_joins
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "3", "r1"]
+    record = results["0"]["record"]
+    worlds = [w for _, w, _ in record]
+    assert 3 in worlds and worlds[0] == 4 and worlds[-1] == 4, worlds  # 2 x 2, then 1 x 3, then 2 x 2 again
+    want = diloco_oracle(record, group_size=2)
+    for r in results.values():
+        assert [(h["left"], h["joined"]) for h in r["history"]][-1][1] == ["r1"]
+        for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):  # its replica group's weights
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.multiproc
 def test_a_joiner_receives_its_shards_not_the_whole_state(hsdp_2x2_loses_a_worker_then_a_replacement_joins):
     _, proc, results = hsdp_2x2_loses_a_worker_then_a_replacement_joins

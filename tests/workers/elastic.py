@@ -53,6 +53,13 @@ def optimizer(net: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
 
+def plain_sgd(net: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(net.parameters(), lr=PLAIN_LR)
+
+
+PLAIN_LR = 0.05
+
+
 STRATEGIES = {
     "allreduce": lambda: px.AllReduce(),
     "fp16": lambda: px.AllReduce(compression=px.FP16()),
@@ -132,13 +139,18 @@ def main() -> None:
                    help="steps take 0.4 s until the group has reached this size (joiners start slowly)")
     p.add_argument("--slow-while-below", type=int, default=0,
                    help="steps take 1 s while the group is smaller than this (a replacement is still starting), "
-                        "for at most 60 s")
+                        "for at most 180 s")
+    p.add_argument("--wait-for-replacement", type=int, default=0,
+                   help="after a loss, while the group is smaller than this, the survivors wait before their next "
+                        "step until the replacement asked to join, and after the next commit until it is ready")
     p.add_argument("--fail-replacements", action="store_true",
                    help="a replacement (r1, r2...) fails at start (checked at import)")
     p.add_argument("--replacement-after-regroup", action="store_true",
                    help="a replacement (r1, r2...) starts only once the survivors regrouped (checked at import)")
     p.add_argument("--mark-world", action="store_true", help="count the steps per world size in world<ID>-<SIZE>")
     p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S) (HSDP with allreduce)")
+    p.add_argument("--plain-sgd", action="store_true", help="inner SGD without momentum: a periodic rule's oracle "
+                   "then needs no replica's optimizer state")
     p.add_argument("--checkpoint", default=None, help="px.elastic.State(checkpoint=DIR): every commit on disk too")
     p.add_argument("--hold-in-grow", default="",
                    help="ID: the worker whose id starts with ID stops inside the first rebuild that grows the group, "
@@ -168,7 +180,8 @@ def main() -> None:
                    "env": [os.environ.get("RANK"), os.environ.get("WORLD_SIZE")]}, f)
     shard = px.FullyShard(group_size=args.shard) if args.shard else None
     model_, opt, loader, record, state = setup(args.commit_every, strategy=STRATEGIES[args.strategy](), shard=shard,
-                                               checkpoint=args.checkpoint)
+                                               checkpoint=args.checkpoint, make_optimizer=plain_sgd if args.plain_sgd
+                                               else None)
     comm = px.Comm()
     first_after: list[float] = []
     reached: list[bool] = []  # --slow-until-world: has the group been that large yet?
@@ -187,6 +200,7 @@ def main() -> None:
             time.sleep(60)  # sleep: a stopped worker never gets here before the launcher kills it
 
     began = time.monotonic()
+    waited: list[int] = []  # --wait-for-replacement: the steps where the survivors waited for the replacement
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
@@ -199,6 +213,15 @@ def main() -> None:
             if len(state.history) > len(changes):  # the first step after a membership change
                 changes.append([time.time(), px.world_size(), state.step])
                 open(os.path.join(args.out, "regrouped"), "a").close()  # --replacement-after-regroup
+            if args.wait_for_replacement and state.history and px.world_size() < args.wait_for_replacement:
+                # however long the replacement takes to start: it asks, the next commit point offers it a place,
+                # it gets ready, and the commit point after that admits it
+                if not waited:
+                    wait_for_joiner(state, "asked", timeout_s=240.0)
+                    waited.append(state.step)
+                elif len(waited) == 1 and max(state.commits, default=0) > waited[0]:
+                    wait_for_joiner(state, "ready", timeout_s=240.0)
+                    waited.append(state.step)
             record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH)])  # the whole group's
             if args.kill_in_step:  # past the gather: the others are left waiting in the step's exchange
                 die()
@@ -211,7 +234,9 @@ def main() -> None:
             if state.history and not first_after:
                 first_after.append(time.time())
             reached.append(px.world_size() >= args.slow_until_world)
-            waiting = px.world_size() < args.slow_while_below and time.monotonic() < began + 60
+            # bounded by the job's own start-up allowance: a replacement starting on a loaded machine (load 25
+            # on 2 cores) took over 60 s to import torch and FSDP
+            waiting = px.world_size() < args.slow_while_below and time.monotonic() < began + 180
             # sleep: the step's length is the test's knob (slow until a joiner arrives, then --step-sleep)
             time.sleep(1.0 if waiting else args.step_sleep if any(reached) else 0.4)
 

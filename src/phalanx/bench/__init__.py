@@ -11,7 +11,8 @@ in the rest of the package imports this subpackage.
   :mod:`.worker` and :mod:`.tta`: what each process does;
 * :mod:`.stats`, :mod:`.report`, :mod:`.plots`, :mod:`.projection`: numbers to tables and PNGs;
 * :mod:`.breakdown`: the step-time probe, also a :class:`phalanx.Trainer` callback (:class:`StepBreakdown`);
-* :mod:`.netns`: the rate-limited link (network namespaces, veth, tc tbf).
+* the rate-limited link (network namespaces, veth, tc tbf) is :mod:`phalanx.launch.netns`, which `phalanx run
+  --link` uses too.
 """
 from .breakdown import StepBreakdown, StepProbe
 

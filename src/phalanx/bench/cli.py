@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError, usage
 from . import plots, projection, report, sanity, tta
-from .netns import LinkError, parse_rate, why_not
+from ..launch.netns import LinkError, parse_rate, why_not
 from .runner import Options, sweep
 from .spec import check_setup, parse_setup, plan, split_list
 
@@ -55,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
                         "on each shaped link (on loopback when --link has none)")
     p.add_argument("--target-acc", type=float, default=tta.DEFAULTS["target"], help="test accuracy to reach (0.95)")
     p.add_argument("--tta-max-epochs", type=int, default=tta.DEFAULTS["max_epochs"], help="give up after (30)")
+    p.add_argument("--planned-steps", type=int, default=None,
+                   help="the run length px.Auto's pick in the projection assumes (default: px.Auto's own, 10000)")
     p.add_argument("--alpha-us", type=float, default=25.0, help="per-message latency for the projection (µs)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration before it is killed")
     p.add_argument("--out", default="results", help="output directory (default results/)")
@@ -125,9 +127,10 @@ def rerender(path: str, out: str, *, no_plots: bool = False) -> str:
     with open(path) as f:
         payload = json.load(f)
     rows = report.aggregate(payload["raw"])
-    alpha = payload["options"].get("alpha_us", 25.0) * 1e-6
+    alpha, planned = payload["options"].get("alpha_us", 25.0) * 1e-6, payload["options"].get("planned_steps")
     payload.update(rows=rows,
-                   projection={**projection.project(rows, alpha=alpha), "check": projection.check(rows, alpha=alpha)},
+                   projection={**projection.project(rows, alpha=alpha, planned_steps=planned),
+                               "check": projection.check(rows, alpha=alpha)},
                    warnings=sanity.warnings(rows, payload["environment"]))
     os.makedirs(out, exist_ok=True)
     pngs = [] if no_plots else plots.all_plots(rows, out)
@@ -166,13 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                   max_epochs=args.tta_max_epochs),
                             describe=_describe_tta)
     tta_rows = tta.rows(tta_records)
-    proj = projection.project(rows, alpha=args.alpha_us * 1e-6)
+    proj = projection.project(rows, alpha=args.alpha_us * 1e-6, planned_steps=args.planned_steps)
     proj["check"] = projection.check(rows, alpha=args.alpha_us * 1e-6)
     command = "phalanx bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     payload = {"command": command, "started": started.isoformat(timespec="seconds"),
                "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "environment": {**report.environment(cfg["links"]), "loadavg_at_start": load_at_start},
-               "options": {**vars(opts), "batch": args.batch, "alpha_us": args.alpha_us},
+               "options": {**vars(opts), "batch": args.batch, "alpha_us": args.alpha_us,
+                           "planned_steps": args.planned_steps},
                "rows": rows, "time_to_accuracy": tta_rows, "projection": proj,
                "raw": records, "raw_time_to_accuracy": tta_records}
     payload["warnings"] = sanity.warnings(rows, payload["environment"])

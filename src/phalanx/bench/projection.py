@@ -25,6 +25,7 @@ import math
 import statistics
 from typing import Any
 
+from ..strategies.auto import Measurement, decide
 from . import sanity
 
 WORKERS = (2, 4, 8, 16, 64)
@@ -89,13 +90,32 @@ def inputs(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             nbytes = float(base["grad_bytes"])
             setups["allreduce"] = {"bytes": nbytes, "calls": _calls({"kind": "phalanx", "setup": "allreduce"}, nbytes),
                                    "compute_s": compute}
-        out[model] = {"compute_s": compute, "batch": base["batch"], "setups": setups,
+        grad_bytes = float(base.get("grad_bytes") or setups.get("allreduce", {}).get("bytes") or 0.0)
+        out[model] = {"compute_s": compute, "batch": base["batch"], "setups": setups, "grad_bytes": grad_bytes,
                       "jitter_s": _jitter(base), "spread": sanity.relative_spread(base["samples_per_s"])}
     return out
 
 
-def project(rows: list[dict[str, Any]], alpha: float = 25e-6, threshold: float = 0.8) -> dict[str, Any]:
-    """Efficiency and throughput per model, setup, link and N; and a recommendation per model and link."""
+def auto_pick(compute_s: float, grad_bytes: float, gbit: float, planned_steps: int | None = None,
+              workers: int = 2) -> str:
+    """What ``px.Auto`` would choose on a ``gbit`` link: the same :func:`phalanx.strategies.auto.decide`, fed the
+    measured compute step and gradient bytes, the link's nominal rate and no overlap (this projection's assumption).
+
+    Example:
+        >>> auto_pick(0.06, 4e6, 1.0, 200).split(":")[0]
+        'StreamingDiLoCo(every=64, fragments=2, overlap=1, quantize=4, outer_lr=1, outer_momentum=0)'
+    """
+    if grad_bytes <= 0:
+        return "none: the gradient's size was not measured"
+    d = decide(Measurement(compute_s=compute_s, grad_bytes=grad_bytes, rate=gbit * 1e9 / 8, overlap=0.0,
+                           workers=workers), planned_steps)
+    return f"{d.choice.describe()}: " + d.line(0).split(": ", 2)[2]
+
+
+def project(rows: list[dict[str, Any]], alpha: float = 25e-6, threshold: float = 0.8,
+            planned_steps: int | None = None) -> dict[str, Any]:
+    """Efficiency and throughput per model, setup, link and N; a recommendation per model and link, and what
+    ``px.Auto`` would pick there (:func:`auto_pick`) for a run of ``planned_steps``."""
     result: dict[str, Any] = {"label": "PROJECTION (not a measurement)", "alpha_s": alpha, "threshold": threshold,
                               "workers": list(WORKERS), "links_gbit": list(LINKS_GBIT), "models": {}}
     for model, inp in inputs(rows).items():
@@ -120,7 +140,9 @@ def project(rows: list[dict[str, Any]], alpha: float = 25e-6, threshold: float =
         else:
             recs = {g: recommend(table, g, threshold) for g in LINKS_GBIT}
         result["models"][model] = {"compute_s": inp["compute_s"], "batch": inp["batch"], "jitter_s": inp["jitter_s"],
-                                   "setups": table, "recommendation": recs}
+                                   "setups": table, "recommendation": recs,
+                                   "auto": {g: auto_pick(inp["compute_s"], inp["grad_bytes"], g, planned_steps)
+                                            for g in LINKS_GBIT}}
     return result
 
 
@@ -226,6 +248,9 @@ def markdown(proj: dict[str, Any]) -> str:
                 out.append(f"| {setup} | {t['bytes'] / 1e6:.2f} MB | {gbit:g} Gbit/s | {cells} |\n")
         out.append("\nRecommendation (projected): " + "; ".join(
             f"{g:g} Gbit/s: {text}" for g, text in m["recommendation"].items()) + ".\n")
+        if m.get("auto"):
+            out.append("\n`px.Auto` would pick (its own decision, on the nominal rate, nothing overlapped): " +
+                       "; ".join(f"{g:g} Gbit/s: {text}" for g, text in m["auto"].items()) + ".\n")
     return "".join(out)
 
 

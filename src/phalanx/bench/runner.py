@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 from ..errors import PhalanxError
 from .procs import free_port
-from .netns import Link
+from ..launch.netns import Link
 from .spec import Run
 
 

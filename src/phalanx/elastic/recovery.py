@@ -22,7 +22,6 @@ from ..checkpoint import checkpoint_step, load_checkpoint
 from ..group.collectives import broadcast_object
 from ..sharding.reshard import ShardLostError, reshard, reshard_empty
 from ..sharding.layout import sharded_by
-from ..wrap import strategy_of
 
 from ..checkpoint.training_state import shared
 from .rule import Regroupable
@@ -103,7 +102,7 @@ class Recovery:
         :meth:`_reshard`, each worker receiving only the rows of its new shards."""
         mine = self.commits[max(self.commits)] if group.rank() == 0 else None
         if mine is not None and sharded_by(self.optimizer) is not None:
-            mine = {**mine, "model": None, "optimizer": None}
+            mine = {**mine, "model": None, "optimizer": None, "rows": None}
         return broadcast_object(mine, 0, "newest commit")
 
     def _from_disk(self, lost: ShardLostError, joined: bool = False) -> dict:
@@ -149,7 +148,7 @@ class Recovery:
         if sampler is not None and hasattr(sampler, "reassign"):  # px.shard's: the position counts samples
             sampler.reassign(group.rank(), group.world_size())
         self.resize.resized(self.loader, before=before, after=group.world_size())
-        strategy = strategy_of(self.optimizer)
+        strategy = self.training.strategy  # px.wrap's, or the one a Keras run's optimizer state carries
         if isinstance(strategy, Regroupable):
             strategy.regroup()
 

@@ -35,12 +35,11 @@ from ..group import group
 from ..train.trainer import SUPERVISOR
 from ..checkpoint import save_checkpoint
 from ..errors import ConfigError, usage
-from ..sharding.reshard import local_parts
-from ..sharding.layout import sharded_by
+from ..sharding.reshard import RowState, local_parts
+from ..sharding.layout import hsdp, sharded_by
 from ..group.spans import span
 from ..step.preempt import HANDED_OVER, PREEMPTION
 from ..strategies.allreduce import REBUILT
-from ..wrap import strategy_of
 from ..step.protocols import replicas_agree
 from .recovery import Recovery
 from .resize import ResizePolicy, check_policy
@@ -107,6 +106,7 @@ class State(Recovery, Reentry):
         if self.worker is not None:
             self.worker.beat()
         if self.elastic:
+            refuse_unreshardable(optimizer)
             self._hook_commit_point()
 
     @property
@@ -182,13 +182,16 @@ class State(Recovery, Reentry):
         snap["elastic_resize"] = self.resize.state_dict()
         if sharded_by(self.optimizer) is not None:  # this rank's shards, free of the mesh that dies with the group
             snap["model"], snap["optimizer"] = local_parts(snap["model"]), local_parts(snap["optimizer"])
+            strategy = self.training.strategy
+            if isinstance(strategy, RowState):  # the rule's own rows (DiLoCo's anchor): a reshard moves them too
+                snap["rows"] = {k: [t.detach().clone() for t in ts] for k, ts in strategy.row_state().items()}
         self.commits[step] = snap
         for old in sorted(self.commits)[:-KEEP]:
             del self.commits[old]
 
     def _commit_together(self) -> None:
         """A commit every member takes at the same step. An async PS settles around it."""
-        strategy = strategy_of(self.optimizer) if self.elastic else None
+        strategy = self.training.strategy if self.elastic else None  # px.wrap's, or a Keras run's
         if isinstance(strategy, CommitPoint):
             strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
         with span("phalanx/commit"):  # the timeline (phalanx.step.profiling)
@@ -209,8 +212,11 @@ class State(Recovery, Reentry):
             raise ConfigError(usage("px.elastic.State with an optimizer px.wrap did not return",
                                     "the optimizer from model, opt = px.wrap(model, opt)",
                                     "Wrap first: the strategy's step count is the one every worker commits at."))
-        ours = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in ours]
+        # a torch optimizer must hold the model's parameters; a Keras run's optimizer state (px.keras) holds variables
+        groups = self.optimizer.param_groups if isinstance(self.optimizer, torch.optim.Optimizer) else None
+        ours = {id(p) for g in groups or [] for p in g["params"]}
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in ours] \
+            if groups is not None else []
         if missing:
             raise ConfigError(usage(f"an optimizer that does not hold {len(missing)} trainable parameter(s) of "
                                     f"the model (e.g. {missing[0]})", "the optimizer of this model",
@@ -227,6 +233,29 @@ class State(Recovery, Reentry):
         clock = self._clock()
         if clock is not None:
             clock.restore(snap["elastic_step"])
+
+
+def refuse_unreshardable(optimizer: torch.optim.Optimizer | None) -> None:
+    """Refuse, before training, a sharded model whose rule keeps per-rank state a regroup cannot re-shard.
+
+    A regroup re-shards the model, the optimizer and the rule's own rows (:class:`RowState`: DiLoCo's
+    anchor and outer momentum, EASGD's centre). A compressor's residuals are per-rank state of another
+    shape that no regroup moves yet, so a compressed rule on shards is refused here rather than restored wrong
+    after the first loss.
+
+    Example:
+        >>> import torch; refuse_unreshardable(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    """
+    layout = sharded_by(optimizer)
+    strategy = strategy_of(optimizer) if optimizer is not None else None
+    if layout is None or strategy is None or hsdp(strategy):
+        return
+    if not isinstance(strategy, RowState) or getattr(strategy, "compression", None) is not None:
+        raise ConfigError(usage(f"shard=FullyShard(group_size={layout.group_size}) with {strategy!r} under "
+                                "`phalanx run --elastic`", "px.AllReduce() (HSDP), or a periodic rule without a "
+                                "compressor (LocalSGD, DiLoCo, EASGD): a regroup re-shards their state onto the "
+                                "survivors, not a compressor's residuals", "Drop the compressor, drop --elastic, "
+                                "or drop shard=."))
 
 
 def attach(g: group.Group) -> None:

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -47,12 +48,14 @@ def describe(code: int) -> str:
     return f"exited with status {code}"
 
 
-def poll(w: Watched, store, heartbeat_s: float, *, now: float | None = None) -> int | None:
+def poll(w: Watched, store, heartbeat_s: float, *, now: float | None = None,
+         before_kill: Callable[[str, str], None] | None = None) -> int | None:
     """Check one worker once: None while it runs; its exit status the first time it is seen ended.
 
     A worker that ended with a non-zero status is marked dead and gets its exit note
     here; a running worker whose heartbeat stood still for ``heartbeat_s`` is killed
-    (its exit is then seen by a later poll).
+    (its exit is then seen by a later poll), after ``before_kill(id, why)`` (the launcher
+    prints every worker's stacks there).
     """
     now = time.monotonic() if now is None else now
     if w.returncode is not None:
@@ -65,6 +68,8 @@ def poll(w: Watched, store, heartbeat_s: float, *, now: float | None = None) -> 
         if beats != w.beats:
             w.beats, w.seen = beats, now
         elif w.beats and now - w.seen > heartbeat_s:
+            if before_kill is not None:
+                before_kill(w.id, f"sent no heartbeat for {now - w.seen:.1f}s (hung or stopped)")
             print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) sent no heartbeat for "
                   f"{now - w.seen:.1f}s (hung or stopped); killing it", file=sys.stderr, flush=True)
             w.proc.kill()

@@ -39,6 +39,7 @@ class WorkerEnv:
     elastic_secret: str | None = field(default=None, repr=False)  # PHALANX_SECRET: the elastic job's secret
     ps_servers: int = 0  # parameter servers `phalanx run --servers N` started (PHALANX_PS_ADDRS)
     profile_dir: str | None = None  # `phalanx run --profile DIR` (PHALANX_PROFILE): record a timeline there
+    step_report: str | None = None  # `phalanx run --link` (PHALANX_STEP_REPORT): write where the steps went there
     checkpoint_dir: str | None = None  # `phalanx run --checkpoint-dir`: where a preempted job saves
     resume_from: str | None = None  # `phalanx run --resume-from`: the checkpoint to continue from (resolved)
     preempt_notes: str | None = None  # a directory where a preempted worker tells its launcher what it saved
@@ -65,7 +66,8 @@ class WorkerEnv:
                       preempt_notes=env.get("PHALANX_PREEMPT_NOTES") or None,
                       launcher_pid=_opt_int(env, "PHALANX_LAUNCHER_PID"),
                       ps_servers=len([a for a in env.get("PHALANX_PS_ADDRS", "").split(",") if a.strip()]),
-                      profile_dir=env.get("PHALANX_PROFILE") or None)
+                      profile_dir=env.get("PHALANX_PROFILE") or None,
+                      step_report=env.get("PHALANX_STEP_REPORT") or None)
         if not present:
             return cls(**common)
         if len(present) != len(names):

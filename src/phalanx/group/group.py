@@ -16,6 +16,7 @@ Example:
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import forming, leaving, liveness, orphan
+from . import forming, leaving, liveness, orphan, stacks
 from .records import Records
 
 if TYPE_CHECKING:
@@ -336,11 +337,15 @@ def job_key(*parts: object) -> str:
     return "/".join(["phalanx/job", *map(str, parts)])
 
 
-def init(backend: str | None = None, timeout: float | None = None, threads: int | None = None) -> Group:
+def init(backend: str | None = None, timeout: float | None = None, threads: int | None = None,
+         place: Callable[[Group], None] | None = None) -> Group:
     """Join the worker group described by the environment and return it; idempotent.
 
     ``backend`` defaults to NCCL when CUDA is available and gloo otherwise.
     ``timeout`` bounds every collective (seconds), so a lost peer fails fast.
+    ``place`` takes this worker's place in a job whose membership can change (``px.init()`` passes the elastic
+    feature's); a worker of such a job started without it is refused, so that no core path (a Trainer, a
+    preemption handler) that joins the group on the user's behalf trains alone beside the job.
 
     Example:
         >>> import phalanx as px; px.init().world_size
@@ -350,6 +355,8 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     if _group is not None:
         return _group
     env = WorkerEnv.from_environ()
+    if env.elastic_id is not None and place is None:
+        raise _unplaced()
     if timeout is not None:
         if not float(timeout) > 0:
             raise ConfigError(usage(f"timeout={timeout}", "a positive number of seconds", "Pass e.g. timeout=60."))
@@ -377,6 +384,13 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     g = Group(env, device, backend=backend)
     # Under a phalanx launcher, its end ends this worker (not the store's: group/orphan.py says why).
     orphan.watch_launcher(env.launcher_pid, f"worker {env.elastic_id}" if env.elastic_id else f"worker rank {env.rank}")
+    # Answers `phalanx stacks` and the launcher's watchdog; stopped after shutdown's leaving (atexit runs last first).
+    # (a joiner has no rank until it is admitted: -1 till then)
+    responder = stacks.respond(env, lambda: (-1 if g.env.elastic_join and g.store is None and not g.entering
+                                             else g.rank, g.generation), stacks.PROGRESS.of(g))
+    if responder is not None:
+        stacks.RESPONDER.of(g).value = responder
+        atexit.register(responder.stop)
     if env.world_size > 1 and not dist.is_initialized():
         # We own the store so that failure diagnosis (which rank is gone?) has a side channel
         # that does not depend on the broken process group.
@@ -392,7 +406,17 @@ def init(backend: str | None = None, timeout: float | None = None, threads: int 
     _group = g
     if g.store is not None:
         leaving.leave_at_exit(g, shutdown)
+    if place is not None:
+        place(g)
     return g
+
+
+def _unplaced() -> ConfigError:
+    # A worker of `phalanx run --elastic` takes its place in px.init() (a joiner waits there to be admitted);
+    # without it this process would train alone as a group of one, beside the job it was started for.
+    return ConfigError(usage("a phalanx call in a `phalanx run --elastic` worker before px.init()",
+                             "px.init() first: it takes this worker's place in the elastic job",
+                             "Call px.init() at the top of the script."))
 
 
 def shutdown() -> None:
@@ -436,6 +460,8 @@ def shutdown() -> None:
         dist.destroy_process_group()
     if g is not None and g.store is not None and not met and leaving.hosts_store(g):
         leaving.linger_for_peers(g)
+    if g is not None and stacks.RESPONDER.of(g).value is not None:
+        stacks.RESPONDER.of(g).value.stop()  # a later px.init() starts its own
     _group = None
 
 
@@ -455,6 +481,8 @@ def current() -> Group:
     if env.world_size > 1:
         raise ConfigError(usage(f"a phalanx call in a {env.world_size}-worker run before px.init()",
                                 "px.init() first", "Call px.init() at the top of the script."))
+    if env.elastic_id is not None:
+        raise _unplaced()
     return Group(env, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 

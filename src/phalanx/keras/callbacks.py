@@ -35,9 +35,10 @@ def main_only(callbacks: list[Any], *, is_main: bool) -> list[Any]:
 class EpochSync(keras.callbacks.Callback):
     """Tells sharded datasets the epoch (their shuffle) and the loader's batch weight before each step."""
 
-    def __init__(self, train: Any, *others: Any) -> None:
+    def __init__(self, train: Any, *others: Any, position: Any = None) -> None:
         super().__init__()
         self.train, self.others = train, [d for d in others if d is not None]
+        self.position = position  # an elastic fit's (phalanx.keras.supervised.Position): commits and rollbacks
         if hasattr(train, "keep_short_tail"):
             train.keep_short_tail()  # a tail smaller than the workers is its own step, as in plain Keras
         self._saved: list[tuple[Any, Any]] | None = None
@@ -46,8 +47,16 @@ class EpochSync(keras.callbacks.Callback):
         for data in (self.train, *self.others):
             if hasattr(data, "set_epoch"):
                 data.set_epoch(epoch)
+        if self.position is not None:
+            self.position.epoch_begins()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if self.position is not None:  # first of the callbacks: the commit precedes what the others hear
+            self.position.epoch_ends(logs)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if self.position is not None:
+            self.position.batch_begins(batch)
         if hasattr(self.train, "batch_weight"):
             weight = self.train.batch_weight(batch)
             set_batch_weight(weight)
@@ -71,9 +80,9 @@ class StopTogether(keras.callbacks.Callback):
     mid-epoch (it overrides a batch-end hook, as ``TerminateOnNaN`` does).
     """
 
-    def __init__(self, comm: Comm, *, every_batch: bool) -> None:
+    def __init__(self, comm: Comm, *, every_batch: bool, at_epoch_end: bool = True) -> None:
         super().__init__()
-        self.comm, self.every_batch = comm, every_batch
+        self.comm, self.every_batch, self.at_epoch_end = comm, every_batch, at_epoch_end
         self.async_safe = not every_batch  # then the batch hook does nothing, so Keras may run it on a thread
 
     def _agree(self) -> None:
@@ -88,7 +97,8 @@ class StopTogether(keras.callbacks.Callback):
             self._agree()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self._agree()
+        if self.at_epoch_end:  # an elastic fit agrees after the epoch's commit instead (phalanx.keras.supervised)
+            self._agree()
 
 
 def stops_mid_epoch(callbacks: list[Any]) -> bool:

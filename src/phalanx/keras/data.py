@@ -28,9 +28,11 @@ Example:
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..group import group
 from ..errors import ConfigError, usage
@@ -68,7 +70,12 @@ class ShardedDataset(keras.utils.PyDataset):
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
         self.epoch = 0
         self.empty_parts = False  # True for training data (keep_short_tail): a short tail is its own step
+        # Where this plan starts in the epoch: ``start`` samples of its order and ``first_step`` steps were trained
+        # before (an elastic fit resumed mid-epoch, possibly over another number of workers); ``begun``: the steps
+        # of this plan whose batch has begun (:meth:`begin`).
+        self.start = self.first_step = self.begun = 0
         self._plan = self._make_plan()
+        self._digest: bytes | None = None
 
     def keep_short_tail(self) -> None:
         """Train on a tail smaller than the number of workers as its own step (stand-ins for empty parts).
@@ -86,7 +93,7 @@ class ShardedDataset(keras.utils.PyDataset):
 
     def _make_plan(self) -> list[list[list[int]]]:
         plan = global_batches(self.n, self.batch_size, self.world_size, shuffle=self.shuffle,
-                              seed=self.seed, epoch=self.epoch)
+                              seed=self.seed, epoch=self.epoch, start=self.start)
         if not self.empty_parts and len(plan) > 1 and any(not part for part in plan[-1]):
             # A tail smaller than the number of workers would leave some worker an empty batch, and Keras
             # reports nan for the mean loss of zero samples (nan * 0 is still nan in its Mean tracker).
@@ -101,8 +108,62 @@ class ShardedDataset(keras.utils.PyDataset):
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s permutation (deterministic in ``seed + epoch``, as ``px.shard``)."""
         if epoch != self.epoch:
-            self.epoch = epoch
+            self.epoch, self.start, self.first_step, self.begun = epoch, 0, 0, 0
             self._plan = self._make_plan()
+
+    # -- the position, for an elastic fit (phalanx.keras.supervised) ------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Step ``step`` of this plan is about to train: the position is just before its batch."""
+        self.begun = step
+
+    @property
+    def samples(self) -> int:
+        """Samples of this epoch's order trained before the position."""
+        return self.start + sum(len(part) for parts in self._plan[:self.begun] for part in parts)
+
+    @property
+    def step_in_epoch(self) -> int:
+        """Steps of this epoch trained before the position (Keras's batch index of the next step)."""
+        return self.first_step + self.begun
+
+    def finish_epoch(self) -> None:
+        """Every step of the epoch has trained: the position is its end."""
+        self.begun = len(self._plan)
+
+    @property
+    def epoch_done(self) -> bool:
+        return self.samples >= self.n
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: the epoch, and the samples and steps of it trained (independent of the world size)."""
+        return {"epoch": self.epoch, "samples": self.samples, "steps": self.step_in_epoch, "n": self.n}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go back to a position :meth:`state_dict` gave; the rest of that epoch is planned for this world."""
+        self.epoch, self.start, self.first_step, self.begun = (int(state["epoch"]), int(state["samples"]),
+                                                                int(state["steps"]), 0)
+        self._plan = self._make_plan()
+
+    def reassign(self, rank: int, world_size: int) -> None:
+        """Re-split the rest of the epoch, from the position on, over ``world_size`` workers (none dropped or
+        read twice)."""
+        self.start, self.first_step = self.samples, self.step_in_epoch
+        self.rank, self.world_size, self.begun = rank, world_size, 0
+        self._plan = self._make_plan()
+
+    # -- the data's digest (every worker must be given the same arrays) ---------------------------------------------
+    def digest(self) -> bytes | None:
+        """SHA-256 over the arrays' dtypes, shapes and bytes (x, y, sample_weight); None for a torch Dataset.
+
+        Computed once per dataset object: the arrays are the user's and ``fit`` does not change them.
+        """
+        if self._digest is None and not isinstance(self.source[0], _TorchSource):
+            h = hashlib.sha256()
+            for name, part in zip(("x", "y", "sample_weight"), self.source):
+                h.update(name.encode())
+                _hash_into(h, part)
+            self._digest = h.digest()
+        return self._digest
 
     def batch_weight(self, step: int) -> float:
         """This worker's weight in the mean gradient of ``step``: ``n_rank * world_size / n_global``."""
@@ -132,6 +193,55 @@ class ShardedDataset(keras.utils.PyDataset):
             bx, by, bw = _rows(x, idx), _rows(y, idx), _rows(w, idx)
         weights = np.ones(len(idx), dtype="float32") if bw is None else np.asarray(bw, dtype="float32")
         return bx, by, weights * 0 if stand_in else weights
+
+
+def _hash_into(h: Any, data: Any) -> None:
+    """Feed ``data`` (arrays, or lists/dicts of arrays) into the hash ``h``, structure included."""
+    if data is None:
+        h.update(b"none")
+    elif isinstance(data, dict):
+        for key in sorted(data, key=str):
+            h.update(f"key:{key}".encode())
+            _hash_into(h, data[key])
+    elif isinstance(data, (list, tuple)):
+        h.update(f"seq:{len(data)}".encode())
+        for part in data:
+            _hash_into(h, part)
+    else:
+        arr = np.ascontiguousarray(np.asarray(data.detach().cpu() if hasattr(data, "detach") else data))
+        h.update(f"{arr.dtype.str}{arr.shape}".encode())
+        h.update(memoryview(arr).cast("B") if arr.dtype != object else repr(arr.tolist()).encode())
+
+
+def check_same_data(comm: Any, named: dict[str, Any]) -> None:
+    """Refuse workers that were given different arrays (collective: one all-gather of the digests).
+
+    ``px.keras.shard`` takes each worker's part of the *same* arrays; a worker that loaded
+    or shuffled its own copy differently (``np.random.shuffle`` without a seed) would train
+    on samples the plan never meant, twice or never, with no error. Every worker compares
+    every worker's digest, so every worker raises the same :class:`ConfigError`.
+
+    Example:
+        >>> from phalanx.group.collectives import Comm
+        >>> check_same_data(Comm(), {"x": shard(np.zeros((4, 2)), np.zeros(4), batch_size=2)})
+    """
+    if comm.world_size == 1:
+        return
+    names = [n for n, d in named.items() if isinstance(d, ShardedDataset) and d.digest() is not None]
+    if not names:
+        return
+    mine = np.frombuffer(b"".join(named[n].digest() for n in names), dtype=np.int64)
+    every = [t.numpy().tobytes() for t in comm.all_gather(torch.from_numpy(mine.copy()))]
+    for i, name in enumerate(names):
+        digests = [d[32 * i:32 * (i + 1)] for d in every]
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise ConfigError(usage(
+                f"workers given different {name} arrays (the digest of worker {differ[0]}'s differs from "
+                f"worker 0's: {digests[differ[0]].hex()[:12]} vs {digests[0].hex()[:12]})",
+                "the same arrays on every worker (px.keras.shard takes each worker's part of them)",
+                "Load and shuffle the data the same way on every worker: seed any shuffle before it "
+                "(np.random.default_rng(0)), or leave the shuffling to px.keras.shard(seed=...)."))
 
 
 class _TorchSource:

@@ -34,25 +34,33 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import check
 from ..group import group
 from ..group.collectives import Comm
 from ..errors import ConfigError, usage
 from ..strategies import AllReduce, Strategy, by_name
 from .callbacks import EpochSync, StopTogether, main_only, stops_mid_epoch
-from .data import is_sharded
+from .data import check_same_data, is_sharded
 from .detect import ddp_inside, is_keras_model, is_tf_dataset
 from .keras_api import check_backend, keras
 from .metrics import ExactMetrics
 from .runs import _runs, run_of  # noqa: F401  (run_of: re-exported)
 from .optimizer_state import OptimizerState
+from .supervised import fit_supervised
+from ..train.trainer import SUPERVISOR
 
 
 
-def wrap(model: keras.Model, strategy: Strategy | str | None = None) -> keras.Model:
+def wrap(model: keras.Model, strategy: Strategy | str | None = None, *, commit_every: int = 10) -> keras.Model:
     """Make a compiled Keras model data-parallel under ``strategy`` (default ``px.AllReduce()``); returns it.
 
     Call it after ``model.compile(...)`` on a built model (one with an ``Input``, or
     after ``model.build(shape)``). Then ``fit`` / ``evaluate`` take ``px.keras.shard(...)`` data.
+    At ``fit`` every worker's arrays are compared by digest: workers given different data are refused.
+
+    Under ``phalanx run --elastic`` a lost worker does not end ``fit``: the survivors roll back
+    to an in-memory commit (taken every ``commit_every`` steps and at every epoch end) and go on
+    (:mod:`phalanx.keras.supervised`); elsewhere ``commit_every`` changes nothing.
 
     Example:
         >>> import phalanx as px
@@ -76,7 +84,9 @@ def wrap(model: keras.Model, strategy: Strategy | str | None = None) -> keras.Mo
                                 "Start it with keras.Input(shape) or call model.build(input_shape) before wrap, "
                                 "so that rank 0's weights can be copied to every worker."))
     refuse_double_averaging(model)
-    run = KerasRun(model, _resolve(strategy))
+    commit_every = check.positive_int("px.keras.wrap(commit_every", commit_every,
+                                      "Pass the steps between in-memory commits, e.g. commit_every=10.", close=")")
+    run = KerasRun(model, _resolve(strategy), commit_every=commit_every)
     _runs[model] = run
     return model
 
@@ -120,8 +130,9 @@ def _resolve(strategy: Strategy | str | None) -> Strategy:
 class KerasRun:
     """What ``wrap`` attaches to one model: the strategy, the exact metrics, and the method wrappers."""
 
-    def __init__(self, model: Any, strategy: Strategy) -> None:
+    def __init__(self, model: Any, strategy: Strategy, *, commit_every: int = 10) -> None:
         self._model = weakref.ref(model)
+        self.commit_every = commit_every  # steps between in-memory commits under `phalanx run --elastic`
         self.strategy = strategy
         optimizer = model.optimizer
         if not optimizer.built:
@@ -195,13 +206,31 @@ class KerasRun:
         self._check_data(x, y, "x")
         if validation is not None:
             self._check_data(validation, None, "validation_data")
+        check_same_data(self.comm, {"x": x, "validation_data": validation})
         callbacks = list(kwargs.pop("callbacks", None) or [])
-        stop = StopTogether(self.comm, every_batch=stops_mid_epoch(callbacks))
-        callbacks = [EpochSync(x, validation), *main_only(callbacks, is_main=group.is_main()), stop]
+        every_batch = stops_mid_epoch(callbacks)
         if not group.is_main():
             kwargs["verbose"] = 0
         if is_sharded(x):  # px.keras.shard already shuffles, the same way on every worker; Keras's own
             kwargs["shuffle"] = False  # shuffle would reorder each worker's batches differently
+        # Under `phalanx run --elastic` px.init() put the elastic feature's supervisor on the group: it commits and
+        # rolls back (phalanx.keras.supervised), as it does for px.Trainer.fit(elastic=...).
+        supervisor = SUPERVISOR.of(group.current()).value
+        if supervisor is not None:
+            if not is_sharded(x) or not hasattr(x, "reassign"):
+                raise ConfigError(usage(f"x of type {type(x).__name__} under `phalanx run --elastic`",
+                                        "x=px.keras.shard(x, y, batch_size=...) of arrays or a torch Dataset",
+                                        "A lost worker's part is re-split by sample; a PyDataset's batches "
+                                        "cannot be. Pass the arrays to px.keras.shard."))
+            x.keep_short_tail()
+
+            def make_callbacks(position: Any, relay: Any) -> list[Any]:
+                return [EpochSync(x, validation, position=position), relay,
+                        StopTogether(self.comm, every_batch=every_batch, at_epoch_end=False)]
+
+            return fit_supervised(supervisor, self, x, y, kwargs, callbacks, make_callbacks, self.commit_every)
+        stop = StopTogether(self.comm, every_batch=every_batch)
+        callbacks = [EpochSync(x, validation), *main_only(callbacks, is_main=group.is_main()), stop]
         history = type(model).fit(model, x, y, callbacks=callbacks, **kwargs)
         self.strategy.finish()  # drifting replicas (LocalSGD, DiLoCo, EASGD) end holding one model
         return history

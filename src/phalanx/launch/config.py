@@ -27,6 +27,7 @@ from .allocator import heap_env
 from ..elastic.options import ElasticConfig
 from ..elastic.options import add_arguments as add_elastic_arguments
 from ..errors import ConfigError, OneLineParser, usage
+from .netns import parse_rate, why_not
 from .slurm import SlurmEnv, node_address
 from ..step.preempt import PREEMPTED_EXIT, latest_checkpoint
 
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", default="0", metavar="S", help="parameter-server processes to start (default 0)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="record a timeline of a few steps per worker into DIR (Chrome-trace JSON; see px.profile)")
+    p.add_argument("--link", default=None, metavar="RATE",
+                   help="root: split the workers over two network namespaces joined by a link shaped to RATE "
+                        "(tc tbf; 100mbit, 1gbit, 500kbit as phalanx bench --link spells them); prints where the "
+                        "steps went and the bytes on the wire at the end")
     p.add_argument("--debug", action="store_true",
                    help="show full tracebacks for workers' usage errors (same as PHALANX_DEBUG=1)")
     hosts = p.add_argument_group("several hosts (same meaning as torchrun's)")
@@ -139,6 +144,7 @@ class RunConfig:
     requeue: bool = False
     grace_s: int = 30  # --grace: torch's agent waits this long for stopping workers, then SIGKILL
     slurm: SlurmEnv | None = None  # inside a SLURM allocation: the hosts came from its variables
+    link: str | None = None  # --link RATE: the workers on either side of a shaped veth (phalanx.launch.linked)
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> "RunConfig":
@@ -219,7 +225,10 @@ class RunConfig:
             raise ConfigError(usage("--elastic on several SLURM nodes without PHALANX_SECRET",
                                     "the job's secret in PHALANX_SECRET on every node",
                                     "Add `export PHALANX_SECRET=$(openssl rand -hex 32)` to the job script."))
-        return cls(elastic=elastic, script=a.script, script_args=tuple(a.args), nproc=nproc, min_nodes=min_nodes,
+        link = _link_flag(a, nproc=nproc, max_nodes=max_nodes, servers=servers, elastic=elastic is not None,
+                          explicit=not standalone)
+        return cls(link=link, elastic=elastic, script=a.script, script_args=tuple(a.args), nproc=nproc,
+                   min_nodes=min_nodes,
                    max_nodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                    rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=a.rdzv_id or "none",
                    max_restarts=max_restarts, threads=threads, timeout_s=timeout_s, servers=servers,
@@ -308,6 +317,33 @@ def _apply_slurm(a: argparse.Namespace, slurm: SlurmEnv) -> argparse.Namespace:
         a.master_addr = first
         a.master_port = a.master_port or str(slurm.port)
     return a
+
+
+def _link_flag(a: argparse.Namespace, *, nproc: int, max_nodes: int, servers: int, elastic: bool,
+               explicit: bool) -> str | None:
+    """``--link RATE`` checked: a rate in tc's units, a one-host job of 2 or more workers, and root with ``ip``
+    and ``tc`` here; each refusal is one line."""
+    raw = getattr(a, "link", None)
+    if raw is None:
+        return None
+    rate = parse_rate(raw, expected="a rate such as 100mbit, 1gbit or 500kbit (tc's units, as phalanx bench --link "
+                      "spells them)", fix="Pass e.g. --link 100mbit.")
+    fix = "Drop --link, or run the job on its own with -n 2 or more."
+    if nproc < 2:
+        raise ConfigError(usage(f"--link {rate} with -n {nproc}", "2 or more workers (they sit on either side of "
+                                "the link)", fix))
+    for given, what in ((max_nodes > 1, f"--nnodes {a.nnodes}"), (explicit and max_nodes == 1,
+                        "--master-addr/--master-port/--rdzv-*"), (servers > 0, f"--servers {servers}"),
+                        (elastic, "--elastic")):
+        if given:
+            raise ConfigError(usage(f"--link {rate} with {what}", "a plain one-host job (the link joins two "
+                                    "namespaces of this machine, and phalanx run --link starts the workers itself)",
+                                    fix))
+    reason = why_not("run without --link")
+    if reason:
+        raise ConfigError(usage(f"--link {rate}", "a machine where it can be built", reason[0].upper() + reason[1:]
+                                + "."))
+    return rate
 
 
 def _preemption_flags(a: argparse.Namespace) -> tuple[str | None, str | None]:

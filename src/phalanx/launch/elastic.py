@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -48,6 +49,7 @@ from ..elastic.rebuild import generation_prefix
 from ..elastic.watch import Remote, Watched, describe, exit_note, poll
 from ..errors import PhalanxError
 from .failures import Recorded, failure_line, own_failure, status
+from .stacks import Watchdog, register_job
 from .workers import start_worker
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
 POLL_S = 0.05  # a process's exit is seen this soon (a waitpid, no store call): recovery starts from it
 STORE_POLL_S = 0.5  # heartbeats, members and remote workers are read from the store this often
 MAX_FAILED_STARTS = 3  # replacements in a row that died before any generation admitted them
+SILENT_S = 1.5  # a worker whose heartbeat stood still this long is not waited for when stacks are collected
 
 
 # the watching code lives in watch.py, shared with `phalanx join`'s local watcher
@@ -68,7 +71,7 @@ def run_elastic(cfg: "RunConfig") -> int:
     store, listener = listening_store(cfg.master_addr, cfg.master_port or 0)
     port = store.port
     ids, spares = [str(r) for r in range(cfg.nproc)], [f"s{i}" for i in range(el.spares)]
-    job_secret, secret_file = _job_secret()
+    job_secret, secret_file = make_job_secret()
     job_nonce = secret.nonce()
     store.set(key("config"), json.dumps({"min_workers": el.min_workers, "max_workers": el.max_workers,
                                          "heartbeat_s": el.heartbeat_s, "workers": cfg.nproc, "spares": spares,
@@ -108,9 +111,19 @@ def run_elastic(cfg: "RunConfig") -> int:
         stop["sig"] = sig
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Stacks of every worker when the group stops stepping, and before a hung worker is killed (launch/stacks.py)
+    dog = Watchdog(store, job_secret, el.heartbeat_s, expect=lambda: _members(store),
+                   lost=lambda: [w.id for w in workers if w.returncode is not None or w.proc.poll() is not None],
+                   epoch=lambda: store.get(key("gen")) if store.check([key("gen")]) else b"0")
+    note = register_job(cfg.master_addr, port, secret_file, cfg.script)
     try:
-        return _watch(workers, store, el, stop, joiner, reserve=list(spares), servers=servers, errors=errors)
+        return _watch(workers, store, el, stop, joiner, reserve=list(spares), servers=servers, errors=errors,
+                      dog=dog)
     finally:
+        if dog.end_note():
+            print(dog.end_note(), file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            os.remove(note)
         for s, h in old.items():
             signal.signal(s, h)
         _stop_all(workers)
@@ -122,8 +135,9 @@ def run_elastic(cfg: "RunConfig") -> int:
             shutil.rmtree(os.path.dirname(secret_file), ignore_errors=True)
 
 
-def _job_secret() -> tuple[str, str | None]:
-    """The job's secret and the file a joiner reads it from (None: the user set PHALANX_SECRET and holds it).
+def make_job_secret() -> tuple[str, str | None]:
+    """The job's secret and the file a joiner (or ``phalanx stacks``) reads it from (None: the user set
+    PHALANX_SECRET and holds it).
 
     The file is in a directory of its own, readable by this user only (mkdtemp makes it 0700), and is
     removed when the job ends.
@@ -196,7 +210,7 @@ def _members(store) -> list[str]:
 
 
 def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner, reserve: list[str],
-           servers=None, errors: str | None = None) -> int:
+           servers=None, errors: str | None = None, dog: Watchdog | None = None) -> int:
     """Poll the workers until they are all gone. ``reserve``: the spares no lost worker has claimed yet;
     ``errors``: the directory of the workers' failure records (``<id>.json``).
 
@@ -233,12 +247,20 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
                   "if any.", file=sys.stderr, flush=True)
             return 1
         now = time.monotonic()
+        # Before the hung are killed: their stacks first. A report blocks this loop (a second or so: the silent
+        # workers' answers are not waited for), so the heartbeats are then judged by the time after it, not before.
+        if dog is not None and dog.poll(now, silent=[w.id for w in workers if w.beats and now - w.seen > SILENT_S]):
+            now = time.monotonic()
+        kill_hook = dog.before_kill if dog is not None else None
         # poll() marks the dead and leaves their exit notes. Every worker that ended is read before any is reported:
         # a peer that ended because of another's own failure must not be reported as a loss the others regroup from.
-        ended = [(w, code) for w in workers if (code := poll(w, store, el.heartbeat_s, now=now))]
+        ended = [(w, code) for w in workers if (code := poll(w, store, el.heartbeat_s, now=now,
+                                                             before_kill=kill_hook))]
         own = [(w, f) for w, code in ended if own_failure(f := Recorded.read(_record(errors, w.id), code))]
         if own:
             return _failed_on_its_own(own, workers, store, remotes, el.heartbeat_s, now)
+        if ended and dog is not None:
+            dog.reset(now)  # the survivors regroup: not a stall
         for w, code in ended:
             first_failure = code if first_failure is None else first_failure
             if store.check([key("done")]):

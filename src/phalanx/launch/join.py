@@ -39,6 +39,7 @@ from ..elastic.membership import key
 from ..elastic.watch import Watched, describe, poll
 from ..errors import ConfigError, PhalanxError, usage
 from .elastic import POLL_S, joiner_env, quiet_store_env
+from .stacks import Watchdog
 
 PROBE_TIMEOUT_S = 5.0
 STOP_GRACE_S = 3.0  # Ctrl-C: how long the joiners get to leave before they are killed (as the launcher's)
@@ -136,7 +137,8 @@ def main(argv: Sequence[str]) -> int:
     procs = [subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
                               env={**base, **joiner_env(f"j{tag}-{i}")}) for i in range(cfg.nproc)]
     try:
-        codes = watch_joiners([Watched(f"j{tag}-{i}", p) for i, p in enumerate(procs)], cfg.host, cfg.port)
+        codes = watch_joiners([Watched(f"j{tag}-{i}", p) for i, p in enumerate(procs)], cfg.host, cfg.port,
+                              secret=job)
     except KeyboardInterrupt:
         for p in procs:
             p.terminate()
@@ -153,12 +155,13 @@ def main(argv: Sequence[str]) -> int:
 
 
 # -- the joiners' local watcher --------------------------------------------------------------
-def watch_joiners(workers: list[Watched], host: str, port: int) -> list[int]:
+def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | None = None) -> list[int]:
     """Watch this host's joiners as the launcher watches its own; returns their exit statuses.
 
     A joiner that exits is marked dead in the job's store with its exit note, and a hung
     one (no heartbeat for the job's ``--heartbeat-timeout``) is killed, so the others
-    regroup at once instead of after the quorum timeout.
+    regroup at once instead of after the quorum timeout; with the job's ``secret``, the
+    stacks of this host's joiners are printed first (:mod:`phalanx.launch.stacks`).
 
     The job's store belongs to the first launcher, which closes it once the job is over:
     a joiner that said it finished (``finished/<id>``) is then only waited for, with no
@@ -174,6 +177,13 @@ def watch_joiners(workers: list[Watched], host: str, port: int) -> list[int]:
     except dist.DistError:  # the job ended between the probe and now: the joiners see it too
         store = None
     leaving: set[str] = set()  # joiners that finished training: their exit is ours to see, not the job's
+    dog = Watchdog(store, secret, float("inf"), expect=lambda: [w.id for w in workers if w.returncode is None]) \
+        if store is not None and secret else None
+
+    def before_kill(wid: str, why: str) -> None:
+        if dog is not None:
+            dog.report(f"worker {wid} {why}; before it is killed, this host's joiners", 0.0,
+                       [w.id for w in workers if w.returncode is None], hung=[wid])
     while store is not None and any(w.returncode is None for w in workers):
         try:
             for w in workers:
@@ -183,7 +193,7 @@ def watch_joiners(workers: list[Watched], host: str, port: int) -> list[int]:
                     if w.returncode is None:
                         w.returncode = w.proc.poll()
                     continue
-                code = poll(w, store, heartbeat_s)
+                code = poll(w, store, heartbeat_s, before_kill=before_kill)
                 if code and not store.check([key("done")]):
                     print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {describe(code)}; the others "
                           "regroup without it", file=sys.stderr, flush=True)

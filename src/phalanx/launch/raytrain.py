@@ -62,7 +62,8 @@ from ..elastic.membership import key
 from ..elastic.watch import mark_dead
 from ..elastic.worker import EndedBeforeAdmitted
 from ..errors import ConfigError, PhalanxError, usage
-from .elastic import listening_store, quiet_store_env
+from .elastic import _members, listening_store, quiet_store_env
+from .stacks import Watchdog
 
 try:  # Ray is an extra (`pip install 'phalanx[ray]'`); without it this module imports and train() says so
     from ray.train.backend import Backend, BackendConfig
@@ -266,7 +267,13 @@ class _Job:
         import ray
 
         seen: dict[str, tuple[int, float]] = {}
+        # every worker's stacks when the group stops stepping, and before a hung worker is killed (launch/stacks.py)
+        self.dog = Watchdog(self.store, self.secret, self.heartbeat_s, expect=lambda: _members(self.store),
+                            lost=lambda: [w for w in self.ids.values() if self.store.check([key("dead", w)])],
+                            epoch=lambda: self.store.get(key("gen")) if self.store.check([key("gen")]) else b"0")
         while not self.stopped.wait(poll_s):
+            now = time.monotonic()
+            self._look_for_stalls(silent=[w for w, (beats, t) in seen.items() if beats and now - t > 1.5])
             try:
                 for wid, actor in list(self.actors.items()):
                     if self.store.check([key("finished", wid)]) or self.store.check([key("dead", wid)]):
@@ -276,6 +283,7 @@ class _Job:
                     if last is None or last[0] != beats or not beats:
                         seen[wid] = (beats, now)
                     elif now - last[1] > self.heartbeat_s:
+                        self._look_for_stalls(wid, f"sent no heartbeat for {now - last[1]:.1f}s (hung or stopped)")
                         print(f"phalanx: ray: worker {wid} sent no heartbeat for {now - last[1]:.1f}s (hung or "
                               "stopped); killing its actor", file=sys.stderr, flush=True)
                         self.actors.pop(wid, None)
@@ -283,12 +291,27 @@ class _Job:
             except Exception:  # noqa: BLE001 - the store is closing with the job
                 return
 
+    def _look_for_stalls(self, killing: str | None = None, why: str = "", silent: list[str] | None = None) -> None:
+        """The watchdog's look (or, before ``killing`` a worker, its stacks); never ends the heartbeat watcher.
+
+        ``silent``: workers whose heartbeat stood still a while, not waited for."""
+        try:
+            if killing is None:
+                self.dog.poll(silent=silent or [])
+            else:
+                self.dog.before_kill(killing, why)
+        except Exception:  # noqa: BLE001 - the store is closing with the job; the hang watcher goes on
+            pass
+
     def close(self) -> None:
         import ray
 
         from ..elastic.membership import key
 
         self.stopped.set()
+        note = self.dog.end_note() if getattr(self, "dog", None) is not None else None
+        if note:
+            print(note, file=sys.stderr, flush=True)
         if self.grown:
             try:  # training is over: let the grown workers return (they finish with the others), then end them
                 if self.store.check([key("done")]):

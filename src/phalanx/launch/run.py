@@ -21,7 +21,7 @@ no orphans, since each worker ends when this process is gone
 (:mod:`phalanx.group.orphan`). A preempted job (SIGTERM, SLURM's SIGUSR1) exits 75
 with one line, and ``--requeue`` requeues it under SLURM. ``--elastic`` jobs are run
 by :mod:`phalanx.launch.elastic`; the other nodes of an elastic SLURM job join the
-first node's with :mod:`phalanx.launch.join`.
+first node's with :mod:`phalanx.launch.join`. ``--link RATE`` jobs are run by :mod:`phalanx.launch.linked`.
 
 Example:
     >>> _status(-9)[1]  # the exit status of a worker killed by SIGKILL, as `phalanx run` ends with it
@@ -44,8 +44,12 @@ from typing import Iterator, Sequence
 from . import join as launch_join
 from ..errors import ConfigError, usage
 from .config import DEFAULT_MASTER_ADDR, RunConfig, build_parser
-from .elastic import run_elastic
+from .elastic import make_job_secret, run_elastic
+from ..elastic import secret
+from ..group.env import DEFAULT_TIMEOUT_S
+from .stacks import WatchThread, register_job
 from .failures import failure_line, root_cause as _root_cause, status as _status
+from .linked import run_linked
 from .slurm import requeue
 from ..step.preempt import PREEMPTED_EXIT, latest_checkpoint
 
@@ -138,6 +142,8 @@ def run(cfg: RunConfig) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    if cfg.link is not None:  # --link RATE: the workers on either side of a shaped link, started by us
+        return run_linked(cfg)
     if cfg.elastic is not None:  # elastic: our own agent keeps survivors running
         if cfg.slurm is not None and cfg.node_rank > 0:  # the other nodes of the allocation join node 0's job
             return _join_slurm_job(cfg)
@@ -148,6 +154,14 @@ def run(cfg: RunConfig) -> int:
     store = _loopback_store() if cfg.standalone else None
     launch = cfg.launch_config(store[0].port if store else 0)
     env, servers, watching, children = cfg.worker_env(), None, None, _children()
+    stalls, note = None, None
+    if store is not None:  # one host: the workers answer `phalanx stacks` and the watchdog (launch/stacks.py)
+        made, secret_file = make_job_secret()
+        env[secret.ENV] = made
+        note = register_job(DEFAULT_MASTER_ADDR, store[0].port, secret_file, cfg.script)
+        # at most half the collective bound: the stacks come before a stuck collective ends the job
+        stalls = WatchThread(DEFAULT_MASTER_ADDR, store[0].port, made,
+                             (cfg.timeout_s or DEFAULT_TIMEOUT_S) / 2).start()
     before = _newest_checkpoint(cfg.checkpoint_dir)  # another one after the workers end was written by this run
     notes = tempfile.mkdtemp(prefix="phalanx-preempt-")  # a preempted worker leaves its step here
     env["PHALANX_PREEMPT_NOTES"] = notes
@@ -193,6 +207,12 @@ def run(cfg: RunConfig) -> int:
         print(f"phalanx: received {err.sigval.name}; stopped all workers", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
+        last = stalls.stop() if stalls is not None else None
+        if last:
+            print(last, file=sys.stderr, flush=True)
+        if note is not None:
+            with contextlib.suppress(OSError):
+                os.remove(note)
         shutil.rmtree(notes, ignore_errors=True)
         if watching is not None:
             watching.set()

@@ -29,7 +29,8 @@ Example (a group of one, where ``group_size=1`` leaves the model as it is):
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Union, runtime_checkable
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..step import _engine
 from .. import check
-from ..group.collectives import Comm, local_shard
+from ..group.collectives import Comm, all_gather_object, broadcast_object, local_shard
 from ..errors import ConfigError, usage
 from ..strategies import AllReduce, Strategy
 from ..strategies.base import ServerBacked, check_same_model
@@ -64,22 +65,50 @@ class FullyShard:
 
     Args:
         group_size: S, the workers that share one replica of the model; it must divide the
-            world size. 1 shards nothing.
+            world size. 1 shards nothing. S equal to the world size is plain FSDP: one group,
+            parameters on a 1-D mesh placed ``(Shard(0),)``; a smaller S is HSDP, a 2-D mesh
+            placed ``(Replicate(), Shard(0))``.
         min_params: a submodule holding at least this many parameters (not already in a
             smaller unit) becomes its own FSDP unit, so that only one unit's full weights
-            are gathered at a time; the root module takes the rest.
+            are gathered at a time; the root module takes the rest. Default 1,000,000.
+        units: instead of ``min_params``, the units as FSDP2 users choose them: a class (or a
+            tuple of classes) whose every submodule becomes a unit (one per transformer block),
+            or a function ``module -> bool``. The root module takes the rest.
+        mp_policy: mixed precision, torch's own ``torch.distributed.fsdp.MixedPrecisionPolicy``
+            (``param_dtype`` for the gathered parameters and the forward/backward,
+            ``reduce_dtype`` for the gradient reduction, ``output_dtype`` for the outputs); the
+            sharded parameters and the optimizer stay in their own dtype.
 
     Pass it to ``px.wrap(model, opt, strategy=..., shard=px.FullyShard(group_size=2))``.
     The optimizer must be fresh (not stepped yet): FSDP replaces the parameters with
-    sharded ones, and ``px.wrap`` points the optimizer's parameter groups at them.
+    sharded ones, and ``px.wrap`` points the optimizer's parameter groups at them. A model
+    built on the meta device (``with torch.device("meta"):``) is sharded first, then each
+    worker allocates its own shards and the model's ``init_weights()`` / ``reset_parameters()``
+    fill them (:meth:`apply`): no worker ever holds the whole model.
+
+    Example:
+        >>> import torch, phalanx as px
+        >>> from torch.distributed.fsdp import MixedPrecisionPolicy
+        >>> px.FullyShard(group_size=2, units=torch.nn.TransformerEncoderLayer)
+        FullyShard(group_size=2, units=TransformerEncoderLayer)
+        >>> bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        >>> px.FullyShard(group_size=2, mp_policy=bf16)
+        FullyShard(group_size=2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     """
 
-    def __init__(self, group_size: int, *, min_params: int = 1_000_000) -> None:
+    def __init__(self, group_size: int, *, min_params: int | None = None, units: "Units | None" = None,
+                 mp_policy: Any = None) -> None:
         self.group_size = check.positive_int("FullyShard(group_size", group_size,
                                         "Pass how many workers share one replica, e.g. group_size=2.",
                                         close=")")
-        self.min_params = check.positive_int("FullyShard(min_params", min_params,
-                                        "Pass a parameter count, e.g. min_params=1_000_000.", close=")")
+        if units is not None and min_params is not None:
+            raise ConfigError(usage(f"FullyShard(min_params={min_params!r}, units={_describe(units)})",
+                                    "one way to choose the FSDP units", "Pass units= (by module) or min_params= "
+                                    "(by parameter count), not both."))
+        self.min_params = 1_000_000 if min_params is None else check.positive_int(
+            "FullyShard(min_params", min_params, "Pass a parameter count, e.g. min_params=1_000_000.", close=")")
+        self.units = _unit_rule(units)
+        self.mp_policy = _policy(mp_policy)
         self.shard_size = self.group_size  # S of the current layout: a regroup may change it (reshard)
         self._output: _OutputHook | None = None
         self._output_handle: Any = None
@@ -92,10 +121,6 @@ class FullyShard:
             raise ConfigError(usage(f"FullyShard(group_size={s}) with {n} workers",
                                     f"a group size that divides the world size ({_divisors(n)})",
                                     f"Pick one of those, or start a multiple of {s} workers."))
-        if g.elastic and not hsdp(strategy):
-            raise ConfigError(usage(f"shard=FullyShard(group_size={s}) with {strategy!r} under `phalanx run "
-                                    "--elastic`", "px.AllReduce() (HSDP): a regroup re-shards its state onto the "
-                                    "survivors", "Use px.AllReduce(), drop --elastic, or drop shard=."))
         if isinstance(strategy, ServerBacked):
             raise ConfigError(usage(f"shard=FullyShard(...) with {type(strategy).__name__}",
                                     "a strategy that agrees between workers (AllReduce, LocalSGD, DiLoCo, EASGD): a "
@@ -111,40 +136,58 @@ class FullyShard:
               g: "Group") -> nn.Module:
         """Shard ``model`` in place, point ``optimizer`` at the sharded parameters, give ``strategy`` its group.
 
-        Collective over every worker. Rank 0's weights are broadcast first, while the model is
-        whole, so every shard starts from the same model whatever the workers' seeds.
+        Collective over every worker. A model with real weights: rank 0's are broadcast first,
+        while the model is whole, so every shard starts from the same model whatever the workers'
+        seeds. A model on the meta device: ``fully_shard`` lays it out, each worker allocates its
+        own shards (``to_empty``) and the model's own ``init_weights()`` / ``reset_parameters()``
+        fills them, drawing from rank 0's random state, as torch's FSDP2 programs do
+        (:func:`initialiser`): every replica agrees, and no worker holds more than its shards.
         """
         if any(optimizer.state.values()):
             raise ConfigError(usage("an optimizer that has already stepped, with shard=",
                                     "a fresh optimizer (FSDP replaces the parameters with sharded ones)",
                                     "Build the optimizer, then call px.wrap before the first step."))
+        _units(model, self.min_params, self.units)  # a unit class that matches nothing: refused before anything else
+        init = initialiser(model) if on_meta(model) else None
         if g.world_size == 1 and self.group_size == 1:
+            if init is not None:
+                _materialise(model, init, g.device)
+            if self.mp_policy is not None:
+                warnings.warn("FullyShard(mp_policy=...) in a group of one with group_size=1 leaves the model as it "
+                              "is (plain PyTorch, in its own dtype); on one worker use torch.autocast", stacklevel=3)
             return model  # nothing to shard, nobody to agree with: plain PyTorch
         strategy.sharded_by = self  # phalanx.elastic finds it there to re-shard after a regroup
         if g.entering:
             return model  # a joiner of an elastic job: sharded when it enters, from the members' shards (reshard)
         whole = Comm()
-        check_same_model(model, whole)
-        whole.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
-        self.shard_over(model, optimizer, strategy, g, self.group_size)
+        check_same_model(model, whole, device=g.device)
+        if init is None:
+            whole.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
+        self.shard_over(model, optimizer, strategy, g, self.group_size,
+                        fill=None if init is None else lambda m: _materialise(m, init, g.device))
         return model
 
     def shard_over(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, g: "Group",
                    size: int, fill: Callable[[nn.Module], None] | None = None) -> None:
         """``fully_shard`` ``model`` over shards of ``size``; the optimizer follows.
 
-        ``model`` holds whole plain tensors, or (a reshard) parameters on the meta device that
-        ``fill(model)`` gives their local shards once FSDP has laid them out.
+        ``model`` holds whole plain tensors, or parameters on the meta device that ``fill(model)``
+        gives their local shards once FSDP has laid them out (a reshard; a model built on the meta
+        device). One group of every worker is plain FSDP on the mesh's 1-D "shard" dimension
+        (placements ``(Shard(0),)``); HSDP takes the whole 2-D mesh.
         """
         # FSDP is imported by the jobs that shard only: with DTensor it costs 1.1 s of every worker's start-up.
         from torch.distributed.fsdp import fully_shard
 
         mesh = g.mesh(size)
         names = {id(p): name for name, p in model.named_parameters()}
-        dp_mesh = mesh if hsdp(strategy) else mesh["shard"]
-        for sub in _units(model, self.min_params):
-            fully_shard(sub, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+        dp_mesh = mesh if hsdp(strategy) and size < g.world_size else mesh["shard"]
+        options: dict[str, Any] = {"mesh": dp_mesh}
+        if self.mp_policy is not None:
+            options["mp_policy"] = self.mp_policy
+        for sub in _units(model, self.min_params, self.units):
+            fully_shard(sub, **options)
+        fully_shard(model, **options)
         if fill is not None:
             fill(model)
         new = dict(model.named_parameters())
@@ -174,7 +217,15 @@ class FullyShard:
             self._output_handle = model.register_forward_hook(self._output)
 
     def __repr__(self) -> str:
-        extra = "" if self.min_params == 1_000_000 else f", min_params={self.min_params}"
+        extra = "" if self.min_params == 1_000_000 or self.units is not None else f", min_params={self.min_params}"
+        if self.units is not None:
+            extra += f", units={_describe(self.units)}"
+        if self.mp_policy is not None:
+            fields = ", ".join(f"{k}={getattr(self.mp_policy, k)}" for k in ("param_dtype", "reduce_dtype",
+                               "output_dtype") if getattr(self.mp_policy, k) is not None)
+            if not self.mp_policy.cast_forward_inputs:
+                fields += ", cast_forward_inputs=False" if fields else "cast_forward_inputs=False"
+            extra += f", mp_policy=MixedPrecisionPolicy({fields})"
         return f"FullyShard(group_size={self.group_size}{extra})"
 
 
@@ -192,12 +243,61 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def _units(model: nn.Module, min_params: int) -> list[nn.Module]:
-    """Submodules (post-order, the root excluded) with at least ``min_params`` parameters not in a smaller unit.
+Units = Union[type, tuple[type, ...], Callable[[nn.Module], bool]]
+"""What ``FullyShard(units=...)`` takes: a module class, a tuple of them, or a function ``module -> bool``."""
+
+# The dtypes FSDP can gather and reduce in on gloo (CPU) and NCCL: gloo's reductions take no other floating dtype.
+REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _unit_rule(units: Any) -> "Units | None":
+    """``units`` as given, checked: None, a tuple of nn.Module classes, or a function that is not a class."""
+    if units is None:
+        return None
+    classes = tuple(units) if isinstance(units, (tuple, list, set, frozenset)) else (units,)
+    if all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes) and classes:
+        return classes
+    if not isinstance(units, type) and callable(units):
+        return units
+    raise ConfigError(usage(f"FullyShard(units={units!r})", "a module class (e.g. your transformer block), a tuple "
+                            "of them, or a function module -> bool", "Pass e.g. units=TransformerBlock."))
+
+
+def _describe(units: Any) -> str:
+    if isinstance(units, type):
+        return units.__name__
+    if isinstance(units, tuple) and all(isinstance(c, type) for c in units):
+        return units[0].__name__ if len(units) == 1 else "(" + ", ".join(c.__name__ for c in units) + ")"
+    return getattr(units, "__name__", repr(units))
+
+
+def _policy(policy: Any) -> Any:
+    """``mp_policy`` checked: torch's ``MixedPrecisionPolicy`` whose dtypes FSDP can gather and reduce in."""
+    if policy is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # the user imported it to build ``policy``
+
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise ConfigError(usage(f"FullyShard(mp_policy={policy!r})", "a torch.distributed.fsdp.MixedPrecisionPolicy",
+                                "Pass e.g. mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                                "reduce_dtype=torch.float32)."))
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(policy, field)
+        if dtype is not None and dtype not in REDUCIBLE:
+            raise ConfigError(usage(
+                f"FullyShard(mp_policy=MixedPrecisionPolicy({field}={dtype}))",
+                f"None or a dtype the workers can compute and reduce gradients in ({', '.join(map(str, REDUCIBLE))}: "
+                "gloo and NCCL reduce no other)", f"Use e.g. {field}=torch.float32, or leave it None."))
+    return policy
+
+
+def _units(model: nn.Module, min_params: int, rule: "Units | None" = None) -> list[nn.Module]:
+    """The FSDP units of ``model`` (post-order, the root excluded): the submodules ``rule`` picks (:func:`_chosen`),
+    else those with at least ``min_params`` parameters not in a smaller unit.
 
     A submodule sharing a parameter with a module outside it (tied weights: a GPT's token embedding reused as
-    its output layer) is never a unit: FSDP2 would shard the parameter in one unit and the other module would
-    meet a DTensor beside plain tensors ("aten.mm got mixed torch.Tensor and DTensor"). Its parameters go to
+    its output layer) is never a unit by size: FSDP2 would shard the parameter in one unit and the other module
+    would meet a DTensor beside plain tensors ("aten.mm got mixed torch.Tensor and DTensor"). Its parameters go to
     the smallest enclosing unit that holds every module using them.
     """
     owners: dict[int, list[nn.Module]] = {}
@@ -205,19 +305,171 @@ def _units(model: nn.Module, min_params: int) -> list[nn.Module]:
         for p in m._parameters.values():  # the same Parameter object in two modules: tied
             if p is not None:
                 owners.setdefault(id(p), []).append(m)
+
+    def closed(m: nn.Module) -> bool:  # every module using m's parameters is inside m
+        inside = {id(x) for x in m.modules()}
+        return all(id(o) in inside for p in m.parameters() for o in owners[id(p)])
+
+    if rule is not None:
+        return _chosen(model, rule, closed)
     units: list[nn.Module] = []
 
     def walk(m: nn.Module) -> int:
         free = sum(walk(c) for c in m.children()) + sum(p.numel() for p in m.parameters(recurse=False))
-        if m is not model and free >= min_params:
-            inside = {id(x) for x in m.modules()}
-            if all(id(o) in inside for p in m.parameters() for o in owners[id(p)]):
-                units.append(m)
-                return 0
+        if m is not model and free >= min_params and closed(m):
+            units.append(m)
+            return 0
         return free
 
     walk(model)
     return units
+
+
+def _chosen(model: nn.Module, rule: "Units", closed: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The submodules ``rule`` picks (post-order, as FSDP2 wants an inner unit sharded before its outer one).
+
+    Refused in one line: a class of ``rule`` that matches no submodule, a function that picks none, a picked
+    module whose parameter a module outside it also uses (tied weights: FSDP2 cannot shard it in one unit only).
+    """
+    order: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def walk(m: nn.Module) -> None:
+        for c in m.children():
+            if id(c) not in seen:
+                seen.add(id(c))
+                walk(c)
+                order.append(c)
+
+    walk(model)
+    picks = (lambda m: isinstance(m, rule)) if isinstance(rule, tuple) else rule
+    units = [m for m in order if picks(m)]
+    found = sorted({type(m).__name__ for m in order})
+    if isinstance(rule, tuple):
+        missing = [c.__name__ for c in rule if not any(isinstance(m, c) for m in order)]
+        if missing:
+            raise ConfigError(usage(f"FullyShard(units={_describe(rule)}): no submodule of the "
+                                    f"{type(model).__name__} is a {' or '.join(missing)}",
+                                    f"classes of its submodules (it has {', '.join(found) or 'none'})",
+                                    "Pass the class of its repeated block, e.g. units=TransformerBlock."))
+    elif not units:
+        raise ConfigError(usage(f"FullyShard(units={_describe(rule)}), which picked no submodule of the "
+                                f"{type(model).__name__}", "a function that returns True for each unit (one per "
+                                f"block), its submodules being {', '.join(found) or 'none'}",
+                                "Fix the function, or pass a class: units=TransformerBlock."))
+    names = {id(m): name for name, m in model.named_modules()}
+    for m in units:
+        if not closed(m):
+            raise ConfigError(usage(f"FullyShard(units={_describe(rule)}) picking {names[id(m)]!r} "
+                                    f"({type(m).__name__}), whose parameters a module outside it also uses (tied "
+                                    "weights)", "units that hold every module using their parameters",
+                                    "Pick the module that encloses both users, or untie the weights."))
+    return units
+
+
+def on_meta(model: nn.Module) -> bool:
+    """True for a model built on the meta device (shapes and dtypes, no storage); refuses one that is partly there.
+
+    Example:
+        >>> import torch
+        >>> with torch.device("meta"):
+        ...     net = torch.nn.Linear(4, 2)
+        >>> on_meta(net), on_meta(torch.nn.Linear(4, 2))
+        (True, False)
+    """
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    meta = [name for name, t in tensors if t.is_meta]
+    if not meta or len(meta) == len(tensors):
+        return bool(meta)
+    real = next((name, t.device) for name, t in tensors if not t.is_meta)
+    raise ConfigError(usage(f"a {type(model).__name__} partly on the meta device ({meta[0]!r} there, {real[0]!r} on "
+                            f"{real[1]})", "a model built wholly on the meta device, or wholly on a real one",
+                            'Build it all under `with torch.device("meta"):`, or none of it.'))
+
+
+def initialiser(model: nn.Module) -> Callable[[], None]:
+    """How a model built on the meta device fills its tensors once sharded: its own ``init_weights()`` or
+    ``reset_parameters()``, else ``reset_parameters()`` of each submodule that has one (torch's layers do), in
+    ``model.modules()`` order, as FSDP2 programs write it. Refuses, in one line, a module holding parameters or
+    buffers that no ``reset_parameters()`` of its own or of an enclosing module covers.
+
+    Example:
+        >>> import torch
+        >>> with torch.device("meta"):
+        ...     net = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.LayerNorm(2))
+        >>> initialiser(net).__name__   # each submodule's reset_parameters(), in model.modules() order
+        'each'
+    """
+    for attr in ("init_weights", "reset_parameters"):
+        own = getattr(model, attr, None)
+        if callable(own):
+            return own
+
+    def bare(name: str, m: nn.Module, covered: bool) -> tuple[str, nn.Module] | None:
+        covered = covered or callable(getattr(m, "reset_parameters", None))
+        holds = any(t is not None for t in [*m._parameters.values(), *m._buffers.values()])
+        if holds and not covered:
+            return name, m
+        return next((b for n, c in m.named_children()
+                     if (b := bare(f"{name}.{n}" if name else n, c, covered)) is not None), None)
+
+    missing = bare("", model, False)
+    if missing is not None:
+        name, m = missing
+        cls = type(m).__name__
+        held = ", ".join([*(n for n, t in m._parameters.items() if t is not None),
+                          *(n for n, t in m._buffers.items() if t is not None)])
+        raise ConfigError(usage(f"a {type(model).__name__} on the meta device whose module "
+                                f"{name or '(the model itself)'!r} ({cls}) holds {held} and has no "
+                                "reset_parameters()", "a method that fills every meta tensor in place once sharded: "
+                                "reset_parameters() on each module holding parameters or buffers, or init_weights() "
+                                "on the model", f"Add reset_parameters() to {cls} (torch.nn.init on its tensors), "
+                                "or build the model on a real device."))
+    modules = [m for m in model.modules() if callable(getattr(m, "reset_parameters", None))]
+
+    def each() -> None:
+        for m in modules:
+            m.reset_parameters()
+
+    return each
+
+
+def _materialise(model: nn.Module, init: Callable[[], None], device: torch.device) -> None:
+    """Storage for ``model``'s meta tensors on ``device`` (each worker its own shards), filled by ``init``.
+
+    ``to_empty`` swaps each tensor's contents (``torch.__future__``'s swap on conversion, for this call only), so
+    the Parameter objects stay: the optimizer's references and tied weights hold. ``init`` draws from rank 0's
+    random state, as DTensor's own random ops do on CUDA: on workers seeded alike this is their own state (and
+    it advances, as in torch's program); on workers seeded apart every replica still agrees, and each worker's own
+    state comes back afterwards. On CPU DTensor's random ops draw each shard from that state alone (torch keeps
+    offsets per shard on CUDA only), so the values equal torch's own CPU FSDP2 program's, not an unsharded build's.
+    """
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    floats = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
+    with torch.no_grad():
+        for _, t in floats:  # what init leaves untouched stays NaN, where to_empty would leave whatever was there
+            local_shard(t).fill_(float("nan"))
+    mine = torch.get_rng_state()
+    theirs = broadcast_object(mine, 0, "rank 0's random state, to initialise the model built on the meta device")
+    torch.set_rng_state(theirs)
+    with torch.no_grad():
+        init()
+    if not torch.equal(mine, theirs):
+        torch.set_rng_state(mine)
+    left = next((name for name, t in floats if local_shard(t).isnan().any()), None)
+    untouched = [n for n in all_gather_object(left, "what the model's initialisation left empty") if n is not None]
+    if untouched:
+        how = f"{init.__qualname__}()" if hasattr(init, "__self__") else "submodules' reset_parameters()"
+        raise ConfigError(usage(f"a {type(model).__name__} on the meta device whose {how} left {untouched[0]!r} "
+                                "unset", "an initialisation that sets every parameter and buffer (on the meta device "
+                                "it is their only source of values)", "Make it also reset that tensor's module (e.g. "
+                                "`for layer in self.layers: layer.reset_parameters()`), or build the model on a "
+                                "real device."))
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -270,4 +522,4 @@ class _OutputHook:
         self.clock.backward.callback()
 
 
-__all__ = ["FullyShard", "OnShards", "hsdp", "is_sharded", "sharded_by"]
+__all__ = ["FullyShard", "OnShards", "Units", "hsdp", "initialiser", "is_sharded", "on_meta", "sharded_by"]

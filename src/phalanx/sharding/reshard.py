@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -32,6 +32,30 @@ if TYPE_CHECKING:
     from ..group.group import Group
 
 
+@runtime_checkable
+class RowState(Protocol):
+    """What a rule on shards keeps per parameter, laid out as the parameters' local rows, moved by a reshard.
+
+    A periodic rule on shards (DiLoCo's anchor and outer momentum, EASGD's centre) holds, for each of its
+    parameters (``strategy.params``: this rank's rows of each), tensors of the same rows. A regroup moves
+    them with the parameters' own plan (:func:`reshard`): each rank receives only the rows it lacks.
+    A rule that keeps none returns ``{}``.
+
+    Example:
+        >>> import phalanx as px
+        >>> isinstance(px.DiLoCo(every=4), RowState), isinstance(px.AllReduce(), RowState)
+        (True, False)
+    """
+
+    def row_state(self) -> dict[str, list[torch.Tensor]]:
+        """The live tensors, by name, one per parameter in ``strategy.params``'s order (a pure read)."""
+        ...
+
+    def load_row_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """Take ``state`` (the new layout's rows, as :meth:`row_state` names them) in place of the old."""
+        ...
+
+
 def reshard(layout: FullyShard, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, g: "Group",
             commit: dict[str, Any] | None) -> dict[str, int]:
     """After ``g`` was rebuilt: shard ``model`` over the new group from the commit the survivors hold.
@@ -43,7 +67,8 @@ def reshard(layout: FullyShard, model: nn.Module, optimizer: torch.optim.Optimiz
     shard), and builds its new shard from them: no worker ever holds a whole tensor of the model
     or of the optimizer state (plain values, such as buffers, come whole from one holder). The
     new layout keeps ``group_size`` where it divides the new world size, and is one group of
-    every worker (FSDP) otherwise. A part that only lost workers held (R = 1) raises
+    every worker (FSDP) otherwise. The rule's own rows (:class:`RowState`: the commit's ``rows``) move by
+    the same plan. A part that only lost workers held (R = 1) raises
     :class:`ShardLostError`. Returns ``{"received_bytes": ..., "state_bytes": ...}``: the bytes
     of sharded state this worker received, and the size of the whole sharded state.
     """
@@ -78,13 +103,22 @@ def reshard(layout: FullyShard, model: nn.Module, optimizer: torch.optim.Optimiz
     mine_opt = commit["optimizer"]["state"] if held else {}
     opt_rows = {(key, name): move.rows(spec, mine_opt.get(key, {}).get(name))
                 for key, entries in theirs.items() for name, spec in entries.items() if _is_part(spec)}
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]  # strategy.params's order
+    mine_rule = (commit.get("rows") or {}) if held else {}
+    rule_specs = {key: [{**outline["model"][name], "dtype": dtype} for name, dtype in zip(trainable, dtypes,
+                                                                                           strict=True)]
+                  for key, dtypes in outline["rows"].items()}
+    rule_rows = {key: [move.rows(spec, {"part": mine_rule[key][i]} if held else None) for i, spec in enumerate(specs)]
+                 for key, specs in rule_specs.items()}
     _shard_anew(layout, model, optimizer, strategy, g, size, rows.__getitem__, plain)
+    if rule_rows and isinstance(strategy, RowState):
+        strategy.load_row_state({key: [t.to(g.device) for t in ts] for key, ts in rule_rows.items()})
     params = [p for pg in optimizer.param_groups for p in pg["params"]]
     state = {key: {name: _dtensor_like(opt_rows[key, name], spec, params[int(key)]) if _is_part(spec) else spec
                    for name, spec in entries.items()} for key, entries in theirs.items()}
     optimizer.load_state_dict({"state": state, "param_groups": outline["optimizer"]["param_groups"]})
     parts = [*(v for k, v in outline["model"].items() if k in unique),
-             *(v for e in theirs.values() for v in e.values())]
+             *(v for e in theirs.values() for v in e.values()), *(v for specs in rule_specs.values() for v in specs)]
     return {"received_bytes": move.comm.stats.bytes_received,
             "state_bytes": sum(_nbytes(v) for v in parts if _is_part(v))}
 
@@ -191,7 +225,8 @@ def _outline(commit: dict[str, Any]) -> dict[str, Any]:
     opt = commit["optimizer"]
     return {"model": {k: spec(v) for k, v in commit["model"].items()},
             "optimizer": {"param_groups": opt["param_groups"],
-                          "state": {k: {n: spec(v) for n, v in e.items()} for k, e in opt["state"].items()}}}
+                          "state": {k: {n: spec(v) for n, v in e.items()} for k, e in opt["state"].items()}},
+            "rows": {key: [t.dtype for t in ts] for key, ts in (commit.get("rows") or {}).items()}}
 
 
 def _nbytes(spec: dict[str, Any]) -> int:
@@ -358,4 +393,4 @@ def _strip_fsdp(model: nn.Module) -> None:
             m.__dict__.pop(attr, None)
 
 
-__all__ = ["ShardLostError", "local_parts", "reshard", "reshard_empty"]
+__all__ = ["RowState", "ShardLostError", "local_parts", "reshard", "reshard_empty"]

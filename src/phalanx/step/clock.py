@@ -58,6 +58,7 @@ from torch import nn
 
 from ..group import group
 from ..group.records import Record
+from ..group.stacks import PROGRESS, Progress
 from . import preempt
 from .protocols import WeighsGradients
 from .backward import after_backward
@@ -95,6 +96,7 @@ class StepClock:
         self.spans = Spans()  # the timeline's forward+backward and optimizer spans (phalanx.step.profiling)
         self._handles: list[Any] = []
         self.preemption: preempt.Preemption | None = None
+        self.progress = Progress()  # the group's, once bound: the step count the launcher's watchdog reads
 
     def bind(self, strategy: StepHooks, model: nn.Module, module: nn.Module,
              optimizer: torch.optim.Optimizer) -> None:
@@ -110,6 +112,7 @@ class StepClock:
                            for p in strategy.params if p.requires_grad)]  # a sharded model's are its shards
         clocks().add(self)
         self.preemption = preempt.of()  # the step boundary is where a preemption signal is acted on
+        self.progress = PROGRESS.of(group.current())
         self.preemption.clocks.add(self)
 
     def _weigh(self, key: int, grad: torch.Tensor) -> torch.Tensor | None:
@@ -171,6 +174,7 @@ class StepClock:
         self.spans.end("phalanx/forward+backward")  # a forward that no backward followed
         self._grad_at = 0.0
         step_closed(self.step)  # the timeline's window moves with the step (phalanx.step.profiling)
+        self.progress.step = self.step
         self.preemption.at_boundary(self.step)
 
     def _forward(self, *_: Any) -> None:

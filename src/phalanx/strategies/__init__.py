@@ -9,6 +9,7 @@ from .compression import FP16, PowerSGD, Threshold, TopK
 from ..errors import ConfigError, usage
 from .accounting import Accounted, Accounting
 from .allreduce import AllReduce
+from .auto import Auto
 from .base import Exchange, ParameterAverage, Periodic, Strategy, SyncCondition
 from .diloco import DiLoCo, OuterStep
 from .easgd import EASGD, Elastic
@@ -107,5 +108,5 @@ def by_name(name: str) -> Strategy:
 
 
 __all__ = ["average_gradients_", "fill_missing_grads", "Accounted", "Accounting",
-           "AllReduce", "DiLoCo", "EASGD", "Elastic", "Exchange", "LocalSGD", "OuterStep", "ParameterAverage",
+           "AllReduce", "Auto", "DiLoCo", "EASGD", "Elastic", "Exchange", "LocalSGD", "OuterStep", "ParameterAverage",
            "Periodic", "PRESETS", "StreamingDiLoCo", "Strategy", "SyncCondition", "REGISTRY", "by_name", "register"]

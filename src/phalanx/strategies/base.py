@@ -64,15 +64,16 @@ class Exchange:
         pass
 
 
-def check_same_model(model: nn.Module, comm: Comm) -> None:
+def check_same_model(model: nn.Module, comm: Comm, device: torch.device | None = None) -> None:
     """Refuse, on every rank, a model whose tensor names, shapes or dtypes differ between ranks.
 
-    Collective: one 8-byte all-gather of a checksum; the full lists travel only on a mismatch.
+    Collective: one 8-byte all-gather of a checksum, on ``device`` (default: the model's; a model on the
+    meta device names the workers' device); the full lists travel only on a mismatch.
     """
     if comm.world_size == 1:
         return
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in model.state_dict(keep_vars=True).items()]
-    digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=device_of(model))
+    digest = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=device or device_of(model))
     if len({int(d) for d in comm.all_gather(digest)}) == 1:
         return
     other, theirs = next((r, lay) for r, lay in enumerate(comm.all_gather_state(layout)) if lay != layout)
@@ -306,6 +307,16 @@ class Periodic(Accounting, StepState, Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.exchange.load_state_dict(state["exchange"])
 
+    def row_state(self) -> dict[str, list[torch.Tensor]]:
+        """The exchange's per-parameter tensors (``phalanx.sharding.reshard.RowState``); {} where it keeps none."""
+        rows = getattr(self.exchange, "row_state", None)
+        return rows() if callable(rows) else {}
+
+    def load_row_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """After a reshard: the exchange takes the new layout's rows."""
+        if state:
+            self.exchange.load_row_state(state)
+
     def replicas_agree(self, step: int) -> bool:
         return bool(self.sync(step))
 
@@ -337,6 +348,23 @@ class ParameterAverage(Exchange):
 
     def exchange(self, params: list[nn.Parameter], comm: Comm, step: int) -> None:
         comm.all_reduce_([p.data for p in params])
+
+
+def load_rows(mine: list[torch.Tensor], saved: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``saved`` into ``mine`` in place where the shapes agree; a tensor laid out for other rows (a commit of
+    another layout, which a reshard then replaces) is taken as it is.
+
+    Example:
+        >>> [t.tolist() for t in load_rows([torch.zeros(2), torch.zeros(1)], [torch.ones(2), torch.ones(3)])]
+        [[1.0, 1.0], [1.0, 1.0, 1.0]]
+    """
+    out = []
+    for m, v in zip(mine, saved, strict=True):
+        if m.shape == v.shape:
+            out.append(m.copy_(v))
+        else:
+            out.append(v.detach().to(m.device, m.dtype, copy=True))
+    return out
 
 
 def drifting_replica_state(strategy: Strategy) -> dict[str, Any]:

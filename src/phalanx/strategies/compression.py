@@ -95,8 +95,9 @@ def check_compressor(value: Any, owner: str) -> "Compressor | None":
         raise ConfigError(usage(f"{owner}(compression={value.__name__})", "a compressor object",
                                 f"Instantiate it: compression=px.{value.__name__}(...)."))
     raise ConfigError(usage(f"{owner}(compression={value!r})", "None or a compressor object "
-                            "(px.FP16(), px.TopK(ratio), px.Threshold(tau), px.PowerSGD(rank), px.Quantize(bits), or a "
-                            "px.Compressor subclass)", "Pass one of those, or leave compression unset."))
+                            "(px.FP16(), px.TopK(ratio), px.Threshold(tau), px.PowerSGD(rank), px.Quantize(bits), "
+                            "px.SparseLoCo(), or a px.Compressor subclass)",
+                            "Pass one of those, or leave compression unset."))
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -24,8 +24,9 @@ from ..group.collectives import Comm
 from .compression import Compressor, check_compressor
 from .. import check
 from .sync import as_condition
-from .base import Exchange, Periodic
+from .base import Exchange, Periodic, load_rows
 from .gradients import share_total, share_weighted_mean_
+from .sparseloco import outer_defaults
 
 
 def _outer_dtype(p: torch.Tensor) -> torch.dtype:
@@ -93,8 +94,15 @@ class OuterStep(Exchange):
         return {"anchor": [a.clone() for a in self.anchor], "momentum": [b.clone() for b in self.buffers]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for mine, saved in zip(self.anchor + self.buffers, state["anchor"] + state["momentum"], strict=True):
-            mine.copy_(saved)
+        self.anchor = load_rows(self.anchor, state["anchor"])
+        self.buffers = load_rows(self.buffers, state["momentum"])
+
+    def row_state(self) -> dict[str, list[torch.Tensor]]:
+        """Per parameter: the anchor and the outer momentum (a sharded model: this rank's rows of each)."""
+        return {"anchor": self.anchor, "momentum": self.buffers}
+
+    def load_row_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        self.anchor, self.buffers = list(state["anchor"]), list(state["momentum"])
 
 
 class DiLoCo(Periodic):
@@ -102,10 +110,12 @@ class DiLoCo(Periodic):
 
     Args:
         every: inner steps per round (H; the paper uses 50-500), or any sync condition.
-        outer_lr: the outer SGD learning rate (0.7 in the paper).
-        outer_momentum: the outer momentum in [0, 1) (0.9 in the paper).
+        outer_lr: the outer SGD learning rate (0.7 in the paper; 1.0 with ``px.SparseLoCo``).
+        outer_momentum: the outer momentum in [0, 1) (0.9 in the paper; 0 with ``px.SparseLoCo``, whose
+            error-feedback accumulator replaces it).
         nesterov: Nesterov momentum for the outer step (as in the paper).
-        compression: a compressor for the pseudo-gradient, e.g. ``px.FP16()`` or ``px.PowerSGD(rank=4)``.
+        compression: a compressor for the pseudo-gradient, e.g. ``px.FP16()``, ``px.PowerSGD(rank=4)`` or
+            ``px.SparseLoCo()`` (chunked top-k, 2-bit values, error feedback: arXiv 2508.15706).
 
     The anchor and the outer momentum are identical on every worker, live in
     ``state_dict``, and are kept in fp32 for fp16/bf16 models.
@@ -118,8 +128,9 @@ class DiLoCo(Periodic):
     name = "diloco"
     uneven_batches = True  # the pseudo-gradients are weighted by each replica's samples since the last round
 
-    def __init__(self, every: Any = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 compression: Any = None) -> None:
+    def __init__(self, every: Any = 50, outer_lr: float | None = None, outer_momentum: float | None = None,
+                 nesterov: bool = True, compression: Any = None) -> None:
+        outer_lr, outer_momentum = outer_defaults(compression, outer_lr, outer_momentum)
         outer_lr = check.positive_float("DiLoCo(outer_lr", outer_lr, "The paper uses outer_lr=0.7; outer_lr=1 "
                                         "with no momentum is plain averaging.", close=")")
         outer_momentum = check.number("DiLoCo(outer_momentum", outer_momentum, "The paper uses 0.9; 0 turns the "

@@ -33,7 +33,7 @@ from ..group.collectives import Comm
 from .. import check
 from ..errors import ConfigError, usage
 from .sync import as_condition
-from .base import Exchange, Periodic
+from .base import Exchange, Periodic, load_rows
 
 RECOMMENDED_BETA = 0.9  # the paper's beta = p * alpha
 
@@ -70,8 +70,14 @@ class Elastic(Exchange):
         return {"centre": [c.clone() for c in self.centre], "alpha": self.alpha}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for mine, saved in zip(self.centre, state["centre"], strict=True):
-            mine.copy_(saved)
+        self.centre = load_rows(self.centre, state["centre"])
+
+    def row_state(self) -> dict[str, list[torch.Tensor]]:
+        """Per parameter: the centre (a sharded model: this rank's rows of it)."""
+        return {"centre": self.centre}
+
+    def load_row_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        self.centre = list(state["centre"])
 
 
 class EASGD(Periodic):

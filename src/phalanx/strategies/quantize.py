@@ -16,7 +16,13 @@ A sum of quantised values is not a quantised value, so the exchange is not an
 all-reduce: each worker all-gathers every worker's packed bytes and scales (plus the
 weight of its contribution, one float) and adds the dequantised messages locally, in
 rank order, so every worker gets the same bits (as OpenDiLoCo and INTELLECT-1 do). Bytes
-on the wire per worker and exchange: ``n * bits / 8 + 4 * ceil(n / block) + 4``.
+on the wire per worker and exchange: ``ceil(n / block) * (block * bits / 8 + 4) + 4`` (whole
+blocks: the last one is padded; one float32 scale per block; one float32 weight).
+
+Values near float32's maximum: a scale is capped where ``q * scale`` is still finite (a block
+holding ``3.4e38`` comes back finite, within half a level plus one float32 rounding), and the mean
+of the workers' messages weighs each by its share before adding, so it never overflows where
+the values themselves do not.
 
 Example:
     >>> import torch, phalanx as px
@@ -63,7 +69,7 @@ class Pending:
     this worker's part of the exchange bit for bit.
     """
 
-    quantize: "Quantize"
+    quantize: "Gathered"
     message: torch.Tensor
     numel: int
     comm: Comm
@@ -79,7 +85,60 @@ class Pending:
         return self.quantize.sum_messages(self.gathered or [self.message], self.numel)
 
 
-class Quantize(_ErrorFeedback):
+class Gathered(_ErrorFeedback):
+    """A compressor whose message is one uint8 tensor of a size fixed by ``numel``: all-gathered, then added
+    locally in rank order (every worker gets the same bits). :class:`Quantize` and :class:`phalanx.SparseLoCo`.
+
+    A subclass gives ``message_bytes(numel)``, ``encode(tensor, key, weight)`` (the message, the weight inside it)
+    and ``sum_messages(messages, numel)`` (the weighted mean, flat float32); sending, the asynchronous exchange
+    (:meth:`send`, used by ``px.StreamingDiLoCo`` to overlap it) and ``average_`` are shared.
+
+    Example:
+        >>> import phalanx as px
+        >>> isinstance(px.Quantize(4), Gathered), isinstance(px.SparseLoCo(), Gathered)
+        (True, True)
+    """
+
+    def message_bytes(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def encode(self, tensor: torch.Tensor, key: str = "t", weight: float = 1.0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sum_messages(self, messages: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def send(self, message: torch.Tensor, numel: int, comm: Comm) -> Pending:
+        """Start all-gathering ``message`` (asynchronously); the bytes are counted now."""
+        pending = Pending(self, message, numel, comm)
+        if comm.world_size > 1:
+            pending.gathered = [torch.empty_like(message) for _ in range(comm.world_size)]
+            with guarded("the quantised all-gather"):
+                pending.work = dist.all_gather(pending.gathered, message, async_op=True)
+            comm.record(message.numel() * message.element_size())
+        return pending
+
+    def start_mean(self, tensors: Sequence[torch.Tensor], comm: Comm, key: str = "grad",
+                   weight: float = 1.0) -> Pending:
+        """Encode ``tensors`` (as one flat vector) and start the exchange; ``weight``: this worker's share."""
+        flat = _flatten(tensors)
+        return self.send(self.encode(flat, key, weight), flat.numel(), comm)
+
+    def average_(self, tensors: Sequence[torch.Tensor], comm: Comm, key: str = "grad") -> None:
+        with torch.no_grad():
+            mean = self.start_mean(tensors, comm, key).wait()
+            scatter_back(mean, tensors)
+
+
+def _max_scale(levels: int) -> float:
+    """The largest float32 scale whose ``levels`` multiple is finite in float32."""
+    scale = torch.tensor(torch.finfo(torch.float32).max / levels, dtype=torch.float32)
+    while not torch.isfinite(scale * levels):
+        scale = torch.nextafter(scale, torch.zeros_like(scale))
+    return float(scale)
+
+
+class Quantize(Gathered):
     """int8 or 4-bit block quantisation (a compressor); see the module docstring.
 
     Args:
@@ -108,6 +167,7 @@ class Quantize(_ErrorFeedback):
                                     "Pass rounding='nearest' (deterministic) or 'stochastic' (unbiased)."))
         self.bits, self.block, self.rounding, self.seed = int(bits), block, rounding, int(seed)
         self.levels = 2 ** (self.bits - 1) - 1  # symmetric: -q..q, so 0 is exact and the sign costs nothing
+        self._scale_cap = _max_scale(self.levels)
         self._gen: torch.Generator | None = None
 
     # -- one tensor ---------------------------------------------------------------------------------------------
@@ -136,7 +196,8 @@ class Quantize(_ErrorFeedback):
         blocks = torch.zeros(nblocks * self.block, dtype=torch.float32, device=flat.device)
         blocks[:n] = flat
         blocks = blocks.view(nblocks, self.block)  # our own copy: scaled and rounded in place below
-        scales = blocks.abs().amax(dim=1) / self.levels  # (torch.aminmax was slower here on CPU)
+        # (torch.aminmax was slower here on CPU); capped so that levels x scale stays finite near float32's max
+        scales = (blocks.abs().amax(dim=1) / self.levels).clamp_(max=self._scale_cap)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = self._round(blocks.div_(safe[:, None])).clamp_(-self.levels, self.levels)
         if self.error_feedback:  # what was not sent stays behind in the residual (the corrected buffer)
@@ -181,15 +242,14 @@ class Quantize(_ErrorFeedback):
         """
         nblocks = self._blocks(numel)
         total = torch.zeros(nblocks, self.block, dtype=torch.float32, device=messages[0].device)
-        weights = 0.0
-        for message in messages:
-            head = message[:4 * nblocks + 4].view(torch.float32)
-            scales, weight = head[:nblocks], float(head[nblocks])
-            if weight:
-                total.addcmul_(self._levels(message[4 * nblocks + 4:], nblocks), (scales * weight)[:, None])
-                weights += weight
-        total = total.view(-1)[:numel]
-        return total.div_(weights) if weights > 0 else total
+        heads = [message[:4 * nblocks + 4].view(torch.float32) for message in messages]
+        weights = sum(float(head[nblocks]) for head in heads)
+        for message, head in zip(messages, heads, strict=True):
+            weight = float(head[nblocks])
+            if weight:  # each weighed by its share first: the sum of values near float32's max would overflow
+                total.addcmul_(self._levels(message[4 * nblocks + 4:], nblocks),
+                               (head[:nblocks] * (weight / weights))[:, None])
+        return total.view(-1)[:numel]
 
     def _levels(self, values: torch.Tensor, nblocks: int) -> torch.Tensor:
         """The packed values as int8 levels in [-q, q], one row per block."""
@@ -200,31 +260,10 @@ class Quantize(_ErrorFeedback):
         torch.bitwise_right_shift(values, 4, out=q[:, 1])
         return q.view(torch.int8).sub_(8).view(nblocks, self.block)
 
-    def send(self, message: torch.Tensor, numel: int, comm: Comm) -> Pending:
-        """Start all-gathering ``message`` (asynchronously); the bytes are counted now."""
-        pending = Pending(self, message, numel, comm)
-        if comm.world_size > 1:
-            pending.gathered = [torch.empty_like(message) for _ in range(comm.world_size)]
-            with guarded("the quantised all-gather"):
-                pending.work = dist.all_gather(pending.gathered, message, async_op=True)
-            comm.record(message.numel() * message.element_size())
-        return pending
-
-    def start_mean(self, tensors: Sequence[torch.Tensor], comm: Comm, key: str = "grad",
-                   weight: float = 1.0) -> Pending:
-        """Quantise ``tensors`` (as one flat vector) and start the exchange; ``weight``: this worker's share."""
-        flat = _flatten(tensors)
-        return self.send(self.encode(flat, key, weight), flat.numel(), comm)
-
-    def average_(self, tensors: Sequence[torch.Tensor], comm: Comm, key: str = "grad") -> None:
-        with torch.no_grad():
-            mean = self.start_mean(tensors, comm, key).wait()
-            scatter_back(mean, tensors)
-
     def __repr__(self) -> str:
         extra = "" if self.rounding == "nearest" else f", rounding={self.rounding!r}"
         extra += ", error_feedback=True" if self.error_feedback else ""
         return f"Quantize(bits={self.bits}, block={self.block}{extra})"
 
 
-__all__ = ["Pending", "Quantize", "check_floating"]
+__all__ = ["Gathered", "Pending", "Quantize", "check_floating"]

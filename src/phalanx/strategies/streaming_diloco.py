@@ -55,7 +55,8 @@ from .. import check
 from ..group.collectives import guarded
 from .compression import Compressor, check_compressor
 from ..errors import ConfigError, usage
-from .quantize import Quantize, check_floating
+from .quantize import Gathered, Quantize, check_floating
+from .sparseloco import outer_defaults
 from .accounting import Accounting
 from .base import (StepState, Strategy, compressor_replica_state, drifting_replica_state,
                    load_compressor_replica_state, load_drifting_replica_state)
@@ -131,13 +132,15 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
         overlap: inner steps an exchange has to travel before it is applied (τ, ``0 <= τ < H``).
         quantize: None (float32 all-reduce), 8 or 4 (``px.Quantize(bits)``: all-gather of packed
             values), or any compressor object (``px.Quantize(4, block=64, rounding="stochastic")``,
-            ``px.FP16()``; those without an asynchronous exchange finish it at once).
+            ``px.SparseLoCo()`` (2-bit chunked top-k, also all-gathered and overlapped), ``px.FP16()``;
+            those without an asynchronous exchange finish it at once).
         mixing: α, the local weights' part when the average lands (``α · local + (1-α) · global``);
             default 0.5 with overlap (kept local progress), 0 without (DiLoCo: the global replaces it).
             ``"eager"``: the outer step is taken at the send with this worker's own pseudo-gradient,
             and corrected with the average when it lands (arXiv 2502.12996): the local steps taken
             during the overlap are all kept.
-        outer_lr, outer_momentum, nesterov: the outer optimiser, as ``px.DiLoCo``.
+        outer_lr, outer_momentum, nesterov: the outer optimiser, as ``px.DiLoCo`` (0.7 and 0.9; 1 and 0 with
+            ``quantize=px.SparseLoCo()``, whose error-feedback accumulator replaces the outer momentum).
         moments: names of the inner optimizer's per-parameter states averaged with each fragment
             (``("momentum",)``: Adam's ``exp_avg`` or SGD's ``momentum_buffer``; default none, as the
             paper): one more copy of the fragment's size in each message per name.
@@ -146,7 +149,7 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
     name = "streaming-diloco"
 
     def __init__(self, every: int = 100, fragments: int = 4, overlap: int = 1, quantize: Any = None, *,
-                 mixing: float | None = None, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 mixing: float | None = None, outer_lr: float | None = None, outer_momentum: float | None = None,
                  nesterov: bool = True, moments: Sequence[str] = ()) -> None:
         super().__init__()
         self.moments = Moments(moments)
@@ -165,6 +168,7 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
             "StreamingDiLoCo(mixing", default if mixing is None else mixing,
             "Pass α in [0, 1] (0 takes the global weights, 1 keeps the local ones), or \"eager\".",
             low=0, high=1, low_open=False, high_open=False, close=")")
+        outer_lr, outer_momentum = outer_defaults(quantize, outer_lr, outer_momentum)
         self.outer_lr = check.positive_float("StreamingDiLoCo(outer_lr", outer_lr, "The paper uses 0.7.", close=")")
         self.outer_momentum = check.number("StreamingDiLoCo(outer_momentum", outer_momentum, "The paper uses 0.9.",
                                            low=0, high=1, low_open=False, close=")")
@@ -258,7 +262,7 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
             f.message = torch.cat([*(d.reshape(-1) for d in delta),
                                    torch.tensor([float(share)], dtype=delta[0].dtype, device=delta[0].device)])
             f.pending = self._start(f)
-        elif isinstance(c, Quantize):  # the weight travels inside the message: no extra collective
+        elif isinstance(c, Gathered):  # the weight travels inside the message: no extra collective
             f.message = c.encode(torch.cat([d.reshape(-1) for d in delta]), f"fragment{f.index}", share)
             f.pending = c.send(f.message, self._numel(f), comm)
         else:  # a compressor without an asynchronous exchange: as DiLoCo, finished now
@@ -288,14 +292,14 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
             f.resend = False
             if f.message is None:  # a joiner took part in none: an empty message of weight 0
                 f.message = self._empty_message(f)
-            if isinstance(self.compression, Quantize):
+            if isinstance(self.compression, Gathered):
                 f.pending = self.compression.send(f.message, self._numel(f), self.comm)
             else:
                 f.buffer = None
                 f.pending = self._start(f) if self.comm.world_size > 1 else None
 
     def _empty_message(self, f: Fragment) -> torch.Tensor:
-        if isinstance(self.compression, Quantize):
+        if isinstance(self.compression, Gathered):
             return torch.zeros(self.compression.message_bytes(self._numel(f)), dtype=torch.uint8,
                                device=f.anchor[0].device)
         return torch.zeros(self._numel(f) + 1, dtype=f.anchor[0].dtype, device=f.anchor[0].device)
@@ -336,7 +340,7 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
         f.moments_sent = None
 
     def _wait(self, f: Fragment) -> list[torch.Tensor]:
-        if isinstance(self.compression, Quantize):
+        if isinstance(self.compression, Gathered):
             flat = f.pending.wait() if f.pending is not None else self.compression.sum_messages([f.message],
                                                                                                 self._numel(f))
         else:

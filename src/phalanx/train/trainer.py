@@ -52,6 +52,7 @@ from .progress import bar as _bar
 from .progress import postfix as _postfix
 from ..strategies import Strategy
 from ..strategies.accounting import bytes_sent as bytes_sent_by
+from ..strategies.auto import PlansLength
 from ..wrap import strategy_of, unwrap, wrap
 
 
@@ -201,6 +202,8 @@ class Trainer:
             # device=: batches are prefetched to the GPU on a side stream (a no-op on CPU)
             self.loader = shard(train_data, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                 device=self.device, **(loader_kwargs or {}))
+        if isinstance(self.strategy, PlansLength) and hasattr(self.loader, "__len__"):
+            self.strategy.plan(epochs * len(self.loader))  # px.Auto weighs rules by the run's planned length
         self.history, start = History(), 0
         self._preemption = preempt.of()
         if resume_from == "auto":  # the launcher's --resume-from, else the newest checkpoint of this run's directory
@@ -231,11 +234,9 @@ class Trainer:
         # Under `phalanx run --elastic` the feature that survives a lost peer (phalanx.elastic) put its supervisor on
         # the group when it took this worker's place (px.init()): it commits every `commit_every` steps and re-enters
         # the epoch loop at the commit the survivors share. Elsewhere an elastic fit is a plain one.
+        # (group.current() refuses an elastic worker that skipped px.init(), so a missing supervisor means a job
+        # whose membership cannot change)
         supervisor = SUPERVISOR.of(group.current()).value if elastic else None
-        if elastic and supervisor is None and group.current().elastic:
-            raise ConfigError(usage("Trainer.fit(elastic=...) under `phalanx run --elastic` before px.init()",
-                                    "px.init() first: it starts this worker's side of the elastic job",
-                                    "Call px.init() at the top of the script."))
         if supervisor is not None:
             state = supervisor(self.model, self.optimizer, self.loader, commit_every=commit_every, resize=resize)
             self.history.membership = state.history

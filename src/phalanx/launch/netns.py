@@ -14,6 +14,8 @@ of a run that was killed with SIGKILL are removed by the next run (only our own
 Teardown always happens: on normal exit, on an exception, on Ctrl-C and on SIGTERM
 or SIGHUP (turned into exceptions while the link is up), and at interpreter exit.
 
+``phalanx bench --link`` and ``phalanx run --link`` (:mod:`phalanx.launch.linked`) build their links here.
+
 Example (as root):
     >>> with Link("100mbit") as link:                                  # doctest: +SKIP
     ...     subprocess.run(link.prefix(1) + ["ping", "-c1", link.addresses[0]])
@@ -39,7 +41,8 @@ class LinkError(PhalanxError, RuntimeError):
     """The shaped link cannot be built here (not root, no `ip`/`tc`, no netns support)."""
 
 
-def parse_rate(text: str) -> str:
+def parse_rate(text: str, *, expected: str = "loopback or a rate such as 100mbit, 1gbit, 500kbit",
+               fix: str = "Pass e.g. --link loopback,100mbit.") -> str:
     """Normalise a link name such as ``100mbit``, ``1gbit``, ``500kbit`` to tc's spelling.
 
     Example:
@@ -48,19 +51,17 @@ def parse_rate(text: str) -> str:
     """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)\s*", text.lower())
     if not m or float(m.group(1)) <= 0:
-        raise ConfigError(usage(f"link {text!r}", "loopback or a rate such as 100mbit, 1gbit, 500kbit",
-                                "Pass e.g. --link loopback,100mbit."))
+        raise ConfigError(usage(f"link {text!r}", expected, fix))
     return f"{m.group(1)}{m.group(2)}"
 
 
-def why_not() -> str | None:
-    """None when a link can be built here, else the reason in words."""
+def why_not(fallback: str = "use --link loopback") -> str | None:
+    """None when a link can be built here, else the reason in words, ending with ``fallback``."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return ("building network namespaces and tc shaping needs root (CAP_NET_ADMIN); "
-                "run as root, or use --link loopback")
+        return f"building network namespaces and tc shaping needs root (CAP_NET_ADMIN); run as root, or {fallback}"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed; install iproute2 or use --link loopback"
+            return f"`{tool}` (iproute2) is not installed; install iproute2 or {fallback}"
     return None
 
 
@@ -155,6 +156,14 @@ class Link:
         return {"MASTER_ADDR": self.addresses[0], "GLOO_SOCKET_IFNAME": iface, "TP_SOCKET_IFNAME": iface,
                 "PHALANX_BENCH_IFACE": iface, "PHALANX_PS_HOST": self.addresses[side],  # colocated PS servers
                 "PHALANX_PS_TOKEN": self.token}
+
+    def tx_bytes(self) -> int:
+        """Bytes both veth ends have sent so far (headers included: everything that crossed the link)."""
+        total = 0
+        for ns, iface in zip(self.namespaces, self.interfaces, strict=True):
+            out = _sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{iface}/statistics/tx_bytes").stdout
+            total += int(out.strip() or 0)
+        return total
 
     # -- context manager: teardown on every way out -----------------------------------
     def __enter__(self) -> "Link":

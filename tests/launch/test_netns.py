@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import needs_root_netns
 
-from phalanx.bench import netns
+from phalanx.launch import netns
 from phalanx.bench.runner import config_for, launch, Options
 from phalanx.bench.spec import Run, Setup
 
@@ -57,7 +57,7 @@ def test_torn_down_after_an_exception():
 def test_torn_down_on_ctrl_c_and_sigterm(sig):
     # Python keeps SIGINT ignored when its parent ignored it (a background job of a non-interactive shell):
     # restore the terminal's behaviour, Ctrl-C as KeyboardInterrupt, so the test does not depend on how CI runs it.
-    code = ("import signal, time; from phalanx.bench.netns import Link\n"
+    code = ("import signal, time; from phalanx.launch.netns import Link\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "with Link('10mbit') as link:\n    print(link.namespaces[0], flush=True); signal.pause()\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

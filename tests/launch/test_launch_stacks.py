@@ -1,0 +1,135 @@
+"""Where a stuck job is stuck, as a user sees it: a real `phalanx run` whose rank 0 spins in a Python loop while rank 1
+waits for it in the gradients' all-reduce.
+
+One job serves the three checks (a job costs seconds of torch imports on 2 cores): `phalanx stacks` prints every
+rank's stack, naming the line each is stuck on; a request without the job's secret gets nothing; and the launcher's
+watchdog prints the same blocks on its own before anything is killed (both workers still alive), and the job's last
+lines point at them. The watchdog's bound is half the collective timeout here (no step time is measured from 3 steps),
+so `--timeout 16` makes it fire 8 s into the stall, well before rank 1's all-reduce would give up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from phalanx.cli import main
+from phalanx.errors import StacksRefused
+from phalanx.group import stacks
+from phalanx.launch.stacks import jobs_dir, register_job, running_jobs
+from support.paths import TESTS
+from support.wait import exited, until
+
+CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+WORKER = os.path.join(TESTS, "workers", "stacks.py")
+
+
+def _line(tag: str) -> int:
+    with open(WORKER) as f:
+        return next(i for i, text in enumerate(f, 1) if f"# {tag}:" in text)
+
+
+def _block(text: str, rank: int) -> str:
+    """The block of ``rank`` in printed stacks (from its ``----- rank N (`` header to the next header)."""
+    head = f"----- rank {rank} ("
+    assert head in text, text[-4000:]
+    return text.split(head, 1)[1].split("\n-----", 1)[0].split("phalanx: stacks: end", 1)[0]
+
+
+def _names_the_lines(text: str) -> None:
+    spin, blocked = _line("SPIN"), _line("BLOCKED")
+    assert f'File "{WORKER}", line {spin} in spin' in _block(text, 0), text[-4000:]
+    assert f'File "{WORKER}", line {blocked} in step' in _block(text, 1), text[-4000:]
+    assert "(MainThread)" in _block(text, 0) and "phalanx-stacks" not in text  # named threads; not the dumper's own
+
+
+@pytest.mark.multiproc
+def test_a_stuck_job_shows_where_each_rank_is_stuck_before_anything_is_killed(tmp_path):
+    marks, tmp = tmp_path / "marks", tmp_path / "tmp"
+    marks.mkdir()
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}  # a jobs folder of its own: `phalanx stacks` finds this job alone
+    proc = subprocess.Popen([*CLI, "run", "-n", "2", "--timeout", "16", WORKER, str(marks)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        until(lambda: all((marks / f"pid-{r}").exists() for r in (0, 1)), timeout=180, procs=[proc],
+              what="both ranks stuck", detail=lambda: "".join(out)[-3000:])
+        pids = [int((marks / f"pid-{r}").read_text()) for r in (0, 1)]
+
+        # `phalanx stacks` finds the one job of this user here and prints every rank, naming each one's line
+        shown = subprocess.run([*CLI, "stacks"], env=env, capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0, shown.stderr[-3000:]
+        _names_the_lines(shown.stdout)
+
+        # without the secret: refused at once, and a forged request is answered by nobody
+        note = json.loads((tmp / f"phalanx-jobs-{os.getuid()}" / f"{proc.pid}.json").read_text())
+        store = dist.TCPStore(note["host"], note["port"], is_master=False, wait_for_workers=False)
+        with pytest.raises(StacksRefused):
+            stacks.request_stacks(store, "not-the-job-secret", timeout_s=1)
+        store.append(stacks.key("asks"), json.dumps({"nonce": "forged", "mac": "0" * 64}) + "\n")
+        store.add(stacks.key("asked"), 1)
+        with open(note["secret_file"]) as f:
+            got = stacks.request_stacks(store, f.read().strip(), timeout_s=60)  # asked after the forged one
+        assert sorted(got) == ["0", "1"] and all(got.values()), got
+        assert not any(store.check([stacks.key("answer", "forged", w)]) for w in ("0", "1"))
+
+        # the watchdog's blocks, printed while both workers still run
+        until(lambda: "phalanx: stacks: end" in "".join(out), timeout=120, procs=[proc], what="the watchdog's stacks",
+              detail=lambda: "".join(out)[-3000:])
+        for pid in pids:
+            os.kill(pid, 0)  # raises if it was killed (or ended) before the stacks were printed
+        printed = "".join(out)
+        before = printed.split("phalanx: stacks: the group has completed no step", 1)[0]
+        assert "killed" not in before and "stopped all workers" not in before, printed[-4000:]
+        _names_the_lines(printed.split("phalanx: stacks: the group has completed no step", 1)[1])
+    finally:
+        (marks / "release").touch()
+    assert exited(proc, timeout=120, what="the job after its release") == 0, "".join(out)[-4000:]
+    reader.join(timeout=30)
+    if os.environ.get("STACKS_OUT"):
+        open(os.environ["STACKS_OUT"], "w").write("".join(out))
+    last = [ln for ln in "".join(out).splitlines() if ln.startswith("phalanx: the group stalled")]
+    assert len(last) == 1 and "1 time(s)" in last[0] and "under 'phalanx: stacks:'" in last[0], "".join(out)[-3000:]
+
+
+def test_phalanx_stacks_without_a_job_or_with_bad_flags_says_so_in_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's own jobs folder
+    assert main(["stacks"]) == 1
+    assert capsys.readouterr().err.startswith("phalanx: error: no phalanx job of yours runs on this host")
+    assert main(["stacks", "--timeout", "0"]) == 2 and "--timeout 0; expected a positive" in capsys.readouterr().err
+    assert main(["stacks", "--rdzv-endpoint", "nohost"]) == 2
+    assert "--rdzv-endpoint nohost; expected HOST:PORT" in capsys.readouterr().err
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("PHALANX_SECRET", "s")
+    assert main(["stacks", "--rdzv-endpoint", f"127.0.0.1:{port}"]) == 1
+    assert capsys.readouterr().err == f"phalanx: error: no job answers at 127.0.0.1:{port} (Connection refused); " \
+        "check the address, and that the job is still running\n"
+
+
+def test_phalanx_stacks_finds_the_jobs_running_here_and_forgets_the_ended(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    mine = register_job("127.0.0.1", 1234, None, "a.py")
+    with open(os.path.join(jobs_dir(), f"{ended.pid}.json"), "w") as f:
+        json.dump({"pid": ended.pid, "host": "127.0.0.1", "port": 99, "script": "old.py"}, f)
+    assert [j["port"] for j in running_jobs()] == [1234]
+    assert not os.path.exists(os.path.join(jobs_dir(), f"{ended.pid}.json"))  # an ended launcher's note is removed
+    assert oct(os.stat(jobs_dir()).st_mode & 0o777) == "0o700" and oct(os.stat(mine).st_mode & 0o777) == "0o600"
+    with open(os.path.join(jobs_dir(), "again.json"), "w") as f:  # a second job of ours, here
+        json.dump({"pid": os.getpid(), "host": "127.0.0.1", "port": 5678, "script": "b.py"}, f)
+    assert main(["stacks"]) == 2
+    said = capsys.readouterr().err
+    assert "with 2 jobs running here" in said and "127.0.0.1:1234 (a.py" in said and "--rdzv-endpoint" in said

@@ -1,0 +1,255 @@
+"""px.Auto (issue 41 item 1): the decision on synthetic measurements, and the rule on 2 real gloo ranks.
+
+The 2-rank run (tests/workers/auto.py) forces the decisions with a scripted decider, so the switches are
+known: measure 3 steps under AllReduce, DiLoCo(every=3) from step 3, a regroup after step 7 whose decision
+(AllReduce) waits for DiLoCo's next round at step 9. An oracle written here in one process replays both
+replicas; a checkpoint written at step 7 is resumed by fresh objects that must follow the same schedule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import phalanx as px
+from phalanx.errors import ConfigError
+from phalanx.strategies.auto import (LONG_RUN_ROUNDS, MIN_ROUNDS, PENALTIES, Auto, Choice, Measurement, candidates,
+                                     decide)
+from support.procs import run_workers
+from workers.auto import batch, net
+
+MB = 1e6
+FAST, MID, SLOW = 1e9 / 8, 100e6 / 8, 10e6 / 8  # 1 Gbit/s, 100 Mbit/s, 10 Mbit/s in bytes/s
+
+
+def measured(rate: float, *, overlap: float = 0.0, compute: float = 0.06, grad: float = 4 * MB, workers: int = 2,
+             tensors: int = 10) -> Measurement:
+    return Measurement(compute_s=compute, grad_bytes=grad, rate=rate, overlap=overlap, workers=workers,
+                       tensors=tensors)
+
+
+# -- the decision ---------------------------------------------------------------------------------------------------
+def test_a_fast_link_whose_exchange_hides_behind_backward_keeps_allreduce():
+    assert decide(measured(FAST, overlap=0.8), 200).choice.rule == "allreduce"
+    assert decide(measured(10 * FAST, overlap=0.0), 200).choice.rule == "allreduce"  # 3 ms of 60: pays no penalty
+
+
+def test_a_slow_link_and_a_long_run_take_streaming_diloco_4bit_with_the_papers_outer_step():
+    c = decide(measured(SLOW), 100_000).choice
+    assert c.rule == "streaming-diloco" and c.kwargs["quantize"] == 4
+    assert 100_000 / c.kwargs["every"] >= LONG_RUN_ROUNDS
+    assert (c.kwargs["outer_lr"], c.kwargs["outer_momentum"]) == (0.7, 0.9)
+
+
+def test_a_short_run_averages_plainly_and_keeps_at_least_min_rounds():
+    c = decide(measured(MID), 200).choice
+    assert c.rule == "streaming-diloco" and (c.kwargs["outer_lr"], c.kwargs["outer_momentum"]) == (1.0, 0.0)
+    assert 200 / c.kwargs["every"] >= MIN_ROUNDS
+
+
+def test_one_gbit_with_nothing_overlapped_leaves_allreduce_as_issue_41_measured_on_the_lstm():
+    # the recurrent model: 60 ms compute, all its gradient ready only at the end of backward (overlap 0)
+    d = decide(measured(FAST, overlap=0.0), 200)
+    assert d.choice.rule != "allreduce"
+    allreduce = next(o for o in d.others if o.rule == "allreduce")
+    assert allreduce.time_s > d.choice.time_s
+
+
+def test_a_run_too_short_for_any_period_keeps_allreduce_and_a_group_of_one_is_a_plain_loop():
+    assert {c.rule for c in candidates(measured(SLOW), 8 * MIN_ROUNDS - 1)} == {"allreduce"}
+    assert decide(measured(SLOW), 8 * MIN_ROUNDS - 1).choice.rule == "allreduce"
+    assert decide(measured(SLOW, workers=1), 200).choice.rule == "plain"
+
+
+def test_the_projection_is_step_time_times_expected_steps_from_the_penalty_data():
+    m = measured(MID)
+    for c in candidates(m, 1000):
+        assert c.steps == pytest.approx(1000 * PENALTIES[c.penalty].steps)
+        assert c.step_s >= m.compute_s
+    ar = next(c for c in candidates(m, 1000) if c.rule == "allreduce")
+    assert ar.step_s == pytest.approx(0.06 + 4 * MB / MID)  # ring at N = 2: S/B, nothing hidden
+
+
+def test_every_penalty_says_where_it_was_measured():
+    assert PENALTIES["allreduce"].steps == 1.0
+    for name, p in PENALTIES.items():
+        assert p.steps >= 1.0 and len(p.source) > 40, name
+
+
+def test_fragments_never_exceed_the_models_tensors():
+    assert all(c.kwargs.get("fragments", 0) <= 2 for c in candidates(measured(SLOW, tensors=2), 5000))
+
+
+def test_the_line_names_the_choice_the_link_and_the_alternatives():
+    line = decide(measured(MID), 200).line(3)
+    assert line.startswith("phalanx auto: StreamingDiLoCo(") and "100 Mbit/s" in line and "AllReduce" in line
+    assert "steps assumed" in decide(measured(MID), None).line(3)
+
+
+def test_choices_round_trip_through_their_state():
+    c = decide(measured(SLOW), 5000).choice
+    assert Choice.from_state(c.state()) == dataclasses.replace(c, penalty="", bytes_per_step=0.0)
+
+
+# -- bad input, a group of one ------------------------------------------------------------------------------------
+def test_auto_in_a_group_of_one_trains_as_a_plain_loop_and_says_so_once():
+    out = io.StringIO()
+    a, b = net(), net()
+    model, opt = px.wrap(a, torch.optim.SGD(a.parameters(), lr=0.1), strategy=px.Auto(out=out))
+    ref = torch.optim.SGD(b.parameters(), lr=0.1)
+    for t in range(1, 5):
+        x, y = batch(0, t)
+        for m, o in ((model, opt), (b, ref)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    px.strategy_of(opt).finish()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # plain torch, bit for bit
+    assert out.getvalue().count("\n") == 1 and "group of one" in out.getvalue()
+
+
+def test_the_name_auto_wraps_an_auto():
+    n = net()
+    _, opt = px.wrap(n, torch.optim.SGD(n.parameters(), lr=0.1), strategy="auto")
+    assert isinstance(px.strategy_of(opt), Auto)
+
+
+@pytest.mark.parametrize("kwargs", [{"planned_steps": 0}, {"probe_steps": 1}, {"recheck_every": -1}])
+def test_bad_arguments_get_one_line(kwargs):
+    with pytest.raises(ConfigError) as err:
+        px.Auto(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_auto_with_shard_is_refused_in_one_line_before_training():
+    n = net()
+    with pytest.raises(ConfigError) as err:
+        px.wrap(n, torch.optim.SGD(n.parameters(), lr=0.1), strategy=px.Auto(), shard=px.FullyShard(group_size=1))
+    assert "Auto" in str(err.value) and "\n" not in str(err.value)
+
+
+# -- two real ranks -------------------------------------------------------------------------------------------------
+def oracle() -> dict[str, list[torch.Tensor]]:
+    """Both replicas in one process: AllReduce steps 1-3, DiLoCo(every=3, Nesterov 0.7/0.9) from the step-3
+    anchor with outer steps at 6 and 9, the inner momentum averaged at the switch back, AllReduce steps 10-12."""
+    models = [net(), net()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    anchor: list[torch.Tensor] = []
+    outer: list[torch.Tensor] = []
+
+    def local_grads(t: int) -> None:
+        for r, (m, o) in enumerate(zip(models, opts)):
+            o.zero_grad()
+            x, y = batch(r, t)
+            F.cross_entropy(m(x), y).backward()
+
+    for t in range(1, 13):
+        local_grads(t)
+        synchronous = t <= 3 or t >= 10
+        if synchronous:
+            for ps in zip(*(m.parameters() for m in models)):
+                mean = sum(p.grad for p in ps) / 2
+                for p in ps:
+                    p.grad = mean.clone()
+        for o in opts:
+            o.step()
+        if t == 3:
+            anchor = [p.detach().clone() for p in models[0].parameters()]
+            outer = [torch.zeros_like(a) for a in anchor]
+        if t in (6, 9):
+            with torch.no_grad():
+                for i, ps in enumerate(zip(*(m.parameters() for m in models))):
+                    delta = anchor[i] - sum(p for p in ps) / 2
+                    outer[i].mul_(0.9).add_(delta)
+                    anchor[i] -= 0.7 * (delta + 0.9 * outer[i])
+                    for p in ps:
+                        p.copy_(anchor[i])
+        if t == 9:  # AllReduce takes over: one model from here, so one optimizer state
+            for ps in zip(*(m.parameters() for m in models)):
+                mean = sum(opts[r].state[p]["momentum_buffer"] for r, p in enumerate(ps)) / 2
+                for r, p in enumerate(ps):
+                    opts[r].state[p]["momentum_buffer"] = mean.clone()
+    return {"params": [p.detach() for p in models[0].parameters()],
+            "other": [p.detach() for p in models[1].parameters()]}
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    run = run_workers("workers.auto:scripted", world_size=2, timeout=240, tmp=str(tmp_path_factory.mktemp("auto")))
+    return run
+
+
+def test_the_switches_happen_at_commit_points_and_match_the_oracle_of_the_chosen_rules(scripted):
+    r0, r1 = scripted.results
+    assert r0["schedule"] == [(3, "diloco"), (9, "allreduce")]  # decided at step 8, taken at DiLoCo's round
+    assert r0["calls"] == 2
+    assert r0["rules"][:3] == ["AllReduce"] * 2 + ["DiLoCo"] and r0["rules"][8:] == ["AllReduce"] * 4
+    want = oracle()
+    assert torch.allclose(want["params"][0], want["other"][0])
+    for got in (r0["params"], r1["params"]):
+        for g, w in zip(got, want["params"], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_rank_zero_prints_one_line_per_choice(scripted):
+    log0, log1 = scripted.logs
+    # once: the resume takes DiLoCo back from the checkpoint and says nothing (the slowing run's is from step 10)
+    assert sum(line.startswith("phalanx auto: DiLoCo(every=3") and " from step 3:" in line
+               for line in log0.splitlines()) == 1
+
+    # decided at step 8, it names step 9, where it took over; the resumed run took the same decision there again
+    assert sum(line.startswith("phalanx auto: AllReduce() from step 9") for line in log0.splitlines()) == 2
+    assert "phalanx auto:" not in log1
+
+
+def test_the_choice_is_checkpointed_and_a_resume_follows_the_same_schedule(scripted):
+    r0, r1 = scripted.results
+    assert r0["saved_choice"] == "diloco" and r0["resumed_choice"] == "diloco" and r0["resumed_start"] == 3
+    assert r0["resumed_schedule"] == r0["schedule"]
+    for r in (r0, r1):
+        for g, w in zip(r["resumed_params"], r["params"], strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_auto_trains_on_two_ranks_with_its_own_decision(scripted):
+    r0, r1 = (r["real"] for r in scripted.results)
+    assert r0["kind"] == "Auto" and r0["schedule"] and r0["same_as_decide"]
+    assert r0["measured"]["workers"] == 2 and r0["measured"]["rate"] > 0 and math.isfinite(r0["measured"]["rate"])
+    for a, b in zip(r0["params"], r1["params"], strict=True):
+        torch.testing.assert_close(a, b)  # finish leaves every rank on one model
+
+
+def test_the_bench_advisor_asks_the_same_decision():
+    from phalanx.bench.projection import auto_pick
+    for gbit in (0.01, 0.1, 1.0, 10.0):
+        m = Measurement(compute_s=0.03, grad_bytes=2 * MB, rate=gbit * 1e9 / 8, overlap=0.0, workers=2)
+        assert auto_pick(0.03, 2 * MB, gbit, 500).startswith(decide(m, 500).choice.describe() + ":")
+
+
+def test_trainer_fit_tells_auto_the_planned_length():
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6), torch.randint(0, 3, (40,)))
+    n = net()
+    auto = px.Auto(out=io.StringIO())
+    px.Trainer(n, torch.optim.SGD(n.parameters(), lr=0.1), F.cross_entropy, strategy=auto).fit(
+        data, epochs=3, batch_size=8, progress=False)
+    assert auto.planned_steps == 3 * 5
+
+
+def test_a_rate_that_moves_more_than_2x_is_decided_again_and_one_that_stays_is_not(scripted):
+    r0, r1 = (r["slowing"] for r in scripted.results)
+    assert r0["schedule"] == [(2, "allreduce"), (10, "diloco")] and r0["calls"] == 2  # step 6: same rate, no call
+    for a, b in zip(r0["params"], r1["params"], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_leaving_streaming_diloco_averages_every_fragment_first_so_the_replicas_are_one_model(scripted):
+    r0, r1 = (r["leaving_streaming"] for r in scripted.results)
+    assert r0["schedule"] == [(2, "streaming-diloco"), (7, "allreduce")]
+    for a, b in zip(r0["at_switch"], r1["at_switch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)  # one model before AllReduce's attach broadcast
+    for a, b in zip(r0["params"], r1["params"], strict=True):
+        assert torch.equal(a, b)
