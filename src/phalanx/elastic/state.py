@@ -47,7 +47,6 @@ from .resize import ResizePolicy, check_policy
 from .rule import CommitPoint
 from .run import JoinersAdmitted, Reentry, WorkersLeaving
 from .worker import ElasticWorker, place
-from ..wrap import strategy_of
 
 from ..checkpoint.training_state import TrainingState
 
