@@ -23,9 +23,12 @@ def _same(a, b) -> bool:
 
 
 def test_the_byte_stream_is_cut_into_chunks_that_cover_every_tensor_once():
-    sizes = [5, 3, 10, 0, 2]
+    sizes = [5, 3, 1, 10, 0, 2, 4]
     chunks = list(_chunks(sizes, 4))
     assert all(size <= 4 and size == sum(b - a for _, a, b in pieces) for pieces, size in chunks)
+    # a tensor larger than a chunk crosses alone (no buffer); smaller ones are packed whole
+    assert [[i for i, _, _ in pieces] for pieces, _ in chunks] == [[0], [0], [1, 2], [3], [3], [3], [5], [6]]
+    assert all(b - a == sizes[i] for pieces, _ in chunks if len(pieces) > 1 for i, a, b in pieces)
     covered = [(i, a, b) for pieces, _ in chunks for i, a, b in pieces]
     for i, n in enumerate(sizes):
         spans = [(a, b) for j, a, b in covered if j == i]

@@ -208,8 +208,11 @@ def broadcast_state(obj: Any, src: int = 0, what: str = "a broadcast of a state"
         obj = _allocated(skeleton, tensors)
     device = _wire_device()
     flat = [_bytes_of(t) for t in tensors]
+    chunks = list(_chunks([f.numel() for f in flat], chunk_bytes))
+    packed = max((size for pieces, size in chunks if len(pieces) > 1), default=0)
+    staging = torch.empty(packed, dtype=torch.uint8, device=device)  # every packed chunk's: the one in flight
     with guarded(what):
-        for pieces, size in _chunks([f.numel() for f in flat], chunk_bytes):
+        for pieces, size in chunks:
             if len(pieces) == 1:  # a whole chunk of one tensor: straight from / into its storage
                 i, a, b = pieces[0]
                 view = flat[i][a:b]
@@ -218,10 +221,9 @@ def broadcast_state(obj: Any, src: int = 0, what: str = "a broadcast of a state"
                 if not sending and buf is not view:
                     view.copy_(buf)
                 continue
-            if sending:  # small tensors packed: one chunk in flight
-                buf = torch.cat([flat[i][a:b] for i, a, b in pieces]).to(device)
-            else:
-                buf = torch.empty(size, dtype=torch.uint8, device=device)
+            buf = staging[:size]  # one buffer for all: a chunk in flight, whatever the allocator keeps
+            if sending:
+                torch.cat([flat[i][a:b] for i, a, b in pieces], out=buf)
             dist.broadcast(buf, group=pg, group_src=src)
             if not sending:
                 offset = 0
@@ -272,21 +274,23 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def _chunks(sizes: Sequence[int], chunk_bytes: int) -> Iterator[tuple[list[tuple[int, int, int]], int]]:
-    """The byte stream of tensors of ``sizes`` cut into chunks: each a list of (tensor, start, end) and its size."""
+    """Tensors of ``sizes`` bytes cut into chunks of at most ``chunk_bytes``: each a list of (tensor, start, end)
+    and its size. A tensor larger than a chunk crosses alone in slices (straight from and into its storage);
+    smaller ones are packed whole, several to a chunk, so only a packed chunk needs a buffer."""
     pieces: list[tuple[int, int, int]] = []
-    room = chunk_bytes
+    size = 0
     for i, n in enumerate(sizes):
-        a = 0
-        while a < n:
-            b = min(n, a + room)
-            pieces.append((i, a, b))
-            room -= b - a
-            a = b
-            if room == 0:
-                yield pieces, chunk_bytes
-                pieces, room = [], chunk_bytes
+        if pieces and size + n > chunk_bytes:  # it does not fit beside the others: they go first
+            yield pieces, size
+            pieces, size = [], 0
+        if n > chunk_bytes:
+            yield from (([(i, a, min(n, a + chunk_bytes))], min(n, a + chunk_bytes) - a)
+                        for a in range(0, n, chunk_bytes))
+        elif n:
+            pieces.append((i, 0, n))
+            size += n
     if pieces:
-        yield pieces, chunk_bytes - room
+        yield pieces, size
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
