@@ -45,7 +45,7 @@ def test_a_streamed_state_arrives_exactly_whole_tensors_and_packed_small_ones_al
 
 @pytest.mark.multiproc
 def test_a_streamed_state_costs_the_receiver_its_state_and_the_sender_one_chunk():
-    mib, chunk = 64, 1 << 20
+    mib, chunk = 64, 16 << 20  # the default chunk: 16 MiB tensors behind a small one
     sender, receiver = run_workers("workers.group:streamed_state_memory", world_size=2, mib=mib,
                                    chunk_bytes=chunk).results
     assert receiver["numel"] == mib << 18  # 64 MiB of float32

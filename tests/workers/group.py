@@ -74,8 +74,10 @@ def _peak_kib() -> int:
 def streamed_state_memory(mib: int = 64, chunk_bytes: int = 1 << 20, streamed: bool = True) -> dict[str, Any]:
     """Rank 0 sends ``mib`` MiB of tensors; each rank's peak RSS growth during the broadcast, in bytes."""
     g = px.init()
-    state = {"t": [torch.randn(mib << 16) if g.rank == 0 else None for _ in range(4)]}  # 4 tensors of mib/4 MiB
-    state = state if g.rank == 0 else None
+    # 4 tensors of mib/4 MiB behind a small one, so the chunks do not fall on tensor boundaries
+    state = {"small": torch.ones(3), "t": [torch.randn(mib << 16) for _ in range(4)]} if g.rank == 0 else None
+    freed = torch.ones(40 << 18)  # 40 MiB freed: glibc then serves (and keeps) blocks of up to 40 MiB from its heap,
+    del freed  # as after a worker drops its live model for the commit's copy
     comm.broadcast_object(torch.ones(1), src=0)  # the group's connections made before the baseline
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak RSS starts again from the present RSS
