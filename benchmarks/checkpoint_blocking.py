@@ -1,20 +1,35 @@
-"""How long a checkpoint blocks training: ``px.save_checkpoint`` synchronous vs asynchronous.
+"""What a checkpoint costs training: ``px.save_checkpoint`` synchronous vs asynchronous, side by side in one run.
 
 A model of about 100M parameters (a stack of square linear layers) trains with AdamW in one
-process; after a few steps it saves a checkpoint, ``--repeat`` times each way:
+process. Each repeat times, in this order, the same ``--steps`` training steps three ways:
 
-* synchronous (``blocking=True``): the step waits until every file is written and renamed;
-* asynchronous (``blocking=False``): the step waits only for the staging copy, then the
-  next steps run while DCP writes in a background thread; the figure is the call's own time
-  plus how much the next step was slowed down (compared with a step without a save).
+* plain: the steps alone (the baseline, measured in every repeat, next to the others);
+* asynchronous (``blocking=False``): the save's call, the steps (run while the writer process
+  writes; more, up to 4 times as many, until the write is done), and the handle's ``wait()`` at the
+  end (zero when the write finished during the steps), against as many plain steps;
+* synchronous (``blocking=True``): the save, then the steps.
 
-    python benchmarks/checkpoint_blocking.py [--width 2048] [--layers 24] [--repeat 2] [--dir DIR]
+and reports, as medians over the repeats:
 
-Prints one line per mode: the median seconds a step is blocked, and async / sync.
+* **blocking**: how long the call held the training loop (the copy into shared memory);
+* **total cost to training**: the wall time the steps with the save took beyond the plain steps
+  (the call, every step's slow-down while the files were written, and any wait at the end).
+
+Both are given as fractions of the synchronous save's cost, beside the **floor**: one ``memcpy``
+of the state (every tensor of the model and AdamW copied into memory allocated and touched before),
+and the torch thread counts of the training process and of the writer process.
+
+The first asynchronous save of a run also starts the writer process and allocates the shared
+region (both kept for the next saves); it is done once before the repeats and reported apart.
+
+    python benchmarks/checkpoint_blocking.py [--width 2048] [--layers 24] [--repeat 3] [--steps 0] [--nice N]
+
+``--steps 0`` (default) picks enough steps to cover two synchronous saves' time.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -32,9 +47,14 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=0, help="steps timed after each save (0: cover 2 sync saves)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--nice", type=int, default=None, help="the writer process's nice (default: phalanx's)")
     args = parser.parse_args()
+    if args.nice is not None:
+        import phalanx.checkpoint.writer as writer
+        writer.NICE = args.nice
 
     px.init()
     model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
@@ -42,41 +62,109 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     x = torch.randn(args.batch, args.width)
 
-    def step() -> float:
-        started = time.perf_counter()
+    def step() -> None:
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
+
+    def steps(n: int) -> float:
+        started = time.perf_counter()
+        for _ in range(n):
+            step()
         return time.perf_counter() - started
 
     for _ in range(2):
         step()  # warm-up, and AdamW's moments exist
-    plain = statistics.median(step() for _ in range(3))
+    floor = memcpy_floor(model, opt)
     where = args.dir or tempfile.mkdtemp(prefix="phalanx-ckpt-bench-")
     path = os.path.join(where, "ckpt")
-    blocked: dict[str, list[float]] = {"sync": [], "async": [], "call": []}
-    for _ in range(args.repeat):
-        started = time.perf_counter()
-        px.save_checkpoint(path, model, opt, step=1)
-        blocked["sync"].append(time.perf_counter() - started)
 
+    started = time.perf_counter()
+    px.save_checkpoint(path, model, opt, step=0)
+    first_sync = time.perf_counter() - started
+    started = time.perf_counter()
+    handle = px.save_checkpoint(path, model, opt, step=0, blocking=False)
+    first_call = time.perf_counter() - started
+    handle.wait()
+    first_async = time.perf_counter() - started
+    plain_step = statistics.median(steps(1) for _ in range(3))
+    n = args.steps or max(3, math.ceil(2 * first_sync / plain_step))
+
+    rows: dict[str, list[float]] = {k: [] for k in ("plain", "sync", "sync_cost", "call", "async_cost", "wait")}
+    for r in range(args.repeat):
+        rows["plain"].append(steps(n))
         started = time.perf_counter()
-        handle = px.save_checkpoint(path, model, opt, step=2, blocking=False)
+        handle = px.save_checkpoint(path, model, opt, step=2 * r + 1, blocking=False)
         call = time.perf_counter() - started
-        slowed = step() - plain  # the next step runs while the files are written
-        blocked["async"].append(call + max(0.0, slowed))
-        blocked["call"].append(call)
+        taken = 0
+        while taken < n or (not handle.done() and taken < 4 * n):  # until the write is done (at most 4 n steps)
+            steps(1)
+            taken += 1
+        waited = time.perf_counter()
         handle.wait()
-    sync, asynchronous = statistics.median(blocked["sync"]), statistics.median(blocked["async"])
+        rows["wait"].append(time.perf_counter() - waited)
+        rows["call"].append(call)
+        rows["async_cost"].append(time.perf_counter() - started - rows["plain"][-1] * taken / n)
+        started = time.perf_counter()
+        px.save_checkpoint(path, model, opt, step=2 * r + 2)
+        rows["sync"].append(time.perf_counter() - started)
+        steps(n)
+        rows["sync_cost"].append(time.perf_counter() - started - rows["plain"][-1])
+        assert px.read_checkpoint(path)["step"] == 2 * r + 2
+
+    med = {k: statistics.median(v) for k, v in rows.items()}
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 2**20
-    print(f"model: {params / 1e6:.1f}M parameters, AdamW; checkpoint {size:,.0f} MiB; plain step {plain:.3f} s")
-    print(f"synchronous:  step blocked {sync:.3f} s (median of {args.repeat})")
-    print(f"asynchronous: step blocked {asynchronous:.3f} s (median of {args.repeat}) = "
-          f"{asynchronous / sync:.1%} of synchronous; of which the call (staging copy) "
-          f"{statistics.median(blocked['call']):.3f} s, the rest the next step's slow-down")
+    state_mib = sum(t.numel() * t.element_size() for t in state_tensors(model, opt)) / 2**20
+    load = os.getloadavg()
+    print(f"model: {params / 1e6:.1f}M parameters, AdamW; state {state_mib:,.0f} MiB, checkpoint {size:,.0f} MiB; "
+          f"plain step {med['plain'] / n:.3f} s; {n} steps timed after each save; median of {args.repeat}")
+    print(f"threads: training process torch.get_num_threads()={torch.get_num_threads()}; {writer_threads(args.nice)}; "
+          f"{os.cpu_count()} CPUs; load average {load[0]:.1f} (1 min) / {load[1]:.1f} (5 min) at the end")
+    print(f"floor (one memcpy of the state): {floor:.3f} s = {floor / med['sync']:.1%} of a synchronous save")
+    print(f"synchronous:  save {med['sync']:.3f} s; total cost to training {med['sync_cost']:.3f} s")
+    print(f"asynchronous: blocking {med['call']:.3f} s = {med['call'] / med['sync']:.1%} of synchronous; total cost "
+          f"to training {med['async_cost']:.3f} s = {med['async_cost'] / med['sync_cost']:.1%} of synchronous "
+          f"(of which the final wait {med['wait']:.3f} s)")
+    print(f"first asynchronous save of the run (starts the writer, allocates the region): call {first_call:.3f} s, "
+          f"written in {first_async:.3f} s")
+    print("per repeat (plain, sync cost, async call, async cost): " + "; ".join(
+        f"{a:.2f} {b:.2f} {c:.3f} {d:.2f}" for a, b, c, d in
+        zip(rows["plain"], rows["sync_cost"], rows["call"], rows["async_cost"], strict=True)))
     if args.dir is None:
         shutil.rmtree(where, ignore_errors=True)
     px.shutdown()
+
+
+def writer_threads(nice: int | None) -> str:
+    """Where the asynchronous write runs (a phalanx without the writer process writes from a thread)."""
+    try:
+        from phalanx.checkpoint.writer import NICE
+    except ImportError:
+        return "asynchronous write: a thread of the training process"
+    return f"asynchronous write: the writer process, torch.get_num_threads()=1, nice {NICE if nice is None else nice}"
+
+
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor a checkpoint holds: the parameters and the optimizer's state."""
+    out = [p.detach() for p in px.unwrap(model).parameters()]
+    for s in opt.state.values():
+        out += [v for v in s.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def memcpy_floor(model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    """Seconds of one copy of the state into memory allocated and touched before (median of 3)."""
+    src = state_tensors(model, opt)
+    dst = [torch.empty_like(t) for t in src]
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)  # touched: no page faults in the timed copies
+
+    def once() -> float:
+        started = time.perf_counter()
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+        return time.perf_counter() - started
+    return statistics.median(once() for _ in range(3))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,8 @@ def test_an_asynchronous_save_cut_by_a_lost_worker_leaves_nothing_after_the_next
     assert [n for n in survivor["left_after_training"] if ".tmp-" in n]  # ...half-way through the write
     assert survivor["left_after_save"] == ["ckpt"]  # the next save of that path went through and removed it
     assert "was not written" in proc.stderr  # the cut save is named in a warning, not raised as a stale error
+    # the survivor's own writer, held half-way through the cut save's write, ended at the regroup (not left behind)
+    assert survivor["held_writer_gone"] and not survivor["writer_kept"]
     assert px.read_checkpoint(tmp_path / "ckpt")["step"] == 99
 
 

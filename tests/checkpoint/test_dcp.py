@@ -6,6 +6,7 @@ Real gloo processes (tests/workers/dcp.py), one-process oracles.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pickle
 import time
@@ -16,7 +17,9 @@ from workers import dcp as W
 
 import phalanx as px
 from phalanx.cli import main as cli
+from phalanx.group.orphan import launcher_gone
 from support.procs import run_workers
+from support.wait import until
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +61,11 @@ def test_a_checkpoint_of_2_workers_resumes_on_1_equal_to_the_uninterrupted_run(s
 
 @pytest.fixture(scope="module")
 def hsdp_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
-    """A checkpoint written at SAVE_AT by 4 workers sharded 2 x 2 (HSDP)."""
+    """A checkpoint written at SAVE_AT by 4 workers sharded 2 x 2 (HSDP), asynchronously: each worker's writer
+    process writes the shards it staged."""
     ckpt = str(tmp_path_factory.mktemp("hsdp") / "sharded")
     return ckpt, run_workers("workers.dcp:sharded", world_size=4, timeout=180, ckpt=ckpt, mesh=[2, 2],
-                             load=False).results
+                             load=False, asynchronous=True).results
 
 
 @pytest.mark.multiproc
@@ -113,6 +117,9 @@ def test_kill_9_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_p
         assert held["done"] is False  # killed while its save was still being written...
         assert not torch.equal(held["trained"], torch.load(f"{ckpt}-weights-0.pt", weights_only=True))
     assert glob.glob(f"{ckpt}.tmp-*/partial-*")  # ...killed half-way through: part of it had reached the disk
+    for r in (0, 1):  # each worker's writer process (which held the write) ended with its worker: no orphans
+        writer = json.load(open(f"{ckpt}-held-{r}.json"))["writer"]
+        until(lambda w=writer: launcher_gone(w), timeout=60, what=f"rank {r}'s writer process ending with it")
     model, opt = W._wrapped(99)
     with pytest.warns(UserWarning, match="taken with 2 workers"):
         assert px.load_checkpoint(ckpt, model, opt)["step"] == 2  # the previous checkpoint, whole

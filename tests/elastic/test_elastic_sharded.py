@@ -179,3 +179,23 @@ def test_reshard_moves_only_the_rows_a_worker_lacks_and_training_goes_on_equal_t
     # to 2 x 1 each rank receives exactly the rows of the other shard: together, the whole state once
     assert all(0 < out["to1"]["received_bytes"] < whole for out in runs)
     assert sum(out["to1"]["received_bytes"] for out in runs) == whole
+
+
+@pytest.mark.multiproc
+@pytest.mark.xfail(strict=True, reason="issue 36, open: the survivors that met the loss in FSDP's own collectives "
+                   "regroup now (a RuntimeError with a member marked dead is a lost peer), but FSDP's modules keep "
+                   "the dead generation's subgroups alive, so their sockets stay open and a survivor of another "
+                   "replica pair waits its whole collective timeout and misses the quorum")
+def test_a_worker_lost_inside_fsdps_own_collectives_is_a_lost_peer(tmp_path):
+    # --kill-in-step: rank 1 dies after the step's gather, so the others meet its loss in FSDP's all-gather of the
+    # parameters (torch's collective, outside phalanx), where gloo raises a plain RuntimeError ("Connection closed
+    # by peer"); the chaos soak's --shard 2 variant ended with exit 1 at its first kill there.
+    proc, results = launch(tmp_path, "--min-workers", "3", "--", "--shard", "2", "--kill", "1@5", "--kill-in-step",
+                           "--commit-every", "3", "--epochs", "2", n=4, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "3"], sorted(results)
+    assert [h["left"] for h in results["0"]["history"]] == [["1"]]
+    record = results["0"]["record"]
+    for r in results.values():
+        for got, want in zip(r["params"], worker.oracle(record), strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)

@@ -58,3 +58,32 @@ def test_a_group_that_failed_on_one_rank_fails_on_every_rank():
     store.set("form/verdict", "no")  # one rank could not connect and said so first
     backends = form_all(store, 2)
     assert all(isinstance(b, WorkerLostError) for b in backends), backends
+
+
+def test_a_rank_lost_after_it_published_its_address_costs_the_others_seconds_not_the_timeout():
+    # Rank 1 (a process) stops inside gloo's constructor right after it wrote its address (a kill at the worst
+    # moment); rank 0 is told it is lost, but gloo's own wait for the connection knows nothing of that. The
+    # collective timeout is far above the bound: only a connect wait of its own (forming.CONNECT_S) ends in time.
+    import os
+    import signal
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from support.paths import TESTS
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.join(os.path.dirname(TESTS), "src"),
+                                                                    os.environ.get("PYTHONPATH")) if p)}
+    peer = subprocess.Popen([sys.executable, os.path.join(TESTS, "workers", "form_then_stop.py"), str(store.port)],
+                            env=env)
+    stopped = lambda: open(f"/proc/{peer.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"  # noqa: E731
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerLostError):
+            forming.form(store, 0, 2, timeout_s=90.0, lost=lambda: [1] if stopped() else [])
+        took = time.monotonic() - started
+    finally:
+        peer.send_signal(signal.SIGKILL)
+        peer.wait()
+    assert took < forming.CONNECT_S + 20, f"rank 0 waited {took:.0f}s for a rank known lost"

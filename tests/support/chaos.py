@@ -44,6 +44,7 @@ from support.elastic_job import gone
 from support.paths import TESTS
 
 JOB = os.path.join(TESTS, "workers", "chaos_job.py")
+RAY_JOB = os.path.join(TESTS, "workers", "chaos_ray.py")  # the same job on Ray Train workers (phalanx.raytrain)
 # The launcher, with its stacks on SIGUSR2 (into its log) like the workers'
 LAUNCHER = [sys.executable, "-c", "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR2, "
             "all_threads=True); from phalanx.cli import main; sys.exit(main())"]
@@ -171,7 +172,7 @@ class Sampler(threading.Thread):
                 self.samples.append({"t": now, "pid": pid, "rss_kb": rss, "fds": fds})
 
 
-def growth(samples: list[dict], launcher: int, roles: dict[int, str]) -> dict:
+def growth(samples: list[dict], launcher: int, roles: dict[int, str], long_samples: int = 120) -> dict:
     """Per process that lived through at least 8 samples: peak RSS of its last quarter / first quarter, and
     descriptors (max of the last quarter - max of the first). The worst of them, and the launcher's."""
     by: dict[int, list[dict]] = {}
@@ -191,9 +192,15 @@ def growth(samples: list[dict], launcher: int, roles: dict[int, str]) -> dict:
                      "fds_delta": max(s["fds"] for s in last) - max(s["fds"] for s in first)}
     worst = max(rows.values(), key=lambda r: r["rss_ratio"], default=None)
     worst_fd = max(rows.values(), key=lambda r: r["fds_delta"], default=None)
+    # A worker killed after a minute has its first quarter in its warm-up (the optimizer's state, the first
+    # checkpoint's buffers): growth over time shows in the processes that lived long, reported apart
+    long = [r for r in rows.values() if r["samples"] >= long_samples]
     return {"processes": {str(k): v for k, v in rows.items()}, "launcher": rows.get(launcher),
             "worst_rss_ratio": worst["rss_ratio"] if worst else None,
-            "worst_fds_delta": worst_fd["fds_delta"] if worst_fd else None}
+            "worst_fds_delta": worst_fd["fds_delta"] if worst_fd else None,
+            "long_lived": {"min_samples": long_samples, "count": len(long),
+                           "worst_rss_ratio": max((r["rss_ratio"] for r in long), default=None),
+                           "worst_fds_delta": max((r["fds_delta"] for r in long), default=None)}}
 
 
 def exactly_once(record: list, n: int) -> dict:
@@ -221,8 +228,13 @@ class Soak:
     def __init__(self, out: str, run_flags: list[str], job_flags: list[str], plan: list[str], *,
                  period_s: float = 15.0, stall_s: float = 60.0, seed: int = 0, aim_s: float | None = None,
                  finish_s: float = 300.0, sample_s: float = 1.0, commit_every: int = 0, save_every: int = 0,
-                 log: Any = None) -> None:
+                 log: Any = None, ray: bool = False) -> None:
         self.out, self.run_flags, self.job_flags, self.plan = out, run_flags, job_flags, plan
+        # ray: run_flags go to tests/workers/chaos_ray.py (Ray starts, replaces and places the workers; the job's
+        # store lives in Ray Train's controller, so the harness goes by the job's events alone)
+        self.ray = ray
+        # the first step may come late: Ray starts its own cluster first (minutes on a loaded 2-core machine)
+        self.first_step_s = 600.0 if ray else 120.0
         self.period_s, self.stall_s, self.finish_s, self.sample_s = period_s, stall_s, finish_s, sample_s
         self.aim_s = aim_s if aim_s is not None else 3 * period_s
         # a kill aimed at "step" lands after a step whose next one is not a commit point either (the victim may
@@ -250,9 +262,10 @@ class Soak:
         src = os.path.join(os.path.dirname(TESTS), "src")  # this checkout's phalanx, as the suite imports it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, TESTS, os.environ.get("PYTHONPATH")) if p),
                "PHALANX_START_METHOD": os.environ.get("PHALANX_START_METHOD", "forkserver")}
-        self.proc = subprocess.Popen([*LAUNCHER, "run", *self.run_flags, "--master-port", str(port), JOB, "--out",
-                                      self.out, *self.job_flags], stdout=self.launcher_log,
-                                     stderr=subprocess.STDOUT, env=env)
+        command = ([sys.executable, "-u", RAY_JOB, *self.run_flags, "--out", self.out, *self.job_flags] if self.ray
+                   else [*LAUNCHER, "run", *self.run_flags, "--master-port", str(port), JOB, "--out", self.out,
+                         *self.job_flags])
+        self.proc = subprocess.Popen(command, stdout=self.launcher_log, stderr=subprocess.STDOUT, env=env)
         self.started = time.time()
         self.sampler = Sampler(self.proc.pid, self.sample_s)
         self.sampler.start()
@@ -263,8 +276,8 @@ class Soak:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise Wedged(f"the launcher never said where its store is (status {self.proc.poll()})")
             pause(0.05)
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30),
-                                   wait_for_workers=False)
+        self.store = None if self.ray else dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                         timeout=timedelta(seconds=30), wait_for_workers=False)
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -276,7 +289,8 @@ class Soak:
         now = time.time()
         # not reset by kills: a job that kills keep from stepping (kills faster than a regroup) is stuck too
         last_step = self.events.steps[-1] if self.events.steps else self.started
-        if self.running() and now - last_step > self.stall_s and (self.events.steps or now - self.started > 120):
+        if self.running() and now - last_step > self.stall_s and (self.events.steps
+                                                                   or now - self.started > self.first_step_s):
             raise Wedged(f"no step for {now - last_step:.0f}s")
         return new
 
@@ -453,7 +467,7 @@ class Soak:
         self.start()
         outcome = "finished"
         try:
-            if self.wait_step(self.started, self.stall_s + 120) is None:
+            if self.wait_step(self.started, self.stall_s + self.first_step_s) is None:
                 raise Wedged("no first step")
             self.log(f"first step {time.time() - self.started:.1f}s after the start; {len(self.plan)} kills to go")
             for aimed in self.plan:
@@ -545,6 +559,16 @@ class Soak:
         gaps = [k["to_next_step_s"] for k in self.kills if k["to_next_step_s"] is not None]
         steps = sorted(self.events.steps)
         result["longest_no_step_after_kill_s"] = max(gaps, default=None)
+        # how long the launcher (or Ray) took to start a new process after each kill: the first "start" event of a
+        # process not seen before, after the kill (a spare parked earlier is no new start)
+        starts = sorted((e["t"], e["pid"]) for e in self.events.all if e["ev"] == "start")
+        replaced = []
+        for k in self.kills:
+            later = [t for t, _pid in starts if t > k["t"]]
+            if later:
+                replaced.append(round(later[0] - k["t"], 2))
+        result["replacement_start_s"] = {"median": sorted(replaced)[len(replaced) // 2] if replaced else None,
+                                         "max": max(replaced, default=None), "n": len(replaced)}
         # to the wedge or the job's end too: a job that never steps again has its longest stretch at the end
         ended = getattr(self, "wedged_at", None) or max((e["t"] for e in self.events.all), default=self.started)
         result["longest_no_step_s"] = round(max((b - a for a, b in zip(steps, [*steps[1:], ended])), default=0.0), 2)
@@ -596,9 +620,14 @@ def table(r: dict) -> str:
             ("oracle max |diff|", r["oracle_max_abs"]),
             ("longest no step after a kill", f"{r['longest_no_step_after_kill_s']} s"),
             ("longest no step", f"{r['longest_no_step_s']} s"),
+            ("replacement started after a kill", f"median {r['replacement_start_s']['median']} s, max "
+                                                 f"{r['replacement_start_s']['max']} s"),
             ("launcher RSS last/first quarter", f"{launcher.get('rss_ratio', float('nan')):.3f}"),
             ("launcher fds delta", launcher.get("fds_delta")),
             ("worst process RSS ratio", res["worst_rss_ratio"]), ("worst process fds delta", res["worst_fds_delta"]),
+            (f"processes sampled >= {res['long_lived']['min_samples']} times",
+             f"{res['long_lived']['count']}: worst RSS ratio {res['long_lived']['worst_rss_ratio']}, worst fds delta "
+             f"{res['long_lived']['worst_fds_delta']}"),
             ("seconds", r["seconds"])]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -120,7 +120,8 @@ def phase(events: Events, name: str, fn, **fields):  # noqa: ANN001, ANN201 - wr
     return wrapped
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """The job, from its command line (``argv``; the process's own by default): what rank 0 ran, in brief."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--size", default="small", choices=sorted(SIZES))
@@ -132,7 +133,7 @@ def main() -> None:
     p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S)")
     p.add_argument("--max-epochs", type=int, default=1000)
     p.add_argument("--hold", default="", help="comma-separated phases a worker waits in for the harness's word")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     os.makedirs(os.path.join(args.out, "stacks"), exist_ok=True)
     stacks = open(os.path.join(args.out, "stacks", f"{me}-{os.getpid()}.txt"), "w")  # noqa: SIM115 - for good
@@ -218,6 +219,7 @@ def main() -> None:
                     "strategy": args.strategy, "step": state.step}, os.path.join(args.out, "final.pt.tmp"))
         os.replace(os.path.join(args.out, "final.pt.tmp"), os.path.join(args.out, "final.pt"))
     events("end", step=state.step, world=px.world_size())
+    return {"id": me, "step": state.step}
 
 
 if __name__ == "__main__":

@@ -3,14 +3,14 @@
 ``python checkpoint_async.py full-disk FULL OTHER OUT`` (each rank, torchrun's variables set): an asynchronous
 save to the full disk ``FULL`` whose ``wait()`` raises and is handled, a save to ``OTHER`` that must work, then
 another asynchronous save to ``FULL`` that nobody waits for before the script ends (the exit must say it in one
-line). ``phalanx run --elastic -n 2 checkpoint_async.py elastic OUT``: the worker started as rank 0 kills itself
-half-way through an asynchronous save's write; the survivor trains on and then saves to the same path again.
+line). ``phalanx run --elastic -n 2 checkpoint_async.py elastic OUT``: the worker started as rank 0 is killed
+half-way through an asynchronous save's write (by its writer process, tests/workers/writer_hooks.py); the survivor
+trains on and then saves to the same path again.
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 
 import torch
@@ -42,11 +42,14 @@ def full_disk(full: str, other: str, out: str) -> None:
 
 
 def elastic(out: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
     import phalanx as px
     import phalanx.checkpoint.saver as saver
+    from phalanx.checkpoint.writer import WRITERS
+    from phalanx.group.orphan import launcher_gone
+    from support.wait import until
+    from workers.writer_hooks import CutWriter
     me = os.environ.get("PHALANX_ELASTIC_ID", "0")
+    held = os.path.join(out, f"held-{me}.json")
     px.init()
     model, opt = px.wrap(net := _net(), torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
     data = torch.utils.data.TensorDataset(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)),
@@ -56,16 +59,6 @@ def elastic(out: str) -> None:
     ckpt = os.path.join(out, "ckpt")
     plain_writer = saver._writer
 
-    class Killed(dcp.FileSystemWriter):
-        """The worker started as rank 0 dies half-way through its write (part of it reached the disk)."""
-
-        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
-            if me == "0":
-                with open(os.path.join(self.path, "partial-0"), "wb") as f:
-                    f.write(b"x" * 1024)
-                os.kill(os.getpid(), signal.SIGKILL)
-            return super().write_data(plan, planner)
-
     steps = 0
     for epoch in state.epochs(2):
         with state:
@@ -73,16 +66,25 @@ def elastic(out: str) -> None:
             for x, y in loader:
                 steps += 1
                 if steps == 3 and not state.history:
-                    saver._writer = Killed  # the test's hook into DCP's writer
+                    # the test's hook into DCP's writer: the worker started as rank 0 dies half-way through its write
+                    # (its writer process writes a part, then kills it); the other's writer holds half-way, so that
+                    # the regroup comes while its write is in flight
+                    saver._writer = lambda tmp: CutWriter(tmp, kill_worker=me == "0", held=None if me == "0" else held)
                     px.save_checkpoint(ckpt, model, opt, step=steps, blocking=False)
                     saver._writer = plain_writer
+                    until(lambda: os.path.exists(held), timeout=60, what="the writer holding the write half-way")
                 opt.zero_grad()
                 F.mse_loss(model(x), y).backward()
                 opt.step()
-    left = sorted(os.listdir(out))  # the survivor: what the cut save left
+    def left() -> list[str]:
+        return sorted(n for n in os.listdir(out) if not n.startswith("held-"))
+
+    cut = left()  # the survivor: what the cut save left
+    writer = json.load(open(held))["writer"]  # the regroup ended the writer that held the old generation's write
     px.save_checkpoint(ckpt, model, opt, step=99)  # the next save of that path
-    result = {"left_after_training": left, "left_after_save": sorted(os.listdir(out)),
-              "history": [h["left"] for h in state.history]}
+    result = {"left_after_training": cut, "left_after_save": left(), "history": [h["left"] for h in state.history],
+              "held_writer_gone": launcher_gone(writer)}
+    result["writer_kept"] = WRITERS.of(px.current_group()).value is not None  # (the next save starts another)
     with open(os.path.join(out, f"worker{me}.json"), "w") as f:
         json.dump(result, f)
 

@@ -4,13 +4,12 @@
 global batch, saving at ``SAVE_AT`` or resuming from a checkpoint; the test compares it
 with one process over the same global batches. ``sharded`` saves a model sharded with
 torch's own ``fully_shard``; ``killed`` holds an asynchronous save half-way through its
-write (a storage writer that waits on a store key) and kills every worker with SIGKILL.
+write (a storage writer, in the writer process, that holds until killed) and kills every worker with SIGKILL.
 """
 from __future__ import annotations
 
 import os
 import signal
-import threading
 from typing import Any
 
 import torch
@@ -88,14 +87,15 @@ def _wrapped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return px.wrap(model, optimizer(model), strategy=px.AllReduce())
 
 
-def sharded(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
+def sharded(ckpt: str, mesh: list[int], load: bool, asynchronous: bool = False) -> dict[str, Any]:
     """A model sharded by torch's ``fully_shard`` over ``mesh`` (replicas x shards: [2, 2] is HSDP, [2] is FSDP).
 
-    ``load=False``: train SAVE_AT steps and save. ``load=True``: resume from ``ckpt`` (written on another mesh)
-    and train on to STEPS. Reports each parameter whole, and how much of it this worker held.
+    ``load=False``: train SAVE_AT steps and save (``asynchronous``: from the writer process, each worker staging
+    its shards). ``load=True``: resume from ``ckpt`` (written on another mesh) and train on to STEPS. Reports each
+    parameter whole, and how much of it this worker held.
     """
     px.init()
-    return _sharded_run(ckpt, mesh, load)
+    return _sharded_run(ckpt, mesh, load, asynchronous)
 
 
 def reloaded(ckpt: str, meshes: list[list[int]]) -> list[dict[str, Any]]:
@@ -105,7 +105,7 @@ def reloaded(ckpt: str, meshes: list[list[int]]) -> list[dict[str, Any]]:
     return [_sharded_run(ckpt, mesh, True) for mesh in meshes]
 
 
-def _sharded_run(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
+def _sharded_run(ckpt: str, mesh: list[int], load: bool, asynchronous: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     model = net(seed=99 if load else 1)
@@ -121,7 +121,9 @@ def _sharded_run(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
 
     def save(now: int) -> None:
         if not load and now == SAVE_AT:
-            px.save_checkpoint(ckpt, model, opt, loader=loader, step=now)
+            handle = px.save_checkpoint(ckpt, model, opt, loader=loader, step=now, blocking=not asynchronous)
+            if handle is not None:
+                handle.wait()
 
     # fully_shard averages gradients over every worker: each one's mean over its part makes the global mean
     step = loop(model, opt, loader, step, STEPS if load else SAVE_AT, save)
@@ -132,22 +134,15 @@ def _sharded_run(ckpt: str, mesh: list[int], load: bool) -> dict[str, Any]:
 
 
 def killed(ckpt: str) -> dict[str, Any]:
-    """Save (blocking) at step 2; start an asynchronous save at step 4, train on while it is held half-way
-    through its write, then every worker kills itself with SIGKILL. The test then loads ``ckpt``."""
-    import torch.distributed.checkpoint as dcp
-
+    """Save (blocking) at step 2; start an asynchronous save at step 4, train on while its writer process holds it
+    half-way through its write (saying so in ``<ckpt>-held-<rank>.json``), then every worker kills itself with
+    SIGKILL. The test then loads ``ckpt``, and checks that the writer processes ended with their workers."""
     import phalanx.checkpoint.saver as saver
+    from support.wait import until
+    from workers.writer_hooks import CutWriter
     g = px.init()
     store = g.store
-    held = threading.Event()  # set by DCP's writer thread; the main thread talks to the store (one connection)
-
-    class HeldWriter(dcp.FileSystemWriter):
-        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
-            with open(os.path.join(self.path, f"partial-{px.rank()}"), "wb") as f:
-                f.write(b"x" * 1024)  # a part of this rank's data reaches the disk...
-            held.set()  # ...then the write stops until the process is killed
-            threading.Event().wait()
-            return super().write_data(plan, planner)
+    held = f"{ckpt}-held-{px.rank()}.json"
 
     model, opt = _wrapped(1)
     loader = px.shard(dataset(), batch_size=GLOBAL_BATCH // px.world_size(), seed=7)
@@ -156,10 +151,10 @@ def killed(ckpt: str) -> dict[str, Any]:
     saved = flat(model)
     torch.save(saved, f"{ckpt}-weights-{px.rank()}.pt")
     loop(model, opt, loader, 2, 4)
-    saver._writer = lambda tmp: HeldWriter(tmp)  # the test's hook into DCP's writer
+    saver._writer = lambda tmp: CutWriter(tmp, held=held, rank=px.rank())  # the test's hook into DCP's writer
     handle = px.save_checkpoint(ckpt, model, opt, loader=loader, step=4, blocking=False)
     loop(model, opt, loader, 4, 6)  # training goes on while the checkpoint is being written
-    held.wait()
+    until(lambda: os.path.exists(held), timeout=60, what="the writer process holding the write half-way")
     store.set(f"held/{px.rank()}", "1")
     store.wait([f"held/{r}" for r in range(px.world_size())])  # every worker is half-way through its write
     torch.save({"done": handle.done(), "trained": flat(model)}, f"{ckpt}-held-{px.rank()}.pt")

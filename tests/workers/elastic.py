@@ -155,6 +155,10 @@ def main() -> None:
     p.add_argument("--hold-in-grow", default="",
                    help="ID: the worker whose id starts with ID stops inside the first rebuild that grows the group, "
                         "writes holding<its id>.json and waits there to be killed (tests/elastic/test_grow_kill.py)")
+    p.add_argument("--hold-in-admit", default="",
+                   help="IDS: each member whose id starts with one of IDS (comma-separated) stops while it admits a "
+                        "joiner, once the joiner claimed its place and before the members' answer (gen/<g>/go), "
+                        "writes holding<its id>.json and waits there to be killed (test_joiner_left_alone.py)")
     p.add_argument("--wait-for-joiner", action="store_true",
                    help="the first workers wait before their 3rd step until a joiner asked to join, and before "
                         "their 5th until it is ready to enter (it enters at the commit of step 6)")
@@ -162,6 +166,8 @@ def main() -> None:
     me = elastic_id()
     if args.hold_in_grow and me.startswith(args.hold_in_grow):
         hold_in_grow(args.out, me)
+    if args.hold_in_admit and any(me.startswith(h) for h in args.hold_in_admit.split(",")):
+        hold_in_admit(args.out, me)
     victim, _, at = args.kill.partition("@")
 
     if args.trainer:
@@ -276,6 +282,28 @@ def hold_in_grow(out: str, me: str) -> None:
         return rebuild(base_store, generation, rank, world_size, **kwargs)
 
     elastic_worker.rebuild = holding
+
+
+def hold_in_admit(out: str, me: str) -> None:
+    """Stop this member while it admits joiners: once each of them claimed its place (``gen/<g>/entered/<id>`` holds
+    "in"), before the members' answer (``gen/<g>/go``); it writes ``holding<me>.json`` (its pid) and waits to be
+    killed there. The joiners are then waiting for an answer that only the members give."""
+    from phalanx.elastic.membership import key
+    from phalanx.elastic.worker import ElasticWorker
+
+    entered = ElasticWorker._entered
+
+    def holding(self, generation: int, joiners: list[str], *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if joiners:
+            until(lambda: all(self.store.check([key("gen", generation, "entered", j)]) for j in joiners),
+                  timeout=120, what="the joiners' claims")
+            with open(os.path.join(out, f"holding{me}.json"), "w") as f:
+                json.dump({"id": me, "pid": os.getpid(), "generation": generation, "time": time.time()}, f)
+            while True:
+                signal.pause()  # until the test kills this process
+        return entered(self, generation, joiners, *args, **kwargs)
+
+    ElasticWorker._entered = holding
 
 
 def wait_for_spares(state: px.elastic.State, timeout_s: float = 60.0) -> None:

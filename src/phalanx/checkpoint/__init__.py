@@ -12,7 +12,8 @@ Two kinds:
   every worker. Called on some workers only (say under ``if rank == 0:``, where
   ``torch.save`` was), it fails within :data:`agreement.ENTRY_WAIT_S` seconds with a
   message that says so, instead of hanging. ``blocking=False`` returns a
-  :class:`SaveHandle` at once and writes from a staged copy while training goes on.
+  :class:`SaveHandle` once the state is copied into shared memory, and a writer process of
+  the worker's own writes it while training goes on.
 
 A checkpoint directory holds DCP's files (``.metadata``, ``__<rank>_0.distcp``) with
 every tensor (model, optimizer, the strategy's shared state, each worker's own strategy
@@ -32,6 +33,7 @@ The package, one concept a module (each imports only those listed before it):
 * :mod:`.legacy`: the one-file checkpoint of earlier versions (loaded and exported);
 * :mod:`.agreement`: how the workers of one save agree on the group's store;
 * :mod:`.handle`: :class:`SaveHandle`, and the directory put in place whole or not at all;
+* :mod:`.writer`: the writer process an asynchronous save is written by;
 * :mod:`.saver`: ``px.save``, ``px.save_checkpoint``;
 * :mod:`.loader`: ``px.load_checkpoint``, ``px.read_checkpoint``, ``phalanx export``.
 

@@ -18,7 +18,7 @@ import shutil
 import uuid
 import warnings
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 from ..group import group
 from ..errors import CheckpointError
@@ -115,8 +115,12 @@ class SaveHandle:
         return f"SaveHandle({self.path!r}, done={self.done()})"
 
 
-def _finish(handle: SaveHandle, tmp: str, world: int, step: int, *, blocking: bool) -> None:
-    """Rank 0, once every worker's part is written: verify, mark complete, rename into place, tell the others."""
+def _finish(handle: SaveHandle, tmp: str, world: int, step: int, *, blocking: bool,
+            commit: Callable[[str, str, int, int], None] | None = None) -> None:
+    """Rank 0, once every worker's part is written: verify, mark complete, rename into place, tell the others.
+
+    ``commit`` does the sealing and renaming (default :func:`_commit`, here; an asynchronous save's writer process).
+    """
     if handle.rank != 0:
         _wait_for_write(handle.key)
         return
@@ -126,7 +130,7 @@ def _finish(handle: SaveHandle, tmp: str, world: int, step: int, *, blocking: bo
                 handle._future.result()
             except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001
                 raise _write_error(handle.path, err) from err
-        _commit(tmp, handle.path, world, step)
+        (commit or _commit)(tmp, handle.path, world, step)
     except BaseException as err:
         _abandon(tmp, handle.key, err)
         if blocking:

@@ -26,6 +26,7 @@ from ..wrap import unwrap
 from .agreement import _agree, _agree_on_temporary, _all_enter, peer_lost
 from .dcp import _dcp, _quiet, _snapshot
 from .handle import SaveHandle, _abandon, _finish, _write_error
+from .writer import WRITERS, Staging, storage_writer
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> None:
@@ -78,8 +79,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     worker is done (a previous checkpoint there is replaced then, never before). With
     ``blocking=True`` every worker returns once it is in place, or raises (a full disk
     names the path). With ``blocking=False`` it returns a :class:`SaveHandle` as soon as
-    the state is copied, and the files are written while training continues; the next save
-    and ``px.shutdown()`` wait for it. Called on some workers only, it raises within
+    the state is copied (into shared memory), and a writer process of this worker's own writes,
+    seals and renames the files while training continues (:mod:`phalanx.checkpoint.writer`);
+    the next save and ``px.shutdown()`` wait for it. Called on some workers only, it raises within
     :data:`~phalanx.checkpoint.agreement.ENTRY_WAIT_S` seconds saying so.
 
     It holds the model and optimizer (``get_state_dict``: plain or FSDP-sharded alike), the
@@ -117,9 +119,16 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     me, world = group.rank(), group.world_size()
     tmp = _agree_on_temporary(path, key)
     tensors, rank_file = _snapshot(state, me)
+    writers = WRITERS.of(g)
+    staging = None
     try:
         os.makedirs(tmp, exist_ok=True)
         write_verified(os.path.join(tmp, f"rank-{me}.pt"), rank_file)
+        if not blocking:
+            # The copy into the writer process's shared memory: the part of an asynchronous save that blocks
+            # training. Here, before the agreement, so that a worker that cannot (no memory) stops them all.
+            staging = Staging(writers.process(g))
+            staging.copy(tensors)
         failure = None
     except Exception as err:  # noqa: BLE001 - every worker must learn of it before the collective write starts
         failure = err
@@ -150,10 +159,18 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
         _finish(handle, tmp, world, state.step, blocking=True)
         saving.value = handle  # done; kept for its process group
         return handle
-    handle._future = _dcp().async_save(tensors, **kwargs)  # stages (copies) now, writes in a thread
+    # Staged above; DCP's protocol runs in a thread, the files are written, and on rank 0 sealed and put in place,
+    # by the writer process (phalanx.checkpoint.writer).
+    assert staging is not None
+    process = staging.writer
+    kwargs["storage_writer"] = storage_writer(staging, writer, path, g.generation)
+    handle._future = _dcp().async_save(tensors, async_stager=staging, **kwargs)
     saving.value = handle
     if me == 0:
-        handle._future.add_done_callback(lambda fut: _finish(handle, tmp, world, state.step, blocking=False))
+        handle._future.add_done_callback(lambda fut: _finish(handle, tmp, world, state.step, blocking=False,
+                                                             commit=process.commit))
+    if not group.is_initialized():  # a plain process's group of one lasts one call: its writer lasts one save
+        handle._future.add_done_callback(lambda fut: writers.stop())
     return handle
 
 

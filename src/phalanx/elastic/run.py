@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 
-from ..errors import ConfigError, WorkerLostError, usage
+from ..errors import ConfigError, PhalanxError, WorkerLostError, usage
 from .membership import QuorumError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -140,13 +140,39 @@ def _caught(state: Reentry, err: BaseException) -> bool:
     if isinstance(err, WorkersLeaving):
         state._pending = ("failure", f"worker(s) {', '.join(err.leavers)} left (preempted)", time.time())
         return True
-    if not isinstance(err, Exception) or not state.elastic or not is_peer_failure(err):
+    if not isinstance(err, Exception) or not state.elastic:
         return False
     if not state.worker.host_alive():
         state.worker.lost_host()
+    if not is_peer_failure(err) and not _peer_died_under(state, err):
+        return False
     state._pending = ("failure", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
                       time.time())
     return True
+
+
+def _peer_died_under(state: Reentry, err: BaseException, poll_s: float = 0.05) -> bool:
+    """A plain ``RuntimeError`` from a collective torch ran outside phalanx (FSDP's all-gather and reduce-scatter,
+    a ``dist.*`` call of the script): gloo says a peer closed its connection with no type of its own. It is a lost
+    peer when a member of this generation is marked dead (``dead/<id>``: the launcher marks a lost process at once)
+    within the heartbeat timeout; a script's own error, with everyone alive, is re-raised after that wait.
+    A typed phalanx failure (a ``PhalanxError``) is never reclassified here.
+
+    Example (outside an elastic job nothing is reclassified):
+        >>> callable(_peer_died_under)
+        True
+    """
+    if not isinstance(err, RuntimeError) or isinstance(err, PhalanxError):
+        return False
+    worker = state.worker
+    others = [m for m in worker.membership.members if m != worker.me]
+    deadline = time.monotonic() + float(worker.config["heartbeat_s"])
+    while True:
+        if any(worker.membership.is_dead(m) for m in others):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)  # sleep: the launcher's mark comes with no notification; bounded by the heartbeat
 
 
 def _change(state: Reentry) -> None:

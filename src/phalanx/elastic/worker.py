@@ -427,7 +427,11 @@ class ElasticWorker:
         lost = [j for j in joiners if self.store.get(key("gen", generation, "entered", j)) != b"in"]
         for j in lost:
             self.store.set(key("dead", j), "1")  # never admitted again
-        self.store.compare_set(go, "", "no" if lost else "yes")
+        # the key's value, not ours, is the verdict: a joiner past its own bound may have answered "no" first
+        if self.store.compare_set(go, "", "no" if lost else "yes") != b"yes" and not lost:
+            lost = list(joiners)
+            for j in lost:
+                self.store.set(key("dead", j), "1")
         if lost and self.membership.rank == 0:
             print(f"phalanx: elastic: {', '.join(lost)} admitted to generation {generation} but never arrived "
                   f"(no heartbeat for {heartbeat_s:g}s, or not training {max(self.timeout_s, heartbeat_s):g}s after "
@@ -464,6 +468,16 @@ class ElasticWorker:
         the members offered (``offer/<id>``, :meth:`_offer`) returns too, so a joiner's script reads
         the rank and world size it will train with, and starts up while the members train on.
         """
+        try:
+            return self._wait_for_place(after, poll_s, offers)
+        except dist.DistError:  # the job's store closed under us: training ended, or its launcher is gone
+            self._stop.set()  # our heartbeat thread must not say the same thing again, as a lost host
+            print(f"phalanx: elastic: worker {self.me}: the job's store at {self.addr}:{self.port} closed before it "
+                  "was admitted (training ended, or the job's launcher is gone); nothing to do", file=sys.stderr,
+                  flush=True)
+            raise EndedBeforeAdmitted from None
+
+    def _wait_for_place(self, after: int, poll_s: float, offers: bool) -> dict | None:
         if not self._asked:
             self._ask_to_join()
             self._asked = True
@@ -537,8 +551,35 @@ class ElasticWorker:
                                f"training within the job's timeout ({self.timeout_s:g}s) after px.init() returned; "
                                "the others went on without it. Start training sooner after px.init(), or raise "
                                "the timeout (px.init(timeout=...) or PHALANX_TIMEOUT)")
-        self.store.wait([key("gen", generation, "go")])  # the members decide within the heartbeat timeout
-        return self.store.get(key("gen", generation, "go")) == b"yes"
+        return self._verdict(generation) == "yes"
+
+    def _verdict(self, generation: int, poll_s: float = 0.02) -> str:
+        """A joiner that claimed its place in ``generation``: the members' answer in ``gen/<g>/go``, "yes" or "no".
+
+        The members decide within the job's timeout (:meth:`_entered`), but only while one of them lives: the
+        wait watches the dead marks of those who decide (the generation's members that did not claim a place as
+        joiners). If they are all dead, nobody holds the training state to hand over: this worker ends with one
+        line. Past the members' own bound (with a heartbeat timeout to spare) it answers "no" itself, with the
+        same compare-and-set, so whatever is in the key is what everyone acts on.
+        """
+        go = key("gen", generation, "go")
+        members = json.loads(self.store.get(key("gen", generation, "members")))
+        heartbeat_s = float(self.config["heartbeat_s"])
+        deadline = time.monotonic() + max(self.timeout_s, heartbeat_s) + 2 * heartbeat_s
+        while not self.store.check([go]):
+            deciders = [m for m in members if m != self.me and not self.store.check([key("gen", generation,
+                                                                                      "entered", m)])]
+            if deciders and all(self.membership.is_dead(m) for m in deciders) and not self.store.check([go]):
+                self.close()
+                leaving.end_now(f"phalanx: elastic: worker {self.me}: every member of the job ({', '.join(deciders)})"
+                                f" was lost while it entered generation {generation}; nobody is left to hand it the "
+                                "training state, so it stops. Commits were in memory only: resume from your last "
+                                "disk checkpoint (px.save_checkpoint), if any.")
+            if time.monotonic() > deadline:
+                self.store.compare_set(go, "", "no")
+                break
+            time.sleep(poll_s)
+        return self.store.get(go).decode()
 
     def leave(self, step: int) -> NoReturn:
         """Leave the group gracefully at the commit of ``step`` (this worker was preempted) and end the process.

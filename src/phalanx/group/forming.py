@@ -43,6 +43,9 @@ from ..errors import WorkerLostError
 
 BACKEND = "phalanx"  # the name torch knows phalanx's own groups by: dist.get_backend() under --elastic
 POLL_S = 0.02
+# How long gloo may take to connect ranks that all arrived (see form): milliseconds idle, a few seconds on a loaded
+# 2-core machine; a rank that died after it arrived costs the others this, not the collective timeout.
+CONNECT_S = 5.0
 _prepared: list[Any] = []  # the backend the next init_process_group/new_group with BACKEND takes (one at a time)
 
 
@@ -115,8 +118,16 @@ def form(store: dist.Store, rank: int, world_size: int, timeout_s: float, lost: 
     deadline = time.monotonic() + timeout_s
     verdict = "form/verdict"
     try:
+        # Everyone arrives first (a wait that watches the lost): gloo then connects ranks that are all inside its
+        # constructor, which takes milliseconds, so its own wait for a connection can be short. A rank that dies
+        # after publishing its address is waited for by gloo alone, who knows nothing of the lost: with the
+        # collective timeout there, the others sat a whole minute in the constructor (the chaos soak's longest
+        # stretch without a step); CONNECT_S bounds it, then the collective timeout is set for the group's life.
+        store.set(f"form/arrived/{rank}", "1")
+        Watched(store, lost, deadline).wait([f"form/arrived/{r}" for r in range(world_size)])
         backend = dist.ProcessGroupGloo(Watched(dist.PrefixStore("gloo", store), lost, deadline), rank, world_size,
-                                        timedelta(seconds=timeout_s if op_timeout_s is None else op_timeout_s))
+                                        timedelta(seconds=min(timeout_s, CONNECT_S)))
+        backend.set_timeout(timedelta(seconds=timeout_s if op_timeout_s is None else op_timeout_s))
     except Exception as err:  # noqa: BLE001 - refused, reset, timed out, or a member known lost: all one failure
         store.compare_set(verdict, "", "no")
         raise WorkerLostError(f"rank {rank} of {world_size} could not form the group: {_line(err)}",

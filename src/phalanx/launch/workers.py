@@ -77,19 +77,25 @@ class ForkedWorker:
     def poll(self) -> int | None:
         if self.returncode is None and not self._proc.is_alive():
             self.returncode = self._proc.exitcode
+            # its two descriptors (the fork server's status pipe, the sentinel) go now, not when the handle is
+            # dropped: the launcher keeps every worker's handle, and --replace starts one for every worker lost
+            self._proc.close()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        self._proc.join(timeout)
+        if self.returncode is None:
+            self._proc.join(timeout)
         if self.poll() is None:
             raise subprocess.TimeoutExpired(["phalanx-worker", str(self.pid)], timeout or 0.0)
         return self.returncode  # type: ignore[return-value]
 
     def terminate(self) -> None:
-        self._proc.terminate()
+        if self.returncode is None:
+            self._proc.terminate()
 
     def kill(self) -> None:
-        self._proc.kill()
+        if self.returncode is None:
+            self._proc.kill()
 
 
 def _start_server(env: dict[str, str]) -> None:

@@ -1,0 +1,524 @@
+"""The checkpoint writer: a process of the worker's own that writes an asynchronous save's files.
+
+``px.save_checkpoint(..., blocking=False)`` blocks training only while it copies the state's
+tensors into shared memory (:meth:`WriterProcess.stage`, one copy into a region that is kept
+and reused by the next save). Everything else of the write runs beside training:
+
+* DCP itself (its plans, its collectives among the workers, rank 0's ``.metadata``) runs in a
+  thread of the worker, through :func:`torch.distributed.checkpoint.async_save`, as before; its
+  ``write_data`` (serialising every tensor, writing and syncing the files) crosses to the writer
+  process, which reads the staged tensors from the shared region;
+* rank 0's seal and rename (:func:`phalanx.checkpoint.handle._commit`: the SHA-256 of every byte,
+  the marker written last, the directory renamed into place) runs in the writer process too.
+
+Why a process: a thread shares the interpreter (its GIL) and the cores with training, and the
+seal reads back and hashes every byte. The writer runs with one torch thread at the worker's own
+CPU priority (:data:`NICE`; at the lowest, 19, a write on busy cores was starved until the next
+wait). It never touches a GPU (``CUDA_VISIBLE_DEVICES`` is empty).
+
+Its lifetime is its worker's:
+
+* one is started at the worker's first asynchronous save and serves every later one;
+* it ends with its worker (it waits on a pidfd of the worker, whichever way the worker ends);
+* at a regroup, a write in flight is killed at once with its writer (its save is abandoned with
+  the old generation, whose collectives are gone; the next save starts another writer); a commit
+  in flight (a whole checkpoint being put in place) is let finish; an idle writer serves the next
+  generation, as the worker does;
+* when the group is left (``px.shutdown()``, at exit) it ends after the last save.
+
+A writer killed half-way loses only the checkpoint in flight: its worker's wait raises a
+:class:`~phalanx.errors.CheckpointError` naming the signal, rank 0 removes the temporary directory
+(or, if rank 0's worker was killed too, the next save or load of that path does), the previous
+checkpoint at the path is untouched, and the next save starts another writer.
+
+Example:
+    >>> _describe(-9)
+    'was killed by signal 9 (SIGKILL)'
+"""
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import CheckpointError
+from ..group import group
+from ..group.records import Record, Slot
+from .dcp import _dcp
+from .handle import _commit
+
+# The writer's CPU priority (added to the worker's). 0: at 19, the lowest, a write on cores that training (or anyone
+# else) keeps busy was starved and deferred whole to the next save's or the exit's wait, longer than a synchronous
+# save (benchmarks/reports/checkpoint_blocking.md); at the worker's own it shares the cores and is done in the steps.
+NICE = 0
+_ALIGN = 64  # each staged tensor starts on a cache line
+_HEADER = struct.Struct("!Q")
+_CHILD = "import sys; from phalanx.checkpoint.writer import _serve; _serve(*map(int, sys.argv[1:4]))"
+
+
+class WriterGone(CheckpointError):
+    """The writer process ended while it had a request: the checkpoint in flight is abandoned."""
+
+
+class WriterProcess:
+    """One worker's writer process, the shared region its saves are staged in, and the channel to it.
+
+    ``stage`` runs on the caller's thread; ``write`` and ``commit`` on DCP's, one at a time.
+    """
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair()
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+               # the worker's own import path (a test's or a script's directory too): a writer class it passes
+               # (``saver._writer``) is unpickled there
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid()), str(NICE)],
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+        theirs.close()
+        self.sock = mine
+        self.region: _Region | None = None
+        self._sent: int | None = None  # the id of the region the writer has mapped
+        self._request = threading.Lock()  # one request at a time
+        self._state = threading.Lock()
+        self._busy: str | None = None  # "write" or "commit" while a request is in flight
+        self._retiring = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self.sock.fileno() >= 0
+
+    # -- the caller's thread: the only part that blocks training -----------------------------------------------
+    def stage(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+        """Copy ``tensors`` (a DTensor: its local shard) into the shared region; return where each one lies."""
+        local = {k: _local(t) for k, t in tensors.items()}
+        layout = [(k, t.dtype, tuple(t.shape)) for k, t in local.items()]
+        if self.region is None or self.region.layout != layout:
+            self.region = None  # the old mapping goes first: a state that changed shape needs no more than one
+            self.region = _Region(layout)
+        with torch.no_grad():
+            for k, t in local.items():
+                self.region.views[k].copy_(t)
+        return self.region.entries
+
+    # -- DCP's thread ------------------------------------------------------------------------------------------
+    def write(self, inner: Any, plan: Any, entries: list, what: str, generation: int) -> list:
+        """The writer process runs ``inner.write_data(plan, ...)`` over the staged tensors; its WriteResults.
+
+        Refused once the group has left ``generation`` (the save's): a regroup abandoned that save.
+        """
+        region = self.region
+        assert region is not None, "stage() comes first"
+        if hasattr(inner, "per_thread_copy_ahead"):
+            inner.per_thread_copy_ahead = 0  # the staged tensors are in memory already (as DCP's own staging does)
+        fds = [] if self._sent == region.ident else [region.fd]
+        body = {"writer": inner, "plan": plan, "entries": entries, "region": (region.ident, region.size)}
+        results = self._ask("write", body, fds, what, generation)
+        self._sent = region.ident
+        return results
+
+    def commit(self, tmp: str, path: str, world: int, step: int) -> None:
+        """Rank 0: the writer process seals ``tmp`` and renames it over ``path`` (:func:`~.handle._commit`)."""
+        self._ask("commit", (tmp, path, world, step), [], f"sealing the checkpoint {path!r}")
+
+    def _ask(self, kind: str, body: Any, fds: list[int], what: str, generation: int | None = None) -> Any:
+        with self._request:
+            with self._state:  # (a regroup changes the generation, then kills a write in flight under this lock)
+                if self._retiring or not self.alive() or (
+                        generation is not None and group.current().generation != generation):
+                    raise WriterGone(f"the checkpoint writer process (pid {self.pid}) was stopped, or the group "
+                                     f"changed, before {what}; this checkpoint is abandoned and the previous one "
+                                     "at that path is untouched.")
+                self._busy = kind
+            try:
+                try:
+                    _send(self.sock, (kind, body), fds)
+                    answer = _recv(self.sock)
+                except OSError:
+                    answer = None
+                if answer is None:
+                    raise WriterGone(f"the checkpoint writer process (pid {self.pid}) {self._ended()} while "
+                                     f"{what}; this checkpoint is abandoned and the previous one at that path is "
+                                     "untouched. The next save starts another writer.")
+            finally:
+                with self._state:
+                    self._busy = None
+                    if self._retiring:
+                        self._end()
+            status, value = pickle.loads(answer[0])
+            if status == "error":
+                raise value
+            return value
+
+    def _ended(self) -> str:
+        try:
+            code = self.proc.wait(timeout=5)  # it closed its end: it is ending (or ended)
+        except subprocess.TimeoutExpired:
+            self._kill()
+            return "stopped answering"
+        return _describe(code)
+
+    # -- its end -----------------------------------------------------------------------------------------------
+    def retire(self) -> None:
+        """End it: at once if idle or writing (that save is abandoned), after the commit if one is in flight."""
+        with self._state:
+            self._retiring = True
+            if self._busy is None:
+                self._end()
+            elif self._busy == "write":
+                self._kill()  # the request's thread sees the end of the channel, says so, and closes it
+            # a commit in flight puts a whole checkpoint in place: _ask ends the writer after it
+
+    def abandon_write(self) -> bool:
+        """Kill it if a write is in flight (its save is abandoned; the caller starts another writer); True if so."""
+        with self._state:
+            if self._busy != "write":
+                return False  # idle (kept for the next save), or a commit putting a whole checkpoint in place
+            self._retiring = True
+            self._kill()
+            return True
+
+    def _kill(self) -> None:
+        """SIGKILL and reap it (an idle writer holds nothing; a write in flight is abandoned by its caller)."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass  # not reapable yet (in uninterruptible I/O): it ends when that returns
+
+    def _end(self) -> None:
+        self._kill()
+        self.sock.close()
+
+    def __repr__(self) -> str:
+        return f"WriterProcess(pid={self.pid}, alive={self.alive()})"
+
+
+class Writers(Slot[WriterProcess]):
+    """The group's record of its worker's writer process: started at the first asynchronous save, ended with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watching = False
+
+    def process(self, g: group.Group) -> WriterProcess:
+        """The worker's writer, started now if it has none (or the last one ended)."""
+        writer = self.value
+        if writer is not None and not writer.alive():
+            writer.retire()
+            writer = None
+        if writer is None:
+            writer = self.value = WriterProcess()
+            if not self._watching:
+                g.on_regroup(self._regrouped)
+                self._watching = True
+        return writer
+
+    def _regrouped(self, g: group.Group) -> None:
+        """A write in flight belonged to the generation that ended: kill it (the next save starts a new writer)."""
+        writer = self.value
+        if writer is not None and writer.abandon_write():
+            self.value = None
+
+    def stop(self) -> None:
+        """End this group's writer (see :meth:`WriterProcess.retire`)."""
+        writer, self.value = self.value, None
+        if writer is not None:
+            writer.retire()
+
+    def before_leaving(self, failing: bool) -> None:
+        """The group is left (after the save in flight, which the checkpoint's own record waits for): end it."""
+        self.stop()
+
+
+WRITERS: Record[Writers] = Record("checkpoint writer process", Writers)
+
+
+# -- how the worker's and the writer's halves talk -------------------------------------------------------------
+
+class _Region:
+    """A shared-memory region (memfd) holding one tensor of each ``layout`` entry, and the worker's views of it."""
+
+    def __init__(self, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        self.layout = layout
+        self.entries: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+        offset = 0
+        for key, dtype, shape in layout:
+            self.entries.append((key, dtype, shape, offset))
+            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        self.size = max(offset, _ALIGN)
+        self.fd = os.memfd_create("phalanx-checkpoint-staging", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.size)
+        # populated now: the pages are faulted in once here, not at each save's copy
+        self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self.views = _views(self.map, self.entries)
+        self.ident = uuid.uuid4().int >> 64  # names it to the writer, which maps each region once
+
+    def __del__(self) -> None:
+        self.views = {}
+        try:
+            self.map.close()
+        except (BufferError, AttributeError):
+            pass  # a staged tensor still refers to it: the mapping goes with the last one
+        try:
+            os.close(self.fd)
+        except (OSError, AttributeError):
+            pass
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _views(buffer: Any, entries: list) -> dict[str, torch.Tensor]:
+    """A tensor of each entry over ``buffer`` (each with a storage of its own size: DCP writes it without a copy)."""
+    views = {}
+    for key, dtype, shape, offset in entries:
+        n = _numel(shape)
+        views[key] = torch.frombuffer(buffer, dtype=dtype, count=n, offset=offset).view(shape) if n else \
+            torch.empty(shape, dtype=dtype)
+    return views
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor's self, a DTensor's local shard (what this worker writes of it)."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
+
+
+def _send(sock: socket.socket, obj: Any, fds: Sequence[int] = ()) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    header = _HEADER.pack(len(data))
+    if fds:
+        socket.send_fds(sock, [header], list(fds))
+    else:
+        sock.sendall(header)
+    sock.sendall(data)
+
+
+def _recv(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    """The next message (pickled) and the descriptors sent with it; None once the other end closed."""
+    head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 4)
+    if not head:
+        return None
+    head += _read(sock, _HEADER.size - len(head))
+    (n,) = _HEADER.unpack(head)
+    body = _read(sock, n)
+    return (body, fds) if len(body) == n else None
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        part = sock.recv(min(n - got, 1 << 20))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown"
+        return f"was killed by signal {-code} ({name})"
+    return f"exited with status {code}"
+
+
+@functools.cache
+def _proxy_class() -> type:
+    """DCP's StorageWriter that hands ``write_data`` to the writer process (DCP is imported at the first save)."""
+    base = _dcp().StorageWriter
+
+    class ProcessStorageWriter(base):  # type: ignore[misc, valid-type]
+        """``inner``'s plans and metadata in this worker; its data files written by the writer process."""
+
+        def __init__(self, writer: WriterProcess, inner: Any, entries: list, path: str, generation: int) -> None:
+            self.writer, self.inner, self.entries, self.path = writer, inner, entries, path
+            self.generation = generation
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            self.inner.reset(checkpoint_id)
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return _dcp().FileSystemWriter.validate_checkpoint_id(checkpoint_id)
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            self.inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return self.inner.prepare_local_plan(plan)
+
+        def prepare_global_plan(self, plans: list) -> list:
+            return self.inner.prepare_global_plan(plans)
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            results = self.writer.write(self.inner, plan, self.entries, f"writing the checkpoint {self.path!r}",
+                                        self.generation)
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(results)
+            return done
+
+        def finish(self, metadata: Any, results: list) -> None:
+            self.inner.finish(metadata, results)
+
+        def storage_meta(self) -> Any:
+            return self.inner.storage_meta()
+
+    return ProcessStorageWriter
+
+
+class Staging:
+    """An asynchronous save's staging: :meth:`copy` (the blocking part) and DCP's ``async_stager``.
+
+    :meth:`copy` copies the tensors into the writer's shared region on the caller's thread; DCP's
+    ``stage`` then returns the state as given: DCP plans from it in its thread (shapes and layouts
+    only, which training does not change), and the bytes written are the staged ones.
+    """
+
+    _synchronize_after_execute = False  # the copy is done before DCP is called
+
+    def __init__(self, writer: WriterProcess) -> None:
+        self.writer = writer
+        self.entries: list = []
+
+    def copy(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` into the writer's shared region (see :meth:`WriterProcess.stage`)."""
+        self.entries = self.writer.stage(tensors)
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def storage_writer(staging: Staging, inner: Any, path: str, generation: int) -> Any:
+    """DCP's storage writer for an asynchronous save of ``generation``: ``inner``'s, its data written from
+    ``staging`` by its writer process."""
+    return _proxy_class()(staging.writer, inner, staging.entries, path, generation)
+
+
+# -- the writer process ----------------------------------------------------------------------------------------
+
+def _serve(fd: int, parent: int, nice: int) -> None:
+    """The writer process's loop: answer each request on the socket ``fd`` until the worker ``parent`` is gone."""
+    if os.getppid() != parent:
+        os._exit(1)  # the worker ended before we started
+    threading.Thread(target=_end_with, args=(parent,), name="phalanx-writer-watch", daemon=True).start()
+    torch.set_num_threads(1)
+    _dcp()  # (its import is most of the start)
+    # Niced (if at all) once started, not before: a start at the lowest priority on a busy machine takes minutes (CFS
+    # gives a nice-19 process 1.5% of a nice-0 one's share), and the first save would wait for it.
+    if nice:
+        os.nice(nice)
+    sock = socket.socket(fileno=fd)
+    mapped: tuple[int, Any] | None = None
+    while True:
+        try:
+            got = _recv(sock)
+        except OSError:
+            got = None
+        if got is None:
+            os._exit(0)  # the worker closed its end (it stopped us, or it is gone)
+        data, fds = got
+        try:
+            kind, body = pickle.loads(data)  # a writer class that does not import here fails this request only
+            if kind == "write":
+                if fds:
+                    mapped = None
+                    mapped = (body["region"][0], mmap.mmap(fds[0], body["region"][1], flags=mmap.MAP_SHARED))
+                    os.close(fds[0])
+                if mapped is None or mapped[0] != body["region"][0]:
+                    raise CheckpointError("the checkpoint writer was asked to write a staged state it was not given")
+                tensors = _views(mapped[1], body["entries"])
+                done = body["writer"].write_data(body["plan"], _Resolver(tensors))
+                answer: tuple[str, Any] = ("ok", done.wait() if hasattr(done, "wait") else done.result())
+                del tensors, done
+            elif kind == "commit":
+                _commit(*body)
+                answer = ("ok", None)
+            else:
+                answer = ("error", CheckpointError(f"the checkpoint writer got an unknown request {kind!r}"))
+        except BaseException as err:  # noqa: BLE001 - every failure goes back to the worker, typed
+            answer = ("error", _portable(err))
+        try:
+            _send(sock, answer)
+        except OSError:
+            os._exit(0)
+
+
+class _Resolver:
+    """The planner DCP's ``write_data`` asks for each item's tensor: here, the staged one."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def resolve_data(self, item: Any) -> torch.Tensor:
+        tensor = self.tensors.get(item.index.fqn)
+        if tensor is None:
+            raise CheckpointError(f"the checkpoint writer has no staged tensor {item.index.fqn!r}")
+        return tensor
+
+
+def _portable(err: BaseException) -> BaseException:
+    """``err`` as it can cross to the worker: itself if it pickles, else a CheckpointError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: its type and first line
+        first = next(iter(str(err).strip().splitlines()), "")
+        return CheckpointError(f"{type(err).__name__}: {first[:300]}")
+
+
+def _end_with(parent: int) -> None:
+    """End the writer as soon as its worker is gone, whatever it is doing (a pidfd: no polling)."""
+    try:
+        fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd on this system: reparenting tells
+        while os.getppid() == parent:
+            time.sleep(0.5)  # nothing to wait on without a pidfd
+        os._exit(1)
+    select.select([fd], [], [])
+    os._exit(1)
+
+
+__all__ = ["NICE", "WRITERS", "Staging", "WriterGone", "WriterProcess", "Writers", "storage_writer"]
