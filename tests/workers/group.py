@@ -43,3 +43,46 @@ def note_then_wait() -> dict[str, Any]:
     before = g.lost_peers()
     until(g.lost_peers, timeout=30, what="rank 1 seen lost")
     return {"before": before, "after": g.lost_peers()}
+
+
+def _state(n_big: int) -> dict[str, Any]:
+    """A commit-shaped state: tensors of several dtypes and sizes (one larger than a chunk), plain values, nesting."""
+    from collections import OrderedDict
+    gen = torch.Generator().manual_seed(7)
+    big = torch.randn(n_big, generator=gen)
+    return {"model": OrderedDict([("w", big), ("b", torch.randn(3, generator=gen)),
+                                  ("half", torch.randn(5, 7, generator=gen).to(torch.bfloat16))]),
+            "optimizer": {"state": {0: {"step": torch.tensor(4.0), "exp_avg": torch.randn(300, generator=gen)}},
+                          "param_groups": [{"lr": 0.1, "params": [0]}]},
+            "mask": torch.tensor([True, False, True]), "empty": torch.empty(0, 4), "count": torch.tensor(9),
+            "strided": torch.arange(12.0).reshape(3, 4).t(), "pair": (torch.ones(2, dtype=torch.int32), "x"),
+            "step": 5, "name": "newest", "none": None}
+
+
+def streamed_state(n_big: int = 5000, chunk_bytes: int = 1000) -> dict[str, Any]:
+    """Rank 1 streams a state to rank 0 in chunks smaller than its largest tensor; each returns what it holds."""
+    g = px.init()
+    got = comm.broadcast_state(_state(n_big) if g.rank == 1 else None, src=1, chunk_bytes=chunk_bytes)
+    return {"got": got, "expected": _state(n_big)}
+
+
+def _peak_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def streamed_state_memory(mib: int = 64, chunk_bytes: int = 1 << 20, streamed: bool = True) -> dict[str, Any]:
+    """Rank 0 sends ``mib`` MiB of tensors; each rank's peak RSS growth during the broadcast, in bytes."""
+    g = px.init()
+    # 4 tensors of mib/4 MiB behind a small one, so the chunks do not fall on tensor boundaries
+    state = {"small": torch.ones(3), "t": [torch.randn(mib << 16) for _ in range(4)]} if g.rank == 0 else None
+    freed = torch.ones(40 << 18)  # 40 MiB freed: glibc then serves (and keeps) blocks of up to 40 MiB from its heap,
+    del freed  # as after a worker drops its live model for the commit's copy
+    comm.broadcast_object(torch.ones(1), src=0)  # the group's connections made before the baseline
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS starts again from the present RSS
+    base = _peak_kib()
+    got = comm.broadcast_state(state, src=0, chunk_bytes=chunk_bytes) if streamed else \
+        comm.broadcast_object(state, src=0)
+    grown = (_peak_kib() - base) << 10
+    return {"grown": grown, "numel": sum(t.numel() for t in got["t"])}

@@ -19,7 +19,7 @@ import warnings
 
 from ..group import group
 from ..checkpoint import checkpoint_step, load_checkpoint
-from ..group.collectives import broadcast_object
+from ..group.collectives import broadcast_state
 from ..step import telemetry
 from ..sharding.reshard import ShardLostError, reshard, reshard_empty
 from ..sharding.layout import sharded_by
@@ -97,14 +97,15 @@ class Recovery:
         return True
 
     def _send_state(self) -> dict:
-        """Rank 0's newest commit on every worker (a broadcast of its bytes; loaded weights-only).
+        """Rank 0's newest commit on every worker: its layout weights-only, its tensors streamed as raw bytes in
+        chunks into tensors allocated here (:func:`phalanx.group.collectives.broadcast_state`), never one blob.
 
         Of a sharded model, without its model and optimizer: their shards travel point to point in
         :meth:`_reshard`, each worker receiving only the rows of its new shards."""
         mine = self.commits[max(self.commits)] if group.rank() == 0 else None
         if mine is not None and sharded_by(self.optimizer) is not None:
             mine = {**mine, "model": None, "optimizer": None, "rows": None}
-        return broadcast_object(mine, 0, "newest commit")
+        return broadcast_state(mine, 0, "newest commit")
 
     def _from_disk(self, lost: ShardLostError, joined: bool = False) -> dict:
         """A shard of the commit died with its only holder (one replica group): roll back to the commit of the
