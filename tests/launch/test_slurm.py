@@ -271,8 +271,9 @@ def test_a_two_node_sbatch_job_is_preempted_by_usr1_requeued_resumed_and_ends_as
     script = tmp_path / "job.sh"
     script.write_text(f"""#!/bin/bash
 #SBATCH --nodes=2 --ntasks-per-node=1 --requeue --open-mode=append --output={tmp_path}/job.out
-srun {sys.executable} -m phalanx.cli run -n 1 --checkpoint-dir {ckpt} --resume-from auto --requeue {WORKER} {out} 5
-""")
+srun {sys.executable} -m phalanx.cli run -n 1 --checkpoint-dir {ckpt} --resume-from auto --requeue --grace 90 \
+    {WORKER} {out} 5
+""")  # --grace 90: on a loaded CI machine the two workers once took longer than the default 30 s to stop and save
     job = cluster.out(["sbatch", "--parsable", str(script)])
     assert job.isdigit(), job
     polls = iter(range(1 << 30))
