@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.errors import ConfigError
-from phalanx.strategies.auto import (LONG_RUN_ROUNDS, MIN_ROUNDS, PENALTIES, Auto, Choice, Measurement, candidates,
-                                     decide)
+from phalanx.strategies.auto import Auto
+from phalanx.strategies.decision import LONG_RUN_ROUNDS, MIN_ROUNDS, PENALTIES, Choice, Measurement, candidates, decide
 from support.procs import run_workers
 from workers.auto import batch, net
 

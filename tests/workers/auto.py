@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.strategies.auto import Choice, Decision, Measurement, decide
+from phalanx.strategies.decision import Choice, Decision, Measurement, decide
 
 DILOCO = Choice("diloco", (("every", 3), ("outer_lr", 0.7), ("outer_momentum", 0.9)))
 ALLREDUCE = Choice("allreduce")

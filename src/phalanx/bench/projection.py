@@ -25,7 +25,7 @@ import math
 import statistics
 from typing import Any
 
-from ..strategies.auto import Measurement, decide
+from ..strategies.decision import Measurement, decide
 from . import sanity
 
 WORKERS = (2, 4, 8, 16, 64)
@@ -98,7 +98,7 @@ def inputs(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def auto_pick(compute_s: float, grad_bytes: float, gbit: float, planned_steps: int | None = None,
               workers: int = 2) -> str:
-    """What ``px.Auto`` would choose on a ``gbit`` link: the same :func:`phalanx.strategies.auto.decide`, fed the
+    """What ``px.Auto`` would choose on a ``gbit`` link: the same :func:`phalanx.strategies.decision.decide`, fed the
     measured compute step and gradient bytes, the link's nominal rate and no overlap (this projection's assumption).
 
     Example:

@@ -9,11 +9,9 @@ measures the rate the group's link achieves. From these:
 * the rate ``B`` from the ring model ``T = 2(N−1)/N · S/B``;
 * the overlap: the share of a full gradient all-reduce (``T`` for 4 bytes a parameter) that backward hid.
 
-:func:`decide` then projects, for AllReduce, DiLoCo and Streaming DiLoCo over a grid of periods,
-fragments and quantisation, the **time to target** = step time × expected steps, where the expected
-steps are the run's planned length times the rule's measured step penalty (:data:`PENALTIES`, each
-figure with its source). The fastest wins; within 1% the simpler one does. ``phalanx bench``'s
-projection asks the same function (:mod:`phalanx.bench.projection`).
+:func:`phalanx.strategies.decision.decide` then picks the rule and its settings by projected time to target
+(step time × the planned steps × the rule's measured step penalty); ``phalanx bench``'s projection asks the
+same function (:mod:`phalanx.bench.projection`).
 
 It decides again after every regroup (``phalanx.elastic``) and when the rate, measured again every
 ``recheck_every`` steps, has changed by more than 2×. It changes rule only at a commit point where
@@ -37,9 +35,7 @@ import dataclasses
 import math
 import sys
 import time
-from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any, Callable, Mapping, Protocol, TextIO, runtime_checkable
+from typing import Any, Callable, Protocol, TextIO, runtime_checkable
 
 import torch
 from torch import nn
@@ -52,251 +48,8 @@ from .accounting import Accounting
 from .allreduce import AllReduce, rebuilt
 from .base import StepState, Strategy
 from .diloco import DiLoCo
-from .quantize import Quantize
 from .streaming_diloco import StreamingDiLoCo
-
-
-@dataclass(frozen=True)
-class Penalty:
-    """Steps to a quality target over one process's steps to it (1.0: no loss per step), and where it was measured."""
-
-    steps: float
-    source: str
-
-
-#: Measured step penalties per rule (steps to target / the one-process run's). Auto's projections rest on these.
-PENALTIES: Mapping[str, Penalty] = MappingProxyType({
-    "allreduce": Penalty(1.0, "exact gradient averaging: N workers with batch b compute one process's step with "
-                              "batch N·b (tests/strategies: the oracle tests), so it needs the one-process steps"),
-    "diloco": Penalty(186 / 160, "issue 41's time-to-quality run: recurrent LM (~1M parameters, AdamW, 200-step "
-                                 "budget), 2 workers, median of 3 seeds: DiLoCo(every=50) needed 186 steps where one "
-                                 "process needs 160"),
-    "streaming-diloco": Penalty(180 / 160, "issue 41's second run, the same task: StreamingDiLoCo(every=64, "
-                                           "fragments=4, quantize=4) with the outer step the run's length calls for "
-                                           "(plain averaging, outer_lr=1, outer_momentum=0, on a short run: "
-                                           "LONG_RUN_ROUNDS) needed 180 steps against 160, 3/3 seeds; with the "
-                                           "paper's Nesterov step, 182 (docs/performance.md section 7, the GPT: 120 "
-                                           "against DDP's 104)"),
-})
-
-#: Below this many outer steps (per fragment) over the run, the outer step is plain averaging (outer_lr 1, no
-#: momentum): docs/strategies.md "Short runs" measured it ahead of the Nesterov step at 3-4 outer steps (GPT 124
-#: steps against 136; the recurrent LM 180 against 182); the paper's runs, with the Nesterov step, took 100 and more.
-#: Where between the two the Nesterov step starts to pay has not been measured.
-LONG_RUN_ROUNDS = 20
-#: Fewer outer rounds than this over the planned run are not considered (issue 41: a 200-step run with every=64,
-#: about 3 rounds per fragment, reached the target on 3/3 seeds; none was measured with fewer).
-MIN_ROUNDS = 3
-PERIODS = (8, 16, 32, 64, 128, 256, 512)
-FRAGMENTS = (2, 4, 8)
-BITS: tuple[int | None, ...] = (None, 8, 4)  # the paper found 4-bit outer gradients lose nothing measurable
-#: Assumed when neither ``planned_steps`` nor ``Trainer.fit`` gives the run's length (said in the line).
-DEFAULT_PLANNED_STEPS = 10_000
-PROBE_BYTES = 2**20  # the link probe: at most 1 MiB (0.8 s at 10 Mbit/s), once per measurement
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """What the first steps measured (identical on every rank), the inputs of :func:`decide`.
-
-    Args:
-        compute_s: one step's time without waiting on the exchange (forward, backward, optimizer, the loop).
-        grad_bytes: the gradient's bytes in float32 (4 × trainable parameters).
-        rate: the bytes per second the link achieved, in the ring all-reduce model.
-        overlap: the share (0-1) of a full gradient all-reduce that backward hid.
-        workers: the group's size.
-        tensors: trainable parameter tensors (a fragment holds whole tensors).
-    """
-
-    compute_s: float
-    grad_bytes: float
-    rate: float
-    overlap: float
-    workers: int
-    tensors: int = 1 << 30
-
-    def ring_s(self, nbytes: float) -> float:
-        """A ring all-reduce of ``nbytes`` on this link: 2(N-1)/N · S/B."""
-        n = self.workers
-        return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / self.rate
-
-    def gather_s(self, nbytes: float) -> float:
-        """An all-gather of ``nbytes`` from each worker (the quantised exchange): (N-1) · S/B."""
-        return max(self.workers - 1, 0) * nbytes / self.rate
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A rule with its settings, and what :func:`decide` projected for it."""
-
-    rule: str  # "plain", "allreduce", "diloco" or "streaming-diloco"
-    settings: tuple[tuple[str, Any], ...] = ()
-    step_s: float = 0.0
-    steps: float = 0.0  # expected steps to target
-    penalty: str = ""
-    bytes_per_step: float = 0.0  # what one worker sends per step, averaged over a period
-
-    @property
-    def time_s(self) -> float:
-        return self.step_s * self.steps
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        return dict(self.settings)
-
-    def build(self, start: int = 0) -> Strategy | None:
-        """The rule, its periodic schedule counted from ``start`` (the step it takes over at)."""
-        kw = self.kwargs
-        if self.rule == "plain":
-            return None
-        if self.rule == "allreduce":
-            return AllReduce()
-        if self.rule == "diloco":
-            every = kw.pop("every")
-            return DiLoCo(every=EveryFrom(every, start), **kw)
-        if self.rule == "streaming-diloco":
-            return StreamingDiLoCo(**kw)  # Auto moves its fragments' offsets to ``start`` after attach
-        raise ConfigError(usage(f"auto's rule {self.rule!r}", "plain, allreduce, diloco or streaming-diloco",
-                                "The checkpoint was written by another version; resume without it."))
-
-    def describe(self) -> str:
-        names = {"plain": "a plain loop", "allreduce": "AllReduce", "diloco": "DiLoCo",
-                 "streaming-diloco": "StreamingDiLoCo"}
-        if self.rule == "plain":
-            return names["plain"]
-        args = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.settings)
-        return f"{names[self.rule]}({args})"
-
-    def state(self) -> dict[str, Any]:
-        return {"rule": self.rule, "settings": [list(kv) for kv in self.settings], "step_s": self.step_s,
-                "steps": self.steps}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "Choice":
-        return cls(str(state["rule"]), tuple((str(k), v) for k, v in state["settings"]), float(state["step_s"]),
-                   float(state["steps"]))
-
-
-@dataclass(frozen=True)
-class EveryFrom:
-    """Sync every ``k`` steps counted from ``start``: a DiLoCo that takes over at step ``start``.
-
-    Example:
-        >>> [s for s in range(1, 12) if EveryFrom(4, 3)(s)]
-        [7, 11]
-    """
-
-    k: int
-    start: int
-
-    def __call__(self, step: int) -> bool:
-        return step > self.start and (step - self.start) % self.k == 0
-
-    def __repr__(self) -> str:
-        return f"every({self.k}) from step {self.start}"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The fastest :class:`Choice` and the best of each other rule, by projected time to target."""
-
-    choice: Choice
-    others: tuple[Choice, ...]
-    measurement: Measurement
-    planned_steps: int
-    planned_known: bool = True
-
-    def line(self, step: int) -> str:
-        """The one line Auto prints: what it chose and why."""
-        m = self.measurement
-        planned = f"{self.planned_steps} planned steps" if self.planned_known else \
-            f"{self.planned_steps} steps assumed (pass px.Auto(planned_steps=N))"
-        c = self.choice
-        rest = "; ".join(f"{o.describe().split('(')[0]} {o.time_s:.1f} s" for o in self.others)
-        return (f"phalanx auto: {c.describe()} from step {step}: link {rate_words(m.rate)}, compute "
-                f"{m.compute_s * 1e3:.3g} ms/step, {100 * m.overlap:.0f}% of the all-reduce hidden behind backward, "
-                f"{m.workers} workers, {planned}: projected {c.time_s:.1f} s to target ({c.step_s * 1e3:.3g} ms/step "
-                f"x {c.steps:.0f} expected steps)" + (f"; {rest}" if rest else ""))
-
-
-def rate_words(rate: float) -> str:
-    """A rate in bytes/s in tc's units.
-
-    Example:
-        >>> rate_words(1.25e8), rate_words(1.17e7), rate_words(2e9)
-        ('1 Gbit/s', '93.6 Mbit/s', '16 Gbit/s')
-    """
-    mbit = rate * 8 / 1e6
-    return f"{mbit / 1e3:.3g} Gbit/s" if mbit >= 1e3 else f"{mbit:.3g} Mbit/s"
-
-
-def _outer(rounds: float) -> tuple[tuple[str, Any], ...]:
-    return (("outer_lr", 1.0), ("outer_momentum", 0.0)) if rounds < LONG_RUN_ROUNDS else \
-        (("outer_lr", 0.7), ("outer_momentum", 0.9))
-
-
-def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
-    """Every setting :func:`decide` weighs, each with its projected step time and expected steps."""
-    out = [Choice("allreduce", (), m.compute_s + (1 - m.overlap) * m.ring_s(m.grad_bytes), planned_steps,
-                  "allreduce", m.grad_bytes)]
-    n = m.grad_bytes / 4  # parameters
-    for every in PERIODS:
-        rounds = planned_steps / every
-        if rounds < MIN_ROUNDS:
-            continue
-        outer = _outer(rounds)
-        out.append(Choice("diloco", (("every", every), *outer), m.compute_s + m.ring_s(m.grad_bytes) / every,
-                          planned_steps * PENALTIES["diloco"].steps, "diloco", m.grad_bytes / every))
-        key = "streaming-diloco"
-        for parts in FRAGMENTS:
-            if parts > m.tensors or parts > every:
-                continue
-            for bits in BITS:
-                per = n / parts
-                message = 4 * per + 4 if bits is None else Quantize(bits).message_bytes(math.ceil(per))
-                send = m.ring_s(message) if bits is None else m.gather_s(message)
-                # one inner step of overlap (tau = 1) hides a send behind compute; parts/every sends per step, and
-                # the link cannot carry more than it carries: the step is at least its share of the link's time
-                exposed = max(0.0, send - m.compute_s)
-                step = max(m.compute_s + parts / every * exposed, parts / every * send)
-                settings = (("every", every), ("fragments", parts), ("overlap", 1), ("quantize", bits), *outer)
-                out.append(Choice("streaming-diloco", settings, step, planned_steps * PENALTIES[key].steps, key,
-                                  message * parts / every))
-    return out
-
-
-_SIMPLER = {"allreduce": 0, "diloco": 1, "streaming-diloco": 2}
-
-
-def decide(m: Measurement, planned_steps: int | None = None) -> Decision:
-    """The rule and settings with the shortest projected time to target (step time × expected steps).
-
-    Within 1% of the fastest, the simpler wins (AllReduce, then DiLoCo, then Streaming DiLoCo), then the one
-    that sends the fewest bytes (the longest period, the fewest bits: headroom for a slower link; the
-    periods the penalties were measured at, 50-64 on 200-step runs, are what a 200-step run gets), then
-    the fewest fragments. A group of one: a plain loop.
-
-    Example:
-        >>> m = Measurement(compute_s=0.06, grad_bytes=4e6, rate=1.25e7, overlap=0.0, workers=2)
-        >>> decide(m, 200).choice.describe()
-        'StreamingDiLoCo(every=64, fragments=2, overlap=1, quantize=4, outer_lr=1, outer_momentum=0)'
-        >>> decide(dataclasses.replace(m, workers=1), 200).choice.rule
-        'plain'
-    """
-    known = planned_steps is not None
-    planned = int(planned_steps) if known else DEFAULT_PLANNED_STEPS
-    if m.workers <= 1:
-        return Decision(Choice("plain", (), m.compute_s, planned), (), m, planned, known)
-    ranked = sorted(candidates(m, planned), key=lambda c: c.time_s)
-    best = ranked[0].time_s
-    close = [c for c in ranked if c.time_s <= best * 1.01]
-    choice = min(close, key=lambda c: (_SIMPLER[c.rule], round(c.bytes_per_step), c.kwargs.get("fragments", 0)))
-    others = []
-    for rule in ("allreduce", "diloco", "streaming-diloco"):
-        top = next((c for c in ranked if c.rule == rule and c.rule != choice.rule), None)
-        if top is not None:
-            others.append(top)
-    return Decision(choice, tuple(others), m, planned, known)
+from .decision import PROBE_BYTES, Choice, Decision, Measurement, decide
 
 
 @runtime_checkable
@@ -564,5 +317,4 @@ def _differs(a: Choice, b: Choice | None) -> bool:
     return b is None or (a.rule, a.settings) != (b.rule, b.settings)
 
 
-__all__ = ["Auto", "Choice", "Decision", "EveryFrom", "Measurement", "PENALTIES", "Penalty", "PlansLength",
-           "candidates", "decide"]
+__all__ = ["Auto", "PlansLength"]
