@@ -222,14 +222,14 @@ class State(Recovery, Reentry):
             raise JoinersAdmitted(joiners)  # out of the loop and the training function; the group grows outside it
 
     def commit(self) -> None:
-        """Capture this worker's state in memory (no collective); keeps the newest two.
+        """Capture this worker's state in memory; keeps the newest two.
 
         With a loader other than ``px.shard`` (a ``DataLoader``, your own iterator) this call is also the loop's
         commit point, as Horovod's ``state.commit()`` is: inside ``@px.elastic.run`` (or ``with state:`` under
         ``state.epochs``) every worker calls it at the same step, and there a graceful leave or an admission may
         end the attempt with a :class:`~phalanx.elastic.MembershipChange`, which ``@px.elastic.run`` handles.
         Nothing is raised from ``optimizer.step()``. With a ``px.shard`` loader that point is the loader's
-        iteration and this call only captures.
+        iteration and this call only captures (no collective); so does it outside ``@px.elastic.run``.
 
         Example:
             >>> import torch, phalanx as px
