@@ -249,9 +249,9 @@ def main() -> None:
 
 
 def wait_for_joiner(state: px.elastic.State, stage: str, timeout_s: float = 120.0, count: int = 1) -> None:
-    """Block until ``count`` joiners have (one joiner has ``asked`` to join (``elastic/joiners``: the next commit point offers it a place) or is
-    ``ready`` to enter (``elastic/ready/<id>``: it started up and waits at the start of training; the next commit
-    point admits it), whatever the time its start-up took."""
+    """Block until ``count`` joiners have ``asked`` to join (``elastic/joiners``: the next commit point offers them a
+    place) or are ``ready`` to enter (``elastic/ready/<id>``: started up, waiting at the start of training; the next
+    commit point admits them), whatever the time their start-up took."""
     from phalanx.elastic.membership import key
 
     from support.wait import until

@@ -242,7 +242,8 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
             if not remote and all(w.returncode is not None for w in workers):
                 break
         except dist.DistError:  # the job's store is gone
-            if standby is not None and not taken_over and not standby.done:
+            # not at the job's end: once training is done (or one of ours finished it) the store closes as planned
+            if standby is not None and not taken_over and not standby.done and not leaving:
                 store, taken_over, dog = standby.take_over({w.id for w in workers}, f"{host}:{port}"), True, None
                 continue
             store, elsewhere = _follow(elsewhere, heartbeat_s), None  # another host's standby, if it took over
