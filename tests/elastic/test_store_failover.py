@@ -8,12 +8,17 @@ trained exactly once per epoch and the final model equals one process replaying 
 global batches (the world sizes at the steps the workers' ``state.history`` names). Then host A
 comes back with ``phalanx join --rdzv-endpoint`` the standby, and is admitted. Needs root,
 `ip` and `tc`; without them it skips and says why.
+
+On one host (no root needed): only the launcher of ``phalanx run`` is killed. Its workers end, as
+a worker whose own launcher is gone must (they do not fail over), while the joiner of the
+standby's host fails over and finishes the training alone.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,7 +34,7 @@ from support.wait import until
 from phalanx.launch import netns
 from workers import elastic as worker
 
-pytestmark = [pytest.mark.netns, pytest.mark.multiproc, needs_root_netns()]
+pytestmark = [pytest.mark.multiproc]
 
 WORKER = os.path.join(TESTS, "workers", "elastic.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
@@ -74,6 +79,8 @@ def started(out) -> dict[str, int]:
     return {(i := json.load(open(p)))["id"]: i["pid"] for p in glob.glob(str(out / "start*.json"))}
 
 
+@pytest.mark.netns
+@needs_root_netns()
 def test_losing_the_store_host_is_a_regroup_on_the_standby_and_the_host_comes_back(tmp_path):
     with netns.Link("1gbit") as link:
         a = start(link, 0, ["run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "4",
@@ -123,3 +130,43 @@ def test_losing_the_store_host_is_a_regroup_on_the_standby_and_the_host_comes_ba
     first_step = next(t for t, world, _ in results[min(host_b)]["changes"] if world == 2)
     print(f"store host lost -> first step on the standby: {first_step - killed_at:.2f} s "
           f"(the regroup itself {failover['seconds']:.2f} s)")
+
+
+def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over(tmp_path):
+    env = {**os.environ, "PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "7a2" * 16}
+    flags = [WORKER, "--out", str(tmp_path), "--epochs", "2", "--commit-every", "3", "--step-sleep", "0.1",
+             "--mark-world", "--wait-for-joiner"]
+    err_a, err_b = open(tmp_path / "a.err", "w"), open(tmp_path / "b.err", "w")
+    a = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "3",
+                          "--heartbeat-timeout", str(HEARTBEAT_S), *flags], env=env,
+                         stdout=subprocess.DEVNULL, stderr=err_a)
+    a.err_path = tmp_path / "a.err"
+    until(lambda: "its store is at" in text(a), timeout=60, what="the job's store", procs=[a], detail=lambda: text(a))
+    endpoint = re.search(r"its store is at (\S+?);", text(a)).group(1)  # a free port of loopback
+    b = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", endpoint, "-n", "1", "--standby-store",
+                          "127.0.0.1:0", *flags], env=env, stdout=subprocess.DEVNULL, stderr=err_b)
+    b.err_path = tmp_path / "b.err"
+    # 4 steps of the 3 together: one is in a commit the joiner holds (commits every 3), so they are never rolled back
+    until(lambda: any(os.path.getsize(p) >= 4 for p in glob.glob(str(tmp_path / "worldj*-3"))), timeout=90,
+          what="the 3 workers training together",
+          procs=[a, b], detail=lambda: text(a) + text(b))
+    first = {w: pid for w, pid in started(tmp_path).items() if not w.startswith("j")}
+    a.kill()  # the launcher alone: its store goes with it, its workers are left running
+    assert finish(a, 30) == -signal.SIGKILL
+    code_b = finish(b)
+    err_a.close(), err_b.close()
+    assert code_b == 0, text(b)
+    for wid, pid in first.items():  # ended by their launcher's end, saying so; never failed over
+        until(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z",
+              timeout=30, what=f"worker {wid}'s end")
+        assert f"its launcher (pid {a.pid}) is gone" in text(a), text(a)
+    assert "took over" not in text(a) and "takes over" in text(b), text(a) + text(b)
+    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    assert len(results) == 1 and next(iter(results)).startswith("j"), set(results)
+    record = next(iter(results.values()))["record"]
+    assert [w for _, w, _ in record][-1] == 1 and 3 in [w for _, w, _ in record]
+    for epoch in range(2):
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    for got, w in zip(next(iter(results.values()))["params"], oracle(record), strict=True):
+        torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)

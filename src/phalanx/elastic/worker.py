@@ -46,7 +46,7 @@ from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
-from ..group import group, leaving
+from ..group import group, leaving, orphan
 from ..group.records import Record, Slot
 from ..errors import PhalanxError
 from ..step import telemetry
@@ -201,8 +201,13 @@ class ElasticWorker(Admission):
         lost (``failover``: it marked the workers of the lost host dead there), and then swaps this worker's
         store and membership onto it; the next regroup (:meth:`rebuild`) happens there, from the generation
         and the commits this worker holds. A standby that never answers, or never takes over (its launcher
-        still reaches the primary: the loss is this worker's own), leaves the loss as it was: False.
+        still reaches the primary: the loss is this worker's own), leaves the loss as it was: False. So does
+        the end of this worker's own launcher: the worker ends then (:mod:`phalanx.group.orphan`), it never
+        trains on unwatched on the standby.
         """
+        launcher = self.group.env.launcher_pid
+        if launcher is not None and orphan.launcher_gone(launcher):
+            return False  # our own launcher is gone with the store: this worker ends (group.orphan), never fails over
         with self._failing_over:
             if (self.addr, self.port) != self._started_on():
                 return self.host_alive()  # failed over already (by the other thread); no second standby
@@ -215,9 +220,11 @@ class ElasticWorker(Admission):
                                       wait_for_workers=False)
                 deadline = time.monotonic() + bound
                 while not store.check([FAILOVER]):
-                    if time.monotonic() > deadline:
-                        return False
+                    if time.monotonic() > deadline or store.check([key("dead", self.me)]):
+                        return False  # no take-over within the bound, or the standby counts this worker lost
                     time.sleep(0.05)  # sleep: the standby launcher's word comes with no notification; bounded
+                if store.check([key("dead", self.me)]):
+                    return False  # the standby took over counting this worker lost (its launcher's): it ends
             except Exception:  # noqa: BLE001 - the standby is gone too, or unreachable: nothing to fail over to
                 return False
             self.membership.adopt(store)
