@@ -83,3 +83,34 @@ def test_a_plain_loops_opt_step_never_raises_the_join_and_the_leave_come_out_of_
     for r in results.values():
         for got, param in zip(r["params"], want, strict=True):
             torch.testing.assert_close(torch.tensor(got), param, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_a_loop_that_never_calls_commit_lets_a_signalled_worker_leave_at_an_automatic_commit(tmp_path):
+    """No state.commit() in the loop: the worker sent SIGTERM ends its own process at the next automatic commit
+    (nothing out of opt.step()); the other meets it gone, redoes nothing, and finishes equal to the oracle."""
+    port = free_port()
+    with open(tmp_path / "launcher.err", "w") as err:
+        launcher = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--master-port",
+                                     str(port), WORKER, "--out", str(tmp_path), "--epochs", "2", "--commit-every",
+                                     "2", "--term", "1@10", "--no-commit"], stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            code = exited(launcher, timeout=BOUND_S, what="the job")
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+    stderr = (tmp_path / "launcher.err").read_text()
+    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    assert code == 0 and sorted(results) == ["0"], stderr[-4000:]
+    assert results["0"]["raised"] == []
+    (change,) = results["0"]["history"]
+    # SIGTERM before step 10: its notice is in the store after step 10, the commit of step 10 is the next
+    assert change["left"] == ["1"] and change["redone_steps"] == 0 and change["step"] == 10, change
+    assert "worker 1 leaves the group after step 10" in stderr
+    record = results["0"]["record"]
+    for epoch in range(2):  # every sample exactly once per epoch
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    for got, param in zip(results["0"]["params"], worker.oracle(record), strict=True):
+        torch.testing.assert_close(torch.tensor(got), param, rtol=1e-5, atol=1e-6)

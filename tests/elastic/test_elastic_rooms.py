@@ -164,6 +164,9 @@ class _Members:
     def admit(self, step: int, proposal) -> list[str]:
         return proposal()
 
+    def leave(self, step: int) -> None:
+        self.left = step  # the real one writes the goodbye and ends the process (PREEMPTED_EXIT)
+
 
 @pytest.mark.parametrize("members, change", [(_Members(joiners=["j1"]), px.elastic.JoinersAdmitted),
                                              (_Members(leavers=["w2"]), px.elastic.WorkersLeaving)])
@@ -187,6 +190,29 @@ def test_with_a_plain_loader_a_change_comes_out_of_state_commit_never_out_of_opt
         assert members.asked == [4]
         state._attempting = False
         state.commit()  # outside @px.elastic.run it only commits: nothing would handle a change there
+    finally:
+        for handle in state._handles:
+            handle.remove()
+
+
+def test_a_loop_that_never_calls_commit_lets_a_leaver_end_its_process_at_a_commit_not_raise_from_opt_step():
+    """A plain loop with no state.commit() has no point to raise a change at: a worker asked to leave ends its own
+    process at the first commit every member holds (the others meet it gone and redo nothing); no exception."""
+    import torch
+
+    net = torch.nn.Linear(2, 1)
+    net, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    state = px.elastic.State(net, opt, commit_every=2)
+    members = _Members(leavers=["w0"])  # this worker (w0) was sent SIGTERM
+    state.worker = members
+    state._hook_commit_point()
+    state._attempting, state._leaving = True, True
+    try:
+        for _ in range(3):
+            opt.zero_grad()
+            net(torch.ones(1, 2)).sum().backward()
+            opt.step()  # raises nothing; at the commit of step 2 the leaver ends its process
+        assert getattr(members, "left", None) == 2 and sorted(state.commits) == [2]
     finally:
         for handle in state._handles:
             handle.remove()

@@ -70,6 +70,7 @@ def oracle(record: list) -> list[torch.Tensor]:
 def main() -> None:
     p = elastic_parser(commit_every=2, kill=False)
     p.add_argument("--term", default="", help="ID@STEP: SIGTERM to the worker ID before step STEP")
+    p.add_argument("--no-commit", action="store_true", help="a loop that never calls state.commit()")
     args = p.parse_args()
     me = elastic_id()
     px.init()
@@ -85,9 +86,9 @@ def main() -> None:
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
         for epoch, ids, size in batches(position, args.epochs):
-            if not state.history and state.step in (2, 5) and me in ("0", "1"):
+            if not state.history and state.step in (2, 5) and me in ("0", "1") and not args.no_commit:
                 wait_for_joiner(state, "asked" if state.step == 2 else "ready")
-            if me == victim and state.step + 1 == int(at) and len(state.history) == 1:
+            if me == victim and state.step + 1 == int(at) and len(state.history) == (0 if args.no_commit else 1):
                 os.kill(os.getpid(), signal.SIGTERM)  # the handler only notes it: the worker leaves at a commit
             record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH)])
             x, y, _ = data[ids]
@@ -98,7 +99,7 @@ def main() -> None:
             except BaseException as err:  # what a loop may wrap its step in: a change must not come from here
                 raised.append(f"{type(err).__name__} at step {state.step}")
                 raise
-            if state.step % 3 == 0:  # every 3rd step, as Horovod's examples commit every few batches
+            if state.step % 3 == 0 and not args.no_commit:  # every 3rd step, as Horovod's examples commit every few batches
                 state.commit()  # the loop's commit point: a membership change comes out of this call
             if state.step == 1:
                 open(os.path.join(args.out, f"training{me}"), "w").close()  # the test starts the joiner then

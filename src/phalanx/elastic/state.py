@@ -111,6 +111,7 @@ class State(Recovery, Reentry):
         self._decides_at_commit = False  # True: a loader other than px.shard, the user's state.commit() decides
         self._attempting = False  # inside @px.elastic.run's call of the training function, or `with state:`
         self._taking = False  # inside _commit_together: commit() captures only
+        self._loop_commits = False  # the loop called state.commit() inside @px.elastic.run: it decides changes
         self._handles: list[Any] = []
         self._moved: dict[str, int] = {}  # bytes of sharded state the last reshard received, for the history
         self.worker = ElasticWorker.of(group.current())
@@ -171,13 +172,20 @@ class State(Recovery, Reentry):
             self._leaving = True
             self.worker.membership.ask_to_leave()
             print(f"phalanx: elastic: worker {self.worker.me} was sent signal {signal}; with a loader other than "
-                  "px.shard it leaves the group at the next state.commit() its loop calls", file=sys.stderr,
+                  "px.shard it leaves the group at the next commit (its loop's state.commit(), or, in a loop that "
+                  "calls none, the next commit taken after opt.step())", file=sys.stderr,
                   flush=True)
         if self.commit_every is None:
             return
         clock.settle()  # a step this rank's GradScaler skipped is closed: every rank now counts the same
         if self._due(clock.step) and self._agree(clock.step):
             self._commit_together()
+            # A loop that never calls state.commit() has no point where a change could be raised, so a worker
+            # asked to leave ends its own process here, at a commit every member holds (nothing is thrown out
+            # of opt.step(): the process exits, as preemption asks). The others meet it gone at their next
+            # exchange and roll back to this very commit: nothing is redone.
+            if self._leaving and not self._loop_commits and self.worker.me in self.worker.membership.leavers(clock.step):
+                self.worker.leave(clock.step)
 
     def _commit_point(self, *, asked: bool) -> None:
         """A commit point the user's loop shows: the loader's iteration (``asked`` False: a commit when one is due)
@@ -250,6 +258,7 @@ class State(Recovery, Reentry):
         if not self.elastic:
             return
         if self._decides_at_commit and self._attempting and not self._taking:
+            self._loop_commits = True  # this loop shows its commit points: changes are decided at them
             self._commit_point(asked=True)  # the loop's own commit point: commit together, then decide
             return
         clock = self._clock()
