@@ -82,7 +82,7 @@ def test_an_abandoned_asynchronous_save_posts_nothing_where_the_next_generation_
     # generation counts its saves afresh, so its first save uses the cut save's key: rank 0's late "not written"
     # posted there was read by rank 1 as the new save's outcome (a stale CheckpointError, the job ended).
     proc = subprocess.run([*CLI, "run", "-n", "3", "--elastic", "--min-workers", "1", SCRIPT, "elastic",
-                           str(tmp_path), "2"], capture_output=True, text=True, timeout=240)
+                           str(tmp_path), "2"], capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     survivors = {w: json.load(open(tmp_path / f"worker{w}.json")) for w in ("0", "1")}
     for survivor in survivors.values():

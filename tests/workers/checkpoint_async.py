@@ -87,7 +87,8 @@ def elastic(out: str, victim: str = "0") -> None:
                                                           held=None if me == victim else held)
                     px.save_checkpoint(ckpt, model, opt, step=steps, blocking=False)
                     saver._writer = plain_writer
-                    until(lambda: os.path.exists(held), timeout=60, what="the writer holding the write half-way")
+                    # (a writer process imports torch first: minutes on a loaded 2-core machine)
+                    until(lambda: os.path.exists(held), timeout=180, what="the writer holding the write half-way")
                 opt.zero_grad()
                 F.mse_loss(model(x), y).backward()
                 opt.step()
