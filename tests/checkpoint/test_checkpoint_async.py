@@ -63,7 +63,7 @@ def test_a_handled_failure_does_not_fail_the_next_save_and_an_unwaited_one_ends_
 @pytest.mark.multiproc
 def test_an_asynchronous_save_cut_by_a_lost_worker_leaves_nothing_after_the_next_save(tmp_path):
     proc = subprocess.run([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", SCRIPT, "elastic",
-                           str(tmp_path)], capture_output=True, text=True, timeout=150)
+                           str(tmp_path)], capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     survivor = json.load(open(tmp_path / "worker1.json"))
     assert survivor["history"] == [["0"]]  # the worker started as rank 0 was lost...
