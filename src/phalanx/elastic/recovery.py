@@ -35,7 +35,7 @@ def cloned(obj: Any) -> Any:
     """``obj`` with every tensor in its containers cloned where it lies (no storage shared with ``obj``).
 
     Example:
-        >>> import torch; t = torch.zeros(2); c = cloned({"a": [t]}); c["a"][0].add_(1); t.tolist()
+        >>> import torch; t = torch.zeros(2); c = cloned({"a": [t]}); _ = c["a"][0].add_(1); t.tolist()
         [0.0, 0.0]
     """
     if isinstance(obj, torch.Tensor):
