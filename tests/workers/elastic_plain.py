@@ -99,7 +99,8 @@ def main() -> None:
             except BaseException as err:  # what a loop may wrap its step in: a change must not come from here
                 raised.append(f"{type(err).__name__} at step {state.step}")
                 raise
-            if state.step % 3 == 0 and not args.no_commit:  # every 3rd step, as Horovod's examples commit every few batches
+            # every 3rd step, as Horovod's examples commit every few batches
+            if state.step % 3 == 0 and not args.no_commit:
                 state.commit()  # the loop's commit point: a membership change comes out of this call
             if state.step == 1:
                 open(os.path.join(args.out, f"training{me}"), "w").close()  # the test starts the joiner then

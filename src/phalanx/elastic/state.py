@@ -184,8 +184,9 @@ class State(Recovery, Reentry):
             # asked to leave ends its own process here, at a commit every member holds (nothing is thrown out
             # of opt.step(): the process exits, as preemption asks). The others meet it gone at their next
             # exchange and roll back to this very commit: nothing is redone.
-            if self._leaving and not self._loop_commits and self.worker.me in self.worker.membership.leavers(clock.step):
-                self.worker.leave(clock.step)
+            step = clock.step
+            if self._leaving and not self._loop_commits and self.worker.me in self.worker.membership.leavers(step):
+                self.worker.leave(step)
 
     def _commit_point(self, *, asked: bool) -> None:
         """A commit point the user's loop shows: the loader's iteration (``asked`` False: a commit when one is due)
