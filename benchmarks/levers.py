@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--eval-every", type=int, default=16)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--link", default="loopback", help="loopback, or one rate (root): two namespaces, tc tbf")
+    p.add_argument("--steps", type=int, default=0, help="instead of steps to target: this many steps, evaluated "
+                   "only at the end, for the step time and the bytes per step on --link")
     p.add_argument("--out", default="results/levers")
     args = p.parse_args(argv)
     tasks, setups = args.tasks.split(","), args.setups.split(",")
@@ -62,11 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         t = get(task)
         for setup in setups:
             lr = lrs.get((task, setup), base_lr(task, setup))
-            run = QRun(task, setup, "loopback", lr, 1e9, t.budget_steps, t.per_worker)
+            steps = args.steps or t.budget_steps
+            run = QRun(task, setup, args.link, lr, 1e9, steps, t.per_worker)
             for seed in seeds:
-                cfg = {"task": task, "setup": setup, "lr": lr, "budget_s": 1e9, "max_steps": t.budget_steps,
-                       "per_worker": t.per_worker, "threads": 1, "seed": seed, "evals": 1, "check_every": 4,
-                       "eval_every": args.eval_every, "near_band": BANDS[task], "stop_at_target": True}
+                cfg = {"task": task, "setup": setup, "lr": lr, "budget_s": 1e9, "max_steps": steps,
+                       "per_worker": t.per_worker, "threads": 1, "seed": seed, "evals": 1, "check_every": 4}
+                if not args.steps:
+                    cfg.update(eval_every=args.eval_every, near_band=BANDS[task], stop_at_target=True)
                 items.append(Item(run=run, repeat=seed, config=cfg))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "levers.jsonl")
@@ -79,11 +84,19 @@ def main(argv: list[str] | None = None) -> int:
         res = r["ranks"][0] if r["ranks"] else {}
         t = get(run["task"])
         at = first_at_target(res.get("curve", []), t.target, t.higher_is_better) if res else None
-        what = f"error {r['error']}" if r["error"] else f"target at {at}, {res.get('steps')} steps run"
+        what = f"error {r['error']}" if r["error"] else (
+            f"target at {at}, {res.get('steps')} steps run, {1e3 * res['train_seconds'] / res['steps']:.0f} ms/step, "
+            f"{res['bytes_per_step']:.0f} B/step counted, wire {res.get('wire_bytes_per_step')}")
         print(f"[{time.time() - started:6.0f} s] {run['task']} {run['setup']} seed {seed}: {what}, "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
 
-    run_session(items, None, timeout=args.timeout, on_record=record)
+    if args.link == "loopback":
+        run_session(items, None, timeout=args.timeout, on_record=record)
+    else:
+        from phalanx.launch.netns import Link
+
+        with Link(args.link) as link:
+            run_session(items, link, timeout=args.timeout, on_record=record)
     print(table(path))
     return 0
 

@@ -198,6 +198,12 @@ def _levers() -> list[QSetup]:
         ("lever-moments", _lever(moments=True),
          "as lever-base with Adam's first and second moments averaged with each fragment (SGD: its momentum)"),
         ("lever-h16-moments", _lever(every=16, moments=True), "as lever-h16 with the moments of lever-moments"),
+        ("lever-h8-moments", _lever(every=8, moments=True), "as lever-moments with every=8 (8x the bytes)"),
+        ("lever-h4-moments", _lever(every=4, fragments=4, moments=True),
+         "as lever-moments with every=4 and 4 fragments (one fragment every step, 16x the bytes): "
+         "docs/performance.md section 7's 100 Mbit/s setup for the GPT with overlap 1"),
+        ("lever-h16-eager", _lever(every=16, mixing="eager"),
+         "as lever-h16 with eager mixing (arXiv 2502.12996): the inner step taken during the overlap is kept whole"),
         ("lever-ef", _lever(every=16, quantize=px.SparseLoCo),
          "as lever-h16 with SparseLoCo's error feedback (decay 0.95) in place of the outer momentum: the top 64 of "
          "every 4096 values of the accumulated pseudo-gradient as 2-bit values, outer lr 1"),

@@ -134,7 +134,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
               "curve": curve, "steps": step, "train_seconds": clock, "final": final,
               "samples_per_s": world * per_worker * step / clock if clock > 0 else float("nan"),
               "bytes_per_step": counted / max(step, 1),
-              "wire_bytes_per_step": (wire_end - wire0) / max(step, 1) if wire_end is not None else None}
+              "wire_bytes_per_step": (wire_end - wire0) / max(step, 1) if wire_end is not None else None,
+              # px.Auto's choices (step, rule and settings, its line), where the setup is Auto
+              "schedule": getattr(getattr(acc, "strategy", None), "schedule", None)}
     if dist.is_initialized():
         dist.barrier()
     return result
