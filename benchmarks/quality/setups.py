@@ -168,14 +168,15 @@ class _CountingAverager(PeriodicModelAverager):
 
 
 def _lever(every: int = AUTO_SLOW_EVERY, fragments: int = 2, overlap: int = 1, quantize: Any = 4, *,
-           moments: bool = False, **options: Any):
+           moments: bool | str = False, **options: Any):
     """Auto's slow-link pick (``StreamingDiLoCo(every=64, fragments=2, overlap=1, quantize=4)`` with plain averaging
     for a 200-step run) with one lever moved; ``moments``: Adam's two moments (SGD's momentum buffer) averaged too."""
     def build(model, opt, lr):
         import phalanx as px
 
         px.init()
-        names = ("momentum", "exp_avg_sq") if moments and isinstance(opt, torch.optim.Adam | torch.optim.AdamW) \
+        adam = isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
+        names = ("momentum",) if moments == "first" else ("momentum", "exp_avg_sq") if moments and adam \
             else ("momentum",) if moments else ()
         outer = {"outer_lr": 1.0, "outer_momentum": 0.0, **options}
         strategy = px.StreamingDiLoCo(every=every, fragments=fragments, overlap=overlap,
@@ -202,11 +203,21 @@ def _levers() -> list[QSetup]:
         ("lever-h4-moments", _lever(every=4, fragments=4, moments=True),
          "as lever-moments with every=4 and 4 fragments (one fragment every step, 16x the bytes): "
          "docs/performance.md section 7's 100 Mbit/s setup for the GPT with overlap 1"),
+        ("lever-h16-m1", _lever(every=16, moments="first"),
+         "as lever-h16 with only the first moment (Adam's exp_avg, SGD's momentum buffer) averaged"),
+        ("lever-h4-m1", _lever(every=4, fragments=4, moments="first"),
+         "as lever-h4-moments with only the first moment averaged (section 7's -moments setup, overlap 1)"),
+        ("lever-h16-moments-fp32", _lever(every=16, quantize=None, moments=True),
+         "as lever-h16-moments sent in float32 (the second moment spans orders of magnitude a 4-bit block "
+         "scale flattens)"),
         ("lever-h16-eager", _lever(every=16, mixing="eager"),
          "as lever-h16 with eager mixing (arXiv 2502.12996): the inner step taken during the overlap is kept whole"),
         ("lever-ef", _lever(every=16, quantize=px.SparseLoCo),
          "as lever-h16 with SparseLoCo's error feedback (decay 0.95) in place of the outer momentum: the top 64 of "
          "every 4096 values of the accumulated pseudo-gradient as 2-bit values, outer lr 1"),
+        ("lever-ef-h8", _lever(every=8, quantize=px.SparseLoCo), "as lever-ef with every=8 (2x its bytes)"),
+        ("lever-ef-k256", _lever(every=16, quantize=lambda: px.SparseLoCo(256)),
+         "as lever-ef keeping 256 of every 4096 values (4x its bytes)"),
         ("lever-nesterov", _lever(every=16, outer_lr=0.7, outer_momentum=0.9),
          "as lever-h16 with DiLoCo's Nesterov outer step (outer lr 0.7, momentum 0.9)"),
         ("lever-olr", _lever(every=16, outer_lr=1.3),
