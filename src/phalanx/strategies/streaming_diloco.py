@@ -182,7 +182,7 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
         if self.compression is not None and "exp_avg_sq" in self.moments.keys:
             # Adam's second moment spans orders of magnitude within a block: a compressed average rounds its small
             # entries to 0 and Adam divides by their root. Measured: the GPT of benchmarks/levers.py diverged with
-            # it at every period tried (4-64), 4-bit (benchmarks/reports/quality.md, "Levers").
+            # it, 4-bit, at every=4, 8 and 16 (at 64, rarer exchanges, it did not yet in 180 steps; report: "Levers").
             raise ConfigError(usage(f"StreamingDiLoCo(quantize={quantize!r}, moments={self.moments.keys!r})",
                                     "moments=('exp_avg_sq', ...) only with quantize=None (float32)",
                                     "Average only the first moment (moments=('momentum',)) when quantising, or "
