@@ -53,10 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=16)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--link", default="loopback", help="loopback, or one rate (root): two namespaces, tc tbf")
+    p.add_argument("--project", action="store_true", help="no run: the time-to-target PROJECTION from the steps "
+                   "measured here and the decision's step model (project())")
     p.add_argument("--steps", type=int, default=0, help="instead of steps to target: this many steps, evaluated "
                    "only at the end, for the step time and the bytes per step on --link")
     p.add_argument("--out", default="results/levers")
     args = p.parse_args(argv)
+    if args.project:
+        print(project())
+        return 0
     tasks, setups = args.tasks.split(","), args.setups.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     lrs = inherit_lrs({k: v["lr"] for k, v in stored_choice().items()})
@@ -126,6 +131,64 @@ def table(path: str) -> str:
         worst = f"{max(ratios):.2f}×" if ratios and reached == len(per) else "not reached" if reached < len(per) \
             else "—"
         out.append(f"| {task} | {setup} | {steps} | {med} | {worst} | {reached}/{len(per)} |")
+    return "\n".join(out)
+
+
+# -- time to target on shaped links: a PROJECTION from the measured steps and the decision's step model ------------
+#: Inputs of :func:`project`, each measured where it says. Compute step per worker, idle (ms): the GPT 53 and
+#: ResNet-20 67.5 (benchmarks/reports/quality.md, 2026-11-27: 9.5 s / 180 and 13.5 s / 200 steps), the LSTM 140
+#: (one process, global batch 32 in 0.28 s at load 3, halved; 2026-11-28). Parameters as counted by torch.
+FAMILIES = {"gpt": (0.053, 636_032), "resnet20": (0.0675, 272_474), "lstm": (0.140, 1_052_416)}
+#: The rates the shaped links achieve (bytes/s): 9.36 Mbit/s measured by px.Auto on the 10 Mbit/s link
+#: (docs/strategies.md), 93 Mbit/s of 100 (docs GUIDE: 90-94), 1 Gbit/s assumed at 94% like the others.
+LINKS = {"1gbit": 0.94e9 / 8, "100mbit": 93e6 / 8, "10mbit": 9.36e6 / 8}
+#: Steps to target per seed measured above (None: missed within the budget), by rule setting.
+STEPS = {
+    "gpt": {"one-process": (112, 104, 100), "lever-base": (140, 116, 124), "lever-ef": (128,)},
+    "resnet20": {"one-process": (104,), "lever-base": (200,), "lever-ef": (196,)},
+    "lstm": {"one-process": (128, 140, 120), "lever-base": (160,), "lever-ef": (None,)},
+}
+
+
+def project() -> str:
+    """Markdown: per family and link, time to target over the compute-only bound (PROJECTION), median over the seeds
+    measured, with how many reached the target: AllReduce/DDP, Streaming DiLoCo (auto's H = 64 setting), SparseLoCo
+    (H = 16), and what ``decide`` picks there (its 3 AllReduce probe steps included)."""
+    import math
+
+    from phalanx.strategies.decision import Measurement, candidates, decide
+
+    def ratio(steps: tuple, step_s: float, task: str, compute: float, extra: float = 0.0) -> tuple[float, int]:
+        base = STEPS[task]["one-process"]
+        r = [(s * step_s + extra) / (b * compute) for s, b in zip(steps, base) if s is not None]
+        return (sorted(r)[len(r) // 2] if r else math.inf), len(r)
+
+    out = ["| family | link | AllReduce (= DDP's steps) | Streaming DiLoCo H=64 4-bit | SparseLoCo H=16 | auto picks | "
+           "auto | auto's bytes/step (x fewer than DDP) |", "|---|---|---|---|---|---|---|---|"]
+    for task, (compute, params) in FAMILIES.items():
+        for link, rate in LINKS.items():
+            m = Measurement(compute, 4 * params, rate, 0.0, 2, 20)
+            cands = candidates(m, 200)
+            ar = next(c for c in cands if c.rule == "allreduce")
+            sd = next(c for c in cands if c.rule == "streaming-diloco" and c.kwargs["every"] == 64 and
+                      c.kwargs["fragments"] == 2 and c.kwargs["quantize"] == 4)
+            sp = next(c for c in cands if c.kwargs.get("quantize") == "sparseloco" and c.kwargs["fragments"] == 2)
+            cells = {"allreduce": ratio(STEPS[task]["one-process"], ar.step_s, task, compute),
+                     "sd": ratio(STEPS[task]["lever-base"], sd.step_s, task, compute),
+                     "sp": ratio(STEPS[task]["lever-ef"], sp.step_s, task, compute)}
+            pick = decide(m, 200).choice
+            key = "allreduce" if pick.rule == "allreduce" else "lever-ef" if \
+                pick.kwargs.get("quantize") == "sparseloco" else "lever-base"
+            steps = STEPS[task]["one-process"] if key == "allreduce" else STEPS[task][key]
+            auto = ratio(tuple(None if s is None else s - 3 for s in steps), pick.step_s, task, compute,
+                         extra=3 * ar.step_s)
+            seeds = {"allreduce": "one-process", "sd": "lever-base", "sp": "lever-ef"}
+            fmt = {k: "not reached" if math.isinf(v) else f"{v:.2f}× ({n}/{len(STEPS[task][seeds[k]])})"
+                   for k, (v, n) in cells.items()}
+            auto_s = "not reached" if math.isinf(auto[0]) else f"{auto[0]:.2f}× ({auto[1]}/{len(steps)})"
+            out.append(f"| {task} | {link} | {fmt['allreduce']} | {fmt['sd']} | {fmt['sp']} | {pick.describe()} | "
+                       f"{auto_s} | {pick.bytes_per_step or ar.bytes_per_step:,.0f} "
+                       f"({ar.bytes_per_step / (pick.bytes_per_step or ar.bytes_per_step):,.0f}×) |")
     return "\n".join(out)
 
 
