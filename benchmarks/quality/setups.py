@@ -196,20 +196,16 @@ def _levers() -> list[QSetup]:
         ("lever-base", _lever(), base),
         ("lever-h16", _lever(every=16), "as lever-base with every=16 (4x the bytes)"),
         ("lever-h32", _lever(every=32), "as lever-base with every=32 (2x the bytes)"),
-        ("lever-moments", _lever(moments=True),
-         "as lever-base with Adam's first and second moments averaged with each fragment (SGD: its momentum)"),
-        ("lever-h16-moments", _lever(every=16, moments=True), "as lever-h16 with the moments of lever-moments"),
-        ("lever-h8-moments", _lever(every=8, moments=True), "as lever-moments with every=8 (8x the bytes)"),
-        ("lever-h4-moments", _lever(every=4, fragments=4, moments=True),
-         "as lever-moments with every=4 and 4 fragments (one fragment every step, 16x the bytes): "
-         "docs/performance.md section 7's 100 Mbit/s setup for the GPT with overlap 1"),
+        # Adam's second moment averaged through the 4-bit exchange (lever-moments at H = 64, 16, 8, 4 until c820ec0,
+        # when StreamingDiLoCo began refusing it: it diverged at H <= 16) runs only in float32 now:
         ("lever-h16-m1", _lever(every=16, moments="first"),
          "as lever-h16 with only the first moment (Adam's exp_avg, SGD's momentum buffer) averaged"),
         ("lever-h4-m1", _lever(every=4, fragments=4, moments="first"),
-         "as lever-h4-moments with only the first moment averaged (section 7's -moments setup, overlap 1)"),
+         "as lever-h16-m1 with every=4 and 4 fragments (a fragment every step, 16x lever-base's bytes): section "
+         "7's -moments setup, overlap 1"),
         ("lever-h16-moments-fp32", _lever(every=16, quantize=None, moments=True),
-         "as lever-h16-moments sent in float32 (the second moment spans orders of magnitude a 4-bit block "
-         "scale flattens)"),
+         "as lever-h16 with Adam's first and second moments (SGD: its momentum) averaged too, sent in float32 (the "
+         "second moment spans orders of magnitude a 4-bit block scale flattens)"),
         ("lever-h16-eager", _lever(every=16, mixing="eager"),
          "as lever-h16 with eager mixing (arXiv 2502.12996): the inner step taken during the overlap is kept whole"),
         ("lever-ef", _lever(every=16, quantize=px.SparseLoCo),
