@@ -146,7 +146,7 @@ LINKS = {"1gbit": 0.94e9 / 8, "100mbit": 93e6 / 8, "10mbit": 9.36e6 / 8}
 STEPS = {
     "gpt": {"one-process": (112, 104, 100), "lever-base": (140, 116, 124), "lever-ef": (128,)},
     "resnet20": {"one-process": (104,), "lever-base": (200,), "lever-ef": (196,)},
-    "lstm": {"one-process": (128, 140, 120), "lever-base": (160,), "lever-ef": (None,)},
+    "lstm": {"one-process": (128, 140, 120), "lever-base": (160, 168, 148), "lever-ef": (None,)},
 }
 
 
