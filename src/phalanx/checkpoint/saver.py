@@ -82,7 +82,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     the state is copied (into shared memory), and a writer process of this worker's own writes,
     seals and renames the files while training continues (:mod:`phalanx.checkpoint.writer`);
     the next save and ``px.shutdown()`` wait for it. Called on some workers only, it raises within
-    :data:`~phalanx.checkpoint.agreement.ENTRY_WAIT_S` seconds saying so.
+    the group's timeout (:data:`~phalanx.checkpoint.agreement.ENTRY_WAIT_S`) saying so.
 
     It holds the model and optimizer (``get_state_dict``: plain or FSDP-sharded alike), the
     strategy's shared and per-worker state, every worker's buffers, the loader's position,
