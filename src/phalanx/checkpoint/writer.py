@@ -1,8 +1,11 @@
 """The checkpoint writer: a process of the worker's own that writes an asynchronous save's files.
 
-``px.save_checkpoint(..., blocking=False)`` blocks training only while it copies the state's
-tensors into shared memory (:meth:`WriterProcess.stage`, one copy into a region that is kept
-and reused by the next save). Everything else of the write runs beside training:
+``px.save_checkpoint(..., blocking=False)`` blocks training only while it snapshots the state's
+tensors (:meth:`WriterProcess.stage`): it forks the worker (:class:`Snapshot`, copy-on-write: the
+call costs the page tables, training then the page faults of its first writes), and the child copies
+its frozen view into shared memory (a region kept and reused by the next save). Where a fork cannot
+freeze a tensor (a CUDA process; shared memory; strided views: :func:`_forkable`) the call copies it.
+Everything else of the write runs beside training:
 
 * DCP itself (its plans, its collectives among the workers, rank 0's ``.metadata``) runs in a
   thread of the worker, through :func:`torch.distributed.checkpoint.async_save`, as before; its
@@ -26,7 +29,7 @@ Its lifetime is its worker's:
   generation, as the worker does;
 * when the group is left (``px.shutdown()``, at exit) it ends after the last save.
 
-A writer killed half-way loses only the checkpoint in flight: its worker's wait raises a
+A writer (or a snapshot's child) killed half-way loses only the checkpoint in flight: its worker's wait raises a
 :class:`~phalanx.errors.CheckpointError` naming the signal, rank 0 removes the temporary directory
 (or, if rank 0's worker was killed too, the next save or load of that path does), the previous
 checkpoint at the path is untouched, and the next save starts another writer.
