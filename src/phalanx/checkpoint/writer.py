@@ -119,7 +119,10 @@ class WriterProcess:
         The tensors :func:`_forkable` says a fork freezes are copied by a forked child of this worker
         (:class:`Snapshot`), after the call; the others (a CUDA process's, shared memory's) by ``copy_`` in it.
         """
-        self.reap()  # the previous save's child (its write waited for it, unless that save failed before)
+        try:
+            self.reap()  # the previous save's child: its write waited for it, unless that save failed before
+        except WriterGone:
+            pass  # that save's outcome, not this one's (it ended before its write, e.g. at a regroup)
         local = {k: _local(t) for k, t in tensors.items()}
         layout = [(k, t.dtype, tuple(t.shape)) for k, t in local.items()]
         if self.region is None or self.region.layout != layout:
