@@ -4,16 +4,20 @@ A model of about 100M parameters (a stack of square linear layers) trains with A
 process. Each repeat times, in this order, the same ``--steps`` training steps three ways:
 
 * plain: the steps alone (the baseline, measured in every repeat, next to the others);
-* asynchronous (``blocking=False``): the save's call, the steps (run while the writer process
+* asynchronous (``blocking=False``), by fork and by copy: the save's call, the steps (run while the writer process
   writes; more, up to 4 times as many, until the write is done), and the handle's ``wait()`` at the
   end (zero when the write finished during the steps), against as many plain steps;
 * synchronous (``blocking=True``): the save, then the steps.
 
 and reports, as medians over the repeats:
 
-* **blocking**: how long the call held the training loop (the copy into shared memory);
+* **blocking**: how long the call held the training loop (the fork, or the copy into shared memory);
 * **total cost to training**: the wall time the steps with the save took beyond the plain steps
   (the call, every step's slow-down while the files were written, and any wait at the end).
+
+The asynchronous save is timed both ways, side by side in each repeat: ``fork`` (the default: the
+call forks the worker, whose child copies the state, copy-on-write; training pays the page faults of
+its first writes, counted) and ``copy`` (the fallback: the call copies the state into shared memory).
 
 Both are given as fractions of the synchronous save's cost, beside the **floor**: one ``memcpy``
 of the state (every tensor of the model and AdamW copied into memory allocated and touched before),
@@ -94,11 +98,13 @@ def main() -> None:
 
     import phalanx.checkpoint.writer as writer
     modes = {"fork": True, "copy": False}  # the snapshot by fork (the default) and the copy in the call (fallback)
-    keys = ["plain", "sync", "sync_cost"] + [f"{m}_{k}" for m in modes for k in ("call", "cost", "wait", "first",
-                                                                                   "faults")]
+    per_mode = ("call", "cost", "wait", "first", "faults")
+    keys = ["plain", "plain_faults", "sync", "sync_cost"] + [f"{m}_{k}" for m in modes for k in per_mode]
     rows: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(args.repeat):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         rows["plain"].append(steps(n))
+        rows["plain_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         for mode, fork in modes.items():
             writer.FORK = fork
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -130,7 +136,8 @@ def main() -> None:
     load = os.getloadavg()
     plain = med["plain"] / n
     print(f"model: {params / 1e6:.1f}M parameters, AdamW; state {state_mib:,.0f} MiB, checkpoint {size:,.0f} MiB; "
-          f"plain step {plain:.3f} s; {n} steps timed after each save; median of {args.repeat}")
+          f"plain step {plain:.3f} s ({med['plain_faults'] / n:,.0f} minor page faults); {n} steps timed after each "
+          f"save; median of {args.repeat}")
     print(f"threads: training process torch.get_num_threads()={torch.get_num_threads()}; {writer_threads(args.nice)}; "
           f"the snapshot's forked child: one thread, no torch calls; {os.cpu_count()} CPUs; load average "
           f"{load0[0]:.1f} at the start, {load[0]:.1f} (1 min) / {load[1]:.1f} (5 min) at the end")
@@ -141,7 +148,7 @@ def main() -> None:
               f"of synchronous; total cost to training {med[mode + '_cost']:.3f} s = "
               f"{med[mode + '_cost'] / med['sync_cost']:.1%} of synchronous (final wait {med[mode + '_wait']:.3f} s; "
               f"first step after the call {med[mode + '_first']:.3f} s vs plain {plain:.3f} s; "
-              f"{med[mode + '_faults']:,.0f} minor page faults in the training process)")
+              f"{med[mode + '_faults']:,.0f} minor page faults in the training process over the save and its steps)")
     print(f"first asynchronous save of the run (starts the writer, allocates the region): call {first_call:.3f} s, "
           f"written in {first_async:.3f} s")
     print("per repeat (plain, sync cost, fork call, fork cost, copy call, copy cost): " + "; ".join(
