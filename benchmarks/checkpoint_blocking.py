@@ -146,7 +146,7 @@ def main() -> None:
     for mode in modes:
         print(f"asynchronous, {mode:4}: blocking {med[mode + '_call']:.3f} s = {med[mode + '_call'] / med['sync']:.1%} "
               f"of synchronous; total cost to training {med[mode + '_cost']:.3f} s = "
-              f"{med[mode + '_cost'] / med['sync_cost']:.1%} of synchronous (final wait {med[mode + '_wait']:.3f} s; "
+              f"{med[mode + '_cost'] / med['sync']:.1%} of a synchronous save (final wait {med[mode + '_wait']:.3f} s; "
               f"first step after the call {med[mode + '_first']:.3f} s vs plain {plain:.3f} s; "
               f"{med[mode + '_faults']:,.0f} minor page faults in the training process over the save and its steps)")
     print(f"first asynchronous save of the run (starts the writer, allocates the region): call {first_call:.3f} s, "
