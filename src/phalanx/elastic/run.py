@@ -143,7 +143,11 @@ def _caught(state: Reentry, err: BaseException) -> bool:
     if not isinstance(err, Exception) or not state.elastic:
         return False
     if not state.worker.host_alive():
-        state.worker.lost_host()
+        if not state.worker.fail_over():
+            state.worker.lost_host()
+        # the job's store was lost and its standby took over: the survivors regroup there, whatever failed here
+        state._pending = ("failure", f"the job's store at {state.worker.primary} was lost", time.time())
+        return True
     if not is_peer_failure(err) and not _peer_died_under(state, err):
         return False
     state._pending = ("failure", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
@@ -195,7 +199,7 @@ def _change(state: Reentry) -> None:
             raise SystemExit(1) from None
         except Exception as err:  # noqa: BLE001 - a lost peer is noted by _caught; anything else is raised
             if not _caught(state, err):
-                if not state.worker.host_alive():
+                if not state.worker.host_alive() and not state.worker.fail_over():
                     state.worker.lost_host()
                 raise
 
