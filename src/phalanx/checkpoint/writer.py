@@ -129,17 +129,23 @@ class WriterProcess:
             self.region = None  # the old mapping goes first: a state that changed shape needs no more than one
             self.region = _Region(layout)
         fork = FORK and _can_fork()
-        moves = []
+        moves, later = [], []
         with torch.no_grad():
             for k, t in local.items():
                 view = self.region.views[k]
                 if fork and _forkable(t):
                     moves.append((view.data_ptr(), t.data_ptr(), t.numel() * t.element_size()))
+                    later.append((view, t))
                 else:
                     view.copy_(t)
-        self.forked = len(moves)
-        if moves:
-            self.snapshot = Snapshot(moves)
+            self.forked = len(moves)
+            if moves:
+                try:
+                    self.snapshot = Snapshot(moves)
+                except OSError:  # no fork now (strict overcommit, a process limit): the call copies them
+                    self.forked = 0
+                    for view, t in later:
+                        view.copy_(t)
         return self.region.entries
 
     def reap(self, what: str = "the next save") -> None:
