@@ -58,6 +58,27 @@ def forks(monkeypatch):
     return seen
 
 
+def _gated(moves, tell):  # runs in the forked child: copies only once the test has changed the tensors
+    with open(os.environ["PHALANX_TEST_GATE"], "rb") as gate:  # a FIFO: blocks until the test opens it
+        gate.read(1)
+    _COPY(moves, tell)
+
+
+@pytest.fixture
+def gate(tmp_path, monkeypatch):
+    """Open the returned FIFO's write end to let the snapshot's child copy (after the test's writes, whatever the
+    scheduling)."""
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
+    monkeypatch.setenv("PHALANX_TEST_GATE", fifo)
+    monkeypatch.setattr(writer, "_copy_in_child", _gated)
+
+    def release() -> None:
+        with open(fifo, "wb") as f:
+            f.write(b"1")
+    return release
+
+
 def _mutate(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     with torch.no_grad():
         for p in model.parameters():
@@ -66,11 +87,12 @@ def _mutate(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
                 v.add_(7.0)
 
 
-def test_a_forked_snapshot_holds_the_state_of_the_call_whatever_training_writes_after_it(tmp_path, forks):
+def test_a_forked_snapshot_holds_the_state_of_the_call_whatever_training_writes_after_it(tmp_path, forks, gate):
     model, opt = _trained(0)
     before = _state(model, opt)
     handle = px.save_checkpoint(tmp_path / "async", model, opt, step=2, blocking=False)
-    _mutate(model, opt)  # every tensor of the state changed in place at once, while the child may still copy
+    _mutate(model, opt)  # every tensor of the state changed in place at once, before the child copies a byte
+    gate()
     handle.wait()
     loaded = _loaded(str(tmp_path / "async"))
     assert loaded.keys() == before.keys()
@@ -135,3 +157,18 @@ def test_a_killed_snapshot_child_loses_only_its_checkpoint_and_the_next_save_for
     loaded = _loaded(str(tmp_path / "step-3"))
     assert all(torch.equal(loaded[k], v) for k, v in first.items())
 
+
+
+def test_tensors_in_shared_memory_are_copied_in_the_call_where_a_fork_would_not_freeze_them(tmp_path, forks,
+                                                                                              gate):
+    model, opt = _trained(3)
+    model[0].share_memory()  # (as for Hogwild or a DataLoader): a fork's child would see later writes to these
+    before = _state(model, opt)
+    handle = px.save_checkpoint(tmp_path / "async", model, opt, step=2, blocking=False)
+    _mutate(model, opt)  # before the child copies
+    gate()
+    handle.wait()
+    loaded = _loaded(str(tmp_path / "async"))
+    for k, v in before.items():
+        assert torch.equal(loaded[k], v), k
+    assert forks == [len(before) - 2]  # every tensor but the shared weight and bias went through the fork
