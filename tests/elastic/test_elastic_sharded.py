@@ -199,3 +199,13 @@ def test_a_worker_lost_inside_fsdps_own_collectives_is_a_lost_peer(tmp_path):
     for r in results.values():
         for got, want in zip(r["params"], worker.oracle(record), strict=True):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_a_worker_that_lets_go_of_its_layout_closes_its_sockets_at_once():
+    # issue 36 (the chaos soak's --shard 2): a survivor leaving a generation must free every reference to its
+    # groups, or a peer of the other replica group blocked in FSDP's all-reduce with it waits its whole timeout.
+    # Without DTensor's mesh-keyed caches emptied (reshard._forget_meshes) rank 1 waits the full timeout here.
+    runs = run_workers("workers.sharded_reshard:let_go_closes_the_sockets", world_size=2, timeout=120).results
+    assert runs[1]["failed"], runs[1]
+    assert runs[0]["peer_failed_while_we_ran"] and runs[0]["meta"], runs[0]
