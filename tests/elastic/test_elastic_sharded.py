@@ -34,9 +34,11 @@ def _spawned_workers(monkeypatch):
 @pytest.fixture(scope="module")
 def hsdp_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
     tmp_path = tmp_path_factory.mktemp("hsdp")
+    # --wait-for-replacement: the survivors wait (bounded) for the replacement to ask and to be ready, however long
+    # its start-up takes (over 30 s at a load of 60 on 2 cores: the job's 20 steps at 1 s ran out before it came)
     proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
                            "--commit-every", "3", "--epochs", "4", "--slow-while-below", "4",
-                           "--replacement-after-regroup", n=4, timeout=300)
+                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
     return tmp_path, proc, results
 
 
