@@ -14,6 +14,7 @@ model and optimizer state), point to point; and on 2 live processes without the 
 from __future__ import annotations
 
 import glob
+import json
 
 import pytest
 import torch
@@ -211,3 +212,35 @@ def test_a_worker_that_lets_go_of_its_layout_closes_its_sockets_at_once():
     runs = run_workers("workers.sharded_reshard:let_go_closes_the_sockets", world_size=2, timeout=120).results
     assert runs[1]["failed"], runs[1]
     assert runs[0]["peer_failed_while_we_ran"] and runs[0]["meta"], runs[0]
+
+
+@pytest.mark.multiproc
+def test_one_replica_group_loses_a_member_inside_two_commits_in_a_row_and_goes_on_from_the_checkpoint(tmp_path):
+    # issue 36 (the chaos soak's --shard 2, ShardLostError "holds step 28, no commit held here"): 2 x 2 loses worker 1
+    # inside the commit of step 6, after the in-memory commit and before its checkpoint: the survivors go on as
+    # 1 x 3 from that commit (the lost shard lives in the other replica group), but the disk still holds step 3.
+    # Worker 2 then dies inside the commit of step 9: its shard exists only on disk, and the survivors hold the
+    # commits of steps 6 and 9. The checkpoint must be of a commit they hold: the regroup that resumed step 6
+    # writes it, and the second loss rolls back to step 6 from the disk.
+    ckpt = tmp_path / "ckpt"
+    proc, results = launch(tmp_path, "--min-workers", "1", "--", "--shard", "2", "--kill-in-commit", "1@6,2@9",
+                           "--commit-every", "3", "--epochs", "3", "--checkpoint", str(ckpt), n=4, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.load(open(tmp_path / f"killed{w}.json"))["step"] for w in "12"] == [6, 9]
+    assert sorted(results) == ["0", "3"]
+    assert "shard 1 of 3 of the commit died with its only holder; the model and optimizer of step 6 come from" \
+        in proc.stderr or "of the commit died with its only holder; the model and optimizer of step 6 come from" \
+        in proc.stderr, proc.stderr[-3000:]
+    for r in results.values():
+        assert [h["left"] for h in r["history"]] == [["1"], ["2"]]
+        assert [h["step"] for h in r["history"]] == [6, 6]  # the second loss rolled back to the checkpoint's step
+    record = results["0"]["record"]
+    assert results["3"]["record"] == record
+    worlds = [w for _, w, _ in record]
+    assert worlds == [4] * 6 + [3] * 0 + [2] * (len(worlds) - 6), worlds  # 1 x 3's steps 7-9 were rolled back
+    for epoch in range(3):  # every sample once per epoch
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    for r in results.values():  # the oracle: one process on the same global batches
+        for got, want in zip(r["params"], worker.oracle(record), strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)

@@ -162,6 +162,10 @@ def main() -> None:
     p.add_argument("--kill-again", default="",
                    help="ID@STEP: after the first regroup, the worker started as rank ID dies before step STEP (a "
                         "second loss before the next commit: the survivors roll back to the same commit twice)")
+    p.add_argument("--kill-in-commit", default="",
+                   help="ID@STEP[,ID@STEP...]: the worker started as rank ID dies inside the commit of step STEP, "
+                        "after its in-memory commit and before State(checkpoint=...) writes that step (the others "
+                        "hold the commit; the disk does not)")
     p.add_argument("--wait-for-joiner", action="store_true",
                    help="the first workers wait before their 3rd step until a joiner asked to join, and before "
                         "their 5th until it is ready to enter (it enters at the commit of step 6)")
@@ -187,6 +191,8 @@ def main() -> None:
     model_, opt, loader, record, state = setup(args.commit_every, strategy=STRATEGIES[args.strategy](), shard=shard,
                                                checkpoint=args.checkpoint, make_optimizer=plain_sgd if args.plain_sgd
                                                else None)
+    if args.kill_in_commit:
+        kill_in_commit(args.out, me, state, args.kill_in_commit)
     comm = px.Comm()
     first_after: list[float] = []
     reached: list[bool] = []  # --slow-until-world: has the group been that large yet?
@@ -252,6 +258,26 @@ def main() -> None:
     write_worker(args.out, me, model_, record.steps, state.history, train_seconds=time.perf_counter() - started,
                  steps=state.step, pid=os.getpid(), rank=px.rank(), digests=digests, changes=changes,
                  first_step_after_recovery=first_after[0] if first_after else None)
+
+
+def kill_in_commit(out: str, me: str, state: px.elastic.State, plan: str) -> None:
+    """``--kill-in-commit``: this worker SIGKILLs itself where ``State(checkpoint=...)`` is about to write the commit
+    of a step it was told (the name the elastic package calls, as tests/workers/chaos_job.py marks it): the kill is
+    placed by the code point, not by a timer."""
+    steps = {int(at) for who, _, at in (k.partition("@") for k in plan.split(",")) if who == me}
+    if not steps:
+        return
+    from phalanx.elastic import state as elastic_state
+    save = elastic_state.save_checkpoint
+
+    def save_or_die(*args: Any, **kwargs: Any) -> Any:
+        if state.step in steps:
+            with open(os.path.join(out, f"killed{me}.json"), "w") as f:
+                json.dump({"id": me, "pid": os.getpid(), "step": state.step, "time": time.time()}, f)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(*args, **kwargs)
+
+    elastic_state.save_checkpoint = save_or_die
 
 
 def wait_for_joiner(state: px.elastic.State, stage: str, timeout_s: float = 120.0, count: int = 1) -> None:
