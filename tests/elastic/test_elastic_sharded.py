@@ -228,16 +228,14 @@ def test_one_replica_group_loses_a_member_inside_two_commits_in_a_row_and_goes_o
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [json.load(open(tmp_path / f"killed{w}.json"))["step"] for w in "12"] == [6, 9]
     assert sorted(results) == ["0", "3"]
-    assert "shard 1 of 3 of the commit died with its only holder; the model and optimizer of step 6 come from" \
-        in proc.stderr or "of the commit died with its only holder; the model and optimizer of step 6 come from" \
-        in proc.stderr, proc.stderr[-3000:]
+    assert "of the commit died with its only holder; the model and optimizer of step 6 come from" in proc.stderr
     for r in results.values():
         assert [h["left"] for h in r["history"]] == [["1"], ["2"]]
         assert [h["step"] for h in r["history"]] == [6, 6]  # the second loss rolled back to the checkpoint's step
     record = results["0"]["record"]
     assert results["3"]["record"] == record
     worlds = [w for _, w, _ in record]
-    assert worlds == [4] * 6 + [3] * 0 + [2] * (len(worlds) - 6), worlds  # 1 x 3's steps 7-9 were rolled back
+    assert worlds == [4] * 6 + [2] * (len(worlds) - 6), worlds  # 1 x 3's steps 7-9 were rolled back
     for epoch in range(3):  # every sample once per epoch
         ids = [i for e, _, step in record for i in step if e == epoch]
         assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..group import group
-from ..checkpoint import checkpoint_step, load_checkpoint
+from ..checkpoint import checkpoint_step, load_checkpoint, save_checkpoint
 from ..group.transfer import broadcast_state
 from ..step import telemetry
 from ..sharding.reshard import ShardLostError, let_go, reshard, reshard_empty
@@ -75,6 +75,7 @@ class Recovery:
             snap = self._from_disk(lost, joined=bool(plan["joined"]))
             lost_steps = max(0, lost_steps + plan["step"] - snap["elastic_step"])
         self._resplit(snap["elastic_world_size"])
+        self._checkpoint_resumed()
         self._note(plan, before, started, redone=lost_steps, cause=failure,
                    redone_s=max(0.0, failed_at - snap["elastic_time"]))
 
@@ -86,6 +87,7 @@ class Recovery:
         self._send_state()
         self._reshard(self._unshared(self.commits[max(self.commits)]))  # taken at this commit point: the live state
         self._resplit(before)
+        self._checkpoint_resumed()  # the commit point's save wrote it: nothing to write, unless that save failed
         self._note(plan, before, started, redone=0, cause="joined")
 
     def join(self) -> bool:
@@ -118,6 +120,7 @@ class Recovery:
         self._resplit(snap["elastic_world_size"])
         self.commits = {}
         self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
+        self._checkpoint_resumed()  # with the members, when the commit they resumed is not on disk
         self._note(plan, 0, started, redone=0, cause="joined")
         return True
 
@@ -168,6 +171,27 @@ class Recovery:
             print(f"phalanx: elastic: {lost.lost} of the commit died with its only holder; the model and optimizer "
                   f"of step {step} come from {os.fspath(self.checkpoint)!r}", file=sys.stderr, flush=True)
         return snap
+
+    def _checkpoint_resumed(self) -> None:
+        """A sharded model with ``State(checkpoint=DIR)``: write the commit the group resumed from, when the disk
+        holds another step (collective: every member and joiner of the new generation, the same answer on each,
+        read from the same directory after the last save of the old generation ended).
+
+        Why: a lost shard comes back from the disk only together with the commit of the checkpoint's step (data
+        position, record, the rule's state), and a worker keeps its two newest commits. Every commit writes its
+        checkpoint, but a loss inside a commit, after the in-memory capture and before the save, lets the survivors
+        resume a commit the disk lacks. One more such loss and they held the two commits after the checkpoint's
+        step, not its own: a layout of one replica group then lost a shard for good (the chaos soak's ``--shard 2``:
+        ``ShardLostError``, "holds step 28, no commit held here"). Writing here keeps the disk at the newest commit
+        resumed, at most one commit behind the newest held, so the checkpoint's commit is always in the ring.
+        Keeping a third, pinned commit instead would cost a third copy of the shards in memory, and would not reach
+        a joiner admitted at a regroup, which holds only the commit it was sent.
+        """
+        if self.checkpoint is None or sharded_by(self.optimizer) is None:
+            return
+        if checkpoint_step(self.checkpoint) == self.step:
+            return
+        save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
 
     def _load_shards(self) -> None:
         """Lay the sharded model out over the new group and fill it from the checkpoint (collective)."""
