@@ -228,6 +228,7 @@ def test_one_replica_group_loses_a_member_inside_two_commits_in_a_row_and_goes_o
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [json.load(open(tmp_path / f"killed{w}.json"))["step"] for w in "12"] == [6, 9]
     assert sorted(results) == ["0", "3"]
+    assert "the commit of step 6 resumed here was not on disk" in proc.stderr, proc.stderr[-3000:]
     assert "of the commit died with its only holder; the model and optimizer of step 6 come from" in proc.stderr
     for r in results.values():
         assert [h["left"] for h in r["history"]] == [["1"], ["2"]]

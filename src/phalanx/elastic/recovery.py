@@ -192,6 +192,9 @@ class Recovery:
         if checkpoint_step(self.checkpoint) == self.step:
             return
         save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
+        if group.rank() == 0:
+            print(f"phalanx: elastic: the commit of step {self.step} resumed here was not on disk (a loss cut its "
+                  f"save short); wrote it to {os.fspath(self.checkpoint)!r}", file=sys.stderr, flush=True)
 
     def _load_shards(self) -> None:
         """Lay the sharded model out over the new group and fill it from the checkpoint (collective)."""
