@@ -195,7 +195,9 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
             for p in self.params:
                 check_floating(p, f"StreamingDiLoCo(quantize={self.compression!r})")
         P, H = self.num_fragments, self.every
-        sizes = [p.numel() * p.element_size() for p in self.params]
+        # Whole tensors' sizes (a sharded model's DTensors count their global rows): every rank cuts the same
+        # fragments, so the same parameters travel together as on unsharded replicas, whichever shard it holds.
+        sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
         split = balanced_split(sizes, P)
         self.fragments = [Fragment(i, [self.params[j] for j in idx], i * H // P) for i, idx in enumerate(split)]
         for f, stats in zip(self.fragments, _buffers_by_fragment(model, split), strict=True):
@@ -215,6 +217,14 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
         for f in self.fragments:
             if f.sent_at >= 0 and step >= f.sent_at + self.overlap:
                 self._apply(f)
+
+    def on_shards(self) -> bool:
+        """``sharding.layout.OnShards``: each fragment is exchanged as this rank's rows of its parameters, with
+        the same shard of the other replica groups, over the mesh's "replicate" group (as :class:`~.DiLoCo`).
+
+        Not with an all-gathered compressor (``quantize=4``, ``px.SparseLoCo()``): their messages are not laid
+        out by rows, so ``shard=`` refuses them."""
+        return not isinstance(self.compression, Gathered)
 
     def replicas_agree(self, step: int) -> bool:
         """Always: each replica's own weights and message are in its replica state, the rest is shared;
