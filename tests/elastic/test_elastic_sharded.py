@@ -133,6 +133,119 @@ def test_sharded_diloco_2x2_to_1x3_to_2x2_equals_diloco_on_unsharded_replicas(
             torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-6)
 
 
+def _patched(replicas: list[list[torch.Tensor]], before: int, world: int, groups: int,
+             lost: int | None) -> list[list[torch.Tensor]]:
+    """The replica groups after a regroup from ``before`` to ``world`` workers, row by row as
+    :func:`phalanx.sharding.reshard.reshard` moves a drifting replica: the survivors keep their order (``lost``
+    left), joiners come last; each new rank keeps the rows of its new shard it held (its old replica group's) and
+    takes the others from the lowest surviving rank that held them."""
+    from phalanx.sharding.reshard import _rows
+
+    old_size, new_size = before // len(replicas), world // groups
+    olds = [r for r in range(before) if r != lost]
+    alive = set(olds)
+    out = [[torch.empty_like(t) for t in replicas[0]] for _ in range(groups)]
+    for n in range(world):
+        o = olds[n] if n < len(olds) else None  # a joiner held nothing
+        for i, t in enumerate(replicas[0]):
+            lo, hi = _rows(t.shape[0], new_size, n % new_size)
+            for row in range(lo, hi):
+                held = next(s for s in range(old_size) if _rows(t.shape[0], old_size, s)[0] <= row
+                            < _rows(t.shape[0], old_size, s)[1])
+                mine = o is not None and o % old_size == held
+                source = o if mine else min(r for r in alive if r % old_size == held)
+                out[n // new_size][i][row] = replicas[source // old_size][i][row]
+    return out
+
+
+def streaming_oracle(record: list, group_size: int, lost: int, every: int = 2, fragments: int = 2, overlap: int = 1,
+                     mixing: float = 0.5, outer_lr: float = 0.7, momentum: float = 0.9,
+                     trace: list | None = None) -> list[list[torch.Tensor]]:
+    """StreamingDiLoCo on unsharded replicas, replayed in one process (one replica per replica group, inner steps as
+    :func:`diloco_oracle`), with what a sharded regroup does to the replicas, which drift apart between exchanges:
+    each row of each new replica comes from the lowest surviving old rank holding its old shard (FSDP2's chunks
+    of dim 0; ``lost``: the old rank killed at the first shrink), as :func:`phalanx.sharding.reshard.reshard` moves
+    them. An exchange sent before a commit has landed at it (its average, shared by every replica group) and is
+    applied at its own step in the new layout. Returns each replica group's weights at the end (no finish())."""
+    from phalanx.data.sampler import split_sizes
+    from phalanx.strategies.streaming_diloco import balanced_split
+
+    net, data = worker.model(), worker.dataset()
+    params = list(net.parameters())
+    split = balanced_split([p.numel() * p.element_size() for p in params], fragments)
+    offsets = [i * every // fragments for i in range(fragments)]
+    anchor = [p.detach().clone() for p in params]
+    buffers = [torch.zeros_like(a) for a in anchor]
+    sent_at, result = [-1] * fragments, [None] * fragments
+    replicas = [[a.clone() for a in anchor]]
+    before = record[0][1]
+    for step, (_epoch, world, ids) in enumerate(record, start=1):
+        groups = world // group_size if world % group_size == 0 else 1
+        if world != before:  # a regroup: a rank keeps the rows it holds, the rest come from the lowest holder
+            replicas = _patched(replicas, before, world, groups, lost if world < before else None)
+            before = world
+        elif len(replicas) != groups:
+            replicas = [[r.clone() for r in replicas[0]] for _ in range(groups)]
+        if trace is not None:  # each replica group's weights before the step, for a diagnosis
+            trace.append([[t.clone() for t in rep] for rep in replicas])
+        sizes = split_sizes(len(ids), [1.0] * world)
+        per_rank = [sum(sizes[:r]) for r in range(world + 1)]
+        ranks = world // groups
+        for j, rep in enumerate(replicas):
+            grads = [torch.zeros_like(v) for v in rep]
+            for r in range(j * ranks, (j + 1) * ranks):  # FSDP's mean over the replica group's workers
+                x, y = data[torch.tensor(ids[per_rank[r]:per_rank[r + 1]])][:2]
+                for p, value in zip(params, rep):
+                    p.data.copy_(value)
+                net.zero_grad()
+                torch.nn.functional.mse_loss(net(x), y).backward()
+                for grad, p in zip(grads, params):
+                    grad.add_(p.grad, alpha=1 / ranks)
+            for value, grad in zip(rep, grads):
+                value.sub_(grad, alpha=worker.PLAIN_LR)
+        for f, idx in enumerate(split):  # the sends, then the exchanges that have travelled long enough
+            if step % every == offsets[f]:
+                sent_at[f] = step
+                result[f] = {i: anchor[i] - torch.stack([rep[i] for rep in replicas]).mean(0) for i in idx}
+        for f, idx in enumerate(split):
+            if sent_at[f] >= 0 and step >= sent_at[f] + overlap:
+                for i in idx:
+                    d = result[f][i]
+                    buffers[i].mul_(momentum).add_(d)
+                    anchor[i].sub_(d + momentum * buffers[i], alpha=outer_lr)
+                    for rep in replicas:
+                        rep[i] = torch.lerp(anchor[i], rep[i], mixing)
+                sent_at[f] = -1
+    return replicas
+
+
+@pytest.fixture(scope="module")
+def streaming_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
+    tmp_path = tmp_path_factory.mktemp("streaming")
+    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
+                           "--strategy", "streaming", "--plain-sgd", "--commit-every", "3", "--epochs", "3",
+                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
+    return tmp_path, proc, results
+
+
+@pytest.mark.multiproc
+def test_sharded_streaming_diloco_2x2_to_1x3_to_2x2_equals_streaming_diloco_on_unsharded_replicas(
+        streaming_2x2_loses_a_worker_then_a_replacement_joins):
+    # issue 39 item 4: the anchors, the outer momentum and the exchanges in flight (landed at each commit) are
+    # rows a regroup moves with the model's; the replicas, apart between exchanges, are patched row by row
+    _, proc, results = streaming_2x2_loses_a_worker_then_a_replacement_joins
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "3", "r1"]
+    record = results["0"]["record"]
+    worlds = [w for _, w, _ in record]
+    assert 3 in worlds and worlds[0] == 4 and worlds[-1] == 4, worlds  # 2 x 2, then 1 x 3, then 2 x 2 again
+    want = streaming_oracle(record, group_size=2, lost=1)
+    for r in results.values():
+        assert [(h["left"], h["joined"]) for h in r["history"]][-1][1] == ["r1"]
+        for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):  # its replica group's weights
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=0, atol=1e-6)
+
+
 @pytest.mark.multiproc
 def test_a_joiner_receives_its_shards_not_the_whole_state(hsdp_2x2_loses_a_worker_then_a_replacement_joins):
     _, proc, results = hsdp_2x2_loses_a_worker_then_a_replacement_joins

@@ -68,6 +68,7 @@ STRATEGIES = {
     "local-sgd": lambda: px.LocalSGD(every=2),
     "diloco": lambda: px.DiLoCo(every=2),
     "easgd": lambda: px.EASGD(every=2),
+    "streaming": lambda: px.StreamingDiLoCo(every=2, fragments=2, overlap=1),
     "ps-sync": lambda: px.ParameterServer(sync=True),  # servers: --servers K, else colocated
     "downpour": lambda: px.Downpour(),
     "easgd-async": lambda: px.AsyncEASGD(every=2),
@@ -133,7 +134,8 @@ def main() -> None:
     p.add_argument("--term", action="store_true", help="SIGTERM instead of SIGKILL: a graceful leave (preemption)")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--trainer", action="store_true", help="train with px.Trainer.fit(elastic=...) instead")
-    p.add_argument("--strategy", default="allreduce", help="allreduce, fp16, powersgd, local-sgd, diloco, easgd")
+    p.add_argument("--strategy", default="allreduce",
+                   help="allreduce, fp16, powersgd, local-sgd, diloco, easgd, streaming")
     p.add_argument("--kill-in-step", action="store_true", help="die after the step's gather, not before it")
     p.add_argument("--slow-until-world", type=int, default=0,
                    help="steps take 0.4 s until the group has reached this size (joiners start slowly)")

@@ -240,9 +240,10 @@ def refuse_unreshardable(optimizer: torch.optim.Optimizer | None) -> None:
     """Refuse, before training, a sharded model whose rule keeps per-rank state a regroup cannot re-shard.
 
     A regroup re-shards the model, the optimizer and the rule's own rows (:class:`RowState`: DiLoCo's
-    anchor and outer momentum, EASGD's centre). A compressor's residuals are per-rank state of another
-    shape that no regroup moves yet, so a compressed rule on shards is refused here rather than restored wrong
-    after the first loss.
+    anchor and outer momentum, EASGD's centre, StreamingDiLoCo's anchors, momentum and exchanges in flight; its
+    ``row_state()`` refuses what it cannot lay out by rows, an eager stand-in). A compressor's residuals are
+    per-rank state of another shape that no regroup moves yet, so a compressed rule on shards is refused here
+    rather than restored wrong after the first loss.
 
     Example:
         >>> import torch; refuse_unreshardable(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
@@ -254,9 +255,10 @@ def refuse_unreshardable(optimizer: torch.optim.Optimizer | None) -> None:
     if not isinstance(strategy, RowState) or getattr(strategy, "compression", None) is not None:
         raise ConfigError(usage(f"shard=FullyShard(group_size={layout.group_size}) with {strategy!r} under "
                                 "`phalanx run --elastic`", "px.AllReduce() (HSDP), or a periodic rule without a "
-                                "compressor (LocalSGD, DiLoCo, EASGD): a regroup re-shards their state onto the "
-                                "survivors, not a compressor's residuals", "Drop the compressor, drop --elastic, "
-                                "or drop shard=."))
+                                "compressor (LocalSGD, DiLoCo, EASGD, StreamingDiLoCo): a regroup re-shards their "
+                                "state onto the survivors, not a compressor's residuals", "Drop the compressor, drop "
+                                "--elastic, or drop shard=."))
+    strategy.row_state()  # a rule refuses here, in one line, a part of its state it cannot lay out by rows
 
 
 def attach(g: group.Group) -> None:
