@@ -36,6 +36,11 @@ step: the survivors' average, without the lost worker's part. A joiner sends an 
 message (weight 0). Synchronous compressors (FP16, PowerSGD) finish their exchange at
 once, so their result, the same on every worker, is shared state.
 
+On shards (``shard=px.FullyShard(...)``) each rank exchanges its rows of each fragment with the
+same shard of the other replica groups. Under ``--elastic`` every exchange in flight lands at each
+commit (:meth:`StreamingDiLoCo.commit_point`), and the anchors, outer momentum and those averages
+are rows a regroup moves with the model's (``phalanx.sharding.reshard.RowState``).
+
 Example:
     >>> import phalanx as px
     >>> s = px.StreamingDiLoCo(every=100, fragments=4, overlap=2, quantize=4)
