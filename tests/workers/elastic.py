@@ -161,6 +161,9 @@ def main() -> None:
                    help="IDS: each member whose id starts with one of IDS (comma-separated) stops while it admits a "
                         "joiner, once the joiner claimed its place and before the members' answer (gen/<g>/go), "
                         "writes holding<its id>.json and waits there to be killed (test_joiner_left_alone.py)")
+    p.add_argument("--kill-again", default="",
+                   help="ID@STEP: after the first regroup, the worker started as rank ID dies before step STEP (a "
+                        "second loss before the next commit: the survivors roll back to the same commit twice)")
     p.add_argument("--wait-for-joiner", action="store_true",
                    help="the first workers wait before their 3rd step until a joiner asked to join, and before "
                         "their 5th until it is ready to enter (it enters at the commit of step 6)")
@@ -172,6 +175,7 @@ def main() -> None:
     if args.hold_in_admit and any(me.startswith(h) for h in args.hold_in_admit.split(",")):
         hold_in_admit(args.out, me)
     victim, _, at = args.kill.partition("@")
+    again, _, again_at = args.kill_again.partition("@")
 
     if args.trainer:
         return trainer_main(args, me, victim, int(at or 0))
@@ -201,6 +205,8 @@ def main() -> None:
                 return
             os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
             time.sleep(60)  # sleep: a stopped worker never gets here before the launcher kills it
+        if me == again and state.step + 1 == int(again_at) and len(state.history) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     began = time.monotonic()
     waited: list[int] = []  # --wait-for-replacement: the steps where the survivors waited for the replacement

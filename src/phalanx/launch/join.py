@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -32,7 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn, Sequence
+from typing import Iterator, NoReturn, Sequence
 
 import torch.distributed as dist
 
@@ -95,6 +96,36 @@ class JoinConfig:
         return cls(host, int(port), int(a.nproc), a.script, tuple(a.args), int(a.threads), a.secret_file, standby)
 
 
+@contextlib.contextmanager
+def _quiet_store_log() -> Iterator[None]:
+    """Keep torch's C++ store log off stderr while ``phalanx join`` asks the job's store (``--debug`` keeps it).
+
+    torch logs each failed connection attempt to a store at length (a C++ backtrace per retry), from C++ and so
+    past Python's ``sys.stderr``; and ``TORCH_CPP_LOG_LEVEL`` is read once, when torch loads, before this command
+    knew it would ask a store. When the address answers but is no job's store, phalanx says so in one line: the
+    descriptor is pointed at /dev/null for the call, and whatever fails is raised once it is back.
+    """
+    if os.environ.get("PHALANX_DEBUG", "") not in ("", "0") or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _store(host: str, port: int) -> dist.TCPStore:
+    """A client of the job's store, its C++ log kept off stderr while it connects (see :func:`_quiet_store_log`)."""
+    with _quiet_store_log():
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
+                             wait_for_workers=False)
+
+
 def probe(host: str, port: int) -> str:
     """"running", "done" (training ended), or a PhalanxError saying why there is no job to join."""
     try:  # a plain socket first: torch logs a failed store connection at length
@@ -103,15 +134,20 @@ def probe(host: str, port: int) -> str:
         raise PhalanxError(f"no job answers at {host}:{port} ({err.strerror or type(err).__name__}); check the "
                            "address that `phalanx run --elastic` printed, and that the job is still running") from None
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
-                              wait_for_workers=False)
+        store = _store(host, port)
     except Exception as err:  # noqa: BLE001 - refused, unreachable, timed out: no job there
         raise PhalanxError(f"no job answers at {host}:{port} ({type(err).__name__}); check the address that "
                            "`phalanx run --elastic` uses, and that the job is still running") from None
-    if not store.check([key("config")]):
+    try:
+        with _quiet_store_log():
+            elastic, done = store.check([key("config")]), store.check([key("done")])
+    except dist.DistError as err:  # it hung up after the handshake: no job's store either
+        raise PhalanxError(f"no job answers at {host}:{port} ({type(err).__name__}); check the address that "
+                           "`phalanx run --elastic` uses, and that the job is still running") from None
+    if not elastic:
         raise PhalanxError(f"the job at {host}:{port} is not elastic; only jobs started with "
                            "`phalanx run --elastic` accept new workers")
-    return "done" if store.check([key("done")]) else "running"
+    return "done" if done else "running"
 
 
 def check_secret(host: str, port: int, given: str | None) -> str:
@@ -121,9 +157,7 @@ def check_secret(host: str, port: int, given: str | None) -> str:
                                 f"--secret-file PATH (the file the launcher named) or {secret.ENV} in the environment",
                                 "Copy the secret file the launcher printed to this host; never pass the secret "
                                 "on the command line."))
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
-                          wait_for_workers=False)
-    config = json.loads(store.get(key("config")))
+    config = json.loads(_store(host, port).get(key("config")))
     if "check" not in config or not secret.matches(given, config["nonce"], config["check"]):
         raise PhalanxError(f"the secret given does not match the one of the elastic job at {host}:{port}; the job "
                            "refuses this joiner. Use the secret file that job's launcher printed")
@@ -132,9 +166,7 @@ def check_secret(host: str, port: int, given: str | None) -> str:
 
 def _serves_status(host: str, port: int) -> bool:
     """Does the job at ``host:port`` serve a status page (``phalanx run --status``)?"""
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
-                          wait_for_workers=False)
-    return bool(json.loads(store.get(key("config"))).get("status"))
+    return bool(json.loads(_store(host, port).get(key("config"))).get("status"))
 
 
 def main(argv: Sequence[str]) -> int:
