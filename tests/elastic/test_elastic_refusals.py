@@ -26,6 +26,6 @@ def test_a_sharded_rule_whose_state_no_regroup_reshards_is_refused_and_the_other
                                              r"expected StreamingDiLoCo with a numeric mixing and no moments="):
         refuse_unreshardable(_sharded(px.StreamingDiLoCo(every=2, fragments=1, mixing="eager")))
     for rule in (px.AllReduce(), px.LocalSGD(every=2), px.DiLoCo(every=2), px.EASGD(every=2),
-                 px.StreamingDiLoCo(every=2, fragments=2, overlap=1)):
+                 px.StreamingDiLoCo(every=2, fragments=2, overlap=1), px.DiLoCo(every=2, compression=px.SparseLoCo())):
         refuse_unreshardable(_sharded(rule))
     refuse_unreshardable(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))  # not sharded

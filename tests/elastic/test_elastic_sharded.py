@@ -14,9 +14,12 @@ model and optimizer state), point to point; and on 2 live processes without the 
 from __future__ import annotations
 
 import glob
+from typing import Any
 
 import pytest
 import torch
+
+import phalanx as px
 
 from support.procs import run_workers
 from support.elastic_job import launch
@@ -66,21 +69,29 @@ def test_hsdp_2x2_loses_a_worker_goes_on_as_1x3_then_a_replacement_joins_as_2x2_
 
 
 def diloco_oracle(record: list, group_size: int, every: int = 2, outer_lr: float = 0.7,
-                  momentum: float = 0.9) -> list[list[torch.Tensor]]:
+                  momentum: float = 0.9, compressor: Any = None) -> list[list[torch.Tensor]]:
     """DiLoCo on unsharded replicas, replayed in one process: at each recorded step of world size W the replicas
     are the replica groups of the layout (W / S of them, or one of all W when S does not divide W), each an inner
     SGD step on the mean of its workers' batch-mean gradients (rank order, px.shard's split: FSDP averages the
     workers of a replica group, so a short last batch of 2, 1, 1 samples weighs its workers equally); every
-    ``every`` steps the outer Nesterov step on the replicas' mean pseudo-gradient. Returns each replica group's
-    weights at the end (the worker script calls no finish(), so a partial last round leaves them apart)."""
+    ``every`` steps the outer Nesterov step on the replicas' mean pseudo-gradient. ``compressor``: a factory of
+    DiLoCo's compressor (``px.SparseLoCo``): each rank of the layout compresses its rows of the pseudo-gradient
+    (one flat vector, the parameters' rows in order) with its own residuals, the ranks of one shard index average
+    their messages, and every residual starts empty at each regroup (the rule a sharded regroup follows).
+    Returns each replica group's weights at the end (the worker script calls no finish(), so a partial last round
+    leaves them apart)."""
     from phalanx.data.sampler import split_sizes
 
     net, data = worker.model(), worker.dataset()
     anchor = [p.detach().clone() for p in net.parameters()]
     buffers = [torch.zeros_like(a) for a in anchor]
     replicas: list[list[torch.Tensor]] = []
+    ranks_of: list[list[Any]] = []  # each rank's compressor, [group][shard], laid out anew at each regroup
+    before = 0
     for step, (_epoch, world, ids) in enumerate(record, start=1):
         groups = world // group_size if world % group_size == 0 else 1
+        if world != before and compressor is not None:
+            ranks_of, before = [[compressor() for _ in range(world // groups)] for _ in range(groups)], world
         if len(replicas) != groups:
             assert all(torch.equal(r, a) for rep in replicas for r, a in zip(rep, anchor)), "a layout changed " \
                 "between two rounds"
@@ -101,12 +112,35 @@ def diloco_oracle(record: list, group_size: int, every: int = 2, outer_lr: float
             for value, grad in zip(rep, grads):
                 value.sub_(grad, alpha=worker.PLAIN_LR)
         if step % every == 0:
-            for i, (a, buf) in enumerate(zip(anchor, buffers)):
-                d = a - torch.stack([rep[i] for rep in replicas]).mean(0)
+            means = [a - torch.stack([rep[i] for rep in replicas]).mean(0) for i, a in enumerate(anchor)]
+            if compressor is not None:
+                means = _compressed_means(anchor, replicas, ranks_of)
+            for a, buf, d in zip(anchor, buffers, means):
                 buf.mul_(momentum).add_(d)
                 a.sub_(d + momentum * buf, alpha=outer_lr)
             replicas = [[a.clone() for a in anchor] for _ in replicas]
     return replicas
+
+
+def _compressed_means(anchor: list[torch.Tensor], replicas: list[list[torch.Tensor]],
+                      ranks_of: list[list[Any]]) -> list[torch.Tensor]:
+    """The pseudo-gradient DiLoCo's compressor leaves on every rank of a sharded layout: for each shard index, its
+    ranks' messages (their rows of ``anchor - replica``, flat, with their own residuals) averaged in rank order."""
+    from phalanx.sharding.reshard import _rows
+
+    size = len(ranks_of[0])
+    out = [torch.zeros_like(a) for a in anchor]
+    for s in range(size):
+        rows = [_rows(a.shape[0], size, s) for a in anchor]
+        flats = [torch.cat([(a - rep[i])[lo:hi].reshape(-1) for i, (a, (lo, hi)) in enumerate(zip(anchor, rows))])
+                 for rep in replicas]
+        messages = [ranks_of[g][s].encode(flat, "pseudo") for g, flat in enumerate(flats)]
+        mean, at = ranks_of[0][s].sum_messages(messages, flats[0].numel()), 0
+        for o, (lo, hi) in zip(out, rows):
+            n = (hi - lo) * (o[0].numel() if o.dim() > 1 else 1)
+            o[lo:hi] = mean[at:at + n].view_as(o[lo:hi])
+            at += n
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +279,33 @@ def test_sharded_streaming_diloco_2x2_to_1x3_to_2x2_equals_streaming_diloco_on_u
     for r in results.values():
         assert [(h["left"], h["joined"]) for h in r["history"]][-1][1] == ["r1"]
         for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):  # its replica group's weights
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def sparseloco_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
+    tmp_path = tmp_path_factory.mktemp("sparseloco")
+    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
+                           "--strategy", "diloco-sparseloco", "--plain-sgd", "--commit-every", "3", "--epochs", "3",
+                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
+    return tmp_path, proc, results
+
+
+@pytest.mark.multiproc
+def test_sharded_diloco_with_sparseloco_2x2_to_1x3_to_2x2_drops_the_residuals_at_each_regroup(
+        sparseloco_2x2_loses_a_worker_then_a_replacement_joins):
+    # issue 39 item 4: a residual is one rank's flat vector over its old rows, cut into SparseLoCo's chunks of that
+    # layout; a regroup starts every residual empty, and the oracle replays exactly that rule
+    _, proc, results = sparseloco_2x2_loses_a_worker_then_a_replacement_joins
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "3", "r1"]
+    record = results["0"]["record"]
+    worlds = [w for _, w, _ in record]
+    assert 3 in worlds and worlds[0] == 4 and worlds[-1] == 4, worlds
+    want = diloco_oracle(record, group_size=2, outer_lr=1.0, momentum=0.0,
+                         compressor=lambda: px.SparseLoCo(topk=4, chunk=16))
+    for r in results.values():
+        for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):
             torch.testing.assert_close(torch.tensor(got), expected, rtol=0, atol=1e-6)
 
 

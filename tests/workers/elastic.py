@@ -69,6 +69,7 @@ STRATEGIES = {
     "diloco": lambda: px.DiLoCo(every=2),
     "easgd": lambda: px.EASGD(every=2),
     "streaming": lambda: px.StreamingDiLoCo(every=2, fragments=2, overlap=1),
+    "diloco-sparseloco": lambda: px.DiLoCo(every=2, compression=px.SparseLoCo(topk=4, chunk=16)),
     "ps-sync": lambda: px.ParameterServer(sync=True),  # servers: --servers K, else colocated
     "downpour": lambda: px.Downpour(),
     "easgd-async": lambda: px.AsyncEASGD(every=2),
