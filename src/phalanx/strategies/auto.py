@@ -215,10 +215,12 @@ class Auto(Accounting, StepState, Strategy):
         (t0, w0), (t1, w1) = self._probe[0], self._probe[-1]
         k = len(self._probe) - 1
         self._probe = []
-        step_s, waited = self._agreed([(t1 - t0) / k, (w1 - w0) / k])
+        local = self.probing == "local"  # nothing was sent: the whole step is compute (the clock's waiting then
+        # counts the gap from a gradient hook of the step before, not an exchange)
+        step_s, waited = self._agreed([(t1 - t0) / k, 0.0 if local else (w1 - w0) / k])
         rate = self.link_rate if self.link_rate is not None else math.inf
         m = self._measurement(compute_s=step_s - waited, rate=rate)
-        if self.probing == "local":
+        if local:
             return m
         full = m.ring_s(m.grad_bytes)
         overlap = min(1.0, max(0.0, 1 - waited / full)) if full > 0 else 1.0
