@@ -42,7 +42,8 @@ def main() -> None:
     auto.finish()
     if px.rank() == 0 and probe_s is not None and len(after) > 2:
         step = (after[-1] - after[1]) / (len(after) - 2)  # the first step after the switch excluded (warm-up)
-        print(f"auto_probe: path {getattr(auto, 'probing', 'allreduce (the old probe)')}, probe {probe_s:.2f} s (px.wrap {wrapped:.2f} s), "
+        path = getattr(auto, "probing", "allreduce (the old probe)")
+        print(f"auto_probe: path {path}, probe {probe_s:.2f} s (px.wrap {wrapped:.2f} s), "
               f"{probe_bytes:,} bytes sent, {auto.choice.describe()}, then {step * 1e3:.1f} ms/step: "
               f"the probe = {probe_s / step:.1f} steps", flush=True)
 
