@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from support.paths import TESTS
-from support.procs import free_port
+from support.procs import free_port, reap
 from support.wait import until
 from workers import elastic as worker
 
@@ -72,10 +72,7 @@ def run_grow_kill(tmp_path, victim: str) -> tuple[int, str, dict, dict]:
         except subprocess.TimeoutExpired:
             pass
         finally:
-            for p in (launcher, joiner):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait()
+            reap(launcher, joiner)
     stderr = err_path.read_text() + (tmp_path / "join.err").read_text()
     assert launcher.returncode is not None and launcher.returncode >= 0, \
         f"the job did not end within {BOUND_S:.0f}s of its start (wedged):\n{stderr[-4000:]}"

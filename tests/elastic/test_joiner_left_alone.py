@@ -26,7 +26,7 @@ from datetime import timedelta
 import pytest
 
 from support.paths import TESTS
-from support.procs import free_port
+from support.procs import free_port, reap
 from support.wait import until
 
 pytestmark = pytest.mark.multiproc
@@ -73,10 +73,7 @@ def run_alone(tmp_path, run_flags: list[str], job_flags: list[str], kill_when) -
         except subprocess.TimeoutExpired:
             pass
         finally:
-            for p in (launcher, joiner):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait()
+            reap(launcher, joiner)
     return launcher, joiner
 
 
