@@ -43,7 +43,7 @@ def _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, name: str, *fla
 @pytest.fixture(scope="module")
 def hsdp_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
     return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, "hsdp", "--epochs", "4",
-                                                      "--slow-while-below", "4", timeout=300)
+                                                      "--wait-for-replacement", "4", timeout=300)
 
 
 @pytest.mark.multiproc
