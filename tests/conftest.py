@@ -45,8 +45,10 @@ def one_thread():
 # file in this order when it is free. The files that start processes go first, the longest of them (measured with
 # --durations) at the head, and the unit files last, where they fill whichever worker is free: a long file started
 # last would leave the other core idle while it ran alone.
-LONGEST = (
+LONGEST = (  # `benchmarks/busy_loops.sh --durations=10 FILES`: 680, 320, 234 s at load 45; then by jobs started
     "elastic/test_elastic_sharded.py",
+    "elastic/test_joiner_left_alone.py",
+    "elastic/test_grow_kill.py",
     "elastic/test_elastic.py",
     "elastic/test_elastic_ps.py",
     "launch/test_launch.py",
