@@ -2,7 +2,8 @@
 
     python benchmarks/chaos.py --out results/chaos                      # base: T = 15 s, K = 40
     python benchmarks/chaos.py --out results/chaos --spares 1           # a parked spare fills each hole first
-    python benchmarks/chaos.py --out results/chaos --shard 2            # px.FullyShard(group_size=2) on 4 workers
+    python benchmarks/chaos.py --out results/chaos --shard 2            # px.FullyShard(group_size=2) on 4 workers,
+                                                                        # State(checkpoint=DIR): every commit on disk
     python benchmarks/chaos.py --out results/chaos --diloco             # px.DiLoCo, a period well under T/3
     python benchmarks/chaos.py --out results/chaos --period 2 --kills 20   # kills faster than a regroup
     python benchmarks/chaos.py --out /tmp/c --kills 6 --period 5        # a short look while developing
@@ -110,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated phases to aim every kill at, in turn (random, step, commit, ckpt, regroup, "
                         "regroup-arrived, join); default: --aim of each, the rest random")
     p.add_argument("--spares", type=int, default=0, help="--spares K on the launcher")
-    p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S), on 4 workers")
+    p.add_argument("--shard", type=int, default=0,
+                   help="shard=px.FullyShard(group_size=S), on 4 workers, with State(checkpoint=DIR): 3 workers are "
+                        "1 x 3 (one replica group), where a second loss before the replacement joins takes a shard "
+                        "that only the disk holds (ShardLostError without it)")
     p.add_argument("--diloco", action="store_true", help="px.DiLoCo(every=--diloco-every)")
     p.add_argument("--diloco-every", type=int, default=8)
     p.add_argument("--ray", action="store_true",
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.period <= 0 or a.kills < 0 or a.aim < 0:
         p.error(f"got --period {a.period} --kills {a.kills} --aim {a.aim}; expected a period > 0 and counts >= 0 "
                 "(--kills 0: a run without kills)")
+    a.state_checkpoint = a.state_checkpoint or bool(a.shard)  # the R = 1 safety net (see --shard)
     a.out = os.path.abspath(a.out)  # the workers' own working directory may differ (Ray Train sets its own)
     os.makedirs(a.out, exist_ok=True)
     n = 4 if a.shard else 3

@@ -4,16 +4,20 @@ A model of about 100M parameters (a stack of square linear layers) trains with A
 process. Each repeat times, in this order, the same ``--steps`` training steps three ways:
 
 * plain: the steps alone (the baseline, measured in every repeat, next to the others);
-* asynchronous (``blocking=False``): the save's call, the steps (run while the writer process
+* asynchronous (``blocking=False``), by fork and by copy: the save's call, the steps (run while the writer process
   writes; more, up to 4 times as many, until the write is done), and the handle's ``wait()`` at the
   end (zero when the write finished during the steps), against as many plain steps;
 * synchronous (``blocking=True``): the save, then the steps.
 
 and reports, as medians over the repeats:
 
-* **blocking**: how long the call held the training loop (the copy into shared memory);
+* **blocking**: how long the call held the training loop (the fork, or the copy into shared memory);
 * **total cost to training**: the wall time the steps with the save took beyond the plain steps
   (the call, every step's slow-down while the files were written, and any wait at the end).
+
+The asynchronous save is timed both ways, side by side in each repeat: ``fork`` (the default: the
+call forks the worker, whose child copies the state, copy-on-write; training pays the page faults of
+its first writes, counted) and ``copy`` (the fallback: the call copies the state into shared memory).
 
 Both are given as fractions of the synchronous save's cost, beside the **floor**: one ``memcpy``
 of the state (every tensor of the model and AdamW copied into memory allocated and touched before),
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -56,6 +61,7 @@ def main() -> None:
         import phalanx.checkpoint.writer as writer
         writer.NICE = args.nice
 
+    load0 = os.getloadavg()
     px.init()
     model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
     model, opt = px.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -90,21 +96,33 @@ def main() -> None:
     plain_step = statistics.median(steps(1) for _ in range(3))
     n = args.steps or max(3, math.ceil(2 * first_sync / plain_step))
 
-    rows: dict[str, list[float]] = {k: [] for k in ("plain", "sync", "sync_cost", "call", "async_cost", "wait")}
+    import phalanx.checkpoint.writer as writer
+    modes = {"fork": True, "copy": False}  # the snapshot by fork (the default) and the copy in the call (fallback)
+    per_mode = ("call", "cost", "wait", "first", "faults")
+    keys = ["plain", "plain_faults", "sync", "sync_cost"] + [f"{m}_{k}" for m in modes for k in per_mode]
+    rows: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(args.repeat):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         rows["plain"].append(steps(n))
-        started = time.perf_counter()
-        handle = px.save_checkpoint(path, model, opt, step=2 * r + 1, blocking=False)
-        call = time.perf_counter() - started
-        taken = 0
-        while taken < n or (not handle.done() and taken < 4 * n):  # until the write is done (at most 4 n steps)
-            steps(1)
-            taken += 1
-        waited = time.perf_counter()
-        handle.wait()
-        rows["wait"].append(time.perf_counter() - waited)
-        rows["call"].append(call)
-        rows["async_cost"].append(time.perf_counter() - started - rows["plain"][-1] * taken / n)
+        rows["plain_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        for mode, fork in modes.items():
+            writer.FORK = fork
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            started = time.perf_counter()
+            handle = px.save_checkpoint(path, model, opt, step=2 * r + 1, blocking=False)
+            call = time.perf_counter() - started
+            rows[f"{mode}_first"].append(steps(1))  # the step that writes every parameter first after the fork
+            taken = 1
+            while taken < n or (not handle.done() and taken < 4 * n):  # until the write is done (at most 4 n steps)
+                steps(1)
+                taken += 1
+            waited = time.perf_counter()
+            handle.wait()
+            rows[f"{mode}_wait"].append(time.perf_counter() - waited)
+            rows[f"{mode}_call"].append(call)
+            rows[f"{mode}_cost"].append(time.perf_counter() - started - rows["plain"][-1] * taken / n)
+            rows[f"{mode}_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        writer.FORK = True
         started = time.perf_counter()
         px.save_checkpoint(path, model, opt, step=2 * r + 2)
         rows["sync"].append(time.perf_counter() - started)
@@ -116,20 +134,27 @@ def main() -> None:
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 2**20
     state_mib = sum(t.numel() * t.element_size() for t in state_tensors(model, opt)) / 2**20
     load = os.getloadavg()
+    plain = med["plain"] / n
     print(f"model: {params / 1e6:.1f}M parameters, AdamW; state {state_mib:,.0f} MiB, checkpoint {size:,.0f} MiB; "
-          f"plain step {med['plain'] / n:.3f} s; {n} steps timed after each save; median of {args.repeat}")
+          f"plain step {plain:.3f} s ({med['plain_faults'] / n:,.0f} minor page faults); {n} steps timed after each "
+          f"save; median of {args.repeat}")
     print(f"threads: training process torch.get_num_threads()={torch.get_num_threads()}; {writer_threads(args.nice)}; "
-          f"{os.cpu_count()} CPUs; load average {load[0]:.1f} (1 min) / {load[1]:.1f} (5 min) at the end")
+          f"the snapshot's forked child: one thread, no torch calls; {os.cpu_count()} CPUs; load average "
+          f"{load0[0]:.1f} at the start, {load[0]:.1f} (1 min) / {load[1]:.1f} (5 min) at the end")
     print(f"floor (one memcpy of the state): {floor:.3f} s = {floor / med['sync']:.1%} of a synchronous save")
     print(f"synchronous:  save {med['sync']:.3f} s; total cost to training {med['sync_cost']:.3f} s")
-    print(f"asynchronous: blocking {med['call']:.3f} s = {med['call'] / med['sync']:.1%} of synchronous; total cost "
-          f"to training {med['async_cost']:.3f} s = {med['async_cost'] / med['sync_cost']:.1%} of synchronous "
-          f"(of which the final wait {med['wait']:.3f} s)")
+    for mode in modes:
+        print(f"asynchronous, {mode:4}: blocking {med[mode + '_call']:.3f} s = {med[mode + '_call'] / med['sync']:.1%} "
+              f"of synchronous; total cost to training {med[mode + '_cost']:.3f} s = "
+              f"{med[mode + '_cost'] / med['sync']:.1%} of a synchronous save (final wait {med[mode + '_wait']:.3f} s; "
+              f"first step after the call {med[mode + '_first']:.3f} s vs plain {plain:.3f} s; "
+              f"{med[mode + '_faults']:,.0f} minor page faults in the training process over the save and its steps)")
     print(f"first asynchronous save of the run (starts the writer, allocates the region): call {first_call:.3f} s, "
           f"written in {first_async:.3f} s")
-    print("per repeat (plain, sync cost, async call, async cost): " + "; ".join(
-        f"{a:.2f} {b:.2f} {c:.3f} {d:.2f}" for a, b, c, d in
-        zip(rows["plain"], rows["sync_cost"], rows["call"], rows["async_cost"], strict=True)))
+    print("per repeat (plain, sync cost, fork call, fork cost, copy call, copy cost): " + "; ".join(
+        " ".join(f"{v:.3f}" for v in vals) for vals in
+        zip(rows["plain"], rows["sync_cost"], rows["fork_call"], rows["fork_cost"], rows["copy_call"],
+            rows["copy_cost"], strict=True)))
     if args.dir is None:
         shutil.rmtree(where, ignore_errors=True)
     px.shutdown()

@@ -157,6 +157,13 @@ def test_save_checkpoint_under_if_rank_0_fails_within_seconds_saying_why(runs):
 
 
 @pytest.mark.multiproc
+def test_a_peer_that_comes_to_the_save_late_is_waited_for_not_taken_for_a_call_on_some_workers(runs):
+    _, second = runs
+    for rank in (0, 1):
+        assert second[rank]["slow_peer"] == {"error": None, "written": True}, second[rank]["slow_peer"]
+
+
+@pytest.mark.multiproc
 def test_a_full_disk_on_rank_0_raises_on_every_rank_naming_the_path(runs):
     first, _ = runs
     for rank in (0, 1):

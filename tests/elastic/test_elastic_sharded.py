@@ -31,13 +31,21 @@ def _spawned_workers(monkeypatch):
     monkeypatch.setenv("PHALANX_START_METHOD", "spawn")
 
 
+def _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, name: str, *flags: str, timeout: float) -> tuple:
+    """The 2 x 2 job both fixtures run: rank 1 killed at step 5, commits every 3, --replace's joiner after the
+    regroup; ``flags`` are the worker's own (the rule, epochs, how the survivors wait for the joiner)."""
+    tmp_path = tmp_path_factory.mktemp(name)
+    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
+                           "--commit-every", "3", "--replacement-after-regroup", *flags, n=4, timeout=timeout)
+    return tmp_path, proc, results
+
+
 @pytest.fixture(scope="module")
 def hsdp_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
-    tmp_path = tmp_path_factory.mktemp("hsdp")
-    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
-                           "--commit-every", "3", "--epochs", "4", "--slow-while-below", "4",
-                           "--replacement-after-regroup", n=4, timeout=300)
-    return tmp_path, proc, results
+    # --wait-for-replacement: the survivors wait (bounded) for the replacement to ask and to be ready, however long
+    # its start-up takes (over 30 s at a load of 60 on 2 cores)
+    return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, "hsdp", "--epochs", "4",
+                                                      "--wait-for-replacement", "4", timeout=420)
 
 
 @pytest.mark.multiproc
@@ -109,11 +117,9 @@ def diloco_oracle(record: list, group_size: int, every: int = 2, outer_lr: float
 
 @pytest.fixture(scope="module")
 def diloco_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
-    tmp_path = tmp_path_factory.mktemp("diloco")
-    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
-                           "--strategy", "diloco", "--plain-sgd", "--commit-every", "3", "--epochs", "3",
-                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
-    return tmp_path, proc, results
+    return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, "diloco", "--strategy", "diloco",
+                                                      "--plain-sgd", "--epochs", "3", "--wait-for-replacement", "4",
+                                                      timeout=420)
 
 
 @pytest.mark.multiproc
@@ -182,14 +188,14 @@ def test_reshard_moves_only_the_rows_a_worker_lacks_and_training_goes_on_equal_t
 
 
 @pytest.mark.multiproc
-@pytest.mark.xfail(strict=True, reason="issue 36, open: the survivors that met the loss in FSDP's own collectives "
-                   "regroup now (a RuntimeError with a member marked dead is a lost peer), but FSDP's modules keep "
-                   "the dead generation's subgroups alive, so their sockets stay open and a survivor of another "
-                   "replica pair waits its whole collective timeout and misses the quorum")
 def test_a_worker_lost_inside_fsdps_own_collectives_is_a_lost_peer(tmp_path):
     # --kill-in-step: rank 1 dies after the step's gather, so the others meet its loss in FSDP's all-gather of the
     # parameters (torch's collective, outside phalanx), where gloo raises a plain RuntimeError ("Connection closed
-    # by peer"); the chaos soak's --shard 2 variant ended with exit 1 at its first kill there.
+    # by peer"); the chaos soak's --shard 2 variant ended with exit 1 at its first kill there. Rank 2 is then blocked
+    # in FSDP's all-reduce with rank 0 (the other replica group), which already left for the regroup: it fails at
+    # once only if rank 0 let go of every reference to the generation's groups (FSDP's state, the DTensors' meshes,
+    # DTensor's caches), whose sockets close only when they are freed; else it waits its whole collective timeout
+    # and misses the quorum ("arrived after generation 1 closed without it").
     proc, results = launch(tmp_path, "--min-workers", "3", "--", "--shard", "2", "--kill", "1@5", "--kill-in-step",
                            "--commit-every", "3", "--epochs", "2", n=4, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -199,3 +205,13 @@ def test_a_worker_lost_inside_fsdps_own_collectives_is_a_lost_peer(tmp_path):
     for r in results.values():
         for got, want in zip(r["params"], worker.oracle(record), strict=True):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_a_worker_that_lets_go_of_its_layout_closes_its_sockets_at_once():
+    # issue 36 (the chaos soak's --shard 2): a survivor leaving a generation must free every reference to its
+    # groups, or a peer of the other replica group blocked in FSDP's all-reduce with it waits its whole timeout.
+    # Without DTensor's mesh-keyed caches emptied (reshard._forget_meshes) rank 1 waits the full timeout here.
+    runs = run_workers("workers.sharded_reshard:let_go_closes_the_sockets", world_size=2, timeout=120).results
+    assert runs[1]["failed"], runs[1]
+    assert runs[0]["peer_failed_while_we_ran"] and runs[0]["meta"], runs[0]

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from phalanx.errors import WorkerLostError
 from phalanx.group import forming
+from phalanx.group.env import WorkerEnv
+from phalanx.group.group import Group
 
 
 def form_all(store: dist.Store, world: int, lost=lambda: []) -> list:
@@ -103,3 +105,19 @@ def test_a_rank_lost_after_it_published_its_address_costs_the_others_seconds_not
         peer.send_signal(signal.SIGKILL)
         peer.wait()
     assert took < forming.CONNECT_S + 20, f"rank 0 waited {took:.0f}s for a rank known lost"
+
+
+def test_a_generations_subgroups_stop_forming_at_a_dead_mark_not_at_the_deadline():
+    # issue 36, the chaos soak's --shard 2: a member SIGKILLed during a grow, while the generation's mesh subgroups
+    # formed (Group.split), left no exit note; the survivor waited in forming until the group's whole timeout
+    # (25 s without a step), because split() watched the exit notes only, not the dead marks that rebuild() is given.
+    env = WorkerEnv(rank=0, world_size=2, timeout_s=10.0, elastic_id="0")
+    g = Group(env, torch.device("cpu"), store=dist.HashStore(), backend="gloo")
+    try:
+        g.process_group = object()  # formed (rank 1 is in it); only the subgroup below is asked
+        g._lost = lambda: [1]  # what rebuild(lost=...) keeps: the launcher marked rank 1 dead
+        with pytest.raises(WorkerLostError) as err:
+            g.split([[0, 1]], "mesh2/shard")
+        assert err.value.lost_ranks == [1]  # at the mark (at the deadline, with nobody named, before)
+    finally:
+        g.heartbeat.stop()

@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.state_checkpoint:
         # State(checkpoint=...) saves right after the in-memory commit, inside phalanx: mark that save through the
         # name the elastic package calls (this script's marker, nothing changes in phalanx)
-        from phalanx.elastic import commits as elastic_commits
-        elastic_commits.save_checkpoint = phase(events, "ckpt", elastic_commits.save_checkpoint)
+        from phalanx.elastic import state as elastic_state
+        elastic_state.save_checkpoint = phase(events, "ckpt", elastic_state.save_checkpoint)
     state.recover = phase(events, "regroup", state.recover, after=lambda: digest("regroup"))  # type: ignore
     state.grow = phase(events, "grow", state.grow, after=lambda: digest("grow"))  # type: ignore[method-assign]
     real_join = phase(events, "join", state.join)

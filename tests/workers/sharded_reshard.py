@@ -8,13 +8,14 @@ is sent); after one more step the model equals one process that trained 3 steps 
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.sharding.reshard import local_parts, reshard
+from phalanx.sharding.reshard import let_go, local_parts, reshard
 from phalanx.sharding.layout import sharded_by
 
 
@@ -73,3 +74,42 @@ def relayout() -> dict[str, Any]:
     out["diff"] = max((_whole(p) - q.detach().reshape(-1)).abs().max().item()
                       for p, q in zip(model.parameters(), oracle.parameters(), strict=True))
     return out
+
+
+def let_go_closes_the_sockets() -> dict[str, Any]:
+    """Rank 1 waits in an all-reduce with rank 0 on the mesh's "replicate" group (HSDP 2 x 1, as FSDP's gradient
+    all-reduce waits on the other replica group); rank 0, which will never join it, lets go of its layout
+    (:func:`phalanx.sharding.reshard.let_go`) and drops the generation's groups, as a survivor does before a
+    regroup. Rank 1's collective must then fail at once ("Connection closed by peer"), while rank 0 still runs:
+    rank 0 waits, bounded, for rank 1's word that it failed. A reference left anywhere (FSDP's state, a DTensor's
+    mesh, DTensor's mesh-keyed caches) keeps the sockets open, and rank 1 waits for its collective timeout."""
+    g = px.init()
+    torch.set_num_threads(1)
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(4))
+    net = Odd()
+    model, opt = px.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.05), strategy=px.AllReduce(),
+                         shard=px.FullyShard(group_size=1, min_params=1))
+    for _ in range(2):
+        _step(model, opt, x)
+    whole = _state(model, opt)  # full_tensor(): DTensor's redistribution caches now hold the mesh, as in a job
+    replicate = g.mesh(1)["replicate"].get_group()
+    store = g.store
+    if g.rank == 1:
+        store.set("in_all_reduce", "1")
+        try:
+            torch.distributed.all_reduce(torch.ones(1), group=replicate)
+            return {"failed": False}
+        except Exception as err:  # noqa: BLE001 - the peer's closed connection, whatever torch calls it
+            store.set("failed", "1")
+            return {"failed": True, "error": type(err).__name__, "whole": whole.numel()}
+    store.wait(["in_all_reduce"])
+    del replicate  # this function's own reference: the test is about the layout's
+    let_go(model, opt, px.strategy_of(opt))
+    g.drop_process_groups()
+    try:  # half rank 1's collective timeout: its failure seen here came from our sockets closing, not its timeout
+        store.wait(["failed"], timedelta(seconds=g.timeout_s / 2))
+        seen = True
+    except Exception:  # noqa: BLE001 - not within the bound: our sockets stayed open
+        seen = False
+    return {"peer_failed_while_we_ran": seen, "meta": all(p.is_meta for p in model.parameters()),
+            "whole": whole.numel()}

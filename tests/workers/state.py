@@ -181,6 +181,25 @@ def first(tmp: str) -> dict[str, Any]:
     return out
 
 
+def slow_peer_save(tmp: str) -> dict[str, Any]:
+    """Rank 1 comes to a collective save 11 s after rank 0 (a loaded machine): a slow peer, not a misuse, so the
+    save completes (it waits up to the group's timeout); a fixed 10 s patience called this a call on rank 0 only."""
+    from phalanx.group import group
+    model = net(seed=0)
+    model, opt = px.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if px.rank() == 1:
+        from support.wait import until
+        store = group.store()
+        until(lambda: any(store.check([f"phalanx-entry/save_checkpoint/{n}/0"]) for n in range(1, 8)), timeout=60,
+              what="rank 0 in px.save_checkpoint")
+        time.sleep(11.0)  # sleep: the slowness under test (longer than the old fixed 10 s patience)
+    try:
+        px.save_checkpoint(os.path.join(tmp, "slow.pt"), model, opt)
+        return {"error": None, "written": os.path.exists(os.path.join(tmp, "slow.pt"))}
+    except px.PhalanxError as err:
+        return {"error": f"{type(err).__name__}: {err}", "written": False}
+
+
 def second(tmp: str) -> dict[str, Any]:
     px.init()
-    return {"resume": resume_all(tmp, "second"), "uneven": uneven(tmp)}
+    return {"resume": resume_all(tmp, "second"), "uneven": uneven(tmp), "slow_peer": slow_peer_save(tmp)}

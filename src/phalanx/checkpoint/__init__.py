@@ -10,7 +10,7 @@ Two kinds:
   every worker writes its own part (a sharded model's shards, its share of the
   replicated tensors), nothing is gathered to one worker. **Collective**: call it on
   every worker. Called on some workers only (say under ``if rank == 0:``, where
-  ``torch.save`` was), it fails within :data:`agreement.ENTRY_WAIT_S` seconds with a
+  ``torch.save`` was), it fails within the group's timeout (60 s; :data:`agreement.ENTRY_WAIT_S`) with a
   message that says so, instead of hanging. ``blocking=False`` returns a
   :class:`SaveHandle` once the state is copied into shared memory, and a writer process of
   the worker's own writes it while training goes on.

@@ -5,7 +5,7 @@ of them enters DCP's collective write (where it would hang). So, under one key p
 (``phalanx-entry/save_checkpoint/<n>``):
 
 1. every worker announces its entry (:func:`_all_enter`): one that waited
-   :data:`ENTRY_WAIT_S` seconds for the others raises a ConfigError saying the call is
+   the group's timeout (:data:`ENTRY_WAIT_S`) for the others raises a ConfigError saying the call is
    collective, instead of hanging in the write;
 2. rank 0 names the temporary directory (:func:`_agree_on_temporary`);
 3. every worker posts whether its own file was written (:func:`_agree`): all raise the
@@ -43,10 +43,12 @@ from ..group import group, liveness
 from ..group.collectives import guarded, lost_ranks
 from ..errors import CheckpointError, ConfigError, StoreLostError, WorkerLostError, usage
 
-#: Seconds the first worker to enter ``save_checkpoint`` waits for the others before saying it is not collective.
-#: Synchronous strategies bring workers there within moments of each other; under local strategies (LocalSGD,
-#: DiLoCo) a slow worker can trail by up to one round of local steps: raise this if yours trail by more.
-ENTRY_WAIT_S = 10.0
+#: Seconds the first worker to enter ``save_checkpoint`` waits for the others before saying it is not collective;
+#: None (the default): the group's timeout (``phalanx run --timeout``, 60 s), the time any collective of the group
+#: may wait for a peer. A fixed few seconds took a peer that was only slow (a loaded machine, a worker of a local
+#: strategy trailing by a round of local steps) for a call on some workers only, and ended an elastic job with a
+#: ConfigError (the chaos soak, under load 45-57, after 57 minutes): a slow peer is not a misuse.
+ENTRY_WAIT_S: float | None = None
 
 LAST_SAVED_KEY = "checkpoint/last"  # in the group's store: the newest px.save_checkpoint checkpoint (absolute path)
 
@@ -150,7 +152,7 @@ def _all_enter(what: str) -> str | None:
     ``save_checkpoint`` gathers every worker's state, so a call on rank 0 alone (the
     place ``torch.save`` had in a DDP script) would wait in the gather until the
     collective timeout and then look like a crash. Instead the workers meet on the
-    store first: one that waited :data:`ENTRY_WAIT_S` seconds for the others raises a
+    store first: one that waited the group's timeout (:data:`ENTRY_WAIT_S`) for the others raises a
     ConfigError saying the call is collective, and posts it, so a worker arriving
     later raises the same at once.
     """
@@ -161,7 +163,8 @@ def _all_enter(what: str) -> str | None:
     key = f"phalanx-entry/{what}/{store.add(f'phalanx-entry/{what}/calls/{me}', 1)}"
     store.set(f"{key}/{me}", "1")
     count = store.add(f"{key}/count", 1)
-    deadline, dead = time.monotonic() + ENTRY_WAIT_S, _Dead()
+    patience = group.current().timeout_s if ENTRY_WAIT_S is None else ENTRY_WAIT_S
+    deadline, dead = time.monotonic() + patience, _Dead()
     while count < world:
         if store.check([f"{key}/gave-up"]):
             raise ConfigError(store.get(f"{key}/gave-up").decode())
@@ -174,7 +177,7 @@ def _all_enter(what: str) -> str | None:
             missing = [r for r in range(world) if r not in came]
             # Short, cause first: a peer stuck in its next collective quotes this line from our exit note.
             message = usage(f"px.{what} is collective but rank(s) {_ranks(missing)} did not call it within "
-                            f"{ENTRY_WAIT_S:g} s of rank(s) {_ranks(came)}", "a call on every worker",
+                            f"{patience:g} s of rank(s) {_ranks(came)}", "a call on every worker",
                             "Call it on every worker, not under `if rank == 0:` "
                             "(px.save is the main-worker-only save).")
             store.set(f"{key}/gave-up", message)

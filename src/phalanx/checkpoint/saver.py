@@ -79,10 +79,11 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     worker is done (a previous checkpoint there is replaced then, never before). With
     ``blocking=True`` every worker returns once it is in place, or raises (a full disk
     names the path). With ``blocking=False`` it returns a :class:`SaveHandle` as soon as
-    the state is copied (into shared memory), and a writer process of this worker's own writes,
-    seals and renames the files while training continues (:mod:`phalanx.checkpoint.writer`);
+    the state is snapshotted (a fork of the worker copies it into shared memory), and a writer
+    process of this worker's own writes, seals and renames the files while training continues
+    (:mod:`phalanx.checkpoint.writer`);
     the next save and ``px.shutdown()`` wait for it. Called on some workers only, it raises within
-    :data:`~phalanx.checkpoint.agreement.ENTRY_WAIT_S` seconds saying so.
+    the group's timeout (:data:`~phalanx.checkpoint.agreement.ENTRY_WAIT_S`) saying so.
 
     It holds the model and optimizer (``get_state_dict``: plain or FSDP-sharded alike), the
     strategy's shared and per-worker state, every worker's buffers, the loader's position,
@@ -125,8 +126,9 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
         os.makedirs(tmp, exist_ok=True)
         write_verified(os.path.join(tmp, f"rank-{me}.pt"), rank_file)
         if not blocking:
-            # The copy into the writer process's shared memory: the part of an asynchronous save that blocks
-            # training. Here, before the agreement, so that a worker that cannot (no memory) stops them all.
+            # The snapshot into the writer process's shared memory (a fork copying after the call, or the copy
+            # here): the part of an asynchronous save that blocks training. Here, before the agreement, so that a
+            # worker that cannot (no memory) stops them all.
             staging = Staging(writers.process(g))
             staging.copy(tensors)
         failure = None

@@ -146,6 +146,8 @@ class TrainingState:
         strategy = self.strategy
         if strategy is not None:
             device = device_of(self.model)
+            if device.type == "meta":  # a sharded model let go of its layout at a regroup (sharding.reshard.let_go)
+                device = group.device()  # until the reshard gives it its rows again, on this worker's device
             if snapshot.get("strategy") is not None:
                 load_state_with_step(strategy, to_device(snapshot["strategy"], device), joining=joining)
             if snapshot.get("replica"):

@@ -1,8 +1,11 @@
 """The checkpoint writer: a process of the worker's own that writes an asynchronous save's files.
 
-``px.save_checkpoint(..., blocking=False)`` blocks training only while it copies the state's
-tensors into shared memory (:meth:`WriterProcess.stage`, one copy into a region that is kept
-and reused by the next save). Everything else of the write runs beside training:
+``px.save_checkpoint(..., blocking=False)`` blocks training only while it snapshots the state's
+tensors (:meth:`WriterProcess.stage`): it forks the worker (:class:`Snapshot`, copy-on-write: the
+call costs the page tables, training then the page faults of its first writes), and the child copies
+its frozen view into shared memory (a region kept and reused by the next save). Where a fork cannot
+freeze a tensor (a CUDA process; shared memory; strided views: :func:`_forkable`) the call copies it.
+Everything else of the write runs beside training:
 
 * DCP itself (its plans, its collectives among the workers, rank 0's ``.metadata``) runs in a
   thread of the worker, through :func:`torch.distributed.checkpoint.async_save`, as before; its
@@ -26,7 +29,7 @@ Its lifetime is its worker's:
   generation, as the worker does;
 * when the group is left (``px.shutdown()``, at exit) it ends after the last save.
 
-A writer killed half-way loses only the checkpoint in flight: its worker's wait raises a
+A writer (or a snapshot's child) killed half-way loses only the checkpoint in flight: its worker's wait raises a
 :class:`~phalanx.errors.CheckpointError` naming the signal, rank 0 removes the temporary directory
 (or, if rank 0's worker was killed too, the next save or load of that path does), the previous
 checkpoint at the path is untouched, and the next save starts another writer.
@@ -37,6 +40,7 @@ Example:
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import os
@@ -64,6 +68,9 @@ from .handle import _commit
 # else) keeps busy was starved and deferred whole to the next save's or the exit's wait, longer than a synchronous
 # save (benchmarks/reports/checkpoint_blocking.md); at the worker's own it shares the cores and is done in the steps.
 NICE = 0
+# Whether an asynchronous save snapshots the state by fork where it can (:class:`Snapshot`); False: the call copies
+# everything into the shared region itself, as where a fork cannot (benchmarks/checkpoint_blocking.py compares both).
+FORK = True
 _ALIGN = 64  # each staged tensor starts on a cache line
 _HEADER = struct.Struct("!Q")
 _CHILD = "import sys; from phalanx.checkpoint.writer import _serve; _serve(*map(int, sys.argv[1:4]))"
@@ -95,6 +102,8 @@ class WriterProcess:
         self._state = threading.Lock()
         self._busy: str | None = None  # "write" or "commit" while a request is in flight
         self._retiring = False
+        self.snapshot: Snapshot | None = None  # the forked child copying the last save's state, until reaped
+        self.forked = 0  # how many of the last save's tensors its child copied (the rest were copied in the call)
 
     @property
     def pid(self) -> int:
@@ -105,16 +114,45 @@ class WriterProcess:
 
     # -- the caller's thread: the only part that blocks training -----------------------------------------------
     def stage(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
-        """Copy ``tensors`` (a DTensor: its local shard) into the shared region; return where each one lies."""
+        """Snapshot ``tensors`` (a DTensor: its local shard) into the shared region; return where each one lies.
+
+        The tensors :func:`_forkable` says a fork freezes are copied by a forked child of this worker
+        (:class:`Snapshot`), after the call; the others (a CUDA process's, shared memory's) by ``copy_`` in it.
+        """
+        try:
+            self.reap()  # the previous save's child: its write waited for it, unless that save failed before
+        except WriterGone:
+            pass  # that save's outcome, not this one's (it ended before its write, e.g. at a regroup)
         local = {k: _local(t) for k, t in tensors.items()}
         layout = [(k, t.dtype, tuple(t.shape)) for k, t in local.items()]
         if self.region is None or self.region.layout != layout:
             self.region = None  # the old mapping goes first: a state that changed shape needs no more than one
             self.region = _Region(layout)
+        fork = FORK and _can_fork()
+        moves, later = [], []
         with torch.no_grad():
             for k, t in local.items():
-                self.region.views[k].copy_(t)
+                view = self.region.views[k]
+                if fork and _forkable(t):
+                    moves.append((view.data_ptr(), t.data_ptr(), t.numel() * t.element_size()))
+                    later.append((view, t))
+                else:
+                    view.copy_(t)
+            self.forked = len(moves)
+            if moves:
+                try:
+                    self.snapshot = Snapshot(moves)
+                except OSError:  # no fork now (strict overcommit, a process limit): the call copies them
+                    self.forked = 0
+                    for view, t in later:
+                        view.copy_(t)
         return self.region.entries
+
+    def reap(self, what: str = "the next save") -> None:
+        """Wait for the snapshot's child, if one is copying; raise :class:`WriterGone` if it did not finish."""
+        snapshot, self.snapshot = self.snapshot, None
+        if snapshot is not None:
+            snapshot.wait(what)
 
     # -- DCP's thread ------------------------------------------------------------------------------------------
     def write(self, inner: Any, plan: Any, entries: list, what: str, generation: int) -> list:
@@ -124,6 +162,7 @@ class WriterProcess:
         """
         region = self.region
         assert region is not None, "stage() comes first"
+        self.reap(what)  # the staged bytes are whole once the snapshot's child is done
         if hasattr(inner, "per_thread_copy_ahead"):
             inner.per_thread_copy_ahead = 0  # the staged tensors are in memory already (as DCP's own staging does)
         fds = [] if self._sent == region.ident else [region.fd]
@@ -208,6 +247,9 @@ class WriterProcess:
     def _end(self) -> None:
         self._kill()
         self.sock.close()
+        snapshot, self.snapshot = self.snapshot, None
+        if snapshot is not None:
+            snapshot.kill()
 
     def __repr__(self) -> str:
         return f"WriterProcess(pid={self.pid}, alive={self.alive()})"
@@ -251,6 +293,103 @@ class Writers(Slot[WriterProcess]):
 
 
 WRITERS: Record[Writers] = Record("checkpoint writer process", Writers)
+
+
+class Snapshot:
+    """A copy-on-write snapshot of the worker's tensors: a forked child copying them into the shared region.
+
+    ``os.fork()`` at the save's call (its cost: the worker's page tables) gives the child the worker's
+    memory as it is at that instant; training then goes on writing its parameters, and the kernel copies
+    each page it writes while the child still shares it (Redis's BGSAVE works the same way). The child
+    runs :func:`_copy_in_child` only (libc ``memmove`` of raw bytes, with the addresses taken before the
+    fork): no torch, no OpenMP pool, no CUDA, no lock another thread might have held at the fork.
+    """
+
+    def __init__(self, moves: list[tuple[int, int, int]]) -> None:
+        done, tell = os.pipe()  # (not inherited by the writer process: close-on-exec)
+        copy = _copy_in_child  # looked up before the fork (a test replaces it to hold the child)
+        pid = os.fork()
+        if pid == 0:  # the child: raw copies, then gone without running anything of the worker's (os._exit)
+            code = 1
+            try:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)  # not the worker's handlers
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.close(done)
+                copy(moves, tell)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(tell)
+        self.pid = pid
+        self._done = done
+        self._pidfd = os.pidfd_open(pid)  # its kill cannot reach another process that reused the pid
+        self._lock = threading.Lock()
+        self._outcome: str | None = None  # None while copying; "" once done; else how it ended
+
+    def wait(self, what: str) -> None:
+        """Block until the child has copied every byte; :class:`WriterGone` naming its end if it did not."""
+        with self._lock:
+            if self._outcome is None:
+                ok = os.read(self._done, 1) == b"\x01"  # its last act; EOF: it ended before
+                try:
+                    code: int | None = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+                except ChildProcessError:
+                    code = None  # reaped by someone else's wait()
+                self._outcome = "" if ok else (_describe(code) if code is not None else "ended")
+        if self._outcome:
+            raise WriterGone(f"the checkpoint's snapshot process (pid {self.pid}, a fork of this worker copying "
+                             f"its state) {self._outcome} before {what}; this checkpoint is abandoned and the "
+                             "previous one at that path is untouched. The next save forks another.")
+
+    def kill(self) -> None:
+        """SIGKILL and reap it (its save is abandoned)."""
+        try:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.wait("its writer ended")
+        except WriterGone:
+            pass
+
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_done", None), getattr(self, "_pidfd", None)):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def _copy_in_child(moves: list[tuple[int, int, int]], tell: int) -> None:
+    """The snapshot child's whole work: copy each ``(destination, source, bytes)``, then say so on ``tell``."""
+    for dst, src, n in moves:
+        _memmove(dst, src, n)
+    os.write(tell, b"\x01")
+
+
+_memmove = ctypes.memmove  # bound at import: the child calls it without importing or resolving anything
+
+
+def _can_fork() -> bool:
+    """Whether this worker may snapshot by fork: Linux (pidfds) and no CUDA context.
+
+    A CUDA process's host memory may be pinned or mapped by the driver (not copied on write, or not at
+    all, in a child), and its tensors on the device are not in host memory: there the call copies.
+    """
+    return sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(os, "pidfd_open") and \
+        not torch.cuda.is_initialized()
+
+
+def _forkable(t: torch.Tensor) -> bool:
+    """Whether a fork freezes ``t``'s bytes: a plain dense tensor in the worker's private memory, laid out whole.
+
+    Shared memory (``share_memory_()``, a DataLoader's or Hogwild's) is not copied on write: a child would
+    see the worker's later writes; such tensors are copied in the call, as are views with strides or flags.
+    """
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and \
+        t.is_contiguous() and t.numel() > 0 and not t.is_shared() and not t.is_conj() and not t.is_neg() and \
+        not t.is_quantized
 
 
 # -- how the worker's and the writer's halves talk -------------------------------------------------------------
@@ -521,4 +660,4 @@ def _end_with(parent: int) -> None:
     os._exit(1)
 
 
-__all__ = ["NICE", "WRITERS", "Staging", "WriterGone", "WriterProcess", "Writers", "storage_writer"]
+__all__ = ["FORK", "NICE", "WRITERS", "Snapshot", "Staging", "WriterGone", "WriterProcess", "Writers", "storage_writer"]

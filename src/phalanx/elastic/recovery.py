@@ -23,7 +23,7 @@ from ..group import group
 from ..checkpoint import checkpoint_step, load_checkpoint
 from ..group.transfer import broadcast_state
 from ..step import telemetry
-from ..sharding.reshard import ShardLostError, reshard, reshard_empty
+from ..sharding.reshard import ShardLostError, let_go, reshard, reshard_empty
 from ..sharding.layout import sharded_by
 
 from ..checkpoint.training_state import shared
@@ -54,6 +54,13 @@ class Recovery:
         """Leave the broken group, agree on the next one, roll back to the common commit (collective)."""
         started, failed_at = time.monotonic(), time.time() if failed_at is None else failed_at
         before = group.world_size()
+        shard = sharded_by(self.optimizer)
+        if shard is not None:
+            # FSDP's modules and the DTensors' meshes hold this generation's subgroups, and gloo closes their
+            # sockets only when they are freed: let go of them before the rebuild destroys the groups, so that a
+            # peer of another replica group blocked in an all-reduce with us fails at once, not at its timeout.
+            # The commit holds this worker's shards; _reshard lays them out on the next generation.
+            let_go(self.model, self.optimizer, self.training.strategy)
         plan = self.worker.rebuild(sorted(self.commits), backend=group.current().backend or "gloo")
         snap = self._unshared(self.commits[plan["step"]])
         for newer in [s for s in self.commits if s > plan["step"]]:

@@ -85,6 +85,10 @@ class Group:
         # Both go with the generation: rebuild() destroys them before it forms the next one.
         self.process_group: dist.ProcessGroup | None = None
         self._splits: dict[tuple[str, tuple[tuple[int, ...], ...]], dist.ProcessGroup] = {}
+        # Who of this generation is known lost beyond its exit notes: the ``lost`` that rebuild() was given (the
+        # elastic layer's dead marks, set by the launcher the moment a worker dies). split() forms this
+        # generation's subgroups watching it too.
+        self._lost: Callable[[], Sequence[int]] | None = None
         if store is not None:
             self._attach_store(store)
 
@@ -182,8 +186,9 @@ class Group:
         if self.owns_groups:
             part = key[1][mine]
             store = dist.PrefixStore(f"split/{tag}/{mine}", self.store)
+            # a member SIGKILLed while the subgroups form leaves no exit note: its dead mark (lost) is what tells
             backend_ = forming.form(store, part.index(self.rank), len(part), self.timeout_s,
-                                    lambda: self._lost_now(self.store, self.world_size, None), timeout_s)
+                                    lambda: self._lost_now(self.store, self.world_size, self._lost), timeout_s)
             pg = forming.register_subgroup(backend_, part)
         else:  # torch's new_group: every rank makes every part, in the same order
             bound = None if timeout_s is None else timedelta(seconds=timeout_s)  # None: torch's default, as before
@@ -236,6 +241,7 @@ class Group:
         self.drop_process_groups()
         self.backend = backend or self.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self._form(rank, world_size, store, lost)
+        self._lost = lost
         self.generation, self.entering = generation, False
         self.env = replace(self.env, rank=rank, world_size=world_size)
         self.job_store = job_store if job_store is not None else self.job_store

@@ -149,27 +149,68 @@ def _shard_anew(layout: FullyShard, model: nn.Module, optimizer: torch.optim.Opt
                 g: "Group", size: int, rows: Callable[[str], torch.Tensor], plain: dict[str, Any]) -> None:
     """Take FSDP off ``model`` and shard it over ``g`` anew, in shards of ``size``.
 
-    Collective. The parameters go to the meta device (shape and dtype, no storage), ``plain``
+    Collective. The parameters go to the meta device (shape and dtype, no storage: :func:`let_go`), ``plain``
     values (buffers) are put whole, ``fully_shard`` lays the meta parameters out on the new
     mesh, and each parameter ``name`` then takes ``rows(name)``, its local shard on this rank.
     """
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
+    let_go(model, optimizer, strategy)
     names = {id(p): name for name, p in model.named_parameters()}
-    _strip_fsdp(model)
-    _to_meta(model)
     for name, value in plain.items():
         _put(model, name, value)
     meta = dict(model.named_parameters())
     for pg in optimizer.param_groups:
         pg["params"] = [meta[names[id(p)]] for p in pg["params"]]
-    optimizer.state.clear()
-    # DTensor caches its sharding decisions by mesh, and meshes of two generations with the same shape compare
-    # equal: without this, the new parameters would come back on an earlier generation's mesh, with that
-    # generation's coordinates (seen on torch 2.13: 2x2 -> 1x3 -> 2x2 gave rank 1 the shard of rank 2).
-    _clear_sharding_prop_cache()
     layout.shard_over(model, optimizer, strategy, g, size, fill=lambda m: _fill(m, rows, g.device))
     layout.rehook(model, g, size)
+
+
+def let_go(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy) -> None:
+    """Drop every reference the sharded ``model``, ``optimizer`` and ``strategy`` hold to the generation's process
+    groups: FSDP comes off the model, the parameters go to the meta device (shape and dtype, no storage), the
+    optimizer's state goes, the rule's comm goes back to the default group, and DTensor's caches are cleared.
+    Local; idempotent. Afterwards the live model holds nothing: a regroup lays it out anew from the commit
+    (:func:`reshard`) or from the checkpoint (:func:`reshard_empty`).
+
+    Why: gloo closes a group's sockets only when the group object is freed, and FSDP's modules, the parameters'
+    and the Adam moments' meshes and the sharding caches all hold this generation's subgroups. A worker that
+    leaves the generation while they live keeps its sockets open, and a peer of another replica group blocked in
+    an all-reduce with it (HSDP: rank 2 with rank 0 when rank 1 dies) waits its whole collective timeout
+    instead of failing at once, and misses the quorum. Call it before the generation's groups are destroyed.
+
+    Example (a plain model holds no mesh: nothing to let go of but the optimizer's state):
+        >>> import torch, phalanx as px
+        >>> net = torch.nn.Linear(2, 1); opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> let_go(net, opt, px.AllReduce()); net.weight.is_meta
+        True
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    _strip_fsdp(model)
+    _to_meta(model)
+    meta = dict(model.named_parameters())
+    for pg in optimizer.param_groups:
+        pg["params"] = [meta[names[id(p)]] if id(p) in names else p for p in pg["params"]]
+    optimizer.state.clear()
+    if getattr(strategy, "comm", None) is not None and strategy.comm.group is not None:
+        strategy.comm = Comm()  # its replicate group is the generation's; shard_over gives it the next one's
+    _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches keyed by mesh (private in torch 2.13, like :func:`_strip_fsdp`).
+
+    Two reasons. Meshes of two generations with the same shape compare equal: without this, the new parameters
+    would come back on an earlier generation's mesh, with that generation's coordinates (seen on torch 2.13: 2x2
+    -> 1x3 -> 2x2 gave rank 1 the shard of rank 2). And each cache holds the old meshes, and through them their
+    process groups, whose sockets then stay open (seen on torch 2.13: the redistribution plans and the mesh
+    topology cache kept the 2x2 mesh of a dead generation alive after everything else had let go).
+    """
+    from torch.distributed.tensor import _collective_utils, _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 class ShardLostError(PhalanxError):
@@ -393,4 +434,4 @@ def _strip_fsdp(model: nn.Module) -> None:
             m.__dict__.pop(attr, None)
 
 
-__all__ = ["RowState", "ShardLostError", "local_parts", "reshard", "reshard_empty"]
+__all__ = ["RowState", "ShardLostError", "let_go", "local_parts", "reshard", "reshard_empty"]
