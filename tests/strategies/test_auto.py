@@ -320,6 +320,9 @@ def test_on_a_slow_link_the_probe_sends_no_gradient_and_matches_the_replay_of_it
         assert r["sent"][2] >= grad_bytes  # the probe's one average (and DiLoCo's attach)
         assert r["measured"]["overlap"] == 0.0 and r["measured"]["rate"] == pytest.approx(40.0)
     assert "probed with 3 local steps and one average" in r0["lines"][0]
+    for r in (r0, r1):  # the checkpointed schedule: a resume takes the same rule from the same step
+        assert r["resumed"] == {"probing": "local", "start": 3, "rule": "DiLoCo", "schedule": [(3, "diloco")],
+                                "link_rate": pytest.approx(40.0)}
     want = slow_probe_oracle()
     torch.testing.assert_close(want[0], want[1])
     for got in (r0["params"], r1["params"]):

@@ -154,7 +154,16 @@ def slow_probe() -> dict[str, Any]:
     out = {"params": params(model), "schedule": [(s["step"], s["choice"]["rule"]) for s in auto.schedule],
            "sent": [b - a for a, b in zip(sent, sent[1:])], "rules": rules, "probing": auto.probing,
            "measured": dataclasses.asdict(auto.measurement), "lines": [s["line"] for s in auto.schedule]}
+    saved = auto.state_dict()
     auto.finish()
+    # a resume: fresh objects take the saved schedule back (the probe's path, the rule, its start), asking no decider
+    fresh = SlowLinkAuto(planned_steps=100, probe_steps=3, decider=Scripted(None))
+    wrapped(fresh)
+    fresh.load_state_dict(saved)
+    out["resumed"] = {"probing": fresh.probing, "start": fresh.start, "rule": type(fresh.rule).__name__,
+                      "schedule": [(s["step"], s["choice"]["rule"]) for s in fresh.schedule],
+                      "link_rate": fresh.link_rate}
+    fresh.finish()
     return out
 
 
