@@ -145,8 +145,9 @@ def test_a_second_loss_while_ray_train_replaces_the_first_is_survived(cluster, t
     # Rank 1 is killed before step 4. Ray Train's controller starts its replacement and is held there (HeldConfig),
     # as a start of tens of seconds on a loaded machine holds it: it sees no other loss meanwhile. Rank 0 is killed
     # as it enters the regroup the first loss caused. Worker 2 must regroup alone at once (the heartbeat watcher
-    # finds rank 0's actor dead), not wait out its quorum and fail with the state (the chaos soak's wedge).
-    heartbeat_s = 10
+    # finds rank 0's actor dead), not wait out its quorum and fail with the state (the chaos soak's wedge). The
+    # survivors enter that regroup once the controller is held, so the quorum's bound counts from there.
+    heartbeat_s = 20
     regrouped: list = []
 
     def kill() -> None:
@@ -189,7 +190,7 @@ def test_every_holder_of_the_state_lost_ends_the_job_with_one_line_naming_the_ne
 
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()
-    fn = functools.partial(worker.main, checkpoint=str(tmp_path / "ckpt"), hold_replacements=True)
+    fn = functools.partial(worker.main, checkpoint=str(tmp_path / "ckpt"), save_every=3, hold_replacements=True)
     with pytest.raises(JobLostError) as err:
         train(fn, str(tmp_path), "1@4;0,2@8", 2, 2, num_workers=3, min_workers=1, heartbeat_s=20, max_failures=5)
     killer.join()
@@ -214,8 +215,8 @@ def controller_pid() -> int:
 
 def test_the_controller_killed_ends_the_job_naming_the_newest_checkpoint_and_a_resume_from_it_is_exact(
         cluster, tmp_path):
-    # Every worker parks before step 9 (after the checkpoint of step 8); Ray Train's controller, which holds the
-    # job's store, is SIGKILLed. train() raises one line naming step-8. A new run from it
+    # Every worker parks before step 9 (after the first run's only checkpoint, step 8); Ray Train's controller,
+    # which holds the job's store, is SIGKILLed. train() raises one line naming step-8. A new run from it
     # (resume_from_checkpoint) trains the rest: every sample once per epoch over the two runs, and the final model
     # equals the one-process oracle replayed from the record the checkpoint carried on.
     first, second = tmp_path / "first", tmp_path / "second"
@@ -232,13 +233,13 @@ def test_the_controller_killed_ends_the_job_naming_the_newest_checkpoint_and_a_r
     killer.start()
     ckpt = str(tmp_path / "ckpt")
     with pytest.raises(JobLostError) as err:
-        train(functools.partial(worker.main, checkpoint=ckpt), str(first), "0,1,2@9", 3, 2,
+        train(functools.partial(worker.main, checkpoint=ckpt, save_every=4), str(first), "0,1,2@9", 3, 2,
               num_workers=3, min_workers=1, heartbeat_s=20, max_failures=0)
     killer.join()
     line = str(err.value)
     assert err.value.checkpoint == os.path.join(ckpt, "step-8"), line
     assert "\n" not in line and "Ray Train's controller, which held the job's store, was lost" in line, line
-    returned = train(functools.partial(worker.main, checkpoint=ckpt), str(second), "", 3, 2,
+    returned = train(functools.partial(worker.main, checkpoint=ckpt, save_every=4), str(second), "", 3, 2,
                      num_workers=3, min_workers=1, heartbeat_s=20, max_failures=0,
                      resume_from_checkpoint=err.value.checkpoint)
     resumed = min(s["t"] for s in steps(second))

@@ -11,8 +11,9 @@ watcher in Ray's controller kills it). ``kill="1,2@5"``: ranks 1 and 2 both park
 written its result (training has ended), so that it arrives after the end. ``slow_below=3``:
 while fewer than 3 workers train, each step waits until Ray's replacement has asked to join,
 so it enters before training ends. ``kill="1@4;0,2@8"``: a second group of victims parks before step 8 after the
-first regroup (each group once, after as many regroups as groups before it). ``regroup_victim="0"``: that worker
-parks as it enters its first regroup (``victim-regroup.json``). ``checkpoint=DIR``: ``px.save_checkpoint`` to
+first regroup (each group once, after as many regroups as groups before it). ``regroup_victim="0"``: every worker
+entering its first regroup waits for ``controller-held`` (see :class:`HeldConfig`), and that one parks there
+(``victim-regroup.json``). ``checkpoint=DIR``: ``px.save_checkpoint`` to
 ``DIR/step-<n>`` after every ``save_every``-th commit (the record in its ``extra``; rank 0 then writes
 ``saved-<n>``), and a run given ``resume_from_checkpoint`` starts from ``px.resume_from()``. ``hold_replacements``:
 a replacement waits before ``px.init()`` for ``DIR/release-replacements``. Every step appends
@@ -107,13 +108,19 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
         record.load_state_dict(meta["extra"]["record"])
     comm = px.Comm()
     began = time.monotonic()
-    if regroup_victim == me:
+    if regroup_victim:
         recover = state.recover
 
-        def parked_recover(*a, **k):  # type: ignore[no-untyped-def]
-            park(out, "victim-regroup.json", me)  # inside the regroup, before arriving at the quorum
+        def held_recover(*a, **k):  # type: ignore[no-untyped-def]
+            # every survivor enters its first regroup only once Ray Train's controller is held (HeldConfig), so the
+            # quorum's wait starts then, however long Ray took to get there; the victim parks inside it
+            if not state.history:
+                until(lambda: os.path.exists(os.path.join(out, "controller-held")), timeout=300,
+                      what=f"worker {me}: the held controller")
+                if me == regroup_victim:
+                    park(out, "victim-regroup.json", me)  # inside the regroup, before arriving at the quorum
             return recover(*a, **k)
-        state.recover = parked_recover  # type: ignore[method-assign]
+        state.recover = held_recover  # type: ignore[method-assign]
     if checkpoint:
         commit, join, joining = state.commit, state.join, [False]
 
