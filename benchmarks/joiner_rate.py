@@ -10,7 +10,7 @@ Two real processes talk gloo: rank 0 holds a commit as ``px.elastic.State`` take
 1.02 GB); rank 1 is the joiner (a hot spare takes the very same call, :meth:`Recovery._send_state`,
 at the regroup that admits it). Per mode, in fresh processes:
 
-- ``streamed``: what a joiner takes today, ``phalanx.group.collectives.broadcast_state``: the
+- ``streamed``: what a joiner takes today, ``phalanx.group.transfer.broadcast_state``: the
   commit's layout weights-only, then its tensors as raw bytes in 16 MiB chunks into tensors the
   joiner allocated;
 - ``pickled``: what it took before, ``broadcast_object``: the whole commit ``torch.save``-d into
@@ -96,7 +96,7 @@ def first_step(net, opt, snap: dict) -> None:
 def worker(mode: str, params_m: float, out: str) -> None:
     import torch
     import phalanx as px
-    from phalanx.group import collectives
+    from phalanx.group import collectives, transfer
     g = px.init()
     snap = commit(params_m) if g.rank == 0 else None
     own = build(params_m) if g.rank == 1 else None  # the joiner built its model and optimizer before admission
@@ -107,7 +107,7 @@ def worker(mode: str, params_m: float, out: str) -> None:
     px.barrier()  # admission: from here the joiner waits only for the commit
     t0 = time.perf_counter()
     if mode == "streamed":
-        got = collectives.broadcast_state(snap, 0, "newest commit")
+        got = transfer.broadcast_state(snap, 0, "newest commit")
     else:
         got = collectives.broadcast_object(snap, 0, "newest commit")
     seconds = time.perf_counter() - t0

@@ -15,7 +15,7 @@ import torch
 
 from phalanx import ConfigError
 from phalanx.elastic.options import ElasticConfig
-from phalanx.elastic.worker import admissible
+from phalanx.elastic.admission import admissible
 from phalanx.launch.run import RunConfig
 from support.elastic_job import launch, oracle
 from workers import elastic as worker

@@ -8,7 +8,7 @@ import torch
 
 from support.procs import run_workers
 
-from phalanx.group.collectives import _chunks
+from phalanx.group.transfer import _chunks
 
 
 def _same(a, b) -> bool:

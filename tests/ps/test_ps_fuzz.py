@@ -63,7 +63,7 @@ def _raw_header(name: bytes, code: int, shape: tuple[int, ...], version: int = 0
 def _adversarial(rng: random.Random) -> list[bytes]:
     """One hostile or broken request (token included unless the case is about the token)."""
     kind = rng.randrange(16)
-    op = rng.choice(["push", "elastic", "reduce", "set", "init", "pull", "bogus"])
+    op = rng.choice(["push", "easgd", "reduce", "set", "init", "pull", "bogus"])
     ctl = pack_control({"op": op, "id": rng.randrange(10**6), "alpha": 0.5, "step": rng.randrange(4),
                         "workers": 2, "names": ["w"], "policy": SGD1})
     name = rng.choice(list(SHAPES))
@@ -82,7 +82,7 @@ def _adversarial(rng: random.Random) -> list[bytes]:
     if kind == 4:  # NaN or inf payloads to registered shards
         t = torch.randn(SHAPES[name])
         t.view(-1)[rng.randrange(t.numel())] = rng.choice([float("nan"), float("inf"), -float("inf")])
-        return [TOKEN, pack_control({"op": rng.choice(["push", "elastic", "set", "init"]), "alpha": 0.5,
+        return [TOKEN, pack_control({"op": rng.choice(["push", "easgd", "set", "init"]), "alpha": 0.5,
                                      "policy": SGD1}), *_tensor_frames(name, t)]
     if kind == 5:  # junk registrations: new names, up to 1 MB each
         n = rng.choice([1, 1000, 250_000])
@@ -113,7 +113,7 @@ def _adversarial(rng: random.Random) -> list[bytes]:
     if kind == 14:  # the same shard twice in one request
         return [TOKEN, pack_control({"op": "push"}), *_tensor_frames("b", torch.ones(8)),
                 *_tensor_frames("b", torch.ones(8))]
-    return [TOKEN, pack_control({"op": "elastic", "alpha": rng.choice([float("nan"), 0, 1, 2, "x"])}),
+    return [TOKEN, pack_control({"op": "easgd", "alpha": rng.choice([float("nan"), 0, 1, 2, "x"])}),
             *_tensor_frames("b", torch.ones(8))]
 
 

@@ -268,7 +268,7 @@ def hold_in_grow(out: str, me: str) -> None:
     """Stop this worker inside the first rebuild that grows the group (a member's or a joiner's), past the
     agreement that it forms (``gen/<g>/go``), before it takes part in forming the group: it writes
     ``holding<me>.json`` (its pid) and waits to be killed there. The others are then forming that generation."""
-    from phalanx.elastic import worker as elastic_worker
+    from phalanx.elastic import admission, worker as elastic_worker
     from phalanx.group import group
 
     rebuild = elastic_worker.rebuild
@@ -281,7 +281,7 @@ def hold_in_grow(out: str, me: str) -> None:
                 signal.pause()  # until the test kills this process
         return rebuild(base_store, generation, rank, world_size, **kwargs)
 
-    elastic_worker.rebuild = holding
+    elastic_worker.rebuild = admission.rebuild = holding  # a regroup's rebuild, and a grow's (admission)
 
 
 def hold_in_admit(out: str, me: str) -> None:

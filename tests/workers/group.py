@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import phalanx as px
-from phalanx.group import collectives as comm
+from phalanx.group import collectives as comm, transfer
 from phalanx.group import liveness
 from support.wait import until
 
@@ -62,7 +62,7 @@ def _state(n_big: int) -> dict[str, Any]:
 def streamed_state(n_big: int = 5000, chunk_bytes: int = 1000) -> dict[str, Any]:
     """Rank 1 streams a state to rank 0 in chunks smaller than its largest tensor; each returns what it holds."""
     g = px.init()
-    got = comm.broadcast_state(_state(n_big) if g.rank == 1 else None, src=1, chunk_bytes=chunk_bytes)
+    got = transfer.broadcast_state(_state(n_big) if g.rank == 1 else None, src=1, chunk_bytes=chunk_bytes)
     return {"got": got, "expected": _state(n_big)}
 
 
@@ -82,7 +82,7 @@ def streamed_state_memory(mib: int = 64, chunk_bytes: int = 1 << 20, streamed: b
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak RSS starts again from the present RSS
     base = _peak_kib()
-    got = comm.broadcast_state(state, src=0, chunk_bytes=chunk_bytes) if streamed else \
+    got = transfer.broadcast_state(state, src=0, chunk_bytes=chunk_bytes) if streamed else \
         comm.broadcast_object(state, src=0)
     grown = (_peak_kib() - base) << 10
     return {"grown": grown, "numel": sum(t.numel() for t in got["t"])}

@@ -19,7 +19,7 @@ import warnings
 
 from ..group import group
 from ..checkpoint import checkpoint_step, load_checkpoint
-from ..group.collectives import broadcast_state
+from ..group.transfer import broadcast_state
 from ..step import telemetry
 from ..sharding.reshard import ShardLostError, reshard, reshard_empty
 from ..sharding.layout import sharded_by
@@ -98,7 +98,7 @@ class Recovery:
 
     def _send_state(self) -> dict:
         """Rank 0's newest commit on every worker: its layout weights-only, its tensors streamed as raw bytes in
-        chunks into tensors allocated here (:func:`phalanx.group.collectives.broadcast_state`), never one blob.
+        chunks into tensors allocated here (:func:`phalanx.group.transfer.broadcast_state`), never one blob.
 
         Of a sharded model, without its model and optimizer: their shards travel point to point in
         :meth:`_reshard`, each worker receiving only the rows of its new shards."""

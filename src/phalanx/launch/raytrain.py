@@ -66,7 +66,7 @@ from typing import Any, Callable
 from ..elastic import secret
 from ..elastic.membership import key
 from ..elastic.watch import mark_dead
-from ..elastic.worker import EndedBeforeAdmitted
+from ..elastic.admission import EndedBeforeAdmitted
 from ..errors import ConfigError, JobLostError, usage
 from ..sealed import verify_directory
 from .elastic import _members, generation_members, listening_store, quiet_store_env, saved_checkpoint
@@ -413,7 +413,7 @@ class _Grown:
 def training_function(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     """What each Ray worker runs: ``fn(*args)``; a replacement that arrives after training ended returns None.
 
-    Its ``px.init()`` raises :class:`~phalanx.elastic.worker.EndedBeforeAdmitted` (status 0 under
+    Its ``px.init()`` raises :class:`~phalanx.elastic.admission.EndedBeforeAdmitted` (status 0 under
     ``phalanx run``); in a Ray actor, which lives on, Ray Train would count that exception as a worker
     error and retry a job that had finished. Returning normally is what a finished worker does.
     :func:`train` uses it; pass it to your own ``DataParallelTrainer`` beside :class:`PhalanxConfig`.

@@ -276,9 +276,9 @@ class ParamTable:
                 self._load(self.client.call(rest), self.params, versions=True)
         return sum(len(r.control.get("dropped", [])) for r in replies.values())
 
-    def elastic(self, alpha: float) -> None:
+    def easgd(self, alpha: float) -> None:
         """Asynchronous EASGD: the servers move the centre toward us by ``d``; we move by ``-d``."""
-        received = [(piece, d) for reply in self._call({"op": "elastic", "alpha": alpha}, self.params).values()
+        received = [(piece, d) for reply in self._call({"op": "easgd", "alpha": alpha}, self.params).values()
                     for piece, _, d in self._received(reply)]
         self._write(self.params, received, torch.Tensor.sub_)
 

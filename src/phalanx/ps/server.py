@@ -95,7 +95,7 @@ class Server:
         self._threads: list[threading.Thread] = []
         self._ops: dict[str, Callable[[bytes, dict[str, Any], Tensors], Any]] = {
             "info": self._info, "init": self._init, "pull": self._pull, "push": self._push,
-            "elastic": self._elastic, "reduce": self._reduce, "stats": self._stats, "save": self._save,
+            "easgd": self._easgd, "reduce": self._reduce, "stats": self._stats, "save": self._save,
             "snapshot": self._snapshot, "set": self._set}
         if checkpoint and os.path.exists(checkpoint):
             self.store.load(checkpoint)  # a job resuming from its servers' shards
@@ -273,8 +273,8 @@ class Server:
         values = self.store.pull([h.name for h, _ in tensors]) if control.get("pull") else []
         return {"dropped": dropped, "applied": applied}, values
 
-    def _elastic(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
-        return {}, self.store.elastic(tensors, control.get("alpha"))  # type: ignore[arg-type]
+    def _easgd(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
+        return {}, self.store.easgd(tensors, control.get("alpha"))  # type: ignore[arg-type]
 
     def _reduce(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> list[Any] | None:
         done = self.reducer.contribute(control.get("step"), control.get("workers"), (who, control.get("id")), tensors,
@@ -290,7 +290,7 @@ class Server:
         held = self.store.bytes_held
         return {"index": self.index, "shards": len(self.store.shards), "bytes_held": held,
                 **{k: stats.get(k, 0) for k in ("requests", "bytes_in", "bytes_out", "rejected", "unauthorized")},
-                **{k: self.store.counts.get(k, 0) for k in ("applied", "dropped_stale", "elastic")}}, []
+                **{k: self.store.counts.get(k, 0) for k in ("applied", "dropped_stale", "easgd")}}, []
 
     def _snapshot(self, who: bytes, control: dict[str, Any], tensors: Tensors) -> Reply:
         return {}, self.store.snapshot()

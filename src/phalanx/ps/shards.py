@@ -152,7 +152,7 @@ class Shard:
             self.commit(*self.propose(name, grad, lr))
             return True
 
-    def propose_elastic(self, name: str, x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose_easgd(self, name: str, x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
         """EASGD's elastic move ``d = α(x − c)`` and the new centre ``c + d``, refused unless both are finite."""
         d = (x - self.value).mul_(alpha)
         centre = self.value + d
@@ -202,7 +202,7 @@ class ShardStore:
 
     def __init__(self, max_bytes: int | None = None) -> None:
         self.shards: dict[str, Shard] = {}
-        self.counts: Counter[str] = Counter()  # applied, dropped_stale, elastic: shard updates
+        self.counts: Counter[str] = Counter()  # applied, dropped_stale, easgd: shard updates
         self._counts_lock = threading.Lock()  # handler threads update counts concurrently
         self._registry = threading.Lock()
         self.sealed = False  # True once a strategy registered its whole set: no new names after that
@@ -228,7 +228,7 @@ class ShardStore:
                 raise RejectError(f"registering {header.name!r} ({header.nbytes} bytes) would pass this server's "
                                   f"limit of {self.max_bytes} bytes")
             return
-        if op not in ("push", "elastic", "reduce", "set"):
+        if op not in ("push", "easgd", "reduce", "set"):
             raise RejectError(f"op {op!r} carries no tensors; got {header.name!r}")
         name, _, key = header.name.partition(STATE_SEP) if op == "set" else (header.name, "", "")
         shard = self.shards.get(name)
@@ -317,7 +317,7 @@ class ShardStore:
             self.counts.update(applied=len(tensors) - len(dropped), dropped_stale=len(dropped))
         return dropped, len(tensors) - len(dropped)
 
-    def elastic(self, tensors: Tensors, alpha: float) -> list[tuple[Header, torch.Tensor]]:
+    def easgd(self, tensors: Tensors, alpha: float) -> list[tuple[Header, torch.Tensor]]:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
             raise RejectError(f"elastic alpha={alpha!r}; expected 0 < alpha < 1")
         shards = self.check(tensors)
@@ -326,14 +326,14 @@ class ShardStore:
             _below_limit(header.name, shard.version)
         out = []
         with _holding(shards):  # every move is computed and checked before any centre changes
-            moves = [shard.propose_elastic(header.name, x, float(alpha))
+            moves = [shard.propose_easgd(header.name, x, float(alpha))
                      for (header, x), shard in zip(tensors, shards, strict=True)]
             for (header, _), shard, (d, centre) in zip(tensors, shards, moves, strict=True):
                 shard.value = centre
                 shard.version += 1
                 out.append((Header(header.name, d.dtype, tuple(d.shape), shard.version), d))
         with self._counts_lock:
-            self.counts.update(elastic=len(tensors))
+            self.counts.update(easgd=len(tensors))
         return out
 
     def pull(self, names: Any) -> list[tuple[Header, torch.Tensor]]:

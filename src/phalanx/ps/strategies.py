@@ -324,7 +324,7 @@ class AsyncEASGD(PSStrategy):
 
     def after_step(self, step: int, taken: bool) -> None:
         if self.when(step):
-            self._exchange(self.table.elastic, self.alpha)  # type: ignore[union-attr]
+            self._exchange(self.table.easgd, self.alpha)  # type: ignore[union-attr]
 
     def __repr__(self) -> str:
         return f"AsyncEASGD(every={self.when.k}, alpha={self.alpha})"

@@ -250,7 +250,7 @@ class Tracker(Callback):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ConfigError(usage(f"every={every!r}", "an integer >= 1", "Pass e.g. every=10 (log calls)."))
         self.backend = _backend(backend, where)
-        self.optimizer, self.elastic, self.every = optimizer, elastic, every
+        self.optimizer, self.elastic_state, self.every = optimizer, elastic, every
         self.failed = False        # a write failed: warned once, logging stopped, training unaffected
         self._opened_by: int | None = None  # the group generation in which this worker opened the back end
         self._unsubscribe: Callable[[], None] | None = None
@@ -349,7 +349,7 @@ class Tracker(Callback):
 
     def _membership(self, step: int, now: float) -> list[str]:
         """One line per membership change since the last write: what changed, where, and what it cost."""
-        history = list(getattr(self.elastic, "history", []) or [])
+        history = list(getattr(self.elastic_state, "history", []) or [])
         named = {h.get("generation"): h for h in history[self._history_seen:]}
         self._history_seen = len(history)
         lines = []
