@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=None, help="the launcher's (default its own, 10 s)")
     p.add_argument("--stall", type=float, default=120.0, help="seconds without a step that count as a wedge")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--digest", action="store_true",
+                   help="the job writes a digest of its state after every commit, regroup and join (events); "
+                        "benchmarks/chaos_trace.py then finds the first one that leaves the oracle")
     a = p.parse_args(argv)
     if a.ray and (a.spares or a.shard):
         p.error("--ray runs the base job (3 workers, AllReduce or --diloco); --spares and --shard are not wired to it")
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     job += ["--shard", str(a.shard)] if a.shard else []
     job += ["--state-checkpoint"] if a.state_checkpoint else []
     job += ["--hold", a.hold] if a.hold else []
+    job += ["--digest"] if a.digest else []
     plan = make_plan(a.kills, a.aim, random.Random(a.seed), a.plan.split(",") if a.plan else None)
     soak = chaos.Soak(a.out, run_flags, job, plan, period_s=a.period, stall_s=a.stall, seed=a.seed,
                       commit_every=commit_every,

@@ -44,6 +44,10 @@ STREAM_EVERY_SPARSE = 64
 # SparseLoCo (2-bit chunked top-k, 64 of 4096): 116 bytes per 4096 values per exchange, 141x fewer than float32; at
 # H = 16 that is 2250x fewer bytes than DDP per step by arithmetic (the paper's H is 15 to 50).
 SPARSE_EVERY = 16
+# px.Auto in the benchmark plans the budget's length (the tasks' budgets are 180-200 steps); on 10-100 Mbit/s it
+# then picks Streaming DiLoCo with this period (phalanx.strategies.decision: the longest period a run of 200 steps
+# allows, MIN_ROUNDS outer rounds).
+AUTO_PLANNED, AUTO_SLOW_EVERY = 200, 64
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,65 @@ class _CountingAverager(PeriodicModelAverager):
             self.acc.averaged_at.append(step)
 
 
+def _lever(every: int = AUTO_SLOW_EVERY, fragments: int = 2, overlap: int = 1, quantize: Any = 4, *,
+           moments: bool | str = False, **options: Any):
+    """Auto's slow-link pick (``StreamingDiLoCo(every=64, fragments=2, overlap=1, quantize=4)`` with plain averaging
+    for a 200-step run) with one lever moved; ``moments``: Adam's two moments (SGD's momentum buffer) averaged too."""
+    def build(model, opt, lr):
+        import phalanx as px
+
+        px.init()
+        adam = isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
+        names = ("momentum",) if moments == "first" else ("momentum", "exp_avg_sq") if moments and adam \
+            else ("momentum",) if moments else ()
+        outer = {"outer_lr": 1.0, "outer_momentum": 0.0, **options}
+        strategy = px.StreamingDiLoCo(every=every, fragments=fragments, overlap=overlap,
+                                      quantize=quantize() if callable(quantize) else quantize, moments=names, **outer)
+        module, opt2 = px.wrap(model, opt, strategy=strategy)
+        return module, opt2, StrategyAccountant(strategy)
+    return build
+
+
+def _levers() -> list[QSetup]:
+    """The levers of issue 41 on auto's slow-link pick (benchmarks/levers.py measures their steps to target)."""
+    import phalanx as px
+
+    base = (f"StreamingDiLoCo(every={AUTO_SLOW_EVERY}, fragments=2, overlap=1, quantize=4, outer_lr=1, "
+            "outer_momentum=0): auto's pick on 10-100 Mbit/s for a 200-step run; the task's optimizer at DDP's lr")
+    rows = [
+        ("lever-base", _lever(), base),
+        ("lever-h16", _lever(every=16), "as lever-base with every=16 (4x the bytes)"),
+        ("lever-h32", _lever(every=32), "as lever-base with every=32 (2x the bytes)"),
+        # Adam's second moment averaged through the 4-bit exchange (lever-moments at H = 64, 16, 8, 4 until c820ec0,
+        # when StreamingDiLoCo began refusing it: it diverged at H <= 16) runs only in float32 now:
+        ("lever-h16-m1", _lever(every=16, moments="first"),
+         "as lever-h16 with only the first moment (Adam's exp_avg, SGD's momentum buffer) averaged"),
+        ("lever-h4-m1", _lever(every=4, fragments=4, moments="first"),
+         "as lever-h16-m1 with every=4 and 4 fragments (a fragment every step, 16x lever-base's bytes): section "
+         "7's -moments setup, overlap 1"),
+        ("lever-h16-moments-fp32", _lever(every=16, quantize=None, moments=True),
+         "as lever-h16 with Adam's first and second moments (SGD: its momentum) averaged too, sent in float32 (the "
+         "second moment spans orders of magnitude a 4-bit block scale flattens)"),
+        ("lever-h16-eager", _lever(every=16, mixing="eager"),
+         "as lever-h16 with eager mixing (arXiv 2502.12996): the inner step taken during the overlap is kept whole"),
+        ("lever-ef", _lever(every=16, quantize=px.SparseLoCo),
+         "as lever-h16 with SparseLoCo's error feedback (decay 0.95) in place of the outer momentum: the top 64 of "
+         "every 4096 values of the accumulated pseudo-gradient as 2-bit values, outer lr 1"),
+        ("lever-ef-h8", _lever(every=8, quantize=px.SparseLoCo), "as lever-ef with every=8 (2x its bytes)"),
+        ("lever-ef-k256", _lever(every=16, quantize=lambda: px.SparseLoCo(256)),
+         "as lever-ef keeping 256 of every 4096 values (4x its bytes)"),
+        ("lever-nesterov", _lever(every=16, outer_lr=0.7, outer_momentum=0.9),
+         "as lever-h16 with DiLoCo's Nesterov outer step (outer lr 0.7, momentum 0.9)"),
+        ("lever-olr", _lever(every=16, outer_lr=1.3),
+         "as lever-h16 with outer lr 1.3 and no momentum (an outer step longer than the average)"),
+        ("lever-dilocox", _lever(every=16, fragments=1, overlap=15, mixing="eager"),
+         "DiLoCoX's one-outer-step-delayed overlap: one fragment every 16 steps, the exchange landing 15 inner "
+         "steps later, the average replacing the worker's own pseudo-gradient (eager) with the inner steps "
+         "taken meanwhile kept"),
+    ]
+    return [QSetup(name, "phalanx", build, lr_of="ddp", note=note) for name, build, note in rows]
+
+
 def _make() -> dict[str, QSetup]:
     import phalanx as px
     from phalanx.ps.optim import Adagrad
@@ -250,6 +313,11 @@ def _make() -> dict[str, QSetup]:
                optim="adamw", lr_of="diloco-sparseloco",
                note=f"as diloco-sparseloco, streamed: {STREAM_FRAGMENTS} fragments (one leaves every "
                     f"{SPARSE_EVERY // STREAM_FRAGMENTS} steps), each exchange given 3 inner steps, mixing 0.5"),
+        QSetup("auto", "phalanx", _phalanx(lambda lr: px.Auto(planned_steps=AUTO_PLANNED)), lr_of="ddp",
+               note=f"px.Auto(planned_steps={AUTO_PLANNED}): measures the step and the link over its first steps "
+                    "(AllReduce), then trains with the rule and settings it projects fastest to the target; the "
+                    "task's own optimizer at DDP's lr"),
+        *_levers(),
         QSetup("torchft-diloco", "torchft", torchft_peer.build(streaming=False), optim="adamw",
                note=f"torchft 0.2.0 DiLoCo, H={torchft_peer.H}, AdamW inner, Nesterov outer lr 0.7 momentum 0.9; "
                     "lighthouse in rank 0's namespace (bench/quality/torchft_peer.py)"),

@@ -97,6 +97,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     curve: list[tuple[float, int, float]] = [(0.0, 0, task.evaluate(judged.module) if rank == 0 else float("nan"))]
     bytes0, wire0 = acc.bytes_sent(), wire_bytes()
     clock, step, schedule = 0.0, 0, EvalSchedule(budget, evals, task)
+    # Steps to target (benchmarks/levers.py): evaluate every ``eval_every`` steps, every check once within
+    # ``near_band`` of the target, and stop once the target is met; the training clock plays no part.
+    eval_every, stop_at_target = int(cfg.get("eval_every") or 0), bool(cfg.get("stop_at_target"))
+    band, near, reached = float(cfg.get("near_band") or 0.0), False, False
     while True:
         x, y = task.batch(step, rank, world, per_worker)
         start = time.perf_counter()
@@ -108,11 +112,15 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         judged.update()
         if step % check_every:
             continue
-        done = clock >= budget or (max_steps and step >= max_steps)
-        evaluate, stop = _decide(rank, [bool(done or schedule.due(clock)), bool(done)])  # rank 0's schedule
+        done = clock >= budget or (max_steps and step >= max_steps) or reached
+        due = (step % eval_every == 0 or near) if eval_every else schedule.due(clock)
+        evaluate, stop = _decide(rank, [bool(done or due), bool(done)])  # rank 0's schedule
         if evaluate and rank == 0 and not stop:  # the final point is taken after finish()
             curve.append((clock, step, task.evaluate(judged.module)))
             schedule.record(clock, curve[-1][2])
+            met = task.reached(curve[-1][2], task.target)
+            near = not met and abs(curve[-1][2] - task.target) <= band
+            reached = stop_at_target and met
         if stop:
             break
     wire_end = wire_bytes()
@@ -126,7 +134,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
               "curve": curve, "steps": step, "train_seconds": clock, "final": final,
               "samples_per_s": world * per_worker * step / clock if clock > 0 else float("nan"),
               "bytes_per_step": counted / max(step, 1),
-              "wire_bytes_per_step": (wire_end - wire0) / max(step, 1) if wire_end is not None else None}
+              "wire_bytes_per_step": (wire_end - wire0) / max(step, 1) if wire_end is not None else None,
+              # px.Auto's choices (step, rule and settings, its line), where the setup is Auto
+              "schedule": getattr(getattr(acc, "strategy", None), "schedule", None)}
     if dist.is_initialized():
         dist.barrier()
     return result

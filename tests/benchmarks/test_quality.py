@@ -39,13 +39,44 @@ def test_corpus_with_a_different_hash_is_refused_naming_both(tmp_path):
 
 
 # -- the tasks: the same global batch whatever the number of workers --------------------------------
-@pytest.mark.parametrize("name", ["gpt", "resnet20"])
+@pytest.mark.parametrize("name", ["gpt", "resnet20", "lstm"])
 def test_two_workers_see_the_one_process_batch(name):
     task = TASKS[name]
     x1, y1 = task.batch(3, 0, 1, 8)
     parts = [task.batch(3, r, 2, 4) for r in range(2)]
     assert torch.equal(torch.cat([p[0] for p in parts]), x1) and torch.equal(torch.cat([p[1] for p in parts]), y1)
     assert not torch.equal(task.batch(4, 0, 1, 8)[0], x1)  # another step, another batch
+
+
+def test_lstm_task_is_a_1m_parameter_recurrent_model_that_trains():
+    """The recurrent task: an LSTM of about 1M parameters on the GPT's bytes, AdamW; a few steps lower its loss."""
+    task = TASKS["lstm"]
+    torch.manual_seed(0)
+    model = task.model()
+    assert any(isinstance(m, torch.nn.LSTM) for m in model.modules())
+    assert 0.9e6 <= sum(p.numel() for p in model.parameters()) <= 1.1e6 and task.optim.name == "adamw"
+    opt = task.optim.build(model.parameters(), task.optim.lr)
+    before = task.evaluate(model, batches=1, size=8)
+    for step in range(6):
+        x, y = task.batch(step, 0, 1, 8)
+        opt.zero_grad()
+        task.loss(model(x), y).backward()
+        opt.step()
+    assert task.evaluate(model, batches=1, size=8) < before - 0.5  # from ~5.5 nats (uniform over 256: 5.55)
+
+
+def test_a_step_counted_run_evaluates_on_its_grid_and_stops_at_the_target(monkeypatch):
+    """benchmarks/levers.py's runs: evaluated every ``eval_every`` steps, stopped at the first check after the
+    target is met, else after ``max_steps``; one process (the compute-only setup), no clock involved."""
+    from benchmarks.quality import worker
+
+    cfg = {"task": "lstm", "setup": curves.COMPUTE_ONLY, "lr": 2e-3, "budget_s": 1e9, "max_steps": 12,
+           "per_worker": 4, "seed": 0, "check_every": 4, "eval_every": 4, "stop_at_target": True}
+    out = worker.run(cfg)
+    assert out["steps"] == 12 and [s for _, s, _ in out["curve"]] == [0, 4, 8, 12]  # never reached: the budget
+    monkeypatch.setattr(TASKS["lstm"], "target", out["curve"][1][2] + 1e-6)  # met at the first evaluation
+    out = worker.run(cfg)
+    assert out["steps"] == 8 and [s for _, s, _ in out["curve"]] == [0, 4, 8]  # stopped at the next check
 
 
 def test_teacher_labels_use_every_class():

@@ -63,7 +63,7 @@ def test_a_handled_failure_does_not_fail_the_next_save_and_an_unwaited_one_ends_
 @pytest.mark.multiproc
 def test_an_asynchronous_save_cut_by_a_lost_worker_leaves_nothing_after_the_next_save(tmp_path):
     proc = subprocess.run([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", SCRIPT, "elastic",
-                           str(tmp_path)], capture_output=True, text=True, timeout=150)
+                           str(tmp_path)], capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     survivor = json.load(open(tmp_path / "worker1.json"))
     assert survivor["history"] == [["0"]]  # the worker started as rank 0 was lost...
@@ -72,6 +72,23 @@ def test_an_asynchronous_save_cut_by_a_lost_worker_leaves_nothing_after_the_next
     assert "was not written" in proc.stderr  # the cut save is named in a warning, not raised as a stale error
     # the survivor's own writer, held half-way through the cut save's write, ended at the regroup (not left behind)
     assert survivor["held_writer_gone"] and not survivor["writer_kept"]
+    assert px.read_checkpoint(tmp_path / "ckpt")["step"] == 99
+
+
+@pytest.mark.multiproc
+def test_an_abandoned_asynchronous_save_posts_nothing_where_the_next_generation_saves(tmp_path):
+    # Three workers, the one started as rank 2 killed half-way through an asynchronous save: rank 0 of the cut save
+    # survives, and its save ends (its writer killed at the regroup) after the new generation formed. The new
+    # generation counts its saves afresh, so its first save uses the cut save's key: rank 0's late "not written"
+    # posted there was read by rank 1 as the new save's outcome (a stale CheckpointError, the job ended).
+    proc = subprocess.run([*CLI, "run", "-n", "3", "--elastic", "--min-workers", "1", SCRIPT, "elastic",
+                           str(tmp_path), "2"], capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    survivors = {w: json.load(open(tmp_path / f"worker{w}.json")) for w in ("0", "1")}
+    for survivor in survivors.values():
+        assert survivor["history"] == [["2"]]
+        assert survivor["raised"] == "", survivor["raised"]
+        assert [n for n in survivor["left_after_save"] if n.startswith("ckpt")] == ["ckpt"]
     assert px.read_checkpoint(tmp_path / "ckpt")["step"] == 99
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import subprocess
 import time
 
@@ -197,6 +198,36 @@ def test_join_refuses_an_endpoint_with_no_job_within_seconds():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "no job answers" in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert time.monotonic() - start < 30
+
+
+def test_join_to_an_endpoint_that_is_no_store_says_one_line_without_torchs_log():
+    # Something listens there but is no job's store (it accepts and hangs up): the plain socket probe passes and the
+    # store call fails. torch's C++ store logs every retry at length (a backtrace each) on stderr: the user must see
+    # phalanx's one line only.
+    import socket
+    import threading
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def hang_up() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        proc = subprocess.run([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{listener.getsockname()[1]}", "-n", "1",
+                               WORKER], capture_output=True, text=True, timeout=120,
+                              env={k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"})
+    finally:
+        stop.set()
+        listener.close()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [line for line in proc.stderr.splitlines() if line.startswith("phalanx:")], \
+        proc.stderr[-3000:]
+    assert len(proc.stderr.splitlines()) == 1 and "no job answers" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_join_refuses_a_job_that_is_not_elastic_and_leaves_a_finished_one_at_once(tmp_path):

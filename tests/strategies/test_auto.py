@@ -18,7 +18,8 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.errors import ConfigError
 from phalanx.strategies.auto import Auto
-from phalanx.strategies.decision import LONG_RUN_ROUNDS, MIN_ROUNDS, PENALTIES, Choice, Measurement, candidates, decide
+from phalanx.strategies.decision import (LONG_RUN_ROUNDS, MIN_ROUNDS, PENALTIES, SPARSE_PERIODS, Choice, Measurement,
+                                         candidates, decide)
 from support.procs import run_workers
 from workers.auto import batch, net
 
@@ -52,8 +53,10 @@ def test_a_short_run_averages_plainly_and_keeps_at_least_min_rounds():
 
 
 def test_one_gbit_with_nothing_overlapped_leaves_allreduce_as_issue_41_measured_on_the_lstm():
-    # the recurrent model: 60 ms compute, all its gradient ready only at the end of backward (overlap 0)
-    d = decide(measured(FAST, overlap=0.0), 200)
+    # the recurrent model: 60 ms compute, all its gradient ready only at the end of backward (overlap 0), the
+    # synchronous step 124 ms as the issue measured at 1 Gbit/s (the link as achieved: 4 MB in 64 ms); streaming's
+    # penalty (the worst family's, 1.92) costs less than the 2.07x step
+    d = decide(measured(4 * MB / 0.064, overlap=0.0), 200)
     assert d.choice.rule != "allreduce"
     allreduce = next(o for o in d.others if o.rule == "allreduce")
     assert allreduce.time_s > d.choice.time_s
@@ -72,6 +75,21 @@ def test_the_projection_is_step_time_times_expected_steps_from_the_penalty_data(
         assert c.step_s >= m.compute_s
     ar = next(c for c in candidates(m, 1000) if c.rule == "allreduce")
     assert ar.step_s == pytest.approx(0.06 + 4 * MB / MID)  # ring at N = 2: S/B, nothing hidden
+
+
+def test_the_2bit_exchange_is_weighed_only_where_it_was_measured_and_builds_sparseloco():
+    """px.SparseLoCo under Streaming DiLoCo: at its measured periods, on short runs (plain averaging outer step)."""
+    short = [c for c in candidates(measured(SLOW), 200) if c.kwargs.get("quantize") == "sparseloco"]
+    assert short and {c.kwargs["every"] for c in short} == set(SPARSE_PERIODS)
+    assert all(c.penalty == "streaming-diloco-sparseloco" for c in short)
+    assert all((c.kwargs["outer_lr"], c.kwargs["outer_momentum"]) == (1.0, 0.0) for c in short)
+    assert not [c for c in candidates(measured(SLOW), 100_000) if c.kwargs.get("quantize") == "sparseloco"]
+    rule = Choice.from_state(short[0].state()).build(0)
+    assert isinstance(rule, px.StreamingDiLoCo) and isinstance(rule.compression, px.SparseLoCo)
+    # it sends ~1.1% of 4-bit's bytes: where both hide behind compute, the smaller penalty decides
+    four = next(c for c in candidates(measured(SLOW), 200) if c.kwargs.get("quantize") == 4 and
+                c.kwargs["every"] == short[0].kwargs["every"] and c.kwargs["fragments"] == short[0].kwargs["fragments"])
+    assert short[0].bytes_per_step < four.bytes_per_step / 10
 
 
 def test_every_penalty_says_where_it_was_measured():

@@ -40,6 +40,8 @@ STEPS = 8
     (lambda: px.StreamingDiLoCo(mixing="lazy"), "or \"eager\""),
     (lambda: px.StreamingDiLoCo(moments=("velocity",)), "distinct names among momentum, exp_avg"),
     (lambda: px.StreamingDiLoCo(moments=("exp_avg", "exp_avg")), "moments=('exp_avg', 'exp_avg')"),
+    (lambda: px.StreamingDiLoCo(quantize=4, moments=("momentum", "exp_avg_sq")), "only with quantize=None"),
+    (lambda: px.StreamingDiLoCo(quantize=px.SparseLoCo(), moments=("exp_avg_sq",)), "only with quantize=None"),
     (lambda: px.Quantize(bits=2), "4 or 8"),
     (lambda: px.Quantize(block=63), "even block"),
     (lambda: px.Quantize(rounding="up"), "'nearest' or 'stochastic'"),

@@ -111,13 +111,33 @@ class Events:
             time.sleep(0.002)  # sleep: a held worker polls for the harness's marker file (bounded above)
 
 
-def phase(events: Events, name: str, fn, **fields):  # noqa: ANN001, ANN201 - wraps a State method
+def phase(events: Events, name: str, fn, after=None, **fields):  # noqa: ANN001, ANN201 - wraps a State method
     def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         events(f"{name}+", **fields)
         result = fn(*args, **kwargs)
         events(f"{name}-", **fields)
+        if after is not None:
+            after()
         return result
     return wrapped
+
+
+def fingerprint(net: torch.nn.Module, opt: torch.optim.Optimizer, record: list) -> dict:
+    """What ``--digest`` writes: the record's length and hash, and 4 random projections of the parameters and of
+    each of AdamW's moments (the same projections in the oracle's replay), plus AdamW's step count."""
+    import hashlib
+    flat = torch.cat([p.detach().flatten() for p in net.parameters()])
+    g = torch.Generator().manual_seed(7)
+    proj = torch.randn(4, flat.numel(), generator=g, dtype=torch.float64)
+    states = [opt.state.get(p, {}) for p in net.parameters()]
+
+    def moment(name: str) -> list[float]:
+        if not all(name in s for s in states):
+            return []
+        return (proj @ torch.cat([s[name].detach().flatten() for s in states]).double()).tolist()
+    steps = sorted({float(s["step"]) for s in states if "step" in s})
+    return {"n": len(record), "rh": hashlib.md5(json.dumps(record).encode()).hexdigest()[:12],
+            "p": (proj @ flat.double()).tolist(), "m": moment("exp_avg"), "v": moment("exp_avg_sq"), "st": steps}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -133,6 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--shard", type=int, default=0, help="shard=px.FullyShard(group_size=S)")
     p.add_argument("--max-epochs", type=int, default=1000)
     p.add_argument("--hold", default="", help="comma-separated phases a worker waits in for the harness's word")
+    p.add_argument("--digest", action="store_true",
+                   help="a 'digest' event after every commit, regroup and join: the record's length and hash and "
+                        "projections of the model and AdamW's moments, to find where a worker left the oracle")
     args = p.parse_args(argv)
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     os.makedirs(os.path.join(args.out, "stacks"), exist_ok=True)
@@ -156,10 +179,16 @@ def main(argv: list[str] | None = None) -> dict:
     joining = [False]  # a joiner's own commit inside join() is not collective: no checkpoint there
     every = args.commit_every * args.ckpt_every
 
+    def digest(where: str) -> None:
+        if args.digest:
+            events("digest", where=where, step=state.step, gen=g.generation, rank=px.rank(),
+                   world=px.world_size(), **fingerprint(px.unwrap(model_), opt, record.steps))
+
     def commit() -> None:
         events("commit+", step=state.step)
         real_commit()
         events("commit-", step=state.step)
+        digest("commit")
         # the script's own disk checkpoint every few commits (by step, so every member agrees), where a DDP port
         # puts its torch.save
         if (every and not args.state_checkpoint and state.elastic and not joining[0] and state.step > 0
@@ -175,8 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
         # name the elastic package calls (this script's marker, nothing changes in phalanx)
         from phalanx.elastic import commits as elastic_commits
         elastic_commits.save_checkpoint = phase(events, "ckpt", elastic_commits.save_checkpoint)
-    state.recover = phase(events, "regroup", state.recover)  # type: ignore[method-assign]
-    state.grow = phase(events, "grow", state.grow)  # type: ignore[method-assign]
+    state.recover = phase(events, "regroup", state.recover, after=lambda: digest("regroup"))  # type: ignore
+    state.grow = phase(events, "grow", state.grow, after=lambda: digest("grow"))  # type: ignore[method-assign]
     real_join = phase(events, "join", state.join)
 
     def join() -> bool:
@@ -185,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
             return real_join()
         finally:
             joining[0] = False
+            digest("join")
 
     state.join = join  # type: ignore[method-assign]
     comm = px.Comm()

@@ -159,9 +159,13 @@ def main() -> None:
                    help="IDS: each member whose id starts with one of IDS (comma-separated) stops while it admits a "
                         "joiner, once the joiner claimed its place and before the members' answer (gen/<g>/go), "
                         "writes holding<its id>.json and waits there to be killed (test_joiner_left_alone.py)")
+    p.add_argument("--kill-again", default="",
+                   help="ID@STEP: after the first regroup, the worker started as rank ID dies before step STEP (a "
+                        "second loss before the next commit: the survivors roll back to the same commit twice)")
     p.add_argument("--wait-for-joiner", action="store_true",
                    help="the first workers wait before their 3rd step until a joiner asked to join, and before "
                         "their 5th until it is ready to enter (it enters at the commit of step 6)")
+    p.add_argument("--joiners", type=int, default=1, help="--wait-for-joiner waits for this many joiners")
     args = p.parse_args()
     me = elastic_id()
     if args.hold_in_grow and me.startswith(args.hold_in_grow):
@@ -169,6 +173,7 @@ def main() -> None:
     if args.hold_in_admit and any(me.startswith(h) for h in args.hold_in_admit.split(",")):
         hold_in_admit(args.out, me)
     victim, _, at = args.kill.partition("@")
+    again, _, again_at = args.kill_again.partition("@")
 
     if args.trainer:
         return trainer_main(args, me, victim, int(at or 0))
@@ -198,6 +203,8 @@ def main() -> None:
                 return
             os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
             time.sleep(60)  # sleep: a stopped worker never gets here before the launcher kills it
+        if me == again and state.step + 1 == int(again_at) and len(state.history) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     began = time.monotonic()
     waited: list[int] = []  # --wait-for-replacement: the steps where the survivors waited for the replacement
@@ -206,7 +213,7 @@ def main() -> None:
     def train(state: px.elastic.State) -> None:
         for epoch, x, y, ids in epoch_batches(state, loader, args.epochs):
             if args.wait_for_joiner and state.step in (2, 4) and not state.history:
-                wait_for_joiner(state, "asked" if state.step == 2 else "ready")
+                wait_for_joiner(state, "asked" if state.step == 2 else "ready", count=args.joiners)
             if not args.kill_in_step:
                 die()
             digests.append([state.step, px.world_size(), digest(model_, opt)])
@@ -247,10 +254,10 @@ def main() -> None:
                  first_step_after_recovery=first_after[0] if first_after else None)
 
 
-def wait_for_joiner(state: px.elastic.State, stage: str, timeout_s: float = 120.0) -> None:
-    """Block until a joiner has ``asked`` to join (``elastic/joiners``: the next commit point offers it a place) or is
-    ``ready`` to enter (``elastic/ready/<id>``: it started up and waits at the start of training; the next commit
-    point admits it), whatever the time its start-up took."""
+def wait_for_joiner(state: px.elastic.State, stage: str, timeout_s: float = 120.0, count: int = 1) -> None:
+    """Block until ``count`` joiners have ``asked`` to join (``elastic/joiners``: the next commit point offers them a
+    place) or are ``ready`` to enter (``elastic/ready/<id>``: started up, waiting at the start of training; the next
+    commit point admits them), whatever the time their start-up took."""
     from phalanx.elastic.membership import key
 
     from support.wait import until
@@ -259,9 +266,9 @@ def wait_for_joiner(state: px.elastic.State, stage: str, timeout_s: float = 120.
 
     def there() -> bool:
         asked = json.loads(store.get(key("joiners"))) if store.check([key("joiners")]) else []
-        return any(stage == "asked" or store.check([key("ready", j)]) for j in asked)
+        return sum(stage == "asked" or store.check([key("ready", j)]) for j in asked) >= count
 
-    until(there, timeout=timeout_s, what=f"a joiner {stage}")
+    until(there, timeout=timeout_s, what=f"{count} joiner(s) {stage}")
 
 
 def hold_in_grow(out: str, me: str) -> None:

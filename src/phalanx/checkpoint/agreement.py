@@ -83,14 +83,14 @@ def _lost(what: str, lost: list[int], why: str) -> WorkerLostError:
                            "abandoned and the previous checkpoint at that path is untouched", lost_ranks=lost)
 
 
-def _wait_keys(keys: Mapping[int, str], what: str) -> None:
+def _wait_keys(keys: Mapping[int, str], what: str, store: dist.Store | None = None) -> None:
     """Wait until every rank's key in ``keys`` ({rank: key}) is in the group's store; bounded, dead-aware.
 
     Ends at once with a :class:`WorkerLostError` naming a rank it waits on that is known gone
     (exit note, stopped heartbeat), and after the group's timeout with one naming those still
     missing: never the store's own full timeout for a peer that is already dead.
     """
-    store, g = group.store(), group.current()
+    store, g = store if store is not None else group.store(), group.current()
     deadline, dead = time.monotonic() + g.timeout_s, _Dead()
     with guarded(what):  # the store itself gone: StoreLostError
         while True:
@@ -253,19 +253,26 @@ def _file_error(path: str, rank: int, err: BaseException) -> BaseException:
     return err
 
 
-def _post_write(key: str | None, outcome: str) -> None:
-    """Rank 0: post how its write and rename ended ("ok", or the error's type and message) for the others."""
-    store = group.store()
+def _post_write(key: str | None, outcome: str, store: dist.Store | None) -> None:
+    """Rank 0: post how its write and rename ended ("ok", or the error's type and message) for the others.
+
+    ``store``: the store of the generation that saved (:class:`~phalanx.checkpoint.handle.SaveHandle` keeps it), not
+    the group's store of now: an asynchronous save can end after a regroup, and the next generation numbers its saves
+    afresh. A store gone with its generation takes nothing: nobody waits there any more.
+    """
     if key is not None and store is not None:
-        store.set(f"{key}/written", outcome)
+        try:
+            store.set(f"{key}/written", outcome)
+        except dist.DistError:
+            if group.is_initialized() and group.store() is store:
+                raise  # the store of the living group: its waiters must hear of it (StoreLostError upstream)
 
 
-def _wait_for_write(key: str | None) -> None:
-    """Wait for rank 0's write; raise its error here too."""
-    store = group.store()
+def _wait_for_write(key: str | None, store: dist.Store | None) -> None:
+    """Wait for rank 0's write in ``store`` (the saving generation's); raise its error here too."""
     if key is None or store is None:
         return
-    _wait_keys({0: f"{key}/written"}, "waiting for rank 0 to write the checkpoint")
+    _wait_keys({0: f"{key}/written"}, "waiting for rank 0 to write the checkpoint", store)
     outcome = store.get(f"{key}/written").decode()
     if outcome != "ok":
         kind, _, message = outcome.partition("\n")

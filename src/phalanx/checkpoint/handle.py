@@ -37,8 +37,12 @@ class SaveHandle:
     """
 
     def __init__(self, path: str, future: Future | None, key: str | None, rank: int,
-                 pg: Any = None, generation: int = 0) -> None:
+                 pg: Any = None, generation: int = 0, store: Any = None) -> None:
         self.path, self.key, self.rank = path, key, rank
+        # the store of the generation that saves: its keys count the saves afresh in each generation, so the outcome
+        # of a save that ends after a regroup (rank 0's callback) must go where its own waiters look, never under the
+        # same key in the next generation's store, where that generation's own save of the same number reads it
+        self.store = store
         self.pg, self.generation = pg, generation  # reused by the next save of the same group generation
         self._future = future
         self._committed: Future = Future()  # rank 0: set once the directory is in place (or the save failed)
@@ -51,8 +55,7 @@ class SaveHandle:
             return False
         if self.rank == 0:
             return self._committed.done()
-        store = group.store() if group.is_initialized() else None
-        return self.key is None or store is None or store.check([f"{self.key}/written"])
+        return self.key is None or self.store is None or self.store.check([f"{self.key}/written"])
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint is complete; raise a :class:`CheckpointError` if it could not be written.
@@ -76,7 +79,7 @@ class SaveHandle:
             if self.rank == 0:
                 self._committed.result(timeout)
             elif group.current().generation == self.generation:  # (a regrouped job has a new store: rank 0 wrote)
-                _wait_for_write(self.key)
+                _wait_for_write(self.key, self.store)
         except TimeoutError:
             raise  # not an outcome: the save goes on, and a later wait() waits for it again
         except Exception as err:
@@ -122,7 +125,7 @@ def _finish(handle: SaveHandle, tmp: str, world: int, step: int, *, blocking: bo
     ``commit`` does the sealing and renaming (default :func:`_commit`, here; an asynchronous save's writer process).
     """
     if handle.rank != 0:
-        _wait_for_write(handle.key)
+        _wait_for_write(handle.key, handle.store)
         return
     try:
         if handle._future is not None:
@@ -132,12 +135,12 @@ def _finish(handle: SaveHandle, tmp: str, world: int, step: int, *, blocking: bo
                 raise _write_error(handle.path, err) from err
         (commit or _commit)(tmp, handle.path, world, step)
     except BaseException as err:
-        _abandon(tmp, handle.key, err)
+        _abandon(tmp, handle.key, err, handle.store)
         if blocking:
             raise
         handle._committed.set_exception(err)
         return
-    _post_write(handle.key, "ok")
+    _post_write(handle.key, "ok", handle.store)
     _post_saved(handle.path)
     if not handle._committed.done():
         handle._committed.set_result(None)
@@ -163,11 +166,12 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _abandon(tmp: str, key: str | None, err: BaseException | None = None) -> None:
-    """Rank 0 after a failed write: remove the temporary directory and post the error for the others."""
+def _abandon(tmp: str, key: str | None, err: BaseException | None = None, store: Any = None) -> None:
+    """Rank 0 after a failed write: remove the temporary directory and post the error for the others (in ``store``,
+    the saving generation's)."""
     shutil.rmtree(tmp, ignore_errors=True)
     if err is not None:
-        _post_write(key, f"{type(err).__name__}\n{err}")
+        _post_write(key, f"{type(err).__name__}\n{err}", store)
 
 
 def _write_error(path: str, err: BaseException) -> CheckpointError:

@@ -142,14 +142,14 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     writer = _writer(tmp)
     distributed = dist.is_initialized() and world > 1
     kwargs = dict(storage_writer=writer, planner=planner, process_group=pg, no_dist=not distributed)
-    handle = SaveHandle(path, None, key, me, pg, g.generation)
+    handle = SaveHandle(path, None, key, me, pg, g.generation, group.store())
     if blocking:
         try:
             with _quiet():
                 _dcp().save(tensors, **kwargs)
         except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001 - raised on every rank
             if me == 0:
-                _abandon(tmp, key)
+                _abandon(tmp, key, store=group.store())
             # A peer killed mid-write is a lost peer (elastic regroups on the type), not a bad checkpoint:
             # the save is abandoned and the previous checkpoint at `path` stays.
             lost = peer_lost(err, f"writing the checkpoint {path!r}")

@@ -120,6 +120,17 @@ class ShardSampler(Sampler[list[int]]):
         """
         self.rank, self.world_size = rank, world_size
 
+    def keep_global_batch(self, size: int | None) -> None:
+        """Cut every global batch to ``size`` samples whatever the world size (None: ``batch_size`` per worker);
+        ``phalanx.elastic.KeepGlobalBatch`` asks for it at the start and after every regroup.
+
+        Example:
+            >>> s = ShardSampler(12, 2, rank=0, world_size=2, shuffle=False, seed=0, drop_last=True)
+            >>> s.keep_global_batch(6); list(s)[0]
+            [0, 1, 2]
+        """
+        self.global_size = size
+
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch, self.samples = epoch, 0

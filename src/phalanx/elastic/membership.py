@@ -27,6 +27,10 @@ Keys (all under ``elastic/`` in the launcher's TCPStore):
     leaving/<id>           worker <id> was sent SIGTERM/SIGUSR1 and asks to leave at the next commit
     leave/<g>/<step>       JSON list of the members leaving at the commit of <step> in generation g
     done                   set when training finished (late joiners leave)
+    standby                "HOST:PORT" of the job's standby store (``phalanx join --standby-store``), in the primary
+    launched               JSON list of the ids the primary launcher started (workers, spares, replacements)
+    failover               in the standby store: its launcher found the primary lost and marked the workers of
+                           ``launched`` dead there (they end with their launcher); the others regroup there
 
 Example:
     >>> decide_members(["a", "b", "c"], arrived={"a", "c"}, dead={"b"}, joiners=[])
@@ -154,6 +158,20 @@ class Membership:
         self.store.set(key("gen"), str(g))
         self.members, self.generation = members, g
         return {"generation": g, "members": members, "step": step}
+
+    def adopt(self, store: dist.Store) -> None:
+        """Go on in ``store`` (the job's standby store, after the primary was lost): this worker's generation and
+        its members are announced there (the first survivor's word stands), so the next regroup starts from them.
+
+        The standby holds nothing the survivors need: they bring their generation, their members and their
+        commits (torchft's lighthouse keeps only soft state for the same reason).
+        """
+        self.store = store
+        if not self.members:
+            return  # a joiner that was never admitted: nothing to announce
+        store.compare_set(key("gen", self.generation, "members"), "", json.dumps(self.members))
+        if not store.check([key("gen")]) or int(store.get(key("gen"))) < self.generation:
+            store.set(key("gen"), str(self.generation))
 
     def joining_again(self, g: int, m: str) -> bool:
         """Did ``m`` arrive at generation ``g`` as a joiner whose entry into ``g - 1`` failed (no commit held)?"""

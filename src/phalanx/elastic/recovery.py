@@ -15,7 +15,9 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
+import torch
 
 from ..group import group
 from ..checkpoint import checkpoint_step, load_checkpoint
@@ -29,6 +31,22 @@ from .rule import Regroupable
 from .run import is_peer_failure
 
 
+def cloned(obj: Any) -> Any:
+    """``obj`` with every tensor in its containers cloned where it lies (no storage shared with ``obj``).
+
+    Example:
+        >>> import torch; t = torch.zeros(2); c = cloned({"a": [t]}); _ = c["a"][0].add_(1); t.tolist()
+        [0.0, 0.0]
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, cloned(v)) for k, v in obj.items())  # keeps an OrderedDict one
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cloned(v) for v in obj)
+    return obj
+
+
 class Recovery:
     """Rollback, regroup and admission for ``px.elastic.State`` (a mixin: its attributes are the state's)."""
 
@@ -37,7 +55,7 @@ class Recovery:
         started, failed_at = time.monotonic(), time.time() if failed_at is None else failed_at
         before = group.world_size()
         plan = self.worker.rebuild(sorted(self.commits), backend=group.current().backend or "gloo")
-        snap = self.commits[plan["step"]]
+        snap = self._unshared(self.commits[plan["step"]])
         for newer in [s for s in self.commits if s > plan["step"]]:
             del self.commits[newer]
         lost_steps = max(0, self.step - plan["step"])
@@ -59,7 +77,7 @@ class Recovery:
         started, before = time.monotonic(), group.world_size()
         plan = self.worker.grow(joiners, backend=group.current().backend or "gloo")
         self._send_state()
-        self._reshard(self.commits[max(self.commits)])  # taken at this commit point: the live state
+        self._reshard(self._unshared(self.commits[max(self.commits)]))  # taken at this commit point: the live state
         self._resplit(before)
         self._note(plan, before, started, redone=0, cause="joined")
 
@@ -96,6 +114,20 @@ class Recovery:
         self._note(plan, 0, started, redone=0, cause="joined")
         return True
 
+    def _unshared(self, commit: dict) -> dict:
+        """What a rollback restores from ``commit``: a copy of the state it would otherwise take by reference.
+
+        The commit is kept: a loss before the next commit rolls back to it again. But restoring hands some of its
+        tensors over as they are: torch's ``Optimizer.load_state_dict`` casts each state tensor with ``.to``, which
+        returns the same tensor when dtype and device already match (a CPU model), and a sharded model's reshard
+        takes its rows and moments as the new shards. The steps after the rollback would then update the commit
+        itself in place (momentum, Adam's moments and step count), and the second rollback to it restored the
+        commit's model with those later moments. The model of an unsharded commit is copied into the parameters by
+        ``load_state_dict``: it is not copied here.
+        """
+        keep = {"model"} if sharded_by(self.optimizer) is None else set()
+        return {k: v if k in keep else cloned(v) for k, v in commit.items()}
+
     def _send_state(self) -> dict:
         """Rank 0's newest commit on every worker: its layout weights-only, its tensors streamed as raw bytes in
         chunks into tensors allocated here (:func:`phalanx.group.transfer.broadcast_state`), never one blob.
@@ -120,7 +152,7 @@ class Recovery:
                                  lost.lost)
         for newer in [s for s in self.commits if s > step]:
             del self.commits[newer]
-        snap = self.commits[step]
+        snap = self._unshared(self.commits[step])
         self._restore(snap)
         if joined:
             self._send_state()  # the commit of the checkpoint's step: the newest one kept

@@ -125,7 +125,7 @@ class KeepGlobalBatch(ResizePolicy):
 
     def start(self, loader: Any, world_size: int) -> None:
         sampler = getattr(loader, "sampler", None)
-        if sampler is None or not hasattr(sampler, "global_size"):
+        if sampler is None or not hasattr(sampler, "keep_global_batch"):
             raise ConfigError(usage(f"KeepGlobalBatch with a loader of type {type(loader).__name__}",
                                     "a px.shard loader passed to px.elastic.State(model, opt, loader, ...)",
                                     "Build the loader with px.shard(dataset, batch_size), or use KeepWorkerBatch()."))
@@ -136,7 +136,7 @@ class KeepGlobalBatch(ResizePolicy):
     def apply(self, loader: Any, world_size: int) -> None:
         sampler = getattr(loader, "sampler", None)
         if sampler is not None and self.global_batch is not None:
-            sampler.global_size = self.global_batch
+            sampler.keep_global_batch(self.global_batch)  # the sampler's own field, set by its own method
 
     def state_dict(self) -> dict[str, Any]:
         return {"global_batch": self.global_batch}

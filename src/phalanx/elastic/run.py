@@ -53,9 +53,11 @@ class Reentry:
         return _epochs(self, epochs)
 
     def __enter__(self) -> "Reentry":
+        self._attempting = self._in_epochs  # an epoch's attempt: the loop's state.commit() may end it
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        self._attempting = False
         if exc is None or not self._in_epochs:
             return False  # outside `for epoch in state.epochs(n)` nothing would re-enter the loop: let it end
         return _caught(self, exc)  # True: the epoch ends here; epochs() regroups and resumes at the commit
@@ -65,8 +67,10 @@ class MembershipChange(BaseException):
     """The group changes at this commit point: the attempt ends here, and ``@px.elastic.run`` (or
     ``state.epochs`` with ``with state:``) rebuilds the group and re-enters the training from the commit.
 
-    Raised only at a commit point: where a ``px.shard`` loader hands out the next batch (the loop's
-    ``for batch in loader``), or, with another loader, right after ``optimizer.step()``. A
+    Raised only at a commit point the loop shows: where a ``px.shard`` loader hands out the next batch
+    (the loop's ``for batch in loader``), or, with another loader (a ``DataLoader``, your own iterator),
+    at the loop's ``state.commit()``, as Horovod raises from ``state.commit()``; never from inside
+    ``optimizer.step()``. A
     ``BaseException``, as ``KeyboardInterrupt`` is, so a user's ``except Exception:`` around the step
     cannot swallow it; code that must clean up uses ``finally`` and lets it pass.
 
@@ -143,7 +147,11 @@ def _caught(state: Reentry, err: BaseException) -> bool:
     if not isinstance(err, Exception) or not state.elastic:
         return False
     if not state.worker.host_alive():
-        state.worker.lost_host()
+        if not state.worker.fail_over():
+            state.worker.lost_host()
+        # the job's store was lost and its standby took over: the survivors regroup there, whatever failed here
+        state._pending = ("failure", f"the job's store at {state.worker.primary} was lost", time.time())
+        return True
     if not is_peer_failure(err) and not _peer_died_under(state, err):
         return False
     state._pending = ("failure", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
@@ -195,7 +203,7 @@ def _change(state: Reentry) -> None:
             raise SystemExit(1) from None
         except Exception as err:  # noqa: BLE001 - a lost peer is noted by _caught; anything else is raised
             if not _caught(state, err):
-                if not state.worker.host_alive():
+                if not state.worker.host_alive() and not state.worker.fail_over():
                     state.worker.lost_host()
                 raise
 
@@ -225,12 +233,15 @@ def run(fn: F) -> F:
         if not _begin(state):
             return None  # training ended before we got in: nothing to do
         while True:
+            state._attempting = True  # the loop's state.commit() is a commit point while fn runs
             try:
                 result = fn(state, *args, **kwargs)
             except BaseException as err:  # noqa: BLE001 - _caught keeps a lost peer and a resize; the rest is raised
+                state._attempting = False
                 if not _caught(state, err):
                     raise
             else:
+                state._attempting = False
                 _end(state)
                 return result
             _change(state)

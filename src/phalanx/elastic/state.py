@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 from typing import Any
 
@@ -76,7 +77,13 @@ class State(Recovery, Reentry):
 
     A commit is taken between two steps: where a ``px.shard`` loader is about to hand out
     the next batch (the step before is over on every rank, and the loader's position still
-    points at that batch), or, with any other loader, right after ``optimizer.step()``.
+    points at that batch), or, with any other loader, right after ``optimizer.step()`` and at
+    every :meth:`commit` the loop calls.
+
+    A membership change (a graceful leave, an admission) is decided only at a commit point the
+    loop shows: the ``px.shard`` loader's iteration, or, with any other loader, the loop's own
+    ``state.commit()``. It ends the attempt with a :class:`~phalanx.elastic.MembershipChange`
+    (a ``BaseException``) that ``@px.elastic.run`` handles; ``optimizer.step()`` never raises one.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, loader: Any = None,
@@ -101,6 +108,10 @@ class State(Recovery, Reentry):
         self._pending: tuple | None = None
         self._in_epochs = False
         self._leaving = False  # this worker asked to leave (it was sent SIGTERM/SIGUSR1)
+        self._decides_at_commit = False  # True: a loader other than px.shard, the user's state.commit() decides
+        self._attempting = False  # inside @px.elastic.run's call of the training function, or `with state:`
+        self._taking = False  # inside _commit_together: commit() captures only
+        self._loop_commits = False  # the loop called state.commit() inside @px.elastic.run: it decides changes
         self._handles: list[Any] = []
         self._moved: dict[str, int] = {}  # bytes of sharded state the last reshard received, for the history
         self.worker = ElasticWorker.of(group.current())
@@ -136,42 +147,120 @@ class State(Recovery, Reentry):
 
     def _hook_commit_point(self) -> None:
         before_batch = getattr(self.loader, "before_batch", None)
+        # Where a membership change may be decided: a point the user's loop shows, never inside opt.step().
+        self._decides_at_commit = not callable(before_batch)
         if callable(before_batch):  # px.shard: between two steps, before the position moves past the next batch
             self._handles.append(before_batch(self.at_commit_point))
-        elif self.optimizer is not None:  # any other loader: right after the step (a skipped step takes none)
-            self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self.at_commit_point()))
+        elif self.optimizer is not None:  # any other loader: the due commit right after the step (it raises nothing)
+            self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._after_step()))
 
     def at_commit_point(self) -> None:
-        """Between two steps: commit when one is due and admit the joiners waiting (``px.elastic`` calls it)."""
+        """The loader's iteration boundary (a ``px.shard`` loader calls it before it hands out a batch): commit when
+        one is due, then who leaves and who joins is decided here (:meth:`_decide`: may raise a
+        :class:`~phalanx.elastic.MembershipChange` out of the loop's ``for batch in loader``)."""
+        self._commit_point(asked=False)
+
+    def _after_step(self) -> None:
+        """A loader other than ``px.shard``, right after ``optimizer.step()``: the commit when one is due, a snapshot
+        only. Nothing is decided or raised inside the user's ``opt.step()``: joiners and leavers wait for the loop's
+        next ``state.commit()``, a call the user wrote (:meth:`commit`)."""
         clock = self._clock()
-        if self.commit_every is None or not self.elastic or clock is None:
+        if not self.elastic or clock is None:
+            return
+        signal = getattr(PREEMPTION.of(group.current()).value, "signal", None)
+        if signal is not None and not self._leaving:  # a notice only (a store key): the leave is decided at commit()
+            self._leaving = True
+            self.worker.membership.ask_to_leave()
+            print(f"phalanx: elastic: worker {self.worker.me} was sent signal {signal}; with a loader other than "
+                  "px.shard it leaves the group at the next commit (its loop's state.commit(), or, in a loop that "
+                  "calls none, the next commit taken after opt.step())", file=sys.stderr,
+                  flush=True)
+        if self.commit_every is None:
+            return
+        clock.settle()  # a step this rank's GradScaler skipped is closed: every rank now counts the same
+        if self._due(clock.step) and self._agree(clock.step):
+            self._commit_together()
+            # A loop that never calls state.commit() has no point where a change could be raised, so a worker
+            # asked to leave ends its own process here, at a commit every member holds (nothing is thrown out
+            # of opt.step(): the process exits, as preemption asks). The others meet it gone at their next
+            # exchange and roll back to this very commit: nothing is redone.
+            step = clock.step
+            if self._leaving and not self._loop_commits and self.worker.me in self.worker.membership.leavers(step):
+                self.worker.leave(step)
+
+    def _commit_point(self, *, asked: bool) -> None:
+        """A commit point the user's loop shows: the loader's iteration (``asked`` False: a commit when one is due)
+        or the user's ``state.commit()`` with any other loader (``asked``: a commit now). After a commit every
+        member took together, who leaves and who joins is decided (:meth:`_decide`)."""
+        clock = self._clock()
+        if (self.commit_every is None and not asked) or not self.elastic or clock is None:
             return
         clock.settle()  # a step this rank's GradScaler skipped is closed: every rank now counts the same
         step = clock.step
-        strategy = self.training.strategy
         preemption = PREEMPTION.of(group.current()).value
         if preemption is not None and preemption.signal is not None and not self._leaving:
             self._leaving = True  # SIGTERM to this worker (a node drained): leave at the next commit
             self.worker.membership.ask_to_leave()
-        # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; commit only where
-        # every worker stands at the same step with the same model.
-        if step - max(self.commits, default=0) >= self.commit_every and (strategy is None or
-                                                                          replicas_agree(strategy, step)):
+        # Between sync points LocalSGD/DiLoCo replicas differ and may be steps apart; a change is decided only
+        # where every worker stands at the same step with the same model.
+        if not self._agree(step):
+            if asked:
+                self._commit_together(capture_only=True)  # the commit asked for, of this replica; nothing decided
+            return
+        if asked or self._due(step):
             self._commit_together()
-            leavers = self.worker.membership.leavers(step)
-            if self.worker.me in leavers:
-                self.worker.leave(step)  # says goodbye and ends this process with PREEMPTED_EXIT
-            if leavers:
-                raise WorkersLeaving(leavers)  # the others regroup at this very commit: nothing is redone
-            joiners = self.worker.membership.admit(step, self.worker.pending_joiners)
-            if joiners:
-                raise JoinersAdmitted(joiners)  # out of the loop and the training function; the group grows outside it
+            self._decide(step)
+
+    def _due(self, step: int) -> bool:
+        return self.commit_every is not None and step - max(self.commits, default=0) >= self.commit_every
+
+    def _agree(self, step: int) -> bool:
+        strategy = self.training.strategy
+        return strategy is None or replicas_agree(strategy, step)
+
+    def _decide(self, step: int) -> None:
+        """At the commit of ``step``, taken by every member: who leaves, then who joins (the first member there
+        decides for all, :mod:`phalanx.elastic.membership`). A change ends the attempt with its public type."""
+        leavers = self.worker.membership.leavers(step)
+        if self.worker.me in leavers:
+            self.worker.leave(step)  # says goodbye and ends this process with PREEMPTED_EXIT
+        if leavers:
+            raise WorkersLeaving(leavers)  # the others regroup at this very commit: nothing is redone
+        joiners = self.worker.membership.admit(step, self.worker.pending_joiners)
+        if joiners:
+            raise JoinersAdmitted(joiners)  # out of the loop and the training function; the group grows outside it
 
     def commit(self) -> None:
-        """Capture this worker's state in memory (no collective); keeps the newest two."""
+        """Capture this worker's state in memory; keeps the newest two.
+
+        With a loader other than ``px.shard`` (a ``DataLoader``, your own iterator) this call is also the loop's
+        commit point, as Horovod's ``state.commit()`` is: inside ``@px.elastic.run`` (or ``with state:`` under
+        ``state.epochs``) every worker calls it at the same step, and there a graceful leave or an admission may
+        end the attempt with a :class:`~phalanx.elastic.MembershipChange`, which ``@px.elastic.run`` handles.
+        Nothing is raised from ``optimizer.step()``. With a ``px.shard`` loader that point is the loader's
+        iteration and this call only captures (no collective); so does it outside ``@px.elastic.run``.
+
+        Example:
+            >>> import torch, phalanx as px
+            >>> net = torch.nn.Linear(2, 1)
+            >>> net, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            >>> state = px.elastic.State(net, opt)
+            >>> @px.elastic.run
+            ... def train(state):
+            ...     for x in [torch.ones(1, 2)] * 2:     # any iterable
+            ...         opt.zero_grad(); net(x).sum().backward(); opt.step()
+            ...         state.commit()                   # where this loop lets the group change
+            ...     return state.step
+            >>> train(state)
+            2
+        """
         if not self._checked:
             self._check()
         if not self.elastic:
+            return
+        if self._decides_at_commit and self._attempting and not self._taking:
+            self._loop_commits = True  # this loop shows its commit points: changes are decided at them
+            self._commit_point(asked=True)  # the loop's own commit point: commit together, then decide
             return
         clock = self._clock()
         clock.settle()  # a skipped step is closed before the step count is read
@@ -190,15 +279,20 @@ class State(Recovery, Reentry):
         for old in sorted(self.commits)[:-KEEP]:
             del self.commits[old]
 
-    def _commit_together(self) -> None:
-        """A commit every member takes at the same step. An async PS settles around it."""
-        strategy = self.training.strategy if self.elastic else None  # px.wrap's, or a Keras run's
+    def _commit_together(self, capture_only: bool = False) -> None:
+        """A commit every member takes at the same step. An async PS settles around it (``capture_only``: not, a
+        replica's own commit between sync points)."""
+        strategy = self.training.strategy if self.elastic and not capture_only else None  # px.wrap's, or Keras's
         if isinstance(strategy, CommitPoint):
             strategy.commit_point()  # e.g. every worker's pushes up to this step are on the servers before the snapshot
-        with span("phalanx/commit"):  # the timeline (phalanx.step.profiling)
-            self.commit()
-            if self.checkpoint is not None and self.elastic:
-                save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
+        self._taking = True  # commit() below captures (a subclass may extend it); it is not the user's commit point
+        try:
+            with span("phalanx/commit"):  # the timeline (phalanx.step.profiling)
+                self.commit()
+                if self.checkpoint is not None and self.elastic and not capture_only:
+                    save_checkpoint(self.checkpoint, self.model, self.optimizer, step=self.step)
+        finally:
+            self._taking = False
         if isinstance(strategy, CommitPoint):
             strategy.commit_point()  # and no one's next push lands before every worker took it
 

@@ -4,8 +4,10 @@
 into the group's environment once) on top of the standard variables; ranks change with
 every generation, ids never do. A daemon thread bumps ``elastic/hb/<id>`` in the
 launcher's store; a stopped or hung process stops bumping and the launcher kills it. If the store itself goes
-away (the launcher's host is lost) the worker says so in one line and exits: no
-one is left to coordinate a recovery.
+away (the launcher's host is lost) and the job has a standby store (``phalanx join --standby-store``, whose
+address every worker reads from the job's store: :data:`STANDBY`), the worker fails over to it
+(:meth:`ElasticWorker.fail_over`) and regroups there with the other survivors; without one it says so in one line
+and exits: no one is left to coordinate a recovery.
 
 Why this is a second heartbeat, beside the group's (:attr:`phalanx.group.group.Group.heartbeat`), in two lines:
 the group's beats a *rank* in one generation's store and is restarted at every rebuild; the launcher watches an
@@ -38,12 +40,13 @@ import json
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
-from ..group import group, leaving
+from ..group import group, leaving, orphan
 from ..group.records import Record, Slot
 from ..errors import PhalanxError
 from ..step import telemetry
@@ -54,6 +57,8 @@ from .admission import Admission, EndedBeforeAdmitted
 from .rebuild import destroy, rebuild
 
 HEARTBEAT_EVERY_S = 0.5
+STANDBY = key("standby")  # in the primary store: "HOST:PORT" of the job's standby store, if it has one
+FAILOVER = key("failover")  # in the standby store: its launcher found the primary lost; the workers regroup there
 
 
 def place(g: group.Group) -> None:
@@ -87,6 +92,20 @@ def place(g: group.Group) -> None:
 WORKER: "Record[Slot[ElasticWorker]]" = Record("elastic worker", Slot)
 
 
+def read_standby(store: dist.Store) -> tuple[str, int] | None:
+    """The job's standby store, as its launcher published it in ``store`` (None: the job has none, or not yet).
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> read_standby(dist.HashStore()) is None
+        True
+    """
+    if not store.check([STANDBY]):
+        return None
+    host, _, port = store.get(STANDBY).decode().rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
 class ElasticWorker(Admission):
     """This worker's side of an elastic job: membership, admission, and its id kept alive in the launcher's store.
 
@@ -111,6 +130,9 @@ class ElasticWorker(Admission):
         self._offered: dict[str, list[float]] = {}  # a joiner offered a place: [beats, when they last moved, since]
         self._asked = False  # a joiner: it asked to join (once; it waits in the joiners list until admitted)
         self.store = self._connect()
+        self.primary = f"{self.addr}:{self.port}"  # the store this worker started on, for its lines
+        self.standby = read_standby(self.store)  # (host, port) of the job's standby store; read again by _beat
+        self._failing_over = threading.Lock()  # the heartbeat thread and the main thread may both find the loss
         members = [] if self.joining else json.loads(self.store.get(key("gen", 0, "members")))
         self.membership = Membership(self.store, self.me, members)
         self.config = self.membership.config()
@@ -151,16 +173,65 @@ class ElasticWorker(Admission):
 
     def _beat(self) -> None:
         store, misses = self._connect(), 0  # its own connection: the main thread may be blocked in the store
+        on = (self.addr, self.port)
         while True:  # the first beat at once: the launcher only watches workers it has heard from
             try:
+                if (self.addr, self.port) != on:  # the main thread failed over: beat on the standby store now
+                    store, on = self._connect(), (self.addr, self.port)
                 store.add(key("hb", self.me), 1)
+                if self.standby is None and on == self._started_on():
+                    self.standby = read_standby(store)  # a standby store may come after this worker started
                 misses = 0
             except Exception:  # noqa: BLE001 - any failure to reach the store counts as a miss
                 misses += 1
-                if misses >= 3 and not self._stop.is_set():
+                if misses >= 3 and not self._stop.is_set() and not self.fail_over():
                     self.lost_host()
             if self._stop.wait(HEARTBEAT_EVERY_S):
                 return
+
+    def _started_on(self) -> tuple[str, int]:
+        host, _, port = self.primary.rpartition(":")
+        return host, int(port)
+
+    def fail_over(self) -> bool:
+        """The job's store is lost: move to its standby store, if it has one that took over; False if not.
+
+        Idempotent, from any thread: the first caller connects to the standby store (bounded by the
+        heartbeat timeout), waits there (bounded the same way) for its launcher's word that the primary is
+        lost (``failover``: it marked the workers of the lost host dead there), and then swaps this worker's
+        store and membership onto it; the next regroup (:meth:`rebuild`) happens there, from the generation
+        and the commits this worker holds. A standby that never answers, or never takes over (its launcher
+        still reaches the primary: the loss is this worker's own), leaves the loss as it was: False. So does
+        the end of this worker's own launcher: the worker ends then (:mod:`phalanx.group.orphan`), it never
+        trains on unwatched on the standby.
+        """
+        launcher = self.group.env.launcher_pid
+        if launcher is not None and orphan.launcher_gone(launcher):
+            return False  # our own launcher is gone with the store: this worker ends (group.orphan), never fails over
+        with self._failing_over:
+            if (self.addr, self.port) != self._started_on():
+                return self.host_alive()  # failed over already (by the other thread); no second standby
+            if self.standby is None:
+                return False
+            host, port = self.standby
+            bound = float(self.config["heartbeat_s"])
+            try:
+                store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=bound),
+                                      wait_for_workers=False)
+                deadline = time.monotonic() + bound
+                while not store.check([FAILOVER]):
+                    if time.monotonic() > deadline or store.check([key("dead", self.me)]):
+                        return False  # no take-over within the bound, or the standby counts this worker lost
+                    time.sleep(0.05)  # sleep: the standby launcher's word comes with no notification; bounded
+                if store.check([key("dead", self.me)]):
+                    return False  # the standby took over counting this worker lost (its launcher's): it ends
+            except Exception:  # noqa: BLE001 - the standby is gone too, or unreachable: nothing to fail over to
+                return False
+            self.membership.adopt(store)
+            self.store, self.addr, self.port = store, host, port
+            print(f"phalanx: elastic: worker {self.me} lost the job's store at {self.primary}; its standby store at "
+                  f"{host}:{port} took over; regrouping there", file=sys.stderr, flush=True)
+            return True
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s),
@@ -185,11 +256,14 @@ class ElasticWorker(Admission):
         """The launcher's store is gone: say so once (from whichever thread notices first) and end."""
         # No exit handlers: they would wait on the store that is gone. One line per worker, also when its
         # launcher's end (group.orphan) is noticed at the same moment.
+        how = "and no standby store took over" if self.standby is not None else \
+            "and the job has no standby store (`phalanx join --standby-store`)"
         leaving.end_now(f"phalanx: elastic: worker {self.me} lost the rendezvous host {self.addr}:{self.port} "
-                        "(the `phalanx run --elastic` launcher); stopping. Commits were in memory only: "
+                        f"(the `phalanx run --elastic` launcher), {how}; stopping. Commits were in memory only: "
                         "resume from your last disk checkpoint (px.save_checkpoint), if any.")
 
     def host_alive(self) -> bool:
+        """Does the job's store (the one this worker uses now) answer?"""
         try:
             self.store.check([key("config")])
             return True

@@ -115,6 +115,8 @@ def run_elastic(cfg: "RunConfig", status: "JobStatus | None" = None) -> int:
         return _Worker(wid, start_worker(el.start_method, command, {**env, **joiner_env(wid), **record(wid)}))
 
     workers += [joiner(s) for s in spares]  # they import torch and the script now, and wait parked
+    # who ends with this launcher: a standby store that takes over from this one marks them dead (launch/standby.py)
+    store.set(key("launched"), json.dumps([w.id for w in workers]))
     stop = {"sig": None}
 
     def on_signal(sig: int, _frame: object) -> None:
@@ -317,6 +319,7 @@ def _watch(workers: list[_Worker], store, el: ElasticConfig, stop: dict, joiner,
             elif el.replace:
                 replaced += 1
                 workers.append(joiner(f"r{replaced}"))
+                store.set(key("launched"), json.dumps([x.id for x in workers]))
                 print(f"phalanx: elastic: started worker r{replaced} (pid {workers[-1].proc.pid}) to "
                       "replace it; it joins at the next commit", file=sys.stderr, flush=True)
         alive = [w for w in workers if w.returncode is None]

@@ -2,8 +2,8 @@
 
     phalanx join --secret-file PATH --rdzv-endpoint HOST:PORT -n K train.py [args]
 
-HOST:PORT is the store of a ``phalanx run --elastic`` launcher (it prints it, with the
-file holding the job's secret; ``PHALANX_SECRET`` may hold the secret instead). The K
+HOST:PORT is the store of a ``phalanx run --elastic`` launcher, or its standby's once that took over (it prints
+it, with the file holding the job's secret; ``PHALANX_SECRET`` may hold the secret instead). The K
 new workers run the same script; each one enters at the job's next commit point and
 receives the current state from rank 0; nobody rolls back. The group grows up to
 the job's ``--max-workers``. An endpoint with no job, or a job that is not elastic, is
@@ -12,6 +12,9 @@ Without the job's secret, or with another one, ``phalanx join`` is refused with 
 line and the job never hears of it.
 Like the launcher, ``phalanx join`` watches the workers it started: one that exits is
 reported to the job at once, and one whose heartbeat stops is killed.
+``--standby-store ADDR[:PORT]`` makes this launcher host the job's standby store too
+(:mod:`phalanx.launch.standby`): if the job's store is lost with its host, the workers
+regroup there and this launcher watches the job to its end.
 
 Example:
     >>> JoinConfig.from_argv(["--rdzv-endpoint", "10.0.0.1:29400", "-n", "2", __file__]).port
@@ -20,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -29,17 +33,19 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn, Sequence
+from typing import Iterator, NoReturn, Sequence
 
 import torch.distributed as dist
 
 from .allocator import heap_env
 from ..elastic import secret
 from ..elastic.membership import key
-from ..elastic.watch import Watched, describe, poll
+from ..elastic.watch import Remote, Watched, describe, poll
+from ..elastic.worker import FAILOVER, read_standby
 from ..errors import ConfigError, PhalanxError, usage
-from .elastic import POLL_S, joiner_env, quiet_store_env
+from .elastic import POLL_S, STORE_POLL_S, joiner_env, quiet_store_env
 from .stacks import Watchdog
+from .standby import Standby, parse_standby
 
 PROBE_TIMEOUT_S = 5.0
 STOP_GRACE_S = 3.0  # Ctrl-C: how long the joiners get to leave before they are killed (as the launcher's)
@@ -60,6 +66,7 @@ class JoinConfig:
     script_args: tuple[str, ...] = ()
     threads: int = 1
     secret_file: str | None = None
+    standby: tuple[str, int] | None = None  # --standby-store: host the job's standby store here
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> "JoinConfig":
@@ -69,6 +76,9 @@ class JoinConfig:
         p.add_argument("--threads", default="1", metavar="T", help="intra-op threads per worker (default 1)")
         p.add_argument("--secret-file", default=None, metavar="PATH",
                        help=f"file holding the job's secret (the launcher names it); or set {secret.ENV}")
+        p.add_argument("--standby-store", default=None, metavar="ADDR[:PORT]",
+                       help="host the job's standby store on this address of this host (every worker must reach "
+                            "it): if the job's store is lost, the workers regroup there")
         p.add_argument("script")
         p.add_argument("args", nargs=argparse.REMAINDER)
         a = p.parse_args(list(argv))
@@ -82,7 +92,38 @@ class JoinConfig:
         if not os.path.isfile(a.script):
             raise ConfigError(usage(f"script {a.script!r} (not found, cwd {os.getcwd()})", "an existing Python file",
                                     "Run the same script as the job, e.g. `phalanx join ... train.py`."))
-        return cls(host, int(port), int(a.nproc), a.script, tuple(a.args), int(a.threads), a.secret_file)
+        standby = parse_standby(a.standby_store) if a.standby_store is not None else None
+        return cls(host, int(port), int(a.nproc), a.script, tuple(a.args), int(a.threads), a.secret_file, standby)
+
+
+@contextlib.contextmanager
+def _quiet_store_log() -> Iterator[None]:
+    """Keep torch's C++ store log off stderr while ``phalanx join`` asks the job's store (``--debug`` keeps it).
+
+    torch logs each failed connection attempt to a store at length (a C++ backtrace per retry), from C++ and so
+    past Python's ``sys.stderr``; and ``TORCH_CPP_LOG_LEVEL`` is read once, when torch loads, before this command
+    knew it would ask a store. When the address answers but is no job's store, phalanx says so in one line: the
+    descriptor is pointed at /dev/null for the call, and whatever fails is raised once it is back.
+    """
+    if os.environ.get("PHALANX_DEBUG", "") not in ("", "0") or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _store(host: str, port: int) -> dist.TCPStore:
+    """A client of the job's store, its C++ log kept off stderr while it connects (see :func:`_quiet_store_log`)."""
+    with _quiet_store_log():
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
+                             wait_for_workers=False)
 
 
 def probe(host: str, port: int) -> str:
@@ -93,15 +134,20 @@ def probe(host: str, port: int) -> str:
         raise PhalanxError(f"no job answers at {host}:{port} ({err.strerror or type(err).__name__}); check the "
                            "address that `phalanx run --elastic` printed, and that the job is still running") from None
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
-                              wait_for_workers=False)
+        store = _store(host, port)
     except Exception as err:  # noqa: BLE001 - refused, unreachable, timed out: no job there
         raise PhalanxError(f"no job answers at {host}:{port} ({type(err).__name__}); check the address that "
                            "`phalanx run --elastic` uses, and that the job is still running") from None
-    if not store.check([key("config")]):
+    try:
+        with _quiet_store_log():
+            elastic, done = store.check([key("config")]), store.check([key("done")])
+    except dist.DistError as err:  # it hung up after the handshake: no job's store either
+        raise PhalanxError(f"no job answers at {host}:{port} ({type(err).__name__}); check the address that "
+                           "`phalanx run --elastic` uses, and that the job is still running") from None
+    if not elastic:
         raise PhalanxError(f"the job at {host}:{port} is not elastic; only jobs started with "
                            "`phalanx run --elastic` accept new workers")
-    return "done" if store.check([key("done")]) else "running"
+    return "done" if done else "running"
 
 
 def check_secret(host: str, port: int, given: str | None) -> str:
@@ -111,9 +157,7 @@ def check_secret(host: str, port: int, given: str | None) -> str:
                                 f"--secret-file PATH (the file the launcher named) or {secret.ENV} in the environment",
                                 "Copy the secret file the launcher printed to this host; never pass the secret "
                                 "on the command line."))
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
-                          wait_for_workers=False)
-    config = json.loads(store.get(key("config")))
+    config = json.loads(_store(host, port).get(key("config")))
     if "check" not in config or not secret.matches(given, config["nonce"], config["check"]):
         raise PhalanxError(f"the secret given does not match the one of the elastic job at {host}:{port}; the job "
                            "refuses this joiner. Use the secret file that job's launcher printed")
@@ -122,9 +166,7 @@ def check_secret(host: str, port: int, given: str | None) -> str:
 
 def _serves_status(host: str, port: int) -> bool:
     """Does the job at ``host:port`` serve a status page (``phalanx run --status``)?"""
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
-                          wait_for_workers=False)
-    return bool(json.loads(store.get(key("config"))).get("status"))
+    return bool(json.loads(_store(host, port).get(key("config"))).get("status"))
 
 
 def main(argv: Sequence[str]) -> int:
@@ -143,11 +185,18 @@ def main(argv: Sequence[str]) -> int:
         base.pop(name, None)
     if _serves_status(cfg.host, cfg.port):  # `phalanx run --status`: the joiners report to the page as the others
         base["PHALANX_STATUS"] = "1"
+    standby = None
+    if cfg.standby is not None:  # before the joiners start: they read its address at start
+        standby = Standby(*cfg.standby, dist.TCPStore(cfg.host, cfg.port, is_master=False,
+                                                      timeout=timedelta(seconds=PROBE_TIMEOUT_S),
+                                                      wait_for_workers=False))
+        print(f"phalanx: elastic: the job's standby store is at {standby.address}; if the store at {cfg.host}:"
+              f"{cfg.port} is lost, the workers regroup there", file=sys.stderr, flush=True)
     procs = [subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
                               env={**base, **joiner_env(f"j{tag}-{i}")}) for i in range(cfg.nproc)]
     try:
         codes = watch_joiners([Watched(f"j{tag}-{i}", p) for i, p in enumerate(procs)], cfg.host, cfg.port,
-                              secret=job)
+                              secret=job, standby=standby)
     except KeyboardInterrupt:
         for p in procs:
             p.terminate()
@@ -159,12 +208,16 @@ def main(argv: Sequence[str]) -> int:
                 p.kill()
                 p.wait()
         return 130
+    finally:
+        if standby is not None:
+            standby.close()
     failed = [c for c in codes if c]
     return 0 if not failed else (128 - failed[0] if failed[0] < 0 else failed[0])
 
 
 # -- the joiners' local watcher --------------------------------------------------------------
-def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | None = None) -> list[int]:
+def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | None = None,
+                  standby: "Standby | None" = None) -> list[int]:
     """Watch this host's joiners as the launcher watches its own; returns their exit statuses.
 
     A joiner that exits is marked dead in the job's store with its exit note, and a hung
@@ -176,25 +229,35 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
     a joiner that said it finished (``finished/<id>``) is then only waited for, with no
     store call, since its process may outlive the store by a few seconds of shutdown.
     If the store is lost (torch raises a :class:`torch.distributed.DistError`; each call
-    waits at most :data:`PROBE_TIMEOUT_S`) the joiners end by themselves, each saying so
-    in one line; we only wait for them.
+    waits at most :data:`PROBE_TIMEOUT_S`) and this launcher hosts the job's ``standby``
+    store, it takes over (:meth:`Standby.take_over`) and watches the job there to its end,
+    members of other hosts included; if the job's standby is another host's, it follows it
+    there; with none, the joiners end by themselves, each saying so in one line; we only wait.
     """
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
                               wait_for_workers=False)
         heartbeat_s = float(json.loads(store.get(key("config")))["heartbeat_s"])
+        elsewhere = read_standby(store) if standby is None else None
     except dist.DistError:  # the job ended between the probe and now: the joiners see it too
-        store = None
+        store, elsewhere = None, None
     leaving: set[str] = set()  # joiners that finished training: their exit is ours to see, not the job's
     dog = Watchdog(store, secret, float("inf"), expect=lambda: [w.id for w in workers if w.returncode is None]) \
         if store is not None and secret else None
+    remotes, taken_over, next_read = Remote(), False, 0.0
 
     def before_kill(wid: str, why: str) -> None:
         if dog is not None:
             dog.report(f"worker {wid} {why}; before it is killed, this host's joiners", 0.0,
                        [w.id for w in workers if w.returncode is None], hung=[wid])
-    while store is not None and any(w.returncode is None for w in workers):
+    while store is not None:
         try:
+            if time.monotonic() >= next_read and not taken_over:  # what a take-over or a follow needs
+                next_read = time.monotonic() + STORE_POLL_S
+                if standby is not None:
+                    standby.mirror(store)
+                elif elsewhere is None:
+                    elsewhere = read_standby(store)
             for w in workers:
                 if w.id not in leaving and w.returncode is None and store.check([key("finished", w.id)]):
                     leaving.add(w.id)
@@ -206,7 +269,33 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
                 if code and not store.check([key("done")]):
                     print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {describe(code)}; the others "
                           "regroup without it", file=sys.stderr, flush=True)
-        except dist.DistError:  # the launcher's store is gone: the joiners end by themselves
-            store = None
+            # once it took over, this launcher keeps the store up for the members of other hosts too
+            remote = remotes.alive(store, {w.id for w in workers}, heartbeat_s) if taken_over else []
+            if not remote and all(w.returncode is not None for w in workers):
+                break
+        except dist.DistError:  # the job's store is gone
+            # not at the job's end: once training is done (or one of ours finished it) the store closes as planned
+            if standby is not None and not taken_over and not standby.done and not leaving:
+                store, taken_over, dog = standby.take_over({w.id for w in workers}, f"{host}:{port}"), True, None
+                continue
+            store, elsewhere = _follow(elsewhere, heartbeat_s), None  # another host's standby, if it took over
+            dog = None
         time.sleep(POLL_S)
     return [w.proc.wait() if w.returncode is None else w.returncode for w in workers]
+
+
+def _follow(standby: tuple[str, int] | None, heartbeat_s: float):  # -> dist.TCPStore | None
+    """The job's standby store once it took over (bounded: the heartbeat timeout); None without one."""
+    if standby is None:
+        return None
+    try:
+        store = dist.TCPStore(*standby, is_master=False, timeout=timedelta(seconds=heartbeat_s),
+                              wait_for_workers=False)
+        deadline = time.monotonic() + heartbeat_s
+        while not store.check([FAILOVER]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(POLL_S)  # sleep: the standby launcher's word comes with no notification; bounded
+        return store
+    except dist.DistError:
+        return None

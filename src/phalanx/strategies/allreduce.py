@@ -218,7 +218,7 @@ class AllReduce(Accounting, StepState, Strategy):
         if getattr(self, "_hook", None) is not None:
             self._hook.error = None
         if getattr(self, "_overlap", None) is not None:
-            self._overlap.regroup()
+            self._overlap.forget_pass()
 
     def state_dict(self) -> dict[str, Any]:
         # The compressor's shared part (PowerSGD's warm starts) is rank 0's; residuals are per rank.

@@ -27,6 +27,7 @@ from .allreduce import AllReduce
 from .base import Strategy
 from .diloco import DiLoCo
 from .quantize import Quantize
+from .sparseloco import SparseLoCo
 from .streaming_diloco import StreamingDiLoCo
 
 
@@ -39,19 +40,29 @@ class Penalty:
 
 
 #: Measured step penalties per rule (steps to target / the one-process run's). Auto's projections rest on these.
+#: Auto cannot tell a model family from its measurements, and a choice must hold on every family, so each penalty
+#: is the worst family's median where several were measured (benchmarks/reports/quality.md, "Levers").
 PENALTIES: Mapping[str, Penalty] = MappingProxyType({
     "allreduce": Penalty(1.0, "exact gradient averaging: N workers with batch b compute one process's step with "
                               "batch N·b (tests/strategies: the oracle tests), so it needs the one-process steps"),
-    "diloco": Penalty(186 / 160, "issue 41's time-to-quality run: recurrent LM (~1M parameters, AdamW, 200-step "
-                                 "budget), 2 workers, median of 3 seeds: DiLoCo(every=50) needed 186 steps where one "
-                                 "process needs 160"),
-    "streaming-diloco": Penalty(180 / 160, "issue 41's second run, the same task: StreamingDiLoCo(every=64, "
-                                           "fragments=4, quantize=4) with the outer step the run's length calls for "
-                                           "(plain averaging, outer_lr=1, outer_momentum=0, on a short run: "
-                                           "LONG_RUN_ROUNDS) needed 180 steps against 160, 3/3 seeds; with the "
-                                           "paper's Nesterov step, 182 (docs/performance.md section 7, the GPT: 120 "
-                                           "against DDP's 104)"),
+    "diloco": Penalty(1.92, "DiLoCo(every=50), 2 workers, steps to target over the one-process run's: 1.43x, 1.35x, "
+                            "1.36x on the GPT (160, 140, 136 against 112, 104, 100; benchmarks/reports/sparseloco.md), "
+                            "1.16x on issue 41's recurrent LM (186 against 160); on ResNet-20 no DiLoCo-family rule "
+                            "reached the target in its 200 steps (docs/performance.md section 7), DDP at 104: at "
+                            "least 1.92x, the worst family"),
+    "streaming-diloco": Penalty(1.92, "benchmarks/levers.py, 2 workers, steps to target over the one-process run's: "
+                                      "StreamingDiLoCo(every=64, fragments=2, overlap=1, quantize=4, outer_lr=1, "
+                                      "outer_momentum=0), Auto's pick for a 200-step run, needed 1.25x, 1.12x, 1.24x "
+                                      "on the GPT, 1.25x, 1.20x, 1.23x on the LSTM (seeds 0-2) and 1.92x on "
+                                      "ResNet-20 (SGD inner; seed 0): the worst family's"),
+    "streaming-diloco-sparseloco": Penalty(2.0, "benchmarks/levers.py, as streaming-diloco: every=16 with "
+                                                "quantize=px.SparseLoCo() needed 1.14x on the GPT and 1.88x on "
+                                                "ResNet-20, and missed the LSTM's target in its 200-step budget (seed "
+                                                "0); a family missed counts as 2x"),
 })
+#: The periods the 2-bit exchange (``quantize=px.SparseLoCo()``) is weighed at: the ones its penalty was measured at
+#: (on runs of 180-200 steps, so only below LONG_RUN_ROUNDS outer rounds).
+SPARSE_PERIODS = (16,)
 
 #: Below this many outer steps (per fragment) over the run, the outer step is plain averaging (outer_lr 1, no
 #: momentum): docs/strategies.md "Short runs" measured it ahead of the Nesterov step at 3-4 outer steps (GPT 124
@@ -64,6 +75,7 @@ MIN_ROUNDS = 3
 PERIODS = (8, 16, 32, 64, 128, 256, 512)
 FRAGMENTS = (2, 4, 8)
 BITS: tuple[int | None, ...] = (None, 8, 4)  # the paper found 4-bit outer gradients lose nothing measurable
+SPARSE = "sparseloco"  # quantize= in a Choice's settings: px.SparseLoCo() (2-bit top 64 of 4096, error feedback)
 #: Assumed when neither ``planned_steps`` nor ``Trainer.fit`` gives the run's length (said in the line).
 DEFAULT_PLANNED_STEPS = 10_000
 PROBE_BYTES = 2**20  # the link probe: at most 1 MiB (0.8 s at 10 Mbit/s), once per measurement
@@ -129,6 +141,8 @@ class Choice:
             every = kw.pop("every")
             return DiLoCo(every=EveryFrom(every, start), **kw)
         if self.rule == "streaming-diloco":
+            if kw.get("quantize") == SPARSE:
+                kw["quantize"] = SparseLoCo()
             return StreamingDiLoCo(**kw)  # Auto moves its fragments' offsets to ``start`` after attach
         raise ConfigError(usage(f"auto's rule {self.rule!r}", "plain, allreduce, diloco or streaming-diloco",
                                 "The checkpoint was written by another version; resume without it."))
@@ -221,19 +235,24 @@ def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
         outer = _outer(rounds)
         out.append(Choice("diloco", (("every", every), *outer), m.compute_s + m.ring_s(m.grad_bytes) / every,
                           planned_steps * PENALTIES["diloco"].steps, "diloco", m.grad_bytes / every))
-        key = "streaming-diloco"
         for parts in FRAGMENTS:
             if parts > m.tensors or parts > every:
                 continue
-            for bits in BITS:
+            # the 2-bit exchange only where its penalty was measured: its period, a short run (plain averaging)
+            sparse = every in SPARSE_PERIODS and rounds < LONG_RUN_ROUNDS
+            for bits in (*BITS, SPARSE) if sparse else BITS:
+                key = "streaming-diloco-sparseloco" if bits == SPARSE else "streaming-diloco"
                 per = n / parts
-                message = 4 * per + 4 if bits is None else Quantize(bits).message_bytes(math.ceil(per))
+                message = 4 * per + 4 if bits is None else SparseLoCo().message_bytes(math.ceil(per)) \
+                    if bits == SPARSE else Quantize(bits).message_bytes(math.ceil(per))
                 send = m.ring_s(message) if bits is None else m.gather_s(message)
                 # one inner step of overlap (tau = 1) hides a send behind compute; parts/every sends per step, and
                 # the link cannot carry more than it carries: the step is at least its share of the link's time
                 exposed = max(0.0, send - m.compute_s)
                 step = max(m.compute_s + parts / every * exposed, parts / every * send)
-                settings = (("every", every), ("fragments", parts), ("overlap", 1), ("quantize", bits), *outer)
+                # SparseLoCo's error feedback takes the outer momentum's place: its outer step is plain averaging
+                settings = (("every", every), ("fragments", parts), ("overlap", 1), ("quantize", bits),
+                            *(_outer(0) if bits == SPARSE else outer))
                 out.append(Choice("streaming-diloco", settings, step, planned_steps * PENALTIES[key].steps, key,
                                   message * parts / every))
     return out

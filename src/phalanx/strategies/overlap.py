@@ -132,7 +132,7 @@ class OverlappedMean:
     Args:
         params: the trainable parameters (the same list, in the same order, on every rank).
         comm: the strategy's :class:`~phalanx.group.collectives.Comm` (the default group; after an elastic
-            rebuild, the new one: call :meth:`regroup`).
+            rebuild, the new one: call :meth:`forget_pass`).
         bucket_bytes: the bucket size.
         syncing: False while gradients only accumulate (``px.no_sync``): the hooks then do nothing.
         compression: None (float all-reduce) or a :class:`~phalanx.strategies.quantize.Quantize`, whose
@@ -154,7 +154,7 @@ class OverlappedMean:
         if not self.syncing():
             return
         bucket, i = self._where[id(param)]
-        if bucket.ready[i]:  # twice in one pass cannot happen; a pass whose finish() never ran is reset by regroup()
+        if bucket.ready[i]:  # twice in one pass cannot happen; a pass that never finished is reset by forget_pass()
             return
         bucket.take(i, param.grad, self._scale())
         if bucket.waiting == 0:
@@ -197,7 +197,7 @@ class OverlappedMean:
                     if somewhere > 0:  # some rank had a gradient: the mean, with zeros for those that had none
                         _set_grad(p, slot)
         finally:
-            self.regroup()
+            self.forget_pass()
 
     def _scale(self) -> float:
         # the float buckets are summed, so each rank sends its part of the mean; a quantised exchange is a mean
@@ -222,8 +222,9 @@ class OverlappedMean:
                     bucket.grads.copy_(bucket.future.wait())
             self.comm.all_reduce_([b.had_grad for b in self.buckets], op="sum")  # exact: which some rank reached
 
-    def regroup(self) -> None:
-        """Forget this pass (after a failure, or once the elastic group was rebuilt): nothing old is awaited."""
+    def forget_pass(self) -> None:
+        """Forget this pass (after every pass, after a failure, or once the elastic group was rebuilt): nothing old
+        is awaited. Not ``regroup``: that name is a rule's reaction to a rebuilt group (elastic.rule.Regroupable)."""
         for bucket in self.buckets:
             bucket.reset()
         self._sent, self.error = 0, None

@@ -179,6 +179,14 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
             raise ConfigError(usage(f"StreamingDiLoCo(quantize={quantize!r})", "None, 8, 4 or a compressor object",
                                     "Pass quantize=4 (packed 4-bit, as the paper) or px.Quantize(bits, block=...)."))
         self.compression: Compressor | None = check_compressor(quantize, "StreamingDiLoCo")
+        if self.compression is not None and "exp_avg_sq" in self.moments.keys:
+            # Adam's second moment spans orders of magnitude within a block: a compressed average rounds its small
+            # entries to 0 and Adam divides by their root. Measured: the GPT of benchmarks/levers.py diverged with
+            # it, 4-bit, at every=4, 8 and 16 (at 64, rarer exchanges, it did not yet in 180 steps; report: "Levers").
+            raise ConfigError(usage(f"StreamingDiLoCo(quantize={quantize!r}, moments={self.moments.keys!r})",
+                                    "moments=('exp_avg_sq', ...) only with quantize=None (float32)",
+                                    "Average only the first moment (moments=('momentum',)) when quantising, or "
+                                    "send float32 (quantize=None)."))
         self.fragments: list[Fragment] = []
 
     # -- the template ---------------------------------------------------------------------------------------------

@@ -1,0 +1,172 @@
+"""The job's store is not a single point of failure: its host is lost, a standby store takes over (issue 39 item 1).
+
+Host A (a network namespace) runs ``phalanx run -n 2 --elastic``, whose launcher hosts the job's
+store; host B adds 2 workers with ``phalanx join --standby-store``, whose launcher hosts the
+standby store. Mid-epoch, A's launcher and every process in A's namespace are killed with
+SIGKILL: B's workers fail over to the standby, regroup there and train on; every sample is
+trained exactly once per epoch and the final model equals one process replaying the same
+global batches (the world sizes at the steps the workers' ``state.history`` names). Then host A
+comes back with ``phalanx join --rdzv-endpoint`` the standby, and is admitted. Needs root,
+`ip` and `tc`; without them it skips and says why.
+
+On one host (no root needed): only the launcher of ``phalanx run`` is killed. Its workers end, as
+a worker whose own launcher is gone must (they do not fail over), while the joiner of the
+standby's host fails over and finishes the training alone.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import needs_root_netns
+from support.elastic_job import oracle
+from support.paths import TESTS
+from support.wait import until
+
+from phalanx.launch import netns
+from workers import elastic as worker
+
+pytestmark = [pytest.mark.multiproc]
+
+WORKER = os.path.join(TESTS, "workers", "elastic.py")
+CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
+PORT, STANDBY_PORT = 29571, 29572  # inside namespaces A and B, where nothing else listens
+EPOCHS = 4
+HEARTBEAT_S = 10
+
+
+def start(link: netns.Link, side: int, args: list[str], out, name: str) -> subprocess.Popen:
+    """Run ``phalanx ARGS`` in namespace ``side``; its stderr goes to OUT/<name>.err."""
+    iface = link.interfaces[side]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": iface, "PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "5f1" * 16}
+    # The first workers wait for a joiner (events, not time) and the survivors, after the loss, for host A's return
+    flags = [WORKER, "--out", str(out), "--epochs", str(EPOCHS), "--commit-every", "3", "--step-sleep", "0.05",
+             "--mark-world", "--wait-for-joiner", "--joiners", "2", "--wait-for-replacement", "3"]
+    with open(out / f"{name}.err", "w") as err:
+        proc = subprocess.Popen(link.prefix(side) + [*CLI, *args, *flags], env=env, stdout=subprocess.DEVNULL,
+                                stderr=err)
+    proc.err_path = out / f"{name}.err"
+    return proc
+
+
+def text(proc: subprocess.Popen) -> str:
+    return proc.err_path.read_text()[-3000:]
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def namespace_pids(ns: str) -> list[int]:
+    return [int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                                           check=True).stdout.split()]
+
+
+def started(out) -> dict[str, int]:
+    """Worker id -> pid, from the workers' start files."""
+    return {(i := json.load(open(p)))["id"]: i["pid"] for p in glob.glob(str(out / "start*.json"))}
+
+
+@pytest.mark.netns
+@needs_root_netns()
+def test_losing_the_store_host_is_a_regroup_on_the_standby_and_the_host_comes_back(tmp_path):
+    with netns.Link("1gbit") as link:
+        a = start(link, 0, ["run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "4",
+                            "--heartbeat-timeout", str(HEARTBEAT_S), "--master-addr", link.addresses[0],
+                            "--master-port", str(PORT)], tmp_path, "hostA")
+        until(lambda: "its store is at" in text(a), timeout=60, what="host A's store", procs=[a],
+              detail=lambda: text(a))
+        b = start(link, 1, ["join", "--rdzv-endpoint", f"{link.addresses[0]}:{PORT}", "-n", "2",
+                            "--standby-store", f"{link.addresses[1]}:{STANDBY_PORT}"], tmp_path, "hostB")
+        # all four trained 4 steps together: those steps are in a commit every survivor holds
+        until(lambda: sum(os.path.getsize(p) >= 4 for p in glob.glob(str(tmp_path / "world*-4"))) >= 4, timeout=90,
+              what="the 4 workers training together", procs=[a, b], detail=lambda: text(a) + text(b))
+        host_b = {w for w in started(tmp_path) if w.startswith("j")}
+        assert len(host_b) == 2
+        killed_at = time.time()
+        for pid in namespace_pids(link.namespaces[0]):  # the launcher, its store, its workers: the whole host
+            os.kill(pid, signal.SIGKILL)
+        finish(a)
+        # B's workers regrouped on the standby (they now wait for a third worker before stepping on)
+        until(lambda: "took over" in text(b) or "takes over" in text(b), timeout=60, what="the standby's take-over",
+              procs=[b], detail=lambda: text(b))
+        back = start(link, 0, ["join", "--rdzv-endpoint", f"{link.addresses[1]}:{STANDBY_PORT}", "-n", "1"],
+                     tmp_path, "hostA-back")
+        code_back, code_b = finish(back), finish(b)
+    assert code_b == 0, text(b)
+    assert code_back == 0, text(back)
+    assert "the standby store at" in text(b) and "takes over" in text(b), text(b)
+    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    returned = set(results) - host_b
+    assert host_b <= set(results) and len(returned) == 1 and next(iter(returned)).startswith("j"), set(results)
+    record = results[min(host_b)]["record"]
+    assert all(r["record"] == record for r in results.values())
+    worlds = [w for _, w, _ in record]
+    assert 4 in worlds and worlds[-1] == 3 and 2 in worlds[worlds.index(4):], worlds
+    for epoch in range(EPOCHS):  # every sample exactly once per epoch, across the join, the lost host, the return
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    # the world sizes the oracle replays are those the survivors' state.history names, at the steps it names
+    history = results[min(host_b)]["history"]
+    from_history = [next((h["world_size"] for h in reversed(history) if h["step"] <= i), 2) for i in range(len(record))]
+    assert from_history == worlds, (from_history, worlds)
+    want = oracle(record)
+    for r in results.values():
+        for got, w in zip(r["params"], want, strict=True):
+            torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
+    failover = next(h for h in history if h["world_size"] == 2)
+    first_step = next(t for t, world, _ in results[min(host_b)]["changes"] if world == 2)
+    print(f"store host lost -> first step on the standby: {first_step - killed_at:.2f} s "
+          f"(the regroup itself {failover['seconds']:.2f} s)")
+
+
+def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over(tmp_path):
+    env = {**os.environ, "PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "7a2" * 16}
+    flags = [WORKER, "--out", str(tmp_path), "--epochs", "2", "--commit-every", "3", "--step-sleep", "0.1",
+             "--mark-world", "--wait-for-joiner"]
+    err_a, err_b = open(tmp_path / "a.err", "w"), open(tmp_path / "b.err", "w")
+    a = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "3",
+                          "--heartbeat-timeout", str(HEARTBEAT_S), *flags], env=env,
+                         stdout=subprocess.DEVNULL, stderr=err_a)
+    a.err_path = tmp_path / "a.err"
+    until(lambda: "its store is at" in text(a), timeout=60, what="the job's store", procs=[a], detail=lambda: text(a))
+    endpoint = re.search(r"its store is at (\S+?);", text(a)).group(1)  # a free port of loopback
+    b = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", endpoint, "-n", "1", "--standby-store",
+                          "127.0.0.1:0", *flags], env=env, stdout=subprocess.DEVNULL, stderr=err_b)
+    b.err_path = tmp_path / "b.err"
+    # 4 steps of the 3 together: one is in a commit the joiner holds (commits every 3), so they are never rolled back
+    until(lambda: any(os.path.getsize(p) >= 4 for p in glob.glob(str(tmp_path / "worldj*-3"))), timeout=90,
+          what="the 3 workers training together",
+          procs=[a, b], detail=lambda: text(a) + text(b))
+    first = {w: pid for w, pid in started(tmp_path).items() if not w.startswith("j")}
+    a.kill()  # the launcher alone: its store goes with it, its workers are left running
+    assert finish(a, 30) == -signal.SIGKILL
+    code_b = finish(b)
+    err_a.close(), err_b.close()
+    assert code_b == 0, text(b)
+    for wid, pid in first.items():  # ended by their launcher's end, saying so; never failed over
+        until(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z",
+              timeout=30, what=f"worker {wid}'s end")
+        assert f"its launcher (pid {a.pid}) is gone" in text(a), text(a)
+    assert "took over" not in text(a) and "takes over" in text(b), text(a) + text(b)
+    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    assert len(results) == 1 and next(iter(results)).startswith("j"), set(results)
+    record = next(iter(results.values()))["record"]
+    assert [w for _, w, _ in record][-1] == 1 and 3 in [w for _, w, _ in record]
+    for epoch in range(2):
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    for got, w in zip(next(iter(results.values()))["params"], oracle(record), strict=True):
+        torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,76 @@
+"""The standby store's launcher side (issue 39 item 1), on real TCPStores on loopback, no processes.
+
+What it copies and publishes, what it refuses, and what a take-over writes; the failover itself
+(real hosts, real kills) is tests/elastic/test_store_failover.py.
+"""
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from phalanx.elastic import secret
+from phalanx.elastic.membership import Membership, key
+from phalanx.elastic.worker import FAILOVER, read_standby
+from phalanx.errors import ConfigError, PhalanxError
+from phalanx.launch.elastic import listening_store
+from phalanx.launch.join import check_secret
+from phalanx.launch.standby import LAUNCHED, Standby, parse_standby
+
+SECRET = "ab" * 32
+
+
+@pytest.fixture
+def primary():
+    """A job's store as `phalanx run --elastic` leaves it: config with the secret's check, generation 1, launched."""
+    store, sock = listening_store("127.0.0.1")
+    nonce = secret.nonce()
+    store.set(key("config"), json.dumps({"min_workers": 1, "max_workers": 4, "heartbeat_s": 5.0, "workers": 2,
+                                         "spares": [], "nonce": nonce, "check": secret.verifier(SECRET, nonce)}))
+    store.set(key("gen", 0, "members"), json.dumps(["0", "1"]))
+    store.set(key("gen", 1, "members"), json.dumps(["0", "1", "j1-0"]))
+    store.set(key("gen"), "1")
+    store.set(LAUNCHED, json.dumps(["0", "1"]))
+    yield store
+    sock.close()
+
+
+def test_the_standby_publishes_its_address_and_the_same_secret_admits_there(primary):
+    standby = Standby("127.0.0.1", 0, primary)
+    try:
+        assert read_standby(primary) == ("127.0.0.1", standby.port)
+        assert check_secret("127.0.0.1", standby.port, SECRET) == SECRET  # the job's secret, checked there
+        with pytest.raises(PhalanxError, match="does not match"):
+            check_secret("127.0.0.1", standby.port, "cd" * 32)
+        with pytest.raises(PhalanxError, match="already has a standby store"):
+            Standby("127.0.0.1", 0, primary)  # one per job
+    finally:
+        standby.close()
+
+
+def test_a_take_over_marks_the_lost_launchers_workers_dead_and_the_survivors_regroup_there(primary):
+    standby = Standby("127.0.0.1", 0, primary)
+    try:
+        store = standby.take_over({"j1-0"}, "127.0.0.1:1")
+        assert store.check([FAILOVER]) and int(store.get(key("gen"))) == 1
+        assert json.loads(store.get(key("gen", 1, "members"))) == ["0", "1", "j1-0"]
+        assert store.check([key("dead", "0")]) and store.check([key("dead", "1")])
+        assert not store.check([key("dead", "j1-0")])
+        # the survivor, from its own generation and commits: the next generation forms there without the lost
+        client = dist.TCPStore("127.0.0.1", standby.port, is_master=False, timeout=timedelta(seconds=5),
+                               wait_for_workers=False)
+        me = Membership(primary, "j1-0", ["0", "1", "j1-0"], generation=1)
+        me.adopt(client)
+        plan = me.next_generation([3, 6], timeout_s=5.0)
+        assert plan == {"generation": 2, "members": ["j1-0"], "step": 6}
+    finally:
+        standby.close()
+
+
+@pytest.mark.parametrize("given", ["", ":29400", "host:port", "10.0.0.2:70000"])
+def test_a_malformed_standby_address_is_one_line(given):
+    with pytest.raises(ConfigError, match="--standby-store") as err:
+        parse_standby(given)
+    assert "\n" not in str(err.value)
