@@ -594,6 +594,10 @@ class Soak:
             result["exactly_once_bad"] = once["bad"]
             result["history"] = len(final["history"])
             if final["strategy"] == "allreduce":
+                # written first: the one-process replay takes hours under load, and a harness stopped in it
+                # must not lose the figures already known (three runs of this round lost theirs)
+                with open(os.path.join(self.out, "chaos-before-oracle.json"), "w") as f:
+                    json.dump(result, f, indent=1, default=str)
                 want = chaos_job.oracle(final["size"], final["record"])
                 result["oracle_max_abs"] = max(float((a - b).abs().max()) for a, b in
                                                zip(final["params"], want, strict=True))
