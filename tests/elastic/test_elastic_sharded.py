@@ -34,15 +34,21 @@ def _spawned_workers(monkeypatch):
     monkeypatch.setenv("PHALANX_START_METHOD", "spawn")
 
 
+def _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, name: str, *flags: str, timeout: float) -> tuple:
+    """The 2 x 2 job both fixtures run: rank 1 killed at step 5, commits every 3, --replace's joiner after the
+    regroup; ``flags`` are the worker's own (the rule, epochs, how the survivors wait for the joiner)."""
+    tmp_path = tmp_path_factory.mktemp(name)
+    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
+                           "--commit-every", "3", "--replacement-after-regroup", *flags, n=4, timeout=timeout)
+    return tmp_path, proc, results
+
+
 @pytest.fixture(scope="module")
 def hsdp_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
-    tmp_path = tmp_path_factory.mktemp("hsdp")
     # --wait-for-replacement: the survivors wait (bounded) for the replacement to ask and to be ready, however long
-    # its start-up takes (over 30 s at a load of 60 on 2 cores: the job's 20 steps at 1 s ran out before it came)
-    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
-                           "--commit-every", "3", "--epochs", "4", "--slow-while-below", "4",
-                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
-    return tmp_path, proc, results
+    # its start-up takes (over 30 s at a load of 60 on 2 cores)
+    return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, "hsdp", "--epochs", "4",
+                                                      "--wait-for-replacement", "4", timeout=420)
 
 
 @pytest.mark.multiproc
@@ -145,11 +151,9 @@ def _compressed_means(anchor: list[torch.Tensor], replicas: list[list[torch.Tens
 
 @pytest.fixture(scope="module")
 def diloco_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
-    tmp_path = tmp_path_factory.mktemp("diloco")
-    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
-                           "--strategy", "diloco", "--plain-sgd", "--commit-every", "3", "--epochs", "3",
-                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
-    return tmp_path, proc, results
+    return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, "diloco", "--strategy", "diloco",
+                                                      "--plain-sgd", "--epochs", "3", "--wait-for-replacement", "4",
+                                                      timeout=420)
 
 
 @pytest.mark.multiproc

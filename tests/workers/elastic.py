@@ -140,9 +140,6 @@ def main() -> None:
     p.add_argument("--kill-in-step", action="store_true", help="die after the step's gather, not before it")
     p.add_argument("--slow-until-world", type=int, default=0,
                    help="steps take 0.4 s until the group has reached this size (joiners start slowly)")
-    p.add_argument("--slow-while-below", type=int, default=0,
-                   help="steps take 1 s while the group is smaller than this (a replacement is still starting), "
-                        "for at most 180 s")
     p.add_argument("--wait-for-replacement", type=int, default=0,
                    help="after a loss, while the group is smaller than this, the survivors wait before their next "
                         "step until the replacement asked to join, and after the next commit until it is ready")
@@ -209,7 +206,6 @@ def main() -> None:
         if me == again and state.step + 1 == int(again_at) and len(state.history) == 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    began = time.monotonic()
     waited: list[int] = []  # --wait-for-replacement: the steps where the survivors waited for the replacement
 
     @px.elastic.run
@@ -244,11 +240,9 @@ def main() -> None:
             if state.history and not first_after:
                 first_after.append(time.time())
             reached.append(px.world_size() >= args.slow_until_world)
-            # bounded by the job's own start-up allowance: a replacement starting on a loaded machine (load 25
-            # on 2 cores) took over 60 s to import torch and FSDP
-            waiting = px.world_size() < args.slow_while_below and time.monotonic() < began + 180
-            # sleep: the step's length is the test's knob (slow until a joiner arrives, then --step-sleep)
-            time.sleep(1.0 if waiting else args.step_sleep if any(reached) else 0.4)
+            if args.step_sleep or not any(reached):
+                # sleep: a step of known length is the test's knob (--step-sleep; 0.4 s until --slow-until-world)
+                time.sleep(args.step_sleep if any(reached) else 0.4)
 
     started = time.perf_counter()
     train(state)
