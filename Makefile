@@ -32,8 +32,9 @@ demo: setup
 
 test: setup
 	@# two test files at a time (pytest-xdist): the suite is CPU-bound on 2 cores, and one file alone leaves a core
-	@# idle while its workers wait on each other; a file's tests stay together (its module fixtures run once)
-	$(BIN)/python -m pytest -n 2 --dist loadfile tests src/phalanx
+	@# idle while its workers wait on each other; a file's tests stay together (its module fixtures run once).
+	@# --no-loadscope-reorder: files start in tests/conftest.py's order (longest first), not by how many tests each has
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests src/phalanx
 
 bench: setup
 	$(BIN)/phalanx bench --quick --out results/

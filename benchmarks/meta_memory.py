@@ -22,8 +22,6 @@ buffers FSDP frees every step stay in the resident set).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -32,12 +30,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "benchmarks"), os
                                             os.environ.get("PYTHONPATH", "")])
 sys.path[:0] = [os.path.join(ROOT, "src")]
 
-from sharded_memory import status_bytes  # noqa: E402  (benchmarks/ is on the path above)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+from sharded_memory import arguments, measure, reset_peak, status_bytes, table, train  # noqa: E402  (path above)
 
 
 def worker(meta: bool, layers: int, width: int, steps: int) -> dict:
@@ -68,19 +61,14 @@ def worker(meta: bool, layers: int, width: int, steps: int) -> dict:
     del small, small_opt
     gc.collect()
     before = status_bytes("VmRSS")
-    _reset_peak()
+    reset_peak()
     torch.manual_seed(0)
     model, opt = build(layers, width)
     gc.collect()
     build_peak = status_bytes("VmHWM") - before
     held = status_bytes("VmRSS") - before
-    _reset_peak()
-    gen = torch.Generator().manual_seed(px.rank())
-    for _ in range(steps):
-        x = torch.randn(8, width, generator=gen)
-        opt.zero_grad(set_to_none=True)
-        model(x).pow(2).mean().backward()
-        opt.step()
+    reset_peak()
+    train(model, opt, width, steps)
     params = sum(p.numel() for p in model.parameters())
     return {"params": params, "build_peak": build_peak, "held": held,
             "training_peak": status_bytes("VmHWM") - before,
@@ -88,22 +76,10 @@ def worker(meta: bool, layers: int, width: int, steps: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=900.0)
-    parser.add_argument("--mmap-threshold", type=int, default=1 << 20,
-                        help="MALLOC_MMAP_THRESHOLD_ for the workers, bytes (0: glibc's default)")
-    args = parser.parse_args()
-    from phalanx.bench.procs import run_workers
-
-    env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
+    args = arguments(__doc__, layers=16, width=2048, steps=2).parse_args()
     rows = {}
     for meta in (False, True):
-        out = run_workers("meta_memory:worker", world_size=args.workers, timeout=args.timeout, env=env,
-                          meta=meta, layers=args.layers, width=args.width, steps=args.steps).results
+        out = measure("meta_memory:worker", args, meta=meta)
         rows["meta" if meta else "whole"] = {k: max(r[k] for r in out) for k in out[0]}
     params = rows["meta"]["params"]
     whole, unit = params * 4, (args.width * args.width + args.width) * 4
@@ -114,14 +90,11 @@ def main() -> int:
           f"max over workers, MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}")
     print(f"whole model {whole / mib:,.0f} MiB; one worker's share {share / mib:,.0f} MiB; one unit "
           f"{unit / mib:,.0f} MiB; target for the build: share + one unit = {(share + unit) / mib:,.0f} MiB")
-    print("| build | build peak per worker | x (share + one unit) | held after px.wrap | training peak |\n"
-          "|---|---|---|---|---|")
-    for name, r in rows.items():
-        label = "on the meta device" if name == "meta" else "whole on every worker"
-        print(f"| {label} | {r['build_peak'] / mib:,.0f} MiB | {r['build_peak'] / (share + unit):.2f} | "
-              f"{r['held'] / mib:,.0f} MiB | {r['training_peak'] / mib:,.0f} MiB |")
-    print(json.dumps(rows))
-    return 0
+    labels = {"meta": "on the meta device", "whole": "whole on every worker"}
+    return table("| build | build peak per worker | x (share + one unit) | held after px.wrap | training peak |",
+                 [f"| {labels[name]} | {r['build_peak'] / mib:,.0f} MiB | {r['build_peak'] / (share + unit):.2f} | "
+                  f"{r['held'] / mib:,.0f} MiB | {r['training_peak'] / mib:,.0f} MiB |" for name, r in rows.items()],
+                 rows)
 
 
 if __name__ == "__main__":

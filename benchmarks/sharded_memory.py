@@ -40,6 +40,57 @@ def status_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def reset_peak() -> None:
+    """Reset the kernel's peak counter (``VmHWM`` := ``VmRSS``): from here on ``VmHWM`` is this phase's peak."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def train(model, opt, width: int, steps: int) -> None:
+    """``steps`` optimizer steps on random batches of 8 (seeded by rank): the load both memory benchmarks measure."""
+    import torch
+
+    import phalanx as px
+
+    gen = torch.Generator().manual_seed(px.rank())
+    for _ in range(steps):
+        x = torch.randn(8, width, generator=gen)
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def arguments(doc: str, *, layers: int, width: int, steps: int) -> argparse.ArgumentParser:
+    """The memory benchmarks' common options (meta_memory.py parses these too), with this benchmark's defaults."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--width", type=int, default=width)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--mmap-threshold", type=int, default=1 << 20,
+                        help="MALLOC_MMAP_THRESHOLD_ for the workers, bytes (0: glibc's default)")
+    return parser
+
+
+def table(head: str, lines: list[str], rows: object) -> int:
+    """Print a markdown table (``head``, its rule, ``lines``), then the raw ``rows`` as JSON; 0, the exit status."""
+    print(head + "\n|" + "---|" * (head.count("|") - 1))
+    print("\n".join(lines))
+    print(json.dumps(rows))
+    return 0
+
+
+def measure(target: str, args: argparse.Namespace, **kwargs) -> list[dict]:
+    """Each worker's measurement: ``target`` on ``args.workers`` processes with the parsed model size and the
+    allocator threshold (the same in every layout, see the docstring)."""
+    from phalanx.bench.procs import run_workers
+
+    env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
+    return run_workers(target, world_size=args.workers, timeout=args.timeout, env=env, layers=args.layers,
+                       width=args.width, steps=args.steps, **kwargs).results
+
+
 def worker(shard: int, layers: int, width: int, steps: int) -> dict:
     """One worker: build, wrap, train; return its measured memory (bytes)."""
     import gc
@@ -60,50 +111,35 @@ def worker(shard: int, layers: int, width: int, steps: int) -> dict:
     model, opt = px.wrap(model, opt, strategy=px.AllReduce(),
                          shard=px.FullyShard(group_size=shard) if shard > 1 else None)
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM: from here on it is the training peak
-    gen = torch.Generator().manual_seed(px.rank())
-    for _ in range(steps):
-        x = torch.randn(8, width, generator=gen)
-        opt.zero_grad(set_to_none=True)
-        model(x).pow(2).mean().backward()
-        opt.step()
+    reset_peak()  # from here on VmHWM is the training peak
+    train(model, opt, width, steps)
     return {"params": params, "before": before, "training_peak": status_bytes("VmHWM") - before,
             "process_peak": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=2896)
-    parser.add_argument("--steps", type=int, default=3)
+    parser = arguments(__doc__, layers=12, width=2896, steps=3)
     parser.add_argument("--shards", default="1,2,4", help="comma list of group sizes S (1: replicated)")
-    parser.add_argument("--timeout", type=float, default=900.0)
-    parser.add_argument("--mmap-threshold", type=int, default=1 << 20,
-                        help="MALLOC_MMAP_THRESHOLD_ for the workers, bytes (0: glibc's default)")
     args = parser.parse_args()
-    from phalanx.bench.procs import run_workers
 
     rows = []
     for s in (int(v) for v in args.shards.split(",")):
-        env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
-        out = run_workers("sharded_memory:worker", world_size=args.workers, timeout=args.timeout, env=env,
-                          shard=s, layers=args.layers, width=args.width, steps=args.steps).results
+        out = measure("sharded_memory:worker", args, shard=s)
         rows.append({"shard": s, "params": out[0]["params"],
                      "training_peak": max(r["training_peak"] for r in out),
                      "process_peak": max(r["process_peak"] for r in out)})
     base = next((r for r in rows if r["shard"] == 1), rows[0])
     print(f"{args.workers} workers, {rows[0]['params'] / 1e6:.1f}M parameters, AdamW, {args.steps} steps "
           f"(max over workers), MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}")
-    print("| layout | training peak per worker | x replicated | process peak per worker |\n|---|---|---|---|")
-    for r in rows:
-        name = "replicated (AllReduce)" if r["shard"] == 1 else \
-            f"S={r['shard']} (R={args.workers // r['shard']}, {'FSDP' if r['shard'] == args.workers else 'HSDP'})"
-        print(f"| {name} | {r['training_peak'] / 2**20:,.0f} MiB | {r['training_peak'] / base['training_peak']:.2f} | "
-              f"{r['process_peak'] / 2**20:,.0f} MiB |")
-    print(json.dumps(rows))
-    return 0
+
+    def name(s: int) -> str:
+        return "replicated (AllReduce)" if s == 1 else \
+            f"S={s} (R={args.workers // s}, {'FSDP' if s == args.workers else 'HSDP'})"
+
+    return table("| layout | training peak per worker | x replicated | process peak per worker |",
+                 [f"| {name(r['shard'])} | {r['training_peak'] / 2**20:,.0f} MiB | "
+                  f"{r['training_peak'] / base['training_peak']:.2f} | {r['process_peak'] / 2**20:,.0f} MiB |"
+                  for r in rows], rows)
 
 
 if __name__ == "__main__":

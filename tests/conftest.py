@@ -6,6 +6,7 @@ named as "workers.module:function"; this puts ``tests/`` on the workers' path.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -38,6 +39,39 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# `make test` runs two files at a time (--dist loadfile, --no-loadscope-reorder): each xdist worker takes the next
+# file in this order when it is free. The files that start processes go first, the longest of them (measured with
+# --durations) at the head, and the unit files last, where they fill whichever worker is free: a long file started
+# last would leave the other core idle while it ran alone.
+LONGEST = (  # `benchmarks/busy_loops.sh --durations=10 FILES`: 680, 320, 234 s at load 45; then by jobs started
+    "elastic/test_elastic_sharded.py",
+    "elastic/test_joiner_left_alone.py",
+    "elastic/test_grow_kill.py",
+    "elastic/test_elastic.py",
+    "elastic/test_elastic_ps.py",
+    "launch/test_launch.py",
+)
+STARTS_PROCESSES = re.compile(r"subprocess|run_workers|shared_run|elastic_job|support\.chaos|status_job|Popen")
+
+
+def _file_order(path: str, cache: dict[str, int]) -> int:
+    """0.. for the LONGEST files, then the other files that start processes, then the rest (doctests included)."""
+    if path not in cache:
+        rel = os.path.relpath(path, TESTS).replace(os.sep, "/")
+        if rel in LONGEST:
+            cache[path] = LONGEST.index(rel)
+        else:
+            with open(path, errors="replace") as f:
+                cache[path] = len(LONGEST) + (0 if STARTS_PROCESSES.search(f.read()) else 1)
+    return cache[path]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files in :func:`_file_order` (stable: a file's tests keep their order and stay together)."""
+    cache: dict[str, int] = {}
+    items.sort(key=lambda item: _file_order(str(item.path), cache))
 
 
 def needs_root_netns() -> pytest.MarkDecorator:

@@ -43,6 +43,25 @@ class CheckpointError(PhalanxError, RuntimeError):
     """A checkpoint is missing, truncated, corrupted or from another model."""
 
 
+class JobLostError(PhalanxError):
+    """The job cannot go on: every worker holding its training state, or the job's coordinator, was lost.
+
+    ``checkpoint`` names the newest checkpoint the job wrote (``px.save_checkpoint``), to resume from, or None.
+
+    Example:
+        >>> err = JobLostError("the job ended", checkpoint="/ckpt/step-8")
+        >>> err.checkpoint, str(err)
+        ('/ckpt/step-8', 'the job ended')
+    """
+
+    def __init__(self, message: str = "", checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # it crosses processes (Ray's controller -> the driver)
+        return type(self), (str(self), self.checkpoint)
+
+
 class StacksRefused(PhalanxError):
     """A request for a job's stacks (``phalanx stacks``) made without that job's secret: its workers answer none."""
 

@@ -163,7 +163,8 @@ def test_trainer_fit_elastic_survives_a_crash_and_shows_the_world_size(tmp_path)
 @pytest.mark.multiproc
 def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(tmp_path):
     proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", "--kill", "1@5", "--commit-every", "3",
-                           "--epochs", "4", "--step-sleep", "0.3", "--slow-while-below", "3")
+                           "--epochs", "4", "--wait-for-replacement", "3",
+                           timeout=300)  # the survivors wait up to 240 s for the replacement (tests/workers/elastic.py)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(results) == ["0", "2", "r1"] and "started worker r1" in proc.stderr
     joiner, main = results["r1"], results["0"]

@@ -85,9 +85,10 @@ def test_sync_ps_on_a_separate_server_survives_killing_one_of_three_workers_and_
 def test_colocated_servers_follow_the_group_through_a_kill_and_a_replacement(tmp_path):
     # the victim's server dies with it: the survivors re-place the shards over their own servers, and
     # again over the replacement's when it joins
+    # the survivors wait for the replacement (its start-up can take longer than the rest of the run: it would then,
+    # rightly, find the job over and leave)
     proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", *KILL, "--epochs", "4",
-                           "--step-sleep", "0.3", "--slow-while-below", "3")  # the replacement's start-up can
-    # take longer than the rest of the run on a fast machine: it then (rightly) finds the job over and leaves
+                           "--wait-for-replacement", "3", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(results) == ["0", "2", "r1"]  # the replacement joined and finished with the others
     record = results["0"]["record"]

@@ -21,6 +21,11 @@ def test_a_sharded_rule_whose_state_no_regroup_reshards_is_refused_and_the_other
     with pytest.raises(px.ConfigError, match=r"FullyShard\(group_size=2\) with DiLoCo.*under `phalanx run "
                                              r"--elastic`; expected px.AllReduce\(\) \(HSDP\), or a periodic rule"):
         refuse_unreshardable(_sharded(px.DiLoCo(every=2, compression=px.PowerSGD(rank=1))))  # its residuals
-    for rule in (px.AllReduce(), px.LocalSGD(every=2), px.DiLoCo(every=2), px.EASGD(every=2)):
+    # issue 39 item 4: an eager stand-in is one replica group's, which no regroup lays out by rows
+    with pytest.raises(px.ConfigError, match=r"StreamingDiLoCo.*mixing='eager'.* under `phalanx run --elastic`; "
+                                             r"expected StreamingDiLoCo with a numeric mixing and no moments="):
+        refuse_unreshardable(_sharded(px.StreamingDiLoCo(every=2, fragments=1, mixing="eager")))
+    for rule in (px.AllReduce(), px.LocalSGD(every=2), px.DiLoCo(every=2), px.EASGD(every=2),
+                 px.StreamingDiLoCo(every=2, fragments=2, overlap=1), px.DiLoCo(every=2, compression=px.SparseLoCo())):
         refuse_unreshardable(_sharded(rule))
     refuse_unreshardable(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))  # not sharded

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import glob
 import json
+from typing import Any
 
 import pytest
 import torch
+
+import phalanx as px
 
 from support.procs import run_workers
 from support.elastic_job import launch
@@ -32,15 +35,21 @@ def _spawned_workers(monkeypatch):
     monkeypatch.setenv("PHALANX_START_METHOD", "spawn")
 
 
+def _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, name: str, *flags: str, timeout: float) -> tuple:
+    """The 2 x 2 job both fixtures run: rank 1 killed at step 5, commits every 3, --replace's joiner after the
+    regroup; ``flags`` are the worker's own (the rule, epochs, how the survivors wait for the joiner)."""
+    tmp_path = tmp_path_factory.mktemp(name)
+    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
+                           "--commit-every", "3", "--replacement-after-regroup", *flags, n=4, timeout=timeout)
+    return tmp_path, proc, results
+
+
 @pytest.fixture(scope="module")
 def hsdp_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
-    tmp_path = tmp_path_factory.mktemp("hsdp")
     # --wait-for-replacement: the survivors wait (bounded) for the replacement to ask and to be ready, however long
-    # its start-up takes (over 30 s at a load of 60 on 2 cores: the job's 20 steps at 1 s ran out before it came)
-    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
-                           "--commit-every", "3", "--epochs", "4", "--slow-while-below", "4",
-                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
-    return tmp_path, proc, results
+    # its start-up takes (over 30 s at a load of 60 on 2 cores)
+    return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, "hsdp", "--epochs", "4",
+                                                      "--wait-for-replacement", "4", timeout=420)
 
 
 @pytest.mark.multiproc
@@ -67,21 +76,29 @@ def test_hsdp_2x2_loses_a_worker_goes_on_as_1x3_then_a_replacement_joins_as_2x2_
 
 
 def diloco_oracle(record: list, group_size: int, every: int = 2, outer_lr: float = 0.7,
-                  momentum: float = 0.9) -> list[list[torch.Tensor]]:
+                  momentum: float = 0.9, compressor: Any = None) -> list[list[torch.Tensor]]:
     """DiLoCo on unsharded replicas, replayed in one process: at each recorded step of world size W the replicas
     are the replica groups of the layout (W / S of them, or one of all W when S does not divide W), each an inner
     SGD step on the mean of its workers' batch-mean gradients (rank order, px.shard's split: FSDP averages the
     workers of a replica group, so a short last batch of 2, 1, 1 samples weighs its workers equally); every
-    ``every`` steps the outer Nesterov step on the replicas' mean pseudo-gradient. Returns each replica group's
-    weights at the end (the worker script calls no finish(), so a partial last round leaves them apart)."""
+    ``every`` steps the outer Nesterov step on the replicas' mean pseudo-gradient. ``compressor``: a factory of
+    DiLoCo's compressor (``px.SparseLoCo``): each rank of the layout compresses its rows of the pseudo-gradient
+    (one flat vector, the parameters' rows in order) with its own residuals, the ranks of one shard index average
+    their messages, and every residual starts empty at each regroup (the rule a sharded regroup follows).
+    Returns each replica group's weights at the end (the worker script calls no finish(), so a partial last round
+    leaves them apart)."""
     from phalanx.data.sampler import split_sizes
 
     net, data = worker.model(), worker.dataset()
     anchor = [p.detach().clone() for p in net.parameters()]
     buffers = [torch.zeros_like(a) for a in anchor]
     replicas: list[list[torch.Tensor]] = []
+    ranks_of: list[list[Any]] = []  # each rank's compressor, [group][shard], laid out anew at each regroup
+    before = 0
     for step, (_epoch, world, ids) in enumerate(record, start=1):
         groups = world // group_size if world % group_size == 0 else 1
+        if world != before and compressor is not None:
+            ranks_of, before = [[compressor() for _ in range(world // groups)] for _ in range(groups)], world
         if len(replicas) != groups:
             assert all(torch.equal(r, a) for rep in replicas for r, a in zip(rep, anchor)), "a layout changed " \
                 "between two rounds"
@@ -102,21 +119,42 @@ def diloco_oracle(record: list, group_size: int, every: int = 2, outer_lr: float
             for value, grad in zip(rep, grads):
                 value.sub_(grad, alpha=worker.PLAIN_LR)
         if step % every == 0:
-            for i, (a, buf) in enumerate(zip(anchor, buffers)):
-                d = a - torch.stack([rep[i] for rep in replicas]).mean(0)
+            means = [a - torch.stack([rep[i] for rep in replicas]).mean(0) for i, a in enumerate(anchor)]
+            if compressor is not None:
+                means = _compressed_means(anchor, replicas, ranks_of)
+            for a, buf, d in zip(anchor, buffers, means):
                 buf.mul_(momentum).add_(d)
                 a.sub_(d + momentum * buf, alpha=outer_lr)
             replicas = [[a.clone() for a in anchor] for _ in replicas]
     return replicas
 
 
+def _compressed_means(anchor: list[torch.Tensor], replicas: list[list[torch.Tensor]],
+                      ranks_of: list[list[Any]]) -> list[torch.Tensor]:
+    """The pseudo-gradient DiLoCo's compressor leaves on every rank of a sharded layout: for each shard index, its
+    ranks' messages (their rows of ``anchor - replica``, flat, with their own residuals) averaged in rank order."""
+    from phalanx.sharding.reshard import _rows
+
+    size = len(ranks_of[0])
+    out = [torch.zeros_like(a) for a in anchor]
+    for s in range(size):
+        rows = [_rows(a.shape[0], size, s) for a in anchor]
+        flats = [torch.cat([(a - rep[i])[lo:hi].reshape(-1) for i, (a, (lo, hi)) in enumerate(zip(anchor, rows))])
+                 for rep in replicas]
+        messages = [ranks_of[g][s].encode(flat, "pseudo") for g, flat in enumerate(flats)]
+        mean, at = ranks_of[0][s].sum_messages(messages, flats[0].numel()), 0
+        for o, (lo, hi) in zip(out, rows):
+            n = (hi - lo) * (o[0].numel() if o.dim() > 1 else 1)
+            o[lo:hi] = mean[at:at + n].view_as(o[lo:hi])
+            at += n
+    return out
+
+
 @pytest.fixture(scope="module")
 def diloco_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
-    tmp_path = tmp_path_factory.mktemp("diloco")
-    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
-                           "--strategy", "diloco", "--plain-sgd", "--commit-every", "3", "--epochs", "3",
-                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
-    return tmp_path, proc, results
+    return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, "diloco", "--strategy", "diloco",
+                                                      "--plain-sgd", "--epochs", "3", "--wait-for-replacement", "4",
+                                                      timeout=420)
 
 
 @pytest.mark.multiproc
@@ -134,6 +172,146 @@ def test_sharded_diloco_2x2_to_1x3_to_2x2_equals_diloco_on_unsharded_replicas(
         assert [(h["left"], h["joined"]) for h in r["history"]][-1][1] == ["r1"]
         for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):  # its replica group's weights
             torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-6)
+
+
+def _patched(replicas: list[list[torch.Tensor]], before: int, world: int, groups: int,
+             lost: int | None) -> list[list[torch.Tensor]]:
+    """The replica groups after a regroup from ``before`` to ``world`` workers, row by row as
+    :func:`phalanx.sharding.reshard.reshard` moves a drifting replica: the survivors keep their order (``lost``
+    left), joiners come last; each new rank keeps the rows of its new shard it held (its old replica group's) and
+    takes the others from the lowest surviving rank that held them."""
+    from phalanx.sharding.reshard import _rows
+
+    old_size, new_size = before // len(replicas), world // groups
+    olds = [r for r in range(before) if r != lost]
+    alive = set(olds)
+    out = [[torch.empty_like(t) for t in replicas[0]] for _ in range(groups)]
+    for n in range(world):
+        o = olds[n] if n < len(olds) else None  # a joiner held nothing
+        for i, t in enumerate(replicas[0]):
+            lo, hi = _rows(t.shape[0], new_size, n % new_size)
+            for row in range(lo, hi):
+                held = next(s for s in range(old_size) if _rows(t.shape[0], old_size, s)[0] <= row
+                            < _rows(t.shape[0], old_size, s)[1])
+                mine = o is not None and o % old_size == held
+                source = o if mine else min(r for r in alive if r % old_size == held)
+                out[n // new_size][i][row] = replicas[source // old_size][i][row]
+    return out
+
+
+def streaming_oracle(record: list, group_size: int, lost: int, every: int = 2, fragments: int = 2, overlap: int = 1,
+                     mixing: float = 0.5, outer_lr: float = 0.7, momentum: float = 0.9,
+                     trace: list | None = None) -> list[list[torch.Tensor]]:
+    """StreamingDiLoCo on unsharded replicas, replayed in one process (one replica per replica group, inner steps as
+    :func:`diloco_oracle`), with what a sharded regroup does to the replicas, which drift apart between exchanges:
+    each row of each new replica comes from the lowest surviving old rank holding its old shard (FSDP2's chunks
+    of dim 0; ``lost``: the old rank killed at the first shrink), as :func:`phalanx.sharding.reshard.reshard` moves
+    them. An exchange sent before a commit has landed at it (its average, shared by every replica group) and is
+    applied at its own step in the new layout. Returns each replica group's weights at the end (no finish())."""
+    from phalanx.data.sampler import split_sizes
+    from phalanx.strategies.streaming_diloco import balanced_split
+
+    net, data = worker.model(), worker.dataset()
+    params = list(net.parameters())
+    split = balanced_split([p.numel() * p.element_size() for p in params], fragments)
+    offsets = [i * every // fragments for i in range(fragments)]
+    anchor = [p.detach().clone() for p in params]
+    buffers = [torch.zeros_like(a) for a in anchor]
+    sent_at, result = [-1] * fragments, [None] * fragments
+    replicas = [[a.clone() for a in anchor]]
+    before = record[0][1]
+    for step, (_epoch, world, ids) in enumerate(record, start=1):
+        groups = world // group_size if world % group_size == 0 else 1
+        if world != before:  # a regroup: a rank keeps the rows it holds, the rest come from the lowest holder
+            replicas = _patched(replicas, before, world, groups, lost if world < before else None)
+            before = world
+        elif len(replicas) != groups:
+            replicas = [[r.clone() for r in replicas[0]] for _ in range(groups)]
+        if trace is not None:  # each replica group's weights before the step, for a diagnosis
+            trace.append([[t.clone() for t in rep] for rep in replicas])
+        sizes = split_sizes(len(ids), [1.0] * world)
+        per_rank = [sum(sizes[:r]) for r in range(world + 1)]
+        ranks = world // groups
+        for j, rep in enumerate(replicas):
+            grads = [torch.zeros_like(v) for v in rep]
+            for r in range(j * ranks, (j + 1) * ranks):  # FSDP's mean over the replica group's workers
+                x, y = data[torch.tensor(ids[per_rank[r]:per_rank[r + 1]])][:2]
+                for p, value in zip(params, rep):
+                    p.data.copy_(value)
+                net.zero_grad()
+                torch.nn.functional.mse_loss(net(x), y).backward()
+                for grad, p in zip(grads, params):
+                    grad.add_(p.grad, alpha=1 / ranks)
+            for value, grad in zip(rep, grads):
+                value.sub_(grad, alpha=worker.PLAIN_LR)
+        for f, idx in enumerate(split):  # the sends, then the exchanges that have travelled long enough
+            if step % every == offsets[f]:
+                sent_at[f] = step
+                result[f] = {i: anchor[i] - torch.stack([rep[i] for rep in replicas]).mean(0) for i in idx}
+        for f, idx in enumerate(split):
+            if sent_at[f] >= 0 and step >= sent_at[f] + overlap:
+                for i in idx:
+                    d = result[f][i]
+                    buffers[i].mul_(momentum).add_(d)
+                    anchor[i].sub_(d + momentum * buffers[i], alpha=outer_lr)
+                    for rep in replicas:
+                        rep[i] = torch.lerp(anchor[i], rep[i], mixing)
+                sent_at[f] = -1
+    return replicas
+
+
+@pytest.fixture(scope="module")
+def streaming_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
+    tmp_path = tmp_path_factory.mktemp("streaming")
+    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
+                           "--strategy", "streaming", "--plain-sgd", "--commit-every", "3", "--epochs", "3",
+                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
+    return tmp_path, proc, results
+
+
+@pytest.mark.multiproc
+def test_sharded_streaming_diloco_2x2_to_1x3_to_2x2_equals_streaming_diloco_on_unsharded_replicas(
+        streaming_2x2_loses_a_worker_then_a_replacement_joins):
+    # issue 39 item 4: the anchors, the outer momentum and the exchanges in flight (landed at each commit) are
+    # rows a regroup moves with the model's; the replicas, apart between exchanges, are patched row by row
+    _, proc, results = streaming_2x2_loses_a_worker_then_a_replacement_joins
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "3", "r1"]
+    record = results["0"]["record"]
+    worlds = [w for _, w, _ in record]
+    assert 3 in worlds and worlds[0] == 4 and worlds[-1] == 4, worlds  # 2 x 2, then 1 x 3, then 2 x 2 again
+    want = streaming_oracle(record, group_size=2, lost=1)
+    for r in results.values():
+        assert [(h["left"], h["joined"]) for h in r["history"]][-1][1] == ["r1"]
+        for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):  # its replica group's weights
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def sparseloco_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
+    tmp_path = tmp_path_factory.mktemp("sparseloco")
+    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
+                           "--strategy", "diloco-sparseloco", "--plain-sgd", "--commit-every", "3", "--epochs", "3",
+                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
+    return tmp_path, proc, results
+
+
+@pytest.mark.multiproc
+def test_sharded_diloco_with_sparseloco_2x2_to_1x3_to_2x2_drops_the_residuals_at_each_regroup(
+        sparseloco_2x2_loses_a_worker_then_a_replacement_joins):
+    # issue 39 item 4: a residual is one rank's flat vector over its old rows, cut into SparseLoCo's chunks of that
+    # layout; a regroup starts every residual empty, and the oracle replays exactly that rule
+    _, proc, results = sparseloco_2x2_loses_a_worker_then_a_replacement_joins
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "3", "r1"]
+    record = results["0"]["record"]
+    worlds = [w for _, w, _ in record]
+    assert 3 in worlds and worlds[0] == 4 and worlds[-1] == 4, worlds
+    want = diloco_oracle(record, group_size=2, outer_lr=1.0, momentum=0.0,
+                         compressor=lambda: px.SparseLoCo(topk=4, chunk=16))
+    for r in results.values():
+        for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.multiproc

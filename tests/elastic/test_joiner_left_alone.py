@@ -26,7 +26,7 @@ from datetime import timedelta
 import pytest
 
 from support.paths import TESTS
-from support.procs import free_port
+from support.procs import free_port, reap
 from support.wait import until
 
 pytestmark = pytest.mark.multiproc
@@ -35,8 +35,8 @@ WORKER = os.path.join(TESTS, "workers", "elastic.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 HEARTBEAT_S = 4.0
 COLLECTIVE_S = 300  # PHALANX_TIMEOUT: far beyond the bound, so only a wait that consults the dead ends in time
-# start-up of two processes on a loaded 2-core machine, plus the loss: found by the watcher at once, at worst by a
-# stopped heartbeat
+# each phase's bound, counted from its own start (the members' start-up, the joiner's, the kill): a process start-up
+# on a loaded 2-core machine, plus the loss: found by the watcher at once, at worst by a stopped heartbeat
 BOUND_S = 90 + 4 * HEARTBEAT_S
 
 
@@ -48,7 +48,7 @@ def run_alone(tmp_path, run_flags: list[str], job_flags: list[str], kill_when) -
     env = {**os.environ, "PHALANX_SECRET": "5a" * 32, "PHALANX_TIMEOUT": str(COLLECTIVE_S)}
     flags = [WORKER, "--out", str(tmp_path), *job_flags]
     started = time.monotonic()
-    left = lambda: max(1.0, BOUND_S - (time.monotonic() - started))  # noqa: E731 - one bound for every wait
+    left = lambda: max(1.0, BOUND_S - (time.monotonic() - started))  # noqa: E731 - the bound of the phase under way
     with open(tmp_path / "launcher.err", "w") as err, open(tmp_path / "join.err", "w") as join_err:
         launcher = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1",
                                      "--heartbeat-timeout", str(HEARTBEAT_S), "--master-port", str(port), *run_flags,
@@ -62,21 +62,20 @@ def run_alone(tmp_path, run_flags: list[str], job_flags: list[str], kill_when) -
                                   wait_for_workers=False)
             joiner = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", *flags],
                                       env=env, stdout=subprocess.DEVNULL, stderr=join_err)
+            started = time.monotonic()  # the joiner's start-up: a phase of its own
             victims: list[int] = []
             until(lambda: victims.extend(kill_when(store, tmp_path) or []) or victims, timeout=left(),
                   what="the moment to kill", procs=[launcher, joiner],
                   detail=lambda: (tmp_path / "launcher.err").read_text()[-3000:])
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
+            started = time.monotonic()  # what is under test: the end after the kill
             launcher.wait(timeout=left())
             joiner.wait(timeout=left())
         except subprocess.TimeoutExpired:
             pass
         finally:
-            for p in (launcher, joiner):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait()
+            reap(launcher, joiner)
     return launcher, joiner
 
 

@@ -40,8 +40,6 @@ for step in range(4 if mode in ("ok", "fail", "sleep") else 1000):
     t = torch.tensor([float(px.rank() + 1)])
     px.Comm().all_reduce_([t], op="sum")
     total += t
-    if mode == "raise":
-        time.sleep(0.01)  # sleep: pacing, so that rank 0 is mid-loop, not past it, when rank 1 raises
 if mode == "sleep":
     say({"ready": px.rank(), "pid": os.getpid()})
     signal.pause()  # until the test's signal ends this worker
@@ -184,13 +182,13 @@ def test_servers_start_before_the_workers_or_say_clearly_they_are_unavailable(ca
 # -- real launches ----------------------------------------------------------------------------------------------
 
 def test_phalanx_run_starts_workers_with_their_threads_timeout_and_arguments(script):
-    proc = subprocess.run([*phalanx_command(), "run", "-n", "2", "--threads", "2", "--timeout", "7", script,
+    proc = subprocess.run([*phalanx_command(), "run", "-n", "2", "--threads", "2", "--timeout", "90", script,
                            "ok", "--flag"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     seen = reports(proc.stdout)
     assert sorted(seen) == [0, 1]
     for r in seen.values():
-        assert (r["world"], r["total"], r["threads"], r["timeout"], r["args"]) == (2, 12.0, 2, "7.0", ["ok", "--flag"])
+        assert (r["world"], r["total"], r["threads"], r["timeout"], r["args"]) == (2, 12.0, 2, "90.0", ["ok", "--flag"])
 
 
 def test_phalanx_run_exits_with_the_first_failing_workers_status(script):
@@ -254,18 +252,22 @@ def test_the_same_script_runs_under_torchrun(script):
 
 # -- failures reported in one clear line, at once ----------------------------------------------------------------
 
+COLLECTIVE_S = 60.0  # the collective timeout the raising job runs with (--timeout)
+
+
 @pytest.mark.parametrize("workers", [2, 3])
 def test_a_worker_that_raises_ends_the_run_at_once_naming_its_rank_and_exception(script, workers):
-    proc = subprocess.run([*phalanx_command(), "run", "-n", str(workers), script, "raise"], capture_output=True,
-                          text=True, timeout=120)
+    # rank 1 raises at step 5 before that step's all-reduce, so rank 0 is waiting in it (mid-run, not past it)
+    proc = subprocess.run([*phalanx_command(), "run", "-n", str(workers), "--timeout", str(COLLECTIVE_S), script,
+                           "raise"], capture_output=True, text=True, timeout=120)
     ended = time.time()
     raised = [json.loads(line)["raised_at"] for line in proc.stdout.splitlines() if "raised_at" in line]
     assert proc.returncode == 1 and raised, (proc.stdout, proc.stderr)
     assert "phalanx: worker rank 1 raised ValueError: boom at step 5 (first failure); stopped the others" \
         in proc.stderr.splitlines(), proc.stderr
-    # Before, the failing worker's exit barrier held the job for the collective timeout (60 s). The target is
-    # 3 s; the bound is generous because this machine may be busy (benchmarks/failure_detection.py measures it).
-    assert ended - raised[0] < 10, ended - raised[0]
+    # Before, the failing worker's exit barrier held the job for the collective timeout. The bound is half of it,
+    # derived, not a target (this machine may be busy; benchmarks/failure_detection.py measures the time: 3 s).
+    assert ended - raised[0] < COLLECTIVE_S / 2, ended - raised[0]
 
 
 def test_a_usage_error_in_every_worker_is_one_line_once_and_debug_shows_the_traceback(script):
@@ -301,13 +303,13 @@ def test_demo_with_an_unknown_option_is_one_line(capsys):
 def test_a_dead_parameter_server_is_named_instead_of_a_worker(tmp_path):
     path = tmp_path / "ps_train.py"
     path.write_text(
-        "import sys, time, torch, phalanx as px\n"
+        "import torch, phalanx as px\n"
         "px.init()\n"
         "net = torch.nn.Linear(8, 2)\n"
         "model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.01), strategy=px.Downpour())\n"
         "print('ready', flush=True) if px.rank() == 0 else None\n"
-        "for step in range(100000):  # sleep: a step of known length, so the job is mid-run when signalled\n"
-        "    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step(); time.sleep(0.01)\n")
+        "while True:  # until the launcher stops the workers: the job is mid-run when its server is killed\n"
+        "    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()\n")
     proc = subprocess.Popen([*phalanx_command(), "run", "-n", "2", "--servers", "1", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

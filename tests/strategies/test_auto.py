@@ -216,8 +216,9 @@ def test_the_switches_happen_at_commit_points_and_match_the_oracle_of_the_chosen
 def test_rank_zero_prints_one_line_per_choice(scripted):
     log0, log1 = scripted.logs
     # once: the resume takes DiLoCo back from the checkpoint and says nothing (the slowing run's is from step 10)
-    assert sum(line.startswith("phalanx auto: DiLoCo(every=3") and " from step 3:" in line
+    assert sum(line.startswith("phalanx auto: DiLoCo(every=3") and " from step 3:" in line and "probed" not in line
                for line in log0.splitlines()) == 1
+    assert sum("probed with 3 local steps" in line for line in log0.splitlines()) == 1  # the slow-link probe's
 
     # decided at step 8, it names step 9, where it took over; the resumed run took the same decision there again
     assert sum(line.startswith("phalanx auto: AllReduce() from step 9") for line in log0.splitlines()) == 2
@@ -271,3 +272,59 @@ def test_leaving_streaming_diloco_averages_every_fragment_first_so_the_replicas_
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)  # one model before AllReduce's attach broadcast
     for a, b in zip(r0["params"], r1["params"], strict=True):
         assert torch.equal(a, b)
+
+
+def slow_probe_oracle() -> list[list[torch.Tensor]]:
+    """Both replicas in one process, the schedule the slow-link probe takes: local steps 1-3 (each replica its own
+    momentum), the replicas' mean of the parameters at step 3 (the momenta stay each replica's), then
+    DiLoCo(every=3, Nesterov 0.7/0.9) from that anchor with outer steps at 6 and 9."""
+    models = [net(), net()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    anchor: list[torch.Tensor] = []
+    outer: list[torch.Tensor] = []
+    for t in range(1, 10):
+        for r, (m, o) in enumerate(zip(models, opts)):
+            o.zero_grad()
+            x, y = batch(r, t)
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        with torch.no_grad():
+            if t == 3:
+                for ps in zip(*(m.parameters() for m in models)):
+                    mean = sum(p for p in ps) / 2
+                    for p in ps:
+                        p.copy_(mean)
+                anchor = [p.detach().clone() for p in models[0].parameters()]
+                outer = [torch.zeros_like(a) for a in anchor]
+            if t in (6, 9):
+                for i, ps in enumerate(zip(*(m.parameters() for m in models))):
+                    delta = anchor[i] - sum(p for p in ps) / 2
+                    outer[i].mul_(0.9).add_(delta)
+                    anchor[i] -= 0.7 * (delta + 0.9 * outer[i])
+                    for p in ps:
+                        p.copy_(anchor[i])
+    return [[p.detach() for p in m.parameters()] for m in models]
+
+
+def test_on_a_slow_link_the_probe_sends_no_gradient_and_matches_the_replay_of_its_schedule(scripted):
+    """A slow link injected as the link probe's measured rate (the gradient's all-reduce 8.3 s): the probe steps
+    are local (step 1 sends only the agreement of its time; step 2 nothing), one parameter average ends the probe
+    at step 3 (there the bytes are the model's, once), and the final model is the one-process replay of the schedule
+    taken: local steps, the average, DiLoCo."""
+    r0, r1 = (r["slow_probe"] for r in scripted.results)
+    grad_bytes = 4 * sum(p.numel() for p in net().parameters())
+    for r in (r0, r1):
+        assert r["probing"] == "local" and r["schedule"] == [(3, "diloco")]
+        assert r["rules"][:2] == ["NoneType"] * 2 and r["rules"][2:] == ["DiLoCo"] * 7
+        assert r["sent"][0] < grad_bytes / 4 and r["sent"][1] == 0  # no full-gradient exchange per probe step
+        assert r["sent"][2] >= grad_bytes  # the probe's one average (and DiLoCo's attach)
+        assert r["measured"]["overlap"] == 0.0 and r["measured"]["rate"] == pytest.approx(40.0)
+    assert "probed with 3 local steps and one average" in r0["lines"][0]
+    for r in (r0, r1):  # the checkpointed schedule: a resume takes the same rule from the same step
+        assert r["resumed"] == {"probing": "local", "start": 3, "rule": "DiLoCo", "schedule": [(3, "diloco")],
+                                "link_rate": pytest.approx(40.0)}
+    want = slow_probe_oracle()
+    torch.testing.assert_close(want[0], want[1])
+    for got in (r0["params"], r1["params"]):
+        for g, w in zip(got, want[0], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

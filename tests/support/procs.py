@@ -10,6 +10,7 @@ each rank is still its own process, and the suite spends its time testing rather
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from phalanx.bench import procs
 from phalanx.bench.procs import WorkerRun, free_port
 
-__all__ = ["WorkerRun", "free_port", "kill_at", "run_workers", "shared_run"]
+__all__ = ["WorkerRun", "free_port", "kill_at", "reap", "run_workers", "shared_run"]
 
 
 def run_workers(target: str, world_size: int = 2, **options: Any) -> WorkerRun:
@@ -48,3 +49,17 @@ def kill_at(step: int, *, rank: int, now: int, my_rank: int | None = None, code:
     if me == rank and now == step:
         sys.stdout.flush()
         os._exit(code)
+
+
+def reap(*procs: subprocess.Popen | None) -> None:
+    """Kill (SIGKILL) and wait for each of ``procs`` still running; ``None`` (never started) is skipped.
+
+    A test's ``finally:`` so that a failed wait leaves no launcher or joiner behind.
+
+    Example:
+        >>> reap(None)
+    """
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()

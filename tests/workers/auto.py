@@ -33,6 +33,18 @@ class SlowingAuto(px.Auto):
         return nbytes, 1e-3 * self.slow
 
 
+class SlowLinkAuto(px.Auto):
+    """Auto on a (simulated) slow link: its link probe is a real all-reduce whose measured time is replaced by what
+    that many bytes take at ``rate`` in the ring model, a measured-rate injection (no sleep, no shaping). 40 B/s
+    carries this 332-byte gradient in 8.3 s, as 10 Mbit/s carries a 10 MB one (the GPT's): far above its step."""
+
+    rate = 40.0
+
+    def _probe_link(self) -> tuple[int, float]:
+        nbytes, _ = super()._probe_link()
+        return nbytes, nbytes / self.rate  # N = 2: the ring moves S
+
+
 class RecordingAuto(px.Auto):
     """Auto that keeps each rank's weights as they stand when the next rule takes over (before its attach, which
     broadcasts rank 0's): the full average at the commit point must already have made them one model."""
@@ -121,6 +133,37 @@ def scripted(tmp: str) -> dict[str, Any]:
     out["real"] = real(12)  # the same pair of processes: a third model, Auto's own decision
     out["slowing"] = slowing()
     out["leaving_streaming"] = leaving_streaming()
+    out["slow_probe"] = slow_probe()
+    return out
+
+
+def slow_probe() -> dict[str, Any]:
+    """On a slow link the probe's 3 steps are local (no gradient sent), one average ends it at step 3, then DiLoCo
+    (the scripted choice) from there; the bytes this worker sent are read after each step."""
+    decider = Scripted(DILOCO)
+    auto = SlowLinkAuto(planned_steps=100, probe_steps=3, decider=decider)
+    model, opt = wrapped(auto)
+    sent = [auto.comm.stats.bytes_sent]
+    rules: list[str] = []
+
+    def after(t: int) -> None:
+        sent.append(auto.comm.stats.bytes_sent)
+        rules.append(type(auto.rule).__name__)
+
+    steps(model, opt, 1, 9, after)
+    out = {"params": params(model), "schedule": [(s["step"], s["choice"]["rule"]) for s in auto.schedule],
+           "sent": [b - a for a, b in zip(sent, sent[1:])], "rules": rules, "probing": auto.probing,
+           "measured": dataclasses.asdict(auto.measurement), "lines": [s["line"] for s in auto.schedule]}
+    saved = auto.state_dict()
+    auto.finish()
+    # a resume: fresh objects take the saved schedule back (the probe's path, the rule, its start), asking no decider
+    fresh = SlowLinkAuto(planned_steps=100, probe_steps=3, decider=Scripted(None))
+    wrapped(fresh)
+    fresh.load_state_dict(saved)
+    out["resumed"] = {"probing": fresh.probing, "start": fresh.start, "rule": type(fresh.rule).__name__,
+                      "schedule": [(s["step"], s["choice"]["rule"]) for s in fresh.schedule],
+                      "link_rate": fresh.link_rate}
+    fresh.finish()
     return out
 
 

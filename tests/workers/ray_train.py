@@ -10,7 +10,18 @@ watcher in Ray's controller kills it). ``kill="1,2@5"``: ranks 1 and 2 both park
 ``late=True``: a replacement Ray starts waits, before ``px.init()``, until every survivor has
 written its result (training has ended), so that it arrives after the end. ``slow_below=3``:
 while fewer than 3 workers train, each step waits until Ray's replacement has asked to join,
-so it enters before training ends.
+so it enters before training ends. ``kill="1@4;0,2@8"``: a second group of victims parks before step 8 after the
+first regroup (each group once, after as many regroups as groups before it). ``regroup_victim="0"``: every worker
+entering its first regroup waits for ``controller-held`` (see :class:`HeldConfig`), and that one parks there
+(``victim-regroup.json``). ``checkpoint=DIR``: ``px.save_checkpoint`` to
+``DIR/step-<n>`` after every ``save_every``-th commit (the record in its ``extra``; rank 0 then writes
+``saved-<n>``), and a run given ``resume_from_checkpoint`` starts from ``px.resume_from()``. ``hold_replacements``:
+a replacement waits before ``px.init()`` for ``DIR/release-replacements``. Every step appends
+``{"id", "step", "t"}`` to ``steps.jsonl``.
+
+:class:`HeldConfig` is :class:`~phalanx.launch.raytrain.PhalanxConfig` whose backend holds Ray Train's controller
+inside every replacement's start (as a slow start on a loaded machine does) until ``DIR/release-controller``:
+Ray Train's own view of the workers stands still meanwhile.
 """
 from __future__ import annotations
 
@@ -20,9 +31,12 @@ import os
 import signal
 import time
 
+from dataclasses import dataclass
+
 import torch.nn.functional as F
 
 import phalanx as px
+from phalanx.launch.raytrain import PhalanxConfig, _PhalanxBackend
 from workers.elastic import BATCH, setup
 from support.loop import elastic_id, epoch_batches, group_ids, take_step, write_worker
 from support.wait import until
@@ -63,37 +77,108 @@ def wait_for_the_end(out: str, victims: list[str], timeout: float) -> None:
     until(ended, timeout=timeout, what="the survivors' results")
 
 
+def park(out: str, name: str, me: str, stop: bool = False) -> None:
+    """Write ``out/name`` (this process's pid, whole or absent) and wait there to be killed (kill -9)."""
+    with open(os.path.join(out, f"{name}.tmp"), "w") as f:
+        json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
+    os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))
+    if stop:  # hung: only the heartbeat watcher in Ray's controller can free the others
+        os.kill(os.getpid(), signal.SIGSTOP)
+    while True:  # parked until the test kills this process
+        signal.pause()
+
+
 def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_below: int = 0,
-         stop: bool = False, late: bool = False) -> dict:
+         stop: bool = False, late: bool = False, *, regroup_victim: str = "", checkpoint: str = "",
+         save_every: int = 1, hold_replacements: bool = False) -> dict:
     me = elastic_id()
-    spec, _, at = kill.partition("@")
-    victims = spec.split(",") if spec else []
+    groups = [(spec.split(","), int(at)) for spec, _, at in (k.partition("@") for k in kill.split(";") if k)]
+    victims = groups[0][0] if groups else []
     open(os.path.join(out, f"start{me}-{os.getpid()}"), "w").close()  # a restarted worker would leave a second one
     if late and me.startswith("r"):
         wait_for_the_end(out, victims, timeout=300)
         open(os.path.join(out, f"late-{me}"), "w").close()  # it reached px.init() after the others had finished
+    if hold_replacements and me.startswith("r"):
+        until(lambda: os.path.exists(os.path.join(out, "release-replacements")), timeout=300,
+              what=f"replacement {me}: the test's release")
     px.init()
     model_, opt, loader, record, state = setup(commit_every, strategy=px.AllReduce())
+    if px.resume_from() is not None and not me.startswith("r"):  # a new run from a checkpoint (its record too)
+        meta = px.load_checkpoint(px.resume_from(), model_, opt, loader=loader)
+        record.load_state_dict(meta["extra"]["record"])
     comm = px.Comm()
     began = time.monotonic()
+    if regroup_victim:
+        recover = state.recover
+
+        def held_recover(*a, **k):  # type: ignore[no-untyped-def]
+            # every survivor enters its first regroup only once Ray Train's controller is held (HeldConfig), so the
+            # quorum's wait starts then, however long Ray took to get there; the victim parks inside it
+            if not state.history:
+                until(lambda: os.path.exists(os.path.join(out, "controller-held")), timeout=300,
+                      what=f"worker {me}: the held controller")
+                if me == regroup_victim:
+                    park(out, "victim-regroup.json", me)  # inside the regroup, before arriving at the quorum
+            return recover(*a, **k)
+        state.recover = held_recover  # type: ignore[method-assign]
+    if checkpoint:
+        commit, join, joining = state.commit, state.join, [False]
+
+        def saving_commit() -> None:  # after every save_every-th commit, where a port puts its torch.save
+            commit()
+            if state.step > 0 and state.step % (commit_every * save_every) == 0 and not joining[0]:
+                path = os.path.join(checkpoint, f"step-{state.step}")
+                px.save_checkpoint(path, model_, opt, loader=loader, step=state.step,
+                                   extra={"record": record.state_dict()})
+                if px.rank() == 0:
+                    open(os.path.join(out, f"saved-{state.step}"), "w").close()
+
+        def entering() -> bool:  # a joiner's own commit inside join() is not collective: no save there
+            joining[0] = True
+            try:
+                return join()
+            finally:
+                joining[0] = False
+        state.commit, state.join = saving_commit, entering  # type: ignore[method-assign]
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
         for epoch, x, y, ids in epoch_batches(state, loader, epochs):
-            if me in victims and state.step + 1 == int(at) and not state.history:
-                name = "victim.json" if len(victims) == 1 else f"victim{me}.json"
-                with open(os.path.join(out, f"{name}.tmp"), "w") as f:
-                    json.dump({"id": me, "pid": os.getpid(), "time": time.time()}, f)
-                os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))  # whole or absent
-                if stop:  # hung: only the heartbeat watcher in Ray's controller can free the others
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                while True:  # parked until the test kills this process (kill -9)
-                    signal.pause()
+            for n, (these, at) in enumerate(groups):
+                if me in these and state.step + 1 == at and len(state.history) == n:
+                    park(out, "victim.json" if n == 0 and len(these) == 1 else f"victim{me}.json", me, stop)
             record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH)])  # the whole group's
             take_step(model_, opt, x, y, loss=F.mse_loss)
+            with open(os.path.join(out, "steps.jsonl"), "a") as f:
+                f.write(json.dumps({"id": me, "step": state.step, "t": time.time()}) + "\n")
             if px.world_size() < slow_below:
                 wait_for_joiner(state, deadline=began + 120)
 
     train(state)
     write_worker(out, me, model_, record.steps, state.history, pid=os.getpid(), rank=px.rank())
     return {"id": me, "steps": state.step}
+
+
+@dataclass
+class HeldConfig(PhalanxConfig):
+    """:class:`PhalanxConfig` whose backend holds the controller in every replacement's start until
+    ``out/release-controller`` (bounded: ``hold_s``), having written ``out/controller-held``."""
+
+    out: str = ""
+    hold_s: float = 120.0
+
+    @property
+    def backend_cls(self) -> type:
+        return HeldBackend
+
+
+class HeldBackend(_PhalanxBackend):
+    def on_start(self, worker_group, backend_config) -> None:  # type: ignore[no-untyped-def]
+        if self.job is not None:  # a replacement: Ray Train's controller waits here, its view of the workers too
+            open(os.path.join(backend_config.out, "controller-held"), "w").close()
+            try:
+                until(lambda: os.path.exists(os.path.join(backend_config.out, "release-controller")),
+                      timeout=backend_config.hold_s, what="the test's release of the controller")
+            except AssertionError:
+                pass  # bounded: the test decides what a late release means
+        super().on_start(worker_group, backend_config)

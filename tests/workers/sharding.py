@@ -105,7 +105,11 @@ RULES: dict[str, Callable[[], px.Strategy]] = {
     "local-sgd": lambda: px.LocalSGD(every=2),
     "diloco": lambda: px.DiLoCo(every=2),
     "diloco-fp16": lambda: px.DiLoCo(every=2, compression=px.FP16()),
+    # all-gathered messages (issue 39 item 4): over the replicate group, not the whole world
+    "diloco-sparseloco": lambda: px.DiLoCo(every=2, compression=px.SparseLoCo(topk=4, chunk=16)),
     "easgd": lambda: px.EASGD(every=2),
+    # two fragments on staggered schedules, each exchange overlapped by one step and mixed in (issue 39 item 4)
+    "streaming": lambda: px.StreamingDiLoCo(every=2, fragments=2, overlap=1),
 }
 
 

@@ -99,26 +99,22 @@ def step(x: torch.Tensor, y: torch.Tensor) -> bool:
     return flag.item() > 0
 
 
-stopping = False
+def epoch_until_stopped(epoch: int) -> bool:
+    """One epoch of steps; True once the group agreed to stop."""
+    loader.set_epoch(epoch)
+    return any(step(x, y) for x, y in loader)  # any() stops at the first True: the agreed step
+
+
 if os.environ.get("PHALANX_ELASTIC_ID"):
     state = px.elastic.State(model, opt, loader, commit_every=5)
     for epoch in state.epochs(10_000):
         with state:
-            loader.set_epoch(epoch)
-            for x, y in loader:
-                if step(x, y):
-                    stopping = True
-                    break
+            stopping = epoch_until_stopped(epoch)
         if stopping:
             break
 else:
     for epoch in range(10_000):
-        loader.set_epoch(epoch)
-        for x, y in loader:
-            if step(x, y):
-                stopping = True
-                break
-        if stopping:
+        if epoch_until_stopped(epoch):
             break
 
 rule = px.strategy_of(opt)

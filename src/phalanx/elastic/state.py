@@ -42,6 +42,9 @@ from ..wrap import strategy_of
 from ..group.spans import span
 from ..step.preempt import HANDED_OVER, PREEMPTION
 from ..strategies.allreduce import REBUILT
+from ..strategies.compression import FP16
+from ..strategies.diloco import DiLoCo
+from ..strategies.quantize import Gathered
 from ..step.protocols import replicas_agree
 from .recovery import Recovery
 from .resize import ResizePolicy, check_policy
@@ -334,9 +337,10 @@ def refuse_unreshardable(optimizer: torch.optim.Optimizer | None) -> None:
     """Refuse, before training, a sharded model whose rule keeps per-rank state a regroup cannot re-shard.
 
     A regroup re-shards the model, the optimizer and the rule's own rows (:class:`RowState`: DiLoCo's
-    anchor and outer momentum, EASGD's centre). A compressor's residuals are per-rank state of another
-    shape that no regroup moves yet, so a compressed rule on shards is refused here rather than restored wrong
-    after the first loss.
+    anchor and outer momentum, EASGD's centre, StreamingDiLoCo's anchors, momentum and exchanges in flight; its
+    ``row_state()`` refuses what it cannot lay out by rows, an eager stand-in). DiLoCo's error-feedback residuals
+    (``px.SparseLoCo()``, ``px.Quantize``) start empty at a regroup; a compressor whose shared state is laid out by
+    the old shards (PowerSGD) is refused here rather than restored wrong after the first loss.
 
     Example:
         >>> import torch; refuse_unreshardable(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
@@ -345,12 +349,17 @@ def refuse_unreshardable(optimizer: torch.optim.Optimizer | None) -> None:
     strategy = strategy_of(optimizer) if optimizer is not None else None
     if layout is None or strategy is None or hsdp(strategy):
         return
-    if not isinstance(strategy, RowState) or getattr(strategy, "compression", None) is not None:
+    compression = getattr(strategy, "compression", None)
+    # DiLoCo's residuals (SparseLoCo, Quantize) start empty at a regroup (OuterStep.load_row_state); a compressor
+    # with shared state laid out by the old shards (PowerSGD's Q) is not moved
+    dropped = isinstance(strategy, DiLoCo) and isinstance(compression, (Gathered, FP16))
+    if not isinstance(strategy, RowState) or (compression is not None and not dropped):
         raise ConfigError(usage(f"shard=FullyShard(group_size={layout.group_size}) with {strategy!r} under "
                                 "`phalanx run --elastic`", "px.AllReduce() (HSDP), or a periodic rule without a "
-                                "compressor (LocalSGD, DiLoCo, EASGD): a regroup re-shards their state onto the "
-                                "survivors, not a compressor's residuals", "Drop the compressor, drop --elastic, "
-                                "or drop shard=."))
+                                "compressor (LocalSGD, DiLoCo, EASGD, StreamingDiLoCo), or DiLoCo with "
+                                "px.SparseLoCo(), px.Quantize or px.FP16(): a regroup re-shards their state onto the "
+                                "survivors, not PowerSGD's", "Use one of those, drop --elastic, or drop shard=."))
+    strategy.row_state()  # a rule refuses here, in one line, a part of its state it cannot lay out by rows
 
 
 def attach(g: group.Group) -> None:

@@ -20,10 +20,16 @@ The job's store (and its secret) live in Ray Train's controller actor, which Ray
 the node of the driver (``trainer.fit()``'s caller), not on any worker: a lost worker,
 rank 0 included, never takes it along. The controller writes what Ray's fault detection
 sees into it (``elastic/dead/<id>`` when a worker's actor died), as the launcher of
-``phalanx run --elastic`` does for its processes. Losing the controller (the driver's
-node) ends the job: ``train`` raises one :class:`~phalanx.PhalanxError` line, and the
-workers end (Ray ends the actors of a lost owner; a worker whose heartbeat no longer
-reaches the store says so in one line and exits).
+``phalanx run --elastic`` does for its processes. Its heartbeat watcher also asks Ray about a
+worker whose heartbeat stood still 1.5 s, and marks a dead actor at once: Ray Train's controller
+sees a loss only between its own steps, and starting a replacement (tens of seconds on a busy
+machine) is one of them, so a second loss during a replacement would otherwise reach the
+survivors' quorum too late. Losing the controller (the driver's node) ends the job: ``train``
+raises one :class:`~phalanx.errors.JobLostError` line naming the newest checkpoint (the driver
+follows it in the store), and the workers end (Ray ends the actors of a lost owner); so does
+losing every worker that held the training state (the replacements would have nobody to enter
+from). ``train(..., resume_from_checkpoint=PATH)`` starts a new job from that checkpoint
+(``px.resume_from()`` on every worker).
 
 Elastic bounds map onto Ray's worker counts: Ray Train runs ``num_workers + spares``
 workers; ``min_workers`` is phalanx's floor (fewer survivors end the job); spares are
@@ -61,7 +67,8 @@ from ..elastic import secret
 from ..elastic.membership import key
 from ..elastic.watch import mark_dead
 from ..elastic.admission import EndedBeforeAdmitted
-from ..errors import ConfigError, PhalanxError, usage
+from ..errors import ConfigError, JobLostError, usage
+from ..sealed import verify_directory
 from .elastic import _members, generation_members, listening_store, quiet_store_env, saved_checkpoint
 from .stacks import Watchdog
 from .status import JobStatus, stacks_button, status_address
@@ -112,6 +119,7 @@ class PhalanxConfig(BackendConfig):  # type: ignore[misc]
     timeout_s: float | None = None
     debug: bool = False
     host: str | None = None  # where the store listens: the controller's node address by default
+    port: int = 0  # where the store listens (0: any free port); train() picks one so the driver can read the store
     extra_env: dict[str, str] = field(default_factory=dict)
     max_workers: int | None = None
     grow: Callable[[], Any] | None = None  # the training function, for the workers started when a node is added
@@ -175,7 +183,7 @@ class _Job:
         import ray
 
         self.host = cfg.host or ray.util.get_node_ip_address()
-        self.store, self.listener = listening_store(self.host, 0)
+        self.store, self.listener = listening_store(self.host, cfg.port)
         self.secret, nonce = cfg.secret or secret.make(), secret.nonce()
         self.heartbeat_s = float(cfg.heartbeat_s)
         self.ids = {r: str(r) for r in range(cfg.num_workers)}  # Ray Train's world rank (its slot) -> worker id
@@ -194,7 +202,9 @@ class _Job:
             self.status.attach(self.store, members=generation_members, secret=self.secret, announce=False,
                                checkpoint=lambda s: saved_checkpoint(s, generation_members(s)[0]))
             self.status.action("stacks", stacks_button(self.host, self.store.port, self.secret))
+        self.ended: JobLostError | None = None  # set when every holder of the training state was lost
         self.stopped = threading.Event()
+        self.probes: dict[str, tuple[Any, float]] = {}  # worker id -> (a liveness call to its actor, when sent)
         self.watcher = threading.Thread(target=self._watch_heartbeats, name="phalanx-ray-heartbeats", daemon=True)
         self.watcher.start()
         self.grown: dict[str, tuple[Any, Any]] = {}  # worker id -> (actor, its run's result), see _grow
@@ -264,14 +274,38 @@ class _Job:
 
     def lost(self, slot: int, how: str) -> None:
         """Ray saw the worker of ``slot`` fail: tell the survivors' quorum (``elastic/dead/<id>``) at once."""
-        wid = self.ids[slot]
+        self.lose(self.ids[slot], how, f" (Ray Train rank {slot})")
+
+    def lose(self, wid: str, how: str, where: str = "") -> None:
+        """Worker ``wid`` is gone: mark it dead for the quorum (once; whoever saw it first, Ray or the watcher)."""
         self.actors.pop(wid, None)
-        if self.store.check([key("finished", wid)]) and not self.store.check([key("dead", wid)]):
+        self.probes.pop(wid, None)
+        if self.store.check([key("dead", wid)]):
+            return  # told already (the heartbeat watcher sees a dead actor before Ray Train's controller may)
+        if self.store.check([key("finished", wid)]):
             return  # it had finished training; its actor going is no loss
         mark_dead(self.store, wid, how)
         if not self.store.check([key("done")]):
-            print(f"phalanx: ray: worker {wid} (Ray Train rank {slot}) {how}; the others regroup without it, "
+            print(f"phalanx: ray: worker {wid}{where} {how}; the others regroup without it, "
                   "and Ray starts a replacement that joins at the next commit", file=sys.stderr, flush=True)
+
+    def newest_checkpoint(self) -> str | None:
+        """The newest checkpoint ``px.save_checkpoint`` wrote in this job (None: none)."""
+        return saved_checkpoint(self.store, generation_members(self.store)[0])
+
+    def state_lost(self) -> JobLostError | None:
+        """Every member of the newest generation is dead and training did not finish: nobody holds the state.
+
+        The replacements Ray starts could only wait to be handed a state nobody holds: the job ends instead,
+        with one line naming the newest checkpoint (None while a member lives)."""
+        if self.store.check([key("done")]):
+            return None
+        generation, members = generation_members(self.store)
+        if not members or not all(self.store.check([key("dead", m)]) for m in members):
+            return None
+        return lost_state_error(f"every worker that held the training state ({', '.join(members)}, generation "
+                                f"{generation}) was lost, so the replacements Ray starts have nobody to take it "
+                                "from", self.newest_checkpoint())
 
     def _watch_heartbeats(self, poll_s: float = 0.5) -> None:
         """Kill a worker whose heartbeat stopped (a hang gloo cannot free its peers from); Ray then replaces it."""
@@ -293,14 +327,43 @@ class _Job:
                     last = seen.get(wid)
                     if last is None or last[0] != beats or not beats:
                         seen[wid] = (beats, now)
+                        self.probes.pop(wid, None)
+                    elif now - last[1] > self.PROBE_AFTER_S and self._died(wid, actor, now):
+                        # its actor is dead: tell the quorum now, not when Ray Train's controller gets to it (it
+                        # may be busy starting another worker's replacement for as long as the quorum waits)
+                        self.lose(wid, "was lost (its Ray actor died)")
                     elif now - last[1] > self.heartbeat_s:
                         self._look_for_stalls(wid, f"sent no heartbeat for {now - last[1]:.1f}s (hung or stopped)")
                         print(f"phalanx: ray: worker {wid} sent no heartbeat for {now - last[1]:.1f}s (hung or "
                               "stopped); killing its actor", file=sys.stderr, flush=True)
                         self.actors.pop(wid, None)
                         ray.kill(actor)
+                        self.lose(wid, f"was killed (no heartbeat for {now - last[1]:.1f}s)")
             except Exception:  # noqa: BLE001 - the store is closing with the job
                 return
+
+    PROBE_AFTER_S = 1.5  # a worker's heartbeat (every 0.5 s) still this long: ask Ray whether its actor lives
+
+    def _died(self, wid: str, actor: Any, now: float) -> bool:
+        """Is ``wid``'s actor dead? One liveness call in flight per silent worker, looked at without blocking."""
+        import ray
+
+        sent = self.probes.get(wid)
+        if sent is None:
+            self.probes[wid] = (actor.__ray_ready__.remote(), now)
+            return False
+        ref, at = sent
+        if not ray.wait([ref], timeout=0)[0]:
+            return False  # no answer yet: a busy actor, or one Ray has not found dead yet
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            return True
+        except Exception:  # noqa: BLE001 - not known dead: the heartbeat timeout decides
+            pass
+        if now - at > self.PROBE_AFTER_S:  # it answered, so it lives (silent for another reason): ask again later
+            self.probes[wid] = (actor.__ray_ready__.remote(), now)
+        return False
 
     def _look_for_stalls(self, killing: str | None = None, why: str = "", silent: list[str] | None = None) -> None:
         """The watchdog's look (or, before ``killing`` a worker, its stacks); never ends the heartbeat watcher.
@@ -368,6 +431,71 @@ def training_function(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     return run
 
 
+def lost_state_error(what: str, checkpoint: str | None) -> JobLostError:
+    """The one line that ends a job whose training state is gone, naming the newest checkpoint to resume from.
+
+    Example:
+        >>> print(lost_state_error("Ray Train's controller was lost", "/c/step-8"))  # doctest: +NORMALIZE_WHITESPACE
+        phalanx: ray: Ray Train's controller was lost; the job ends. Newest checkpoint: /c/step-8 (resume:
+        phalanx.raytrain.train(..., resume_from_checkpoint='/c/step-8'))
+    """
+    if checkpoint is None:
+        where = ("No checkpoint was written (px.save_checkpoint): the commits were in memory only, so a new run "
+                 "starts from the beginning")
+    else:
+        where = (f"Newest checkpoint: {checkpoint} (resume: phalanx.raytrain.train(..., "
+                 f"resume_from_checkpoint={checkpoint!r}))")
+    return JobLostError(f"phalanx: ray: {what}; the job ends. {where}", checkpoint)
+
+
+class _Ledger:
+    """On the driver: the newest checkpoint the job wrote, read from its store while the store lives.
+
+    The store lives in Ray Train's controller; if the controller is lost, the line that ends the job
+    names what was read here last (a checkpoint whose write finished after the last read, within
+    ``poll_s``, is not named)."""
+
+    def __init__(self, host: str, port: int, poll_s: float = 0.5) -> None:
+        self.host, self.port, self.poll_s = host, port, poll_s
+        self.checkpoint: str | None = None
+        self.placement_group: str | None = None  # the workers' (see _PhalanxBackend.on_start)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._follow, name="phalanx-ray-ledger", daemon=True)
+        self.thread.start()
+
+    def _follow(self) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        store = None
+        while not self.stopped.wait(self.poll_s):
+            if store is None:  # the controller starts the store in a moment: a plain connect says when
+                try:
+                    socket.create_connection((self.host, self.port), timeout=2).close()
+                    store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=30),
+                                          wait_for_workers=False)
+                except Exception:  # noqa: BLE001 - not listening yet
+                    continue
+            try:
+                if self.placement_group is None and store.check([key("ray", "placement_group")]):
+                    self.placement_group = store.get(key("ray", "placement_group")).decode()
+                self.checkpoint = saved_checkpoint(store, generation_members(store)[0]) or self.checkpoint
+            except Exception:  # noqa: BLE001 - gone with the controller: keep what was read
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=5)
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now, for the controller's store (the driver reads the store there too)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def one_line(err: BaseException) -> str:
     """A failed Ray Train run as one line: its type and what failed on each worker (or in the controller).
 
@@ -415,6 +543,27 @@ def _where() -> tuple[int, int, int]:
     return ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_local_world_size()
 
 
+def _placement_group() -> str | None:
+    """On a worker: the id (hex) of the placement group Ray Train placed it in."""
+    import ray
+
+    pg = ray.util.get_current_placement_group()
+    return pg.id.hex() if pg is not None else None
+
+
+def _release(group_id: str | None) -> None:
+    """Remove the placement group of a job whose controller was lost (its workers are gone with it)."""
+    if group_id is None:
+        return
+    import ray
+    from ray.util.placement_group import PlacementGroup
+
+    try:
+        ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+    except Exception:  # noqa: BLE001 - removed already (Ray Train's own cleaner got there first)
+        pass
+
+
 def _enter(env: dict[str, str]) -> None:
     """On a worker, before the training function starts: the environment ``px.init()`` reads."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PHALANX_ELASTIC_JOIN"):
@@ -441,6 +590,17 @@ class _PhalanxBackend(Backend):  # type: ignore[misc]
         if self.job is None:
             self.job = _Job(cfg)
             self.whole = worker_group
+            # the workers' placement group, for the driver to release if this controller is lost (Ray Train's
+            # own cleaner asks the state API, which a cluster without its dashboard does not serve)
+            group_id = worker_group.execute_single(0, _placement_group)
+            if group_id is not None:
+                self.job.store.set(key("ray", "placement_group"), group_id)
+        elif (lost := self.job.state_lost()) is not None:
+            # a replacement with nobody to enter from would wait forever: end the job (Ray Train's controller
+            # error, never retried), with the newest checkpoint named
+            self.job.ended = lost
+            print(str(lost), file=sys.stderr, flush=True)
+            raise lost
         places = worker_group.execute(_where)
         for i, (slot, local_rank, local_world) in enumerate(places):
             wid = self.job.replace(slot) if joining else self.job.ids[slot]
@@ -452,6 +612,8 @@ class _PhalanxBackend(Backend):  # type: ignore[misc]
         if self.job is None:
             return
         workers = worker_group.get_workers()
+        if len(workers) < backend_config.total_workers and self.job.ended is not None:
+            return  # the job is over (its state was lost): Ray shuts the rest down next
         if len(workers) < backend_config.total_workers:  # a failed replica group: Ray replaces it next
             for w in workers:
                 self.job.lost(w.distributed_context.world_rank, "was lost (its Ray actor failed)")
@@ -520,7 +682,8 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
           heartbeat_s: float = 10.0, threads: int = 1, timeout_s: float | None = None, max_failures: int = 3,
           resources_per_worker: dict[str, float] | None = None, address: str | None = None,
           storage_path: str | None = None, name: str | None = None, debug: bool = False,
-          max_workers: int | None = None, status: str | int | None = None) -> Any:
+          max_workers: int | None = None, status: str | int | None = None,
+          resume_from_checkpoint: str | os.PathLike | None = None) -> Any:
     """Run ``fn(*args)`` on ``num_workers`` Ray Train workers as one elastic phalanx job; returns rank 0's result.
 
     ``fn`` is the function ``phalanx run --elastic`` would run (``px.init()``, ``px.wrap``,
@@ -529,28 +692,49 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     running Ray cluster (``ray.init`` is called unless Ray is already initialised). ``max_workers``: grow up
     to this many workers when nodes are added (each new one joins at the next commit). ``status``:
     ``"[HOST:]PORT"``, where Ray Train's controller (on this node) serves the job's status page, as
-    ``phalanx run --status`` does; the link is printed here.
-    Raises :class:`~phalanx.PhalanxError` with one line when the job fails.
+    ``phalanx run --status`` does; the link is printed here. ``resume_from_checkpoint``: a checkpoint
+    ``px.save_checkpoint`` wrote (the one a failed run's line names); ``px.resume_from()`` returns it on
+    every worker, as under ``phalanx run --resume-from`` (Ray Train's own ``resume_from_checkpoint`` is its
+    checkpoint object; this is phalanx's checkpoint directory).
+
+    Raises :class:`~phalanx.PhalanxError` with one line when the job fails; when the training state is
+    gone (every worker holding it, or Ray Train's controller, which holds the job's store, was lost) that is
+    a :class:`~phalanx.errors.JobLostError` whose ``checkpoint`` names the newest checkpoint to resume from.
+
+    Example:
+        >>> train(print, num_workers=1)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        phalanx.errors.ConfigError: num_workers=1; expected an integer >= 2 ...
     """
     ray = require_ray()
     run = training_function(fn, *args)
-    address = status_address(status, "status=")  # the port is tried here first: in use, nothing starts
-    job_secret = (os.environ.get(secret.ENV) or secret.make()) if address is not None else None
+    page = status_address(status, "status=")  # the port is tried here first: in use, nothing starts
+    job_secret = (os.environ.get(secret.ENV) or secret.make()) if page is not None else None
+    extra_env = {}
+    if resume_from_checkpoint is not None:
+        extra_env["PHALANX_RESUME_FROM"] = _checked_checkpoint(resume_from_checkpoint)
     cfg = PhalanxConfig(num_workers=num_workers, min_workers=min_workers, spares=spares, heartbeat_s=heartbeat_s,
                         threads=threads, timeout_s=timeout_s, debug=debug, max_workers=max_workers,
-                        grow=run, resources=resources_per_worker, status=address, secret=job_secret)
-    if address is not None:
-        JobStatus.bind(*address).server.close(0)  # free now: the controller binds it in a moment
-        print(f"phalanx: status page at {JobStatus.link(address, job_secret)} (served by Ray Train's controller "
-              "on this node; /status.json and /metrics take `Authorization: Bearer <token>`)", file=sys.stderr,
-              flush=True)
+                        grow=run, resources=resources_per_worker, status=page, secret=job_secret,
+                        extra_env=extra_env)
     if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < -1:
         raise ConfigError(usage(f"max_failures={max_failures!r}", "an integer >= 0 (or -1: no limit)",
                                 "Pass e.g. max_failures=3."))
+    if page is not None:
+        JobStatus.bind(*page).server.close(0)  # free now: the controller binds it in a moment
+        print(f"phalanx: status page at {JobStatus.link(page, job_secret)} (served by Ray Train's controller "
+              "on this node; /status.json and /metrics take `Authorization: Bearer <token>`)", file=sys.stderr,
+              flush=True)
     _connect(ray, address)
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
+    # The store listens where the controller runs (Ray pins it to this node): on a port chosen here, so that
+    # this driver follows the newest checkpoint in it and can name it if the controller is lost with the store.
+    cfg.host = ray.util.get_node_ip_address()
+    cfg.port = _free_port(cfg.host)
+    ledger = _Ledger(cfg.host, cfg.port)
     trainer = DataParallelTrainer(
         run, backend_config=cfg,
         scaling_config=ScalingConfig(num_workers=cfg.total_workers, resources_per_worker=resources_per_worker),
@@ -560,8 +744,25 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     try:
         return trainer.fit().return_value
     except ray.train.TrainingFailedError as err:
-        raise PhalanxError(f"phalanx: ray: the job failed ({one_line(err)})") from err
+        cause = getattr(err, "controller_failure", None)
+        if isinstance(cause, JobLostError):  # every holder of the state was lost: the controller said so
+            raise JobLostError(str(cause), cause.checkpoint) from err
+        raise lost_state_error(f"the job failed ({one_line(err)})", ledger.checkpoint) from err
     except ray.exceptions.RayActorError as err:  # the controller, and the job's store with it
-        raise PhalanxError("phalanx: ray: Ray Train's controller, which held the job's store, was lost "
-                           f"({type(err).__name__}); the workers end with it. Commits were in memory only: resume "
-                           "from your last disk checkpoint (px.save_checkpoint), if any") from err
+        ledger.stop()
+        _release(ledger.placement_group)  # its workers ended with it; their resources must not stay reserved
+        raise lost_state_error(f"Ray Train's controller, which held the job's store, was lost ({type(err).__name__});"
+                               " the workers end with it", ledger.checkpoint) from err
+    finally:
+        ledger.stop()
+
+
+def _checked_checkpoint(path: str | os.PathLike) -> str:
+    """``resume_from_checkpoint``, absolute, once it verifies (every byte: a damaged one is one CheckpointError)."""
+    full = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(full):
+        raise ConfigError(usage(f"resume_from_checkpoint={os.fspath(path)!r} (not a directory)",
+                                "a checkpoint px.save_checkpoint wrote (the path a failed run's line names)",
+                                "Pass that path, or leave resume_from_checkpoint out to start afresh."))
+    verify_directory(full)
+    return full

@@ -129,7 +129,8 @@ class FullyShard:
             raise ConfigError(usage(f"shard=FullyShard(...) with {strategy!r}",
                                     "px.AllReduce() without compression (HSDP), or a periodic rule that exchanges "
                                     "parameters (LocalSGD without warm-up, DiLoCo with or without a compressor, "
-                                    "EASGD)", "Use one of those, or drop shard=."))
+                                    "EASGD, StreamingDiLoCo without quantize= or SparseLoCo)",
+                                    "Use one of those, or drop shard=."))
 
     # -- sharding ------------------------------------------------------------------------------------------------
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy,

@@ -1,13 +1,22 @@
 """``px.Auto`` (``strategy="auto"``): measure the step and the link, then pick the rule and its settings.
 
-During its first ``probe_steps`` steps the rule averages gradients (``px.AllReduce``, overlapped with
-backward) and measures what :mod:`phalanx.step.clock` already counts: the wall time of a step and the
-part of it spent waiting on the exchange (``clock.waited``). Then one timed all-reduce of up to 1 MiB
-measures the rate the group's link achieves. From these:
+It measures the link first, with one timed all-reduce of up to 1 MiB at attach (the rate ``B`` from
+the ring model ``T = 2(N−1)/N · S/B``). Step 1 is a local step (no exchange; it is the warm-up, and it
+times the step). Then the probe takes one of two paths:
 
-* the compute step ``t_c`` = step − waiting;
-* the rate ``B`` from the ring model ``T = 2(N−1)/N · S/B``;
-* the overlap: the share of a full gradient all-reduce (``T`` for 4 bytes a parameter) that backward hid.
+* **a fast link** (a full gradient's all-reduce ``T(4 bytes a parameter)`` within ``slow_link`` (4) times
+  step 1): the replicas take one full average (parameters and optimizer state: a commit point) and the
+  remaining probe steps average gradients (``px.AllReduce``, overlapped with backward); Auto measures what
+  :mod:`phalanx.step.clock` counts: the step's wall time and the part spent waiting on the exchange
+  (``clock.waited``), so the compute step ``t_c`` = step − waiting and the overlap = the share of ``T``
+  that backward hid;
+* **a slow link** (``T`` more than ``slow_link`` times step 1): an all-reduce step would cost more than
+  4 compute steps, so the remaining probe steps stay local, as the first steps of a periodic rule (nothing
+  sent per step): ``t_c`` is their mean step, and the overlap is taken as 0 (backward can hide at most
+  ``t_c`` of ``T``, under a quarter, and AllReduce cannot win there with any overlap). The probe ends with
+  one full average of the parameters (and of the optimizer state if AllReduce is chosen), so every rule
+  starts from identical replicas: the same commit-point rule Auto uses when it switches. The probe then
+  costs one parameter average and the 1 MiB link probe instead of ``probe_steps`` full all-reduces.
 
 :func:`phalanx.strategies.decision.decide` then picks the rule and its settings by projected time to target
 (step time × the planned steps × the rule's measured step penalty); ``phalanx bench``'s projection asks the
@@ -18,8 +27,8 @@ It decides again after every regroup (``phalanx.elastic``) and when the rate, me
 both rules' state is defined: right after a full average (every step of AllReduce, a DiLoCo round, or
 a full average of every Streaming DiLoCo fragment that it takes for the purpose). Each choice is
 printed as one line on rank 0 and kept in :meth:`Auto.state_dict` (the schedule so far, the
-measurement, the rule's own state), so a resume or a joiner follows the same schedule rather than
-measuring again.
+measurement, the probe's path, the rule's own state), so a resume or a joiner follows the same schedule
+rather than measuring again.
 
 Example (the decision on synthetic measurements):
     >>> fast = Measurement(compute_s=0.06, grad_bytes=4e6, rate=1.25e9, overlap=0.5, workers=2)
@@ -66,7 +75,8 @@ class Auto(Accounting, StepState, Strategy):
     Args:
         planned_steps: the run's length in optimizer steps (``len(loader) * epochs``); ``Trainer.fit`` tells it.
             Unknown: 10,000 is assumed, and the line says so.
-        probe_steps: steps measured with AllReduce before the first decision (the first is a warm-up), >= 2.
+        probe_steps: steps measured before the first decision (the first, local, is a warm-up), >= 2: with
+            AllReduce on a fast link, local on a slow one (module docstring).
         recheck_every: steps between two measurements of the link's rate (one small timed all-reduce).
         decider: the decision function (:func:`decide`); tests pass their own.
         out: where rank 0 prints its line (stderr).
@@ -78,6 +88,9 @@ class Auto(Accounting, StepState, Strategy):
     """
 
     name = "auto"
+    #: A link is slow when a full gradient's all-reduce takes more than this many times step 1 (a local step):
+    #: the probe then takes its steps locally and ends with one parameter average (module docstring).
+    slow_link = 4.0
 
     def __init__(self, planned_steps: int | None = None, *, probe_steps: int = 3, recheck_every: int = 200,
                  decider: Callable[[Measurement, int | None], Decision] = decide, out: TextIO | None = None) -> None:
@@ -100,6 +113,10 @@ class Auto(Accounting, StepState, Strategy):
         self.pending: Choice | None = None  # decided, waiting for a commit point
         self.checked = 0  # the step the rate was last measured at
         self._probe: list[tuple[float, float]] = []
+        self.link_rate: float | None = None  # the rate the first link probe measured (attach), agreed everywhere
+        self.probing: str | None = None  # the probe's path: None (step 1, local), "local" or "allreduce"
+        self._t0 = 0.0  # when attach ended: step 1's time is counted from there
+        self._drifted = False  # the local probe's replicas were averaged, their optimizer states not yet
         self._regrouped = False
         self._decision: Decision | None = None  # the decision of the pending choice
 
@@ -111,14 +128,19 @@ class Auto(Accounting, StepState, Strategy):
             self._say("phalanx auto: a group of one trains as a plain loop (nobody to exchange with); "
                       "nothing is measured")
             return module
-        self._use(Choice("allreduce"), 0)
+        # the link first (one bounded all-reduce), so that a slow one is known before any gradient crosses it;
+        # alone (an elastic group of one) nothing crosses a link: the rate is taken as infinite until peers join
+        self.link_rate = self._agreed_rate() if self.comm.world_size > 1 else math.inf
+        self._t0 = time.perf_counter()
         return module
 
     def weighs_gradients(self, step: int) -> bool:
         return self.rule is not None and weighs_gradients(self.rule, step)
 
     def replicas_agree(self, step: int) -> bool:
-        return self.rule is None or replicas_agree(self.rule, step)
+        if self.rule is None:  # the probe's local steps drift apart until its average; a plain loop is alone
+            return self.choice is not None
+        return replicas_agree(self.rule, step)
 
     def after_backward(self, step: int) -> None:
         if self.rule is not None:
@@ -128,9 +150,13 @@ class Auto(Accounting, StepState, Strategy):
         if self.rule is not None:
             self.rule.after_step(step, taken)
         if self.choice is None:  # measuring
+            if self.probing is None:
+                self._take_path(step)
             self._probe.append((time.perf_counter(), self.clock.waited))
             if len(self._probe) >= self.probe_steps:
                 self.measurement = self._measure()
+                if self.probing == "local":
+                    self._end_local_probe()
                 self._decide(step, initial=True)
             return
         if self.measurement is not None and (self._regrouped or step - self.checked >= self.recheck_every):
@@ -142,28 +168,69 @@ class Auto(Accounting, StepState, Strategy):
         super().finish()
         if self.rule is not None:
             self.rule.finish()
+        elif self.choice is None and self.probing == "local":  # ended inside the local probe: one model to keep
+            self._average_parameters(optimizer=False)
 
     # -- measuring and deciding --------------------------------------------------------------------------------
+    def _take_path(self, step: int) -> None:
+        """After step 1 (local): on a slow link stay local; on a fast one average (a commit point), then AllReduce."""
+        vals = self._agreed([time.perf_counter() - self._t0])
+        m = self._measurement(compute_s=vals[0], rate=self.link_rate or math.inf)
+        if m.ring_s(m.grad_bytes) > self.slow_link * vals[0]:
+            self.probing = "local"
+            return
+        self.probing = "allreduce"
+        self._average_parameters(optimizer=True)
+        self._use(Choice("allreduce"), step)
+
+    def _end_local_probe(self) -> None:
+        """The local probe's one full average: every replica the mean (the chosen rule's attach starts there)."""
+        self._average_parameters(optimizer=False)
+        self._drifted = True  # AllReduce, if chosen, needs one optimizer state too (_use)
+
+    def _average_parameters(self, *, optimizer: bool) -> None:
+        """The replicas' mean of the parameters and buffers (and of the optimizer state: the step to one model)."""
+        with torch.no_grad():
+            ts = [p.data for p in self.params] + [b for b in self.model.buffers() if b.is_floating_point()]
+            self.comm.all_reduce_(ts)
+        if optimizer:
+            self._average_optimizer_state()
+
+    def _agreed(self, values: list[float]) -> list[float]:
+        """The ranks' mean of ``values``, bit for bit the same everywhere (every rank then decides alike)."""
+        vals = torch.tensor(values, dtype=torch.float64)
+        self.comm.all_reduce_([vals])
+        self.comm.broadcast_([vals])
+        return vals.tolist()
+
+    def _measurement(self, *, compute_s: float, rate: float, overlap: float = 0.0) -> Measurement:
+        return Measurement(compute_s=max(compute_s, 1e-6), grad_bytes=4.0 * sum(p.numel() for p in self.params),
+                           rate=rate, overlap=overlap, workers=self.comm.world_size, tensors=len(self.params))
+
     def _measure(self) -> Measurement:
-        """The probe window's step and waiting, and one timed all-reduce: agreed on every rank (rank 0's mean)."""
+        """The probe window's step and waiting (agreed on every rank), at the rate the first link probe measured.
+
+        Local steps wait on nothing: their step is the compute step, and the overlap is taken as 0 (it hides at
+        most ``t_c`` of a full all-reduce that takes more than ``slow_link`` times it)."""
         (t0, w0), (t1, w1) = self._probe[0], self._probe[-1]
         k = len(self._probe) - 1
         self._probe = []
-        probe_bytes, probe_s = self._probe_link()
-        vals = torch.tensor([(t1 - t0) / k, (w1 - w0) / k, probe_s], dtype=torch.float64)
-        self.comm.all_reduce_([vals])
-        self.comm.broadcast_([vals])  # the mean, bit for bit the same everywhere: every rank decides alike
-        step_s, waited, probe_s = vals.tolist()
-        grad_bytes = 4.0 * sum(p.numel() for p in self.params)
-        m = Measurement(compute_s=max(step_s - waited, 1e-6), grad_bytes=grad_bytes, rate=1.0,
-                        overlap=0.0, workers=self.comm.world_size, tensors=len(self.params))
-        # ring_s at rate 1 is the bytes the ring moves; alone (an elastic group of one) nothing crossed a link: the
-        # rate is unknown, taken as infinite until a probe among peers (after the group grows) measures it
-        rate = m.ring_s(probe_bytes) / max(probe_s, 1e-9) if m.workers > 1 else math.inf
-        m = dataclasses.replace(m, rate=rate)
-        full = m.ring_s(grad_bytes)
+        local = self.probing == "local"  # nothing was sent: the whole step is compute (the clock's waiting then
+        # counts the gap from a gradient hook of the step before, not an exchange)
+        step_s, waited = self._agreed([(t1 - t0) / k, 0.0 if local else (w1 - w0) / k])
+        rate = self.link_rate if self.link_rate is not None else math.inf
+        m = self._measurement(compute_s=step_s - waited, rate=rate)
+        if local:
+            return m
+        full = m.ring_s(m.grad_bytes)
         overlap = min(1.0, max(0.0, 1 - waited / full)) if full > 0 else 1.0
         return dataclasses.replace(m, overlap=overlap)
+
+    def _agreed_rate(self) -> float:
+        """One probe of the link, its time agreed on every rank: the rate in the ring model."""
+        probe_bytes, probe_s = self._probe_link()
+        (probe_s,) = self._agreed([probe_s])
+        return self._measurement(compute_s=1.0, rate=1.0).ring_s(probe_bytes) / max(probe_s, 1e-9)
 
     def _probe_link(self) -> tuple[int, float]:
         """One timed all-reduce of up to 1 MiB (the gradient's size if smaller): the link's rate, in the ring model."""
@@ -178,7 +245,12 @@ class Auto(Accounting, StepState, Strategy):
         assert self.measurement is not None
         decision = self.decider(self.measurement, self.planned_steps)
         if initial:
-            self._switch(decision.choice, step, decision.line(step))
+            line = decision.line(step)
+            if self.probing == "local":  # the line says why the probe sent no gradient
+                m = self.measurement
+                line += (f"; probed with {self.probe_steps} local steps and one average (a full all-reduce "
+                         f"{m.ring_s(m.grad_bytes):.3g} s against {m.compute_s * 1e3:.3g} ms of compute)")
+            self._switch(decision.choice, step, line)
         elif _differs(decision.choice, self.running):
             self.pending, self._decision = decision.choice, decision  # its line names the step it takes over at
         else:
@@ -202,11 +274,7 @@ class Auto(Accounting, StepState, Strategy):
         """The link's rate now, agreed on every rank (one probe); alone, nothing to probe: the last one stands."""
         if m.workers <= 1:
             return m.rate
-        probe_bytes, probe_s = self._probe_link()
-        vals = torch.tensor([probe_s], dtype=torch.float64)
-        self.comm.all_reduce_([vals])
-        self.comm.broadcast_([vals])
-        return dataclasses.replace(m, rate=1.0).ring_s(probe_bytes) / max(float(vals[0]), 1e-9)
+        return self._agreed_rate()
 
     def _commit_point(self, step: int) -> bool:
         """Right after a full average: every AllReduce step, a DiLoCo round; Streaming DiLoCo makes one (finish)."""
@@ -236,12 +304,12 @@ class Auto(Accounting, StepState, Strategy):
         if overlap is not None:
             overlap.remove()
         rule = choice.build(start)
-        self.rule, self.start, self.running = rule, start, choice
+        self.rule, self.start, self.running, self._drifted = rule, start, choice, False
         if rule is None:
             return
         rule.comm, rule.clock = self.comm, self.clock  # one byte count, one step count
         if isinstance(rule, AllReduce):
-            if old is not None and not isinstance(old, AllReduce):
+            if self._drifted or (old is not None and not isinstance(old, AllReduce)):
                 self._average_optimizer_state()
             rule.attach(self.model, self.optimizer, wrapper=False)  # no DDP module: the user's module stays
         else:
@@ -282,6 +350,7 @@ class Auto(Accounting, StepState, Strategy):
                 "schedule": [dict(s) for s in self.schedule], "checked": self.checked,
                 "measurement": None if m is None else dataclasses.asdict(m),
                 "pending": None if self.pending is None else self.pending.state(),
+                "probing": self.probing, "link_rate": self.link_rate,
                 "rule": self.rule.state_dict() if self.rule is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -296,6 +365,9 @@ class Auto(Accounting, StepState, Strategy):
         self.measurement = None if state["measurement"] is None else Measurement(**state["measurement"])
         self.pending = None if state["pending"] is None else Choice.from_state(state["pending"])
         self._probe = []
+        self.probing, self.link_rate = state.get("probing"), state.get("link_rate", self.link_rate)
+        if choice is None and self.probing == "allreduce" and self.rule is None:  # saved inside the AllReduce probe
+            self._use(Choice("allreduce"), start)
         if self.rule is not None:
             self.rule.load_state_dict(state["rule"])
 

@@ -102,7 +102,12 @@ class OuterStep(Exchange):
         return {"anchor": self.anchor, "momentum": self.buffers}
 
     def load_row_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """After a reshard: the new layout's rows. A compressor's error-feedback residuals start empty: each is one
+        rank's flat vector over its old rows, cut into the compressor's chunks of that layout (as a joiner's, or a
+        restore onto another world size, they are dropped: what the residuals had not sent yet is lost)."""
         self.anchor, self.buffers = list(state["anchor"]), list(state["momentum"])
+        if self.compression is not None:
+            self.compression.load_replica_state_dict({})
 
 
 class DiLoCo(Periodic):

@@ -114,7 +114,8 @@ class Gathered(_ErrorFeedback):
         if comm.world_size > 1:
             pending.gathered = [torch.empty_like(message) for _ in range(comm.world_size)]
             with guarded("the quantised all-gather"):
-                pending.work = dist.all_gather(pending.gathered, message, async_op=True)
+                # over comm's own group (a sharded model's "replicate" group), not the default one
+                pending.work = dist.all_gather(pending.gathered, message, group=comm.process_group, async_op=True)
             comm.record(message.numel() * message.element_size())
         return pending
 

@@ -23,8 +23,9 @@ k 64: 1.56% of the entries, 12-bit indices) that is 116 bytes per 4096 values ag
 141× fewer per exchange, and ``every`` times that per step.
 
 The residuals are this worker's own state (``replica_state_dict``: checkpointed with each worker's part,
-restored by each survivor after an elastic rollback); a joiner, or a restore onto another world size, starts
-with empty residuals (what the lost or departed workers had not sent yet is dropped with their replicas).
+restored by each survivor after an elastic rollback); a joiner, a restore onto another world size, and every
+rank after a regroup of a sharded model (``px.DiLoCo`` on ``shard=``: a residual is one rank's flat vector over
+its old rows, chunked for that layout) start with empty residuals (what was not sent yet is dropped).
 
 Example:
     >>> import torch, phalanx as px

@@ -36,6 +36,11 @@ step: the survivors' average, without the lost worker's part. A joiner sends an 
 message (weight 0). Synchronous compressors (FP16, PowerSGD) finish their exchange at
 once, so their result, the same on every worker, is shared state.
 
+On shards (``shard=px.FullyShard(...)``) each rank exchanges its rows of each fragment with the
+same shard of the other replica groups. Under ``--elastic`` every exchange in flight lands at each
+commit (:meth:`StreamingDiLoCo.commit_point`), and the anchors, outer momentum and those averages
+are rows a regroup moves with the model's (``phalanx.sharding.reshard.RowState``).
+
 Example:
     >>> import phalanx as px
     >>> s = px.StreamingDiLoCo(every=100, fragments=4, overlap=2, quantize=4)
@@ -59,7 +64,7 @@ from .quantize import Gathered, Quantize, check_floating
 from .sparseloco import outer_defaults
 from .accounting import Accounting
 from .base import (StepState, Strategy, compressor_replica_state, drifting_replica_state,
-                   load_compressor_replica_state, load_drifting_replica_state)
+                   load_compressor_replica_state, load_drifting_replica_state, load_rows)
 from .buffers import BufferMean
 from .diloco import _outer_dtype, outer_direction
 from .gradients import share_total
@@ -188,6 +193,7 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
                                     "Average only the first moment (moments=('momentum',)) when quantising, or "
                                     "send float32 (quantize=None)."))
         self.fragments: list[Fragment] = []
+        self._split: list[range] = []
 
     # -- the template ---------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -203,8 +209,10 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
             for p in self.params:
                 check_floating(p, f"StreamingDiLoCo(quantize={self.compression!r})")
         P, H = self.num_fragments, self.every
-        sizes = [p.numel() * p.element_size() for p in self.params]
-        split = balanced_split(sizes, P)
+        # Whole tensors' sizes (a sharded model's DTensors count their global rows): every rank cuts the same
+        # fragments, so the same parameters travel together as on unsharded replicas, whichever shard it holds.
+        sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+        split = self._split = balanced_split(sizes, P)
         self.fragments = [Fragment(i, [self.params[j] for j in idx], i * H // P) for i, idx in enumerate(split)]
         for f, stats in zip(self.fragments, _buffers_by_fragment(model, split), strict=True):
             f.running_stats = BufferMean(stats)
@@ -223,6 +231,59 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
         for f in self.fragments:
             if f.sent_at >= 0 and step >= f.sent_at + self.overlap:
                 self._apply(f)
+
+    def on_shards(self) -> bool:
+        """``sharding.layout.OnShards``: each fragment is exchanged as this rank's rows of its parameters, with
+        the same shard of the other replica groups, over the mesh's "replicate" group (as :class:`~.DiLoCo`).
+
+        Not with an all-gathered compressor (``quantize=4``, ``px.SparseLoCo()``): their messages are not laid
+        out by rows, so ``shard=`` refuses them."""
+        return not isinstance(self.compression, Gathered)
+
+    def _sharded(self) -> bool:
+        return getattr(self, "sharded_by", None) is not None  # set by px.FullyShard.apply
+
+    def commit_point(self) -> None:
+        """``elastic.rule.CommitPoint``, a sharded model only: every exchange in flight lands before the commit.
+
+        It is waited for, not applied (it is applied at its own step, as ever): the commit then holds the average,
+        rows every replica group shares (:meth:`row_state`), which a regroup moves by the model's own plan onto
+        any layout, where a message in flight is one replica group's and only its layout could send it again."""
+        if not self._sharded():
+            return
+        for f in self.fragments:
+            if f.sent_at >= 0 and f.result is None:
+                f.result = self._wait(f)
+                f.pending, f.buffer = None, None
+
+    def row_state(self) -> dict[str, list[torch.Tensor]]:
+        """``sharding.reshard.RowState``: per parameter (this rank's rows), the anchor, the outer momentum and the
+        average of the exchange in flight (zeros where its fragment has none; every one has landed at a commit of a
+        sharded model, :meth:`commit_point`). A pure read.
+
+        Refuses ``mixing="eager"`` and ``moments=``: their stand-ins and sent states are one replica group's, which
+        no regroup moves yet."""
+        if self.mixing == "eager" or self.moments:
+            raise ConfigError(usage(f"shard=FullyShard(...) with {self!r} under `phalanx run --elastic`",
+                                    "StreamingDiLoCo with a numeric mixing and no moments= (a regroup re-shards its "
+                                    "anchors, momentum and exchanges in flight, not an eager stand-in or the sent "
+                                    "optimizer states)", "Pass a numeric mixing (e.g. 0.5) and no moments=, or "
+                                    "drop --elastic, or drop shard=."))
+        result = [r for f in self.fragments for r in (f.result[:len(f.anchor)] if f.result is not None
+                                                      else [torch.zeros_like(a) for a in f.anchor])]
+        return {"anchor": [a for f in self.fragments for a in f.anchor],
+                "momentum": [b for f in self.fragments for b in f.momentum], "result": result}
+
+    def load_row_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """After a reshard: each fragment takes the new layout's parameters (``self.params``) and rows; an exchange
+        sent before the commit (``sent_at``, shared state) takes its average's rows, applied at its own step."""
+        for f, idx in zip(self.fragments, self._split, strict=True):
+            f.params = [self.params[j] for j in idx]
+            f.anchor, f.momentum = [state["anchor"][j] for j in idx], [state["momentum"][j] for j in idx]
+            f.result = [state["result"][j] for j in idx] if f.sent_at >= 0 else None
+            f.message, f.buffer, f.pending, f.resend, f.eager = None, None, None, False, None
+        for f, stats in zip(self.fragments, _buffers_by_fragment(self.model, self._split), strict=True):
+            f.running_stats = BufferMean(stats)
 
     def replicas_agree(self, step: int) -> bool:
         """Always: each replica's own weights and message are in its replica state, the rest is shared;
@@ -375,6 +436,8 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
              "sent_at": f.sent_at, "synced_at": f.synced_at,
              "result": None if f.result is None else [r.clone() for r in f.result]}
             for f in self.fragments]}
+        if self._sharded():  # what a worker entering a sharded layout counts since each send: rank 0's (its own
+            state["shares"] = [f.share for f in self.fragments]  # replica state replaces it on every other worker)
         if self.compression is not None:
             state["compression"] = self.compression.state_dict()
         return state
@@ -382,9 +445,12 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "compression" in state and self.compression is not None:
             self.compression.load_state_dict(state["compression"])
-        for f, saved in zip(self.fragments, state["fragments"], strict=True):
-            for mine, theirs in zip(f.anchor + f.momentum, saved["anchor"] + saved["momentum"], strict=True):
-                mine.copy_(theirs)
+        for i, (f, saved) in enumerate(zip(self.fragments, state["fragments"], strict=True)):
+            # rank 0's rows of another layout (a sharded model's commit) are taken as they are: the reshard that
+            # follows replaces them with this rank's (row_state)
+            f.anchor, f.momentum = load_rows(f.anchor, saved["anchor"]), load_rows(f.momentum, saved["momentum"])
+            if "shares" in state:
+                f.share = float(state["shares"][i])
             f.sent_at, f.pending, f.message = int(saved["sent_at"]), None, None
             f.synced_at = int(saved.get("synced_at", 0))
             f.result = None if saved["result"] is None else [r.clone() for r in saved["result"]]
