@@ -36,12 +36,39 @@ def _spawned_workers(monkeypatch):
 
 
 def _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, name: str, *flags: str, timeout: float) -> tuple:
-    """The 2 x 2 job both fixtures run: rank 1 killed at step 5, commits every 3, --replace's joiner after the
+    """The 2 x 2 job the fixtures run: rank 1 killed at step 5, commits every 3, --replace's joiner after the
     regroup; ``flags`` are the worker's own (the rule, epochs, how the survivors wait for the joiner)."""
     tmp_path = tmp_path_factory.mktemp(name)
     proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
                            "--commit-every", "3", "--replacement-after-regroup", *flags, n=4, timeout=timeout)
     return tmp_path, proc, results
+
+
+def _periodic_2x2(strategy: str):
+    """A module fixture: the 2 x 2 job under a periodic rule with plain inner SGD (its oracle needs no optimizer
+    state), the survivors waiting (bounded) for the replacement."""
+    @pytest.fixture(scope="module")
+    def job(tmp_path_factory) -> tuple:
+        return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, strategy, "--strategy", strategy,
+                                                          "--plain-sgd", "--epochs", "3", "--wait-for-replacement",
+                                                          "4", timeout=420)
+    return job
+
+
+def _went_2x2_1x3_2x2_and_equals(job: tuple, oracle, rtol: float = 0.0) -> None:
+    """The job lost rank 1 (2 x 2 -> 1 x 3), then took its replacement r1 (2 x 2), and every worker holds its replica
+    group's weights in ``oracle(record)`` (one list of tensors per replica group)."""
+    _, proc, results = job
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(results) == ["0", "2", "3", "r1"]
+    record = results["0"]["record"]
+    worlds = [w for _, w, _ in record]
+    assert 3 in worlds and worlds[0] == 4 and worlds[-1] == 4, worlds  # 2 x 2, then 1 x 3, then 2 x 2 again
+    want = oracle(record)
+    for r in results.values():
+        assert [(h["left"], h["joined"]) for h in r["history"]][-1][1] == ["r1"]
+        for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):  # its replica group's weights
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=rtol, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -150,28 +177,15 @@ def _compressed_means(anchor: list[torch.Tensor], replicas: list[list[torch.Tens
     return out
 
 
-@pytest.fixture(scope="module")
-def diloco_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
-    return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, "diloco", "--strategy", "diloco",
-                                                      "--plain-sgd", "--epochs", "3", "--wait-for-replacement", "4",
-                                                      timeout=420)
+diloco_2x2_loses_a_worker_then_a_replacement_joins = _periodic_2x2("diloco")
 
 
 @pytest.mark.multiproc
 def test_sharded_diloco_2x2_to_1x3_to_2x2_equals_diloco_on_unsharded_replicas(
         diloco_2x2_loses_a_worker_then_a_replacement_joins):
     # issue 39 item 4: the anchor and the outer momentum are shards of their own; a regroup moves their rows
-    _, proc, results = diloco_2x2_loses_a_worker_then_a_replacement_joins
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(results) == ["0", "2", "3", "r1"]
-    record = results["0"]["record"]
-    worlds = [w for _, w, _ in record]
-    assert 3 in worlds and worlds[0] == 4 and worlds[-1] == 4, worlds  # 2 x 2, then 1 x 3, then 2 x 2 again
-    want = diloco_oracle(record, group_size=2)
-    for r in results.values():
-        assert [(h["left"], h["joined"]) for h in r["history"]][-1][1] == ["r1"]
-        for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):  # its replica group's weights
-            torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-6)
+    _went_2x2_1x3_2x2_and_equals(diloco_2x2_loses_a_worker_then_a_replacement_joins,
+                                 lambda record: diloco_oracle(record, group_size=2), rtol=1e-5)
 
 
 def _patched(replicas: list[list[torch.Tensor]], before: int, world: int, groups: int,
@@ -260,13 +274,7 @@ def streaming_oracle(record: list, group_size: int, lost: int, every: int = 2, f
     return replicas
 
 
-@pytest.fixture(scope="module")
-def streaming_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
-    tmp_path = tmp_path_factory.mktemp("streaming")
-    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
-                           "--strategy", "streaming", "--plain-sgd", "--commit-every", "3", "--epochs", "3",
-                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
-    return tmp_path, proc, results
+streaming_2x2_loses_a_worker_then_a_replacement_joins = _periodic_2x2("streaming")
 
 
 @pytest.mark.multiproc
@@ -274,26 +282,11 @@ def test_sharded_streaming_diloco_2x2_to_1x3_to_2x2_equals_streaming_diloco_on_u
         streaming_2x2_loses_a_worker_then_a_replacement_joins):
     # issue 39 item 4: the anchors, the outer momentum and the exchanges in flight (landed at each commit) are
     # rows a regroup moves with the model's; the replicas, apart between exchanges, are patched row by row
-    _, proc, results = streaming_2x2_loses_a_worker_then_a_replacement_joins
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(results) == ["0", "2", "3", "r1"]
-    record = results["0"]["record"]
-    worlds = [w for _, w, _ in record]
-    assert 3 in worlds and worlds[0] == 4 and worlds[-1] == 4, worlds  # 2 x 2, then 1 x 3, then 2 x 2 again
-    want = streaming_oracle(record, group_size=2, lost=1)
-    for r in results.values():
-        assert [(h["left"], h["joined"]) for h in r["history"]][-1][1] == ["r1"]
-        for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):  # its replica group's weights
-            torch.testing.assert_close(torch.tensor(got), expected, rtol=0, atol=1e-6)
+    _went_2x2_1x3_2x2_and_equals(streaming_2x2_loses_a_worker_then_a_replacement_joins,
+                                 lambda record: streaming_oracle(record, group_size=2, lost=1))
 
 
-@pytest.fixture(scope="module")
-def sparseloco_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
-    tmp_path = tmp_path_factory.mktemp("sparseloco")
-    proc, results = launch(tmp_path, "--min-workers", "3", "--replace", "--", "--shard", "2", "--kill", "1@5",
-                           "--strategy", "diloco-sparseloco", "--plain-sgd", "--commit-every", "3", "--epochs", "3",
-                           "--wait-for-replacement", "4", "--replacement-after-regroup", n=4, timeout=420)
-    return tmp_path, proc, results
+sparseloco_2x2_loses_a_worker_then_a_replacement_joins = _periodic_2x2("diloco-sparseloco")
 
 
 @pytest.mark.multiproc
@@ -301,17 +294,9 @@ def test_sharded_diloco_with_sparseloco_2x2_to_1x3_to_2x2_drops_the_residuals_at
         sparseloco_2x2_loses_a_worker_then_a_replacement_joins):
     # issue 39 item 4: a residual is one rank's flat vector over its old rows, cut into SparseLoCo's chunks of that
     # layout; a regroup starts every residual empty, and the oracle replays exactly that rule
-    _, proc, results = sparseloco_2x2_loses_a_worker_then_a_replacement_joins
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(results) == ["0", "2", "3", "r1"]
-    record = results["0"]["record"]
-    worlds = [w for _, w, _ in record]
-    assert 3 in worlds and worlds[0] == 4 and worlds[-1] == 4, worlds
-    want = diloco_oracle(record, group_size=2, outer_lr=1.0, momentum=0.0,
-                         compressor=lambda: px.SparseLoCo(topk=4, chunk=16))
-    for r in results.values():
-        for got, expected in zip(r["params"], want[r["rank"] // 2], strict=True):
-            torch.testing.assert_close(torch.tensor(got), expected, rtol=0, atol=1e-6)
+    _went_2x2_1x3_2x2_and_equals(sparseloco_2x2_loses_a_worker_then_a_replacement_joins,
+                                 lambda record: diloco_oracle(record, group_size=2, outer_lr=1.0, momentum=0.0,
+                                                              compressor=lambda: px.SparseLoCo(topk=4, chunk=16)))
 
 
 @pytest.mark.multiproc

@@ -27,6 +27,16 @@ MB = 1e6
 FAST, MID, SLOW = 1e9 / 8, 100e6 / 8, 10e6 / 8  # 1 Gbit/s, 100 Mbit/s, 10 Mbit/s in bytes/s
 
 
+
+def _diloco_outer_step(models: list, anchor: list, outer: list) -> None:
+    """DiLoCo's outer step on two replicas, as the paper writes it: Nesterov, lr 0.7, momentum 0.9."""
+    for i, ps in enumerate(zip(*(m.parameters() for m in models))):
+        delta = anchor[i] - sum(p for p in ps) / 2
+        outer[i].mul_(0.9).add_(delta)
+        anchor[i] -= 0.7 * (delta + 0.9 * outer[i])
+        for p in ps:
+            p.copy_(anchor[i])
+
 def measured(rate: float, *, overlap: float = 0.0, compute: float = 0.06, grad: float = 4 * MB, workers: int = 2,
              tensors: int = 10) -> Measurement:
     return Measurement(compute_s=compute, grad_bytes=grad, rate=rate, overlap=overlap, workers=workers,
@@ -180,12 +190,7 @@ def oracle() -> dict[str, list[torch.Tensor]]:
             outer = [torch.zeros_like(a) for a in anchor]
         if t in (6, 9):
             with torch.no_grad():
-                for i, ps in enumerate(zip(*(m.parameters() for m in models))):
-                    delta = anchor[i] - sum(p for p in ps) / 2
-                    outer[i].mul_(0.9).add_(delta)
-                    anchor[i] -= 0.7 * (delta + 0.9 * outer[i])
-                    for p in ps:
-                        p.copy_(anchor[i])
+                _diloco_outer_step(models, anchor, outer)
         if t == 9:  # AllReduce takes over: one model from here, so one optimizer state
             for ps in zip(*(m.parameters() for m in models)):
                 mean = sum(opts[r].state[p]["momentum_buffer"] for r, p in enumerate(ps)) / 2
@@ -297,12 +302,7 @@ def slow_probe_oracle() -> list[list[torch.Tensor]]:
                 anchor = [p.detach().clone() for p in models[0].parameters()]
                 outer = [torch.zeros_like(a) for a in anchor]
             if t in (6, 9):
-                for i, ps in enumerate(zip(*(m.parameters() for m in models))):
-                    delta = anchor[i] - sum(p for p in ps) / 2
-                    outer[i].mul_(0.9).add_(delta)
-                    anchor[i] -= 0.7 * (delta + 0.9 * outer[i])
-                    for p in ps:
-                        p.copy_(anchor[i])
+                _diloco_outer_step(models, anchor, outer)
     return [[p.detach() for p in m.parameters()] for m in models]
 
 
