@@ -107,6 +107,7 @@ def epoch_until_stopped(epoch: int) -> bool:
 
 if os.environ.get("PHALANX_ELASTIC_ID"):
     state = px.elastic.State(model, opt, loader, commit_every=5)
+    stopping = False  # a change inside `with state:` ends the epoch without an answer: it is redone
     for epoch in state.epochs(10_000):
         with state:
             stopping = epoch_until_stopped(epoch)

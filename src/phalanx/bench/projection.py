@@ -103,7 +103,7 @@ def auto_pick(compute_s: float, grad_bytes: float, gbit: float, planned_steps: i
 
     Example:
         >>> auto_pick(0.06, 4e6, 1.0, 200).split(":")[0]
-        'StreamingDiLoCo(every=64, fragments=2, overlap=1, quantize=4, outer_lr=1, outer_momentum=0)'
+        'AllReduce()'
     """
     if grad_bytes <= 0:
         return "none: the gradient's size was not measured"
