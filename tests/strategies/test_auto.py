@@ -223,7 +223,9 @@ def test_rank_zero_prints_one_line_per_choice(scripted):
     # once: the resume takes DiLoCo back from the checkpoint and says nothing (the slowing run's is from step 10)
     assert sum(line.startswith("phalanx auto: DiLoCo(every=3") and " from step 3:" in line and "probed" not in line
                for line in log0.splitlines()) == 1
-    assert sum("probed with 3 local steps" in line for line in log0.splitlines()) == 1  # the slow-link probe's
+    # the slow-link probe's line; the unscripted run may probe locally too where its tiny step is fast beside
+    # loopback's all-reduce (an idle machine: a clean-clone run printed it twice), so at least once
+    assert sum("probed with 3 local steps" in line for line in log0.splitlines()) >= 1
 
     # decided at step 8, it names step 9, where it took over; the resumed run took the same decision there again
     assert sum(line.startswith("phalanx auto: AllReduce() from step 9") for line in log0.splitlines()) == 2
