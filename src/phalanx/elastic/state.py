@@ -151,15 +151,12 @@ class State(Recovery, Reentry):
     def _hook_commit_point(self) -> None:
         before_batch = getattr(self.loader, "before_batch", None)
         # Where a membership change may be decided: a point the user's loop shows, never inside opt.step().
-        # A loader handed to State without a commit-point hook of its own (phalanx.stream's loader) keeps the
-        # earlier contract until its iteration becomes one: the change is decided right after opt.step() and
-        # comes out of it, to @px.elastic.run (scripts written for it run unchanged).
-        self._decides_at_commit = not callable(before_batch) and self.loader is None
-        if callable(before_batch):  # px.shard: between two steps, before the position moves past the next batch
+        # A loader with a commit point of its own (px.shard's, phalanx.stream's) decides between two steps, before
+        # its position moves past the next batch; any other loader, or none, decides at the loop's state.commit().
+        self._decides_at_commit = not callable(before_batch)
+        if callable(before_batch):
             self._handles.append(before_batch(self.at_commit_point))
-        elif self.optimizer is not None and not self._decides_at_commit:
-            self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self.at_commit_point()))
-        elif self.optimizer is not None:  # no loader: the due commit right after the step (it raises nothing)
+        elif self.optimizer is not None:  # the due commit right after the step (a snapshot: it raises nothing)
             self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._after_step()))
 
     def at_commit_point(self) -> None:
