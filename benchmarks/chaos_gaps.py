@@ -7,7 +7,8 @@ For each of the ``--top`` longest stretches between two steps (any worker's), it
 every worker's events (regroup+/-, grow+/-, join+/-, ckpt+/-, commit+/-, start, init) with their offset from the
 stretch's start, then a breakdown: detection (the kill to the first ``regroup+``), the regroup itself (``regroup+``
 to ``regroup-``, of the slowest survivor), checkpoint writes inside the stretch, a replacement's start-up (``start``
-to ``join+``) and the join (``join+`` to ``join-``), grows, and what no event covers.
+to ``join+``) and the join (``join+`` to ``join-``), grows, and the parts of each (``part`` events of 50 ms or
+more: quorum, forming, rollback, state sent, shards moved, a reload from disk, the resumed commit's write).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     for length, s, b in gaps:
         print(f"== stretch of {length:.2f} s without a step")
         for e in events:
-            if s <= e["t"] <= b and e["ev"] not in ("held",):
+            if s <= e["t"] <= b and e["ev"] not in ("held", "part"):
                 extra = {k: v for k, v in e.items() if k not in ("t", "id", "pid", "ev")}
                 print(f"  +{e['t'] - s:7.2f}  {e['id']:>4} {e['ev']:<10} {extra}")
         for k in kills:
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                                "commit": ("commit+", "commit-")}.items():
             for wid, x, y in spans(events, s, b, bg, en):
                 print(f"  {name:<8} {wid:>4}: {x - s:+7.2f} .. {y - s:+7.2f}  ({y - x:.2f} s)")
+        # the parts of a regroup, grow or join (tests/workers/chaos_job.py's "part" events), each worker's
+        for e in events:
+            if e["ev"] == "part" and e["t"] >= s and e["began"] <= b and e["s"] >= 0.05:
+                print(f"  part {e['name']:<13} {e['id']:>4}: {e['began'] - s:+7.2f} .. {e['t'] - s:+7.2f}  "
+                      f"({e['s']:.2f} s)")
     return 0
 
 
