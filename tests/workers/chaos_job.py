@@ -135,7 +135,8 @@ def timed(events: Events, name: str, fn):  # noqa: ANN001, ANN201 - wraps a Stat
 def parts(events: Events, state) -> None:  # noqa: ANN001 - a px.elastic.State
     """A ``part`` event as each part of a regroup, grow or join ends (its name, when it began, its seconds), for
     ``benchmarks/chaos_gaps.py``'s breakdown of a stretch without a step: the quorum (``next_generation``), forming
-    the generation's groups (``rebuild``: the quorum and the forming), the rollback (``restore``), sending the
+    the generation's groups (``rebuild``: leaving the old group, ``leave_group``, the quorum and the forming,
+``form``), the rollback (``restore``), sending the
     state (``send``), the shards' move (``reshard``), a reload from the checkpoint (``from_disk``), the resumed
     commit's write (``ckpt_resumed``), waiting to be admitted (``admission``). Private names: this is the soak's
     probe, and a name that is gone is skipped (the events are for reading, nothing depends on them)."""
@@ -149,6 +150,11 @@ def parts(events: Events, state) -> None:  # noqa: ANN001 - a px.elastic.State
                             (state, "_checkpoint_resumed", "ckpt_resumed"), (state, "_resplit", "resplit")):
         if hasattr(obj, attr):
             setattr(obj, attr, timed(events, name, getattr(obj, attr)))
+    from phalanx.elastic import admission, worker as elastic_worker  # the module names the worker calls
+    for module in (elastic_worker, admission):
+        for attr, name in (("destroy", "leave_group"), ("rebuild", "form")):
+            if hasattr(module, attr):
+                setattr(module, attr, timed(events, name, getattr(module, attr)))
 
 
 def fingerprint(net: torch.nn.Module, opt: torch.optim.Optimizer, record: list) -> dict:
