@@ -59,3 +59,20 @@ def test_a_subgroup_held_by_an_old_cycle_is_still_freed_by_a_full_collection(col
     collections.clear()
     leaving.destroy_process_group(also=[ref])
     assert ref() is None and 2 in collections, collections
+
+
+def test_a_saves_handle_does_not_keep_its_generations_checkpoint_group_alive(collections, tmp_path) -> None:
+    # issue 36: the last save's handle (kept per group to reuse its checkpoint group within a generation) held the
+    # previous generation's group after a regroup: its sockets to every old peer stayed open until the next save,
+    # and the regroup's full collection ran for nothing. The group's own cache keeps it within a generation.
+    from phalanx.checkpoint.handle import SaveHandle
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    pg = dist.new_group([0])
+    handle = SaveHandle(str(tmp_path / "ckpt"), None, None, 0, pg=pg, generation=3)
+    assert handle.pg is pg and handle.generation == 3  # reused by the next save of generation 3
+    ref = weakref.ref(pg)
+    del pg
+    leaving.destroy_process_group(also=[ref])
+    assert ref() is None and handle.pg is None
+    assert 2 not in collections, f"collections made: {collections} (2 is a full one)"

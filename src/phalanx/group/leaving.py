@@ -261,8 +261,9 @@ def destroy_process_group(also: Sequence[weakref.ref] = ()) -> None:
     # collective timeout (seen on torch 2.11: 4 workers, every recovery missed the quorum).
     # Those cycles were made by the failure, just now: the young generations hold them. A full collection walks
     # every object of a process that imported torch (300,000 here): 0.23-0.96 s of every regroup and grow on a
-    # 2-core machine at load 10, on every survivor, 1.4-3.5 s at load 17; in the chaos soak the young one freed
-    # the group every time. The full one runs only when the group outlived the young one.
+    # 2-core machine at load 10, on every survivor, 1.4-3.5 s at load 17. In the chaos soak the young one freed
+    # the default group every time; a sharded model's mesh subgroups often outlived it (held by older cycles, which
+    # the full one then frees, or by live references, which it does not). The full one runs only then.
     gc.collect(1)
     if any(ref() is not None for ref in watched):
         gc.collect()
