@@ -41,3 +41,19 @@ def test_five_placed_kills_lose_nothing(tmp_path) -> None:
     assert [k["landed"] for k in report["kill_log"]] == [p.split("-")[0] for p in PLAN], why
     assert report["exactly_once"], why
     assert report["oracle_max_abs"] is not None and report["oracle_max_abs"] < 1e-5, why
+
+
+def test_the_launchers_descriptors_count_from_the_jobs_first_step_not_from_before_its_workers() -> None:
+    # The launcher's descriptors as sampled in a `--shard 2 --size tiny` soak (readlink of /proc/PID/fd every 2 s):
+    # 19 before the workers and the fork server are up, then 43-49 (its store's sockets to the workers, the fork
+    # server's two descriptors per live worker), flat over 8 kills. On a loaded machine the first step comes late
+    # and the first quarter of the samples ends before it: the report read +16 and +19 there (issue 36).
+    launcher, worker = 100, 200
+    fds = [19] * 8 + [44, 49, 49, 49, 46, 43, 45, 45, 43, 45, 45, 43, 45, 45, 43, 43, 45, 45, 43, 45, 45, 45]
+    samples = [{"t": float(i), "pid": launcher, "rss_kb": 1000, "fds": n} for i, n in enumerate(fds)]
+    samples += [{"t": float(i), "pid": worker, "rss_kb": 1000, "fds": 40} for i in range(8, len(fds))]
+    events = [{"ev": "step", "pid": worker, "t": 8.5}, {"ev": "step", "pid": worker, "t": 9.0}]
+    roles = {worker: "worker 0"}
+    res = chaos.growth(chaos.training_samples(samples, events, roles), launcher, roles, long_samples=8)
+    assert res["launcher"]["fds_delta"] <= 0, res["launcher"]
+    assert res["processes"][str(worker)]["fds_delta"] == 0

@@ -172,6 +172,22 @@ class Sampler(threading.Thread):
                 self.samples.append({"t": now, "pid": pid, "rss_kb": rss, "fds": fds})
 
 
+def training_samples(samples: list[dict], events: list[dict], roles: dict[int, str]) -> list[dict]:
+    """The samples taken while the job trains: a worker's from its own first step on, every other process's (the
+    launcher, the fork server) from the job's first step on.
+
+    A replacement parked before its first step (no model yet) would count its own start-up as growth; so would the
+    launcher, whose first samples come before the workers and the fork server are up (19 descriptors, then 43-49
+    once its store serves the workers: a tiny run's first quarter ends before that on a loaded machine, and the
+    report read +16 and +19 there while the count stayed flat over every kill)."""
+    first_step: dict[int, float] = {}
+    for e in events:
+        if e["ev"] == "step":
+            first_step.setdefault(e["pid"], e["t"])
+    began = min(first_step.values(), default=1e18)
+    return [x for x in samples if x["t"] >= first_step.get(x["pid"], 1e18 if x["pid"] in roles else began)]
+
+
 def growth(samples: list[dict], launcher: int, roles: dict[int, str], long_samples: int = 120) -> dict:
     """Per process that lived through at least 8 samples: peak RSS of its last quarter / first quarter, and
     descriptors (max of the last quarter - max of the first). The worst of them, and the launcher's."""
@@ -573,15 +589,8 @@ class Soak:
         result["longest_no_step_s"] = round(max((b - a for a, b in zip(steps, [*steps[1:], ended])), default=0.0), 2)
         result["steps_seen"] = len(steps)
         roles = {p.pid: f"worker {p.id}" for p in self.events.procs.values()}
-        # a worker's memory from its first step on: a replacement parked before it (no model yet) would count
-        # its own start-up as growth
-        first_step: dict[int, float] = {}
-        for e in self.events.all:
-            if e["ev"] == "step":
-                first_step.setdefault(e["pid"], e["t"])
-        training = [x for x in self.sampler.samples
-                    if x["pid"] not in roles or x["t"] >= first_step.get(x["pid"], 1e18)]
-        result["resources"] = growth(training, self.proc.pid, roles)
+        result["resources"] = growth(training_samples(self.sampler.samples, self.events.all, roles),
+                                     self.proc.pid, roles)
         result["exactly_once"] = result["oracle_max_abs"] = None
         if os.path.exists(final_path):
             import torch

@@ -122,6 +122,41 @@ def phase(events: Events, name: str, fn, after=None, **fields):  # noqa: ANN001,
     return wrapped
 
 
+def timed(events: Events, name: str, fn):  # noqa: ANN001, ANN201 - wraps a State's or a worker's part
+    def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        began = time.time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            events("part", name=name, began=began, s=round(time.time() - began, 4))
+    return wrapped
+
+
+def parts(events: Events, state) -> None:  # noqa: ANN001 - a px.elastic.State
+    """A ``part`` event as each part of a regroup, grow or join ends (its name, when it began, its seconds), for
+    ``benchmarks/chaos_gaps.py``'s breakdown of a stretch without a step: the quorum (``next_generation``), forming
+    the generation's groups (``rebuild``: leaving the old group, ``leave_group``, the quorum and the forming,
+``form``), the rollback (``restore``), sending the
+    state (``send``), the shards' move (``reshard``), a reload from the checkpoint (``from_disk``), the resumed
+    commit's write (``ckpt_resumed``), waiting to be admitted (``admission``). Private names: this is the soak's
+    probe, and a name that is gone is skipped (the events are for reading, nothing depends on them)."""
+    worker = state.worker
+    if worker is None:
+        return
+    for obj, attr, name in ((worker.membership, "next_generation", "quorum"), (worker, "rebuild", "rebuild"),
+                            (worker, "grow", "grow_rebuild"), (worker, "wait_for_admission", "admission"),
+                            (state, "_restore", "restore"), (state, "_send_state", "send"),
+                            (state, "_reshard", "reshard"), (state, "_from_disk", "from_disk"),
+                            (state, "_checkpoint_resumed", "ckpt_resumed"), (state, "_resplit", "resplit")):
+        if hasattr(obj, attr):
+            setattr(obj, attr, timed(events, name, getattr(obj, attr)))
+    from phalanx.elastic import admission, worker as elastic_worker  # the module names the worker calls
+    for module in (elastic_worker, admission):
+        for attr, name in (("destroy", "leave_group"), ("rebuild", "form")):
+            if hasattr(module, attr):
+                setattr(module, attr, timed(events, name, getattr(module, attr)))
+
+
 def fingerprint(net: torch.nn.Module, opt: torch.optim.Optimizer, record: list) -> dict:
     """What ``--digest`` writes: the record's length and hash, and 4 random projections of the parameters and of
     each of AdamW's moments (the same projections in the oracle's replay), plus AdamW's step count."""
@@ -204,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
         # name the elastic package calls (this script's marker, nothing changes in phalanx)
         from phalanx.elastic import state as elastic_state
         elastic_state.save_checkpoint = phase(events, "ckpt", elastic_state.save_checkpoint)
+    parts(events, state)
     state.recover = phase(events, "regroup", state.recover, after=lambda: digest("regroup"))  # type: ignore
     state.grow = phase(events, "grow", state.grow, after=lambda: digest("grow"))  # type: ignore[method-assign]
     real_join = phase(events, "join", state.join)

@@ -17,6 +17,7 @@ import os
 import shutil
 import uuid
 import warnings
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -43,11 +44,21 @@ class SaveHandle:
         # of a save that ends after a regroup (rank 0's callback) must go where its own waiters look, never under the
         # same key in the next generation's store, where that generation's own save of the same number reads it
         self.store = store
-        self.pg, self.generation = pg, generation  # reused by the next save of the same group generation
+        # reused by the next save of the same group generation. Weak: the group's own cache (Group.split) keeps it
+        # for that generation, DCP holds it while an asynchronous save runs; a strong reference here kept the
+        # previous generation's checkpoint group, and its sockets to every old peer, alive after a regroup until the
+        # next save (and made the regroup's full collection find nothing to free: 0.16 s of every regroup).
+        self._pg = None if pg is None else weakref.ref(pg)
+        self.generation = generation
         self._future = future
         self._committed: Future = Future()  # rank 0: set once the directory is in place (or the save failed)
         self._error: BaseException | None = None
         self._ended = False  # its outcome is known (written, or _error): a wait() returned or raised it
+
+    @property
+    def pg(self) -> Any:
+        """The checkpoint process group this save used, while it lives (None once its generation is gone)."""
+        return None if self._pg is None else self._pg()
 
     def done(self) -> bool:
         """True once this worker's part is written (on rank 0: and the checkpoint renamed into place)."""

@@ -189,8 +189,9 @@ def _checkpoint_group(previous: SaveHandle | None, g: group.Group) -> Any:
     """
     if not dist.is_initialized() or g.world_size == 1:
         return None
-    if previous is not None and previous.pg is not None and previous.generation == g.generation:
-        return previous.pg
+    reused = previous.pg if previous is not None and previous.generation == g.generation else None
+    if reused is not None:  # read once: the handle holds it weakly
+        return reused
     # the group's own split of its generation (formed on the generation's keys where the group owns its groups)
     # torch's bound for a new group (30 min), not the job's collective bound: a large write on one worker keeps
     # the others waiting in DCP's final gather that long.

@@ -21,6 +21,7 @@ import json
 import os
 import time
 import traceback
+import weakref
 from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -262,8 +263,9 @@ class Group:
             >>> import phalanx as px
             >>> px.current_group().drop_process_groups()   # a group of one has none: nothing happens
         """
+        subgroups = [weakref.ref(pg) for pg in self._splits.values()]  # weak: a reference here would keep them
         self._meshes, self._splits, self.process_group = {}, {}, None
-        leaving.destroy_process_group()
+        leaving.destroy_process_group(also=subgroups)
 
     def _form(self, rank: int, world_size: int, store: dist.Store,
               lost: Callable[[], Sequence[int]] | None = None) -> None:
