@@ -11,7 +11,6 @@ import glob
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -55,12 +54,6 @@ def start_job(tmp_path, *flags: str, n: int = 2, args: tuple[str, ...] = ()) -> 
     until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= n, timeout=90, what="the workers' training",
           procs=[launcher], detail=lambda: launcher.communicate()[1][-2000:])
     return launcher, int(match.group(2))
-
-
-def stop(launcher: subprocess.Popen) -> str:
-    if launcher.poll() is None:
-        launcher.send_signal(signal.SIGTERM)
-    return launcher.communicate(timeout=60)[1]
 
 
 def test_the_elastic_store_listens_on_loopback_only_by_default(tmp_path):
