@@ -281,6 +281,39 @@ def test_a_commit_is_acknowledged_only_after_the_loop_body_that_took_it(server):
     assert loader.source.pending() == 0 and len(calls) > 3
 
 
+def test_before_batch_runs_before_each_batch_with_the_step_befores_position_and_a_raise_there_replans_from_it(server):
+    """The loader's commit point (px.elastic registers on it): once per batch, before the position moves past it;
+    a BaseException raised there leaves the loop, and the next iteration goes on from the position of the step
+    before, every event once."""
+    publish(server, "hooked", 35, end=True)
+    loader = loader_for(server, "hooked")
+    steps_at, positions, trained = [], [], []
+
+    class Change(BaseException):
+        pass
+
+    def hook() -> None:
+        steps_at.append(loader.steps)
+        positions.append(loader.state_dict()["position"])  # a commit taken here
+        if len(steps_at) == 3:
+            raise Change  # e.g. px.elastic.JoinersAdmitted
+
+    handle = loader.before_batch(hook)
+    with pytest.raises(Change):
+        for _ in loader:
+            trained.append(loader.ids)
+    assert steps_at == [0, 1, 2] and len(trained) == 2
+    for _ in loader:  # re-entered, as @px.elastic.run does: planned from the position of step 2
+        trained.append(loader.ids)
+    assert steps_at == [0, 1, 2, 2, 3] and [len(ids) for ids in trained] == [10, 10, 10, 5]
+    assert positions[1:] == [trained[0][-1], trained[1][-1], trained[1][-1], trained[2][-1]]
+    assert [i for ids in trained for i in ids] == stream_ids(server, "hooked")
+    handle.remove()
+    loader.state_dict()
+    loader.close()
+    assert len(steps_at) == 5 and loader.source.pending() == 0
+
+
 def test_acknowledging_takes_exactly_the_claimed_entries_up_to_a_position_claimed_or_not(server):
     import redis
     from phalanx.stream.codec import encode_sample

@@ -67,8 +67,8 @@ class MembershipChange(BaseException):
     """The group changes at this commit point: the attempt ends here, and ``@px.elastic.run`` (or
     ``state.epochs`` with ``with state:``) rebuilds the group and re-enters the training from the commit.
 
-    Raised only at a commit point the loop shows: where a ``px.shard`` loader hands out the next batch
-    (the loop's ``for batch in loader``), or, with another loader (a ``DataLoader``, your own iterator),
+    Raised only at a commit point the loop shows: where a ``px.shard`` or ``px.stream`` loader hands out the
+    next batch (the loop's ``for batch in loader``), or, with another loader (a ``DataLoader``, your own iterator),
     at the loop's ``state.commit()``, as Horovod raises from ``state.commit()``; never from inside
     ``optimizer.step()``. A
     ``BaseException``, as ``KeyboardInterrupt`` is, so a user's ``except Exception:`` around the step

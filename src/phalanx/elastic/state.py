@@ -78,13 +78,14 @@ class State(Recovery, Reentry):
             whose lost worker takes a shard no survivor holds. The survivors then roll back to the
             commit of that checkpoint's step and load the model and optimizer from it, resharded.
 
-    A commit is taken between two steps: where a ``px.shard`` loader is about to hand out
-    the next batch (the step before is over on every rank, and the loader's position still
-    points at that batch), or, with any other loader, right after ``optimizer.step()`` and at
-    every :meth:`commit` the loop calls.
+    A commit is taken between two steps: where a loader with a commit point of its own
+    (``before_batch``: ``px.shard``'s, ``px.stream.StreamLoader``) is about to hand out the next
+    batch (the step before is over on every rank, and the loader's position still points at
+    that batch), or, with any other loader, right after ``optimizer.step()`` and at every
+    :meth:`commit` the loop calls.
 
     A membership change (a graceful leave, an admission) is decided only at a commit point the
-    loop shows: the ``px.shard`` loader's iteration, or, with any other loader, the loop's own
+    loop shows: that loader's iteration, or, with any other loader, the loop's own
     ``state.commit()``. It ends the attempt with a :class:`~phalanx.elastic.MembershipChange`
     (a ``BaseException``) that ``@px.elastic.run`` handles; ``optimizer.step()`` never raises one.
     """
@@ -111,7 +112,7 @@ class State(Recovery, Reentry):
         self._pending: tuple | None = None
         self._in_epochs = False
         self._leaving = False  # this worker asked to leave (it was sent SIGTERM/SIGUSR1)
-        self._decides_at_commit = False  # True: a loader other than px.shard, the user's state.commit() decides
+        self._decides_at_commit = False  # True: a loader without before_batch, the user's state.commit() decides
         self._attempting = False  # inside @px.elastic.run's call of the training function, or `with state:`
         self._taking = False  # inside _commit_together: commit() captures only
         self._loop_commits = False  # the loop called state.commit() inside @px.elastic.run: it decides changes
@@ -151,25 +152,22 @@ class State(Recovery, Reentry):
     def _hook_commit_point(self) -> None:
         before_batch = getattr(self.loader, "before_batch", None)
         # Where a membership change may be decided: a point the user's loop shows, never inside opt.step().
-        # A loader handed to State without a commit-point hook of its own (phalanx.stream's loader) keeps the
-        # earlier contract until its iteration becomes one: the change is decided right after opt.step() and
-        # comes out of it, to @px.elastic.run (scripts written for it run unchanged).
-        self._decides_at_commit = not callable(before_batch) and self.loader is None
-        if callable(before_batch):  # px.shard: between two steps, before the position moves past the next batch
+        # A loader with a commit point of its own (px.shard's, phalanx.stream's) decides between two steps, before
+        # its position moves past the next batch; any other loader, or none, decides at the loop's state.commit().
+        self._decides_at_commit = not callable(before_batch)
+        if callable(before_batch):
             self._handles.append(before_batch(self.at_commit_point))
-        elif self.optimizer is not None and not self._decides_at_commit:
-            self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self.at_commit_point()))
-        elif self.optimizer is not None:  # no loader: the due commit right after the step (it raises nothing)
+        elif self.optimizer is not None:  # the due commit right after the step (a snapshot: it raises nothing)
             self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._after_step()))
 
     def at_commit_point(self) -> None:
-        """The loader's iteration boundary (a ``px.shard`` loader calls it before it hands out a batch): commit when
+        """The loader's iteration boundary (its ``before_batch`` hook, before it hands out a batch): commit when
         one is due, then who leaves and who joins is decided here (:meth:`_decide`: may raise a
         :class:`~phalanx.elastic.MembershipChange` out of the loop's ``for batch in loader``)."""
         self._commit_point(asked=False)
 
     def _after_step(self) -> None:
-        """A loader other than ``px.shard``, right after ``optimizer.step()``: the commit when one is due, a snapshot
+        """A loader without ``before_batch``, right after ``optimizer.step()``: the commit when one is due, a snapshot
         only. Nothing is decided or raised inside the user's ``opt.step()``: joiners and leavers wait for the loop's
         next ``state.commit()``, a call the user wrote (:meth:`commit`)."""
         clock = self._clock()
@@ -179,10 +177,9 @@ class State(Recovery, Reentry):
         if signal is not None and not self._leaving:  # a notice only (a store key): the leave is decided at commit()
             self._leaving = True
             self.worker.membership.ask_to_leave()
-            print(f"phalanx: elastic: worker {self.worker.me} was sent signal {signal}; with a loader other than "
-                  "px.shard it leaves the group at the next commit (its loop's state.commit(), or, in a loop that "
-                  "calls none, the next commit taken after opt.step())", file=sys.stderr,
-                  flush=True)
+            print(f"phalanx: elastic: worker {self.worker.me} was sent signal {signal}; with a loader without a "
+                  "commit point of its own it leaves the group at the next commit (its loop's state.commit(), or, "
+                  "in a loop that calls none, the next commit taken after opt.step())", file=sys.stderr, flush=True)
         if self.commit_every is None:
             return
         clock.settle()  # a step this rank's GradScaler skipped is closed: every rank now counts the same
@@ -241,12 +238,12 @@ class State(Recovery, Reentry):
     def commit(self) -> None:
         """Capture this worker's state in memory; keeps the newest two.
 
-        With a loader other than ``px.shard`` (a ``DataLoader``, your own iterator) this call is also the loop's
-        commit point, as Horovod's ``state.commit()`` is: inside ``@px.elastic.run`` (or ``with state:`` under
-        ``state.epochs``) every worker calls it at the same step, and there a graceful leave or an admission may
-        end the attempt with a :class:`~phalanx.elastic.MembershipChange`, which ``@px.elastic.run`` handles.
-        Nothing is raised from ``optimizer.step()``. With a ``px.shard`` loader that point is the loader's
-        iteration and this call only captures (no collective); so does it outside ``@px.elastic.run``.
+        With a loader without a commit point of its own (a ``DataLoader``, your own iterator) this call is the
+        loop's commit point, as Horovod's ``state.commit()`` is: inside ``@px.elastic.run`` (or ``with state:``
+        under ``state.epochs``) every worker calls it at the same step, and there a graceful leave or an admission
+        may end the attempt with a :class:`~phalanx.elastic.MembershipChange`, which ``@px.elastic.run`` handles.
+        Nothing is raised from ``optimizer.step()``. With a ``px.shard`` or a ``px.stream`` loader that point is
+        the loader's iteration and this call only captures (no collective); so does it outside ``@px.elastic.run``.
 
         Example:
             >>> import torch, phalanx as px

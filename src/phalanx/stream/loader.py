@@ -34,11 +34,13 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from ..group import group
 from ..group.collectives import guarded
@@ -110,6 +112,7 @@ class StreamLoader:
         self._added, self._checked = 0, float("-inf")  # entries ever added, at the last XINFO
         self._t0 = self._last_event = time.monotonic()
         self._events0 = 0
+        self._before_batch: OrderedDict[int, Callable[[], None]] = OrderedDict()  # RemovableHandle: weakref-able
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -142,6 +145,25 @@ class StreamLoader:
         """Unknown: a live stream has no length."""
         return None
 
+    def before_batch(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call ``hook()`` each time a batch is about to be handed out, before the position moves past it.
+
+        The step before is then over on every rank, whether its ``optimizer.step()`` ran or was
+        skipped, and ``state_dict()`` still returns the position that step reached: ``px.elastic``
+        commits here, and a membership change it decides here comes out of the loop's ``for batch
+        in loader``. Every rank calls it at the same point of the stream (the plans are the main
+        worker's), once per batch handed out (never while the group only waits for events, nor at
+        the end of the stream). Returns a handle whose ``remove()`` undoes it.
+
+        Example::
+
+            handle = loader.before_batch(lambda: print("between two steps"))
+            handle.remove()
+        """
+        handle = RemovableHandle(self._before_batch)
+        self._before_batch[handle.id] = hook
+        return handle
+
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         rank, world_size = self._given
@@ -162,6 +184,12 @@ class StreamLoader:
                 plan = self._planned.popleft()
                 if plan.status == WAIT:
                     continue
+                if plan.status == STEP:
+                    # Between two steps, at the same plan on every rank, before the position moves past this
+                    # one: a commit taken here holds the step before; a change raised here leaves the loop (the
+                    # `finally` below stops the planner) and the next iteration re-plans from the restored position.
+                    for hook in list(self._before_batch.values()):
+                        hook()
                 # the main worker's view, so every worker's state_dict is the same
                 self.position, self.offset, self.dead = plan.position, plan.offset, self.dead + plan.dead
                 self.structure = plan.structure or self.structure
