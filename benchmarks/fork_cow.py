@@ -1,7 +1,7 @@
 """What a copy-on-write snapshot costs, apart from DCP: the fork, and the page faults of the parent's next writes.
 
 Allocates ``--tensors`` float32 tensors of ``--width`` × ``--width`` (default 72 × 2048²: 1.2 GB, the size of
-benchmarks/checkpoint_blocking.py's state), forks a :class:`phalanx.checkpoint.writer.Snapshot` whose child
+benchmarks/checkpoint_blocking.py's state), forks a :class:`phalanx.checkpoint.snapshot.Snapshot` whose child
 ``memmove``s them into memory touched before, and at once ``add_(1)``s every tensor in the parent (as an optimizer
 step does); then does the same pass again (no snapshot: the pages are the parent's alone) and one plain memcpy.
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from phalanx.checkpoint.writer import Snapshot
+from phalanx.checkpoint.snapshot import Snapshot
 
 
 def main() -> None:

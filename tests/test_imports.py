@@ -238,11 +238,12 @@ def test_the_layer_check_sees_every_import():
                                 "phalanx.launch.raytrain": {"phalanx.launch.elastic"}}) == []
 
 
-# phalanx.checkpoint, one concept a module: the directory's format (dcp), the one-file format (legacy) and the
-# workers' store protocol (agreement) know nothing of each other; handle puts a save in place with them; writer is the
-# process an asynchronous save writes from; saver and loader are the entry points. Each module may import only those
-# before it.
-CHECKPOINT_ORDER = ("training_state", "dcp", "legacy", "agreement", "handle", "writer", "saver", "loader")
+# phalanx.checkpoint, one concept a module: the directory's format (dcp), the one-file format (legacy) and the workers'
+# store protocol (agreement) know nothing of each other; handle puts a save in place with them; snapshot is the fork
+# that copies an asynchronous save's state; writer is the process an asynchronous save writes from; saver and loader are
+# the entry points. Each module may import only those before it.
+CHECKPOINT_ORDER = ("training_state", "dcp", "legacy", "agreement", "handle", "snapshot", "writer", "saver",
+                    "loader")
 
 
 def test_the_checkpoint_package_imports_one_way():

@@ -2,6 +2,7 @@
 
 ``from phalanx.raytrain import train`` and ``from phalanx.launch.raytrain import train`` name the same function.
 """
-from .launch.raytrain import PhalanxConfig, require_ray, train
+from .launch.raybackend import PhalanxConfig
+from .launch.raytrain import require_ray, train
 
 __all__ = ["PhalanxConfig", "require_ray", "train"]

@@ -28,7 +28,8 @@ from .group.env import WorkerEnv
 from .step import profiling, telemetry
 from .step.compiled import original
 from .errors import ConfigError, usage
-from .sharding.layout import FullyShard, on_meta
+from .sharding.layout import FullyShard
+from .sharding.meta import on_meta
 from .step.clock import StepClock
 from .step.report import StepReport
 from .strategies import AllReduce, Strategy, by_name

@@ -1,4 +1,4 @@
-"""An asynchronous save's snapshot by fork (phalanx.checkpoint.writer.Snapshot): the call forks a child of the worker
+"""An asynchronous save's snapshot by fork (phalanx.checkpoint.snapshot.Snapshot): the call forks a child of the worker
 that copies its frozen view of the state, and training goes on at once. The oracle of any snapshot: every tensor
 changed in place right after the call, the checkpoint holds the values of the call; and it holds exactly what a
 synchronous save of the same state holds. A real SIGKILL of the child loses that checkpoint only.
@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import phalanx as px
+import phalanx.checkpoint.snapshot as snapshot
 import phalanx.checkpoint.writer as writer
 from support.wait import until
 
 WAIT_S = 120  # a writer process's start on a loaded 2-core machine
-_COPY = writer._copy_in_child
+_COPY = snapshot._copy_in_child
 
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -50,7 +51,7 @@ def forks(monkeypatch):
     """The sizes of the snapshots forked (a spy on the real class: the fork and the child are real)."""
     seen: list[int] = []
 
-    class Counted(writer.Snapshot):
+    class Counted(snapshot.Snapshot):
         def __init__(self, moves):
             seen.append(len(moves))
             super().__init__(moves)
@@ -71,7 +72,7 @@ def gate(tmp_path, monkeypatch):
     fifo = str(tmp_path / "gate")
     os.mkfifo(fifo)
     monkeypatch.setenv("PHALANX_TEST_GATE", fifo)
-    monkeypatch.setattr(writer, "_copy_in_child", _gated)
+    monkeypatch.setattr(snapshot, "_copy_in_child", _gated)
 
     def release() -> None:
         with open(fifo, "wb") as f:
@@ -116,7 +117,7 @@ def test_a_forked_snapshot_writes_what_a_synchronous_save_of_the_same_state_writ
         assert (tmp_path / "sync" / name).read_bytes() == (tmp_path / "async" / name).read_bytes(), name
 
 
-def _hold(moves, tell):  # runs in the forked child in place of writer._copy_in_child
+def _hold(moves, tell):  # runs in the forked child in place of snapshot._copy_in_child
     with open(os.environ["PHALANX_TEST_HELD"] + ".tmp", "w") as f:
         f.write(str(os.getpid()))
     os.replace(os.environ["PHALANX_TEST_HELD"] + ".tmp", os.environ["PHALANX_TEST_HELD"])
@@ -130,7 +131,7 @@ def test_a_killed_snapshot_child_loses_only_its_checkpoint_and_the_next_save_for
     held, tmp_path = tmp_path / "held", tmp_path / "ckpts"
     px.save_checkpoint(tmp_path / "step-1", model, opt, step=1)
     monkeypatch.setenv("PHALANX_TEST_HELD", str(held))
-    monkeypatch.setattr(writer, "_copy_in_child", _hold)
+    monkeypatch.setattr(snapshot, "_copy_in_child", _hold)
     handle = px.save_checkpoint(tmp_path / "step-2", model, opt, step=2, blocking=False)
     child = None
     try:
@@ -151,7 +152,7 @@ def test_a_killed_snapshot_child_loses_only_its_checkpoint_and_the_next_save_for
     assert px.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-1")
     loaded = _loaded(str(tmp_path / "step-1"))
     assert all(torch.equal(loaded[k], v) for k, v in first.items())
-    monkeypatch.setattr(writer, "_copy_in_child", _COPY)
+    monkeypatch.setattr(snapshot, "_copy_in_child", _COPY)
     px.save_checkpoint(tmp_path / "step-3", model, opt, step=3, blocking=False).wait()  # a new child
     assert len(forks) == 2 and px.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-3")
     loaded = _loaded(str(tmp_path / "step-3"))

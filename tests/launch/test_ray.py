@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from phalanx import ConfigError, PhalanxError
-from phalanx.launch.raytrain import PhalanxConfig, _connect, require_ray
+from phalanx.launch.raybackend import PhalanxConfig
+from phalanx.launch.raytrain import _connect, require_ray
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phalanx[ray]')")
 pytest.importorskip("ray.train", reason="ray[train] is not installed (pip install 'phalanx[ray]')")

@@ -23,7 +23,8 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phal
 pytest.importorskip("ray.train", reason="ray[train] is not installed (pip install 'phalanx[ray]')")
 
 from phalanx.errors import JobLostError  # noqa: E402
-from phalanx.launch.raytrain import train, training_function  # noqa: E402
+from phalanx.launch.raybackend import training_function  # noqa: E402
+from phalanx.launch.raytrain import train  # noqa: E402
 from support import ray_cluster  # noqa: E402
 from support.wait import until  # noqa: E402
 from workers import elastic as loop  # noqa: E402

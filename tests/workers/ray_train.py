@@ -19,7 +19,7 @@ entering its first regroup waits for ``controller-held`` (see :class:`HeldConfig
 a replacement waits before ``px.init()`` for ``DIR/release-replacements``. Every step appends
 ``{"id", "step", "t"}`` to ``steps.jsonl``.
 
-:class:`HeldConfig` is :class:`~phalanx.launch.raytrain.PhalanxConfig` whose backend holds Ray Train's controller
+:class:`HeldConfig` is :class:`~phalanx.launch.raybackend.PhalanxConfig` whose backend holds Ray Train's controller
 inside every replacement's start (as a slow start on a loaded machine does) until ``DIR/release-controller``:
 Ray Train's own view of the workers stands still meanwhile.
 """
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.launch.raytrain import PhalanxConfig, _PhalanxBackend
+from phalanx.launch.raybackend import PhalanxConfig, _PhalanxBackend
 from workers.elastic import BATCH, setup
 from support.loop import elastic_id, epoch_batches, group_ids, take_step, write_worker
 from support.wait import until

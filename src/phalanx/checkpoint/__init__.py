@@ -33,6 +33,7 @@ The package, one concept a module (each imports only those listed before it):
 * :mod:`.legacy`: the one-file checkpoint of earlier versions (loaded and exported);
 * :mod:`.agreement`: how the workers of one save agree on the group's store;
 * :mod:`.handle`: :class:`SaveHandle`, and the directory put in place whole or not at all;
+* :mod:`.snapshot`: the fork that copies an asynchronous save's state (copy-on-write);
 * :mod:`.writer`: the writer process an asynchronous save is written by;
 * :mod:`.saver`: ``px.save``, ``px.save_checkpoint``;
 * :mod:`.loader`: ``px.load_checkpoint``, ``px.read_checkpoint``, ``phalanx export``.

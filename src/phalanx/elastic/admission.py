@@ -54,7 +54,7 @@ class EndedBeforeAdmitted(SystemExit):
 
     Under ``phalanx run`` the process ends with status 0. A launcher that runs the training
     function in a process that lives on (Ray Train's worker actors) catches this type and
-    returns normally: the worker finished, nothing failed (``phalanx.launch.raytrain``).
+    returns normally: the worker finished, nothing failed (``phalanx.launch.raybackend.training_function``).
 
     Example:
         >>> EndedBeforeAdmitted().code
