@@ -22,7 +22,8 @@ from phalanx.elastic.membership import common_commit, decide_members
 from phalanx.launch.run import RunConfig
 from workers import elastic as worker
 
-from support.elastic_job import CLI, WORKER, check_recovered, gone, launch, oracle  # noqa: F401 (shared)
+from support.elastic_job import (CLI, WORKER, check_each_epoch_whole, check_recovered, gone, held,  # noqa: F401
+                                 launch, oracle, release)
 from support.wait import until
 
 
@@ -133,11 +134,11 @@ def test_local_sgd_survives_a_crash_and_trains_every_sample_once(tmp_path):
 
 @pytest.mark.multiproc
 def test_losing_the_launcher_ends_every_worker_with_one_line(tmp_path):
+    # both workers hold before their step 3 (--hold-at, never released): the kill finds them training
     cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", WORKER, "--out", str(tmp_path),
-           "--step-sleep", "0.5", "--epochs", "20"]
+           "--hold-at", "3", "--epochs", "1"]
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= 2, timeout=60, what="the workers' training",
-          procs=[launcher])
+    until(lambda: len(held(tmp_path)) == 2, timeout=90, what="both workers held at step 3", procs=[launcher])
     pids = [int(p.rsplit("-", 1)[1].split(".")[0]) for p in glob.glob(str(tmp_path / "start*.json"))]
     launcher.kill()  # the rendezvous host is gone; its store with it
     stderr = launcher.communicate(timeout=30)[1]  # returns once every worker closed the inherited pipe
@@ -184,12 +185,25 @@ def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(tmp_path):
 
 @pytest.mark.multiproc
 def test_replacements_that_fail_at_start_are_not_restarted_forever(tmp_path):
-    proc, results = launch(tmp_path, "--min-workers", "2", "--replace", "--", "--kill", "1@3", "--epochs", "2",
-                           "--fail-replacements", "--step-sleep", "0.5")
-    assert proc.returncode == 0, proc.stderr[-3000:]  # the survivors finish the job
+    # the survivors hold before their step 4, past the loss (--hold-at), until the launcher gave up on replacements
+    cmd = [*CLI, "run", "-n", "3", "--elastic", "--min-workers", "2", "--replace", WORKER, "--out", str(tmp_path),
+           "--kill", "1@3", "--epochs", "2", "--fail-replacements", "--hold-at", "4"]
+    with open(tmp_path / "launcher.err", "w") as err:
+        launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    stderr = lambda: (tmp_path / "launcher.err").read_text()  # noqa: E731
+    try:
+        until(lambda: "starting no more" in stderr() and held(tmp_path) == ["0", "2"], timeout=180,
+              what="the launcher giving up on replacements while the survivors train", procs=[launcher],
+              detail=lambda: stderr()[-3000:])
+    finally:
+        release(tmp_path)
+        launcher.wait(timeout=120)
+    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    assert launcher.returncode == 0, stderr()[-3000:]  # the survivors finish the job
     assert sorted(results) == ["0", "2"]
-    assert proc.stderr.count("started worker r") == 3 and "before it joined (3 in a row)" in proc.stderr
-    assert proc.stderr.count("replacements in a row died before joining; starting no more") == 1, proc.stderr[-3000:]
+    assert stderr().count("started worker r") == 3 and "before it joined (3 in a row)" in stderr()
+    assert stderr().count("replacements in a row died before joining; starting no more") == 1, stderr()[-3000:]
+    check_each_epoch_whole(results["0"]["record"])
 
 
 def test_join_refuses_an_endpoint_with_no_job_within_seconds():

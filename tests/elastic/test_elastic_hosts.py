@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 from conftest import needs_root_netns
-from support.elastic_job import oracle
+from support.elastic_job import held, oracle, release
 
 from phalanx.launch import netns
 from workers import elastic as worker
@@ -34,6 +34,7 @@ CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit
 PORT = 29561  # inside namespace A, where nothing else listens
 EPOCHS = 6
 HEARTBEAT_S = 30  # long: a recovery much faster than this was found by a watcher, not by a stale heartbeat
+HOLD_AT = 11  # joined at the commit of step 6: steps 7 to 10 are the 4 workers' (7 to 9 in the commit of step 9)
 
 
 def start(link: netns.Link, side: int, args: list[str], out) -> subprocess.Popen:
@@ -41,8 +42,10 @@ def start(link: netns.Link, side: int, args: list[str], out) -> subprocess.Popen
     iface = link.interfaces[side]
     # both hosts hold the job's secret: the launcher takes it from PHALANX_SECRET, `phalanx join` presents it
     env = {**os.environ, "GLOO_SOCKET_IFNAME": iface, "PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "6e7" * 16}
-    flags = [WORKER, "--out", str(out), "--epochs", str(EPOCHS), "--commit-every", "3", "--step-sleep", "0.1",
-             "--mark-world", "--slow-until-world", "4"]  # host A's 2 workers go slowly until B's have joined
+    # host A's 2 workers wait for B's to ask, then to be ready (they enter at the commit of step 6: events, not
+    # time); all 4 hold before step 11 (--hold-at) until the test has killed a host
+    flags = [WORKER, "--out", str(out), "--epochs", str(EPOCHS), "--commit-every", "3", "--mark-world",
+             "--wait-for-joiner", "--joiners", "2", "--hold-at", str(HOLD_AT)]
     with open(out / f"host{side}.err", "w") as err:
         proc = subprocess.Popen(link.prefix(side) + [*CLI, *args, *flags], env=env, stdout=subprocess.DEVNULL,
                                 stderr=err)
@@ -51,7 +54,8 @@ def start(link: netns.Link, side: int, args: list[str], out) -> subprocess.Popen
 
 
 def two_hosts(link: netns.Link, out) -> tuple[subprocess.Popen, subprocess.Popen]:
-    """A: the launcher and 2 workers; B: `phalanx join -n 2`. Returns once all 4 took 4 steps together.
+    """A: the launcher and 2 workers; B: `phalanx join -n 2`. Returns once all 4 took 4 steps together and hold
+    there (before step 11, until :func:`release`).
 
     Four steps with commits every 3: the 4-worker steps are in a commit, so the kill
     rolls back to a commit that has them and the oracle sees every world size.
@@ -63,9 +67,9 @@ def two_hosts(link: netns.Link, out) -> tuple[subprocess.Popen, subprocess.Popen
     until(lambda: "its store is at" in a.err_path.read_text(), timeout=60, what="host A's store", procs=[a],
           detail=lambda: a.err_path.read_text()[-2000:])
     b = start(link, 1, ["join", "--rdzv-endpoint", f"{link.addresses[0]}:{PORT}", "-n", "2"], out)
-    until(lambda: sum(os.path.getsize(p) >= 4 for p in glob.glob(str(out / "world*-4"))) >= 4, timeout=90,
-          what="the 4 workers training together", procs=[a, b],
-          detail=lambda: f"{finish(a)[1][-2000:]} {finish(b)[1][-2000:]}")
+    until(lambda: len(held(out)) == 4, timeout=90, what="the 4 workers training together, held at step 11",
+          procs=[a, b], detail=lambda: f"{a.err_path.read_text()[-2000:]} {b.err_path.read_text()[-2000:]}")
+    assert sum(os.path.getsize(p) >= 4 for p in glob.glob(str(out / "world*-4"))) == 4
     return a, b
 
 
@@ -116,6 +120,7 @@ def test_killing_every_worker_of_the_joined_host_leaves_the_launcher_host_traini
         killed_at = time.time()
         for pid in victims.values():
             os.kill(pid, signal.SIGKILL)
+        release(tmp_path)  # the survivors go on, to find the loss
         code_a, err_a = finish(a)
         code_b, err_b = finish(b)
     assert code_a == 0, err_a[-3000:]
@@ -133,6 +138,7 @@ def test_killing_every_worker_of_the_launcher_host_leaves_the_joined_host_traini
         killed_at = time.time()
         for pid in victims.values():
             os.kill(pid, signal.SIGKILL)
+        release(tmp_path)  # the survivors go on, to find the loss
         code_b, err_b = finish(b)
         code_a, err_a = finish(a)  # the launcher keeps the store up until the joined workers finish
     assert code_b == 0, err_b[-3000:]

@@ -139,8 +139,10 @@ def check_rolled_back_together(results: dict, servers: dict, survivors: list[str
 
 @pytest.mark.multiproc
 def test_downpour_survives_a_kill_and_a_replacement_and_its_server_applies_every_sample_once(tmp_path):
+    # after the loss the survivors wait for the replacement's ask, then for it to be ready (--wait-for-replacement):
+    # it joins before the end however slowly it starts (the survivors wait up to 240 s: tests/workers/elastic.py)
     proc, results, servers = launch_async(tmp_path, "downpour", "--replace", epochs=4,
-                                            script=("--step-sleep", "0.3"))
+                                          script=("--wait-for-replacement", "3"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(results) == ["0", "2", "r1"] and "started worker r1" in proc.stderr
     record = check_rolled_back_together(results, servers, ["0", "2"], epochs=4)

@@ -11,12 +11,12 @@ import glob
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from support.elastic_job import release
 from support.paths import TESTS
 from support.wait import until
 
@@ -56,21 +56,18 @@ def start_job(tmp_path, *flags: str, n: int = 2, args: tuple[str, ...] = ()) -> 
     return launcher, int(match.group(2))
 
 
-def stop(launcher: subprocess.Popen) -> str:
-    if launcher.poll() is None:
-        launcher.send_signal(signal.SIGTERM)
-    return launcher.communicate(timeout=60)[1]
-
-
 def test_the_elastic_store_listens_on_loopback_only_by_default(tmp_path):
-    launcher, port = start_job(tmp_path, "--min-workers", "1", args=("--step-sleep", "0.5", "--epochs", "20"))
+    # the workers hold before their step 2 (--hold-at) until the test looked: the job and its store are running
+    launcher, port = start_job(tmp_path, "--min-workers", "1", args=("--hold-at", "2", "--epochs", "1"))
     try:
         addrs = listening(port)
         assert addrs, "nothing listens on the port the launcher printed"
         loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
         assert set(addrs) <= loopback, addrs
     finally:
-        stop(launcher)
+        release(tmp_path)
+        stderr = launcher.communicate(timeout=60)[1]
+    assert launcher.returncode == 0, stderr[-2000:]
 
 
 def results_of(tmp_path) -> dict:

@@ -7,7 +7,8 @@ Two ways the job can leave that joiner alone, each with real SIGKILLs:
   members' answer (``gen/<g>/go``) that nobody is left to give (``--hold-in-admit`` stops the members
   there and the test kills them at their markers);
 * the job ends (its members killed, no ``--replace``) while the joiner still waits for a place
-  (``--max-workers 2``: none is ever offered), and the launcher closes the job's store under it.
+  (``--max-workers 2``: none is ever offered; ``--hold-at`` keeps the members training until the
+  kill), and the launcher closes the job's store under it.
 
 The collective timeout is set far above the bound, so a wait that does not watch the dead marks, or a
 store call that is not ready for the store to close, shows up as a job that does not end or a traceback.
@@ -108,7 +109,9 @@ def test_a_joiner_whose_admitting_members_all_die_ends_with_one_line(tmp_path):
 
 
 def test_a_joiner_still_waiting_when_the_job_ends_leaves_with_one_line(tmp_path):
-    launcher, joiner = run_alone(tmp_path, ["--max-workers", "2"], ["--epochs", "50", "--step-sleep", "0.3"],
+    # the members hold before their step 3 (--hold-at, never released): the job is still running when the joiner
+    # asks, however long its start-up takes, and ends by the kill
+    launcher, joiner = run_alone(tmp_path, ["--max-workers", "2"], ["--epochs", "1", "--hold-at", "3"],
                                  members_once_a_joiner_waits)
     stderr = (tmp_path / "launcher.err").read_text() + (tmp_path / "join.err").read_text()
     assert launcher.returncode is not None and launcher.returncode >= 0, f"wedged:\n{stderr[-4000:]}"

@@ -27,7 +27,7 @@ import time
 import pytest
 import torch
 from conftest import needs_root_netns
-from support.elastic_job import oracle
+from support.elastic_job import held, oracle, release
 from support.paths import TESTS
 from support.wait import until
 
@@ -41,14 +41,16 @@ CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit
 PORT, STANDBY_PORT = 29571, 29572  # inside namespaces A and B, where nothing else listens
 EPOCHS = 4
 HEARTBEAT_S = 10
+HOLD_AT = 11  # the joiners enter at the commit of step 6: steps 7 to 10 are the grown group's (7 to 9 committed at 9)
 
 
 def start(link: netns.Link, side: int, args: list[str], out, name: str) -> subprocess.Popen:
     """Run ``phalanx ARGS`` in namespace ``side``; its stderr goes to OUT/<name>.err."""
     iface = link.interfaces[side]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": iface, "PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "5f1" * 16}
-    # The first workers wait for a joiner (events, not time) and the survivors, after the loss, for host A's return
-    flags = [WORKER, "--out", str(out), "--epochs", str(EPOCHS), "--commit-every", "3", "--step-sleep", "0.05",
+    # The first workers wait for a joiner (events, not time), all 4 hold before step 11 until the test killed host A
+    # (--hold-at), and the survivors, after the loss, wait for host A's return
+    flags = [WORKER, "--out", str(out), "--epochs", str(EPOCHS), "--commit-every", "3", "--hold-at", str(HOLD_AT),
              "--mark-world", "--wait-for-joiner", "--joiners", "2", "--wait-for-replacement", "3"]
     with open(out / f"{name}.err", "w") as err:
         proc = subprocess.Popen(link.prefix(side) + [*CLI, *args, *flags], env=env, stdout=subprocess.DEVNULL,
@@ -90,15 +92,17 @@ def test_losing_the_store_host_is_a_regroup_on_the_standby_and_the_host_comes_ba
               detail=lambda: text(a))
         b = start(link, 1, ["join", "--rdzv-endpoint", f"{link.addresses[0]}:{PORT}", "-n", "2",
                             "--standby-store", f"{link.addresses[1]}:{STANDBY_PORT}"], tmp_path, "hostB")
-        # all four trained 4 steps together: those steps are in a commit every survivor holds
-        until(lambda: sum(os.path.getsize(p) >= 4 for p in glob.glob(str(tmp_path / "world*-4"))) >= 4, timeout=90,
-              what="the 4 workers training together", procs=[a, b], detail=lambda: text(a) + text(b))
+        # all four trained 4 steps together (those steps are in a commit every survivor holds) and hold there
+        until(lambda: len(held(tmp_path)) == 4, timeout=90, what="the 4 workers training together, held at step 11",
+              procs=[a, b], detail=lambda: text(a) + text(b))
+        assert sum(os.path.getsize(p) >= 4 for p in glob.glob(str(tmp_path / "world*-4"))) == 4
         host_b = {w for w in started(tmp_path) if w.startswith("j")}
         assert len(host_b) == 2
         killed_at = time.time()
         for pid in namespace_pids(link.namespaces[0]):  # the launcher, its store, its workers: the whole host
             os.kill(pid, signal.SIGKILL)
         finish(a)
+        release(tmp_path)  # B's workers go on, to find the loss
         # B's workers regrouped on the standby (they now wait for a third worker before stepping on)
         until(lambda: "took over" in text(b) or "takes over" in text(b), timeout=60, what="the standby's take-over",
               procs=[b], detail=lambda: text(b))
@@ -134,7 +138,9 @@ def test_losing_the_store_host_is_a_regroup_on_the_standby_and_the_host_comes_ba
 
 def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over(tmp_path):
     env = {**os.environ, "PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "7a2" * 16}
-    flags = [WORKER, "--out", str(tmp_path), "--epochs", "2", "--commit-every", "3", "--step-sleep", "0.1",
+    # the first workers wait for the joiner (it enters at the commit of step 6); all 3 hold before step 11 until the
+    # test killed the launcher (--hold-at)
+    flags = [WORKER, "--out", str(tmp_path), "--epochs", "2", "--commit-every", "3", "--hold-at", str(HOLD_AT),
              "--mark-world", "--wait-for-joiner"]
     err_a, err_b = open(tmp_path / "a.err", "w"), open(tmp_path / "b.err", "w")
     a = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "3",
@@ -146,13 +152,14 @@ def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over(tmp_pat
     b = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", endpoint, "-n", "1", "--standby-store",
                           "127.0.0.1:0", *flags], env=env, stdout=subprocess.DEVNULL, stderr=err_b)
     b.err_path = tmp_path / "b.err"
-    # 4 steps of the 3 together: one is in a commit the joiner holds (commits every 3), so they are never rolled back
-    until(lambda: any(os.path.getsize(p) >= 4 for p in glob.glob(str(tmp_path / "worldj*-3"))), timeout=90,
-          what="the 3 workers training together",
+    # 4 steps of the 3 together, held there: 3 are in a commit the joiner holds (commits every 3), never rolled back
+    until(lambda: len(held(tmp_path)) == 3, timeout=90, what="the 3 workers training together, held at step 11",
           procs=[a, b], detail=lambda: text(a) + text(b))
+    assert any(os.path.getsize(p) >= 4 for p in glob.glob(str(tmp_path / "worldj*-3")))
     first = {w: pid for w, pid in started(tmp_path).items() if not w.startswith("j")}
     a.kill()  # the launcher alone: its store goes with it, its workers are left running
     assert finish(a, 30) == -signal.SIGKILL
+    release(tmp_path)  # the joiner goes on, to find the store gone
     code_b = finish(b)
     err_a.close(), err_b.close()
     assert code_b == 0, text(b)

@@ -28,6 +28,24 @@ def launch(tmp_path, *flags: str, n: int = 3, timeout: float = 120) -> tuple[sub
 oracle = worker.oracle  # one process on the same global batches
 
 
+def held(out) -> list[str]:
+    """The ids of the workers that stopped at ``--hold-at`` (their ``held<id>`` markers): the job waits there.
+
+    Example:
+        >>> # until(lambda: len(held(tmp_path)) == 2, timeout=90, what="both workers held")
+    """
+    return sorted(os.path.basename(p)[4:] for p in glob.glob(os.path.join(str(out), "held*")))
+
+
+def release(out) -> None:
+    """Let the workers held at ``--hold-at`` go on (the file they wait for).
+
+    Example:
+        >>> # release(tmp_path)
+    """
+    open(os.path.join(str(out), "release"), "w").close()
+
+
 def check_each_epoch_whole(record: list, epochs: int = 2) -> None:
     """Every sample exactly once per epoch, in the epoch's shuffled order, however the group changed.
 

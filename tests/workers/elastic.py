@@ -4,7 +4,9 @@ Each worker records, per optimizer step, the sample ids the whole group trained 
 (gathered from every worker's loader), rolled back with the commit; at the end each
 survivor writes its id, pid, final parameters and that record to ``--out``.
 Failure injection is one flag: ``--kill 0@5`` kills the worker started as rank 0 at
-step 5 with SIGKILL (``--stop`` sends SIGSTOP instead).
+step 5 with SIGKILL (``--stop`` sends SIGSTOP instead). ``--hold-at 11`` keeps the job
+running for as long as a test needs: every worker stops before its step 11, writes
+``held<id>``, and goes on once the test wrote ``OUT/release`` (or is killed there).
 """
 from __future__ import annotations
 
@@ -133,13 +135,19 @@ def main() -> None:
     p = elastic_parser(commit_every=2)
     p.add_argument("--stop", action="store_true", help="SIGSTOP instead of SIGKILL")
     p.add_argument("--term", action="store_true", help="SIGTERM instead of SIGKILL: a graceful leave (preemption)")
-    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="S: sleep S seconds after each step (benchmarks/elastic.py's step of known length; the tests "
+                        "synchronise with --hold-at instead)")
+    p.add_argument("--hold-at", type=int, default=0,
+                   help="STEP: the first time a worker is about to take step STEP it writes OUT/held<its id> and waits "
+                        "until the test writes OUT/release (or kills it there): the job is surely still running "
+                        "while the test kills, joins or looks. Trains nothing differently")
+    p.add_argument("--hold-timeout", type=float, default=180.0,
+                   help="--hold-at's wait ends in an error after this many seconds without OUT/release")
     p.add_argument("--trainer", action="store_true", help="train with px.Trainer.fit(elastic=...) instead")
     p.add_argument("--strategy", default="allreduce",
                    help="allreduce, fp16, powersgd, local-sgd, diloco, easgd, streaming")
     p.add_argument("--kill-in-step", action="store_true", help="die after the step's gather, not before it")
-    p.add_argument("--slow-until-world", type=int, default=0,
-                   help="steps take 0.4 s until the group has reached this size (joiners start slowly)")
     p.add_argument("--wait-for-replacement", type=int, default=0,
                    help="after a loss, while the group is smaller than this, the survivors wait before their next "
                         "step until the replacement asked to join, and after the next commit until it is ready")
@@ -195,7 +203,7 @@ def main() -> None:
         kill_in_commit(args.out, me, state, args.kill_in_commit)
     comm = px.Comm()
     first_after: list[float] = []
-    reached: list[bool] = []  # --slow-until-world: has the group been that large yet?
+    held: list[int] = []  # --hold-at: the step this worker held before (once: not again when a rollback redoes it)
     digests: list[list] = []  # (step, world size, digest of the weights and optimizer state) before each step
     changes: list[list] = []  # (time, world size, step) at the first step after each membership change
 
@@ -219,6 +227,9 @@ def main() -> None:
         for epoch, x, y, ids in epoch_batches(state, loader, args.epochs):
             if args.wait_for_joiner and state.step in (2, 4) and not state.history:
                 wait_for_joiner(state, "asked" if state.step == 2 else "ready", count=args.joiners)
+            if args.hold_at and state.step + 1 == args.hold_at and not held:
+                hold(args.out, me, args.hold_timeout)
+                held.append(state.step + 1)
             if not args.kill_in_step:
                 die()
             digests.append([state.step, px.world_size(), digest(model_, opt)])
@@ -245,16 +256,24 @@ def main() -> None:
                     f.write(".")  # one byte per step taken at that world size
             if state.history and not first_after:
                 first_after.append(time.time())
-            reached.append(px.world_size() >= args.slow_until_world)
-            if args.step_sleep or not any(reached):
-                # sleep: a step of known length is the test's knob (--step-sleep; 0.4 s until --slow-until-world)
-                time.sleep(args.step_sleep if any(reached) else 0.4)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)  # sleep: benchmarks/elastic.py's step of known length (--step-sleep)
 
     started = time.perf_counter()
     train(state)
     write_worker(args.out, me, model_, record.steps, state.history, train_seconds=time.perf_counter() - started,
                  steps=state.step, pid=os.getpid(), rank=px.rank(), digests=digests, changes=changes,
                  first_step_after_recovery=first_after[0] if first_after else None)
+
+
+def hold(out: str, me: str, timeout_s: float) -> None:
+    """``--hold-at``: write ``OUT/held<me>``, then wait until the test writes ``OUT/release``: what the test does
+    meanwhile (a kill, a join, a look at the job's sockets) finds the job running, however slowly the machine goes.
+    Bounded: past ``timeout_s`` this worker fails, saying what it waited for."""
+    open(os.path.join(out, f"held{me}"), "w").close()
+    release = os.path.join(out, "release")
+    until(lambda: os.path.exists(release), timeout=timeout_s,
+          what=f"worker {me}, held by --hold-at, waiting for the test's release file {release}")
 
 
 def kill_in_commit(out: str, me: str, state: px.elastic.State, plan: str) -> None:
