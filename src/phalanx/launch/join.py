@@ -252,12 +252,6 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
                        [w.id for w in workers if w.returncode is None], hung=[wid])
     while store is not None:
         try:
-            if time.monotonic() >= next_read and not taken_over:  # what a take-over or a follow needs
-                next_read = time.monotonic() + STORE_POLL_S
-                if standby is not None:
-                    standby.mirror(store)
-                elif elsewhere is None:
-                    elsewhere = read_standby(store)
             for w in workers:
                 if w.id not in leaving and w.returncode is None and store.check([key("finished", w.id)]):
                     leaving.add(w.id)
@@ -269,6 +263,15 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
                 if code and not store.check([key("done")]):
                     print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {describe(code)}; the others "
                           "regroup without it", file=sys.stderr, flush=True)
+            # What a take-over or a follow needs, read after the workers' finished marks: not once one of ours
+            # finished training. The job is ending and node 0 closes its store then; a call after that fails, and
+            # torch logs the failure with a C++ backtrace (seen in the SLURM job's output).
+            if time.monotonic() >= next_read and not taken_over and not leaving:
+                next_read = time.monotonic() + STORE_POLL_S
+                if standby is not None:
+                    standby.mirror(store)
+                elif elsewhere is None:
+                    elsewhere = read_standby(store)
             # once it took over, this launcher keeps the store up for the members of other hosts too
             remote = remotes.alive(store, {w.id for w in workers}, heartbeat_s) if taken_over else []
             if not remote and all(w.returncode is not None for w in workers):
