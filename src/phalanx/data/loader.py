@@ -19,15 +19,14 @@ Example:
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Any, Callable, Iterator, Sized
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
-from torch.utils.hooks import RemovableHandle
 
 from .. import check
 from ..group import group
+from .hooks import BeforeBatch
 from .balance import SpeedBalance, SpeedSource, refuse_unweighted_strategies, seconds_per_sample, shares_from
 from ..group.collectives import all_gather_object
 from ..errors import ConfigError, usage
@@ -65,7 +64,7 @@ def _waited() -> float:
     return sum(clock.waited for clock in list(clocks()))
 
 
-class ShardedLoader:
+class ShardedLoader(BeforeBatch):
     """A DataLoader over this worker's shard, with ``set_epoch`` and a checkpointable position.
 
     On every step it tells the step clocks of the wrapped models this worker's weight in
@@ -80,6 +79,7 @@ class ShardedLoader:
 
     def __init__(self, dataset: Dataset, sampler: ShardSampler, *, device: torch.device | str | None = None,
                  balance: SpeedBalance | None = None, **loader_kwargs: Any) -> None:
+        super().__init__()
         self.dataset, self.sampler, self.balance = dataset, sampler, balance
         self._generation = group.current().generation if balance is not None else 0  # the split's group
         # -- device prefetch (phalanx.data.prefetch): batches arrive on ``device``, copied one step ahead
@@ -97,7 +97,6 @@ class ShardedLoader:
         loader_kwargs["collate_fn"] = _EmptySafeCollate(loader_kwargs.get("collate_fn") or default_collate, dataset)
         self._loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
         self.batch_weight = 1.0  # this worker's share of the batch last yielded
-        self._before_batch: OrderedDict[int, Callable[[], None]] = OrderedDict()  # RemovableHandle: weakref-able
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for ``epoch``; call it at the top of every epoch, as with DistributedSampler."""
@@ -125,8 +124,7 @@ class ShardedLoader:
                 with span("phalanx/data wait"):  # the timeline (phalanx.step.profiling)
                     batch = next(batches)
                 fetch = time.perf_counter() - fetch
-                for hook in list(self._before_batch.values()):
-                    hook()
+                self.run_before_batch()
                 total = sum(step_sizes)
                 s.samples += total
                 self.batch_weight = step_sizes[s.rank] * s.world_size / total
@@ -159,16 +157,6 @@ class ShardedLoader:
 
     def __len__(self) -> int:
         return len(self.sampler)
-
-    def before_batch(self, hook: Callable[[], None]) -> RemovableHandle:
-        """Call ``hook()`` each time a batch is about to be handed out, before the position moves past it.
-
-        The step before is then over on every rank, whether its ``optimizer.step()`` ran or was
-        skipped: ``px.elastic`` commits here. Returns a handle whose ``remove()`` undoes it.
-        """
-        handle = RemovableHandle(self._before_batch)
-        self._before_batch[handle.id] = hook
-        return handle
 
     def steps_left(self) -> int:
         """Steps the next iteration will take (fewer than ``len`` when resumed mid-epoch)."""

@@ -34,16 +34,15 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
 
 from ..group import group
 from ..group.collectives import guarded
+from ..data.hooks import BeforeBatch
 from ..step.clock import set_batch_weight
 from ..errors import ConfigError, usage
 from .plan import HEAD, PER_RANK, END, ERROR, STEP, WAIT, Fetched, Plan, pack_plans, unpack_plans, split
@@ -55,7 +54,7 @@ _KEEPALIVE_S = 1.0  # while waiting for events, tell the other workers at least 
 _CHECK_EVERY_S = 1.0  # XINFO (retention and lag) on a timer, not per step; always at the start of a run
 
 
-class StreamLoader:
+class StreamLoader(BeforeBatch):
     """An iterable of this worker's batches from ``source``; see the module doc.
 
     Args:
@@ -66,6 +65,9 @@ class StreamLoader:
         block_s: how long one read from the broker may wait.
         ahead: at most this many steps planned per broadcast when a backlog allows (fewer when live).
 
+    Its commit point (:meth:`before_batch`, as ``px.shard``'s) runs on every rank at the same plan (the main
+    worker's), once per batch handed out: never while the group only waits for events, nor at the end of the stream.
+
     After each step: ``ids`` (the entry ids this worker trained on), ``steps``,
     ``position`` and :meth:`stats` (events/s, lag, acknowledged position, dead letters).
     """
@@ -73,6 +75,7 @@ class StreamLoader:
     def __init__(self, source: StreamSource, batch_size: int, *, policy: Any = None, stop: Stop | None = None,
                  block_s: float = 0.2, ahead: int = 8, rank: int | None = None,
                  world_size: int | None = None) -> None:
+        super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(usage(f"batch_size={batch_size!r}", "an integer >= 1 (events per worker per step)",
                                     "Pass e.g. batch_size=32."))
@@ -112,7 +115,6 @@ class StreamLoader:
         self._added, self._checked = 0, float("-inf")  # entries ever added, at the last XINFO
         self._t0 = self._last_event = time.monotonic()
         self._events0 = 0
-        self._before_batch: OrderedDict[int, Callable[[], None]] = OrderedDict()  # RemovableHandle: weakref-able
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -145,25 +147,6 @@ class StreamLoader:
         """Unknown: a live stream has no length."""
         return None
 
-    def before_batch(self, hook: Callable[[], None]) -> RemovableHandle:
-        """Call ``hook()`` each time a batch is about to be handed out, before the position moves past it.
-
-        The step before is then over on every rank, whether its ``optimizer.step()`` ran or was
-        skipped, and ``state_dict()`` still returns the position that step reached: ``px.elastic``
-        commits here, and a membership change it decides here comes out of the loop's ``for batch
-        in loader``. Every rank calls it at the same point of the stream (the plans are the main
-        worker's), once per batch handed out (never while the group only waits for events, nor at
-        the end of the stream). Returns a handle whose ``remove()`` undoes it.
-
-        Example::
-
-            handle = loader.before_batch(lambda: print("between two steps"))
-            handle.remove()
-        """
-        handle = RemovableHandle(self._before_batch)
-        self._before_batch[handle.id] = hook
-        return handle
-
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         rank, world_size = self._given
@@ -188,8 +171,7 @@ class StreamLoader:
                     # Between two steps, at the same plan on every rank, before the position moves past this
                     # one: a commit taken here holds the step before; a change raised here leaves the loop (the
                     # `finally` below stops the planner) and the next iteration re-plans from the restored position.
-                    for hook in list(self._before_batch.values()):
-                        hook()
+                    self.run_before_batch()
                 # the main worker's view, so every worker's state_dict is the same
                 self.position, self.offset, self.dead = plan.position, plan.offset, self.dead + plan.dead
                 self.structure = plan.structure or self.structure
