@@ -182,6 +182,39 @@ def test_loads_overlapping_another_process_saving_the_same_path_each_read_one_sa
     assert loads >= 40 and len(steps) > 3, (loads, refused, steps)  # the loads did overlap many saves
 
 
+@pytest.mark.parametrize("reader", ["load_checkpoint", "read_checkpoint"])
+def test_a_save_renaming_its_directory_in_between_looking_and_reading_gets_the_new_one_read(tmp_path, monkeypatch,
+                                                                                             reader):
+    # The race, placed at its instruction: the reader finds the path, the save moves the old checkpoint aside (the
+    # path is missing when the reader asks whether it is a directory, so it takes it for a one-file checkpoint), and
+    # the new directory lands before the file is opened: EISDIR, where a reader must read the new save whole.
+    from phalanx.checkpoint import loader as L
+    path, new = _saved(tmp_path, "ckpt", step=3), _saved(tmp_path, "next", step=4)
+    resolve, moves = L._resolve, []
+
+    def resolve_then_move_aside(p):
+        found = resolve(p)
+        if not moves:
+            moves.append(os.replace(path, path + ".old-1"))
+        return found
+
+    def land_then_read(found, *args, **kwargs):
+        if len(moves) == 1:
+            moves.append(os.replace(new, path))
+            shutil.rmtree(path + ".old-1")
+        return file_reader(found, *args, **kwargs)
+
+    file_reader = L._load_file if reader == "load_checkpoint" else L.read_verified
+    monkeypatch.setattr(L, "_resolve", resolve_then_move_aside)
+    monkeypatch.setattr(L, "_load_file" if reader == "load_checkpoint" else "read_verified", land_then_read)
+    if reader == "load_checkpoint":
+        net, opt = _net(9)
+        assert px.load_checkpoint(path, net, opt)["step"] == 4
+    else:
+        assert px.read_checkpoint(path)["step"] == 4
+    assert len(moves) == 2  # the race did happen
+
+
 # -- item 11: --resume-from auto takes the newest checkpoint that verifies ------------------------------------------
 
 def _two_checkpoints(tmp_path) -> tuple[str, str]:

@@ -38,7 +38,14 @@ def _consistently(path: str | os.PathLike, directory: Callable[[Opened], T], fil
     for _ in range(READ_ATTEMPTS):
         found = _resolve(os.fspath(path))
         if not os.path.isdir(found):
-            return file(found)
+            try:
+                return file(found)
+            except (IsADirectoryError, FileNotFoundError):
+                # Looked while a save was between its renames (nothing at the path, or only its old copy, then
+                # removed), read after its directory landed: the path changed under the reader. Find it again.
+                if not os.path.lexists(os.fspath(path)):
+                    raise
+                continue
         try:
             ckpt = Opened(found)
         except Vanished:  # gone between finding and opening it: a save replaced it; find it again
