@@ -1,7 +1,7 @@
 """The state protocol: resume, per-rank RNG, exact validation, uneven last batches, save placement, kill -9.
 
-Multi-process parts run on 2 real gloo workers (tests/workers/state.py) in two groups,
-checked against the uninterrupted run or a one-process oracle computed here.
+Multi-process parts run on 2 real gloo workers (tests/workers/state.py) in two groups (and a third, the slow
+peer's, beside the first), checked against the uninterrupted run or a one-process oracle computed here.
 """
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing import forkserver
+from typing import Any
 
 import pytest
 import torch
@@ -34,8 +37,30 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def runs(state_dir: str) -> tuple[list[dict], list[dict]]:
     tmp = state_dir
-    first = run_workers("workers.state:first", world_size=2, timeout=180, tmp=tmp).results
+    # The slow-peer save (rank 1 idles 11 s, the slowness under test) runs in a group of its own beside ``first``:
+    # its wait overlaps ``first``'s work. It starts once the fork server runs: the server's start swaps os.environ
+    # (under a lock), which a second thread's run_workers would read half-swapped.
+    slow: dict[str, Any] = {}
+    beside = threading.Thread(target=lambda: slow.update(run=run_workers(
+        "workers.state:slow_peer", world_size=2, timeout=180, check=False, tmp=os.path.join(tmp, "slow"))))
+    os.makedirs(os.path.join(tmp, "slow"), exist_ok=True)
+    started = threading.Thread(target=lambda: slow.update(first=run_workers(
+        "workers.state:first", world_size=2, timeout=180, check=False, tmp=tmp)))
+    started.start()
+    until(lambda: getattr(forkserver._forkserver, "_forkserver_pid", None) is not None or not started.is_alive(),
+          timeout=180, what="the fork server")
+    beside.start()
+    started.join()
+    beside.join()
+    assert "first" in slow and "run" in slow, "a thread's run_workers raised (its traceback is above)"
+    for name in ("first", "run"):
+        run = slow[name]
+        assert not any(run.returncodes), f"{name}: workers failed {run.returncodes}\n" + "\n".join(
+            log[-3000:] for log in run.logs)
+    first = slow["first"].results
     second = run_workers("workers.state:second", world_size=2, timeout=180, tmp=tmp).results
+    for rank in (0, 1):
+        second[rank]["slow_peer"] = slow["run"].results[rank]["slow_peer"]
     return first, second
 
 

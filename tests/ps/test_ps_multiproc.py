@@ -49,8 +49,10 @@ def test_synchronous_ps_gives_the_same_weights_as_allreduce():
 
 
 def test_killing_one_of_3_downpour_workers_leaves_the_others_to_finish_a_valid_model():
-    with start_servers(1) as servers:  # finish() waits PHALANX_PS_TIMEOUT for the dead worker, then goes on
-        run = run_workers("workers.ps:train", world_size=3, env={**servers.env(), "PHALANX_PS_TIMEOUT": "10"},
+    # finish() waits PHALANX_PS_TIMEOUT for the dead worker, then goes on: every second of it is idle test time,
+    # and it also bounds each request to the server (answered in milliseconds, seconds beside busy loops)
+    with start_servers(1) as servers:
+        run = run_workers("workers.ps:train", world_size=3, env={**servers.env(), "PHALANX_PS_TIMEOUT": "5"},
                           check=False, strategy="downpour",
                           opts={"adagrad_lr": 0.02}, epochs=6, lr=0.05, momentum=0.9, kill={"rank": 1, "step": 5})
         alive = servers.alive()

@@ -1,8 +1,8 @@
 """Strategies on the template: bad input and group-of-one behaviour (unit), then real 2-worker runs.
 
-The multi-process tests share two worker launches (module fixtures): one for the exact
-checks (equivalences, the EASGD oracle, resume, bytes, the docs' custom rule), one that
-trains every strategy and compressor to the convergence bar in a single pair of processes.
+The multi-process tests share one worker launch (module fixtures): the exact checks
+(equivalences, the EASGD oracle, resume, bytes, the docs' custom rule), then every strategy
+and compressor trained to the convergence bar, in a single pair of processes.
 """
 from __future__ import annotations
 
@@ -139,14 +139,21 @@ def test_periodic_strategies_are_plain_training_in_a_group_of_one():
 
 # -- real worker processes ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def exact(tmp_path_factory):
+def both(tmp_path_factory):
+    """Both launches in one: the exact checks, then the convergence runs, in the same pair of processes."""
     ckpt = tmp_path_factory.mktemp("strategy-ckpt")
-    return run_workers("workers.strategies:exactness", world_size=2, timeout=240, ckpt_dir=str(ckpt)).results
+    return run_workers("workers.strategies:exactness_then_convergence", world_size=2, timeout=480,
+                       ckpt_dir=str(ckpt), epochs=EPOCHS).results
 
 
 @pytest.fixture(scope="module")
-def trained():
-    return run_workers("workers.strategies:convergence", world_size=2, timeout=300, epochs=EPOCHS).results
+def exact(both):
+    return [rank["exact"] for rank in both]
+
+
+@pytest.fixture(scope="module")
+def trained(both):
+    return [rank["trained"] for rank in both]
 
 
 @pytest.mark.multiproc
