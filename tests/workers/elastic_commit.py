@@ -8,7 +8,8 @@ Failure injection, one flag each:
 * ``--skip ID@STEP``: at step STEP the loss is scaled by 0 on every worker and the worker
   started as rank ID puts an inf into its gradient, so its GradScaler alone skips
   ``optimizer.step()`` (a zero step is no step for momentum-free SGD: the others' models stay
-  equal to it, and to the oracle, which leaves the step out).
+  equal to it, and to the oracle, which leaves the step out). Several, comma-separated
+  (``1@2,0@5``), skip several steps in one run, each by its own worker.
 * ``--kill ID@STEP``: that worker is SIGKILLed before step STEP.
 * ``--die-in-commit ID@STEP``: that worker exits inside the first commit taken at or after
   step STEP (while its state is captured), before anything of the commit reaches the store.
@@ -63,11 +64,11 @@ class DieInCommit:
 
 def main() -> None:
     p = elastic_parser()
-    p.add_argument("--skip", default="", help="ID@STEP: that worker's GradScaler alone skips step STEP")
+    p.add_argument("--skip", default="", help="ID@STEP[,ID@STEP...]: that worker's GradScaler alone skips step STEP")
     p.add_argument("--die-in-commit", default="", help="ID@STEP: that worker exits inside the commit at STEP")
     args = p.parse_args()
     me = elastic_id()
-    skipper, _, skip_at = args.skip.partition("@")
+    skippers = {int(at): wid for wid, _, at in (s.partition("@") for s in args.skip.split(",") if s)}  # step -> id
     victim, _, kill_at = args.kill.partition("@")
     dier, _, die_at = args.die_in_commit.partition("@")
 
@@ -89,7 +90,8 @@ def main() -> None:
                 with open(os.path.join(args.out, "killed.json"), "w") as f:
                     json.dump({"id": me, "pid": os.getpid()}, f)
                 os.kill(os.getpid(), signal.SIGKILL)
-            skip = bool(skipper) and step == int(skip_at) and not state.history
+            skipper = skippers.get(step)
+            skip = skipper is not None and not state.history
             record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH), skip])
             opt.zero_grad()
             loss = F.mse_loss(model_(x), y) * (0.0 if skip else 1.0)
