@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import subprocess
 import time
 
@@ -206,16 +205,25 @@ def test_replacements_that_fail_at_start_are_not_restarted_forever(tmp_path):
     check_each_epoch_whole(results["0"]["record"])
 
 
-def test_join_refuses_an_endpoint_with_no_job_within_seconds():
+def join(capfd, *argv: str) -> tuple[int, str]:
+    """``phalanx join ARGV`` in this process (the entry point the script calls): its exit status and its stderr, as
+    written to the descriptor (torch's C++ store log included). It never gets as far as starting a worker here, so
+    a fresh interpreter (1.4 CPU s) would test nothing more."""
+    from phalanx.cli import main
+    capfd.readouterr()
+    code = main(["join", *argv])
+    return code, capfd.readouterr().err
+
+
+def test_join_refuses_an_endpoint_with_no_job_within_seconds(capfd):
     from support.procs import free_port
     start = time.monotonic()
-    proc = subprocess.run([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-n", "1", WORKER],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and "no job answers" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    code, stderr = join(capfd, "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-n", "1", WORKER)
+    assert code == 1 and "no job answers" in stderr and len(stderr.splitlines()) == 1
     assert time.monotonic() - start < 30
 
 
-def test_join_to_an_endpoint_that_is_no_store_says_one_line_without_torchs_log():
+def test_join_to_an_endpoint_that_is_no_store_says_one_line_without_torchs_log(capfd, monkeypatch):
     # Something listens there but is no job's store (it accepts and hangs up): the plain socket probe passes and the
     # store call fails. torch's C++ store logs every retry at length (a backtrace each) on stderr: the user must see
     # phalanx's one line only.
@@ -232,20 +240,18 @@ def test_join_to_an_endpoint_that_is_no_store_says_one_line_without_torchs_log()
                 return
             conn.close()
     threading.Thread(target=hang_up, daemon=True).start()
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
     try:
-        proc = subprocess.run([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{listener.getsockname()[1]}", "-n", "1",
-                               WORKER], capture_output=True, text=True, timeout=120,
-                              env={k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"})
+        code, stderr = join(capfd, "--rdzv-endpoint", f"127.0.0.1:{listener.getsockname()[1]}", "-n", "1", WORKER)
     finally:
         stop.set()
         listener.close()
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert proc.stderr.splitlines() == [line for line in proc.stderr.splitlines() if line.startswith("phalanx:")], \
-        proc.stderr[-3000:]
-    assert len(proc.stderr.splitlines()) == 1 and "no job answers" in proc.stderr, proc.stderr[-3000:]
+    assert code == 1, stderr[-3000:]
+    assert stderr.splitlines() == [line for line in stderr.splitlines() if line.startswith("phalanx:")], stderr[-3000:]
+    assert len(stderr.splitlines()) == 1 and "no job answers" in stderr, stderr[-3000:]
 
 
-def test_join_refuses_a_job_that_is_not_elastic_and_leaves_a_finished_one_at_once(tmp_path):
+def test_join_refuses_a_job_that_is_not_elastic_and_leaves_a_finished_one_at_once(capfd):
     import torch.distributed as dist
 
     from phalanx.launch.join import probe
@@ -257,6 +263,5 @@ def test_join_refuses_a_job_that_is_not_elastic_and_leaves_a_finished_one_at_onc
     store.set(key("config"), "{}")
     assert probe("127.0.0.1", store.port) == "running"
     store.set(key("done"), "1")
-    proc = subprocess.run([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "-n", "1", WORKER],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "finished training" in proc.stderr
+    code, stderr = join(capfd, "--rdzv-endpoint", f"127.0.0.1:{store.port}", "-n", "1", WORKER)
+    assert code == 0 and "finished training" in stderr

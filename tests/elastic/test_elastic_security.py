@@ -16,7 +16,6 @@ import sys
 import time
 
 import pytest
-from support.elastic_job import release
 from support.paths import TESTS
 from support.wait import until
 
@@ -43,33 +42,6 @@ def listening(port: int) -> list[str]:
     return found
 
 
-def start_job(tmp_path, *flags: str, n: int = 2, args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int]:
-    """A long elastic job; returns the launcher and its store's port (read from its first line)."""
-    cmd = [*CLI, "run", "-n", str(n), "--elastic", *flags, WORKER, "--out", str(tmp_path), *args]
-    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    line = launcher.stderr.readline()
-    match = re.search(r"its store is at (\S+):(\d+)", line)
-    assert match, line
-    # until the workers train: the launcher handles SIGTERM from then on
-    until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= n, timeout=90, what="the workers' training",
-          procs=[launcher], detail=lambda: launcher.communicate()[1][-2000:])
-    return launcher, int(match.group(2))
-
-
-def test_the_elastic_store_listens_on_loopback_only_by_default(tmp_path):
-    # the workers hold before their step 2 (--hold-at) until the test looked: the job and its store are running
-    launcher, port = start_job(tmp_path, "--min-workers", "1", args=("--hold-at", "2", "--epochs", "1"))
-    try:
-        addrs = listening(port)
-        assert addrs, "nothing listens on the port the launcher printed"
-        loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
-        assert set(addrs) <= loopback, addrs
-    finally:
-        release(tmp_path)
-        stderr = launcher.communicate(timeout=60)[1]
-    assert launcher.returncode == 0, stderr[-2000:]
-
-
 def results_of(tmp_path) -> dict:
     return {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
 
@@ -93,6 +65,11 @@ def torch_close(got, want) -> None:
 
 
 SECRET = "0123456789abcdef" * 4  # the tests' job secret (the launcher takes PHALANX_SECRET when it is set)
+HEARTBEAT_S = 3  # the door job's heartbeat timeout: a joiner with no process behind it is dropped after this
+# the door job's timeout (PHALANX_TIMEOUT): what a live joiner that never reaches training costs the members. Derived
+# from the heartbeat timeout, far enough above it that the idle joiner is dropped by this bound, not by a silent
+# heartbeat (its heartbeat runs), and high enough for a gloo collective beside two busy loops.
+TIMEOUT_S = 3 * HEARTBEAT_S
 
 
 def start_door(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
@@ -131,7 +108,30 @@ def ghost(port: int, name: str, secret: str | None):  # -> its store connection
             return store
 
 
-def test_refused_joins_and_joiners_that_never_arrive_leave_the_job_untouched(tmp_path):
+@pytest.fixture(scope="module")
+def door(tmp_path_factory) -> dict:
+    """One door job for the module, training with room for one more worker until the last test here ends it.
+
+    What listens on its store's port is read at once, while the job runs (whatever order the tests run in).
+    """
+    out = tmp_path_factory.mktemp("door")
+    launcher, port = start_door(out, "--heartbeat-timeout", str(HEARTBEAT_S), "--max-workers", "3",  # room for one
+                                env={"PHALANX_TIMEOUT": str(TIMEOUT_S)})
+    job = {"out": out, "launcher": launcher, "port": port, "listening": listening(port)}
+    yield job
+    if launcher.poll() is None:  # a test failed before it ended the job
+        end_door(out, launcher)
+
+
+def test_the_elastic_store_listens_on_loopback_only_by_default(door):
+    # read while the door job (started without --master-addr) and its store were running
+    addrs = door["listening"]
+    assert addrs, "nothing listens on the port the launcher printed"
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+    assert set(addrs) <= loopback, addrs
+
+
+def test_refused_joins_and_joiners_that_never_arrive_leave_the_job_untouched(door):
     """One job, knocked on five ways while it trains with room for one more worker.
 
     A join without the secret and one with another secret are refused in one line each; a
@@ -139,11 +139,10 @@ def test_refused_joins_and_joiners_that_never_arrive_leave_the_job_untouched(tmp
     proves the secret but has no process behind it is admitted at the next commit and dropped
     after the heartbeat timeout (3 s, not gloo's 60 s); and nanoGPT's joiner, placed in
     px.init() but never entering the training function, is alive (its heartbeat runs), so the
-    members wait for it as for a joiner still setting up, the job's timeout (15 s here), then
+    members wait for it as for a joiner still setting up, the job's timeout (TIMEOUT_S here), then
     drop it. The job ends as if nobody had knocked.
     """
-    launcher, port = start_door(tmp_path, "--heartbeat-timeout", "3", "--max-workers", "3",  # room for one
-                                env={"PHALANX_TIMEOUT": "15"})
+    tmp_path, launcher, port = door["out"], door["launcher"], door["port"]
     join = [*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", DOOR, "--out", str(tmp_path)]
     bare = {k: v for k, v in os.environ.items() if k != "PHALANX_SECRET"}
     without = subprocess.run(join, capture_output=True, text=True, timeout=60, env=bare)

@@ -1,12 +1,14 @@
 """A worker SIGKILLed while the group writes a checkpoint is a lost peer: the save is abandoned, the job goes on.
 
-``px.elastic.State(checkpoint=DIR)`` writes the checkpoint at every commit (every 3 steps). At the
-save of step 6 one worker holds at a marked place (``tests/workers/elastic_kill_save.py``) and the
-test kills it there with SIGKILL: before it enters the save, inside DCP's write, or (rank 0) after
-the write, before the directory is put in place. The survivors regroup from the commit of step 6,
-train on and match the one-process oracle; the checkpoint on disk is always a whole one, and no
-temporary directory is left. The launcher's timeout is raised to 600 s: a survivor that waited for
-the dead worker until its timeout, instead of asking who is dead, would not finish in this test's time.
+``px.elastic.State(checkpoint=DIR)`` writes the checkpoint at every commit (every 3 steps). One job of
+4 workers serves the three places a kill can land: at the save of step 6 worker 1 holds inside DCP's
+write, at the save of step 9 worker 2 holds before it enters the save, and at the save of step 12
+worker 0 (rank 0) holds after the write, before the directory is put in place
+(``tests/workers/elastic_kill_save.py``); the test kills each with SIGKILL at its marker. After each
+loss the survivors regroup from the commit of that step (nothing redone), train on and, at the end,
+match the one-process oracle; the checkpoint on disk is always a whole one, and no temporary directory
+is left. The launcher's timeout is raised to 600 s: a survivor that waited for the dead worker until its
+timeout, instead of asking who is dead, would not finish in this test's time.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -25,48 +28,55 @@ from support.wait import until
 from workers import elastic_commit
 
 WORKER = os.path.join(TESTS, "workers", "elastic_kill_save.py")
-WAIT_S = 120  # for the marker, then for the job: generous on a loaded 2-core machine, far below the 600 s timeout
+WAIT_S = 120  # for each marker, then for the job: generous on a loaded 2-core machine, far below the 600 s timeout
+KILLS = [("1", "write", 6), ("2", "enter", 9), ("0", "commit", 12)]  # in the order they land: world 4, 3, then 2
 
 
-def run_and_kill_at_marker(tmp_path, victim: str, where: str) -> tuple[int, str, dict]:
-    ckpt = tmp_path / "ckpt"
-    cmd = [*CLI, "run", "-n", "3", "--elastic", "--min-workers", "2", WORKER, "--out", str(tmp_path),
-           "--ckpt", str(ckpt), "--hold", f"{victim}@{where}"]
-    env = {**os.environ, "PHALANX_TIMEOUT": "600"}
+@pytest.fixture(scope="module")
+def killed_during_saves(tmp_path_factory) -> tuple[int, str, dict, Path]:
+    """The job, each of KILLS placed at its marker in turn; (exit status, stderr, results, out)."""
+    out = tmp_path_factory.mktemp("kill_save")
+    cmd = [*CLI, "run", "-n", "4", "--elastic", "--min-workers", "1", WORKER, "--out", str(out),
+           "--ckpt", str(out / "ckpt"), "--epochs", "3", "--hold", ",".join(f"{v}@{w}@{at}" for v, w, at in KILLS)]
+    env = {**os.environ, "PHALANX_TIMEOUT": "600", "PHALANX_START_METHOD": "forkserver"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # its own process group: a failed test ends every worker
-    marker = tmp_path / "holding.json"
     try:
-        # the worker writes it where it holds: an event, not a guess at timing
-        until(marker.exists, timeout=WAIT_S, what="the victim holding in the save", procs=[proc])
-        held = json.loads(marker.read_text())
-        assert held["id"] == victim
-        os.kill(held["pid"], signal.SIGKILL)
-        out, err = proc.communicate(timeout=WAIT_S)
+        for victim, _, _ in KILLS:
+            marker = out / f"holding{victim}.json"
+            # the worker writes it where it holds: an event, not a guess at timing
+            until(marker.exists, timeout=WAIT_S, what=f"worker {victim} holding in the save", procs=[proc])
+            held = json.loads(marker.read_text())
+            assert held["id"] == victim
+            os.kill(held["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers (they hold its pipes)
             proc.communicate()
-    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
-    return proc.returncode, err, results
+    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(out / "worker*.json"))}
+    return proc.returncode, err, results, out
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("victim,where", [("1", "write"), ("2", "enter"), ("0", "commit")])
-def test_a_worker_killed_during_a_checkpoint_save_is_a_lost_peer_and_the_job_goes_on(tmp_path, victim, where):
-    code, err, results = run_and_kill_at_marker(tmp_path, victim, where)
+@pytest.mark.parametrize("victim,where,at", KILLS, ids=[f"{v}-{w}" for v, w, _ in KILLS])
+def test_a_worker_killed_during_a_checkpoint_save_is_a_lost_peer_and_the_job_goes_on(killed_during_saves, victim,
+                                                                                      where, at):
+    code, err, results, out = killed_during_saves
     assert code == 0, err[-3000:]
-    survivors = sorted(set("012") - {victim})
-    assert sorted(results) == survivors, err[-3000:]
-    record = results[survivors[0]]["record"]
-    for r in results.values():  # one regroup, at the commit of step 6 that every survivor holds: nothing redone
-        assert r["record"] == record and r["world_size"] == 2
-        assert [(h["left"], h["step"], h["redone_steps"]) for h in r["history"]] == [([victim], 6, 0)]
-        assert "WorkerLostError" in r["history"][0]["cause"]
-    check_each_epoch_whole(record)
-    assert [row[1] for row in record] == [3] * 6 + [2] * (len(record) - 6)
+    assert sorted(results) == ["3"], err[-3000:]  # the one worker never held
+    [survivor] = results.values()
+    record = survivor["record"]
+    # one regroup per kill, at the commit of the step whose save it broke, which every survivor holds: nothing redone
+    assert [(h["left"], h["step"], h["redone_steps"]) for h in survivor["history"]] == \
+        [([v], s, 0) for v, _, s in KILLS]
+    mine = next(h for h in survivor["history"] if h["left"] == [victim])
+    assert (mine["step"], mine["was"]) == (at, 4 - [v for v, _, _ in KILLS].index(victim))
+    assert "WorkerLostError" in mine["cause"]
+    check_each_epoch_whole(record, epochs=3)
+    assert [row[1] for row in record] == [4] * 6 + [3] * 3 + [2] * 3 + [1] * (len(record) - 12)
     check_oracle(results, elastic_commit.oracle(record))
-    # The checkpoint is whole and holds the last commit's step; the abandoned save left no temporary behind.
-    assert checkpoint_step(str(tmp_path / "ckpt")) == (results[survivors[0]]["step"] - 1) // 3 * 3
-    assert glob.glob(str(tmp_path / "ckpt.tmp-*")) == []
+    # The checkpoint is whole and holds the last commit's step; the abandoned saves left no temporary behind.
+    assert checkpoint_step(str(out / "ckpt")) == (survivor["step"] - 1) // 3 * 3
+    assert glob.glob(str(out / "ckpt.tmp-*")) == []
     assert "CheckpointError" not in err

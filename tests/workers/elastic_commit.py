@@ -8,10 +8,12 @@ Failure injection, one flag each:
 * ``--skip ID@STEP``: at step STEP the loss is scaled by 0 on every worker and the worker
   started as rank ID puts an inf into its gradient, so its GradScaler alone skips
   ``optimizer.step()`` (a zero step is no step for momentum-free SGD: the others' models stay
-  equal to it, and to the oracle, which leaves the step out).
+  equal to it, and to the oracle, which leaves the step out). Several, comma-separated
+  (``1@2,0@5``), skip several steps in one run, each by its own worker.
 * ``--kill ID@STEP``: that worker is SIGKILLed before step STEP.
 * ``--die-in-commit ID@STEP``: that worker exits inside the first commit taken at or after
   step STEP (while its state is captured), before anything of the commit reaches the store.
+  Several, comma-separated (``0@3,1@6``), die one after another, each at its own commit.
 """
 from __future__ import annotations
 
@@ -55,27 +57,30 @@ class DieInCommit:
     def state_dict(self) -> dict:
         if self.armed and self.me == self.victim and len(self.record.steps) >= self.at:
             os._exit(9)
-        return {}
+        return {"steps": len(self.record.steps)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.armed = False  # after a change of membership nobody dies again
+        # after a change of membership nobody dies again, unless its own commit is still ahead (several deaths)
+        self.armed = self.armed and state.get("steps", self.at) < self.at
 
 
 def main() -> None:
     p = elastic_parser()
-    p.add_argument("--skip", default="", help="ID@STEP: that worker's GradScaler alone skips step STEP")
-    p.add_argument("--die-in-commit", default="", help="ID@STEP: that worker exits inside the commit at STEP")
+    p.add_argument("--skip", default="", help="ID@STEP[,ID@STEP...]: that worker's GradScaler alone skips step STEP")
+    p.add_argument("--die-in-commit", default="",
+                   help="ID@STEP[,ID@STEP...]: that worker exits inside the commit at STEP")
     args = p.parse_args()
     me = elastic_id()
-    skipper, _, skip_at = args.skip.partition("@")
+    skippers = {int(at): wid for wid, _, at in (s.partition("@") for s in args.skip.split(",") if s)}  # step -> id
     victim, _, kill_at = args.kill.partition("@")
-    dier, _, die_at = args.die_in_commit.partition("@")
+    diers = dict(d.partition("@")[::2] for d in args.die_in_commit.split(",") if d)  # id -> step
+    dier, die_at = (me, diers[me]) if me in diers else ("", "")
 
     px.init()
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
     die = DieInCommit(int(die_at or 0), me, dier)
     model_, opt, loader, record, state = setup(args.commit_every, optimizer, scaler=scaler,
-                                               extra={"die": die} if dier else {})
+                                               extra={"die": die} if diers else {})
     die.record = record
     comm = px.Comm()
     steps_at: list[list] = []  # (state.step, steps in the record) as each step begins
@@ -89,7 +94,8 @@ def main() -> None:
                 with open(os.path.join(args.out, "killed.json"), "w") as f:
                     json.dump({"id": me, "pid": os.getpid()}, f)
                 os.kill(os.getpid(), signal.SIGKILL)
-            skip = bool(skipper) and step == int(skip_at) and not state.history
+            skipper = skippers.get(step)
+            skip = skipper is not None and not state.history
             record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH), skip])
             opt.zero_grad()
             loss = F.mse_loss(model_(x), y) * (0.0 if skip else 1.0)

@@ -3,11 +3,14 @@
 Run with ``phalanx run --elastic -n 3 tests/workers/elastic_kill_save.py --out OUT --ckpt DIR --hold ID@WHERE``.
 Every commit (every 3 steps) also writes the checkpoint. At the save of step 6, worker ID stops
 at WHERE and holds there, after writing ``OUT/holding.json`` (its id and pid): the marker at which
-the test SIGKILLs it. WHERE is one of
+the test SIGKILLs it (also written as ``OUT/holding<ID>.json``). WHERE is one of
 
 * ``enter``: before it enters the save (the others wait for every worker to enter);
 * ``write``: inside DCP's write of its data (the others are in DCP's collectives);
 * ``commit``: rank 0, after DCP wrote, before the directory is put in place (the others wait for its word).
+
+``--hold ID@WHERE@STEP,...`` holds several workers in one run, each at the save of its own STEP (a save
+no regroup has redone): the test kills them one after another.
 
 Each survivor writes what it trained (as ``tests/workers/elastic_commit.py``) to ``OUT/worker<id>.json``.
 """
@@ -33,15 +36,17 @@ HOLD_AT_STEP = 6
 
 def hold(out: str, me: str) -> None:
     """Say where we are (the test's marker), then wait there until the test kills us."""
-    with open(os.path.join(out, "holding.tmp"), "w") as f:
-        json.dump({"id": me, "pid": os.getpid()}, f)
-    os.replace(os.path.join(out, "holding.tmp"), os.path.join(out, "holding.json"))
+    for name in ("holding.json", f"holding{me}.json"):
+        with open(os.path.join(out, f"{name}.tmp"), "w") as f:
+            json.dump({"id": me, "pid": os.getpid()}, f)
+        os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))
     threading.Event().wait()
 
 
-def arm(where: str, out: str, me: str, state_step) -> None:
-    """Make this worker hold at ``where`` during the save of step HOLD_AT_STEP (once, before any regroup)."""
-    due = lambda: state_step() == HOLD_AT_STEP  # noqa: E731
+def arm(where: str, out: str, me: str, state_step, at: int = HOLD_AT_STEP) -> None:
+    """Make this worker hold at ``where`` during the save of step ``at`` (once: ``state_step`` says -1 after a
+    regroup that went back to ``at`` or past it)."""
+    due = lambda: state_step() == at  # noqa: E731
 
     if where == "enter":
         enter = saver._all_enter
@@ -80,16 +85,19 @@ def arm(where: str, out: str, me: str, state_step) -> None:
 def main() -> None:
     p = elastic_parser(commit_every=None, kill=False)
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--hold", default="", help="ID@WHERE: that worker holds at WHERE in the save of step 6")
+    p.add_argument("--hold", default="", help="ID@WHERE[@STEP][,...]: that worker holds at WHERE in the save of "
+                   f"step STEP ({HOLD_AT_STEP} if not given)")
     args = p.parse_args()
     me = elastic_id()
-    victim, _, where = args.hold.partition("@")
+    holds = {wid: (where, int(at or HOLD_AT_STEP)) for wid, where, at in
+             ((h.split("@") + [""])[:3] for h in args.hold.split(",") if h)}
 
     px.init()
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
     model_, opt, loader, record, state = setup(3, optimizer, scaler=scaler, checkpoint=args.ckpt)
-    if me == victim:
-        arm(where, args.out, me, lambda: state.step if not state.history else -1)
+    if me in holds:
+        where, at = holds[me]
+        arm(where, args.out, me, lambda: state.step if all(h["step"] < at for h in state.history) else -1, at)
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
