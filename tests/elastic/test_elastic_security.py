@@ -69,7 +69,7 @@ HEARTBEAT_S = 3  # the door job's heartbeat timeout: a joiner with no process be
 # the door job's timeout (PHALANX_TIMEOUT): what a live joiner that never reaches training costs the members. Derived
 # from the heartbeat timeout, far enough above it that the idle joiner is dropped by this bound, not by a silent
 # heartbeat (its heartbeat runs), and high enough for a gloo collective beside two busy loops.
-TIMEOUT_S = 3 * HEARTBEAT_S
+TIMEOUT_S = 4 * HEARTBEAT_S
 
 
 def start_door(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
