@@ -41,17 +41,22 @@ def test_a_rank_blocked_in_a_long_store_wait_keeps_beating(store):
     beat = Heartbeat(store, 0, every_s=0.05).start()
     reader = store.clone()  # another process's view
 
-    def wait_in_vain() -> None:
-        with pytest.raises(dist.DistStoreError):
-            store.wait(["never-set"], timedelta(seconds=1.5))
+    released = []
 
-    waiter = threading.Thread(target=wait_in_vain, daemon=True)
+    def wait_long() -> None:  # blocked in the store until the check below is done (released then, not timed out)
+        store.wait(["released"], timedelta(seconds=30))
+        released.append(True)
+
+    waiter = threading.Thread(target=wait_long, daemon=True)
     waiter.start()
     try:
         assert alive_ranks(reader, world_size=1, stale_after_s=1.0) == [0]
+        assert waiter.is_alive()  # the check ran while the main connection was blocked
     finally:
-        waiter.join()
+        reader.set("released", "1")
+        waiter.join(timeout=30)
         beat.stop()
+    assert released == [True]
 
 
 def test_watch_counts_staleness_from_its_own_clock(store):
