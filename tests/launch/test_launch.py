@@ -64,6 +64,72 @@ def script(tmp_path):
     return str(path)
 
 
+COLLECTIVE_S = 60.0  # the collective timeout the raising job runs with (--timeout)
+
+
+def _run(argv: list[str]) -> dict:
+    """One command to its end: its CompletedProcess, and when it started and ended (monotonic, wall clock)."""
+    started = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    return {"proc": proc, "started": started, "ended_monotonic": time.monotonic(), "ended": time.time()}
+
+
+def _two_hosts(script: str) -> list[tuple[int, str, str]]:
+    # Two "hosts" on loopback: the same command with --node-rank 0 and 1.
+    port = str(free_port())
+    hosts = [subprocess.Popen([*phalanx_command(), "run", "--nnodes", "2", "--node-rank", str(node), "--master-addr",
+                               "127.0.0.1", "--master-port", port, "-n", "1", script], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in (1, 0)]
+    try:
+        outs = [h.communicate(timeout=120) for h in hosts]
+    finally:
+        for h in hosts:
+            if h.poll() is None:
+                h.kill()
+    return [(h.returncode, out, err) for h, (out, err) in zip(hosts, outs)]
+
+
+CONCURRENT = 4  # launches at a time: enough to fill the cores' idle time, few enough to keep each one's bounds
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """The launches that only run to their end, all started at once (threads), each read by its own test.
+
+    A launch is a launcher and its workers importing torch, then waiting on each other: one after the other they
+    left a core idle much of the time. Each job is its own launcher with its own store on its own port.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+    script = str(tmp_path_factory.mktemp("launch") / "train.py")
+    with open(script, "w") as f:
+        f.write(SCRIPT)
+    run = [*phalanx_command(), "run"]
+    jobs = {
+        "args": lambda: _run([*run, "-n", "2", "--threads", "2", "--timeout", "90", script, "ok", "--flag"]),
+        "fail": lambda: _run([*run, "-n", "2", "--timeout", "10", script, "fail"]),
+        "bad": lambda: _run([*run, "-n", "0", "train.py"]),
+        "raise2": lambda: _run([*run, "-n", "2", "--timeout", str(COLLECTIVE_S), script, "raise"]),
+        "raise3": lambda: _run([*run, "-n", "3", "--timeout", str(COLLECTIVE_S), script, "raise"]),
+        "usage": lambda: _run([*run, "-n", "2", script, "usage"]),
+        # one worker shows the traceback as well as two (which rank failed first is the run above's question)
+        "debug": lambda: _run([*run, "--debug", "-n", "1", script, "usage", "-n", "2"]),
+        "torchrun": lambda: _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                  "--master-port", str(free_port()), script]),  # off torchrun's fixed port
+        "servers": lambda: _run([*run, "-n", "1", "--servers", "1", script]),
+        "hosts": lambda: _two_hosts(script),
+    }
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: f.exception() or f.result() for name, f in futures.items()}
+
+
+def _job(launched: dict, name: str):
+    got = launched[name]
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
 def reports(stdout: str) -> dict[int, dict]:
     lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     return {r["rank"]: r for r in lines if "rank" in r}
@@ -166,24 +232,22 @@ def test_cli_prints_usage_errors_as_one_line_with_status_2(capsys, script):
     assert "run" in capsys.readouterr().out
 
 
-def test_servers_start_before_the_workers_or_say_clearly_they_are_unavailable(capsys, script):
+def test_servers_start_before_the_workers_or_say_clearly_they_are_unavailable(capsys, script, launched):
     try:
         import phalanx.ps.launcher  # noqa: F401
     except ImportError:
         assert main(["run", "--servers", "2", script]) == 2
         assert "parameter servers" in capsys.readouterr().err
         return
-    proc = subprocess.run([*phalanx_command(), "run", "-n", "1", "--servers", "1", script], capture_output=True,
-                          text=True, timeout=120)
+    proc = _job(launched, "servers")["proc"]
     assert proc.returncode == 0, proc.stderr
     assert reports(proc.stdout)[0]["ps"], proc.stdout  # the servers' addresses reached the worker
 
 
 # -- real launches ----------------------------------------------------------------------------------------------
 
-def test_phalanx_run_starts_workers_with_their_threads_timeout_and_arguments(script):
-    proc = subprocess.run([*phalanx_command(), "run", "-n", "2", "--threads", "2", "--timeout", "90", script,
-                           "ok", "--flag"], capture_output=True, text=True, timeout=120)
+def test_phalanx_run_starts_workers_with_their_threads_timeout_and_arguments(launched):
+    proc = _job(launched, "args")["proc"]
     assert proc.returncode == 0, proc.stderr
     seen = reports(proc.stdout)
     assert sorted(seen) == [0, 1]
@@ -191,32 +255,25 @@ def test_phalanx_run_starts_workers_with_their_threads_timeout_and_arguments(scr
         assert (r["world"], r["total"], r["threads"], r["timeout"], r["args"]) == (2, 12.0, 2, "90.0", ["ok", "--flag"])
 
 
-def test_phalanx_run_exits_with_the_first_failing_workers_status(script):
-    started = time.monotonic()
-    proc = subprocess.run([*phalanx_command(), "run", "-n", "2", "--timeout", "10", script, "fail"],
-                          capture_output=True, text=True, timeout=120)
+def test_phalanx_run_exits_with_the_first_failing_workers_status(launched):
+    job = _job(launched, "fail")
+    proc = job["proc"]
     assert proc.returncode == 3, proc.stderr
     assert "phalanx: worker rank 1 exited with status 3 (first failure); stopped the others" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert time.monotonic() - started < 60
+    assert job["ended_monotonic"] - job["started"] < 60
 
 
-def test_phalanx_run_bad_input_is_one_line_and_status_2():
-    proc = subprocess.run([*phalanx_command(), "run", "-n", "0", "train.py"], capture_output=True, text=True,
-                          timeout=60)
+def test_phalanx_run_bad_input_is_one_line_and_status_2(launched):
+    proc = _job(launched, "bad")["proc"]
     assert proc.returncode == 2 and proc.stderr.startswith("phalanx: error: -n 0; expected"), proc.stderr
     assert len(proc.stderr.splitlines()) == 1
 
 
-def test_two_hosts_meet_through_the_torchrun_options(script):
-    # Two "hosts" on loopback: the same command with --node-rank 0 and 1.
-    port = str(free_port())
-    hosts = [subprocess.Popen([*phalanx_command(), "run", "--nnodes", "2", "--node-rank", str(node), "--master-addr",
-                               "127.0.0.1", "--master-port", port, "-n", "1", script], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for node in (1, 0)]
-    outs = [h.communicate(timeout=120) for h in hosts]
-    assert [h.returncode for h in hosts] == [0, 0], [err for _, err in outs]
-    seen = {**reports(outs[0][0]), **reports(outs[1][0])}
+def test_two_hosts_meet_through_the_torchrun_options(launched):
+    hosts = _job(launched, "hosts")  # --node-rank 1 and 0: (status, stdout, stderr)
+    assert [code for code, _, _ in hosts] == [0, 0], [err for _, _, err in hosts]
+    seen = {**reports(hosts[0][1]), **reports(hosts[1][1])}
     assert sorted(seen) == [0, 1] and all(r["world"] == 2 and r["total"] == 12.0 for r in seen.values())
 
 
@@ -241,10 +298,8 @@ def test_sigterm_stops_every_worker(script):
             proc.kill()
 
 
-def test_the_same_script_runs_under_torchrun(script):
-    # --master-port keeps parallel jobs off torchrun's fixed default port.
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), script], capture_output=True, text=True, timeout=120)
+def test_the_same_script_runs_under_torchrun(launched):
+    proc = _job(launched, "torchrun")["proc"]
     assert proc.returncode == 0, proc.stderr
     seen = reports(proc.stdout)
     assert sorted(seen) == [0, 1] and all(r["world"] == 2 and r["total"] == 12.0 for r in seen.values())
@@ -252,15 +307,11 @@ def test_the_same_script_runs_under_torchrun(script):
 
 # -- failures reported in one clear line, at once ----------------------------------------------------------------
 
-COLLECTIVE_S = 60.0  # the collective timeout the raising job runs with (--timeout)
-
-
 @pytest.mark.parametrize("workers", [2, 3])
-def test_a_worker_that_raises_ends_the_run_at_once_naming_its_rank_and_exception(script, workers):
+def test_a_worker_that_raises_ends_the_run_at_once_naming_its_rank_and_exception(launched, workers):
     # rank 1 raises at step 5 before that step's all-reduce, so rank 0 is waiting in it (mid-run, not past it)
-    proc = subprocess.run([*phalanx_command(), "run", "-n", str(workers), "--timeout", str(COLLECTIVE_S), script,
-                           "raise"], capture_output=True, text=True, timeout=120)
-    ended = time.time()
+    job = _job(launched, f"raise{workers}")
+    proc, ended = job["proc"], job["ended"]
     raised = [json.loads(line)["raised_at"] for line in proc.stdout.splitlines() if "raised_at" in line]
     assert proc.returncode == 1 and raised, (proc.stdout, proc.stderr)
     assert "phalanx: worker rank 1 raised ValueError: boom at step 5 (first failure); stopped the others" \
@@ -270,16 +321,14 @@ def test_a_worker_that_raises_ends_the_run_at_once_naming_its_rank_and_exception
     assert ended - raised[0] < COLLECTIVE_S / 2, ended - raised[0]
 
 
-def test_a_usage_error_in_every_worker_is_one_line_once_and_debug_shows_the_traceback(script):
-    proc = subprocess.run([*phalanx_command(), "run", "-n", "2", script, "usage"], capture_output=True, text=True,
-                          timeout=120)
+def test_a_usage_error_in_every_worker_is_one_line_once_and_debug_shows_the_traceback(launched):
+    proc = _job(launched, "usage")["proc"]
     assert proc.returncode == 1
     err = proc.stderr.splitlines()
     assert len(err) == 1, proc.stderr  # both ranks failed; whichever was first is named
     assert err[0] in [f"phalanx: error: lr=-1; expected a positive learning rate. Pass e.g. lr=0.1. (worker rank {r}; "
                       "`phalanx run --debug` or PHALANX_DEBUG=1 shows the traceback)" for r in (0, 1)], err
-    debug = subprocess.run([*phalanx_command(), "run", "--debug", "-n", "2", script, "usage", "-n", "2"],
-                           capture_output=True, text=True, timeout=120)
+    debug = _job(launched, "debug")["proc"]
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "ConfigError: lr=-1" in debug.stderr
     # `-n 2` after the script went to the script: said once, before the workers start.
     assert debug.stderr.splitlines()[0].startswith("phalanx: warning: `-n 2` comes after the script, so it goes "

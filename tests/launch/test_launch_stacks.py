@@ -4,8 +4,9 @@ waits for it in the gradients' all-reduce.
 One job serves the three checks (a job costs seconds of torch imports on 2 cores): `phalanx stacks` prints every
 rank's stack, naming the line each is stuck on; a request without the job's secret gets nothing; and the launcher's
 watchdog prints the same blocks on its own before anything is killed (both workers still alive), and the job's last
-lines point at them. The watchdog's bound is half the collective timeout here (no step time is measured from 3 steps),
-so `--timeout 16` makes it fire 8 s into the stall, well before rank 1's all-reduce would give up.
+lines point at them. The workers step for a few of the watchdog's polls before they get stuck, so it has measured
+a step time and its bound is its floor (FLOOR_S, 5 s: launch/stacks.py) rather than its cap, half the collective
+timeout: the test waits 5 s for the stacks, not 20. Had it measured nothing (a starved launcher), the cap still holds.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from phalanx.cli import main
 from phalanx.errors import StacksRefused
 from phalanx.group import stacks
-from phalanx.launch.stacks import jobs_dir, register_job, running_jobs
+from phalanx.launch.stacks import POLL_S, jobs_dir, register_job, running_jobs
 from support.paths import TESTS
 from support.wait import exited, until
 
@@ -52,10 +53,12 @@ def _names_the_lines(text: str) -> None:
 
 
 # The stuck job's one bound: --timeout, the collective timeout that ends rank 1's all-reduce. The launcher's
-# watchdog prints the stacks at half of it (no step time is measured in 3 steps: the cap, launch/run.py), so the
-# other half is the margin for everything else this test does while the job is stuck; each wait below is derived
-# from it. (At 16 s the job ended under load before a `phalanx stacks` subprocess had imported torch.)
+# watchdog prints the stacks at its floor once it has measured a step time (the workers step for WARM_S, four of
+# its polls, first), at half of --timeout at the most (its cap, launch/run.py); the rest is the margin for
+# everything else this test does while the job is stuck; each wait below is derived from it. (At 16 s the job ended
+# under load before a `phalanx stacks` subprocess had imported torch.)
 STUCK_S = 40.0
+WARM_S = 4 * POLL_S
 
 
 @pytest.mark.multiproc
@@ -65,8 +68,8 @@ def test_a_stuck_job_shows_where_each_rank_is_stuck_before_anything_is_killed(tm
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp)}  # a jobs folder of its own: `phalanx stacks` finds this job alone
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # the same folder for `phalanx stacks` run in this process
-    proc = subprocess.Popen([*CLI, "run", "-n", "2", "--timeout", str(STUCK_S), WORKER, str(marks)], env=env,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([*CLI, "run", "-n", "2", "--timeout", str(STUCK_S), WORKER, str(marks), str(WARM_S)],
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
@@ -94,7 +97,8 @@ def test_a_stuck_job_shows_where_each_rank_is_stuck_before_anything_is_killed(tm
         assert sorted(got) == ["0", "1"] and all(got.values()), got
         assert not any(store.check([stacks.key("answer", "forged", w)]) for w in ("0", "1"))
 
-        # the watchdog's blocks, printed while both workers still run: at STUCK_S / 2, before the job's bound
+        # the watchdog's blocks, printed while both workers still run: at FLOOR_S (STUCK_S / 2 at the most), before
+        # the job's bound
         until(lambda: "phalanx: stacks: end" in "".join(out), timeout=max(1.0, STUCK_S - (time.monotonic() - stuck)),
               procs=[proc], what="the watchdog's stacks", detail=lambda: "".join(out)[-3000:])
         for pid in pids:

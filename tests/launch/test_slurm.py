@@ -95,6 +95,12 @@ def test_elastic_bounds_count_the_workers_of_every_node_of_the_allocation(monkey
 
 # -- a real cluster --------------------------------------------------------------------------------------------
 
+# How long a job credential lives: a requeued job is held this long before it may start again, so the preemption
+# test waits it out. Slurm's minimum (a smaller value is refused and 120 s used): a credential is checked when
+# slurmd starts a step, a C daemon on loopback here, well within it even on a loaded machine.
+CRED_EXPIRE_S = 5
+
+
 def _skip_reason() -> str | None:
     missing = [d for d in DAEMONS if shutil.which(d) is None and not os.path.exists(f"/usr/sbin/{d}")]
     if missing:
@@ -166,7 +172,7 @@ FirstJobId={_first_job_id()}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld}
 AuthType=auth/munge
-AuthInfo=socket={sock},cred_expire=10
+AuthInfo=socket={sock},cred_expire={CRED_EXPIRE_S}
 CredType=cred/munge
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool-%n
@@ -284,7 +290,7 @@ srun {sys.executable} -m phalanx.cli run -n 1 --checkpoint-dir {ckpt} --resume-f
     _until("rank 0 to reach step 5", reached)
     assert cluster.out(["scancel", "--signal=USR1", job]) == ""  # SLURM's `--signal=USR1@N` warning, now
     # requeued: back in the queue (Restarts counts up before the job has left its nodes), held until the
-    # revoked job credential has expired (cred_expire: 10 s here, 120 s by default). The hold is not to be
+    # revoked job credential has expired (cred_expire: CRED_EXPIRE_S here, 120 s by default). The hold is not to be
     # skipped: `scontrol update StartTime=now` let the job start inside it, and slurmd refused it ("Job
     # credential revoked": FAILED, 1 run in 6 here). Once the hold is over, slurmctld's periodic pass starts
     # the job: every second here (sched_interval=1), every 60 s by default.

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx.group.liveness import STALE_AFTER_S
 from phalanx.step.preempt import PREEMPTED_EXIT, latest_checkpoint
 from phalanx.step.preempt import PREEMPTION
 from support.preempt_job import oracle, weights
@@ -46,60 +47,121 @@ def sigterm_once(job: subprocess.Popen, *markers: str) -> str:
             job.kill()
 
 
-def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_oracle(tmp_path):
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
+# The three jobs that are preempted and resumed start at once, each in its own thread and folder (one module
+# fixture), and each test reads its own job's outcome: a job mostly waits (for a marker, a grace, a checkpoint's
+# fsync, the next launch), so one after the other they left the cores idle for most of their 40 s.
+def _stops_and_resumes(tmp) -> dict:
+    ckpt, out = str(tmp / "ckpt"), str(tmp / "model.pt")
     job = phalanx("-n", "2", "--checkpoint-dir", ckpt, WORKER, out, "5")
     err = sigterm_once(job, out + ".reached")  # rank 0 finished step 5 and waits for the signal
-    assert job.returncode == PREEMPTED_EXIT, err
+    got = {"ckpt": ckpt, "out": out, "code": job.returncode, "err": err, "listed": _listed(ckpt),
+           "latest": latest_checkpoint(ckpt), "out_before_resume": os.path.exists(out)}
+    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", WORKER, out)
+    got["resumed_err"] = resumed.communicate(timeout=120)[1]
+    got["resumed_code"] = resumed.returncode
+    return got
+
+
+def _hangs_in_the_grace(tmp) -> dict:
+    ckpt, out = str(tmp / "ckpt"), str(tmp / "model.pt")
+    job = phalanx("-n", "2", "--grace", str(HANG_GRACE_S), "--checkpoint-dir", ckpt, WORKER, out, "5",
+                  "--hang-before-save")
+    err = sigterm_once(job, out + ".reached")
+    return {"code": job.returncode, "err": err, "latest": latest_checkpoint(ckpt)}
+
+
+def _diloco_drifts(tmp) -> dict:
+    ckpt, out, ref = str(tmp / "ckpt"), str(tmp / "model.pt"), str(tmp / "reference.pt")
+    reference = phalanx("-n", "2", PERIODIC, ref, "diloco")  # uninterrupted, alongside
+    try:
+        job = phalanx("-n", "2", "--checkpoint-dir", ckpt, PERIODIC, out, "diloco", "--drift")
+        err = sigterm_once(job, out + ".reached0", out + ".reached1")
+        got = {"out": out, "ref": ref, "code": job.returncode, "err": err, "listed": _listed(ckpt)}
+        resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", PERIODIC, out, "diloco")
+        got["resumed_err"] = resumed.communicate(timeout=120)[1]
+        got["resumed_code"] = resumed.returncode
+        got["ref_err"] = reference.communicate(timeout=120)[1]
+        got["ref_code"] = reference.returncode
+        return got
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+
+
+def _listed(directory: str) -> list[str]:
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory) -> dict:
+    """Each preempted job's outcome by name (or the exception its thread raised, raised again by its test)."""
+    from concurrent.futures import ThreadPoolExecutor
+    chains = {"stops": _stops_and_resumes, "hangs": _hangs_in_the_grace, "diloco": _diloco_drifts}
+    with ThreadPoolExecutor(len(chains)) as pool:
+        futures = {name: pool.submit(chain, tmp_path_factory.mktemp(name)) for name, chain in chains.items()}
+        return {name: f.exception() or f.result() for name, f in futures.items()}
+
+
+def _outcome(preempted: dict, name: str) -> dict:
+    got = preempted[name]
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+@pytest.mark.multiproc
+def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_oracle(preempted):
+    got = _outcome(preempted, "stops")
+    err, ckpt, out = got["err"], got["ckpt"], got["out"]
+    assert got["code"] == PREEMPTED_EXIT, err
     # Both workers name one step (the launcher lists every distinct one): the step after the last one heard it.
     stopped = re.search(r"received SIGTERM; the workers stopped after step (\d+) to save", err)
     assert stopped, err
     step = int(stopped.group(1))
     saved = os.path.join(ckpt, f"step-{step}.pt")
-    assert step > 5 and os.listdir(ckpt) == [os.path.basename(saved)] and latest_checkpoint(ckpt) == saved
-    assert px.read_checkpoint(saved)["step"] == step and not os.path.exists(out)
+    assert step > 5 and got["listed"] == [os.path.basename(saved)] and got["latest"] == saved
+    assert px.read_checkpoint(saved)["step"] == step and not got["out_before_resume"]
 
-    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", WORKER, out)
-    _, err = resumed.communicate(timeout=120)
-    assert resumed.returncode == 0, err
+    err = got["resumed_err"]
+    assert got["resumed_code"] == 0, err
     assert f"resuming from {saved}" in err
     for a, b in zip(weights(out), oracle().state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+# The grace the hanging job gets, which its test waits out: it covers only the workers reaching the agreed stop
+# step after the signal (two steps and a store key, milliseconds) and writing their notes. Derived from the
+# heartbeat: a loaded machine starves a thread for a second or two, never for its stale time (STALE_AFTER_S).
+HANG_GRACE_S = int(STALE_AFTER_S) + 1
+
+
 @pytest.mark.multiproc
-def test_a_stop_that_wrote_no_checkpoint_within_the_grace_is_not_reported_as_resumable(tmp_path):
-    # Both workers stop at the agreed step, but rank 1 hangs instead of saving: the grace (8 s) runs out and the
+def test_a_stop_that_wrote_no_checkpoint_within_the_grace_is_not_reported_as_resumable(preempted):
+    # Both workers stop at the agreed step, but rank 1 hangs instead of saving: the grace runs out and the
     # launcher kills them. It must not say "stopped to save a checkpoint ... resumable" and exit 75.
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
-    job = phalanx("-n", "2", "--grace", "8", "--checkpoint-dir", ckpt, WORKER, out, "5", "--hang-before-save")
-    err = sigterm_once(job, out + ".reached")
-    assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    got = _outcome(preempted, "hangs")
+    err = got["err"]
+    assert got["code"] == 128 + signal.SIGTERM, err[-3000:]
     assert re.search(r"received SIGTERM; the workers stopped after step \d+ but wrote no checkpoint in ", err), err
-    assert latest_checkpoint(ckpt) is None
+    assert got["latest"] is None
 
 
 PERIODIC = os.path.join(TESTS, "workers", "preempt_periodic.py")
 
 
 @pytest.mark.multiproc
-def test_under_diloco_drifting_workers_stop_at_one_sync_step_and_resume_as_the_uninterrupted_run(tmp_path):
+def test_under_diloco_drifting_workers_stop_at_one_sync_step_and_resume_as_the_uninterrupted_run(preempted):
     # DiLoCo(every=8): rank 1 hears the signal and tells the others at step 3, then runs ahead to step 7
     # (its local steps need no one); rank 0 tells them last, at step 2. "The step after the last one heard"
     # is 3, which rank 1 has passed: every worker must stop at the next sync (8), where none can pass alone.
-    ckpt, out, ref = str(tmp_path / "ckpt"), str(tmp_path / "model.pt"), str(tmp_path / "reference.pt")
-    reference = phalanx("-n", "2", PERIODIC, ref, "diloco")  # uninterrupted, alongside
-    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, PERIODIC, out, "diloco", "--drift")
-    err = sigterm_once(job, out + ".reached0", out + ".reached1")
-    assert job.returncode == PREEMPTED_EXIT, err[-3000:]
+    got = _outcome(preempted, "diloco")
+    err = got["err"]
+    assert got["code"] == PREEMPTED_EXIT, err[-3000:]
     assert "the workers stopped after step 8 to save" in err, err[-3000:]
-    assert os.listdir(ckpt) == ["step-8.pt"]
-    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", PERIODIC, out, "diloco")
-    _, err = resumed.communicate(timeout=120)
-    assert resumed.returncode == 0, err[-3000:]
-    _, ref_err = reference.communicate(timeout=120)
-    assert reference.returncode == 0, ref_err[-3000:]
-    for a, b in zip(weights(out), weights(ref), strict=True):
+    assert got["listed"] == ["step-8.pt"]
+    assert got["resumed_code"] == 0, got["resumed_err"][-3000:]
+    assert got["ref_code"] == 0, got["ref_err"][-3000:]
+    for a, b in zip(weights(got["out"]), weights(got["ref"]), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 

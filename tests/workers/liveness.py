@@ -27,9 +27,32 @@ def raise_at(step: int, rank: int, steps: int = 50) -> None:
         time.sleep(0.01)  # sleep: a step of known length, so the raise lands mid-run
 
 
+def _diagnosed_key(rank: int) -> str:
+    return f"test/diagnosed/{rank}"
+
+
+def _busy_until_diagnosed(victim: int, slow: int) -> None:
+    """Rank ``slow`` stays out of every collective until each other survivor has been told who is lost.
+
+    It is busy elsewhere for the survivors' whole diagnosis (an event, not a guessed sleep): longer than any
+    check-in window a diagnosis might wait for it (the old one was 3 s and blamed it). Bounded: a diagnosis
+    takes at most about the heartbeat's stale time plus a store probe.
+    """
+    from datetime import timedelta
+
+    from phalanx.group import group
+    from phalanx.group.liveness import STALE_AFTER_S, STORE_PROBE_TIMEOUT_S
+    others = [r for r in range(px.world_size()) if r not in (victim, slow)]
+    group.store().wait([_diagnosed_key(r) for r in others],
+                       timedelta(seconds=4 * (STALE_AFTER_S + STORE_PROBE_TIMEOUT_S)))
+
+
 def _until_lost(victim: int, step: int, sig: signal.Signals, steps: int, slow: int | None = None,
                 on_lost: Any = None) -> dict[str, Any]:
-    """All-reduce every step; ``victim`` sends itself ``sig`` at ``step``. A survivor reports its WorkerLostError."""
+    """All-reduce every step; ``victim`` sends itself ``sig`` at ``step``. A survivor reports its WorkerLostError.
+
+    ``slow``: a rank busy outside the collectives from ``step`` until every other survivor has its diagnosis.
+    """
     at = None
     try:
         for now in range(steps):
@@ -38,9 +61,12 @@ def _until_lost(victim: int, step: int, sig: signal.Signals, steps: int, slow: i
                 if px.rank() == victim:
                     os.kill(os.getpid(), sig)
                 if px.rank() == slow:
-                    time.sleep(4.0)  # sleep: busy elsewhere, longer than the old 3 s check-in window (under test)
+                    _busy_until_diagnosed(victim, slow)
             _step()
     except px.WorkerLostError as err:
+        if slow is not None:
+            from phalanx.group import group
+            group.store().set(_diagnosed_key(px.rank()), "1")  # the slow rank may join the collective now
         if on_lost is not None:
             on_lost()
         return {"message": str(err), "after_s": time.time() - at, "lost_ranks": err.lost_ranks}
