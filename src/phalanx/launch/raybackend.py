@@ -379,7 +379,8 @@ def training_function(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     Its ``px.init()`` raises :class:`~phalanx.elastic.admission.EndedBeforeAdmitted` (status 0 under
     ``phalanx run``); in a Ray actor, which lives on, Ray Train would count that exception as a worker
     error and retry a job that had finished. Returning normally is what a finished worker does.
-    :func:`train` uses it; pass it to your own ``DataParallelTrainer`` beside :class:`PhalanxConfig`.
+    :func:`train` uses it; pass it to your own ``DataParallelTrainer`` (:func:`data_parallel_trainer`) beside
+    :class:`PhalanxConfig`.
 
     Example:
         >>> training_function(max, 3, 5)()
@@ -392,6 +393,33 @@ def training_function(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
             return None  # training ended before this worker got in: nothing failed, nothing is left to do
 
     return run
+
+
+def data_parallel_trainer(*args: Any, **kwargs: Any) -> Any:
+    """Ray Train's ``DataParallelTrainer(*args, **kwargs)``, less its Ray Datasets callback when no datasets are given.
+
+    Ray Train 2.60 starts a ``DatasetManager`` actor (a process importing Ray Data, ~2 CPU s) at every worker-group
+    start and at every replacement of a lost worker, datasets or not; a phalanx job passes none, and a replacement
+    that waits for that process reaches its commit later. With ``datasets=`` the trainer is Ray's, unchanged.
+    :func:`~phalanx.launch.raytrain.train` uses it; so can your own ``DataParallelTrainer`` with :class:`PhalanxConfig`.
+
+    Example:
+        >>> from ray.train import ScalingConfig  # doctest: +SKIP
+        >>> t = data_parallel_trainer(training_function(print, "hi"), backend_config=PhalanxConfig(),
+        ...                           scaling_config=ScalingConfig(num_workers=2))  # doctest: +SKIP
+        >>> t.fit()  # doctest: +SKIP
+    """
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    class Trainer(DataParallelTrainer):  # type: ignore[misc,valid-type]
+        def _create_default_callbacks(self) -> list:
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    return Trainer(*args, **kwargs)
 
 
 def lost_state_error(what: str, checkpoint: str | None) -> JobLostError:
