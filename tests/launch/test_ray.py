@@ -210,16 +210,17 @@ def test_status_serves_the_same_page_under_ray(cluster, tmp_path, monkeypatch):
 
 
 def test_a_replacement_arriving_after_training_ended_leaves_the_job_finished(cluster, tmp_path):
-    # Kill rank 1 before step 4; Ray's replacement r1 is held back (late=True) until both survivors wrote their
-    # results, so its px.init() finds training over. That is the end of a finished job, not a failure.
+    # Kill rank 1 before step 4; Ray's replacement r1 is held back (late=True) until the survivor wrote its result,
+    # so its px.init() finds training over. That is the end of a finished job, not a failure. Two workers: how many
+    # survive does not matter to a replacement that arrives after the end (a third is one more worker start).
     killed: list = []
     killer = threading.Thread(target=lambda: killed.extend(kill_when_parked(tmp_path, ["victim.json"])), daemon=True)
     killer.start()
-    returned = train(worker.main, str(tmp_path), "1@4", 1, 2, 0, False, True, num_workers=3, min_workers=2,
+    returned = train(worker.main, str(tmp_path), "1@4", 1, 2, 0, False, True, num_workers=2, min_workers=1,
                      heartbeat_s=20, max_failures=1)
     killer.join()
     got = results(tmp_path)
-    assert sorted(got) == ["0", "2"] and killed[0]["id"] == "1", sorted(got)
+    assert sorted(got) == ["0"] and killed[0]["id"] == "1", sorted(got)
     assert (tmp_path / "late-r1").exists()  # the replacement reached px.init() only after the others had finished
     record = check_exactly_once_and_oracle(got, epochs=1)
     assert [h["left"] for h in got["0"]["history"]] == [["1"]]
@@ -284,8 +285,9 @@ def fit_held(out, fn, num_workers: int, min_workers: int, heartbeat_s: float, ma
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
     cfg = worker.HeldConfig(num_workers=num_workers, min_workers=min_workers, heartbeat_s=heartbeat_s, out=str(out))
-    trainer = data_parallel_trainer(
-        training_function(fn), backend_config=cfg, scaling_config=ScalingConfig(num_workers=num_workers),
+    trainer = data_parallel_trainer(  # no test here loses this run's controller: no placement group to release
+        training_function(fn), backend_config=cfg, pg_cleaner=False,
+        scaling_config=ScalingConfig(num_workers=num_workers),
         run_config=RunConfig(failure_config=FailureConfig(max_failures=max_failures),
                              worker_runtime_env={"env_vars": cfg.worker_env()}))
     return trainer.fit().return_value

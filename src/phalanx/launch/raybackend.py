@@ -395,13 +395,16 @@ def training_function(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     return run
 
 
-def data_parallel_trainer(*args: Any, **kwargs: Any) -> Any:
-    """Ray Train's ``DataParallelTrainer(*args, **kwargs)``, less its Ray Datasets callback when no datasets are given.
+def data_parallel_trainer(*args: Any, pg_cleaner: bool = True, **kwargs: Any) -> Any:
+    """Ray Train's ``DataParallelTrainer(*args, **kwargs)``, less the helper actors a phalanx job does not use.
 
     Ray Train 2.60 starts a ``DatasetManager`` actor (a process importing Ray Data, ~2 CPU s) at every worker-group
-    start and at every replacement of a lost worker, datasets or not; a phalanx job passes none, and a replacement
-    that waits for that process reaches its commit later. With ``datasets=`` the trainer is Ray's, unchanged.
-    :func:`~phalanx.launch.raytrain.train` uses it; so can your own ``DataParallelTrainer`` with :class:`PhalanxConfig`.
+    start and at every replacement of a lost worker, datasets or not: without ``datasets=`` it is left out (a
+    replacement then competes with one process less on its way to the next commit). ``pg_cleaner=False`` also
+    leaves out Ray Train's ``PlacementGroupCleaner`` (a detached process per run, which removes the workers'
+    placement group if the controller dies; it polls Ray's state API, which a cluster without its dashboard does
+    not serve): for a caller that removes it itself, as :func:`~phalanx.launch.raytrain.train` does. Use it for your
+    own trainer with :class:`PhalanxConfig`.
 
     Example:
         >>> from ray.train import ScalingConfig  # doctest: +SKIP
@@ -410,14 +413,15 @@ def data_parallel_trainer(*args: Any, **kwargs: Any) -> Any:
         >>> t.fit()  # doctest: +SKIP
     """
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    unused = (() if kwargs.get("datasets") else (DatasetsCallback,)) + (() if pg_cleaner
+                                                                       else (PlacementGroupCleanerCallback,))
 
     class Trainer(DataParallelTrainer):  # type: ignore[misc,valid-type]
         def _create_default_callbacks(self) -> list:
-            callbacks = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
 
     return Trainer(*args, **kwargs)
 

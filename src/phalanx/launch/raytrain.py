@@ -229,8 +229,10 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     cfg.host = ray.util.get_node_ip_address()
     cfg.port = _free_port(cfg.host)
     ledger = _Ledger(cfg.host, cfg.port)
+    # pg_cleaner=False: Ray Train's own cleaner asks the state API (absent without the dashboard); the placement
+    # group of a lost controller is released here instead (_release)
     trainer = data_parallel_trainer(
-        run, backend_config=cfg,
+        run, backend_config=cfg, pg_cleaner=False,
         scaling_config=ScalingConfig(num_workers=cfg.total_workers, resources_per_worker=resources_per_worker),
         run_config=RunConfig(name=name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=max_failures),
