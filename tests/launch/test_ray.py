@@ -152,63 +152,6 @@ def test_an_unreachable_ray_address_is_one_line_within_seconds(monkeypatch):
     assert issubclass(ConfigError, PhalanxError)
 
 
-def test_status_serves_the_same_page_under_ray(cluster, tmp_path, monkeypatch):
-    # train(status=PORT): Ray Train's controller, which holds the job's store, serves the page of `phalanx run --status`
-    import urllib.error
-    import urllib.request
-
-    from phalanx.monitor import token
-    from phalanx.monitor.server import PAGE
-    from support.procs import free_port
-
-    monkeypatch.setenv("PHALANX_SECRET", "7a" * 32)  # the driver's secret: the page's token derives from it
-    port, seen, done = free_port(), {"pages": [], "status": []}, threading.Event()
-
-    def get(path: str, auth: bool = True) -> tuple[int, bytes]:
-        headers = {"Authorization": f"Bearer {token('7a' * 32)}"} if auth else {}
-        try:
-            with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers),
-                                        timeout=5) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
-
-    def watch() -> None:
-        while not done.is_set():
-            try:
-                code, body = get("/status.json")
-            except OSError:  # not serving yet, or gone
-                done.wait(0.1)
-                continue
-            if code == 200:
-                status = json.loads(body)
-                seen["status"].append(status)
-                if not seen["pages"]:
-                    seen["pages"] = [get("/"), get("/", auth=False), get("/metrics", auth=False)]
-                if status["ended"]:
-                    return
-            done.wait(0.2)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        returned = train(worker.main, str(tmp_path), "", 4, 2, num_workers=2, heartbeat_s=20, status=port)
-    finally:
-        watcher.join(timeout=30)
-        done.set()
-    assert returned["id"] == "0"
-    page, anonymous, metrics = seen["pages"]
-    assert page == (200, open(PAGE, "rb").read())  # the same page as under `phalanx run --status`
-    assert anonymous == (401, b"") and metrics == (401, b"")
-    # the page may be read before the group formed (no members yet); once it has members, they are the job's two
-    assert seen["status"][-1]["members"] == ["0", "1"]
-    assert all(s["members"] in ([], ["0", "1"]) for s in seen["status"]), [s["members"] for s in seen["status"]]
-    last = seen["status"][-1]
-    assert last["ended"]["code"] == 0 and last["ended"]["reason"] == "training finished"
-    # each worker's last report, sent as it finished training (a Ray actor outlives the training function)
-    assert [w["step"] for w in last["workers"]] == [returned["steps"]] * 2, last["workers"]
-
-
 def test_a_replacement_arriving_after_training_ended_leaves_the_job_finished(cluster, tmp_path):
     # Kill rank 1 before step 4; Ray's replacement r1 is held back (late=True) until the survivor wrote its result,
     # so its px.init() finds training over. That is the end of a finished job, not a failure. Two workers: how many
@@ -365,13 +308,59 @@ def controller_pid() -> int:
     return int(alive[0]["Pid"])
 
 
-def test_the_controller_killed_ends_the_job_naming_the_newest_checkpoint_and_a_resume_from_it_is_exact(
-        cluster, tmp_path):
-    # Both workers park before step 9 (after the first run's only checkpoint, step 8); Ray Train's controller,
-    # which holds the job's store, is SIGKILLed. train() raises one line naming step-8. A new run from it
-    # (resume_from_checkpoint) trains the rest: every sample once per epoch over the two runs, and the final model
-    # equals the one-process oracle replayed from the record the checkpoint carried on. Two workers: the controller's
-    # loss is the job's whatever the workers' number (a third would add a worker start to each run, nothing more).
+class PageWatcher:
+    """Reads the status page of ``train(status=port)`` while it serves: the first pages, then every status."""
+
+    SECRET = "7a" * 32  # the driver's secret (PHALANX_SECRET): the page's token derives from it
+
+    def __init__(self, port: int) -> None:
+        self.port, self.pages, self.status, self.done = port, [], [], threading.Event()
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+
+    def get(self, path: str, auth: bool = True) -> tuple[int, bytes]:
+        import urllib.error
+        import urllib.request
+
+        from phalanx.monitor import token
+
+        headers = {"Authorization": f"Bearer {token(self.SECRET)}"} if auth else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                                               headers=headers), timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def watch(self) -> None:
+        while not self.done.is_set():
+            try:
+                code, body = self.get("/status.json")
+            except OSError:  # not serving yet, or gone
+                self.done.wait(0.1)
+                continue
+            if code == 200:
+                status = json.loads(body)
+                self.status.append(status)
+                if not self.pages:
+                    self.pages = [self.get("/"), self.get("/", auth=False), self.get("/metrics", auth=False)]
+                if status["ended"]:
+                    return
+            self.done.wait(0.2)
+
+
+@pytest.fixture(scope="module")
+def controller_lost_then_resumed(cluster, tmp_path_factory):
+    """One job whose controller is SIGKILLed, then a new run from the checkpoint its line names, serving the page.
+
+    Both workers park before step 9 (after the first run's only checkpoint, step 8); Ray Train's controller, which
+    holds the job's store, is SIGKILLed; train() raises one line naming step-8. The new run from it
+    (resume_from_checkpoint) trains the rest with ``status=PORT``: Ray Train's controller serves the page of
+    ``phalanx run --status`` (a resumed run is a run like any other to the page). Two workers: the controller's loss
+    is the job's whatever the workers' number (a third would add a worker start to each run, nothing more).
+    """
+    from support.procs import free_port
+
+    tmp_path = tmp_path_factory.mktemp("controller")
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
     killed: list = []
@@ -389,15 +378,50 @@ def test_the_controller_killed_ends_the_job_naming_the_newest_checkpoint_and_a_r
         train(functools.partial(worker.main, checkpoint=ckpt, save_every=4), str(first), "0,1@9", 3, 2,
               num_workers=2, min_workers=1, heartbeat_s=20, max_failures=0)
     killer.join()
-    line = str(err.value)
-    assert err.value.checkpoint == os.path.join(ckpt, "step-8"), line
-    assert "\n" not in line and "Ray Train's controller, which held the job's store, was lost" in line, line
-    returned = train(functools.partial(worker.main, checkpoint=ckpt, save_every=4), str(second), "", 3, 2,
-                     num_workers=2, min_workers=1, heartbeat_s=20, max_failures=0,
-                     resume_from_checkpoint=err.value.checkpoint)
+    watcher = PageWatcher(free_port())
+    watcher.thread.start()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PHALANX_SECRET", PageWatcher.SECRET)
+        try:
+            returned = train(functools.partial(worker.main, checkpoint=ckpt, save_every=4), str(second), "", 3, 2,
+                             num_workers=2, min_workers=1, heartbeat_s=20, max_failures=0,
+                             resume_from_checkpoint=err.value.checkpoint, status=watcher.port)
+        finally:
+            watcher.thread.join(timeout=30)
+            watcher.done.set()
     resumed = min(s["t"] for s in steps(second))
     print(f"from the controller's kill to the first resumed step: {resumed - killed[0]:.1f}s")
-    got = results(second)
+    return {"err": err.value, "ckpt": ckpt, "returned": returned, "got": results(second), "watcher": watcher}
+
+
+def test_the_controller_killed_ends_the_job_naming_the_newest_checkpoint_and_a_resume_from_it_is_exact(
+        controller_lost_then_resumed):
+    # The new run from the checkpoint the line named trains the rest: every sample once per epoch over the two runs,
+    # and the final model equals the one-process oracle replayed from the record the checkpoint carried on.
+    run = controller_lost_then_resumed
+    line = str(run["err"])
+    assert run["err"].checkpoint == os.path.join(run["ckpt"], "step-8"), line
+    assert "\n" not in line and "Ray Train's controller, which held the job's store, was lost" in line, line
+    got, returned = run["got"], run["returned"]
     assert sorted(got) == ["0", "1"]
     record = check_exactly_once_and_oracle(got, epochs=3)
     assert len(record) > 8 and returned["id"] == "0"
+
+
+def test_status_serves_the_same_page_under_ray(controller_lost_then_resumed):
+    # train(status=PORT): Ray Train's controller, which holds the job's store, serves the page of `phalanx run --status`
+    from phalanx.monitor.server import PAGE
+
+    returned, watcher = controller_lost_then_resumed["returned"], controller_lost_then_resumed["watcher"]
+    assert returned["id"] == "0"
+    page, anonymous, metrics = watcher.pages
+    assert page == (200, open(PAGE, "rb").read())  # the same page as under `phalanx run --status`
+    assert anonymous == (401, b"") and metrics == (401, b"")
+    # the page may be read before the group formed (no members yet); once it has members, they are the job's two
+    seen = watcher.status
+    assert seen[-1]["members"] == ["0", "1"]
+    assert all(s["members"] in ([], ["0", "1"]) for s in seen), [s["members"] for s in seen]
+    last = seen[-1]
+    assert last["ended"]["code"] == 0 and last["ended"]["reason"] == "training finished"
+    # each worker's last report, sent as it finished training (a Ray actor outlives the training function)
+    assert [w["step"] for w in last["workers"]] == [returned["steps"]] * 2, last["workers"]
