@@ -123,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit-every", type=int, default=4)
     p.add_argument("--ckpt-every", type=int, default=3, help="a px.save_checkpoint every this many commits")
     p.add_argument("--state-checkpoint", action="store_true", help="State(checkpoint=DIR) instead: every commit")
-    p.add_argument("--hold", default="commit",
-                   help="phases every worker waits in for the harness's word (default commit: an in-memory commit "
-                        "takes milliseconds, too short to hit otherwise); '' for none")
+    p.add_argument("--hold", default="commit,regroup",
+                   help="phases every worker waits in for the harness's word (default commit,regroup: an in-memory "
+                        "commit takes milliseconds and a regroup well under a second on an idle machine, too short "
+                        "to hit otherwise; a worker not aimed at is released within the harness's next tick); '' "
+                        "for none")
     p.add_argument("--heartbeat-timeout", type=float, default=None, help="the launcher's (default its own, 10 s)")
     p.add_argument("--stall", type=float, default=120.0, help="seconds without a step that count as a wedge")
     p.add_argument("--seed", type=int, default=0)

@@ -27,6 +27,7 @@ The first asynchronous save of a run also starts the writer process and allocate
 region (both kept for the next saves); it is done once before the repeats and reported apart.
 
     python benchmarks/checkpoint_blocking.py [--width 2048] [--layers 24] [--repeat 3] [--steps 0] [--nice N]
+        [--threads T]
 
 ``--steps 0`` (default) picks enough steps to cover two synchronous saves' time.
 """
@@ -56,7 +57,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps timed after each save (0: cover 2 sync saves)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--nice", type=int, default=None, help="the writer process's nice (default: phalanx's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="training's intra-op threads (default torch's: every core; a phalanx worker runs with 1 "
+                             "unless told otherwise; a GPU job's training leaves the cores to the writer)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.nice is not None:
         import phalanx.checkpoint.writer as writer
         writer.NICE = args.nice

@@ -425,7 +425,8 @@ class Soak:
                 if hit and (not p.worker or p in self.victims()):
                     target = p
                     break
-            self.release_all_held(new, keep=target.pid if target and aimed in self.holds else None)
+            # a survivor aimed at once it arrived must go on into the quorum: released like the others
+            self.release_all_held(new, keep=target.pid if target and aimed in self.holds and not arrived else None)
             if target is not None and arrived:
                 target = self.after_arrival(target)
             if target is not None and aimed == "ckpt" and aimed not in self.holds:

@@ -175,6 +175,23 @@ def fingerprint(net: torch.nn.Module, opt: torch.optim.Optimizer, record: list) 
             "p": (proj @ flat.double()).tolist(), "m": moment("exp_avg"), "v": moment("exp_avg_sq"), "st": steps}
 
 
+def census() -> dict:
+    """What this process holds: live tensors and the bytes of their distinct storages, tracked objects, threads."""
+    import gc
+    import threading
+    tensors, storages = 0, {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                tensors += 1
+                st = obj.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+        except Exception:  # noqa: BLE001, S112 - a tensor subclass (DTensor) or a freed storage: not counted
+            continue
+    return {"tensors": tensors, "tensor_mb": round(sum(storages.values()) / 2 ** 20, 2),
+            "objects": len(gc.get_objects()), "threads": threading.active_count()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     """The job, from its command line (``argv``; the process's own by default): what rank 0 ran, in brief."""
     p = argparse.ArgumentParser()
@@ -191,6 +208,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--digest", action="store_true",
                    help="a 'digest' event after every commit, regroup and join: the record's length and hash and "
                         "projections of the model and AdamW's moments, to find where a worker left the oracle")
+    p.add_argument("--census", action="store_true",
+                   help="a 'census' event after every commit, regroup and join: live tensors (count, bytes of their "
+                        "storages), Python objects the collector tracks, threads (benchmarks/regroup_memory.py)")
     args = p.parse_args(argv)
     me = os.environ.get("PHALANX_ELASTIC_ID", os.environ.get("RANK", "0"))
     os.makedirs(os.path.join(args.out, "stacks"), exist_ok=True)
@@ -215,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     every = args.commit_every * args.ckpt_every
 
     def digest(where: str) -> None:
+        if args.census:
+            events("census", where=where, **census())
         if args.digest:
             events("digest", where=where, step=state.step, gen=g.generation, rank=px.rank(),
                    world=px.world_size(), **fingerprint(px.unwrap(model_), opt, record.steps))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..group import group
+from ..group import group, leaving
 from ..checkpoint import checkpoint_step, load_checkpoint, save_checkpoint
 from ..group.transfer import broadcast_state
 from ..step import telemetry
@@ -76,6 +76,7 @@ class Recovery:
             lost_steps = max(0, lost_steps + plan["step"] - snap["elastic_step"])
         self._resplit(snap["elastic_world_size"])
         self._checkpoint_resumed()
+        leaving.give_back_freed_memory()  # the old generation's buffers, freed in threads now gone
         self._note(plan, before, started, redone=lost_steps, cause=failure,
                    redone_s=max(0.0, failed_at - snap["elastic_time"]))
 
@@ -88,6 +89,7 @@ class Recovery:
         self._reshard(self._unshared(self.commits[max(self.commits)]))  # taken at this commit point: the live state
         self._resplit(before)
         self._checkpoint_resumed()  # the commit point's save wrote it: nothing to write, unless that save failed
+        leaving.give_back_freed_memory()  # the old generation's buffers, freed in threads now gone
         self._note(plan, before, started, redone=0, cause="joined")
 
     def join(self) -> bool:
@@ -121,6 +123,7 @@ class Recovery:
         self.commits = {}
         self.commit()  # its own state as it now stands (its residuals and RNG, not rank 0's)
         self._checkpoint_resumed()  # with the members, when the commit they resumed is not on disk
+        leaving.give_back_freed_memory()  # the old generation's buffers, freed in threads now gone
         self._note(plan, 0, started, redone=0, cause="joined")
         return True
 
