@@ -19,6 +19,10 @@ def cluster():
     # Ray's memory monitor kills workers when the *machine* is above 95% of its memory: on a shared test machine
     # that is other processes' doing, and a kill the test did not place. The tests place their own kills.
     mp.setenv("RAY_memory_monitor_refresh_ms", "0")
+    # Ray starts its workers at nice 15: beside any process at nice 0 (the other xdist worker's tests, the busy loops
+    # of benchmarks/busy_loops.sh) an actor's start-up got a few percent of a core (a Ray Train run took minutes).
+    # The tests' other processes run at 0; so do Ray's here.
+    mp.setenv("RAY_worker_niceness", "0")
     small = {"num_cpus": 1, "object_store_memory": 80 * 1024 ** 2, "include_dashboard": False}
     c = Cluster(initialize_head=True, head_node_args=dict(small))
     for _ in range(2):

@@ -379,7 +379,8 @@ def training_function(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     Its ``px.init()`` raises :class:`~phalanx.elastic.admission.EndedBeforeAdmitted` (status 0 under
     ``phalanx run``); in a Ray actor, which lives on, Ray Train would count that exception as a worker
     error and retry a job that had finished. Returning normally is what a finished worker does.
-    :func:`train` uses it; pass it to your own ``DataParallelTrainer`` beside :class:`PhalanxConfig`.
+    :func:`train` uses it; pass it to your own ``DataParallelTrainer`` (:func:`data_parallel_trainer`) beside
+    :class:`PhalanxConfig`.
 
     Example:
         >>> training_function(max, 3, 5)()
@@ -392,6 +393,37 @@ def training_function(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
             return None  # training ended before this worker got in: nothing failed, nothing is left to do
 
     return run
+
+
+def data_parallel_trainer(*args: Any, pg_cleaner: bool = True, **kwargs: Any) -> Any:
+    """Ray Train's ``DataParallelTrainer(*args, **kwargs)``, less the helper actors a phalanx job does not use.
+
+    Ray Train 2.60 starts a ``DatasetManager`` actor (a process importing Ray Data, ~2 CPU s) at every worker-group
+    start and at every replacement of a lost worker, datasets or not: without ``datasets=`` it is left out (a
+    replacement then competes with one process less on its way to the next commit). ``pg_cleaner=False`` also
+    leaves out Ray Train's ``PlacementGroupCleaner`` (a detached process per run, which removes the workers'
+    placement group if the controller dies; it polls Ray's state API, which a cluster without its dashboard does
+    not serve): for a caller that removes it itself, as :func:`~phalanx.launch.raytrain.train` does. Use it for your
+    own trainer with :class:`PhalanxConfig`.
+
+    Example:
+        >>> from ray.train import ScalingConfig  # doctest: +SKIP
+        >>> t = data_parallel_trainer(training_function(print, "hi"), backend_config=PhalanxConfig(),
+        ...                           scaling_config=ScalingConfig(num_workers=2))  # doctest: +SKIP
+        >>> t.fit()  # doctest: +SKIP
+    """
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    unused = (() if kwargs.get("datasets") else (DatasetsCallback,)) + (() if pg_cleaner
+                                                                       else (PlacementGroupCleanerCallback,))
+
+    class Trainer(DataParallelTrainer):  # type: ignore[misc,valid-type]
+        def _create_default_callbacks(self) -> list:
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
+
+    return Trainer(*args, **kwargs)
 
 
 def lost_state_error(what: str, checkpoint: str | None) -> JobLostError:

@@ -36,7 +36,7 @@ from ..elastic.membership import key
 from ..errors import ConfigError, JobLostError, usage
 from ..sealed import verify_directory
 from .elastic import generation_members, saved_checkpoint
-from .raybackend import PhalanxConfig, lost_state_error, training_function
+from .raybackend import PhalanxConfig, data_parallel_trainer, lost_state_error, training_function
 from .status import JobStatus, status_address
 
 INSTALL = "pip install 'phalanx[ray]'"
@@ -223,15 +223,16 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
               flush=True)
     _connect(ray, address)
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     # The store listens where the controller runs (Ray pins it to this node): on a port chosen here, so that
     # this driver follows the newest checkpoint in it and can name it if the controller is lost with the store.
     cfg.host = ray.util.get_node_ip_address()
     cfg.port = _free_port(cfg.host)
     ledger = _Ledger(cfg.host, cfg.port)
-    trainer = DataParallelTrainer(
-        run, backend_config=cfg,
+    # pg_cleaner=False: Ray Train's own cleaner asks the state API (absent without the dashboard); the placement
+    # group of a lost controller is released here instead (_release)
+    trainer = data_parallel_trainer(
+        run, backend_config=cfg, pg_cleaner=False,
         scaling_config=ScalingConfig(num_workers=cfg.total_workers, resources_per_worker=resources_per_worker),
         run_config=RunConfig(name=name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=max_failures),
