@@ -104,7 +104,10 @@ def test_a_rank_lost_after_it_published_its_address_costs_the_others_seconds_not
         done.set()
         peer.send_signal(signal.SIGKILL)
         peer.wait()
-    assert took < forming.CONNECT_S + 20, f"rank 0 waited {took:.0f}s for a rank known lost"
+    # A real hit (rank 1 stopped inside gloo's connect, not before) cost 25.0 s, five times CONNECT_S: gloo's
+    # constructor tries its connections again within its own loop (seen in a full-suite run). The bound keeps that
+    # margin and stays far below the collective timeout (90 s here), which is what the test is about.
+    assert took < 6 * forming.CONNECT_S + 10, f"rank 0 waited {took:.0f}s for a rank known lost"
 
 
 def test_a_generations_subgroups_stop_forming_at_a_dead_mark_not_at_the_deadline():
