@@ -44,7 +44,8 @@ from ..errors import WorkerLostError
 BACKEND = "phalanx"  # the name torch knows phalanx's own groups by: dist.get_backend() under --elastic
 POLL_S = 0.02
 # How long gloo may take to connect ranks that all arrived (see form): milliseconds idle, a few seconds on a loaded
-# 2-core machine; a rank that died after it arrived costs the others this, not the collective timeout.
+# 2-core machine; a rank that died after it arrived costs the others a few times this (gloo's constructor tries its
+# connections again: 25.0 s measured, 5x), not the collective timeout.
 CONNECT_S = 5.0
 _prepared: list[Any] = []  # the backend the next init_process_group/new_group with BACKEND takes (one at a time)
 
