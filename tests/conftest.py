@@ -45,12 +45,17 @@ def one_thread():
 # file in this order when it is free. The files that start processes go first, the longest of them (measured with
 # --durations) at the head, and the unit files last, where they fill whichever worker is free: a long file started
 # last would leave the other core idle while it ran alone.
-LONGEST = (  # `benchmarks/busy_loops.sh --durations=10 FILES`: 680, 320, 234 s at load 45; then by jobs started
+LONGEST = (  # `make test` with --durations=0, idle, summed per file: 110, 54, 53, 49, 47, 42 s; then by jobs started
+    "launch/test_ray.py",
     "elastic/test_elastic_sharded.py",
+    "ps/test_ps_multiproc.py",
+    "elastic/test_elastic_ps.py",
+    "elastic/test_elastic.py",
+    "stream/test_stream_multiproc.py",
+    "elastic/test_elastic_security.py",
+    "elastic/test_elastic_policy.py",
     "elastic/test_joiner_left_alone.py",
     "elastic/test_grow_kill.py",
-    "elastic/test_elastic.py",
-    "elastic/test_elastic_ps.py",
     "launch/test_launch.py",
 )
 STARTS_PROCESSES = re.compile(r"subprocess|run_workers|shared_run|elastic_job|support\.chaos|status_job|Popen")
