@@ -5,6 +5,8 @@ to start. Ray's controller polls its workers every 0.5 s, so a loss is seen at o
 """
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 
@@ -24,6 +26,9 @@ def cluster():
     # The tests' other processes run at 0; so do Ray's here.
     mp.setenv("RAY_worker_niceness", "0")
     small = {"num_cpus": 1, "object_store_memory": 80 * 1024 ** 2, "include_dashboard": False}
+    # ray.init installs its own SIGTERM handler in the driver (sys.exit(15)) and ray.shutdown leaves it: a later
+    # test in this xdist worker that signals itself (test_preempt's in-process Trainer) then got SystemExit(15).
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     c = Cluster(initialize_head=True, head_node_args=dict(small))
     for _ in range(2):
         c.add_node(**small)
@@ -32,6 +37,8 @@ def cluster():
     ray.shutdown()
     c.shutdown()
     mp.undo()
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
 
 
 class Holder:

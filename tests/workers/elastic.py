@@ -313,6 +313,13 @@ def wait_for_joiner(state: px.elastic.State, stage: str, timeout_s: float = 120.
     until(there, timeout=timeout_s, what=f"{count} joiner(s) {stage}")
 
 
+def _write_whole(path: str, value: dict) -> None:
+    """``value`` as JSON at ``path``, whole or not at all: the test reads it as soon as the name exists."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)
+
+
 def hold_in_grow(out: str, me: str) -> None:
     """Stop this worker inside the first rebuild that grows the group (a member's or a joiner's), past the
     agreement that it forms (``gen/<g>/go``), before it takes part in forming the group: it writes
@@ -324,8 +331,8 @@ def hold_in_grow(out: str, me: str) -> None:
 
     def holding(base_store, generation: int, rank: int, world_size: int, **kwargs):  # noqa: ANN001, ANN202
         if world_size > group.current().world_size or group.current().entering:
-            with open(os.path.join(out, f"holding{me}.json"), "w") as f:
-                json.dump({"id": me, "pid": os.getpid(), "generation": generation, "time": time.time()}, f)
+            _write_whole(os.path.join(out, f"holding{me}.json"),
+                         {"id": me, "pid": os.getpid(), "generation": generation, "time": time.time()})
             while True:
                 signal.pause()  # until the test kills this process
         return rebuild(base_store, generation, rank, world_size, **kwargs)
@@ -346,8 +353,8 @@ def hold_in_admit(out: str, me: str) -> None:
         if joiners:
             until(lambda: all(self.store.check([key("gen", generation, "entered", j)]) for j in joiners),
                   timeout=120, what="the joiners' claims")
-            with open(os.path.join(out, f"holding{me}.json"), "w") as f:
-                json.dump({"id": me, "pid": os.getpid(), "generation": generation, "time": time.time()}, f)
+            _write_whole(os.path.join(out, f"holding{me}.json"),
+                         {"id": me, "pid": os.getpid(), "generation": generation, "time": time.time()})
             while True:
                 signal.pause()  # until the test kills this process
         return entered(self, generation, joiners, *args, **kwargs)
