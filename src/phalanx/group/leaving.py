@@ -287,7 +287,10 @@ def give_back_freed_memory() -> bool:
         True
     """
     trim = _malloc_trim()
-    return bool(trim is not None and trim(0) is not None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 @functools.lru_cache(maxsize=1)

@@ -412,10 +412,15 @@ def data_parallel_trainer(*args: Any, pg_cleaner: bool = True, **kwargs: Any) ->
         ...                           scaling_config=ScalingConfig(num_workers=2))  # doctest: +SKIP
         >>> t.fit()  # doctest: +SKIP
     """
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
+    try:  # Ray Train's private names: another Ray release may move them; then its trainer runs as it is
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:
+        return DataParallelTrainer(*args, **kwargs)
+    if not hasattr(DataParallelTrainer, "_create_default_callbacks"):
+        return DataParallelTrainer(*args, **kwargs)
     unused = (() if kwargs.get("datasets") else (DatasetsCallback,)) + (() if pg_cleaner
                                                                        else (PlacementGroupCleanerCallback,))
 
