@@ -19,6 +19,7 @@ from workers import elastic as base
 from workers import elastic_commit as worker
 from support.elastic_job import check_each_epoch_whole, check_oracle
 from support.paths import TESTS
+from support.forked_launch import run_cli
 
 WORKER = os.path.join(TESTS, "workers", "elastic_commit.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
@@ -26,9 +27,8 @@ CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit
 
 def launch(tmp_path, *worker_flags: str, n: int = 3, script: str = WORKER, timeout: float = 150,
            env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    cmd = [*CLI, "run", "-n", str(n), "--elastic", "--min-workers", "2", script, "--out", str(tmp_path),
-           *worker_flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    argv = ["run", "-n", str(n), "--elastic", "--min-workers", "2", script, "--out", str(tmp_path), *worker_flags]
+    proc = run_cli(argv, str(tmp_path), timeout, env=env)  # the launcher forked from here, its workers from one server
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     return proc, results
 

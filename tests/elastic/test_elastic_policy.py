@@ -23,6 +23,7 @@ from phalanx.data.loader import global_batches
 from phalanx.train.epoch_report import step_postfix
 from workers import elastic as base
 from support.paths import TESTS
+from support.forked_launch import run_cli
 
 WORKER = os.path.join(TESTS, "workers", "elastic_policy.py")
 CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
@@ -30,8 +31,8 @@ CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit
 
 def launch(tmp_path, *worker_flags: str, n: int = 3, run_flags: tuple[str, ...] = ("--min-workers", "2"),
            timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict]:
-    cmd = [*CLI, "run", "-n", str(n), "--elastic", *run_flags, WORKER, "--out", str(tmp_path), *worker_flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    argv = ["run", "-n", str(n), "--elastic", *run_flags, WORKER, "--out", str(tmp_path), *worker_flags]
+    proc = run_cli(argv, str(tmp_path), timeout)  # the launcher forked from here, its workers from one server
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     return proc, results
 

@@ -21,7 +21,8 @@ import subprocess
 
 import pytest
 import torch
-from support.elastic_job import CLI, check_recovered, launch, oracle
+from support.elastic_job import CLI, check_recovered, oracle
+from support.forked_launch import launch, run_cli  # the launcher forked from here, its workers from one server
 
 from phalanx.ps.reducer import Reducer
 from phalanx.ps.wire import Header
@@ -112,10 +113,10 @@ ASYNC = os.path.join(TESTS, "workers", "elastic_ps.py")
 
 def launch_async(tmp_path, strategy: str, *run_flags: str, epochs: int = 2, script: tuple = (), timeout: float = 150
                  ) -> tuple[subprocess.CompletedProcess, dict, dict]:
-    cmd = [*CLI, "run", "-n", "3", "--elastic", "--min-workers", "2", "--servers", "1", *run_flags, ASYNC,
-           "--out", str(tmp_path), "--kill", "1@5", "--commit-every", "3", "--strategy", strategy,
-           "--epochs", str(epochs), *script]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    argv = ["run", "-n", "3", "--elastic", "--min-workers", "2", "--servers", "1", *run_flags, ASYNC,
+            "--out", str(tmp_path), "--kill", "1@5", "--commit-every", "3", "--strategy", strategy,
+            "--epochs", str(epochs), *script]
+    proc = run_cli(argv, str(tmp_path), timeout)
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     servers = {os.path.basename(p)[7:-5]: json.load(open(p)) for p in glob.glob(str(tmp_path / "servers*.json"))}
     return proc, results, servers

@@ -22,8 +22,8 @@ import torch
 
 import phalanx as px
 
-from support.procs import run_workers
-from support.elastic_job import launch
+from support.procs import shared_run
+from support.forked_launch import launch  # the launcher forked from this process, its workers from one server
 from workers import elastic as worker
 from workers import sharded_reshard
 
@@ -73,7 +73,9 @@ def _went_2x2_1x3_2x2_and_equals(job: tuple, oracle, rtol: float = 0.0) -> None:
 def hsdp_2x2_loses_a_worker_then_a_replacement_joins(tmp_path_factory) -> tuple:
     # --wait-for-replacement: the survivors wait (bounded) for the replacement to ask and to be ready, however long
     # its start-up takes (over 30 s at a load of 60 on 2 cores)
-    return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, "hsdp", "--epochs", "4",
+    # --kill-in-step: rank 1 dies after the step's gather, so the others meet its loss inside FSDP's own collectives
+    # (test_a_worker_lost_inside_fsdps_own_collectives_is_a_lost_peer reads this job too)
+    return _2x2_loses_rank_1_then_a_replacement_joins(tmp_path_factory, "hsdp", "--epochs", "4", "--kill-in-step",
                                                       "--wait-for-replacement", "4", timeout=420)
 
 
@@ -328,10 +330,15 @@ def test_fsdp_of_one_replica_group_loses_a_worker_and_the_survivor_reloads_the_c
         torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
 
 
+# both launcher-less scenarios on one pair of processes (one start-up): the re-layout, then the let-go
+reshard_then_let_go = shared_run("workers.sharded_reshard:relayout_then_let_go", world_size=2, timeout=120,
+                                 name="reshard_then_let_go")
+
+
 @pytest.mark.multiproc
-def test_reshard_moves_only_the_rows_a_worker_lacks_and_training_goes_on_equal_to_one_process():
+def test_reshard_moves_only_the_rows_a_worker_lacks_and_training_goes_on_equal_to_one_process(reshard_then_let_go):
     # tests/workers/sharded_reshard.py: 1 x 2 -> 2 x 1 -> 1 x 2 on 2 live processes, tied weights, uneven shards
-    runs = run_workers("workers.sharded_reshard:relayout", world_size=2, timeout=120).results
+    runs = [out["relayout"] for out in reshard_then_let_go]
     whole = runs[0]["to1"]["state_bytes"]  # the parameters and both Adam moments, fp32
     assert whole == 3 * 4 * sum(p.numel() for p in sharded_reshard.Odd().parameters())
     for out in runs:
@@ -346,19 +353,20 @@ def test_reshard_moves_only_the_rows_a_worker_lacks_and_training_goes_on_equal_t
 
 
 @pytest.mark.multiproc
-def test_a_worker_lost_inside_fsdps_own_collectives_is_a_lost_peer(tmp_path):
+def test_a_worker_lost_inside_fsdps_own_collectives_is_a_lost_peer(hsdp_2x2_loses_a_worker_then_a_replacement_joins):
     # --kill-in-step: rank 1 dies after the step's gather, so the others meet its loss in FSDP's all-gather of the
     # parameters (torch's collective, outside phalanx), where gloo raises a plain RuntimeError ("Connection closed
     # by peer"); the chaos soak's --shard 2 variant ended with exit 1 at its first kill there. Rank 2 is then blocked
     # in FSDP's all-reduce with rank 0 (the other replica group), which already left for the regroup: it fails at
     # once only if rank 0 let go of every reference to the generation's groups (FSDP's state, the DTensors' meshes,
     # DTensor's caches), whose sockets close only when they are freed; else it waits its whole collective timeout
-    # and misses the quorum ("arrived after generation 1 closed without it").
-    proc, results = launch(tmp_path, "--min-workers", "3", "--", "--shard", "2", "--kill", "1@5", "--kill-in-step",
-                           "--commit-every", "3", "--epochs", "2", n=4, timeout=300)
+    # and misses the quorum ("arrived after generation 1 closed without it"). The HSDP job's kill is this one (its
+    # replacement joins afterwards); what the loss must leave is checked here.
+    tmp_path, proc, results = hsdp_2x2_loses_a_worker_then_a_replacement_joins
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(results) == ["0", "2", "3"], sorted(results)
-    assert [h["left"] for h in results["0"]["history"]] == [["1"]]
+    assert sorted(results) == ["0", "2", "3", "r1"], sorted(results)
+    for wid in ("0", "2", "3"):  # every survivor made the quorum of the loss: nobody else left
+        assert [h["left"] for h in results[wid]["history"]] == [["1"], []]
     record = results["0"]["record"]
     for r in results.values():
         for got, want in zip(r["params"], worker.oracle(record), strict=True):
@@ -366,11 +374,11 @@ def test_a_worker_lost_inside_fsdps_own_collectives_is_a_lost_peer(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_a_worker_that_lets_go_of_its_layout_closes_its_sockets_at_once():
+def test_a_worker_that_lets_go_of_its_layout_closes_its_sockets_at_once(reshard_then_let_go):
     # issue 36 (the chaos soak's --shard 2): a survivor leaving a generation must free every reference to its
     # groups, or a peer of the other replica group blocked in FSDP's all-reduce with it waits its whole timeout.
     # Without DTensor's mesh-keyed caches emptied (reshard._forget_meshes) rank 1 waits the full timeout here.
-    runs = run_workers("workers.sharded_reshard:let_go_closes_the_sockets", world_size=2, timeout=120).results
+    runs = [out["let_go"] for out in reshard_then_let_go]
     assert runs[1]["failed"], runs[1]
     assert runs[0]["peer_failed_while_we_ran"] and runs[0]["meta"], runs[0]
 

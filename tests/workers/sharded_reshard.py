@@ -113,3 +113,12 @@ def let_go_closes_the_sockets() -> dict[str, Any]:
         seen = False
     return {"peer_failed_while_we_ran": seen, "meta": all(p.is_meta for p in model.parameters()),
             "whole": whole.numel()}
+
+
+def relayout_then_let_go() -> dict[str, Any]:
+    """:func:`relayout`, then :func:`let_go_closes_the_sockets` on the same two processes (one start-up for both
+    tests/elastic/test_elastic_sharded.py scenarios): the second runs on the group the first left behind, so it
+    also proves that a layout already resharded twice and dropped leaves no socket open either."""
+    out = {"relayout": relayout()}
+    out["let_go"] = let_go_closes_the_sockets()
+    return out

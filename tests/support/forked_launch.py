@@ -1,0 +1,154 @@
+"""``phalanx run`` for the elastic tests without two fresh interpreters per job.
+
+A job started as ``python -c "from phalanx.cli import main; ..."`` pays a fresh interpreter importing torch for its
+launcher (about 1.4 CPU s) and, with ``--start-method forkserver``, a fork server that imports torch, dynamo, DCP,
+FSDP and phalanx (about 2.8 CPU s) before its first worker starts. Here the launcher is a fork of the test process
+(which imported torch and phalanx already) running the same ``phalanx.cli.main``, and every launcher of this test
+process forks its workers from ONE preloaded fork server, started once in the environment an elastic launcher gives
+its workers' server (``OMP_NUM_THREADS=1``, ``TORCH_CPP_LOG_LEVEL=ERROR``). Each worker is still its own process,
+forked from a server that imported torch and nothing else, with its own environment set in it
+(:func:`phalanx.launch.workers._run`), exactly as ``--start-method forkserver`` forks it; the launcher runs the
+same code as the ``phalanx`` script. Use it where a test does not test the launcher's own process start (a test
+that kills the launcher, or reads what a fresh interpreter prints, keeps :func:`support.elastic_job.launch`).
+
+Example:
+    >>> # proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@5")  # as elastic_job.launch
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import glob
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import traceback
+from multiprocessing import forkserver
+from typing import Sequence
+
+from support.elastic_job import WORKER
+
+# the fork server's module-level functions are bound methods of its one instance (multiprocessing.forkserver)
+_SERVER_FUNCTIONS = ("ensure_running", "get_inherited_fds", "connect_to_new_process", "set_forkserver_preload")
+
+
+@functools.cache
+def _server() -> forkserver.ForkServer:
+    """This test process's preloaded fork server for the launchers' workers (started once, on first use)."""
+    from phalanx.launch.workers import PRELOAD
+    server = forkserver.ForkServer()
+    server.set_forkserver_preload(PRELOAD)
+    # torch reads these when it loads, in the server (phalanx.launch.workers._start_server): what the elastic
+    # launcher gives its workers (phalanx.launch.elastic: the C++ store log off; one thread per worker on 2 cores)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        server.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    atexit.register(_stop, server)
+    return server
+
+
+def _stop(server: forkserver.ForkServer) -> None:
+    """At this process's exit: close the server's alive pipe (it exits) and reap it, so that its CPU and its reaped
+    workers' count among this process's children (``/usr/bin/time``, ``os.times()``), as a launcher's did."""
+    os.close(server._forkserver_alive_fd)
+    os.waitpid(server._forkserver_pid, 0)
+
+
+def run_cli(argv: Sequence[str], out: str, timeout: float, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """``phalanx ARGV`` in a fork of this process whose workers fork from :func:`_server`; its stdout and stderr
+    are kept in ``OUT/launcher.out`` and ``OUT/launcher.err``; ``env`` is added to its environment. Raises
+    :class:`subprocess.TimeoutExpired` (the launcher killed) after ``timeout`` seconds, as :func:`subprocess.run`.
+
+    Example:
+        >>> # proc = run_cli(["run", "-n", "2", "--elastic", WORKER, "--out", str(tmp_path)], str(tmp_path), 120)
+    """
+    server = _server()
+    paths = os.path.join(out, "launcher.out"), os.path.join(out, "launcher.err")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the launcher
+        code: int = 1
+        try:
+            for fd, path in zip((1, 2), paths):
+                opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)  # workers append too
+                os.dup2(opened, fd)
+                os.close(opened)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            atexit._clear()  # the test process's exit handlers are not the launcher's
+            # the server is this process's sibling now, not its child: ensure_running's waitpid would fail, and it
+            # is running (a dead one fails the job's first worker start, which the test sees)
+            server.ensure_running = lambda: None  # type: ignore[method-assign]
+            forkserver._forkserver = server
+            for name in _SERVER_FUNCTIONS:
+                setattr(forkserver, name, getattr(server, name))
+            os.environ.update(env or {})
+            os.environ.setdefault("PHALANX_START_METHOD", "forkserver")  # a module fixture's job too: the server
+            # a worker forked from the shared server inherits the server's stdout and stderr, not this launcher's:
+            # it points them at this job's files first (appending, as the launcher does: one stream, in time order)
+            from phalanx.launch import workers
+            workers._run = functools.partial(_worker, paths)
+            from phalanx.cli import main
+            sys.argv = ["phalanx", *argv]
+            code = main(list(argv))
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:  # noqa: BLE001 - printed, as the interpreter would, and exit 1
+            traceback.print_exc()
+        finally:
+            try:
+                atexit._run_exitfuncs()  # the launcher's own (its run folder removed)
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code if isinstance(code, int) else 1)
+    pidfd = os.pidfd_open(pid)
+    try:
+        if not select.select([pidfd], [], [], timeout)[0]:  # readable once the launcher exited
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired(["phalanx", *argv], timeout, stderr=open(paths[1]).read())
+    finally:
+        os.close(pidfd)
+    _, status = os.waitpid(pid, 0)
+    return subprocess.CompletedProcess(["phalanx", *argv], os.waitstatus_to_exitcode(status),
+                                       stdout=open(paths[0]).read(), stderr=open(paths[1]).read())
+
+
+def _worker(paths: tuple[str, str], argv: list[str], env: dict[str, str], cwd: str, log: str | None) -> None:
+    """In a worker forked from the shared server: stdout and stderr to its launcher's files (as a worker forked from
+    the launcher's own server writes to the launcher's), then :func:`phalanx.launch.workers._run`."""
+    from phalanx.launch.workers import _run
+    for fd, path in zip((1, 2), paths):
+        opened = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(opened, fd)
+        os.close(opened)
+    _run(argv, env, cwd, log)
+
+
+def launch(tmp_path, *flags: str, n: int = 3, timeout: float = 120, script: str = WORKER
+           ) -> tuple[subprocess.CompletedProcess, dict]:
+    """:func:`support.elastic_job.launch` (the same flags: the launcher's, then ``--``, then the script's), with the
+    launcher forked from this process and its workers from this process's one preloaded server.
+
+    Example:
+        >>> # proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@5", "--commit-every", "3")
+    """
+    cut = flags.index("--") if "--" in flags else len(flags)
+    argv = ["run", "-n", str(n), "--elastic", *flags[:cut], script, "--out", str(tmp_path), *flags[cut + 1:]]
+    proc = run_cli(argv, str(tmp_path), timeout)
+    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    return proc, results
