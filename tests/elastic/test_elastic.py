@@ -106,7 +106,7 @@ def test_kill_one_of_three_survivors_continue_and_match_the_oracle(rank_0_killed
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "worker 0" in proc.stderr and "regroup" in proc.stderr
     killed = json.load(open(tmp_path / "killed.json"))
-    assert killed["id"] == "0" and sorted(results) == ["1", "2", "r0"]
+    assert killed["id"] == "0" and sorted(results) == ["1", "2", "r1"]
     for wid in ("1", "2"):  # the same processes went on: one start each, same pid at the end
         starts = glob.glob(str(tmp_path / f"start{wid}-*.json"))
         assert [s.rsplit("/", 1)[1] for s in starts] == [f"start{wid}-{results[wid]['pid']}.json"]
@@ -197,12 +197,12 @@ def test_trainer_fit_elastic_survives_a_crash_and_shows_the_world_size(tmp_path)
 def test_replace_starts_a_worker_that_joins_with_rank_0s_exact_state(rank_0_killed_then_replaced):
     tmp_path, proc, results = rank_0_killed_then_replaced
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(results) == ["1", "2", "r0"] and "started worker r0" in proc.stderr
-    joiner, main = results["r0"], results["1"]  # worker 1 is rank 0 once worker 0 is gone
+    assert sorted(results) == ["1", "2", "r1"] and "started worker r1" in proc.stderr
+    joiner, main = results["r1"], results["1"]  # r1: the first replacement; worker 1 is rank 0 once 0 is gone
     first_step, world, state = joiner["digests"][0]
-    assert world == 3 and [h["joined"] for h in joiner["history"]] == [["r0"]]
+    assert world == 3 and [h["joined"] for h in joiner["history"]] == [["r1"]]
     # right after px.init() the replacement already read its place in the group it entered
-    init = json.load(open(tmp_path / "initr0.json"))
+    init = json.load(open(tmp_path / "initr1.json"))
     assert (init["rank"], init["world_size"], init["generation"], init["env"]) == \
         (2, 3, joiner["history"][0]["generation"], ["2", "3"])
     at_join = [d for d in main["digests"] if d[0] == first_step and d[1] == 3]
