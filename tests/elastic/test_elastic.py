@@ -147,7 +147,11 @@ def test_below_min_workers_the_job_ends_with_one_line(tmp_path):
     proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@3", n=2, timeout=90)
     assert proc.returncode != 0 and results == {}
     lines = [ln for ln in proc.stderr.splitlines() if "below --min-workers" in ln]
-    assert len(lines) >= 1 and "checkpoint" in lines[0], proc.stderr[-2000:]
+    # the launcher's line (the survivor's own "worker 0: ... below --min-workers 2; stopping" may come first: the two
+    # processes race to stderr, and a loaded machine lets the survivor win)
+    assert len(lines) >= 1, proc.stderr[-2000:]
+    [job] = [ln for ln in lines if "stopping the job" in ln]
+    assert "checkpoint" in job, proc.stderr[-2000:]
     assert time.monotonic() - start < 90
 
 
