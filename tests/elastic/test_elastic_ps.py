@@ -21,8 +21,8 @@ import subprocess
 
 import pytest
 import torch
-from support.elastic_job import CLI, check_recovered, oracle
-from support.forked_launch import launch, run_cli  # the launcher forked from here, its workers from one server
+from support.elastic_job import check_recovered, oracle
+from support.forked_launch import launch, run_cli, start_cli  # launchers forked from here, workers from one server
 
 from phalanx.ps.reducer import Reducer
 from phalanx.ps.wire import Header
@@ -178,9 +178,9 @@ def test_async_easgd_survives_a_kill_with_its_centre_rolled_back_to_the_commit(t
 @pytest.mark.multiproc
 def test_a_killed_server_is_started_again_and_the_workers_roll_back_its_shards_and_train_every_sample_once(tmp_path):
     import signal
-    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--servers", "1", ASYNC, "--out", str(tmp_path),
-           "--strategy", "downpour", "--commit-every", "3", "--server-dies-at", "4"]
-    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    argv = ["run", "-n", "2", "--elastic", "--min-workers", "1", "--servers", "1", ASYNC, "--out", str(tmp_path),
+            "--strategy", "downpour", "--commit-every", "3", "--server-dies-at", "4"]
+    launcher = start_cli(argv, str(tmp_path))  # forked from here (its server process is still its child)
     until((tmp_path / "kill-server").exists, timeout=90, what="the kill-server marker", procs=[launcher])
     [server] = [pid for pid in children(launcher.pid) if "phalanx.ps" in cmdline(pid)]
     os.kill(server, signal.SIGKILL)  # worker 0 waits after step 4, so the kill lands mid-epoch

@@ -63,6 +63,45 @@ def _stop(server: forkserver.ForkServer) -> None:
     os.waitpid(server._forkserver_pid, 0)
 
 
+class Launcher:
+    """A launcher forked by :func:`start_cli`: the part of :class:`subprocess.Popen` the tests use (``pid``,
+    ``returncode``, ``poll``, ``wait``, ``kill``, ``communicate``); its output is in ``OUT/launcher.{out,err}``.
+
+    Example:
+        >>> # launcher = start_cli(argv, str(tmp_path)); stderr = launcher.communicate(timeout=120)[1]
+    """
+
+    def __init__(self, pid: int, argv: list[str], paths: tuple[str, str]) -> None:
+        self.pid, self.args, self.paths = pid, argv, paths
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            pidfd = os.pidfd_open(self.pid)
+            try:  # readable once the launcher exited
+                if not select.select([pidfd], [], [], timeout)[0]:
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0.0, stderr=open(self.paths[1]).read())
+            finally:
+                os.close(pidfd)
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return open(self.paths[0]).read(), open(self.paths[1]).read()
+
+
 def run_cli(argv: Sequence[str], out: str, timeout: float, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess:
     """``phalanx ARGV`` in a fork of this process whose workers fork from :func:`_server`; its stdout and stderr
@@ -71,6 +110,23 @@ def run_cli(argv: Sequence[str], out: str, timeout: float, env: dict[str, str] |
 
     Example:
         >>> # proc = run_cli(["run", "-n", "2", "--elastic", WORKER, "--out", str(tmp_path)], str(tmp_path), 120)
+    """
+    launcher = start_cli(argv, out, env)
+    try:
+        launcher.wait(timeout)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        launcher.wait()
+        raise
+    stdout, stderr = launcher.communicate()
+    return subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout=stdout, stderr=stderr)
+
+
+def start_cli(argv: Sequence[str], out: str, env: dict[str, str] | None = None) -> Launcher:
+    """:func:`run_cli` without waiting: the launcher's handle.
+
+    Example:
+        >>> # launcher = start_cli(["run", "-n", "2", "--elastic", WORKER, "--out", str(tmp_path)], str(tmp_path))
     """
     server = _server()
     paths = os.path.join(out, "launcher.out"), os.path.join(out, "launcher.err")
@@ -115,17 +171,7 @@ def run_cli(argv: Sequence[str], out: str, timeout: float, env: dict[str, str] |
                 sys.stderr.flush()
             finally:
                 os._exit(code if isinstance(code, int) else 1)
-    pidfd = os.pidfd_open(pid)
-    try:
-        if not select.select([pidfd], [], [], timeout)[0]:  # readable once the launcher exited
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise subprocess.TimeoutExpired(["phalanx", *argv], timeout, stderr=open(paths[1]).read())
-    finally:
-        os.close(pidfd)
-    _, status = os.waitpid(pid, 0)
-    return subprocess.CompletedProcess(["phalanx", *argv], os.waitstatus_to_exitcode(status),
-                                       stdout=open(paths[0]).read(), stderr=open(paths[1]).read())
+    return Launcher(pid, ["phalanx", *argv], paths)
 
 
 def _worker(paths: tuple[str, str], argv: list[str], env: dict[str, str], cwd: str, log: str | None) -> None:
