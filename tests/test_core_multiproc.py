@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx.group.liveness import CONFIRM_S
 from support.procs import run_workers
 from workers.core import OPTIMIZERS, dataset, net, train
 
@@ -91,3 +92,6 @@ def test_a_dead_worker_makes_the_survivor_fail_fast_naming_it():
     assert seen["barrier"]["type"] == "WorkerLostError", seen
     assert "lost contact with rank(s) 1" in seen["barrier"]["message"]
     assert seen["barrier"]["seconds"] < timeout
+    # Leaving, it does not wait to see rank 1 fall silent (a fresh watch needs CONFIRM_S for that, twice: the exit
+    # barrier's meeting, then the store host's lingering): it already found rank 1 lost.
+    assert seen["shutdown_s"] < CONFIRM_S, seen["shutdown_s"]

@@ -19,8 +19,6 @@ import os
 import pickle
 import random
 import shutil
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -30,7 +28,10 @@ from workers import overlapping_saver as S
 
 import phalanx as px
 from phalanx.cli import main as cli
+from phalanx.launch.workers import start_worker
 from phalanx.step.preempt import latest_checkpoint
+from support.procs import reap
+from support.wait import until
 
 WORKERS = os.path.join(TESTS, "workers")
 
@@ -146,11 +147,13 @@ def test_a_flip_inside_a_model_tensor_is_refused_by_read_checkpoint_and_export(t
 # -- item 10: a load overlapping saves of the same path reads one save -----------------------------------------------
 
 def test_loads_overlapping_another_process_saving_the_same_path_each_read_one_save(tmp_path, one_thread):
-    path = str(tmp_path / "ckpt")
-    saver = subprocess.Popen([sys.executable, os.path.join(WORKERS, "overlapping_saver.py"), path],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    path, stop, log = str(tmp_path / "ckpt"), tmp_path / "stop", tmp_path / "saver.log"
+    # the saver is its own process, forked from the server that imported torch once (no fresh interpreter)
+    saver = start_worker("forkserver", [os.path.join(WORKERS, "overlapping_saver.py"), path, str(stop)],
+                         dict(os.environ), log=str(log))
     try:
-        assert saver.stdout.readline().startswith("saved ")  # the first save is in place
+        until(lambda: log.exists() and "saved " in log.read_text(), timeout=60, what="the saver's first save",
+              procs=[saver], detail=lambda: log.read_text() if log.exists() else "")  # the first save is in place
         net, opt = S.model()
         net(torch.ones(1, S.WIDTH)).sum().backward()
         opt.step()
@@ -176,8 +179,11 @@ def test_loads_overlapping_another_process_saving_the_same_path_each_read_one_sa
             if not same:
                 mixed.append((step, sorted(values)[:3]))
     finally:
-        saver.stdin.close()
-        saver.wait(timeout=60)
+        stop.touch()
+        try:
+            saver.wait(timeout=60)
+        finally:
+            reap(saver)
     assert mixed == [], f"{len(mixed)} of {loads} loads mixed two saves: {mixed[:5]}"
     assert loads >= 40 and len(steps) > 3, (loads, refused, steps)  # the loads did overlap many saves
 

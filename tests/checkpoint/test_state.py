@@ -1,7 +1,7 @@
 """The state protocol: resume, per-rank RNG, exact validation, uneven last batches, save placement, kill -9.
 
 Multi-process parts run on 2 real gloo workers (tests/workers/state.py) in two groups (and a third, the slow
-peer's, beside the first), checked against the uninterrupted run or a one-process oracle computed here.
+peer's, beside them), checked against the uninterrupted run or a one-process oracle computed here.
 """
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import glob
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from multiprocessing import forkserver
@@ -37,9 +35,10 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def runs(state_dir: str) -> tuple[list[dict], list[dict]]:
     tmp = state_dir
-    # The slow-peer save (rank 1 idles 11 s, the slowness under test) runs in a group of its own beside ``first``:
-    # its wait overlaps ``first``'s work. It starts once the fork server runs: the server's start swaps os.environ
-    # (under a lock), which a second thread's run_workers would read half-swapped.
+    # The slow-peer save (rank 1 idles 11 s, the slowness under test) runs in a group of its own beside ``first``
+    # and ``second`` (one after the other, in this thread): its wait overlaps their work. It starts once the fork
+    # server runs: the server's start swaps os.environ (under a lock), which a second thread's run_workers would
+    # read half-swapped.
     slow: dict[str, Any] = {}
     beside = threading.Thread(target=lambda: slow.update(run=run_workers(
         "workers.state:slow_peer", world_size=2, timeout=180, check=False, tmp=os.path.join(tmp, "slow"))))
@@ -50,17 +49,21 @@ def runs(state_dir: str) -> tuple[list[dict], list[dict]]:
     until(lambda: getattr(forkserver._forkserver, "_forkserver_pid", None) is not None or not started.is_alive(),
           timeout=180, what="the fork server")
     beside.start()
-    started.join()
-    beside.join()
-    assert "first" in slow and "run" in slow, "a thread's run_workers raised (its traceback is above)"
-    for name in ("first", "run"):
-        run = slow[name]
-        assert not any(run.returncodes), f"{name}: workers failed {run.returncodes}\n" + "\n".join(
-            log[-3000:] for log in run.logs)
+    try:
+        started.join()
+        assert "first" in slow, "the first run's run_workers raised (its traceback is above)"
+        assert not any(slow["first"].returncodes), f"first: workers failed {slow['first'].returncodes}\n" + \
+            "\n".join(log[-3000:] for log in slow["first"].logs)
+        second = run_workers("workers.state:second", world_size=2, timeout=180, tmp=tmp).results
+    finally:
+        beside.join()
+    assert "run" in slow, "the slow peer's run_workers raised (its traceback is above)"
+    run = slow["run"]
+    assert not any(run.returncodes), f"slow peer: workers failed {run.returncodes}\n" + "\n".join(
+        log[-3000:] for log in run.logs)
     first = slow["first"].results
-    second = run_workers("workers.state:second", world_size=2, timeout=180, tmp=tmp).results
     for rank in (0, 1):
-        second[rank]["slow_peer"] = slow["run"].results[rank]["slow_peer"]
+        second[rank]["slow_peer"] = run.results[rank]["slow_peer"]
     return first, second
 
 
@@ -204,25 +207,30 @@ SAVER = """
 import sys, torch
 from phalanx.framing import write_verified
 body = {"w": torch.randn(2_000_000)}
-print("ready", flush=True)
 while True:
     write_verified(sys.argv[1], body)
 """
 
 
 def kill_during_saves(path: str, trials: int, seed: int = 0) -> list[int]:
-    """kill -9 a process that saves ``path`` in a loop, ``trials`` times; the temporaries left after each kill."""
+    """kill -9 a process that saves ``path`` in a loop, ``trials`` times; the temporaries left after each kill.
+
+    The saver is forked from the fork server that imported torch once (``start_worker("forkserver")``, as the
+    module's worker runs are): its own process, killed for real, without a fresh interpreter's torch import each
+    trial.
+    """
     import random
+    from phalanx.launch.workers import start_worker
     rng = random.Random(seed)
     left = []
     for _ in range(trials):
-        proc = subprocess.Popen([sys.executable, "-c", SAVER, path], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.3))  # sleep: a random instant to kill at is the trial (not a wait)
+        proc = start_worker("forkserver", ["-c", SAVER, path], dict(os.environ))
         mid_write = os.path.join(os.path.dirname(path), f".*.tmp-*-{proc.pid}-*")
+        until(lambda m=mid_write: glob.glob(m), timeout=30, what="the saver's first write", procs=[proc])
+        time.sleep(rng.uniform(0.0, 0.3))  # sleep: a random instant to kill at is the trial (not a wait)
         until(lambda m=mid_write: glob.glob(m), timeout=10, what="the saver's write", procs=[proc])
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
         left.append(len(glob.glob(os.path.join(os.path.dirname(path), ".*.tmp-*"))))
     return left
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
+from support.procs import run_cli
 
-CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 
 SCRIPT = """\
 import os, sys
@@ -42,8 +41,8 @@ for step in range(1000):  # rank 0 would train on
 def launch(tmp_path, mode: str, *flags: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    return subprocess.run([*CLI, "run", "-n", "2", "--elastic", *flags, str(script), mode, str(tmp_path)],
-                          capture_output=True, text=True, timeout=240)
+    # the launcher forks from the server that imported torch once (its own process; no fresh interpreter)
+    return run_cli(["run", "-n", "2", "--elastic", *flags, str(script), mode, str(tmp_path)], timeout=240)
 
 
 @pytest.mark.multiproc

@@ -13,6 +13,9 @@ import pytest
 from conftest import needs_root_netns
 
 from phalanx.launch import netns
+from phalanx.launch.workers import start_worker
+from support.procs import reap
+from support.wait import until
 from phalanx.bench.runner import config_for, launch, Options
 from phalanx.bench.spec import Run, Setup
 
@@ -54,18 +57,25 @@ def test_torn_down_after_an_exception():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_torn_down_on_ctrl_c_and_sigterm(sig):
+def test_torn_down_on_ctrl_c_and_sigterm(sig, tmp_path):
     # Python keeps SIGINT ignored when its parent ignored it (a background job of a non-interactive shell):
     # restore the terminal's behaviour, Ctrl-C as KeyboardInterrupt, so the test does not depend on how CI runs it.
+    # The process is forked from the server that imported torch once (its own process, signalled for real).
     code = ("import signal, time; from phalanx.launch.netns import Link\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "with Link('10mbit') as link:\n    print(link.namespaces[0], flush=True); signal.pause()\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    name = proc.stdout.readline().strip()
-    assert name.startswith(netns.PREFIX)
-    proc.send_signal(sig)
-    proc.wait(timeout=20)
-    assert proc.returncode != 0
+    log = tmp_path / "link.log"
+    proc = start_worker("forkserver", ["-c", code], dict(os.environ), log=str(log))
+    try:
+        until(lambda: log.exists() and log.read_text().endswith("\n"), timeout=60, what="the link's namespace",
+              procs=[proc],
+              detail=lambda: log.read_text() if log.exists() else "")
+        name = log.read_text().splitlines()[0].strip()
+        assert name.startswith(netns.PREFIX)
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=20) != 0
+    finally:
+        reap(proc)
     assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 

@@ -6,6 +6,7 @@ Placement and wire tests start no process. The protocol tests talk to real
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 import threading
@@ -92,8 +93,14 @@ def test_malformed_frames_are_refused_never_reinterpreted():
 
 # -- a real server process -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def servers():
-    with px.ps.start_servers(1, token="job-secret") as group:
+def servers_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("ps-shards"))
+
+
+@pytest.fixture(scope="module")
+def servers(servers_dir):
+    """One server for the module, checkpointing its shard (the resume test reads it: one server start less)."""
+    with px.ps.start_servers(1, token="job-secret", checkpoint_dir=servers_dir) as group:
         yield group
 
 
@@ -187,17 +194,17 @@ def test_the_per_shard_lock_loses_no_concurrent_update(servers):
     assert torch.equal(value, torch.full((1000,), -float(pushes * workers)))
 
 
-def test_servers_checkpoint_their_shards_and_a_new_job_resumes_from_them(tmp_path):
+def test_servers_checkpoint_their_shards_and_a_new_job_resumes_from_them(servers, servers_dir):
+    # the first job is the module's server (checkpointing to servers_dir); the new job is a server process of its own
     value, spec = torch.arange(4.0), {"rule": {"kind": "adagrad", "lr": 0.5}}
-    with px.ps.start_servers(1, checkpoint_dir=str(tmp_path)) as group:
-        client = Client(group.addrs, token=group.token, timeout=10)
-        client.call({0: ({"op": "init", "policy": spec}, [(Header.of("w", value), value)])})
-        client.call({0: ({"op": "push"}, [(Header("w", F32, (4,), 0), torch.ones(4))])})
-        before, = _pull(client, "w")
-        client.close()
-        px.ps.save_shards(group)  # on demand; stop() writes it again
-        assert [p.name for p in tmp_path.iterdir()] == ["ps-shard-0.pt"]
-    with px.ps.start_servers(1, checkpoint_dir=str(tmp_path)) as group:  # a new job, resuming
+    client = Client(servers.addrs, token=servers.token, timeout=10)
+    client.call({0: ({"op": "init", "policy": spec}, [(Header.of("w", value), value)])})
+    client.call({0: ({"op": "push"}, [(Header("w", F32, (4,), 0), torch.ones(4))])})
+    before, = _pull(client, "w")
+    client.close()
+    px.ps.save_shards(servers)  # on demand; stop() writes it again
+    assert sorted(os.listdir(servers_dir)) == ["ps-shard-0.pt"]
+    with px.ps.start_servers(1, checkpoint_dir=servers_dir) as group:  # a new job, resuming
         client = Client(group.addrs, token=group.token, timeout=10)
         after, = _pull(client, "w")
         client.call({0: ({"op": "push"}, [(Header("w", F32, (4,), 1), torch.ones(4))])})

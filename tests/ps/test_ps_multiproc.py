@@ -19,6 +19,9 @@ from support.wait import until
 pytestmark = pytest.mark.multiproc
 
 EPOCHS = 8
+# The kill and the late join share one job (downpour_job) and need a trained model, not a quality figure (the
+# no-kill test holds Downpour to 0.93): 3 epochs, ~45 pushes from each survivor, past the late worker's 40
+KILL_EPOCHS = 3
 COLOCATED = {"PHALANX_PS_ADDRS": ""}  # whatever the shell exported: each worker hosts a shard server
 
 
@@ -48,14 +51,48 @@ def test_synchronous_ps_gives_the_same_weights_as_allreduce():
     assert all(torch.equal(a, b) for a, b in zip(run.results[0]["ps-sync"], run.results[1]["ps-sync"], strict=True))
 
 
-def test_killing_one_of_3_downpour_workers_leaves_the_others_to_finish_a_valid_model():
-    # finish() waits PHALANX_PS_TIMEOUT for the dead worker, then goes on: every second of it is idle test time,
-    # and it also bounds each request to the server (answered in milliseconds, seconds beside busy loops)
+@pytest.fixture(scope="module")
+def downpour_job():
+    """One Downpour job on one server, two scenarios: its rank 1 of 3 is killed at step 5, and once the job pushes a
+    brand-new worker joins it (after 40 pushes); once all are gone, another new worker joins the idle servers.
+
+    finish() waits PHALANX_PS_TIMEOUT for the dead worker, then goes on: every second of it is idle test time,
+    and it also bounds each request to the server (answered in milliseconds, seconds beside busy loops).
+    """
     with start_servers(1) as servers:
-        run = run_workers("workers.ps:train", world_size=3, env={**servers.env(), "PHALANX_PS_TIMEOUT": "5"},
-                          check=False, strategy="downpour",
-                          opts={"adagrad_lr": 0.02}, epochs=6, lr=0.05, momentum=0.9, kill={"rank": 1, "step": 5})
-        alive = servers.alive()
+        job: dict = {}
+
+        def run() -> None:
+            try:
+                job["run"] = run_workers("workers.ps:train", world_size=3,
+                                         env={**servers.env(), "PHALANX_PS_TIMEOUT": "5"}, check=False,
+                                         strategy="downpour", opts={"adagrad_lr": 0.02}, epochs=KILL_EPOCHS, lr=0.05,
+                                         momentum=0.9, kill={"rank": 1, "step": 5})
+            except BaseException as err:  # noqa: BLE001 - the tests say which scenario it broke
+                job["error"] = err
+
+        running = threading.Thread(target=run)
+        running.start()
+        # The late worker starts once the job's are running (a push reached the server): run_workers from two
+        # threads at once would swap os.environ under each other (launch_workers starts the fork server in the
+        # workers' environment). It waits for 40 pushes anyway.
+        until(lambda: not running.is_alive() or sum(load_report(servers).applied), timeout=120,
+              what="the job's first push")
+        try:
+            job["late"] = run_workers("workers.ps:late_join", world_size=1, env=servers.env(),
+                                      after_versions=40).results[0]
+        finally:
+            running.join()
+        job["alive"] = servers.alive()
+        # Nothing pushes any more: a worker that joins now must receive the servers' model bit for bit
+        job["after_job"] = run_workers("workers.ps:late_join", world_size=1, env=servers.env(),
+                                       after_versions=0).results[0]
+    return job
+
+
+def test_killing_one_of_3_downpour_workers_leaves_the_others_to_finish_a_valid_model(downpour_job):
+    assert "run" in downpour_job, f"the job with the kill failed: {downpour_job.get('error')!r}"
+    run = downpour_job["run"]
     assert run.returncodes == [0, 1, 0], run.logs
     assert run.results[1] is None  # killed at step 5
     for rank in (0, 2):
@@ -64,34 +101,21 @@ def test_killing_one_of_3_downpour_workers_leaves_the_others_to_finish_a_valid_m
         # ended between 0.80 and 0.98 (chance is 0.10), so the bar is "trained", not a quality figure; the
         # no-kill test above holds Downpour to 0.93.
         assert result["finite"] and result["acc"] >= 0.7, result["acc"]
-    assert alive == [True]  # the server never noticed
+    assert downpour_job["alive"] == [True]  # the server never noticed
 
 
-def test_a_worker_that_joins_a_running_job_receives_the_current_parameters():
-    with start_servers(1) as servers:
-        job: dict = {}
-        running = threading.Thread(target=lambda: job.update(run=run_workers(
-            "workers.ps:train", world_size=2, env=servers.env(), strategy="downpour",
-            opts={"adagrad_lr": 0.02}, epochs=4, lr=0.05, momentum=0.9)))
-        running.start()
-        # The late worker starts once the job's are running (a push reached the server): run_workers from two
-        # threads at once would swap os.environ under each other (launch_workers starts the fork server in the
-        # workers' environment). It waits for 40 pushes anyway.
-        until(lambda: not running.is_alive() or sum(load_report(servers).applied), timeout=120,
-              what="the job's first push")
-        late = run_workers("workers.ps:late_join", world_size=1, env=servers.env(), after_versions=40).results[0]
-        running.join()
-        assert "run" in job
-        # Nothing pushes any more: a worker that joins now must receive the servers' model bit for bit, which is
-        # what the last of the others pulled when it left (finish() pulls after every worker's last push). Which
-        # one left last, the job or the late worker, is up to the scheduler; both hold exact copies.
-        after_job = run_workers("workers.ps:late_join", world_size=1, env=servers.env(), after_versions=0).results[0]
+def test_a_worker_that_joins_a_running_job_receives_the_current_parameters(downpour_job):
+    assert "run" in downpour_job, f"the job the worker joined failed: {downpour_job.get('error')!r}"
+    late, after_job, run = downpour_job["late"], downpour_job["after_job"], downpour_job["run"]
     assert min(late["versions"].values()) >= 40  # it pulled what the job had made of the model
     # not its own initial weights but a model the job had trained: its loss is below a fresh model's
     assert not any(torch.equal(a, b) for a, b in zip(late["own"], late["joined"], strict=True))
     assert late["loss"]["joined"] < late["loss"]["own"], late["loss"]
     assert all(late["after"][k] > late["versions"][k] for k in late["versions"])  # and then it contributed
-    left_last = [job["run"].results[0]["params"], late["final"]]
+    # Nothing pushes any more: the model a worker joining now receives is what the last of the others pulled when
+    # it left (finish() pulls after every survivor's last push). Which one left last, the job or the late worker, is
+    # up to the scheduler; both hold exact copies.
+    left_last = [run.results[0]["params"], late["final"]]
     assert any(all(torch.equal(a, b) for a, b in zip(after_job["joined"], model, strict=True)) for model in left_last)
     assert not any(torch.equal(a, b) for a, b in zip(after_job["own"], after_job["joined"], strict=True))
 

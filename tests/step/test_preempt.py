@@ -1,6 +1,7 @@
 """Preemption: SIGTERM to `phalanx run` stops every worker after the same step, saves, exits 75; --resume-from auto."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -47,13 +48,47 @@ def sigterm_once(job: subprocess.Popen, *markers: str) -> str:
             job.kill()
 
 
+def delivered(pid: int, sig: int) -> bool:
+    """The kernel handed ``sig`` to process ``pid`` (no longer pending: its handler has been entered)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            pending = {k: int(v, 16) for k, v in (line.split(":") for line in f) if k in ("SigPnd", "ShdPnd")}
+    except FileNotFoundError:
+        return True  # it ended
+    return not any(mask >> (sig - 1) & 1 for mask in pending.values())
+
+
+def sigterm_then_repeats(job: subprocess.Popen, out: str) -> str:
+    """SIGTERM to the launcher at ``OUT.reached``; then, while rank 0 holds before its save (``OUT.saving``, inside
+    the launcher's grace), SIGUSR1 and SIGTERM again, to the launcher twice each and to every worker, as SLURM and a
+    scheduler that resends do; each is delivered before the next is sent (a signal sent twice before its handler ran
+    arrives once). Then ``OUT.go``: the save goes on. Returns the launcher's stderr (killed if it did not end)."""
+    try:
+        wait_for(out + ".reached", job)
+        job.send_signal(signal.SIGTERM)
+        wait_for(out + ".saving", job)
+        workers = [pid for pid in _procs_with(out) if pid != job.pid]
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM):
+            for pid in (job.pid, *workers):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+                until(lambda pid=pid, sig=sig: job.poll() is not None or delivered(pid, sig), timeout=60,
+                      what=f"{sig!r} to {pid}")
+        with open(out + ".go", "w"):
+            pass
+        return job.communicate(timeout=120)[1]
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
 # The three jobs that are preempted and resumed start at once, each in its own thread and folder (one module
 # fixture), and each test reads its own job's outcome: a job mostly waits (for a marker, a grace, a checkpoint's
 # fsync, the next launch), so one after the other they left the cores idle for most of their 40 s.
 def _stops_and_resumes(tmp) -> dict:
     ckpt, out = str(tmp / "ckpt"), str(tmp / "model.pt")
-    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, WORKER, out, "5")
-    err = sigterm_once(job, out + ".reached")  # rank 0 finished step 5 and waits for the signal
+    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, WORKER, out, "5", "--hold-before-save")
+    err = sigterm_then_repeats(job, out)  # rank 0 finished step 5 and waits for the signal; repeats in the grace
     got = {"ckpt": ckpt, "out": out, "code": job.returncode, "err": err, "listed": _listed(ckpt),
            "latest": latest_checkpoint(ckpt), "out_before_resume": os.path.exists(out)}
     resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", WORKER, out)
@@ -110,9 +145,12 @@ def _outcome(preempted: dict, name: str) -> dict:
 
 
 @pytest.mark.multiproc
-def test_sigterm_stops_after_one_agreed_step_saves_and_resume_auto_ends_as_the_oracle(preempted):
+def test_sigterm_and_its_repeats_stop_after_one_agreed_step_save_and_resume_auto_ends_as_the_oracle(preempted):
     got = _outcome(preempted, "stops")
     err, ckpt, out = got["err"], got["ckpt"], got["out"]
+    # SIGTERM, then SIGUSR1/SIGTERM four times more to the launcher and to every worker while they save (issue 36:
+    # a repeat ended torch's agent's grace, the launcher SIGKILLed the saving workers: "received SIGUSR1; stopped
+    # all workers", exit 138, nothing saved, no requeue): one agreed stop, one checkpoint, 75.
     assert got["code"] == PREEMPTED_EXIT, err
     # Both workers name one step (the launcher lists every distinct one): the step after the last one heard it.
     stopped = re.search(r"received SIGTERM; the workers stopped after step (\d+) to save", err)

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.strategies.streaming_diloco import balanced_split
 from support.loop import lockstep
-from support.procs import run_workers
+from support.procs import run_cli, run_workers
 from workers import streaming
 from support.paths import TESTS
 
@@ -332,15 +331,14 @@ def test_quantised_exchanges_keep_replicas_in_step_and_send_fewer_bytes(results)
 
 # -- elastic: a kill while an exchange is in flight, a spare joining mid-overlap ----------------------------------
 WORKER = os.path.join(TESTS, "workers", "streaming.py")
-CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 
 
 def launch(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     """``phalanx run -n 3 --elastic RUN_FLAGS -- SCRIPT_FLAGS`` on the streaming script; each worker's result."""
     cut = flags.index("--")
-    cmd = [*CLI, "run", "-n", "3", "--elastic", "--min-workers", "2", *flags[:cut], WORKER, "--out", str(tmp_path),
+    cmd = ["run", "-n", "3", "--elastic", "--min-workers", "2", *flags[:cut], WORKER, "--out", str(tmp_path),
            *flags[cut + 1:]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = run_cli(cmd, timeout=180)  # the launcher forks from the server that imported torch once
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
 

@@ -123,7 +123,9 @@ def test_exactly_once_when_a_worker_dies_and_the_group_restarts_from_the_checkpo
                                                                                      restart_workers):
     rng = random.Random(trial)
     stream, kill_rank, kill_step = f"fire{trial}", rng.randrange(3), rng.randrange(6, 25)
-    feed = producer(server.url, stream, 3000, 1000)
+    # the events still arrive while the workers train (96 a step; the kill, at step 24 at the latest, comes before the
+    # 3000th), at 3000 a second: the run waits 1 s for the producer, not 3
+    feed = producer(server.url, stream, 3000, 3000)
     try:
         crashed = run(server, tmp_path, stream, 3, 0, batch_size=32, kill_step=kill_step, kill_rank=kill_rank,
                       check=False)
@@ -187,7 +189,8 @@ def test_two_workers_equal_one_process_on_the_same_global_batches(server, tmp_pa
 
 def test_a_producer_pause_neither_hangs_nor_takes_an_empty_step(server, tmp_path):
     stream = "pause"
-    feed = producer(server.url, stream, 400, 400, pause_at=200, pause_s=2.0)
+    # the pause is 3 times the workers' deadline (0.3 s): several deadlines pass with nothing to train
+    feed = producer(server.url, stream, 400, 400, pause_at=200, pause_s=1.0)
     try:
         result = run(server, tmp_path, stream, 2, 0, batch_size=16, deadline_s=0.3).results[0]
         assert feed.wait(timeout=30) == 0

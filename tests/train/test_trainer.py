@@ -213,6 +213,7 @@ def test_demo_table_has_speedup_and_efficiency():
 
 @pytest.mark.multiproc
 def test_demo_runs_end_to_end_on_one_then_two_worker_processes(capsys):
+    # its workers fork from the server that imported torch once (conftest's PHALANX_START_METHOD=forkserver)
     from phalanx.bench.demo import main
     assert main(["--epochs", "1", "--batch-size", "16", "--limit", "256", "--no-progress"]) == 0  # 16 / 8 steps
     out = capsys.readouterr().out
@@ -221,10 +222,13 @@ def test_demo_runs_end_to_end_on_one_then_two_worker_processes(capsys):
     assert "1.00x" in rows[0]
 
 
-def test_demo_refuses_bad_options(capsys):
+def test_demo_refuses_bad_options(capsys, monkeypatch):
     from phalanx.bench.demo import main
     assert main(["--epochs", "0"]) == 2
     assert "--epochs=0" in capsys.readouterr().err
+    monkeypatch.setenv("PHALANX_START_METHOD", "fork")
+    assert main(["--epochs", "1"]) == 2
+    assert "PHALANX_START_METHOD=fork; expected spawn or forkserver" in capsys.readouterr().err
 
 
 def test_progress_is_plain_lines_when_stdout_is_not_a_terminal(capsys):

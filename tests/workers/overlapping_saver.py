@@ -2,9 +2,10 @@
 
 Save ``i`` holds weights, AdamW moments, ``step`` and ``extra`` that all encode ``i``, so a
 reader can tell whether what it loaded came from one save. It prints ``saved <i>`` after
-each save (the test waits for the first line) and stops when its stdin is closed.
+each save (the test waits for the first line) and stops when its stdin is closed, or, given
+``STOP``, once that file exists (a process forked from the fork server has no stdin pipe).
 
-Usage: ``python overlapping_saver.py PATH``
+Usage: ``python overlapping_saver.py PATH [STOP]``
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def encode(net: torch.nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
                 v.fill_(i)
 
 
-def main(path: str) -> None:
+def main(path: str, stop: str | None = None) -> None:
     torch.set_num_threads(1)  # tiny tensors: more threads only contend with the test's loads
     net, opt = model()
     net(torch.ones(1, WIDTH)).sum().backward()
@@ -44,10 +45,14 @@ def main(path: str) -> None:
         encode(net, opt, i)
         px.save_checkpoint(path, net, opt, step=i, extra={"i": i})
         print(f"saved {i}", flush=True)
+        if stop is not None:
+            if os.path.exists(stop):  # the test is done
+                return
+            continue
         ready, _, _ = select.select([sys.stdin], [], [], 0)
         if ready and not os.read(sys.stdin.fileno(), 1):  # stdin closed: the test is done
             return
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -1,10 +1,13 @@
 """A user's own loop that a preemption stops and ``--resume-from auto`` continues (run by tests/step/test_preempt.py).
 
     phalanx run -n 2 --checkpoint-dir CKPT [--resume-from auto] preempt.py OUT [WAIT_AT] [--hang-before-save]
+                                                                     [--hold-before-save]
 
 Rank 0 writes ``OUT.reached`` after step WAIT_AT and waits for the signal there (the test sends it
 when it sees the file), so the stop step is deterministic without sleeps: rank 0 hears it at
 boundary WAIT_AT, rank 1 during step WAIT_AT+1, so every worker stops after WAIT_AT+2.
+With --hold-before-save, rank 0 writes ``OUT.saving`` once stopped and waits for ``OUT.go`` before it saves: the
+test sends its repeated signals there, inside the launcher's grace.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
 from phalanx.step import preempt  # noqa: E402
 from support.preempt_job import train_preemptible  # noqa: E402
+from support.wait import until  # noqa: E402
 
 EPOCHS, N, BATCH = 2, 64, 4
 
@@ -37,6 +41,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("wait_at", nargs="?", type=int, default=-1)
     p.add_argument("--hang-before-save", action="store_true", help="rank 1 never saves (it hangs once stopped)")
+    p.add_argument("--hold-before-save", action="store_true", help="rank 0 saves once OUT.go exists")
     a = p.parse_args()
     px.init()
     torch.manual_seed(1)
@@ -51,6 +56,10 @@ def main() -> None:
             assert preempt.of().heard.wait(120), "no signal came"
 
     def before_save() -> None:
+        if a.hold_before_save and px.rank() == 0:
+            with open(a.out + ".saving", "w") as f:
+                f.write(str(os.getpid()))
+            until(lambda: os.path.exists(a.out + ".go"), timeout=600, what="the test's OUT.go")
         if a.hang_before_save and px.rank() == 1:
             while True:  # until the launcher's grace runs out and it kills this worker
                 signal.pause()

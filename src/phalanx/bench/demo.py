@@ -15,7 +15,6 @@ import argparse
 import importlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 
 from ..errors import OneLineParser
 from .demo_table import MIN_ACCURACY, table  # noqa: F401  (table: re-exported for callers of this module)
+from ..launch.workers import START_METHODS, StartMethod, start_worker
 from .procs import free_port
 
 
@@ -56,11 +56,13 @@ def train(*, epochs: int = 10, batch_size: int = 128, lr: float = 3e-3, seed: in
             "seconds": sum(history["time_s"])}
 
 
-def _launch(workers: int, worker_args: list[str], threads: int) -> int:
+def _launch(workers: int, worker_args: list[str], threads: int, start_method: StartMethod = "spawn") -> int:
     """Start ``workers`` local worker processes of this module; the first failure's code, else 0.
 
     The variables are the ones ``phalanx run`` and torchrun set, so the workers are
     ordinary phalanx scripts. A single worker gets none: it is a plain process.
+    ``start_method`` (:mod:`phalanx.launch.workers`): a fresh interpreter per worker, or a
+    fork of a server that imported torch once.
     """
     group_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     base = {k: v for k, v in os.environ.items() if k not in group_vars and not k.startswith("TORCHELASTIC_")}
@@ -73,7 +75,7 @@ def _launch(workers: int, worker_args: list[str], threads: int) -> int:
         if workers > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(workers), LOCAL_WORLD_SIZE=str(workers),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "phalanx.bench.demo", "--worker", *worker_args], env=env))
+        procs.append(start_worker(start_method, ["-m", "phalanx.bench.demo", "--worker", *worker_args], env))
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -85,7 +87,7 @@ def _launch(workers: int, worker_args: list[str], threads: int) -> int:
         failed = [130]
     for p in procs:  # after a failure, stop the rest rather than let them wait on a dead peer
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            p.terminate()
     for p in procs:
         try:
             p.wait(timeout=10)
@@ -105,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to run (default: 1 2)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker (default 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-method", choices=START_METHODS, default=None,
+                   help="how each worker starts: spawn (a fresh interpreter, the default) or forkserver (a fork of a "
+                        "server that imported torch once); PHALANX_START_METHOD sets it too, as for "
+                        "`phalanx run --elastic`")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: run as one worker
     p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)  # internal: fewer training samples
@@ -132,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.worker:
         return _worker(args)
+    method = args.start_method or os.environ.get("PHALANX_START_METHOD") or "spawn"
+    if method not in START_METHODS:
+        print(f"phalanx demo: PHALANX_START_METHOD={method}; expected spawn or forkserver. Set it to one of those, "
+              "or unset it.", file=sys.stderr)
+        return 2
 
     runs = ", then on ".join(_plural(n, "worker") for n in args.workers)
     print(f"phalanx demo: a small CNN learns scikit-learn's handwritten digits (bundled, no download) on {runs}.\n"
@@ -148,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 worker_args.append("--no-progress")
             if args.limit is not None:
                 worker_args += ["--limit", str(args.limit)]
-            code = _launch(n, worker_args, args.threads)
+            code = _launch(n, worker_args, args.threads, method)
             if code != 0:
                 print(f"phalanx demo: the {n}-worker run failed (exit status {code}); see the messages above.",
                       file=sys.stderr)

@@ -209,7 +209,8 @@ def linger_for_peers(g: Any) -> None:
         deadline = time.monotonic() + liveness.STALE_AFTER_S + 2.0
         while time.monotonic() < deadline:
             watch.poll()
-            done = set(liveness.exit_records(store, world)) | set(watch.stale()) | {g.env.rank}
+            # a peer this worker already found lost (g.losses) will leave no note: no need to watch it go silent
+            done = set(liveness.exit_records(store, world)) | set(watch.stale()) | set(g.losses) | {g.env.rank}
             if len(done) >= world:
                 return
             time.sleep(0.05)
@@ -220,7 +221,7 @@ def linger_for_peers(g: Any) -> None:
 def _everyone_leaving(g: Any) -> bool:
     """Meet in the store before the exit barrier; False as soon as a peer failed or went silent."""
     store, world = g.probe, g.env.world_size
-    if store is None:
+    if store is None or g.losses:  # a peer this worker already found lost will not come: no wait to see it silent
         return False
     try:
         store.add("liveness/leaving", 1)

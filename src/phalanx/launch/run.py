@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from . import join as launch_join
 from ..errors import ConfigError, usage
@@ -178,8 +178,13 @@ def _run(cfg: RunConfig, status: JobStatus | None) -> int:
     notes = tempfile.mkdtemp(prefix="phalanx-preempt-")  # a preempted worker leaves its step here
     env["PHALANX_PREEMPT_NOTES"] = notes
     if threading.current_thread() is threading.main_thread():
-        # SLURM's early warning must not kill the launcher before torch's agent handles it (once workers run)
-        signal.signal(signal.SIGUSR1, lambda *_: None)
+        # Ours, not torch's (config.py leaves these two out of its list): torch's raises on every signal, and a
+        # repeat during the grace ended its wait for the saving workers (issue 36)
+        preemption = _FirstSignal(lambda: bool(_children() - children))
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, preemption)
+    else:
+        preemption = None
     try:
         if cfg.servers:
             servers = _start_servers(cfg)
@@ -219,6 +224,8 @@ def _run(cfg: RunConfig, status: JobStatus | None) -> int:
         print(f"phalanx: received {err.sigval.name}; stopped all workers", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
+        if preemption is not None:
+            preemption.ended = True  # the workers are gone: a signal from now on has nothing to stop
         last = stalls.stop() if stalls is not None else None
         if last:
             print(last, file=sys.stderr, flush=True)
@@ -235,6 +242,43 @@ def _run(cfg: RunConfig, status: JobStatus | None) -> int:
                 status.settle()  # the workers' last reports, before the store closes
             store[1].close()
         _reap_children(children)
+
+
+class _FirstSignal:
+    """The launcher's SIGTERM/SIGUSR1 handler: the first one stops the job, every later one is absorbed.
+
+    The first raises torch's ``SignalException``, as torch's own handler does: its agent sends that signal to
+    every worker and waits ``--grace`` for them to stop at one step and save. Torch's handler raised again at
+    each later signal (SLURM signals the launcher and its workers, a scheduler resends, a user presses twice):
+    the first repeat cut the agent's wait short and started another, the next ended it, and the launcher
+    SIGKILLed the workers while they saved (exit 138 or 143, nothing saved, no requeue). The workers already
+    heard it, so a repeat has nothing to add: the grace runs to its end (SIGINT, SIGKILL and the scheduler's own
+    SIGKILL still end the job at once). A SIGUSR1 before any worker started is ignored, as before: SLURM's early
+    warning does not end a job that has not begun.
+
+    Example:
+        >>> h = _FirstSignal(lambda: True)
+        >>> try:
+        ...     h(signal.SIGUSR1, None)
+        ... except Exception as e:
+        ...     print(type(e).__name__, e.sigval.name)
+        SignalException SIGUSR1
+        >>> h(signal.SIGTERM, None), h(signal.SIGUSR1, None)   # repeats: nothing
+        (None, None)
+    """
+
+    def __init__(self, started: Callable[[], bool]) -> None:
+        self.started = started  # whether the workers have been started (a SIGUSR1 before that is ignored)
+        self.first: signal.Signals | None = None
+        self.ended = False  # set once the workers are gone (run()'s cleanup)
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if self.first is not None or self.ended or (signum == signal.SIGUSR1 and not self.started()):
+            return
+        self.first = signal.Signals(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {self.first}", sigval=self.first)
 
 
 def _newest_checkpoint(directory: str | None) -> tuple[str, float] | None:
