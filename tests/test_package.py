@@ -31,44 +31,58 @@ def product_modules() -> list[str]:
     return names
 
 
-def loaded_after(modules: list[str], *, block: bool = False) -> dict:
-    """In a fresh interpreter: import ``modules``; which of APPS got loaded, and which modules could not import.
+def loaded_after(stages: list[list[str]]) -> list[dict]:
+    """In ONE fresh interpreter: import each stage's modules in turn; after each, which of APPS got loaded and which
+    modules could not import.
 
-    With ``block``, scikit-learn and matplotlib count as absent (as after ``pip install phalanx``), and a
-    module that needs either fails the import.
+    The last stage runs with scikit-learn and matplotlib counted as absent (as after ``pip install phalanx``): a
+    module that needs either fails the import. The stages before it have proved that what they imported loads
+    neither (their ``loaded`` is read before the block), so one interpreter tells what separate ones would, at
+    the cost of one start-up of torch instead of one per stage.
     """
-    prelude = "import sys; sys.modules['sklearn'] = sys.modules['matplotlib'] = None" if block else ""
-    code = f"""{prelude}
+    code = f"""
 import importlib, json, sys
-skipped = {{}}
-for name in {modules!r}:
-    try:
-        importlib.import_module(name)
-    except ImportError as err:  # an optional package (keras, redis...) this machine lacks
-        if (err.name or "").startswith(("phalanx", "sklearn", "matplotlib")):
-            raise
-        skipped[name] = err.name
-print(json.dumps({{"loaded": [m for m in {APPS!r} if sys.modules.get(m) is not None], "skipped": skipped}}))
+stages = {stages!r}
+for n, modules in enumerate(stages):
+    if n == len(stages) - 1:
+        sys.modules['sklearn'] = sys.modules['matplotlib'] = None
+    skipped = {{}}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:  # an optional package (keras, redis...) this machine lacks
+            if (err.name or "").startswith(("phalanx", "sklearn", "matplotlib")):
+                raise
+            skipped[name] = err.name
+    print(json.dumps({{"loaded": [m for m in {APPS!r} if sys.modules.get(m) is not None], "skipped": skipped}}))
 """
     env = {**os.environ, "KERAS_BACKEND": "torch"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(stages):]]
 
 
-def test_import_phalanx_loads_no_app_and_no_plotting_or_sklearn() -> None:
-    assert loaded_after(["phalanx"])["loaded"] == []
-
-
-def test_no_core_or_feature_module_imports_the_apps() -> None:
+@pytest.fixture(scope="module")
+def imports() -> dict:
+    """``import phalanx``; then every core and feature module but px.keras; then all of them, sklearn and
+    matplotlib absent. Keras itself imports scikit-learn and matplotlib when they are installed, so px.keras is
+    checked with both absent; every other module must not even load them."""
     modules = product_modules()
+    plain = [m for m in modules if not m.startswith("phalanx.keras")]
+    first, second, blocked = loaded_after([["phalanx"], plain, modules])
+    return {"modules": modules, "phalanx": first, "plain": second, "blocked": blocked}
+
+
+def test_import_phalanx_loads_no_app_and_no_plotting_or_sklearn(imports: dict) -> None:
+    assert imports["phalanx"]["loaded"] == []
+
+
+def test_no_core_or_feature_module_imports_the_apps(imports: dict) -> None:
+    modules = imports["modules"]
     assert "phalanx.train.trainer" in modules and "phalanx.keras.fit" in modules and "phalanx.ps.server" in modules
     assert not any(m.startswith("phalanx.bench") for m in modules)
-    # Keras itself imports scikit-learn and matplotlib when they are installed, so px.keras is checked with
-    # both absent; every other module must not even load them.
-    plain = [m for m in modules if not m.startswith("phalanx.keras")]
-    assert loaded_after(plain)["loaded"] == []
-    assert loaded_after(modules, block=True)["loaded"] == []
+    assert imports["plain"]["loaded"] == []
+    assert imports["blocked"]["loaded"] == []
 
 
 def test_core_requirements_hold_neither_sklearn_nor_matplotlib() -> None:
@@ -86,28 +100,44 @@ def test_core_requirements_hold_neither_sklearn_nor_matplotlib() -> None:
     assert pulled == set(extras) - {"dev"}  # the tests use every extra
 
 
-@pytest.mark.parametrize("command", ["demo", "bench"])
-def test_an_app_without_its_extra_says_what_to_install_in_one_line(command: str) -> None:
+@pytest.fixture(scope="module")
+def without_extras() -> dict:
+    """One fresh interpreter with scikit-learn, matplotlib and pyzmq absent: ``phalanx demo``, ``phalanx bench``
+    (each one's exit status and stderr) and ``px.Downpour()`` (its error). Each call meets a missing extra first
+    thing, so one interpreter for the three tells what three would."""
     # sys.modules[name] = None is how Python marks a package as absent: find_spec says None, import fails
-    code = ("import sys; sys.modules['sklearn'] = sys.modules['matplotlib'] = None\n"
-            f"from phalanx.cli import main; sys.exit(main([{command!r}]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "pip install 'phalanx[bench]'" in lines[0], out.stderr
-
-
-def test_a_parameter_server_without_pyzmq_says_what_to_install() -> None:
-    code = ("import sys; sys.modules['zmq'] = None\n"
+    code = ("import contextlib, io, json, sys; sys.modules['sklearn'] = sys.modules['matplotlib'] = None\n"
+            "sys.modules['zmq'] = None\n"
+            "from phalanx.cli import main\n"
+            "got = {}\n"
+            "for command in ('demo', 'bench'):\n"
+            "    err = io.StringIO()\n"
+            "    with contextlib.redirect_stderr(err):\n"
+            "        code = main([command])\n"
+            "    got[command] = [code, err.getvalue()]\n"
             "import phalanx as px\n"
             "from phalanx.errors import ConfigError\n"
             "try:\n"
             "    px.Downpour()\n"
             "except ConfigError as err:\n"
-            "    print(err)\n")
+            "    got['ps'] = str(err)\n"
+            "print(json.dumps(got))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "pyzmq" in out.stdout and "phalanx[ps]" in out.stdout, out.stdout
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_an_app_without_its_extra_says_what_to_install_in_one_line(without_extras: dict, command: str) -> None:
+    code, stderr = without_extras[command]
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'phalanx[bench]'" in lines[0], stderr
+
+
+def test_a_parameter_server_without_pyzmq_says_what_to_install(without_extras: dict) -> None:
+    ps = without_extras.get("ps", "")
+    assert "pyzmq" in ps and "phalanx[ps]" in ps, without_extras
 
 
 # -- the harness stays out of the product ------------------------------------------------------------------------------

@@ -274,8 +274,9 @@ def test_the_bench_setup_reports_overhead_and_efficiency_side_by_side(tmp_path) 
 
 
 @pytest.fixture(scope="module")
-def tail() -> list[dict]:
-    return run_workers("workers.keras_fit:short_tail", world_size=2, timeout=300).results
+def tail(two: tuple) -> list[dict]:
+    """workers.keras_fit.short_tail's result on each rank, run by the module's one pair of workers (``two``)."""
+    return [r["tail"] for r in two[0]]
 
 
 @pytest.mark.multiproc

@@ -2,7 +2,11 @@
 
 One cluster is shared by the module (Ray takes seconds to start; the faults Ray Train mishandles are here too, so
 that they share it: a replacement arriving after the end, two losses at once, a second loss while Ray Train's
-controller is busy with the first, every holder of the state lost, the controller lost). Real kills: SIGKILL of
+controller is busy with the first, every holder of the state lost, the controller lost). Scenarios that end in a
+finished job share Ray Train runs (module fixtures, one test per scenario): each run costs a controller and a worker
+actor per worker (seconds of CPU each), a further fault in a run only the replacements it needs. ``three_faults``:
+a kill, then two at once, then a second loss while replacing; ``grown_then_late``: the job grows, then loses a
+worker whose replacement arrives after the end. Real kills: SIGKILL of
 the worker actors' processes, placed by marker files the job writes. The training function is
 tests/workers/ray_train.py: the same loop tests/elastic/test_elastic.py runs under ``phalanx run --elastic``; the
 oracle retrains one process on the global batches the group recorded.
@@ -64,66 +68,63 @@ def check_exactly_once_and_oracle(got: dict, epochs: int) -> list:
     return record
 
 
-def test_kill_9_a_worker_actor_survivors_regroup_and_ray_replaces_it(cluster, tmp_path):
-    killed: dict = {}
-    killer = threading.Thread(target=lambda: killed.update(kill_when_parked(tmp_path, ["victim.json"])[0]),
-                              daemon=True)
-    killer.start()
-    returned = train(worker.main, str(tmp_path), "1@4", 2, 2, 3, num_workers=3, min_workers=2, heartbeat_s=20)
-    killer.join()
-    got = results(tmp_path)
-    # the survivors kept their processes (same pid as at the start); Ray's replacement r1 joined
-    assert sorted(got) == ["0", "2", "r1"], sorted(got)
-    assert killed["id"] == "1" and all(r["pid"] != killed["pid"] for r in got.values())
-    starts = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "start*")))
-    assert starts == sorted([f"start1-{killed['pid']}"] + [f"start{k}-{r['pid']}" for k, r in got.items()])
-    record = got["0"]["record"]
-    assert all(r["record"] == record for r in got.values())
-    for epoch in (0, 1):  # every sample exactly once per epoch, in the epoch's order
-        ids = [i for e, _, step in record for i in step if e == epoch]
-        assert ids == torch.randperm(loop.N, generator=torch.Generator().manual_seed(epoch)).tolist()
-    worlds = [w for _, w, _ in record]
-    history = got["0"]["history"]
-    assert [h["left"] for h in history] == [["1"], []] and [h["joined"] for h in history] == [[], ["r1"]]
-    # parked before step 4, so the others roll back to the commit of step 2: 3 workers, then 2, then 3 with r1
-    assert worlds[:3] == [3, 3, 2] and worlds[-1] == 3 and history[0]["step"] == 2, worlds
-    for r in got.values():  # the final model equals one process trained on the same global batches
-        for have, want in zip(r["params"], loop.oracle(record), strict=True):
-            torch.testing.assert_close(torch.tensor(have), want, rtol=1e-5, atol=1e-6)
-    assert returned == {"id": "0", "steps": len(record)}
+@pytest.fixture(scope="module")
+def grown_then_late(cluster, tmp_path_factory):
+    """One Ray Train run for two scenarios: the job grows from 2 to 3 workers, then a worker is lost whose
+    replacement arrives only after training ended (each Ray Train run costs a controller and worker actors).
 
+    Growing (test_room_for_a_third_worker...): one CPU of the 3 nodes is held, so 2 workers fit; once both train it
+    is let go, as a node added to the cluster would offer it (Cluster.add_node itself only runs on the main thread,
+    which train() holds), and the controller starts a third worker there, g1, which joins at a commit.
+    slow_below=3 (slow_first: until that join): the 2 wait for it.
 
-def test_room_for_a_third_worker_mid_run_grows_the_job_from_2_to_3_workers(cluster, tmp_path):
-    # One CPU of the 3 nodes is held, so 2 workers fit; once both train it is let go, as a node added to the
-    # cluster would offer it (Cluster.add_node itself only runs on the main thread, which train() holds), and
-    # the controller starts a third worker there, which joins at a commit. slow_below=3: the 2 wait for it.
+    Late replacement (test_a_replacement_arriving...): rank 1 parks at the first step from 6 on at which the three
+    have trained a whole commit interval together (``1@6/3``: steps at 3 workers survive the rollback) and is
+    killed; Ray's replacement r1 (in rank 1's slot: the placement group keeps its CPU, so the job does not grow
+    instead) is held back (late=True) until the survivors wrote their results, so its px.init() finds training
+    over. That is the end of a finished job, not a failure.
+    """
+    out = tmp_path_factory.mktemp("grown_then_late")
     hold = ray.remote(num_cpus=1)(ray_cluster.Holder).remote()
     ray.get(hold.ping.remote())
+    killed: list = []
 
-    def free_a_cpu() -> None:
-        until(lambda: len(glob.glob(str(tmp_path / "start*"))) >= 2, timeout=600, what="the two workers' start files")
+    def free_a_cpu_then_kill() -> None:
+        until(lambda: len(glob.glob(str(out / "start*"))) >= 2, timeout=600, what="the two workers' start files")
         ray.kill(hold)
+        killed.extend(kill_when_parked(out, ["victim.json"]))
 
-    grower = threading.Thread(target=free_a_cpu, daemon=True)
-    grower.start()
+    thread = threading.Thread(target=free_a_cpu_then_kill, daemon=True)
+    thread.start()
+    fn = functools.partial(worker.main, slow_first=True)
     try:
-        returned = train(worker.main, str(tmp_path), "", 2, 2, 3, num_workers=2, max_workers=3, heartbeat_s=20)
+        returned = train(fn, str(out), "1@6/3", 3, 2, 3, False, True, num_workers=2, max_workers=3, min_workers=1,
+                         heartbeat_s=20, max_failures=1)
     finally:
-        grower.join()
-    got = results(tmp_path)
-    assert sorted(got) == ["0", "1", "g1"], sorted(got)
-    record = got["0"]["record"]
-    assert all(r["record"] == record for r in got.values())
+        thread.join(timeout=60)
+    got = results(out)
+    return {"out": out, "got": got, "killed": killed, "returned": returned,
+            "history": got["0"]["history"] if "0" in got else []}
+
+
+def test_room_for_a_third_worker_mid_run_grows_the_job_from_2_to_3_workers(grown_then_late):
+    got, history = grown_then_late["got"], grown_then_late["history"]
+    assert sorted(got) == ["0", "g1"], sorted(got)  # rank 1 was lost after the growth (the late scenario)
+    record = check_exactly_once_and_oracle(got, epochs=3)  # every sample once per epoch, across the growth
     worlds = [w for _, w, _ in record]
-    assert worlds[0] == 2 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
-    assert [(h["joined"], h["left"]) for h in got["0"]["history"]] == [(["g1"], [])]
-    for epoch in (0, 1):  # every sample exactly once per epoch, across the growth
-        ids = [i for e, _, step in record for i in step if e == epoch]
-        assert ids == torch.randperm(loop.N, generator=torch.Generator().manual_seed(epoch)).tolist()
-    for r in got.values():
-        for have, want in zip(r["params"], loop.oracle(record), strict=True):
-            torch.testing.assert_close(torch.tensor(have), want, rtol=1e-5, atol=1e-6)
-    assert returned == {"id": "0", "steps": len(record)}
+    assert [(h["joined"], h["left"]) for h in history[:1]] == [(["g1"], [])], history
+    grown = worlds[:history[1]["step"]]  # the steps kept before the loss of the late scenario
+    assert grown[0] == 2 and grown[-1] == 3 and grown == sorted(grown), worlds
+    assert grown_then_late["returned"] == {"id": "0", "steps": len(record)}
+
+
+def test_a_replacement_arriving_after_training_ended_leaves_the_job_finished(grown_then_late):
+    got, history, killed = grown_then_late["got"], grown_then_late["history"], grown_then_late["killed"]
+    assert [v["id"] for v in killed] == ["1"] and "r1" not in got, (killed, sorted(got))
+    assert (grown_then_late["out"] / "late-r1").exists()  # r1 reached px.init() only after the others had finished
+    record = check_exactly_once_and_oracle(got, epochs=3)
+    assert [h["left"] for h in history] == [[], ["1"]], history  # the loss, and no join after it
+    assert grown_then_late["returned"] == {"id": "0", "steps": len(record)}
 
 
 def test_without_ray_train_is_one_line_naming_the_extra(monkeypatch):
@@ -150,48 +151,6 @@ def test_an_unreachable_ray_address_is_one_line_within_seconds(monkeypatch):
         _connect(ray, "127.0.0.1:1")
     assert "\n" not in str(err.value) and time.monotonic() - started < 15
     assert issubclass(ConfigError, PhalanxError)
-
-
-def test_a_replacement_arriving_after_training_ended_leaves_the_job_finished(cluster, tmp_path):
-    # Kill rank 1 before step 4; Ray's replacement r1 is held back (late=True) until the survivor wrote its result,
-    # so its px.init() finds training over. That is the end of a finished job, not a failure. Two workers: how many
-    # survive does not matter to a replacement that arrives after the end (a third is one more worker start).
-    killed: list = []
-    killer = threading.Thread(target=lambda: killed.extend(kill_when_parked(tmp_path, ["victim.json"])), daemon=True)
-    killer.start()
-    returned = train(worker.main, str(tmp_path), "1@4", 1, 2, 0, False, True, num_workers=2, min_workers=1,
-                     heartbeat_s=20, max_failures=1)
-    killer.join()
-    got = results(tmp_path)
-    assert sorted(got) == ["0"] and killed[0]["id"] == "1", sorted(got)
-    assert (tmp_path / "late-r1").exists()  # the replacement reached px.init() only after the others had finished
-    record = check_exactly_once_and_oracle(got, epochs=1)
-    assert [h["left"] for h in got["0"]["history"]] == [["1"]]
-    assert returned == {"id": "0", "steps": len(record)}
-
-
-def test_two_workers_killed_at_once_regroup_down_to_min_workers_and_finish(cluster, tmp_path):
-    # Ranks 1 and 2 park before step 4 and are killed together: worker 0 goes on alone (min_workers=1), and Ray
-    # replaces both; slow_below=3 makes worker 0 wait at each step until a replacement can be let in (offered a
-    # place at the next commit point, or ready to enter at it), so both join before the end (the last loss and the
-    # last join are not a race against Ray's start-up).
-    killed: list = []
-    names = ["victim1.json", "victim2.json"]
-    killer = threading.Thread(target=lambda: killed.extend(kill_when_parked(tmp_path, names)), daemon=True)
-    killer.start()
-    returned = train(worker.main, str(tmp_path), "1,2@4", 2, 2, 3, num_workers=3, min_workers=1, heartbeat_s=20,
-                     max_failures=2)
-    killer.join()
-    got = results(tmp_path)
-    assert sorted(v["id"] for v in killed) == ["1", "2"]
-    assert sorted(got) == ["0", "r1", "r2"], sorted(got)
-    record = check_exactly_once_and_oracle(got, epochs=2)
-    worlds = [w for _, w, _ in record]
-    history = got["0"]["history"]
-    assert sorted(history[0]["left"]) == ["1", "2"] and history[0]["step"] == 2  # both lost in one regroup
-    assert sorted(j for h in history for j in h["joined"]) == ["r1", "r2"]
-    assert worlds[:3] == [3, 3, 1] and worlds[-1] == 3, worlds
-    assert returned == {"id": "0", "steps": len(record)}
 
 
 def test_a_failed_run_is_one_line_naming_every_workers_failure_never_cut_at_a_colon():
@@ -223,11 +182,13 @@ def steps(out) -> list[dict]:
     return [json.loads(line) for line in open(path)] if path.exists() else []
 
 
-def fit_held(out, fn, num_workers: int, min_workers: int, heartbeat_s: float, max_failures: int):
-    """``train``'s trainer (raybackend.data_parallel_trainer), HeldConfig: replacements hold the controller."""
+def fit_held(out, fn, num_workers: int, min_workers: int, heartbeat_s: float, max_failures: int, armed: str = ""):
+    """``train``'s trainer (raybackend.data_parallel_trainer), HeldConfig: replacements hold the controller (those
+    started once ``out/<armed>`` exists, with ``armed``)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
-    cfg = worker.HeldConfig(num_workers=num_workers, min_workers=min_workers, heartbeat_s=heartbeat_s, out=str(out))
+    cfg = worker.HeldConfig(num_workers=num_workers, min_workers=min_workers, heartbeat_s=heartbeat_s, out=str(out),
+                            armed=armed)
     trainer = data_parallel_trainer(  # no test here loses this run's controller: no placement group to release
         training_function(fn), backend_config=cfg, pg_cleaner=False,
         scaling_config=ScalingConfig(num_workers=num_workers),
@@ -236,42 +197,131 @@ def fit_held(out, fn, num_workers: int, min_workers: int, heartbeat_s: float, ma
     return trainer.fit().return_value
 
 
-def test_a_second_loss_while_ray_train_replaces_the_first_is_survived(cluster, tmp_path):
-    # Rank 1 is killed before step 4. Ray Train's controller starts its replacement and is held there (HeldConfig),
-    # as a start of tens of seconds on a loaded machine holds it: it sees no other loss meanwhile. Rank 0 is killed
-    # as it enters the regroup the first loss caused. Worker 2 must regroup alone at once (the heartbeat watcher
-    # finds rank 0's actor dead), not wait out its quorum and fail with the state (the chaos soak's wedge). The
-    # survivors enter that regroup once the controller is held, so the quorum's bound counts from there.
+@pytest.fixture(scope="module")
+def three_faults(cluster, tmp_path_factory):
+    """One Ray Train run of 3 workers that sees three faults in sequence, each after the previous one's replacements
+    joined: one run for three scenarios (each Ray Train run costs a controller and three worker actors, seconds of
+    CPU each; a phase here costs only the replacements it needs). slow_below=3: while fewer than 3 train, each step
+    waits until a replacement can enter, so every replacement joins before the next phase and the end.
+
+    Phase 1 (test_kill_9...): rank 1 parks before step 4 and is SIGKILLed; the survivors 0 and 2 regroup (rolled
+    back to the commit of step 2) and Ray's replacement r1 joins.
+
+    Phase 2 (test_two_workers_killed_at_once...): 2 and r1 park at the first step from 8 on at which all three
+    train (``2,r1@8/3``) and are killed together: worker 0 goes on alone (min_workers=1), and Ray replaces both
+    (r2, r3).
+
+    Phase 3 (test_a_second_loss...): r2 parks once r2 and r3 both train (``r2@8/3``); the test arms the hold
+    (``armed``) and kills it. Ray Train's controller starts its replacement and is held there (HeldConfig), as a
+    start of tens of seconds on a loaded machine holds it: it sees no other loss meanwhile. r3 is killed as it enters
+    the regroup the loss caused. Worker 0 must regroup alone at once (the heartbeat watcher finds r3's actor dead),
+    not wait out its quorum and fail with the state (the chaos soak's wedge). The survivors enter that regroup once
+    the controller is held, so the quorum's bound counts from there. Ray replaces both (r4, r5).
+    """
+    out = tmp_path_factory.mktemp("three_faults")
     heartbeat_s = 20
-    regrouped: list = []
+    run: dict = {"killed": [], "regrouped": []}
 
     def kill() -> None:
-        kill_when_parked(tmp_path, ["victim.json"])
-        until(lambda: (tmp_path / "controller-held").exists() and (tmp_path / "victim-regroup.json").exists(),
-              timeout=300, what="the held controller and rank 0 inside its regroup")
-        os.kill(pid_of(tmp_path, "victim-regroup.json"), signal.SIGKILL)
+        run["killed"].append(kill_when_parked(out, ["victim.json"]))
+        run["killed"].append(kill_when_parked(out, ["victim2.json", "victimr1.json"]))
+        until(lambda: (out / "victimr2.json").exists(), timeout=600, what="r2 parked for phase 3")
+        (out / "armed").touch()  # before its kill: its replacement's start holds the controller, the regroup waits
+        third = kill_when_parked(out, ["victimr2.json"])
+        until(lambda: (out / "controller-held").exists() and (out / "victim-regroup.json").exists(),
+              timeout=300, what="the held controller and r3 inside its regroup")
+        run["killed"].append(third + [json.load(open(out / "victim-regroup.json"))])
+        os.kill(pid_of(out, "victim-regroup.json"), signal.SIGKILL)
         killed_at = time.time()
-        try:  # worker 2's next step, within its quorum's bound (heartbeat + 10 s) and a margin
-            until(lambda: any(s["id"] == "2" and s["t"] > killed_at for s in steps(tmp_path)),
-                  timeout=heartbeat_s + 25, what="worker 2's step after the second loss")
-            regrouped.append(True)
+        try:  # worker 0's next step, within its quorum's bound (heartbeat + 10 s) and a margin
+            until(lambda: any(s["id"] == "0" and s["t"] > killed_at for s in steps(out)),
+                  timeout=heartbeat_s + 25, what="worker 0's step after the second loss")
+            run["regrouped"].append(True)
         except AssertionError:
-            regrouped.append(False)
-        (tmp_path / "release-controller").touch()
+            run["regrouped"].append(False)
+        (out / "release-controller").touch()
 
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()
-    fn = functools.partial(worker.main, str(tmp_path), "1@4", 2, 2, 3, regroup_victim="0")
-    returned = fit_held(tmp_path, fn, num_workers=3, min_workers=1, heartbeat_s=heartbeat_s, max_failures=2)
-    killer.join()
-    assert regrouped == [True]
-    got = results(tmp_path)
-    assert sorted(got) == ["2", "r1", "r2"], sorted(got)
-    record = check_exactly_once_and_oracle(got, epochs=2)
-    history = got["2"]["history"]
-    assert sorted(history[0]["left"]) == ["0", "1"] and history[0]["world_size"] == 1, history[0]
-    assert sorted(j for h in history for j in h["joined"]) == ["r1", "r2"]
-    assert returned is None or returned["steps"] == len(record)
+    fn = functools.partial(worker.main, str(out), "1@4;2,r1@8/3;r2@8/3", 4, 2, 3, regroup_victim="r3",
+                           regroup_armed="armed", slow_for=400)
+    run["error"] = None
+    try:
+        run["returned"] = fit_held(out, fn, num_workers=3, min_workers=1, heartbeat_s=heartbeat_s, max_failures=5,
+                                   armed="armed")
+    except Exception as err:  # noqa: BLE001 - each scenario's test says where the run ended (phases reached)
+        run["error"] = f"the run failed after {len(run['killed'])} of 3 phases' kills: {type(err).__name__}: {err}"
+    finally:
+        (out / "release-controller").touch()  # a killer still waiting must not hold the controller past the run
+    killer.join(timeout=60)
+    got = results(out)
+    run["got"], run["out"], run["history"] = got, out, got["0"]["history"] if "0" in got else []
+    return run
+
+
+def regroup(history: list[dict], lost: str) -> tuple[int, dict]:
+    """The index and entry of the regroup in which worker ``lost`` left."""
+    found = [(i, h) for i, h in enumerate(history) if lost in h["left"]]
+    assert len(found) == 1, (lost, history)
+    return found[0]
+
+
+def joined_between(history: list[dict], start: int, end: int) -> list[str]:
+    return sorted(j for h in history[start:end] for j in h["joined"])
+
+
+def test_kill_9_a_worker_actor_survivors_regroup_and_ray_replaces_it(three_faults):
+    assert three_faults["error"] is None, three_faults["error"][:3000]
+    got, killed, history = three_faults["got"], three_faults["killed"], three_faults["history"]
+    out = three_faults["out"]
+    assert [v["id"] for v in killed[0]] == ["1"], killed
+    # the survivor kept its process (same pid as at the start); every worker that started and was not killed wrote
+    # its result (Ray's replacements r1-r3 were themselves lost in the later phases)
+    assert sorted(got) == ["0", "r4", "r5"], sorted(got)
+    victims = [v for phase in killed for v in phase]
+    assert all(r["pid"] != v["pid"] for r in got.values() for v in victims)
+    starts = sorted(os.path.basename(p) for p in glob.glob(str(out / "start*")))
+    assert starts == sorted([f"start{v['id']}-{v['pid']}" for v in victims]
+                            + [f"start{k}-{r['pid']}" for k, r in got.items()]), starts
+    record = check_exactly_once_and_oracle(got, epochs=4)  # every sample once per epoch, in the epoch's order
+    worlds = [w for _, w, _ in record]
+    # phase 1: 1 left alone, then r1 joined alone
+    assert [h["left"] for h in history[:2]] == [["1"], []] and [h["joined"] for h in history[:2]] == [[], ["r1"]]
+    # parked before step 4, so the others roll back to the commit of step 2: 3 workers, then 2, then 3 with r1
+    assert worlds[:3] == [3, 3, 2] and history[0]["step"] == 2 and history[1]["world_size"] == 3, worlds
+    assert worlds[-1] == 3, worlds
+    assert three_faults["returned"] == {"id": "0", "steps": len(record)}
+
+
+def test_two_workers_killed_at_once_regroup_down_to_min_workers_and_finish(three_faults):
+    assert three_faults["error"] is None, three_faults["error"][:3000]
+    got, killed, history = three_faults["got"], three_faults["killed"], three_faults["history"]
+    assert sorted(v["id"] for v in killed[1]) == ["2", "r1"], killed
+    record = check_exactly_once_and_oracle(got, epochs=4)
+    worlds = [w for _, w, _ in record]
+    at, h = regroup(history, "2")
+    assert sorted(h["left"]) == ["2", "r1"] and h["world_size"] == 1, h  # both lost in one regroup, down to 1
+    # 3 workers when they were lost; rolled back to the commit of the regroup, then worker 0 alone
+    assert h["was"] == 3 and worlds[h["step"]] == 1, (h, worlds)
+    # Ray replaced both, and both joined before the next loss
+    after, _ = regroup(history, "r2")
+    assert joined_between(history, at + 1, after) == ["r2", "r3"], history
+    assert history[after - 1]["world_size"] == 3, history
+    assert three_faults["returned"] == {"id": "0", "steps": len(record)}
+
+
+def test_a_second_loss_while_ray_train_replaces_the_first_is_survived(three_faults):
+    got, killed, history = three_faults["got"], three_faults["killed"], three_faults["history"]
+    # worker 0 regrouped alone within its quorum's bound ([]: the run ended before this phase)
+    assert three_faults["regrouped"] == [True], three_faults["error"]
+    assert three_faults["error"] is None, three_faults["error"][:3000]
+    assert [v["id"] for v in killed[2]] == ["r2", "r3"], killed
+    assert sorted(got) == ["0", "r4", "r5"], sorted(got)
+    record = check_exactly_once_and_oracle(got, epochs=4)
+    at, h = regroup(history, "r2")
+    assert sorted(h["left"]) == ["r2", "r3"] and h["world_size"] == 1, h
+    assert joined_between(history, at + 1, len(history)) == ["r4", "r5"], history
+    assert three_faults["returned"] == {"id": "0", "steps": len(record)}
 
 
 def test_every_holder_of_the_state_lost_ends_the_job_with_one_line_naming_the_newest_checkpoint(cluster, tmp_path):

@@ -13,7 +13,14 @@ while fewer than 3 workers train, each step waits until Ray's replacement has as
 so it enters before training ends. ``kill="1@4;0,2@8"``: a second group of victims parks before step 8 after the
 first regroup (each group once, after as many regroups as groups before it). ``regroup_victim="0"``: every worker
 entering its first regroup waits for ``controller-held`` (see :class:`HeldConfig`), and that one parks there
-(``victim-regroup.json``). ``checkpoint=DIR``: ``px.save_checkpoint`` to
+(``victim-regroup.json``); with ``regroup_armed=NAME`` it is instead the first regroup each worker enters once
+``out/NAME`` exists (a later loss of a run that already regrouped). ``kill="1@4;2,r1@8/3"``: a group with ``/W``
+parks at the first step from 8 on at which the group has had W workers for a whole commit interval (all of them at
+the same step: they train in step; the commit at the end of it keeps steps at W workers through the rollback), so a
+later phase can follow the replacements' joins, whenever they came. ``slow_for``: how long after the
+start ``slow_below`` waits for joiners at all (a run with several phases needs longer than one);
+``slow_first=True``: it waits only until the group first changed (a later replacement may be one held back).
+``checkpoint=DIR``: ``px.save_checkpoint`` to
 ``DIR/step-<n>`` after every ``save_every``-th commit (the record in its ``extra``; rank 0 then writes
 ``saved-<n>``), and a run given ``resume_from_checkpoint`` starts from ``px.resume_from()``. ``hold_replacements``:
 a replacement waits before ``px.init()`` for ``DIR/release-replacements``. Every step appends
@@ -54,9 +61,12 @@ def wait_for_joiner(state: px.elastic.State, deadline: float) -> None:
     from phalanx.elastic.membership import key
 
     store, members = state.worker.store, set(state.worker.membership.members)
+    # a joiner that entered earlier and was lost since is no joiner to wait for (its offer and ready keys stay)
+    entered = {w for h in state.history for w in h["joined"] + h["left"]}
 
     def next_commit_lets_one_in() -> bool:
-        asked = set(json.loads(store.get(key("joiners")))) - members if store.check([key("joiners")]) else set()
+        asked = set(json.loads(store.get(key("joiners")))) - members - entered if store.check([key("joiners")]) \
+            else set()
         return any(not store.check([key("offer", j)]) or store.check([key("ready", j)]) for j in asked)
 
     try:
@@ -90,9 +100,11 @@ def park(out: str, name: str, me: str, stop: bool = False) -> None:
 
 def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_below: int = 0,
          stop: bool = False, late: bool = False, *, regroup_victim: str = "", checkpoint: str = "",
-         save_every: int = 1, hold_replacements: bool = False) -> dict:
+         save_every: int = 1, hold_replacements: bool = False, regroup_armed: str = "",
+         slow_for: float = 120.0, slow_first: bool = False) -> dict:
     me = elastic_id()
-    groups = [(spec.split(","), int(at)) for spec, _, at in (k.partition("@") for k in kill.split(";") if k)]
+    groups = [(spec.split(","), int(at.partition("/")[0]), int(at.partition("/")[2] or -1))
+              for spec, _, at in (k.partition("@") for k in kill.split(";") if k)]
     victims = groups[0][0] if groups else []
     open(os.path.join(out, f"start{me}-{os.getpid()}"), "w").close()  # a restarted worker would leave a second one
     if late and me.startswith("r"):
@@ -109,12 +121,14 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
     comm = px.Comm()
     began = time.monotonic()
     if regroup_victim:
-        recover = state.recover
+        recover, held = state.recover, [False]
 
         def held_recover(*a, **k):  # type: ignore[no-untyped-def]
             # every survivor enters its first regroup only once Ray Train's controller is held (HeldConfig), so the
             # quorum's wait starts then, however long Ray took to get there; the victim parks inside it
-            if not state.history:
+            armed = os.path.exists(os.path.join(out, regroup_armed)) if regroup_armed else not state.history
+            if armed and not held[0]:
+                held[0] = True
                 until(lambda: os.path.exists(os.path.join(out, "controller-held")), timeout=300,
                       what=f"worker {me}: the held controller")
                 if me == regroup_victim:
@@ -141,18 +155,26 @@ def main(out: str, kill: str = "", epochs: int = 2, commit_every: int = 2, slow_
                 joining[0] = False
         state.commit, state.join = saving_commit, entering  # type: ignore[method-assign]
 
+    full: dict[int, int] = {}  # per ``/W`` group: the step from which the group has had W workers
+
     @px.elastic.run
     def train(state: px.elastic.State) -> None:
         for epoch, x, y, ids in epoch_batches(state, loader, epochs):
-            for n, (these, at) in enumerate(groups):
-                if me in these and state.step + 1 == at and len(state.history) == n:
+            for n, (these, at, after) in enumerate(groups):
+                if after >= 0 and px.world_size() != after:
+                    full.pop(n, None)
+                elif after >= 0:
+                    full.setdefault(n, state.step)  # the step at which the group last reached W workers
+                due = state.step + 1 == at and len(state.history) == n if after < 0 else (
+                    state.step + 1 >= at and n in full and state.step - full[n] >= commit_every)
+                if me in these and due:
                     park(out, "victim.json" if n == 0 and len(these) == 1 else f"victim{me}.json", me, stop)
             record.steps.append([epoch, px.world_size(), group_ids(comm, ids, BATCH)])  # the whole group's
             take_step(model_, opt, x, y, loss=F.mse_loss)
             with open(os.path.join(out, "steps.jsonl"), "a") as f:
                 f.write(json.dumps({"id": me, "step": state.step, "t": time.time()}) + "\n")
-            if px.world_size() < slow_below:
-                wait_for_joiner(state, deadline=began + 120)
+            if px.world_size() < slow_below and not (slow_first and state.history):
+                wait_for_joiner(state, deadline=began + slow_for)
 
     train(state)
     write_worker(out, me, model_, record.steps, state.history, pid=os.getpid(), rank=px.rank())
@@ -166,6 +188,8 @@ class HeldConfig(PhalanxConfig):
 
     out: str = ""
     hold_s: float = 120.0
+    armed: str = ""  # if set: only replacements started once ``out/<armed>`` exists are held
+
 
     @property
     def backend_cls(self) -> type:
@@ -174,7 +198,8 @@ class HeldConfig(PhalanxConfig):
 
 class HeldBackend(_PhalanxBackend):
     def on_start(self, worker_group, backend_config) -> None:  # type: ignore[no-untyped-def]
-        if self.job is not None:  # a replacement: Ray Train's controller waits here, its view of the workers too
+        armed = not backend_config.armed or os.path.exists(os.path.join(backend_config.out, backend_config.armed))
+        if self.job is not None and armed:  # a replacement: Ray Train's controller waits here, its view of the workers
             open(os.path.join(backend_config.out, "controller-held"), "w").close()
             try:
                 until(lambda: os.path.exists(os.path.join(backend_config.out, "release-controller")),
