@@ -10,7 +10,7 @@ import os
 import subprocess
 
 import pytest
-from support.procs import run_cli
+from support.forked_launch import run_cli
 
 
 SCRIPT = """\
@@ -41,8 +41,8 @@ for step in range(1000):  # rank 0 would train on
 def launch(tmp_path, mode: str, *flags: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    # the launcher forks from the server that imported torch once (its own process; no fresh interpreter)
-    return run_cli(["run", "-n", "2", "--elastic", *flags, str(script), mode, str(tmp_path)], timeout=240)
+    # the launcher is a fork of this process, its workers forks of one preloaded server (no fresh interpreter)
+    return run_cli(["run", "-n", "2", "--elastic", *flags, str(script), mode, str(tmp_path)], str(tmp_path), 240)
 
 
 @pytest.mark.multiproc

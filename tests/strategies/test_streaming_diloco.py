@@ -22,7 +22,8 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.strategies.streaming_diloco import balanced_split
 from support.loop import lockstep
-from support.procs import run_cli, run_workers
+from support.forked_launch import run_cli
+from support.procs import run_workers
 from workers import streaming
 from support.paths import TESTS
 
@@ -338,7 +339,7 @@ def launch(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     cut = flags.index("--")
     cmd = ["run", "-n", "3", "--elastic", "--min-workers", "2", *flags[:cut], WORKER, "--out", str(tmp_path),
            *flags[cut + 1:]]
-    proc = run_cli(cmd, timeout=180)  # the launcher forks from the server that imported torch once
+    proc = run_cli(cmd, str(tmp_path), 180)  # a fork of this process; its workers fork from one preloaded server
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
 

@@ -18,7 +18,7 @@ from typing import Any
 from phalanx.bench import procs
 from phalanx.bench.procs import WorkerRun, free_port
 
-__all__ = ["WorkerRun", "free_port", "kill_at", "reap", "run_cli", "run_workers", "shared_run"]
+__all__ = ["WorkerRun", "free_port", "kill_at", "reap", "run_workers", "shared_run"]
 
 
 def run_workers(target: str, world_size: int = 2, **options: Any) -> WorkerRun:
@@ -63,30 +63,3 @@ def reap(*procs: subprocess.Popen | None) -> None:
         if p is not None and p.poll() is None:
             p.kill()
             p.wait()
-
-
-def run_cli(args: list[str], *, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``phalanx ARGS`` (the CLI's entry point, as ``phalanx run`` is started) in a process forked from the fork
-    server that imported torch once, instead of a fresh interpreter; its stdout and stderr together, in both
-    ``stdout`` and ``stderr`` of the result (the launcher writes its lines to stderr).
-
-    The launcher is still a process of its own (its own signals, its own fork server for its workers); only the
-    interpreter's start-up (importing torch) is skipped. On ``timeout`` it is killed and the wait fails.
-
-    Example:
-        >>> proc = run_cli(["--help"], timeout=120)  # doctest: +SKIP
-    """
-    import tempfile
-
-    from phalanx.launch.workers import start_worker
-    code = "import sys; from phalanx.cli import main; sys.exit(main())"
-    with tempfile.TemporaryDirectory(prefix="phalanx-cli-") as out:
-        log = os.path.join(out, "cli.log")
-        proc = start_worker("forkserver", ["-c", code, *args], dict(os.environ if env is None else env), log=log)
-        try:
-            rc = proc.wait(timeout)
-        finally:
-            reap(proc)  # type: ignore[arg-type]
-        with open(log, errors="replace") as f:
-            text = f.read()
-    return subprocess.CompletedProcess(["phalanx", *args], rc, text, text)
