@@ -44,7 +44,9 @@ def _full_disk_job(full: str, out) -> dict:
         procs.append(subprocess.Popen([sys.executable, "-u", SCRIPT, "full-disk", full, str(out / "other"), str(out)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        outs = [p.communicate(timeout=120) for p in procs]
+        # a bound on a hang only (it waits for nothing): beside the module's two elastic jobs, two fresh
+        # interpreters on a heavily loaded machine took more than 120 s
+        outs = [p.communicate(timeout=300) for p in procs]
     finally:
         reap(*procs)
     return {"full": full, "out": out, "codes": [p.returncode for p in procs], "errs": [err for _, err in outs],

@@ -67,12 +67,11 @@ def torch_close(got, want) -> None:
 
 SECRET = "0123456789abcdef" * 4  # the tests' job secret (the launcher takes PHALANX_SECRET when it is set)
 HEARTBEAT_S = 3  # the door job's heartbeat timeout: a joiner with no process behind it is dropped after this
-# the door job's timeout (PHALANX_TIMEOUT): what a live joiner that never reaches training costs the members, which
-# the test waits out. Derived from the heartbeat timeout: above it, so that the idle joiner is dropped by this bound
-# (max(timeout, heartbeat) after its offer), not by a silent heartbeat (its heartbeat runs); twice it, so that a gloo
-# collective or a rebuild of the door job's 2-3 forked workers beside two busy loops (a second or two) stays far
-# inside it. (It was 4x: 6 s of the test waited out for nothing.)
-TIMEOUT_S = 2 * HEARTBEAT_S
+# the door job's timeout (PHALANX_TIMEOUT): what a live joiner that never reaches training costs the members. Derived
+# from the heartbeat timeout, far enough above it that the idle joiner is dropped by this bound, not by a silent
+# heartbeat (its heartbeat runs), and high enough for a gloo collective beside two busy loops. (2x was tried: on a
+# machine loaded far past two busy loops, load 37, the door job ended during the idle joiner's wait.)
+TIMEOUT_S = 4 * HEARTBEAT_S
 
 
 def start_door(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
@@ -118,9 +117,8 @@ def door(tmp_path_factory) -> dict:
     What listens on its store's port is read at once, while the job runs (whatever order the tests run in).
     """
     out = tmp_path_factory.mktemp("door")
-    # forked workers, as the suite's tests get them (a module fixture runs before conftest's per-test setting)
     launcher, port = start_door(out, "--heartbeat-timeout", str(HEARTBEAT_S), "--max-workers", "3",  # room for one
-                                env={"PHALANX_TIMEOUT": str(TIMEOUT_S), "PHALANX_START_METHOD": "forkserver"})
+                                env={"PHALANX_TIMEOUT": str(TIMEOUT_S)})
     job = {"out": out, "launcher": launcher, "port": port, "listening": listening(port)}
     yield job
     if launcher.poll() is None:  # a test failed before it ended the job
