@@ -2,10 +2,10 @@
 
 A job started as ``python -c "from phalanx.cli import main; ..."`` pays a fresh interpreter importing torch for its
 launcher (about 1.4 CPU s) and, with ``--start-method forkserver``, a fork server that imports torch, dynamo, DCP,
-FSDP and phalanx (about 2.8 CPU s) before its first worker starts. Here the launcher is a fork of the test process
-(which imported torch and phalanx already) running the same ``phalanx.cli.main``, and every launcher of this test
-process forks its workers from ONE preloaded fork server, started once in the environment an elastic launcher gives
-its workers' server (``OMP_NUM_THREADS=1``, ``TORCH_CPP_LOG_LEVEL=ERROR``). Each worker is still its own process,
+FSDP and phalanx (about 2.8 CPU s) before its first worker starts. Here ONE preloaded fork server per test process,
+started once in the environment an elastic launcher gives its workers' server (``OMP_NUM_THREADS=1``,
+``TORCH_CPP_LOG_LEVEL=ERROR``), forks each launcher (running the same ``phalanx.cli.main`` in the test's environment)
+and every launcher's workers. Each worker is still its own process,
 forked from a server that imported torch and nothing else, with its own environment set in it
 (:func:`phalanx.launch.workers._run`), exactly as ``--start-method forkserver`` forks it; the launcher runs the
 same code as the ``phalanx`` script. Use it where a test does not test the launcher's own process start (a test
@@ -20,8 +20,9 @@ import atexit
 import functools
 import glob
 import json
+import multiprocessing
+import multiprocessing.process
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -64,34 +65,29 @@ def _stop(server: forkserver.ForkServer) -> None:
 
 
 class Launcher:
-    """A launcher forked by :func:`start_cli`: the part of :class:`subprocess.Popen` the tests use (``pid``,
+    """A launcher started by :func:`start_cli`: the part of :class:`subprocess.Popen` the tests use (``pid``,
     ``returncode``, ``poll``, ``wait``, ``kill``, ``communicate``); its output is in ``OUT/launcher.{out,err}``.
 
     Example:
         >>> # launcher = start_cli(argv, str(tmp_path)); stderr = launcher.communicate(timeout=120)[1]
     """
 
-    def __init__(self, pid: int, argv: list[str], paths: tuple[str, str]) -> None:
-        self.pid, self.args, self.paths = pid, argv, paths
+    def __init__(self, proc: multiprocessing.process.BaseProcess, argv: list[str], paths: tuple[str, str]) -> None:
+        self._proc, self.args, self.paths = proc, argv, paths
+        self.pid: int = proc.pid  # type: ignore[assignment]
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+        if self.returncode is None and not self._proc.is_alive():
+            self.returncode = self._proc.exitcode  # as Popen's: negative for a signal
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            pidfd = os.pidfd_open(self.pid)
-            try:  # readable once the launcher exited
-                if not select.select([pidfd], [], [], timeout)[0]:
-                    raise subprocess.TimeoutExpired(self.args, timeout or 0.0, stderr=open(self.paths[1]).read())
-            finally:
-                os.close(pidfd)
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return self.returncode
+            self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0, stderr=open(self.paths[1]).read())
+        return self.returncode  # type: ignore[return-value]
 
     def kill(self) -> None:
         if self.returncode is None:
@@ -125,53 +121,71 @@ def run_cli(argv: Sequence[str], out: str, timeout: float, env: dict[str, str] |
 def start_cli(argv: Sequence[str], out: str, env: dict[str, str] | None = None) -> Launcher:
     """:func:`run_cli` without waiting: the launcher's handle.
 
+    The launcher is forked from :func:`_server` too, not from this process: a test process that ran Ray (its gRPC
+    threads) or any other threads is no safe parent for a fork (the suite's forked launchers died of SIGSEGV after
+    the Ray file had run in their xdist worker), while the server imported torch and phalanx and nothing else.
+
     Example:
         >>> # launcher = start_cli(["run", "-n", "2", "--elastic", WORKER, "--out", str(tmp_path)], str(tmp_path))
     """
     server = _server()
     paths = os.path.join(out, "launcher.out"), os.path.join(out, "launcher.err")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the launcher
-        code: int = 1
+    environ = {**os.environ, **(env or {})}
+    environ.setdefault("PHALANX_START_METHOD", "forkserver")  # a module fixture's job too: the server
+    ctx = multiprocessing.get_context("forkserver")
+    proc = ctx.Process(target=_launcher, args=(list(argv), paths, environ, server._forkserver_address), daemon=False)
+    # multiprocessing starts a process through its module-level server: ours, for this one start
+    saved = {name: getattr(forkserver, name) for name in _SERVER_FUNCTIONS}
+    try:
+        for name in _SERVER_FUNCTIONS:
+            setattr(forkserver, name, getattr(server, name))
+        proc.start()
+    finally:
+        for name, function in saved.items():
+            setattr(forkserver, name, function)
+    return Launcher(proc, ["phalanx", *argv], paths)
+
+
+def _launcher(argv: list[str], paths: tuple[str, str], environ: dict[str, str], address: str) -> None:
+    """In the launcher, forked from the shared server: its output to ``paths``, this test's environment, its
+    workers forked from the same server (whose address it is given), then ``phalanx ARGV``."""
+    code: int = 1
+    try:
+        for fd, path in zip((1, 2), paths):
+            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)  # workers append too
+            os.dup2(opened, fd)
+            os.close(opened)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(environ)
+        # the server's child already holds the server's alive descriptor (multiprocessing.forkserver._serve_one);
+        # given its address, it asks the same server for its workers; the server runs (a dead one fails the job's
+        # first worker start, which the test sees)
+        forkserver._forkserver._forkserver_address = address
+        forkserver.ensure_running = lambda: None  # type: ignore[assignment]
+        forkserver._forkserver.ensure_running = lambda: None  # type: ignore[method-assign]
+        forkserver._forkserver._forkserver_pid = -1  # phalanx.launch.workers._start_server: it is running
+        # a worker forked from the shared server inherits the server's stdout and stderr, not this launcher's:
+        # it points them at this job's files first (appending, as the launcher does: one stream, in time order)
+        from phalanx.launch import workers
+        workers._run = functools.partial(_worker, paths)
+        from phalanx.cli import main
+        sys.argv = ["phalanx", *argv]
+        code = main(list(argv))
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed, as the interpreter would, and exit 1
+        traceback.print_exc()
+    finally:
         try:
-            for fd, path in zip((1, 2), paths):
-                opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)  # workers append too
-                os.dup2(opened, fd)
-                os.close(opened)
-            sys.stdout = open(1, "w", buffering=1, closefd=False)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_DFL)
-            atexit._clear()  # the test process's exit handlers are not the launcher's
-            # the server is this process's sibling now, not its child: ensure_running's waitpid would fail, and it
-            # is running (a dead one fails the job's first worker start, which the test sees)
-            server.ensure_running = lambda: None  # type: ignore[method-assign]
-            forkserver._forkserver = server
-            for name in _SERVER_FUNCTIONS:
-                setattr(forkserver, name, getattr(server, name))
-            os.environ.update(env or {})
-            os.environ.setdefault("PHALANX_START_METHOD", "forkserver")  # a module fixture's job too: the server
-            # a worker forked from the shared server inherits the server's stdout and stderr, not this launcher's:
-            # it points them at this job's files first (appending, as the launcher does: one stream, in time order)
-            from phalanx.launch import workers
-            workers._run = functools.partial(_worker, paths)
-            from phalanx.cli import main
-            sys.argv = ["phalanx", *argv]
-            code = main(list(argv))
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        except BaseException:  # noqa: BLE001 - printed, as the interpreter would, and exit 1
-            traceback.print_exc()
+            atexit._run_exitfuncs()  # the launcher's own (its run folder removed); multiprocessing would skip them
+            sys.stdout.flush()
+            sys.stderr.flush()
         finally:
-            try:
-                atexit._run_exitfuncs()  # the launcher's own (its run folder removed)
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code if isinstance(code, int) else 1)
-    return Launcher(pid, ["phalanx", *argv], paths)
+            os._exit(code if isinstance(code, int) else 1)
 
 
 def _worker(paths: tuple[str, str], argv: list[str], env: dict[str, str], cwd: str, log: str | None) -> None:
