@@ -17,17 +17,16 @@ import torch
 from workers import checkpoint_async as W
 
 import phalanx as px
-from support.procs import free_port
+from support.procs import free_port, reap
 
 SCRIPT = W.__file__
 CLI = [sys.executable, "-m", "phalanx.cli"]
 
 
-@pytest.fixture
-def full_disk(tmp_path):
+@pytest.fixture(scope="module")
+def full_disk(tmp_path_factory):
     """A 64 KiB tmpfs: a checkpoint's files fit in part, then writes fail with ENOSPC, as on a full disk."""
-    where = tmp_path / "full"
-    where.mkdir()
+    where = tmp_path_factory.mktemp("full")
     if os.geteuid() != 0 or not shutil.which("mount"):
         pytest.skip("needs root to mount a small tmpfs as a full disk (CI runs as root)")
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True)
@@ -37,33 +36,79 @@ def full_disk(tmp_path):
     subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-@pytest.mark.multiproc
-def test_a_handled_failure_does_not_fail_the_next_save_and_an_unwaited_one_ends_the_process_in_one_line(
-        tmp_path, full_disk):
+def _full_disk_job(full: str, out) -> dict:
     port, procs = free_port(), []
     for rank in (0, 1):  # as torchrun starts them: real interpreters, whose exit is what is tested
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-u", SCRIPT, "full-disk", full_disk,
-                                       str(tmp_path / "other"), str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=120) for p in procs]
-    for rank, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
-        result = json.load(open(tmp_path / f"rank{rank}.json"))
-        assert full_disk in result["raised"]  # wait() raised the full disk's error, once...
-        assert result["other_step"] == 2  # ...and the next save, to another disk, was written
-        # the second failure, never waited for: one line at exit, status 1, no traceback, no abort (rc 134)
-        assert p.returncode == 1, (rank, p.returncode, err[-3000:])
-        said = [line for line in err.splitlines() if line.startswith("phalanx: error at exit: CheckpointError:")]
-        assert len(said) == 1 and full_disk in said[0], err[-3000:]
-        assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
-    assert os.listdir(full_disk) == []  # both failed saves removed their temporaries
+        procs.append(subprocess.Popen([sys.executable, "-u", SCRIPT, "full-disk", full, str(out / "other"), str(out)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        # a bound on a hang only (it waits for nothing): beside the module's two elastic jobs, two fresh
+        # interpreters on a heavily loaded machine took more than 120 s
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        reap(*procs)
+    return {"full": full, "out": out, "codes": [p.returncode for p in procs], "errs": [err for _, err in outs],
+            "left": os.listdir(full)}
+
+
+def _elastic_job(out, *victim: str) -> dict:
+    # forked workers, as the suite's tests get them (a module fixture runs before conftest's per-test setting)
+    env = {**os.environ, "PHALANX_START_METHOD": "forkserver"}
+    proc = subprocess.run([*CLI, "run", "-n", str(2 + len(victim)), "--elastic", "--min-workers", "1", SCRIPT,
+                           "elastic", str(out), *victim], capture_output=True, text=True, timeout=480, env=env)
+    return {"out": out, "proc": proc}
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory, request) -> dict:
+    """The three jobs of this module, started at once (threads), each read by its own test.
+
+    Each job is its own processes on its own store; they mostly wait (for a writer process's torch import, a
+    regroup, a worker's start-up), so one after the other they left the cores idle. The full-disk job runs only
+    where its tmpfs can be mounted (its test skips otherwise).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+    jobs = {"lost-rank-0": lambda: _elastic_job(tmp_path_factory.mktemp("lost0")),
+            "lost-rank-2": lambda: _elastic_job(tmp_path_factory.mktemp("lost2"), "2")}
+    try:
+        full = request.getfixturevalue("full_disk")
+        jobs["full-disk"] = lambda: _full_disk_job(full, tmp_path_factory.mktemp("fulldisk"))
+    except pytest.skip.Exception as skipped:  # its test raises it: skipped, as before
+        jobs["full-disk"] = lambda why=skipped: why
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: f.exception() or f.result() for name, f in futures.items()}
+
+
+def _outcome(saves: dict, name: str):
+    got = saves[name]
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 @pytest.mark.multiproc
-def test_an_asynchronous_save_cut_by_a_lost_worker_leaves_nothing_after_the_next_save(tmp_path):
-    proc = subprocess.run([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", SCRIPT, "elastic",
-                           str(tmp_path)], capture_output=True, text=True, timeout=480)
+def test_a_handled_failure_does_not_fail_the_next_save_and_an_unwaited_one_ends_the_process_in_one_line(saves):
+    job = _outcome(saves, "full-disk")
+    tmp_path = job["out"]
+    for rank, (code, err) in enumerate(zip(job["codes"], job["errs"], strict=True)):
+        result = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert job["full"] in result["raised"]  # wait() raised the full disk's error, once...
+        assert result["other_step"] == 2  # ...and the next save, to another disk, was written
+        # the second failure, never waited for: one line at exit, status 1, no traceback, no abort (rc 134)
+        assert code == 1, (rank, code, err[-3000:])
+        said = [line for line in err.splitlines() if line.startswith("phalanx: error at exit: CheckpointError:")]
+        assert len(said) == 1 and job["full"] in said[0], err[-3000:]
+        assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
+    assert job["left"] == []  # both failed saves removed their temporaries
+
+
+@pytest.mark.multiproc
+def test_an_asynchronous_save_cut_by_a_lost_worker_leaves_nothing_after_the_next_save(saves):
+    job = _outcome(saves, "lost-rank-0")
+    proc, tmp_path = job["proc"], job["out"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     survivor = json.load(open(tmp_path / "worker1.json"))
     assert survivor["history"] == [["0"]]  # the worker started as rank 0 was lost...
@@ -76,13 +121,13 @@ def test_an_asynchronous_save_cut_by_a_lost_worker_leaves_nothing_after_the_next
 
 
 @pytest.mark.multiproc
-def test_an_abandoned_asynchronous_save_posts_nothing_where_the_next_generation_saves(tmp_path):
+def test_an_abandoned_asynchronous_save_posts_nothing_where_the_next_generation_saves(saves):
     # Three workers, the one started as rank 2 killed half-way through an asynchronous save: rank 0 of the cut save
     # survives, and its save ends (its writer killed at the regroup) after the new generation formed. The new
     # generation counts its saves afresh, so its first save uses the cut save's key: rank 0's late "not written"
     # posted there was read by rank 1 as the new save's outcome (a stale CheckpointError, the job ended).
-    proc = subprocess.run([*CLI, "run", "-n", "3", "--elastic", "--min-workers", "1", SCRIPT, "elastic",
-                           str(tmp_path), "2"], capture_output=True, text=True, timeout=480)
+    job = _outcome(saves, "lost-rank-2")
+    proc, tmp_path = job["proc"], job["out"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     survivors = {w: json.load(open(tmp_path / f"worker{w}.json")) for w in ("0", "1")}
     for survivor in survivors.values():

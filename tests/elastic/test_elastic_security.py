@@ -17,6 +17,7 @@ import time
 
 import pytest
 from support.paths import TESTS
+from support.procs import reap
 from support.wait import until
 
 WORKER = os.path.join(TESTS, "workers", "elastic.py")
@@ -68,7 +69,8 @@ SECRET = "0123456789abcdef" * 4  # the tests' job secret (the launcher takes PHA
 HEARTBEAT_S = 3  # the door job's heartbeat timeout: a joiner with no process behind it is dropped after this
 # the door job's timeout (PHALANX_TIMEOUT): what a live joiner that never reaches training costs the members. Derived
 # from the heartbeat timeout, far enough above it that the idle joiner is dropped by this bound, not by a silent
-# heartbeat (its heartbeat runs), and high enough for a gloo collective beside two busy loops.
+# heartbeat (its heartbeat runs), and high enough for a gloo collective beside two busy loops. (2x was tried: on a
+# machine loaded far past two busy loops, load 37, the door job ended during the idle joiner's wait.)
 TIMEOUT_S = 4 * HEARTBEAT_S
 
 
@@ -145,16 +147,25 @@ def test_refused_joins_and_joiners_that_never_arrive_leave_the_job_untouched(doo
     tmp_path, launcher, port = door["out"], door["launcher"], door["port"]
     join = [*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", DOOR, "--out", str(tmp_path)]
     bare = {k: v for k, v in os.environ.items() if k != "PHALANX_SECRET"}
-    without = subprocess.run(join, capture_output=True, text=True, timeout=60, env=bare)
-    wrong = subprocess.run(join, capture_output=True, text=True, timeout=60, env={**bare, "PHALANX_SECRET": "x" * 64})
-    ghost(port, "stray", None)
-    store = ghost(port, "ghost", SECRET)
-    from phalanx.elastic.membership import key
+    # the two refused joins knock while the ghosts below are written and dropped (each is an interpreter's start-up
+    # that only waits for its refusal: one after the other, they left the cores idle)
+    # (a refusal is the joiner's own check against the verifier the job published: it writes nothing to the store)
+    knocks = [subprocess.Popen(join, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+              for env in (bare, {**bare, "PHALANX_SECRET": "x" * 64})]
+    try:
+        ghost(port, "stray", None)
+        store = ghost(port, "ghost", SECRET)
+        from phalanx.elastic.membership import key
 
-    def dropped(wid: str) -> None:  # wait until the members gave up on ``wid`` (and the job still runs)
-        until(lambda: store.check([key("dead", wid)]), timeout=90, what=f"{wid} marked dead", procs=[launcher])
+        def dropped(wid: str) -> None:  # wait until the members gave up on ``wid`` (and the job still runs)
+            until(lambda: store.check([key("dead", wid)]), timeout=90, what=f"{wid} marked dead", procs=[launcher])
 
-    dropped("ghost")
+        dropped("ghost")
+        outs = [k.communicate(timeout=60) for k in knocks]
+    finally:
+        reap(*knocks)
+    without, wrong = (subprocess.CompletedProcess(k.args, k.returncode, out, err)
+                      for k, (out, err) in zip(knocks, outs, strict=True))
     idle = subprocess.Popen([*join, "--idle-joiner"], env={**os.environ, "PHALANX_SECRET": SECRET},
                             stderr=subprocess.PIPE, text=True)
     until(lambda: glob.glob(str(tmp_path / "idle*")), timeout=90, what="the idle joiner's place",
@@ -199,11 +210,31 @@ def test_a_joiner_arriving_after_the_end_exits_0_at_once_with_no_thread_left(tmp
     assert json.loads(threads.read_text()) == []  # the heartbeat thread was stopped and joined before exit
 
 
-@pytest.mark.parametrize("save", [True, False], ids=["saved", "never-saved"])
-def test_when_every_worker_is_gone_the_launcher_says_the_job_ended_and_where_to_resume(tmp_path, save):
-    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", DOOR, "--out", str(tmp_path), "--fail-at", "5",
+def _every_worker_fails(out, save: bool) -> tuple[object, subprocess.CompletedProcess]:
+    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", DOOR, "--out", str(out), "--fail-at", "5",
            *(["--save"] if save else [])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    # forked workers, as the suite's tests get them (a module fixture runs before conftest's per-test setting)
+    env = {**os.environ, "PHALANX_START_METHOD": "forkserver"}
+    return out, subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+
+
+@pytest.fixture(scope="module")
+def every_worker_gone(tmp_path_factory) -> dict:
+    """Both jobs whose every worker fails, saved and never saved, started at once (threads): each is its own launcher
+    and store, and mostly waits on its workers' start-up; each test reads its own."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        futures = {save: pool.submit(_every_worker_fails, tmp_path_factory.mktemp(f"gone-{save}"), save)
+                   for save in (True, False)}
+        return {save: f.exception() or f.result() for save, f in futures.items()}
+
+
+@pytest.mark.parametrize("save", [True, False], ids=["saved", "never-saved"])
+def test_when_every_worker_is_gone_the_launcher_says_the_job_ended_and_where_to_resume(every_worker_gone, save):
+    got = every_worker_gone[save]
+    if isinstance(got, BaseException):
+        raise got
+    tmp_path, proc = got
     assert proc.returncode == 3, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("phalanx: elastic:")]
     assert "it was the last worker" in lines[-2], lines

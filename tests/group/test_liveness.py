@@ -14,7 +14,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from phalanx.group.liveness import Heartbeat, Liveness, Watch, alive_ranks, describe, record_exit, survey
+from phalanx.group.liveness import (STALE_AFTER_S, Heartbeat, Liveness, Watch, alive_ranks, describe, record_exit,
+                                    survey)
 from support.procs import free_port, run_workers
 
 
@@ -86,6 +87,12 @@ def blamed(message: str) -> set[int]:
 
 
 KILLS = [(3, 1, 2), (3, 2, 0), (4, 2, 3), (4, 1, 0)]  # (world_size, victim, slow)
+# The kills' collective timeout, which a survivor whose collective waits on the busy rank (3-1-2: rank 0's all-reduce
+# waits for rank 2, which is out of the collectives until rank 0 has its diagnosis) waits out before it diagnoses:
+# derived from the heartbeat's stale time, as the diagnosis is (it then watches for STALE_AFTER_S more). Twice it:
+# far above a step on a loaded machine (milliseconds; a thread starved a second or two), so no live rank's slowness
+# can end a collective. (It was 20 s: 14 s of the job's 30 waited out for nothing.)
+COLLECTIVE_S = 2 * STALE_AFTER_S
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +104,7 @@ def kills() -> dict[tuple[int, int, int], object]:
     def one(case: tuple[int, int, int]):
         world_size, victim, slow = case
         return run_workers("workers.liveness:kill_one", world_size=world_size, check=False, timeout=90,
-                           env={"PHALANX_TIMEOUT": "20"}, victim=victim, slow=slow)
+                           env={"PHALANX_TIMEOUT": str(COLLECTIVE_S)}, victim=victim, slow=slow)
 
     with ThreadPoolExecutor(len(KILLS)) as pool:
         return dict(zip(KILLS, pool.map(one, KILLS)))

@@ -60,5 +60,12 @@ def main() -> None:
     px.shutdown()
 
 
+def reference(out: str, strategy: str) -> None:
+    """The uninterrupted run (no ``--drift``) as a ``run_workers`` target: the ranks forked from the tests' preloaded
+    server, with the variables ``phalanx run`` gives them, rather than a launcher and two fresh interpreters."""
+    sys.argv = [__file__, out, strategy]
+    main()
+
+
 if __name__ == "__main__":
     main()
