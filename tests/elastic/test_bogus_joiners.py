@@ -10,11 +10,10 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 
 import pytest
 
-from support.elastic_job import CLI
+from support.forked_launch import run_cli  # the launcher forked from this process, its workers from one server
 from support.paths import TESTS
 
 WORKER = os.path.join(TESTS, "workers", "elastic_bogus_joiners.py")
@@ -23,9 +22,9 @@ GARBAGE_AT, BOGUS_AT = 3, 7
 
 @pytest.mark.multiproc
 def test_garbage_and_thousands_of_bogus_joiners_neither_end_the_job_nor_slow_later_commits(tmp_path):
-    cmd = [*CLI, "run", "-n", "2", "--elastic", WORKER, "--out", str(tmp_path),
-           "--garbage-at", str(GARBAGE_AT), "--bogus-at", str(BOGUS_AT), "--bogus", "5000"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    argv = ["run", "-n", "2", "--elastic", WORKER, "--out", str(tmp_path),
+            "--garbage-at", str(GARBAGE_AT), "--bogus-at", str(BOGUS_AT), "--bogus", "5000"]
+    proc = run_cli(argv, str(tmp_path), timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))]
     assert len(results) == 2 and all(r["history"] == [] for r in results)  # nobody was admitted, nobody left

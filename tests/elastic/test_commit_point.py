@@ -12,20 +12,18 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
+from support.forked_launch import start_cli  # the launcher forked from this process, its workers from one server
 from support.paths import TESTS
 from support.procs import free_port
 from support.wait import exited, until
 from workers import elastic_plain as worker
 
 WORKER = os.path.join(TESTS, "workers", "elastic_plain.py")
-CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 HEARTBEAT_S = 10.0  # the launcher's default
 # three start-ups and two epochs on a loaded 2-core machine, plus one admission (heartbeat) and one regroup
 BOUND_S = 150 + 2 * HEARTBEAT_S
@@ -34,30 +32,29 @@ BOUND_S = 150 + 2 * HEARTBEAT_S
 @pytest.mark.multiproc
 def test_a_plain_loops_opt_step_never_raises_the_join_and_the_leave_come_out_of_state_commit(tmp_path):
     port = free_port()
-    env = {**os.environ, "PHALANX_SECRET": "5b" * 32}
+    env = {"PHALANX_SECRET": "5b" * 32}
     flags = [WORKER, "--out", str(tmp_path), "--epochs", "2", "--commit-every", "2", "--term", "1@10"]
     started = time.monotonic()
-    with open(tmp_path / "launcher.err", "w") as err, open(tmp_path / "join.err", "w") as join_err:
-        launcher = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "3",
-                                     "--master-port", str(port), *flags], env=env, stdout=subprocess.DEVNULL,
-                                    stderr=err)
-        joiner = None
-        try:
-            # the joiner asks once both members are in (they wait for it before their 3rd step)
-            until(lambda: all(os.path.exists(tmp_path / f"training{w}") for w in "01"),
-                  timeout=BOUND_S, what="both workers training", procs=[launcher],
-                  detail=lambda: (tmp_path / "launcher.err").read_text()[-3000:])
-            joiner = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", *flags],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=join_err)
-            left = max(1.0, BOUND_S - (time.monotonic() - started))
-            code = exited(launcher, timeout=left, what="the job")
-            joined = exited(joiner, timeout=60, what="phalanx join")
-        finally:
-            for p in (launcher, joiner):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait()
-    stderr = (tmp_path / "launcher.err").read_text() + (tmp_path / "join.err").read_text()
+    (tmp_path / "join").mkdir()  # the joiner's launcher.err
+    launcher = start_cli(["run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "3",
+                          "--master-port", str(port), *flags], str(tmp_path), env=env)
+    joiner = None
+    try:
+        # the joiner asks once both members are in (they wait for it before their 3rd step)
+        until(lambda: all(os.path.exists(tmp_path / f"training{w}") for w in "01"),
+              timeout=BOUND_S, what="both workers training", procs=[launcher],
+              detail=lambda: (tmp_path / "launcher.err").read_text()[-3000:])
+        joiner = start_cli(["join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", *flags], str(tmp_path / "join"),
+                           env=env)
+        left = max(1.0, BOUND_S - (time.monotonic() - started))
+        code = exited(launcher, timeout=left, what="the job")
+        joined = exited(joiner, timeout=60, what="phalanx join")
+    finally:
+        for p in (launcher, joiner):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    stderr = (tmp_path / "launcher.err").read_text() + (tmp_path / "join" / "launcher.err").read_text()
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     for r in results.values():
         assert r["raised"] == [], r["raised"]  # nothing came out of opt.step()
@@ -90,16 +87,15 @@ def test_a_loop_that_never_calls_commit_lets_a_signalled_worker_leave_at_an_auto
     """No state.commit() in the loop: the worker sent SIGTERM ends its own process at the next automatic commit
     (nothing out of opt.step()); the other meets it gone, redoes nothing, and finishes equal to the oracle."""
     port = free_port()
-    with open(tmp_path / "launcher.err", "w") as err:
-        launcher = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--master-port",
-                                     str(port), WORKER, "--out", str(tmp_path), "--epochs", "2", "--commit-every",
-                                     "2", "--term", "1@10", "--no-commit"], stdout=subprocess.DEVNULL, stderr=err)
-        try:
-            code = exited(launcher, timeout=BOUND_S, what="the job")
-        finally:
-            if launcher.poll() is None:
-                launcher.kill()
-                launcher.wait()
+    launcher = start_cli(["run", "-n", "2", "--elastic", "--min-workers", "1", "--master-port", str(port), WORKER,
+                          "--out", str(tmp_path), "--epochs", "2", "--commit-every", "2", "--term", "1@10",
+                          "--no-commit"], str(tmp_path))
+    try:
+        code = exited(launcher, timeout=BOUND_S, what="the job")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
     stderr = (tmp_path / "launcher.err").read_text()
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     assert code == 0 and sorted(results) == ["0"], stderr[-4000:]

@@ -17,7 +17,8 @@ from phalanx import ConfigError
 from phalanx.elastic.options import ElasticConfig
 from phalanx.elastic.admission import admissible
 from phalanx.launch.run import RunConfig
-from support.elastic_job import launch, oracle
+from support.elastic_job import oracle
+from support.forked_launch import launch  # the launcher forked from this process, its workers from one server
 from workers import elastic as worker
 from support.wait import until
 

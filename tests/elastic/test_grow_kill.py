@@ -17,12 +17,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
+from support.forked_launch import start_cli  # the launcher forked from this process, its workers from one server
 from support.paths import TESTS
 from support.procs import free_port, reap
 from support.wait import until
@@ -31,7 +31,6 @@ from workers import elastic as worker
 pytestmark = pytest.mark.multiproc
 
 WORKER = os.path.join(TESTS, "workers", "elastic.py")
-CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 HEARTBEAT_S = 4.0
 COLLECTIVE_S = 300  # PHALANX_TIMEOUT: far beyond the bound below, so only a wait that consults the dead ends in time
 EPOCHS = 1
@@ -45,38 +44,38 @@ def run_grow_kill(tmp_path, victim: str) -> tuple[int, str, dict, dict]:
     """Start the job, add a joiner, kill ``victim`` (an id prefix) inside the grow; returns (rc, stderr, results,
     what the marker said)."""
     port = free_port()
-    env = {**os.environ, "PHALANX_SECRET": "5a" * 32, "PHALANX_TIMEOUT": str(COLLECTIVE_S)}
+    env = {"PHALANX_SECRET": "5a" * 32, "PHALANX_TIMEOUT": str(COLLECTIVE_S)}
     flags = [WORKER, "--out", str(tmp_path), "--epochs", str(EPOCHS), "--commit-every", "2",
              "--wait-for-joiner", "--hold-in-grow", victim]
     err_path = tmp_path / "launcher.err"
+    (tmp_path / "join").mkdir()  # the joiner's launcher.err
     started = time.monotonic()
-    with open(err_path, "w") as err, open(tmp_path / "join.err", "w") as join_err:
-        launcher = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "3",
-                                     "--heartbeat-timeout", str(HEARTBEAT_S), "--master-port", str(port), *flags],
-                                    env=env, stdout=subprocess.DEVNULL, stderr=err)
-        joiner, held = None, {}
-        try:
-            # the joiner asks once both members train (markers written at their first step)
-            until(lambda: all(os.path.exists(tmp_path / f"training{w}") for w in "01"), timeout=BOUND_S,
-                  what="both workers training", procs=[launcher], detail=lambda: err_path.read_text()[-3000:])
-            joiner = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", *flags],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=join_err)
-            started = time.monotonic()  # the joiner's start-up: a phase of its own
-            markers = str(tmp_path / f"holding{victim}*.json")  # the victim's id starts with `victim`
-            until(lambda: glob.glob(markers), timeout=max(1.0, BOUND_S - (time.monotonic() - started)),
-                  what=f"worker {victim} inside the grow", procs=[launcher],
-                  detail=lambda: err_path.read_text()[-3000:])
-            held = json.load(open(glob.glob(markers)[0]))
-            os.kill(held["pid"], signal.SIGKILL)  # inside the grow: the others are forming the generation
-            held["killed"] = time.time()
-            started = time.monotonic()  # what is under test: the end after the kill
-            launcher.wait(timeout=max(1.0, BOUND_S - (time.monotonic() - started)))
-            joiner.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            reap(launcher, joiner)
-    stderr = err_path.read_text() + (tmp_path / "join.err").read_text()
+    launcher = start_cli(["run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "3",
+                          "--heartbeat-timeout", str(HEARTBEAT_S), "--master-port", str(port), *flags],
+                         str(tmp_path), env=env)
+    joiner, held = None, {}
+    try:
+        # the joiner asks once both members train (markers written at their first step)
+        until(lambda: all(os.path.exists(tmp_path / f"training{w}") for w in "01"), timeout=BOUND_S,
+              what="both workers training", procs=[launcher], detail=lambda: err_path.read_text()[-3000:])
+        joiner = start_cli(["join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", *flags], str(tmp_path / "join"),
+                           env=env)
+        started = time.monotonic()  # the joiner's start-up: a phase of its own
+        markers = str(tmp_path / f"holding{victim}*.json")  # the victim's id starts with `victim`
+        until(lambda: glob.glob(markers), timeout=max(1.0, BOUND_S - (time.monotonic() - started)),
+              what=f"worker {victim} inside the grow", procs=[launcher],
+              detail=lambda: err_path.read_text()[-3000:])
+        held = json.load(open(glob.glob(markers)[0]))
+        os.kill(held["pid"], signal.SIGKILL)  # inside the grow: the others are forming the generation
+        held["killed"] = time.time()
+        started = time.monotonic()  # what is under test: the end after the kill
+        launcher.wait(timeout=max(1.0, BOUND_S - (time.monotonic() - started)))
+        joiner.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        reap(launcher, joiner)
+    stderr = err_path.read_text() + (tmp_path / "join" / "launcher.err").read_text()
     assert launcher.returncode is not None and launcher.returncode >= 0, \
         f"the job did not end within {BOUND_S:.0f}s of the kill (wedged):\n{stderr[-4000:]}"
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}

@@ -20,12 +20,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from datetime import timedelta
 
 import pytest
 
+from support.forked_launch import Launcher, start_cli  # the launcher forked, its workers from one server
 from support.paths import TESTS
 from support.procs import free_port, reap
 from support.wait import until
@@ -33,7 +33,6 @@ from support.wait import until
 pytestmark = pytest.mark.multiproc
 
 WORKER = os.path.join(TESTS, "workers", "elastic.py")
-CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 HEARTBEAT_S = 4.0
 COLLECTIVE_S = 300  # PHALANX_TIMEOUT: far beyond the bound, so only a wait that consults the dead ends in time
 # each phase's bound, counted from its own start (the members' start-up, the joiner's, the kill): a process start-up
@@ -41,42 +40,41 @@ COLLECTIVE_S = 300  # PHALANX_TIMEOUT: far beyond the bound, so only a wait that
 BOUND_S = 90 + 4 * HEARTBEAT_S
 
 
-def run_alone(tmp_path, run_flags: list[str], job_flags: list[str], kill_when) -> tuple[subprocess.Popen, ...]:
+def run_alone(tmp_path, run_flags: list[str], job_flags: list[str], kill_when) -> tuple[Launcher, Launcher | None]:
     """Start the job and a joiner; once ``kill_when(store, out)`` names pids, SIGKILL them; wait for both to end."""
     import torch.distributed as dist
 
     port = free_port()
-    env = {**os.environ, "PHALANX_SECRET": "5a" * 32, "PHALANX_TIMEOUT": str(COLLECTIVE_S)}
+    env = {"PHALANX_SECRET": "5a" * 32, "PHALANX_TIMEOUT": str(COLLECTIVE_S)}
     flags = [WORKER, "--out", str(tmp_path), *job_flags]
+    (tmp_path / "join").mkdir()  # the joiner's launcher.err
     started = time.monotonic()
     left = lambda: max(1.0, BOUND_S - (time.monotonic() - started))  # noqa: E731 - the bound of the phase under way
-    with open(tmp_path / "launcher.err", "w") as err, open(tmp_path / "join.err", "w") as join_err:
-        launcher = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1",
-                                     "--heartbeat-timeout", str(HEARTBEAT_S), "--master-port", str(port), *run_flags,
-                                     *flags], env=env, stdout=subprocess.DEVNULL, stderr=err)
-        joiner = None
-        try:
-            until(lambda: all(os.path.exists(tmp_path / f"training{w}") for w in "01"), timeout=left(),
-                  what="both workers training",
-                  procs=[launcher], detail=lambda: (tmp_path / "launcher.err").read_text()[-3000:])
-            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30),
-                                  wait_for_workers=False)
-            joiner = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", *flags],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=join_err)
-            started = time.monotonic()  # the joiner's start-up: a phase of its own
-            victims: list[int] = []
-            until(lambda: victims.extend(kill_when(store, tmp_path) or []) or victims, timeout=left(),
-                  what="the moment to kill", procs=[launcher, joiner],
-                  detail=lambda: (tmp_path / "launcher.err").read_text()[-3000:])
-            for pid in victims:
-                os.kill(pid, signal.SIGKILL)
-            started = time.monotonic()  # what is under test: the end after the kill
-            launcher.wait(timeout=left())
-            joiner.wait(timeout=left())
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            reap(launcher, joiner)
+    launcher = start_cli(["run", "-n", "2", "--elastic", "--min-workers", "1", "--heartbeat-timeout", str(HEARTBEAT_S),
+                          "--master-port", str(port), *run_flags, *flags], str(tmp_path), env=env)
+    joiner = None
+    try:
+        until(lambda: all(os.path.exists(tmp_path / f"training{w}") for w in "01"), timeout=left(),
+              what="both workers training",
+              procs=[launcher], detail=lambda: (tmp_path / "launcher.err").read_text()[-3000:])
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30),
+                              wait_for_workers=False)
+        joiner = start_cli(["join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", *flags], str(tmp_path / "join"),
+                           env=env)
+        started = time.monotonic()  # the joiner's start-up: a phase of its own
+        victims: list[int] = []
+        until(lambda: victims.extend(kill_when(store, tmp_path) or []) or victims, timeout=left(),
+              what="the moment to kill", procs=[launcher, joiner],
+              detail=lambda: (tmp_path / "launcher.err").read_text()[-3000:])
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()  # what is under test: the end after the kill
+        launcher.wait(timeout=left())
+        joiner.wait(timeout=left())
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        reap(launcher, joiner)
     return launcher, joiner
 
 
@@ -100,7 +98,7 @@ def test_a_joiner_whose_admitting_members_all_die_ends_with_one_line(tmp_path):
                                  ["--epochs", "1", "--commit-every", "2", "--wait-for-joiner",
                                   "--hold-in-admit", "0,1"],
                                  held_members)
-    stderr = (tmp_path / "launcher.err").read_text() + (tmp_path / "join.err").read_text()
+    stderr = (tmp_path / "launcher.err").read_text() + (tmp_path / "join" / "launcher.err").read_text()
     assert launcher.returncode is not None and launcher.returncode >= 0, f"wedged:\n{stderr[-4000:]}"
     assert joiner.returncode is not None and joiner.returncode >= 0, f"the joiner wedged:\n{stderr[-4000:]}"
     assert "was lost while it entered generation" in stderr, stderr[-4000:]
@@ -113,7 +111,7 @@ def test_a_joiner_still_waiting_when_the_job_ends_leaves_with_one_line(tmp_path)
     # asks, however long its start-up takes, and ends by the kill
     launcher, joiner = run_alone(tmp_path, ["--max-workers", "2"], ["--epochs", "1", "--hold-at", "3"],
                                  members_once_a_joiner_waits)
-    stderr = (tmp_path / "launcher.err").read_text() + (tmp_path / "join.err").read_text()
+    stderr = (tmp_path / "launcher.err").read_text() + (tmp_path / "join" / "launcher.err").read_text()
     assert launcher.returncode is not None and launcher.returncode >= 0, f"wedged:\n{stderr[-4000:]}"
     assert joiner.returncode == 0, stderr[-4000:]
     assert "closed before it was admitted" in stderr or "finished training" in stderr, stderr[-4000:]

@@ -16,13 +16,13 @@ import glob
 import json
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from phalanx.checkpoint import checkpoint_step
-from support.elastic_job import CLI, check_each_epoch_whole, check_oracle
+from support.elastic_job import check_each_epoch_whole, check_oracle
+from support.forked_launch import start_cli  # the launcher forked from this process, its workers from one server
 from support.paths import TESTS
 from support.wait import until
 from workers import elastic_commit
@@ -36,11 +36,9 @@ KILLS = [("1", "write", 6), ("2", "enter", 9), ("0", "commit", 12)]  # in the or
 def killed_during_saves(tmp_path_factory) -> tuple[int, str, dict, Path]:
     """The job, each of KILLS placed at its marker in turn; (exit status, stderr, results, out)."""
     out = tmp_path_factory.mktemp("kill_save")
-    cmd = [*CLI, "run", "-n", "4", "--elastic", "--min-workers", "1", WORKER, "--out", str(out),
-           "--ckpt", str(out / "ckpt"), "--epochs", "3", "--hold", ",".join(f"{v}@{w}@{at}" for v, w, at in KILLS)]
-    env = {**os.environ, "PHALANX_TIMEOUT": "600", "PHALANX_START_METHOD": "forkserver"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # its own process group: a failed test ends every worker
+    argv = ["run", "-n", "4", "--elastic", "--min-workers", "1", WORKER, "--out", str(out),
+            "--ckpt", str(out / "ckpt"), "--epochs", "3", "--hold", ",".join(f"{v}@{w}@{at}" for v, w, at in KILLS)]
+    proc = start_cli(argv, str(out), env={"PHALANX_TIMEOUT": "600", "PHALANX_START_METHOD": "forkserver"})
     try:
         for victim, _, _ in KILLS:
             marker = out / f"holding{victim}.json"
@@ -52,8 +50,8 @@ def killed_during_saves(tmp_path_factory) -> tuple[int, str, dict, Path]:
         _, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers (they hold its pipes)
-            proc.communicate()
+            proc.kill()  # a failed test: its workers end once they see their launcher gone (phalanx.group.orphan)
+            proc.wait()
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(out / "worker*.json"))}
     return proc.returncode, err, results, out
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
-from support.elastic_job import CLI
+from support.forked_launch import run_cli  # the launcher forked from this process, its workers from one server
 from support.paths import TESTS
 from workers import elastic as base
 
@@ -25,8 +24,8 @@ WORKER = os.path.join(TESTS, "workers", "elastic_slow_replacement.py")
 
 @pytest.mark.multiproc
 def test_the_survivors_train_on_while_the_replacement_starts_and_it_joins_at_a_later_commit(tmp_path):
-    cmd = [*CLI, "run", "-n", "3", "--elastic", "--min-workers", "2", "--replace", WORKER, "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    argv = ["run", "-n", "3", "--elastic", "--min-workers", "2", "--replace", WORKER, "--out", str(tmp_path)]
+    proc = run_cli(argv, str(tmp_path), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     assert sorted(results) == ["0", "2", "r1"], proc.stderr[-3000:]

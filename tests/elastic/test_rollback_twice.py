@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from support.elastic_job import check_each_epoch_whole, check_oracle, launch, oracle
+from support.elastic_job import check_each_epoch_whole, check_oracle, oracle
+from support.forked_launch import launch  # the launcher forked from this process, its workers from one server
 
 
 @pytest.mark.multiproc

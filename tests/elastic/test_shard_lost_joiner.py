@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.elastic_job import launch, oracle
+from support.elastic_job import oracle
+from support.forked_launch import launch  # the launcher forked from this process, its workers from one server
 
 
 @pytest.mark.multiproc

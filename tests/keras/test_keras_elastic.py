@@ -22,7 +22,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 keras = pytest.importorskip("keras")
 
 import phalanx as px  # noqa: E402
-from support.elastic_job import CLI  # noqa: E402
+from support.forked_launch import run_cli  # noqa: E402  (the launcher forked, its workers from one server)
 from support.paths import TESTS  # noqa: E402
 from workers import keras_elastic as worker  # noqa: E402
 
@@ -32,8 +32,8 @@ EPOCHS = 3
 
 def _launch(tmp_path, n: int, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     flags, rest = (args[:args.index("--")], args[args.index("--") + 1:]) if "--" in args else ((), args)
-    proc = subprocess.run([*CLI, "run", "-n", str(n), "--elastic", *flags, WORKER, "--out", str(tmp_path), *rest],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli(["run", "-n", str(n), "--elastic", *flags, WORKER, "--out", str(tmp_path), *rest], str(tmp_path),
+                   timeout=300)
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
     return proc, results
 

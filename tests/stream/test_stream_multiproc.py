@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from phalanx.checkpoint import read_checkpoint
+from support.forked_launch import run_cli  # the launcher forked from this process, its workers from one server
 from support.procs import run_workers
 from support.paths import TESTS
 from support.wait import until
@@ -242,12 +243,10 @@ def test_exactly_once_when_an_elastic_group_loses_a_worker_and_a_new_one_joins(s
     stream = "elastic"
     script = os.path.join(TESTS, "workers", "stream_elastic.py")
     feed = producer(server.url, stream, 3000, 1000)
-    cli = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
     try:
-        proc = subprocess.run([*cli, "run", "-n", "3", "--elastic", "--min-workers", "2", "--replace", script,
-                               "--url", server.url, "--stream", stream, "--out", str(tmp_path), "--kill", "1@8",
-                               "--slow-after-loss", "0.5"],
-                              capture_output=True, text=True, timeout=240)
+        proc = run_cli(["run", "-n", "3", "--elastic", "--min-workers", "2", "--replace", script,
+                        "--url", server.url, "--stream", stream, "--out", str(tmp_path), "--kill", "1@8",
+                        "--slow-after-loss", "0.5"], str(tmp_path), timeout=240)
         assert feed.wait(timeout=30) == 0
     finally:
         feed.kill()
@@ -288,10 +287,9 @@ def test_under_elastic_a_sigterm_leave_and_a_join_come_out_of_the_loaders_iterat
     stream = "leave-join"
     publish(server.url, stream, count=400, end=True)  # a backlog: the members' waits cannot outlast the stream
     script = os.path.join(TESTS, "workers", "stream_elastic.py")
-    cli = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
-    proc = subprocess.run([*cli, "run", "-n", "2", "--elastic", "--min-workers", "1", "--replace", script,
-                           "--url", server.url, "--stream", stream, "--out", str(tmp_path), "--batch-size", "8",
-                           "--term", "1@5", "--admit-at", "12"], capture_output=True, text=True, timeout=180)
+    proc = run_cli(["run", "-n", "2", "--elastic", "--min-workers", "1", "--replace", script,
+                    "--url", server.url, "--stream", stream, "--out", str(tmp_path), "--batch-size", "8",
+                    "--term", "1@5", "--admit-at", "12"], str(tmp_path), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["id"]: r for r in (json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json")))}
     assert sorted(results) == ["0", "r1"], proc.stderr[-2000:]
