@@ -17,7 +17,7 @@ import torch
 from workers import checkpoint_async as W
 
 import phalanx as px
-from support.procs import free_port, reap
+from support.procs import at_once, free_port, outcome, reap
 
 SCRIPT = W.__file__
 CLI = [sys.executable, "-m", "phalanx.cli"]
@@ -69,7 +69,6 @@ def saves(tmp_path_factory, request) -> dict:
     regroup, a worker's start-up), so one after the other they left the cores idle. The full-disk job runs only
     where its tmpfs can be mounted (its test skips otherwise).
     """
-    from concurrent.futures import ThreadPoolExecutor
     jobs = {"lost-rank-0": lambda: _elastic_job(tmp_path_factory.mktemp("lost0")),
             "lost-rank-2": lambda: _elastic_job(tmp_path_factory.mktemp("lost2"), "2")}
     try:
@@ -77,16 +76,10 @@ def saves(tmp_path_factory, request) -> dict:
         jobs["full-disk"] = lambda: _full_disk_job(full, tmp_path_factory.mktemp("fulldisk"))
     except pytest.skip.Exception as skipped:  # its test raises it: skipped, as before
         jobs["full-disk"] = lambda why=skipped: why
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {name: pool.submit(job) for name, job in jobs.items()}
-        return {name: f.exception() or f.result() for name, f in futures.items()}
+    return at_once(jobs)
 
 
-def _outcome(saves: dict, name: str):
-    got = saves[name]
-    if isinstance(got, BaseException):
-        raise got
-    return got
+_outcome = outcome
 
 
 @pytest.mark.multiproc

@@ -7,6 +7,7 @@ end leaves at once with no thread left behind.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -17,7 +18,7 @@ import time
 
 import pytest
 from support.paths import TESTS
-from support.procs import reap
+from support.procs import at_once, outcome, reap
 from support.wait import until
 
 WORKER = os.path.join(TESTS, "workers", "elastic.py")
@@ -222,19 +223,13 @@ def _every_worker_fails(out, save: bool) -> tuple[object, subprocess.CompletedPr
 def every_worker_gone(tmp_path_factory) -> dict:
     """Both jobs whose every worker fails, saved and never saved, started at once (threads): each is its own launcher
     and store, and mostly waits on its workers' start-up; each test reads its own."""
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(2) as pool:
-        futures = {save: pool.submit(_every_worker_fails, tmp_path_factory.mktemp(f"gone-{save}"), save)
-                   for save in (True, False)}
-        return {save: f.exception() or f.result() for save, f in futures.items()}
+    return at_once({save: functools.partial(_every_worker_fails, tmp_path_factory.mktemp(f"gone-{save}"), save)
+                    for save in (True, False)})
 
 
 @pytest.mark.parametrize("save", [True, False], ids=["saved", "never-saved"])
 def test_when_every_worker_is_gone_the_launcher_says_the_job_ended_and_where_to_resume(every_worker_gone, save):
-    got = every_worker_gone[save]
-    if isinstance(got, BaseException):
-        raise got
-    tmp_path, proc = got
+    tmp_path, proc = outcome(every_worker_gone, save)
     assert proc.returncode == 3, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("phalanx: elastic:")]
     assert "it was the last worker" in lines[-2], lines

@@ -14,7 +14,7 @@ from phalanx import ConfigError
 from phalanx.launch.allocator import heap_env
 from phalanx.cli import main
 from phalanx.launch.run import RunConfig, _status
-from support.procs import free_port
+from support.procs import at_once, free_port, outcome
 
 SCRIPT = """\
 import json, os, signal, sys, time
@@ -99,7 +99,6 @@ def launched(tmp_path_factory) -> dict:
     A launch is a launcher and its workers importing torch, then waiting on each other: one after the other they
     left a core idle much of the time. Each job is its own launcher with its own store on its own port.
     """
-    from concurrent.futures import ThreadPoolExecutor
     script = str(tmp_path_factory.mktemp("launch") / "train.py")
     with open(script, "w") as f:
         f.write(SCRIPT)
@@ -118,16 +117,10 @@ def launched(tmp_path_factory) -> dict:
         "servers": lambda: _run([*run, "-n", "1", "--servers", "1", script]),
         "hosts": lambda: _two_hosts(script),
     }
-    with ThreadPoolExecutor(CONCURRENT) as pool:
-        futures = {name: pool.submit(job) for name, job in jobs.items()}
-        return {name: f.exception() or f.result() for name, f in futures.items()}
+    return at_once(jobs, CONCURRENT)
 
 
-def _job(launched: dict, name: str):
-    got = launched[name]
-    if isinstance(got, BaseException):
-        raise got
-    return got
+_job = outcome
 
 
 def reports(stdout: str) -> dict[int, dict]:

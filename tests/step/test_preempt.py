@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ from phalanx.step.preempt import PREEMPTED_EXIT, latest_checkpoint
 from phalanx.step.preempt import PREEMPTION
 from support.preempt_job import oracle, weights
 from support.paths import REPO, TESTS
-from support.procs import run_workers
+from support.procs import at_once, outcome, run_workers
 from support.wait import until
 
 WORKER = os.path.join(TESTS, "workers", "preempt.py")
@@ -130,18 +131,11 @@ def _listed(directory: str) -> list[str]:
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory) -> dict:
     """Each preempted job's outcome by name (or the exception its thread raised, raised again by its test)."""
-    from concurrent.futures import ThreadPoolExecutor
     chains = {"stops": _stops_and_resumes, "hangs": _hangs_in_the_grace, "diloco": _diloco_drifts}
-    with ThreadPoolExecutor(len(chains)) as pool:
-        futures = {name: pool.submit(chain, tmp_path_factory.mktemp(name)) for name, chain in chains.items()}
-        return {name: f.exception() or f.result() for name, f in futures.items()}
+    return at_once({name: functools.partial(chain, tmp_path_factory.mktemp(name)) for name, chain in chains.items()})
 
 
-def _outcome(preempted: dict, name: str) -> dict:
-    got = preempted[name]
-    if isinstance(got, BaseException):
-        raise got
-    return got
+_outcome = outcome
 
 
 @pytest.mark.multiproc

@@ -39,20 +39,13 @@ _SERVER_FUNCTIONS = ("ensure_running", "get_inherited_fds", "connect_to_new_proc
 @functools.cache
 def _server() -> forkserver.ForkServer:
     """This test process's preloaded fork server for the launchers' workers (started once, on first use)."""
-    from phalanx.launch.workers import PRELOAD
+    from phalanx.launch.workers import PRELOAD, environment
     server = forkserver.ForkServer()
     server.set_forkserver_preload(PRELOAD)
     # torch reads these when it loads, in the server (phalanx.launch.workers._start_server): what the elastic
     # launcher gives its workers (phalanx.launch.elastic: the C++ store log off; one thread per worker on 2 cores)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    saved = dict(os.environ)
-    try:
-        os.environ.clear()
-        os.environ.update(env)
+    with environment({**os.environ, "OMP_NUM_THREADS": "1", "PHALANX_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}):
         server.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     atexit.register(_stop, server)
     return server
 

@@ -13,12 +13,13 @@ import os
 import subprocess
 import sys
 
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 from phalanx.bench import procs
 from phalanx.bench.procs import WorkerRun, free_port
 
-__all__ = ["WorkerRun", "free_port", "kill_at", "reap", "run_workers", "shared_run"]
+__all__ = ["WorkerRun", "at_once", "free_port", "kill_at", "outcome", "reap", "run_workers", "shared_run"]
 
 
 def run_workers(target: str, world_size: int = 2, **options: Any) -> WorkerRun:
@@ -63,3 +64,26 @@ def reap(*procs: subprocess.Popen | None) -> None:
         if p is not None and p.poll() is None:
             p.kill()
             p.wait()
+
+
+def at_once(jobs: dict[Any, Callable[[], Any]], at_most: int | None = None) -> dict[Any, Any]:
+    """Run every job at once, in threads (each starts processes of its own and mostly waits on them: one after the
+    other they left the cores idle); each job's result, or the exception it raised (:func:`outcome` raises it again
+    in the test that reads that job). ``at_most``: jobs running at a time (default: all).
+
+    Example:
+        >>> got = at_once({"a": lambda: 1, "b": lambda: 1 / 0})
+        >>> outcome(got, "a"), type(got["b"]).__name__
+        (1, 'ZeroDivisionError')
+    """
+    with ThreadPoolExecutor(at_most or len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: f.exception() or f.result() for name, f in futures.items()}
+
+
+def outcome(results: dict[Any, Any], name: Any) -> Any:
+    """One job's result from :func:`at_once`, or the exception it raised, raised here (in the test reading it)."""
+    got = results[name]
+    if isinstance(got, BaseException):
+        raise got
+    return got

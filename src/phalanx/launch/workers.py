@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 from multiprocessing import forkserver
 import os
@@ -24,7 +25,7 @@ import runpy
 import subprocess
 import sys
 import threading
-from typing import Literal, Protocol
+from typing import Iterator, Literal, Protocol
 
 StartMethod = Literal["spawn", "forkserver"]
 START_METHODS: tuple[str, ...] = ("spawn", "forkserver")
@@ -110,14 +111,27 @@ def _start_server(env: dict[str, str]) -> None:
         # multiprocessing has no public "is it running"; ensure_running() reads this same attribute
         if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
             return
-        saved = dict(os.environ)
-        try:
-            os.environ.clear()
-            os.environ.update(env)
+        with environment(env):
             forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``env`` inside (what a process started there inherits), and what it was after.
+
+    Example:
+        >>> with environment({"ONLY": "this"}):
+        ...     dict(os.environ)
+        {'ONLY': 'this'}
+    """
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 _SERVER_START = threading.Lock()  # a lock, not state: it orders the fork server's start between threads
