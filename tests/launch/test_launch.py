@@ -1,11 +1,19 @@
-"""`phalanx run` and the `phalanx` command: argument checks in-process, real launches in subprocesses."""
+"""`phalanx run` and the `phalanx` command: argument checks in-process, real launches in subprocesses.
+
+A launch whose test is not about the launcher's own process start (what a fresh interpreter prints, the installed
+script's exit status) runs its launcher forked from this process's preloaded server (support.forked_launch): the
+same ``phalanx.cli.main``, without the CPU second of a fresh interpreter importing torch; its workers are still
+fresh interpreters, spawned by torch's agent as `phalanx run` spawns them.
+"""
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -14,7 +22,9 @@ from phalanx import ConfigError
 from phalanx.launch.allocator import heap_env
 from phalanx.cli import main
 from phalanx.launch.run import RunConfig, _status
+from support.forked_launch import Launcher, start_cli
 from support.procs import at_once, free_port, outcome
+from support.wait import until
 
 SCRIPT = """\
 import json, os, signal, sys, time
@@ -74,19 +84,78 @@ def _run(argv: list[str]) -> dict:
     return {"proc": proc, "started": started, "ended_monotonic": time.monotonic(), "ended": time.time()}
 
 
-def _two_hosts(script: str) -> list[tuple[int, str, str]]:
+# multiprocessing's handles of the forked launchers are started and read by one thread at a time: starting one
+# swaps multiprocessing's module-level fork server in (start_cli), and reads every earlier child's exit status
+_HANDLES = threading.Lock()
+
+
+def _start(argv: list[str], out: str) -> Launcher:
+    """`phalanx ARGV` with its launcher forked (support.forked_launch), its output in ``OUT/launcher.{out,err}``."""
+    os.makedirs(out, exist_ok=True)
+    with _HANDLES:
+        return start_cli(argv, out)
+
+
+def _finish(launcher: Launcher, started: float, timeout: float = 120) -> dict:
+    """:func:`_run`'s answer for a launcher from :func:`_start`, once it has ended (killed after ``timeout``)."""
+    try:
+        fd = os.pidfd_open(launcher.pid)  # readable once it has exited: waited on without the lock
+    except ProcessLookupError:
+        ended = True  # already exited and reaped by the server
+    else:
+        try:
+            ended = bool(select.select([fd], [], [], max(0.0, started + timeout - time.monotonic()))[0])
+        finally:
+            os.close(fd)
+    ended_monotonic, ended_wall = time.monotonic(), time.time()
+    with _HANDLES:
+        if not ended:
+            launcher.kill()
+        code = launcher.wait(60)  # its status, which the server writes as it reaps it
+    out, err = launcher.communicate()
+    if not ended:
+        raise subprocess.TimeoutExpired(launcher.args, timeout, output=out, stderr=err)
+    return {"proc": subprocess.CompletedProcess(launcher.args, code, out, err), "started": started,
+            "ended_monotonic": ended_monotonic, "ended": ended_wall}
+
+
+def _printed(launcher: Launcher, fd: int = 1) -> str:
+    """What a running launcher (and its workers) printed so far to stdout (``fd`` 1) or stderr (2)."""
+    try:
+        with open(launcher.paths[fd - 1]) as f:
+            return f.read()
+    except FileNotFoundError:  # the launcher opens its files once forked
+        return ""
+
+
+def _forked(argv: list[str], out: str) -> dict:
+    """:func:`_run` for `phalanx ARGV`, its launcher forked."""
+    started = time.monotonic()
+    return _finish(_start(argv, out), started)
+
+
+def _two_hosts(script: str, out: str) -> list[tuple[int, str, str]]:
     # Two "hosts" on loopback: the same command with --node-rank 0 and 1.
     port = str(free_port())
-    hosts = [subprocess.Popen([*phalanx_command(), "run", "--nnodes", "2", "--node-rank", str(node), "--master-addr",
-                               "127.0.0.1", "--master-port", port, "-n", "1", script], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for node in (1, 0)]
+    started = time.monotonic()
+    hosts = [_start(["run", "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
+                     port, "-n", "1", script], os.path.join(out, f"node{node}")) for node in (1, 0)]
     try:
-        outs = [h.communicate(timeout=120) for h in hosts]
+        ran = [_finish(h, started)["proc"] for h in hosts]
     finally:
         for h in hosts:
-            if h.poll() is None:
-                h.kill()
-    return [(h.returncode, out, err) for h, (out, err) in zip(hosts, outs)]
+            with _HANDLES:
+                h.kill()  # only one still running (the other failed first): nothing otherwise
+    return [(p.returncode, p.stdout, p.stderr) for p in ran]
+
+
+def servers_available() -> bool:
+    """Whether this installation has parameter servers (phalanx.ps, the extra `phalanx[ps]`)."""
+    try:
+        import phalanx.ps.launcher  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 CONCURRENT = 4  # launches at a time: enough to fill the cores' idle time, few enough to keep each one's bounds
@@ -97,25 +166,31 @@ def launched(tmp_path_factory) -> dict:
     """The launches that only run to their end, all started at once (threads), each read by its own test.
 
     A launch is a launcher and its workers importing torch, then waiting on each other: one after the other they
-    left a core idle much of the time. Each job is its own launcher with its own store on its own port.
+    left a core idle much of the time. Each job is its own launcher with its own store on its own port. The job
+    with parameter servers is the one with threads, timeout and arguments (one launch checks both).
     """
-    script = str(tmp_path_factory.mktemp("launch") / "train.py")
+    folder = tmp_path_factory.mktemp("launch")
+    script = str(folder / "train.py")
     with open(script, "w") as f:
         f.write(SCRIPT)
-    run = [*phalanx_command(), "run"]
+
+    def forked(name: str, *argv: str):
+        return lambda: _forked(["run", *argv], str(folder / name))
+
+    servers = ["--servers", "1"] if servers_available() else []
     jobs = {
-        "args": lambda: _run([*run, "-n", "2", "--threads", "2", "--timeout", "90", script, "ok", "--flag"]),
-        "fail": lambda: _run([*run, "-n", "2", "--timeout", "10", script, "fail"]),
-        "bad": lambda: _run([*run, "-n", "0", "train.py"]),
-        "raise2": lambda: _run([*run, "-n", "2", "--timeout", str(COLLECTIVE_S), script, "raise"]),
-        "raise3": lambda: _run([*run, "-n", "3", "--timeout", str(COLLECTIVE_S), script, "raise"]),
-        "usage": lambda: _run([*run, "-n", "2", script, "usage"]),
+        "args": forked("args", "-n", "2", "--threads", "2", "--timeout", "90", *servers, script, "ok", "--flag"),
+        "fail": forked("fail", "-n", "2", "--timeout", "10", script, "fail"),
+        # the installed script in a fresh interpreter: its exit status, and nothing printed but the one line
+        "bad": lambda: _run([*phalanx_command(), "run", "-n", "0", "train.py"]),
+        "raise2": forked("raise2", "-n", "2", "--timeout", str(COLLECTIVE_S), script, "raise"),
+        "raise3": forked("raise3", "-n", "3", "--timeout", str(COLLECTIVE_S), script, "raise"),
+        "usage": forked("usage", "-n", "2", script, "usage"),
         # one worker shows the traceback as well as two (which rank failed first is the run above's question)
-        "debug": lambda: _run([*run, "--debug", "-n", "1", script, "usage", "-n", "2"]),
+        "debug": forked("debug", "--debug", "-n", "1", script, "usage", "-n", "2"),
         "torchrun": lambda: _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                   "--master-port", str(free_port()), script]),  # off torchrun's fixed port
-        "servers": lambda: _run([*run, "-n", "1", "--servers", "1", script]),
-        "hosts": lambda: _two_hosts(script),
+        "hosts": lambda: _two_hosts(script, str(folder / "hosts")),
     }
     return at_once(jobs, CONCURRENT)
 
@@ -226,15 +301,15 @@ def test_cli_prints_usage_errors_as_one_line_with_status_2(capsys, script):
 
 
 def test_servers_start_before_the_workers_or_say_clearly_they_are_unavailable(capsys, script, launched):
-    try:
-        import phalanx.ps.launcher  # noqa: F401
-    except ImportError:
+    if not servers_available():
         assert main(["run", "--servers", "2", script]) == 2
         assert "parameter servers" in capsys.readouterr().err
         return
-    proc = _job(launched, "servers")["proc"]
+    proc = _job(launched, "args")["proc"]  # -n 2 --servers 1
     assert proc.returncode == 0, proc.stderr
-    assert reports(proc.stdout)[0]["ps"], proc.stdout  # the servers' addresses reached the worker
+    seen = reports(proc.stdout)
+    assert sorted(seen) == [0, 1] and all(r["ps"] for r in seen.values()), proc.stdout  # the servers' addresses
+    # reached every worker
 
 
 # -- real launches ----------------------------------------------------------------------------------------------
@@ -270,25 +345,26 @@ def test_two_hosts_meet_through_the_torchrun_options(launched):
     assert sorted(seen) == [0, 1] and all(r["world"] == 2 and r["total"] == 12.0 for r in seen.values())
 
 
-def test_sigterm_stops_every_worker(script):
-    proc = subprocess.Popen([*phalanx_command(), "run", "-n", "2", script, "sleep"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_sigterm_stops_every_worker(script, tmp_path):
+    proc = _start(["run", "-n", "2", script, "sleep"], str(tmp_path))
     try:
-        pids = []
-        while len(pids) < 2:
-            line = proc.stdout.readline()
-            assert line, f"launcher ended early: {proc.wait()} {proc.stderr.read()}"
-            if line.startswith('{"ready"'):
-                pids.append(json.loads(line)["pid"])
-        proc.send_signal(signal.SIGTERM)
+        ready: list[dict] = []
+
+        def both_ready() -> bool:
+            ready[:] = [json.loads(line) for line in _printed(proc).splitlines(keepends=True)
+                        if line.startswith('{"ready"') and line.endswith("\n")]  # whole lines
+            return len(ready) >= 2
+
+        until(both_ready, timeout=120, procs=[proc], what="both workers ready", detail=lambda: _printed(proc, 2))
+        pids = [r["pid"] for r in ready]
+        os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-        assert "received SIGTERM; stopped all workers" in proc.stderr.read()
+        assert "received SIGTERM; stopped all workers" in proc.communicate()[1]
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.kill()
 
 
 def test_the_same_script_runs_under_torchrun(launched):
@@ -352,10 +428,12 @@ def test_a_dead_parameter_server_is_named_instead_of_a_worker(tmp_path):
         "print('ready', flush=True) if px.rank() == 0 else None\n"
         "while True:  # until the launcher stops the workers: the job is mid-run when its server is killed\n"
         "    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()\n")
-    proc = subprocess.Popen([*phalanx_command(), "run", "-n", "2", "--servers", "1", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # one worker: the line names the server instead of the worker its loss failed (two would fail the same way)
+    proc = _start(["run", "-n", "1", "--servers", "1", str(path)], str(tmp_path))
     try:
-        assert proc.stdout.readline() == "ready\n", proc.stderr.read() if proc.poll() is not None else ""
+        until(lambda: "\n" in _printed(proc), timeout=120, procs=[proc], what="the worker's first line",
+              detail=lambda: _printed(proc, 2)[-3000:])
+        assert _printed(proc).splitlines(keepends=True)[0] == "ready\n", (_printed(proc), _printed(proc, 2))
         server = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "phalanx.ps serve"], capture_output=True,
                                 text=True).stdout.split()
         assert len(server) == 1, server
@@ -364,5 +442,4 @@ def test_a_dead_parameter_server_is_named_instead_of_a_worker(tmp_path):
         assert f"phalanx: parameter server 0 (pid {server[0]}) was killed by SIGKILL (first failure); stopped " \
                "the workers" in err.splitlines(), err
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.kill()
