@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
@@ -26,10 +25,10 @@ from phalanx.cli import main
 from phalanx.errors import StacksRefused
 from phalanx.group import stacks
 from phalanx.launch.stacks import POLL_S, jobs_dir, register_job, running_jobs
+from support.forked_launch import start_cli
 from support.paths import TESTS
 from support.wait import exited, until
 
-CLI = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
 WORKER = os.path.join(TESTS, "workers", "stacks.py")
 
 
@@ -66,16 +65,24 @@ def test_a_stuck_job_shows_where_each_rank_is_stuck_before_anything_is_killed(tm
     marks, tmp = tmp_path / "marks", tmp_path / "tmp"
     marks.mkdir()
     tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp)}  # a jobs folder of its own: `phalanx stacks` finds this job alone
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # the same folder for `phalanx stacks` run in this process
-    proc = subprocess.Popen([*CLI, "run", "-n", "2", "--timeout", str(STUCK_S), WORKER, str(marks), str(WARM_S)],
-                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
+    # the launcher forked from this process's preloaded server (its workers still spawned fresh by torch's agent):
+    # the test is about the stuck job, not the launcher's process start; a jobs folder of its own (TMPDIR), where
+    # `phalanx stacks` finds this job alone
+    proc = start_cli(["run", "-n", "2", "--timeout", str(STUCK_S), WORKER, str(marks), str(WARM_S)], str(tmp_path),
+                     env={"TMPDIR": str(tmp)})
+    # the same folder for `phalanx stacks` run in this process (once the fork server's socket is made: its path in
+    # the temporary folder must stay short)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+
+    def printed() -> str:  # the launcher's stderr so far: its lines and the workers'
+        try:
+            return open(proc.paths[1]).read()
+        except FileNotFoundError:  # not opened yet by the launcher
+            return ""
+
     try:
         until(lambda: all((marks / f"pid-{r}").exists() for r in (0, 1)), timeout=180, procs=[proc],
-              what="both ranks stuck", detail=lambda: "".join(out)[-3000:])
+              what="both ranks stuck", detail=lambda: printed()[-3000:])
         stuck = time.monotonic()
         pids = [int((marks / f"pid-{r}").read_text()) for r in (0, 1)]
 
@@ -99,22 +106,22 @@ def test_a_stuck_job_shows_where_each_rank_is_stuck_before_anything_is_killed(tm
 
         # the watchdog's blocks, printed while both workers still run: at FLOOR_S (STUCK_S / 2 at the most), before
         # the job's bound
-        until(lambda: "phalanx: stacks: end" in "".join(out), timeout=max(1.0, STUCK_S - (time.monotonic() - stuck)),
-              procs=[proc], what="the watchdog's stacks", detail=lambda: "".join(out)[-3000:])
+        until(lambda: "phalanx: stacks: end" in printed(), timeout=max(1.0, STUCK_S - (time.monotonic() - stuck)),
+              procs=[proc], what="the watchdog's stacks", detail=lambda: printed()[-3000:])
         for pid in pids:
             os.kill(pid, 0)  # raises if it was killed (or ended) before the stacks were printed
-        printed = "".join(out)
-        before = printed.split("phalanx: stacks: the group has completed no step", 1)[0]
-        assert "killed" not in before and "stopped all workers" not in before, printed[-4000:]
-        _names_the_lines(printed.split("phalanx: stacks: the group has completed no step", 1)[1])
+        text = printed()
+        before = text.split("phalanx: stacks: the group has completed no step", 1)[0]
+        assert "killed" not in before and "stopped all workers" not in before, text[-4000:]
+        _names_the_lines(text.split("phalanx: stacks: the group has completed no step", 1)[1])
     finally:
         (marks / "release").touch()
-    assert exited(proc, timeout=120, what="the job after its release") == 0, "".join(out)[-4000:]
-    reader.join(timeout=30)
+    assert exited(proc, timeout=120, what="the job after its release") == 0, printed()[-4000:]
+    text = printed()
     if os.environ.get("STACKS_OUT"):
-        open(os.environ["STACKS_OUT"], "w").write("".join(out))
-    last = [ln for ln in "".join(out).splitlines() if ln.startswith("phalanx: the group stalled")]
-    assert len(last) == 1 and "1 time(s)" in last[0] and "under 'phalanx: stacks:'" in last[0], "".join(out)[-3000:]
+        open(os.environ["STACKS_OUT"], "w").write(text)
+    last = [ln for ln in text.splitlines() if ln.startswith("phalanx: the group stalled")]
+    assert len(last) == 1 and "1 time(s)" in last[0] and "under 'phalanx: stacks:'" in last[0], text[-3000:]
 
 
 def test_phalanx_stacks_without_a_job_or_with_bad_flags_says_so_in_one_line(monkeypatch, tmp_path, capsys):

@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import traceback
 from multiprocessing import forkserver
 from typing import Sequence
@@ -154,6 +155,7 @@ def _launcher(argv: list[str], paths: tuple[str, str], environ: dict[str, str], 
             signal.signal(sig, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(environ)
+        tempfile.tempdir = None  # the server's, cached: read again from this environment (TMPDIR), as a fresh one would
         # the server's child already holds the server's alive descriptor (multiprocessing.forkserver._serve_one);
         # given its address, it asks the same server for its workers; the server runs (a dead one fails the job's
         # first worker start, which the test sees)
