@@ -31,17 +31,59 @@ def product_modules() -> list[str]:
     return names
 
 
-def loaded_after(stages: list[list[str]]) -> list[dict]:
+# ``phalanx demo``, ``phalanx bench`` (each one's exit status and stderr) and ``px.Downpour()`` (its error) with
+# scikit-learn, matplotlib and pyzmq absent. Each call meets a missing extra first thing, so one process for the three
+# tells what three would. sys.modules[name] = None is how Python marks a package as absent: find_spec says None,
+# import fails.
+WITHOUT_EXTRAS = """
+import contextlib, io
+sys.modules['sklearn'] = sys.modules['matplotlib'] = None
+sys.modules['zmq'] = None
+from phalanx.cli import main
+got = {}
+for command in ('demo', 'bench'):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main([command])
+    got[command] = [code, err.getvalue()]
+import phalanx as px
+from phalanx.errors import ConfigError
+try:
+    px.Downpour()
+except ConfigError as err:
+    got['ps'] = str(err)
+"""
+
+
+def loaded_after(stages: list[list[str]]) -> tuple[list[dict], dict]:
     """In ONE fresh interpreter: import each stage's modules in turn; after each, which of APPS got loaded and which
-    modules could not import.
+    modules could not import. And, in a child forked from it once it has imported torch (and nothing of phalanx,
+    scikit-learn, matplotlib or pyzmq: checked), what :data:`WITHOUT_EXTRAS` got.
 
     The last stage runs with scikit-learn and matplotlib counted as absent (as after ``pip install phalanx``): a
     module that needs either fails the import. The stages before it have proved that what they imported loads
     neither (their ``loaded`` is read before the block), so one interpreter tells what separate ones would, at
-    the cost of one start-up of torch instead of one per stage.
+    the cost of one start-up of torch instead of one per stage; the child is that interpreter as it was before it
+    imported anything of phalanx, so it tells what a fresh interpreter would, without a second start-up of torch.
     """
     code = f"""
-import importlib, json, sys
+import importlib, json, os, sys, traceback
+import torch  # noqa: F401 - once, before the fork: the child and the stages share it
+read, write = os.pipe()
+if os.fork() == 0:
+    os.close(read)
+    status = 0
+    try:
+        early = [m for m in ('phalanx', 'sklearn', 'matplotlib', 'zmq') if m in sys.modules]
+        assert not early, f'loaded before the fork: {{early}}'
+        exec({WITHOUT_EXTRAS!r})
+        os.write(write, json.dumps(got).encode())
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stderr.flush()
+    os._exit(status)
+os.close(write)
 stages = {stages!r}
 for n, modules in enumerate(stages):
     if n == len(stages) - 1:
@@ -55,22 +97,34 @@ for n, modules in enumerate(stages):
                 raise
             skipped[name] = err.name
     print(json.dumps({{"loaded": [m for m in {APPS!r} if sys.modules.get(m) is not None], "skipped": skipped}}))
+with os.fdopen(read, "rb") as pipe:
+    child = pipe.read()
+if os.waitstatus_to_exitcode(os.wait()[1]) != 0:
+    sys.exit("the child without the extras failed (its traceback is above)")
+print(child.decode())
 """
     env = {**os.environ, "KERAS_BACKEND": "torch"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(stages):]]
+    lines = out.stdout.strip().splitlines()
+    return [json.loads(line) for line in lines[-len(stages) - 1:-1]], json.loads(lines[-1])
 
 
 @pytest.fixture(scope="module")
-def imports() -> dict:
+def interpreter() -> dict:
     """``import phalanx``; then every core and feature module but px.keras; then all of them, sklearn and
     matplotlib absent. Keras itself imports scikit-learn and matplotlib when they are installed, so px.keras is
-    checked with both absent; every other module must not even load them."""
+    checked with both absent; every other module must not even load them. And what :data:`WITHOUT_EXTRAS` got."""
     modules = product_modules()
     plain = [m for m in modules if not m.startswith("phalanx.keras")]
-    first, second, blocked = loaded_after([["phalanx"], plain, modules])
-    return {"modules": modules, "phalanx": first, "plain": second, "blocked": blocked}
+    (first, second, blocked), without = loaded_after([["phalanx"], plain, modules])
+    return {"modules": modules, "phalanx": first, "plain": second, "blocked": blocked, "without_extras": without}
+
+
+@pytest.fixture(scope="module")
+def imports(interpreter: dict) -> dict:
+    """What each stage of :func:`interpreter` loaded."""
+    return interpreter
 
 
 def test_import_phalanx_loads_no_app_and_no_plotting_or_sklearn(imports: dict) -> None:
@@ -101,30 +155,10 @@ def test_core_requirements_hold_neither_sklearn_nor_matplotlib() -> None:
 
 
 @pytest.fixture(scope="module")
-def without_extras() -> dict:
-    """One fresh interpreter with scikit-learn, matplotlib and pyzmq absent: ``phalanx demo``, ``phalanx bench``
-    (each one's exit status and stderr) and ``px.Downpour()`` (its error). Each call meets a missing extra first
-    thing, so one interpreter for the three tells what three would."""
-    # sys.modules[name] = None is how Python marks a package as absent: find_spec says None, import fails
-    code = ("import contextlib, io, json, sys; sys.modules['sklearn'] = sys.modules['matplotlib'] = None\n"
-            "sys.modules['zmq'] = None\n"
-            "from phalanx.cli import main\n"
-            "got = {}\n"
-            "for command in ('demo', 'bench'):\n"
-            "    err = io.StringIO()\n"
-            "    with contextlib.redirect_stderr(err):\n"
-            "        code = main([command])\n"
-            "    got[command] = [code, err.getvalue()]\n"
-            "import phalanx as px\n"
-            "from phalanx.errors import ConfigError\n"
-            "try:\n"
-            "    px.Downpour()\n"
-            "except ConfigError as err:\n"
-            "    got['ps'] = str(err)\n"
-            "print(json.dumps(got))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def without_extras(interpreter: dict) -> dict:
+    """With scikit-learn, matplotlib and pyzmq absent (:data:`WITHOUT_EXTRAS`, run in :func:`interpreter`'s fork):
+    ``phalanx demo``, ``phalanx bench`` (each one's exit status and stderr) and ``px.Downpour()`` (its error)."""
+    return interpreter["without_extras"]
 
 
 @pytest.mark.parametrize("command", ["demo", "bench"])

@@ -15,10 +15,13 @@ PAGES = ["README.md", os.path.join("docs", "api.md")]  # pages whose ```python b
 # One interpreter imports torch once (the second or so every example would spend on it), then forks a child per
 # example that runs it as `python -c` would: in a fresh __main__ namespace, in its own folder, its own stdout and
 # stderr. Only torch is imported before the fork: every example imports it itself, and a module the example forgets
-# to import (phalanx, phalanx.bench, ...) is as absent in the child as in a plain process.
+# to import (phalanx, phalanx.bench, ...) is as absent in the child as in a plain process. torch._dynamo too: torch
+# imports it on its own at the first optimizer an example makes (torch.optim, another second each), and gives it as
+# torch._dynamo whether imported or not (torch's lazy submodules), so no example could forget it.
 RUNNER = r"""
 import json, os, sys, traceback
 import torch  # noqa: F401 - imported once, before the forks
+import torch._dynamo  # noqa: F401 - what torch.optim's first optimizer imports, once
 
 runs = json.loads(sys.stdin.read())
 codes = []

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -16,6 +15,7 @@ from conftest import needs_root_netns
 from phalanx.errors import ConfigError
 from phalanx.launch.config import RunConfig
 from phalanx.launch.linked import summary
+from support.forked_launch import start_cli
 
 TINY = """
 import torch, torch.nn.functional as F, phalanx as px
@@ -80,8 +80,8 @@ def test_the_summary_splits_the_step_and_divides_the_wire_bytes_by_the_steps():
 @pytest.mark.netns
 @needs_root_netns()
 def test_a_tiny_script_under_100mbit_ends_with_the_summary_and_bytes_on_the_wire(script):
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "run", "-n", "2", "--link", "100mbit", script],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the launcher forked from this process's preloaded server (the test is about the link, not its process start)
+    proc = start_cli(["run", "-n", "2", "--link", "100mbit", script], os.path.dirname(script))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     last = err.strip().splitlines()[-1]
