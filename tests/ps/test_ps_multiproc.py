@@ -1,5 +1,8 @@
 """Parameter-server strategies with real worker processes and real server processes.
 
+The server processes are forked from the tests' preloaded fork server (support.ps_servers), as the workers are:
+each is still its own process serving on its own port; none of these tests is about how a server is started.
+
 Budgets (digits CNN, 2 workers × batch 32, SGD lr 0.05 momentum 0.9 on the workers):
 Downpour with server-side Adagrad (Dean et al. 2012) on 2 server processes, and
 asynchronous EASGD (τ = 4) on colocated servers, each get 8 epochs and must reach a
@@ -12,8 +15,9 @@ import threading
 import pytest
 import torch
 
-from phalanx.ps import load_report, start_servers
+from phalanx.ps import load_report
 from support.procs import run_workers
+from support.ps_servers import forked_servers as start_servers
 from support.wait import until
 
 pytestmark = pytest.mark.multiproc
