@@ -11,16 +11,17 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 from workers import checkpoint_async as W
 
 import phalanx as px
+from support.forked_launch import start_cli
 from support.procs import at_once, free_port, outcome, reap
 
 SCRIPT = W.__file__
-CLI = [sys.executable, "-m", "phalanx.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +54,24 @@ def _full_disk_job(full: str, out) -> dict:
             "left": os.listdir(full)}
 
 
-def _elastic_job(out, *victim: str) -> dict:
-    # forked workers, as the suite's tests get them (a module fixture runs before conftest's per-test setting)
-    env = {**os.environ, "PHALANX_START_METHOD": "forkserver"}
-    proc = subprocess.run([*CLI, "run", "-n", str(2 + len(victim)), "--elastic", "--min-workers", "1", SCRIPT,
-                           "elastic", str(out), *victim], capture_output=True, text=True, timeout=480, env=env)
-    return {"out": out, "proc": proc}
+# start_cli swaps multiprocessing's fork-server functions while it starts a launcher: one thread at a time
+_STARTING = threading.Lock()
+
+
+def _elastic_job(out, logs: str, *victim: str) -> dict:
+    # The launcher forked from the tests' preloaded server, its workers from the same server (support.forked_launch):
+    # what is tested is the saves a lost worker cuts, not how a launcher starts; a fresh launcher and its own fork
+    # server cost about 4.5 CPU-s per job. (Each worker's writer is still a fresh interpreter, as in production.)
+    argv = ["run", "-n", str(2 + len(victim)), "--elastic", "--min-workers", "1", SCRIPT, "elastic", str(out), *victim]
+    with _STARTING:
+        launcher = start_cli(argv, logs)
+    try:
+        launcher.wait(480)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    stdout, stderr = launcher.communicate()
+    return {"out": out, "proc": subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr)}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +82,9 @@ def saves(tmp_path_factory, request) -> dict:
     regroup, a worker's start-up), so one after the other they left the cores idle. The full-disk job runs only
     where its tmpfs can be mounted (its test skips otherwise).
     """
-    jobs = {"lost-rank-0": lambda: _elastic_job(tmp_path_factory.mktemp("lost0")),
-            "lost-rank-2": lambda: _elastic_job(tmp_path_factory.mktemp("lost2"), "2")}
+    jobs = {"lost-rank-0": lambda: _elastic_job(tmp_path_factory.mktemp("lost0"), tmp_path_factory.mktemp("logs0")),
+            "lost-rank-2": lambda: _elastic_job(tmp_path_factory.mktemp("lost2"), tmp_path_factory.mktemp("logs2"),
+                                                "2")}
     try:
         full = request.getfixturevalue("full_disk")
         jobs["full-disk"] = lambda: _full_disk_job(full, tmp_path_factory.mktemp("fulldisk"))

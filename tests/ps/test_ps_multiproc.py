@@ -1,5 +1,8 @@
 """Parameter-server strategies with real worker processes and real server processes.
 
+The server processes are forked from the tests' preloaded fork server (support.ps_servers), as the workers are:
+each is still its own process serving on its own port; none of these tests is about how a server is started.
+
 Budgets (digits CNN, 2 workers × batch 32, SGD lr 0.05 momentum 0.9 on the workers):
 Downpour with server-side Adagrad (Dean et al. 2012) on 2 server processes, and
 asynchronous EASGD (τ = 4) on colocated servers, each get 8 epochs and must reach a
@@ -12,8 +15,9 @@ import threading
 import pytest
 import torch
 
-from phalanx.ps import load_report, start_servers
+from phalanx.ps import load_report
 from support.procs import run_workers
+from support.ps_servers import forked_servers as start_servers
 from support.wait import until
 
 pytestmark = pytest.mark.multiproc
@@ -25,30 +29,48 @@ KILL_EPOCHS = 3
 COLOCATED = {"PHALANX_PS_ADDRS": ""}  # whatever the shell exported: each worker hosts a shard server
 
 
+EASGD = {"every": 4}
+
+
+@pytest.fixture(scope="module")
+def colocated() -> dict[str, list]:
+    """One job of 2 workers, each hosting its colocated shard server, that runs four of this module's scenarios in
+    turn (workers.ps:in_turn): async EASGD's 8 epochs first (its load report counts its own requests only), then
+    sync PS vs AllReduce, the channels_last model, and clipping and GradScaler under every PS strategy (each of them
+    builds its own strategies and servers, as it did in a job of its own). Each scenario's result per rank, by name;
+    one fork per rank instead of four."""
+    results = run_workers("workers.ps:in_turn", world_size=2, env=COLOCATED, timeout=480, calls=[
+        ("easgd-async", "train", {"strategy": "easgd-async", "opts": EASGD, "epochs": EPOCHS, "lr": 0.05,
+                                  "momentum": 0.9}),
+        ("sync", "sync_vs_allreduce", {"steps": 6, "lr": 0.05, "momentum": 0.9}),
+        ("channels_last", "channels_last", {"steps": 3}),
+        ("semantics", "semantics_under_ps", {})]).results
+    return {name: [r[name] for r in results] for name in results[0]}
+
+
 @pytest.mark.parametrize("strategy, opts, servers", [("downpour", {"adagrad_lr": 0.02}, 2),
-                                                     ("easgd-async", {"every": 4}, "colocated")])
-def test_asynchronous_strategies_reach_093_on_digits_with_2_workers(strategy, opts, servers):
+                                                     ("easgd-async", EASGD, "colocated")])
+def test_asynchronous_strategies_reach_093_on_digits_with_2_workers(strategy, opts, servers, request):
     if servers == "colocated":  # one shard server in each worker process
-        run = run_workers("workers.ps:train", world_size=2, env=COLOCATED, strategy=strategy, opts=opts,
-                          epochs=EPOCHS, lr=0.05, momentum=0.9)
+        results = request.getfixturevalue("colocated")[strategy]
     else:
         with start_servers(servers) as group:
-            run = run_workers("workers.ps:train", world_size=2, env=group.env(), strategy=strategy, opts=opts,
-                              epochs=EPOCHS, lr=0.05, momentum=0.9)
-    accs = [r["acc"] for r in run.results]
-    load = run.results[0]["load"]
+            results = run_workers("workers.ps:train", world_size=2, env=group.env(), strategy=strategy, opts=opts,
+                                  epochs=EPOCHS, lr=0.05, momentum=0.9).results
+    accs = [r["acc"] for r in results]
+    load = results[0]["load"]
     print(f"{strategy}: test accuracy per worker's final pull {accs}; per-server requests {load['requests']}, "
           f"bytes imbalance {load['bytes_imbalance']:.3f}")
     assert min(accs) >= 0.93
     assert load["bytes_imbalance"] <= 1.1 and min(load["requests"]) > 0  # both servers carried their share
 
 
-def test_synchronous_ps_gives_the_same_weights_as_allreduce():
-    run = run_workers("workers.ps:sync_vs_allreduce", world_size=2, env=COLOCATED, steps=6, lr=0.05, momentum=0.9)
+def test_synchronous_ps_gives_the_same_weights_as_allreduce(colocated):
+    results = colocated["sync"]
     for rank in (0, 1):
-        ps, ar = run.results[rank]["ps-sync"], run.results[rank]["allreduce"]
+        ps, ar = results[rank]["ps-sync"], results[rank]["allreduce"]
         assert max((a - b).abs().max().item() for a, b in zip(ps, ar, strict=True)) <= 1e-5
-    assert all(torch.equal(a, b) for a, b in zip(run.results[0]["ps-sync"], run.results[1]["ps-sync"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["ps-sync"], results[1]["ps-sync"], strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +160,8 @@ def test_resume_equals_the_uninterrupted_run_for_every_ps_strategy_colocated_and
             assert result["diff"] <= 1e-6, case
 
 
-def test_a_channels_last_model_split_over_2_servers_sync_ps_equals_allreduce_and_downpour_receives_it():
-    out = run_workers("workers.ps:channels_last", world_size=2, env=COLOCATED, steps=3).results
+def test_a_channels_last_model_split_over_2_servers_sync_ps_equals_allreduce_and_downpour_receives_it(colocated):
+    out = colocated["channels_last"]
     assert out[0]["split"] and set(out[0]["split"]) <= set(out[0]["non_contiguous"])  # the case under test
     for rank in (0, 1):
         diff = max((a - b).abs().max().item()
@@ -165,8 +187,8 @@ def _worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @pytest.fixture(scope="module")
-def semantics():
-    return run_workers("workers.ps:semantics_under_ps", world_size=2, env=COLOCATED, timeout=240).results
+def semantics(colocated):
+    return colocated["semantics"]
 
 
 def test_clipping_under_the_synchronous_ps_sees_the_average_as_one_process(semantics):

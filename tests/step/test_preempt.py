@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from phalanx.step.preempt import PREEMPTED_EXIT, latest_checkpoint
 from phalanx.step.preempt import PREEMPTION
 from support.preempt_job import oracle, weights
 from support.paths import REPO, TESTS
+from support.forked_launch import Launcher, start_cli
 from support.procs import at_once, outcome, run_workers
 from support.wait import until
 
@@ -27,23 +29,40 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"),
                                                      os.environ.get("PYTHONPATH", "")])}
 
 
-def phalanx(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())",
-                             "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, **kw)
+# start_cli swaps multiprocessing's fork-server functions while it starts a launcher: the module fixture's threads
+# start theirs one at a time (and the reference run's workers, which start through the same functions)
+_STARTING = threading.Lock()
 
 
-def wait_for(path: str, proc: subprocess.Popen, deadline_s: float = 120) -> None:
+def phalanx(*args: str, logs: str) -> Launcher:
+    """``phalanx run ARGS``, its stdout and stderr kept in ``LOGS/launcher.{out,err}``.
+
+    The launcher is forked from the tests' preloaded server (support.forked_launch), not a fresh interpreter: what
+    these tests check is what it does with the signals and its workers, which torch's agent still starts as
+    ``python -u WORKER`` (each a fresh interpreter); a fresh launcher cost 1.4 CPU-s more.
+    """
+    os.makedirs(logs, exist_ok=True)
+    with _STARTING:
+        return start_cli(["run", *args], logs, {"PYTHONPATH": ENV["PYTHONPATH"]})
+
+
+def stderr_of(job: Launcher) -> str:
+    with open(job.paths[1], errors="replace") as f:
+        return f.read()
+
+
+def wait_for(path: str, proc: Launcher, deadline_s: float = 120) -> None:
     """Until the worker writes ``path`` (polling a file; the launcher ending first is a failure)."""
     until(lambda: os.path.exists(path), timeout=deadline_s, what=f"the worker's {os.path.basename(path)}",
-          procs=[proc], detail=lambda: proc.stderr.read())
+          procs=[proc], detail=lambda: stderr_of(proc))
 
 
-def sigterm_once(job: subprocess.Popen, *markers: str) -> str:
+def sigterm_once(job: Launcher, *markers: str) -> str:
     """SIGTERM to the launcher once the workers wrote every marker file; its stderr once it ended (killed if not)."""
     try:
         for marker in markers:
             wait_for(marker, job)
-        job.send_signal(signal.SIGTERM)
+        os.kill(job.pid, signal.SIGTERM)
         return job.communicate(timeout=120)[1]
     finally:
         if job.poll() is None:
@@ -60,14 +79,14 @@ def delivered(pid: int, sig: int) -> bool:
     return not any(mask >> (sig - 1) & 1 for mask in pending.values())
 
 
-def sigterm_then_repeats(job: subprocess.Popen, out: str) -> str:
+def sigterm_then_repeats(job: Launcher, out: str) -> str:
     """SIGTERM to the launcher at ``OUT.reached``; then, while rank 0 holds before its save (``OUT.saving``, inside
     the launcher's grace), SIGUSR1 and SIGTERM again, to the launcher twice each and to every worker, as SLURM and a
     scheduler that resends do; each is delivered before the next is sent (a signal sent twice before its handler ran
     arrives once). Then ``OUT.go``: the save goes on. Returns the launcher's stderr (killed if it did not end)."""
     try:
         wait_for(out + ".reached", job)
-        job.send_signal(signal.SIGTERM)
+        os.kill(job.pid, signal.SIGTERM)
         wait_for(out + ".saving", job)
         workers = [pid for pid in _procs_with(out) if pid != job.pid]
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM):
@@ -89,11 +108,12 @@ def sigterm_then_repeats(job: subprocess.Popen, out: str) -> str:
 # fsync, the next launch), so one after the other they left the cores idle for most of their 40 s.
 def _stops_and_resumes(tmp) -> dict:
     ckpt, out = str(tmp / "ckpt"), str(tmp / "model.pt")
-    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, WORKER, out, "5", "--hold-before-save")
+    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, WORKER, out, "5", "--hold-before-save", logs=str(tmp / "run"))
     err = sigterm_then_repeats(job, out)  # rank 0 finished step 5 and waits for the signal; repeats in the grace
     got = {"ckpt": ckpt, "out": out, "code": job.returncode, "err": err, "listed": _listed(ckpt),
            "latest": latest_checkpoint(ckpt), "out_before_resume": os.path.exists(out)}
-    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", WORKER, out)
+    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", WORKER, out,
+                      logs=str(tmp / "resume"))
     got["resumed_err"] = resumed.communicate(timeout=120)[1]
     got["resumed_code"] = resumed.returncode
     return got
@@ -102,21 +122,23 @@ def _stops_and_resumes(tmp) -> dict:
 def _hangs_in_the_grace(tmp) -> dict:
     ckpt, out = str(tmp / "ckpt"), str(tmp / "model.pt")
     job = phalanx("-n", "2", "--grace", str(HANG_GRACE_S), "--checkpoint-dir", ckpt, WORKER, out, "5",
-                  "--hang-before-save")
+                  "--hang-before-save", logs=str(tmp / "run"))
     err = sigterm_once(job, out + ".reached")
     return {"code": job.returncode, "err": err, "latest": latest_checkpoint(ckpt)}
 
 
 def _diloco_drifts(tmp) -> dict:
     ckpt, out, ref = str(tmp / "ckpt"), str(tmp / "model.pt"), str(tmp / "reference.pt")
-    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, PERIODIC, out, "diloco", "--drift")
+    job = phalanx("-n", "2", "--checkpoint-dir", ckpt, PERIODIC, out, "diloco", "--drift", logs=str(tmp / "run"))
     # the uninterrupted run, alongside: the same script's loop on two ranks forked from the tests' preloaded server
     # (what it checks is the weights, not a launch: a launcher and two fresh interpreters cost 6 CPU-s more)
-    reference = run_workers("workers.preempt_periodic:reference", check=False, timeout=120, out=ref,
-                            strategy="diloco")
+    with _STARTING:
+        reference = run_workers("workers.preempt_periodic:reference", check=False, timeout=120, out=ref,
+                                strategy="diloco")
     err = sigterm_once(job, out + ".reached0", out + ".reached1")
     got = {"out": out, "ref": ref, "code": job.returncode, "err": err, "listed": _listed(ckpt)}
-    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", PERIODIC, out, "diloco")
+    resumed = phalanx("-n", "2", "--checkpoint-dir", ckpt, "--resume-from", "auto", PERIODIC, out, "diloco",
+                      logs=str(tmp / "resume"))
     got["resumed_err"] = resumed.communicate(timeout=120)[1]
     got["resumed_code"] = resumed.returncode
     got["ref_err"] = "\n".join(log[-1500:] for log in reference.logs)
@@ -213,12 +235,12 @@ def _procs_with(text: str) -> list[int]:
 @pytest.mark.multiproc
 def test_sigterm_during_start_up_ends_the_job_in_one_line_with_no_worker_left(tmp_path):
     out = str(tmp_path / "model.pt")
-    job = phalanx("-n", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), WORKER, out)
+    job = phalanx("-n", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), WORKER, out, logs=str(tmp_path / "run"))
     try:
         # both workers started (importing torch, or in px.init): not trained
         until(lambda: len(_procs_with(out)) >= 2, timeout=120, what="both workers' start", procs=[job],
-              detail=lambda: job.stderr.read())
-        job.send_signal(signal.SIGTERM)
+              detail=lambda: stderr_of(job))
+        os.kill(job.pid, signal.SIGTERM)
         _, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
@@ -285,7 +307,8 @@ def test_bad_resume_flags_are_one_line(argv, given, tmp_path):
 
 @pytest.mark.multiproc
 def test_sigterm_to_one_elastic_worker_leaves_at_the_commit_and_the_others_redo_nothing(tmp_path):
-    from support.elastic_job import launch, oracle as elastic_oracle
+    from support.elastic_job import oracle as elastic_oracle
+    from support.forked_launch import launch
     from workers import elastic as worker
     proc, results = launch(tmp_path, "--min-workers", "2", "--", "--kill", "1@5", "--term", "--commit-every", "3",
                            timeout=300)

@@ -262,3 +262,14 @@ def semantics_under_ps(steps: int = 4, amp_steps: int = 6) -> dict[str, Any]:
         ("easgd-async", lambda: px.AsyncEASGD(every=2, servers="colocated")))}
     amp["oracle_allreduce"] = amp_run(None, amp_steps, bad)["params"]
     return {"oracle": oracle, "oracle_norms": oracle_norms, "ps": ps, "ps_norms": ps_norms, "amp": amp}
+
+
+def in_turn(calls: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
+    """Several of this module's jobs one after the other in the same processes (one fork per rank, not one per job):
+    ``calls`` is ``[(name, function, kwargs)]``; returns each one's result by name. Each function calls
+    ``px.init()`` (idempotent) and builds its own strategies, as it does alone.
+
+    Example:
+        >>> # run_workers("workers.ps:in_turn", calls=[("sync", "sync_vs_allreduce", {"steps": 6, ...})])
+    """
+    return {name: globals()[function](**kwargs) for name, function, kwargs in calls}
