@@ -77,16 +77,25 @@ def script(tmp_path):
 COLLECTIVE_S = 60.0  # the collective timeout the raising job runs with (--timeout)
 
 
+# multiprocessing's handles of the forked launchers are started and read by one thread at a time: starting one
+# swaps multiprocessing's module-level fork server in (start_cli), and reads every earlier child's exit status; and
+# no subprocess starts meanwhile: the first start sets this process's environment for the fork server it starts
+_HANDLES = threading.Lock()
+
+
 def _run(argv: list[str]) -> dict:
     """One command to its end: its CompletedProcess, and when it started and ended (monotonic, wall clock)."""
     started = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    return {"proc": proc, "started": started, "ended_monotonic": time.monotonic(), "ended": time.time()}
-
-
-# multiprocessing's handles of the forked launchers are started and read by one thread at a time: starting one
-# swaps multiprocessing's module-level fork server in (start_cli), and reads every earlier child's exit status
-_HANDLES = threading.Lock()
+    with _HANDLES:  # it inherits this process's environment, whole
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return {"proc": subprocess.CompletedProcess(argv, proc.returncode, out, err), "started": started,
+            "ended_monotonic": time.monotonic(), "ended": time.time()}
 
 
 def _start(argv: list[str], out: str) -> Launcher:
