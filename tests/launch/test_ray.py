@@ -73,9 +73,10 @@ def grown_then_late(cluster, tmp_path_factory):
     """One Ray Train run for two scenarios: the job grows from 2 to 3 workers, then a worker is lost whose
     replacement arrives only after training ended (each Ray Train run costs a controller and worker actors).
 
-    Growing (test_room_for_a_third_worker...): one CPU of the 3 nodes is held, so 2 workers fit; once both train it
-    is let go, as a node added to the cluster would offer it (Cluster.add_node itself only runs on the main thread,
-    which train() holds), and the controller starts a third worker there, g1, which joins at a commit.
+    Growing (test_room_for_a_third_worker...): one CPU of the 3 nodes is held (a placement group: no process), so 2
+    workers fit; once both train it is let go, as a node added to the cluster would offer it (Cluster.add_node
+    itself only runs on the main thread, which train() holds), and the controller starts a third worker there, g1,
+    which joins at a commit.
     slow_below=3 (slow_first: until that join): the 2 wait for it.
 
     Late replacement (test_a_replacement_arriving...): rank 1 parks at the first step from 6 on at which the three

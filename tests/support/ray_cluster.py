@@ -43,13 +43,3 @@ def cluster():
     for s, handler in handlers.items():
         signal.signal(s, handler)
 
-
-class Holder:
-    """Takes one CPU of the cluster (a Ray actor), so that only two workers fit until a node is added.
-
-    Here, not in a test module: Ray's workers import an actor's class by its module, and tests/ is on their path
-    while the test folders are not.
-    """
-
-    def ping(self) -> bool:
-        return True
