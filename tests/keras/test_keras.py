@@ -15,14 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("KERAS_BACKEND", "torch")
-keras = pytest.importorskip("keras")
+import phalanx as px
+from phalanx.errors import ConfigError
+from phalanx.keras import detect
+from support import lazy
+from support.procs import run_workers
 
-import phalanx as px  # noqa: E402
-from phalanx.errors import ConfigError  # noqa: E402
-from phalanx.keras import detect, keras_api  # noqa: E402
-from phalanx.keras.fit import run_of  # noqa: E402
-from support.procs import run_workers  # noqa: E402
+os.environ.setdefault("KERAS_BACKEND", "torch")
+# imported by the first test that reads them: every xdist worker collects this file, one runs it
+keras = lazy.module("keras")
+keras_api = lazy.module("phalanx.keras.keras_api")
+fit = lazy.module("phalanx.keras.fit")
 
 
 def _compiled(optimizer: str = "sgd") -> keras.Model:
@@ -46,7 +49,7 @@ def test_keras_calls_what_phalanx_relies_on() -> None:
     assert keras.__version__ == keras_api.TESTED_KERAS
     model = px.keras.wrap(_compiled())
     calls = {"apply": 0, "evaluate": 0}
-    run = run_of(model)
+    run = fit.run_of(model)
     keras_apply, keras_evaluate = run._keras_apply, model.evaluate
 
     def apply(*a, **k):  # noqa: ANN002, ANN003, ANN202

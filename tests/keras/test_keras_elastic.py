@@ -18,13 +18,15 @@ import subprocess
 import numpy as np
 import pytest
 
-os.environ.setdefault("KERAS_BACKEND", "torch")
-keras = pytest.importorskip("keras")
+import phalanx as px
+from support import lazy
+from support.forked_launch import run_cli  # the launcher forked, its workers from one server
+from support.paths import TESTS
 
-import phalanx as px  # noqa: E402
-from support.forked_launch import run_cli  # noqa: E402  (the launcher forked, its workers from one server)
-from support.paths import TESTS  # noqa: E402
-from workers import keras_elastic as worker  # noqa: E402
+os.environ.setdefault("KERAS_BACKEND", "torch")
+# imported by the first test that reads them: every xdist worker collects this file, one runs it
+keras = lazy.module("keras")
+worker = lazy.module("workers.keras_elastic")
 
 WORKER = os.path.join(TESTS, "workers", "keras_elastic.py")
 EPOCHS = 3
@@ -38,29 +40,6 @@ def _launch(tmp_path, n: int, *args: str) -> tuple[subprocess.CompletedProcess, 
     return proc, results
 
 
-class _Replay(keras.utils.PyDataset):
-    """One epoch's recorded global batches, for plain Keras on one process."""
-
-    def __init__(self, x: np.ndarray, y: np.ndarray, batches: list[list[int]]) -> None:
-        super().__init__()
-        self.x, self.y, self.batches = x, y, batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.x[self.batches[i]], self.y[self.batches[i]]
-
-
-class _Weights(keras.callbacks.Callback):
-    def __init__(self) -> None:
-        super().__init__()
-        self.at_epoch_end: list[list[np.ndarray]] = []
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self.at_epoch_end.append([np.asarray(w) for w in self.model.get_weights()])
-
-
 def _effective(steps: list[list]) -> list[list]:
     """The steps the run kept: a step redone after a rollback replaces the one that was lost."""
     kept: dict[int, list] = {}
@@ -71,6 +50,28 @@ def _effective(steps: list[list]) -> list[list]:
 
 def _oracle(steps: list[list]) -> tuple[dict, list, list, list]:
     """Plain Keras, one process, on the recorded global batches: history, calls, weights per epoch, final weights."""
+
+    class _Replay(keras.utils.PyDataset):
+        """One epoch's recorded global batches, for plain Keras on one process."""
+
+        def __init__(self, x: np.ndarray, y: np.ndarray, batches: list[list[int]]) -> None:
+            super().__init__()
+            self.x, self.y, self.batches = x, y, batches
+
+        def __len__(self) -> int:
+            return len(self.batches)
+
+        def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+            return self.x[self.batches[i]], self.y[self.batches[i]]
+
+    class _Weights(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.at_epoch_end: list[list[np.ndarray]] = []
+
+        def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+            self.at_epoch_end.append([np.asarray(w) for w in self.model.get_weights()])
+
     x, y, xv, yv = worker.data()
     model, recorder, snap = worker.model(), worker.Recorder(), _Weights()
     history: dict[str, list] = {}

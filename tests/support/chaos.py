@@ -486,8 +486,16 @@ class Soak:
             if self.wait_step(self.started, self.stall_s + self.first_step_s) is None:
                 raise Wedged("no first step")
             self.log(f"first step {time.time() - self.started:.1f}s after the start; {len(self.plan)} kills to go")
-            for aimed in self.plan:
-                if not self.kill_one(aimed):
+            plan = list(self.plan)
+            for i in range(len(plan)):
+                if plan[i].startswith("regroup") and not (self.kills and self.kills[-1]["member"]):
+                    # a regroup follows the loss of a member: after a joiner's (or before any kill) none comes, and
+                    # the aim would wait out aim_s for nothing, so a kill that takes a member goes first
+                    later = [j for j in range(i + 1, len(plan)) if plan[j] in ("step", "commit", "ckpt")]
+                    later = later or [j for j in range(i + 1, len(plan)) if plan[j] == "random"]
+                    if later:
+                        plan[i], plan[later[0]] = plan[later[0]], plan[i]
+                if not self.kill_one(plan[i]):
                     break
             # the last kill's recovery: a step after it, then stop after the current epoch
             if self.kills and self.running():

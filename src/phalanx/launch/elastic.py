@@ -122,7 +122,9 @@ def run_elastic(cfg: "RunConfig", status: "JobStatus | None" = None) -> int:
     def on_signal(sig: int, _frame: object) -> None:
         stop["sig"] = sig
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGUSR1 too: SLURM's --signal=USR1@N reaches the launcher as well, whose default action would end it at once
+    # and leave its workers to end as orphans a heartbeat timeout later, with no line saying why
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     # Stacks of every worker when the group stops stepping, and before a hung worker is killed (launch/stacks.py)
     dog = Watchdog(store, job_secret, el.heartbeat_s, expect=lambda: _members(store),
                    lost=lambda: [w.id for w in workers if w.returncode is not None or w.proc.poll() is not None],
