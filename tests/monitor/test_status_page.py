@@ -122,6 +122,32 @@ def test_one_open_page_follows_a_kill_and_a_join_and_the_end(tmp_path, browser):
         page.close()
 
 
+# before the slow job's tests: that job (a module fixture) ends when the module's last test does, and its
+# two busy workers with it
+def test_a_page_left_open_shows_a_new_job_only_with_its_token(browser):
+    from phalanx.monitor import StatusServer, token
+
+    old = StatusServer("127.0.0.1", 0)
+    old.serve(lambda: {"generation": 7, "members": ["a"], "workers": [], "straggler": None, "throughput": [],
+                       "changes": [], "checkpoint": None, "ended": None, "strategy": "AllReduce"}, token("old"))
+    port = old.port
+    page = browser.new_page()
+    page.goto(f"http://127.0.0.1:{port}/?token={token('old')}")
+    wait_dom(page, "document.getElementById('generation').textContent === '7'")
+    old.close()
+    new = StatusServer("127.0.0.1", port)  # another job takes the port over, with another secret
+    new.serve(lambda: {"generation": 5, "members": ["worker-of-the-new-job"], "workers": [], "straggler": None,
+                       "throughput": [], "changes": [], "checkpoint": None, "ended": None, "strategy": "X"},
+              token("new"))
+    try:
+        wait_dom(page, "document.getElementById('state').textContent === 'not authorized'")
+        assert dom(page, "#generation") == "–" and "worker-of-the-new-job" not in page.content()
+        assert "Not authorized" in dom(page, "#problem")
+    finally:
+        new.close()
+        page.close()
+
+
 @pytest.fixture(scope="module")
 def slow_job(tmp_path_factory, browser):
     """Two workers: worker 1 slow in compute, then (once the test writes ``next``) worker 0 slow in its input."""
@@ -159,27 +185,3 @@ def test_a_rank_slow_in_its_input_pipeline_is_named_with_its_cause(slow_job):
     job, page = slow_job
     (job.out / "next").touch()  # worker 1 is fast again; worker 0's dataset spins for each batch
     check_named(job, page, rank=0, cause="input")
-
-
-def test_a_page_left_open_shows_a_new_job_only_with_its_token(browser):
-    from phalanx.monitor import StatusServer, token
-
-    old = StatusServer("127.0.0.1", 0)
-    old.serve(lambda: {"generation": 7, "members": ["a"], "workers": [], "straggler": None, "throughput": [],
-                       "changes": [], "checkpoint": None, "ended": None, "strategy": "AllReduce"}, token("old"))
-    port = old.port
-    page = browser.new_page()
-    page.goto(f"http://127.0.0.1:{port}/?token={token('old')}")
-    wait_dom(page, "document.getElementById('generation').textContent === '7'")
-    old.close()
-    new = StatusServer("127.0.0.1", port)  # another job takes the port over, with another secret
-    new.serve(lambda: {"generation": 5, "members": ["worker-of-the-new-job"], "workers": [], "straggler": None,
-                       "throughput": [], "changes": [], "checkpoint": None, "ended": None, "strategy": "X"},
-              token("new"))
-    try:
-        wait_dom(page, "document.getElementById('state').textContent === 'not authorized'")
-        assert dom(page, "#generation") == "–" and "worker-of-the-new-job" not in page.content()
-        assert "Not authorized" in dom(page, "#problem")
-    finally:
-        new.close()
-        page.close()
