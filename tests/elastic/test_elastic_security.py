@@ -7,18 +7,17 @@ end leaves at once with no thread left behind.
 """
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
+from support.forked_launch import Launcher, start_cli  # the launchers forked, their workers from one server
 from support.paths import TESTS
-from support.procs import at_once, outcome, reap
+from support.procs import reap
 from support.wait import until
 
 WORKER = os.path.join(TESTS, "workers", "elastic.py")
@@ -48,7 +47,7 @@ def results_of(tmp_path) -> dict:
     return {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
 
 
-def assert_untouched(tmp_path, launcher: subprocess.Popen, stderr: str, workers: tuple[str, ...] = ("0", "1")) -> None:
+def assert_untouched(tmp_path, launcher: Launcher, stderr: str, workers: tuple[str, ...] = ("0", "1")) -> None:
     """The job ended as if nobody had tried to enter: its own workers, its own world size, the oracle's weights."""
     from support.elastic_job import oracle
     assert launcher.returncode == 0, stderr[-3000:]
@@ -75,21 +74,35 @@ HEARTBEAT_S = 3  # the door job's heartbeat timeout: a joiner with no process be
 TIMEOUT_S = 4 * HEARTBEAT_S
 
 
-def start_door(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
-    """``workers/elastic_door.py`` on 2 workers, training until :func:`end_door`; returns the launcher and port."""
-    env = {**os.environ, "PHALANX_SECRET": SECRET, **(env or {})}
-    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", *flags, DOOR, "--out", str(tmp_path)]
-    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    port = int(re.search(r"its store is at \S+:(\d+)", launcher.stderr.readline()).group(1))
-    until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= 2, timeout=90, what="the workers' training",
-          procs=[launcher], detail=lambda: launcher.communicate()[1][-2000:])
-    return launcher, port
+def start_door(tmp_path, *flags: str, env: dict | None = None) -> tuple[Launcher, int]:
+    """``workers/elastic_door.py`` on 2 workers, training until :func:`end_door`; returns the launcher and port.
+
+    The launcher is forked (:mod:`support.forked_launch`): no test here kills it or reads what a fresh
+    interpreter prints at its start; its stderr (its workers' too) is ``OUT/launcher.err``.
+    """
+    argv = ["run", "-n", "2", "--elastic", "--min-workers", "1", *flags, DOOR, "--out", str(tmp_path)]
+    launcher = start_cli(argv, str(tmp_path), env={"PHALANX_SECRET": SECRET, **(env or {})})
+    err = lambda: (tmp_path / "launcher.err").read_text() if (tmp_path / "launcher.err").exists() else ""  # noqa: E731
+    found = re.compile(r"its store is at \S+:(\d+)")
+    try:
+        until(lambda: found.search(err()), timeout=90, what="the job's store", procs=[launcher],
+              detail=lambda: err()[-2000:])
+        until(lambda: len(glob.glob(str(tmp_path / "training*"))) >= 2, timeout=90, what="the workers' training",
+              procs=[launcher], detail=lambda: err()[-2000:])
+    except BaseException:
+        end_door(tmp_path, launcher, timeout=30)  # no job left training after a failed start
+        raise
+    return launcher, int(found.search(err()).group(1))
 
 
-def end_door(tmp_path, launcher: subprocess.Popen) -> str:
-    """Tell the job to stop (every worker at the same step) and return the launcher's stderr."""
+def end_door(tmp_path, launcher: Launcher, timeout: float = 120) -> str:
+    """Tell the job to stop (every worker at the same step) and return the launcher's stderr (killed if late)."""
     open(tmp_path / "stop", "w").close()
-    return launcher.communicate(timeout=120)[1]
+    try:
+        return launcher.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        raise
 
 
 def ghost(port: int, name: str, secret: str | None):  # -> its store connection
@@ -149,10 +162,12 @@ def test_refused_joins_and_joiners_that_never_arrive_leave_the_job_untouched(doo
     join = [*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", DOOR, "--out", str(tmp_path)]
     bare = {k: v for k, v in os.environ.items() if k != "PHALANX_SECRET"}
     # the two refused joins knock while the ghosts below are written and dropped (each is an interpreter's start-up
-    # that only waits for its refusal: one after the other, they left the cores idle)
+    # that only waits for its refusal: one after the other, they left the cores idle); they stay fresh interpreters,
+    # since what they print (one line) is what is under test
     # (a refusal is the joiner's own check against the verifier the job published: it writes nothing to the store)
     knocks = [subprocess.Popen(join, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
               for env in (bare, {**bare, "PHALANX_SECRET": "x" * 64})]
+    idle = None
     try:
         ghost(port, "stray", None)
         store = ghost(port, "ghost", SECRET)
@@ -161,23 +176,34 @@ def test_refused_joins_and_joiners_that_never_arrive_leave_the_job_untouched(doo
         def dropped(wid: str) -> None:  # wait until the members gave up on ``wid`` (and the job still runs)
             until(lambda: store.check([key("dead", wid)]), timeout=90, what=f"{wid} marked dead", procs=[launcher])
 
+        # the idle joiner starts up while the ghost is dropped: listed after it ("ghost" sorts before a joiner's
+        # "j..." id), it is offered the one free place only once the ghost is dead, so its place is still rank 2 of 3
+        # (its launcher is forked too: it is neither killed nor read; it gets a folder of its own for its output)
+        (tmp_path / "joiner").mkdir()
+        idle = start_cli(["join", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", DOOR, "--out", str(tmp_path),
+                          "--idle-joiner"], str(tmp_path / "joiner"), env={"PHALANX_SECRET": SECRET})
         dropped("ghost")
+        # the stray name proves nothing: a member pruned it from the joiners list (it was considered and refused)
+        joiners = lambda: json.loads(store.get(key("joiners")) or b"[]")  # noqa: E731
+        until(lambda: "stray" not in joiners(), timeout=90, what="the stray name pruned from the joiners",
+              procs=[launcher], detail=lambda: str(joiners()))
         outs = [k.communicate(timeout=60) for k in knocks]
+        # the file is there as soon as it is opened: its place is read once it holds the whole of it
+        written = lambda: [p for p in glob.glob(str(tmp_path / "idle*")) if open(p).read().endswith("}")]  # noqa: E731
+        until(written, timeout=90, what="the idle joiner's place",
+              procs=[idle, launcher], detail=lambda: (tmp_path / "joiner" / "launcher.err").read_text()[-2000:])
+        [placed] = written()
+        assert json.load(open(placed)) == {"rank": 2, "world_size": 3}  # its place, read right after px.init()
+        dropped(os.path.basename(placed)[len("idle"):])
+        assert not store.check([key("dead", "stray")])  # never admitted, so never dropped either
+        stderr = end_door(tmp_path, launcher)
+        assert idle.wait(timeout=60) == 0, idle.communicate()[1][-2000:]
     finally:
         reap(*knocks)
+        if idle is not None and idle.poll() is None:
+            idle.kill()
     without, wrong = (subprocess.CompletedProcess(k.args, k.returncode, out, err)
                       for k, (out, err) in zip(knocks, outs, strict=True))
-    idle = subprocess.Popen([*join, "--idle-joiner"], env={**os.environ, "PHALANX_SECRET": SECRET},
-                            stderr=subprocess.PIPE, text=True)
-    until(lambda: glob.glob(str(tmp_path / "idle*")), timeout=90, what="the idle joiner's place",
-          procs=[idle, launcher])
-    [placed] = glob.glob(str(tmp_path / "idle*"))
-    assert json.load(open(placed)) == {"rank": 2, "world_size": 3}  # its place, read right after px.init()
-    dropped(os.path.basename(placed)[len("idle"):])
-    time.sleep(1.0)  # sleep: the members go on training after it; a stray admission would show in this second
-    assert not store.check([key("dead", "stray")])  # never admitted, so never dropped either
-    stderr = end_door(tmp_path, launcher)
-    assert idle.wait(timeout=60) == 0, idle.stderr.read()[-2000:]
     assert without.returncode == 2 and "secret" in without.stderr and len(without.stderr.splitlines()) == 1, \
         without.stderr[-2000:]
     assert wrong.returncode == 1 and "secret" in wrong.stderr and len(wrong.stderr.splitlines()) == 1, \
@@ -211,25 +237,33 @@ def test_a_joiner_arriving_after_the_end_exits_0_at_once_with_no_thread_left(tmp
     assert json.loads(threads.read_text()) == []  # the heartbeat thread was stopped and joined before exit
 
 
-def _every_worker_fails(out, save: bool) -> tuple[object, subprocess.CompletedProcess]:
-    cmd = [*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", DOOR, "--out", str(out), "--fail-at", "5",
-           *(["--save"] if save else [])]
-    # forked workers, as the suite's tests get them (a module fixture runs before conftest's per-test setting)
-    env = {**os.environ, "PHALANX_START_METHOD": "forkserver"}
-    return out, subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-
-
 @pytest.fixture(scope="module")
 def every_worker_gone(tmp_path_factory) -> dict:
-    """Both jobs whose every worker fails, saved and never saved, started at once (threads): each is its own launcher
-    and store, and mostly waits on its workers' start-up; each test reads its own."""
-    return at_once({save: functools.partial(_every_worker_fails, tmp_path_factory.mktemp(f"gone-{save}"), save)
-                    for save in (True, False)})
+    """Both jobs whose every worker fails, saved and never saved, started at once: each is its own launcher and
+    store (forked, their workers from one server: no test here kills a launcher or reads what a fresh interpreter
+    prints), and mostly waits on its workers' start-up; each test reads its own (or the timeout it ran into)."""
+    jobs = {}
+    for save in (True, False):
+        out = tmp_path_factory.mktemp(f"gone-{save}")
+        argv = ["run", "-n", "2", "--elastic", "--min-workers", "1", DOOR, "--out", str(out), "--fail-at", "5",
+                *(["--save"] if save else [])]
+        jobs[save] = out, start_cli(argv, str(out))
+    gone = {}
+    for save, (out, launcher) in jobs.items():
+        try:
+            launcher.wait(timeout=180)
+            gone[save] = out, subprocess.CompletedProcess(launcher.args, launcher.returncode, *launcher.communicate())
+        except subprocess.TimeoutExpired as late:
+            launcher.kill()
+            gone[save] = late
+    return gone
 
 
 @pytest.mark.parametrize("save", [True, False], ids=["saved", "never-saved"])
 def test_when_every_worker_is_gone_the_launcher_says_the_job_ended_and_where_to_resume(every_worker_gone, save):
-    tmp_path, proc = outcome(every_worker_gone, save)
+    if isinstance(every_worker_gone[save], BaseException):
+        raise every_worker_gone[save]
+    tmp_path, proc = every_worker_gone[save]
     assert proc.returncode == 3, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("phalanx: elastic:")]
     assert "it was the last worker" in lines[-2], lines

@@ -28,6 +28,7 @@ import pytest
 import torch
 from conftest import needs_root_netns
 from support.elastic_job import held, oracle, release
+from support.forked_launch import start_cli
 from support.paths import TESTS
 from support.wait import until
 
@@ -59,8 +60,9 @@ def start(link: netns.Link, side: int, args: list[str], out, name: str) -> subpr
     return proc
 
 
-def text(proc: subprocess.Popen) -> str:
-    return proc.err_path.read_text()[-3000:]
+def text(proc) -> str:
+    """The end of ``proc``'s stderr file ("" until a forked launcher has opened it)."""
+    return proc.err_path.read_text()[-3000:] if proc.err_path.exists() else ""
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> int:
@@ -142,16 +144,19 @@ def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over(tmp_pat
     # test killed the launcher (--hold-at)
     flags = [WORKER, "--out", str(tmp_path), "--epochs", "2", "--commit-every", "3", "--hold-at", str(HOLD_AT),
              "--mark-world", "--wait-for-joiner"]
-    err_a, err_b = open(tmp_path / "a.err", "w"), open(tmp_path / "b.err", "w")
+    err_a = open(tmp_path / "a.err", "w")
     a = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "3",
                           "--heartbeat-timeout", str(HEARTBEAT_S), *flags], env=env,
                          stdout=subprocess.DEVNULL, stderr=err_a)
     a.err_path = tmp_path / "a.err"
     until(lambda: "its store is at" in text(a), timeout=60, what="the job's store", procs=[a], detail=lambda: text(a))
     endpoint = re.search(r"its store is at (\S+?);", text(a)).group(1)  # a free port of loopback
-    b = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", endpoint, "-n", "1", "--standby-store",
-                          "127.0.0.1:0", *flags], env=env, stdout=subprocess.DEVNULL, stderr=err_b)
-    b.err_path = tmp_path / "b.err"
+    # the joiner's launcher is forked (support.forked_launch), its worker from the one preloaded server: it is neither
+    # killed nor read for what a fresh interpreter prints; its stderr (its worker's too) is b/launcher.err
+    (tmp_path / "b").mkdir()
+    b = start_cli(["join", "--rdzv-endpoint", endpoint, "-n", "1", "--standby-store", "127.0.0.1:0", *flags],
+                  str(tmp_path / "b"), env={"PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "7a2" * 16})
+    b.err_path = tmp_path / "b" / "launcher.err"
     # 4 steps of the 3 together, held there: 3 are in a commit the joiner holds (commits every 3), never rolled back
     until(lambda: len(held(tmp_path)) == 3, timeout=90, what="the 3 workers training together, held at step 11",
           procs=[a, b], detail=lambda: text(a) + text(b))
@@ -161,7 +166,7 @@ def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over(tmp_pat
     assert finish(a, 30) == -signal.SIGKILL
     release(tmp_path)  # the joiner goes on, to find the store gone
     code_b = finish(b)
-    err_a.close(), err_b.close()
+    err_a.close()
     assert code_b == 0, text(b)
     for wid, pid in first.items():  # ended by their launcher's end, saying so; never failed over
         until(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z",

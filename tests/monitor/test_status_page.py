@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 
 import pytest
 
-from support.status_job import BOUND_S, CLI, WORKER, StatusJob
+from support.forked_launch import start_cli  # a joiner's launcher forked, its worker from one server
+from support.status_job import BOUND_S, SECRET, WORKER, StatusJob
 
 pytestmark = pytest.mark.multiproc
 CHROMIUM = "/usr/bin/chromium"
@@ -62,7 +62,7 @@ def wait_dom(page, js: str) -> None:
 
 def test_one_open_page_follows_a_kill_and_a_join_and_the_end(tmp_path, browser):
     with StatusJob(tmp_path, ["-n", "3", "--elastic", "--min-workers", "2", "--heartbeat-timeout",
-                              str(HEARTBEAT_S)]) as job:
+                              str(HEARTBEAT_S)], forked=True) as job:
         job.training("0", "1", "2")
         # a request without the token, or with another, learns nothing
         for path in ("/", "/status.json", "/metrics", "/?token=0000"):
@@ -80,9 +80,9 @@ def test_one_open_page_follows_a_kill_and_a_join_and_the_end(tmp_path, browser):
         assert dom(page, "#members") == "0, 1"
         assert page.locator("#workers tbody tr").evaluate_all("rows => rows.map(r => r.dataset.worker)") == ["0", "1"]
 
-        joiner = subprocess.Popen([*CLI, "join", "--rdzv-endpoint", f"127.0.0.1:{job.store_port}", "-n", "1",
-                                   WORKER, "--out", str(tmp_path)], env=job.env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+        (tmp_path / "joiner").mkdir()  # its launcher.out and launcher.err
+        joiner = start_cli(["join", "--rdzv-endpoint", f"127.0.0.1:{job.store_port}", "-n", "1", WORKER, "--out",
+                            str(tmp_path)], str(tmp_path / "joiner"), env={"PHALANX_SECRET": SECRET})
         job.others.append(joiner)
         wait_dom(page, "document.getElementById('generation').textContent === '2'")
         members = dom(page, "#members").split(", ")
@@ -122,11 +122,37 @@ def test_one_open_page_follows_a_kill_and_a_join_and_the_end(tmp_path, browser):
         page.close()
 
 
+# before the slow job's tests: that job (a module fixture) ends when the module's last test does, and its
+# two busy workers with it
+def test_a_page_left_open_shows_a_new_job_only_with_its_token(browser):
+    from phalanx.monitor import StatusServer, token
+
+    old = StatusServer("127.0.0.1", 0)
+    old.serve(lambda: {"generation": 7, "members": ["a"], "workers": [], "straggler": None, "throughput": [],
+                       "changes": [], "checkpoint": None, "ended": None, "strategy": "AllReduce"}, token("old"))
+    port = old.port
+    page = browser.new_page()
+    page.goto(f"http://127.0.0.1:{port}/?token={token('old')}")
+    wait_dom(page, "document.getElementById('generation').textContent === '7'")
+    old.close()
+    new = StatusServer("127.0.0.1", port)  # another job takes the port over, with another secret
+    new.serve(lambda: {"generation": 5, "members": ["worker-of-the-new-job"], "workers": [], "straggler": None,
+                       "throughput": [], "changes": [], "checkpoint": None, "ended": None, "strategy": "X"},
+              token("new"))
+    try:
+        wait_dom(page, "document.getElementById('state').textContent === 'not authorized'")
+        assert dom(page, "#generation") == "–" and "worker-of-the-new-job" not in page.content()
+        assert "Not authorized" in dom(page, "#problem")
+    finally:
+        new.close()
+        page.close()
+
+
 @pytest.fixture(scope="module")
 def slow_job(tmp_path_factory, browser):
     """Two workers: worker 1 slow in compute, then (once the test writes ``next``) worker 0 slow in its input."""
     out = tmp_path_factory.mktemp("slow")
-    with StatusJob(out, ["-n", "2"], ["--slow", "1:compute", "--then", "0:input"]) as job:
+    with StatusJob(out, ["-n", "2"], ["--slow", "1:compute", "--then", "0:input"], forked=True) as job:
         job.training("0", "1")
         page = browser.new_page()
         page.goto(f"{job.url}/?token={job.token}")
@@ -159,27 +185,3 @@ def test_a_rank_slow_in_its_input_pipeline_is_named_with_its_cause(slow_job):
     job, page = slow_job
     (job.out / "next").touch()  # worker 1 is fast again; worker 0's dataset spins for each batch
     check_named(job, page, rank=0, cause="input")
-
-
-def test_a_page_left_open_shows_a_new_job_only_with_its_token(browser):
-    from phalanx.monitor import StatusServer, token
-
-    old = StatusServer("127.0.0.1", 0)
-    old.serve(lambda: {"generation": 7, "members": ["a"], "workers": [], "straggler": None, "throughput": [],
-                       "changes": [], "checkpoint": None, "ended": None, "strategy": "AllReduce"}, token("old"))
-    port = old.port
-    page = browser.new_page()
-    page.goto(f"http://127.0.0.1:{port}/?token={token('old')}")
-    wait_dom(page, "document.getElementById('generation').textContent === '7'")
-    old.close()
-    new = StatusServer("127.0.0.1", port)  # another job takes the port over, with another secret
-    new.serve(lambda: {"generation": 5, "members": ["worker-of-the-new-job"], "workers": [], "straggler": None,
-                       "throughput": [], "changes": [], "checkpoint": None, "ended": None, "strategy": "X"},
-              token("new"))
-    try:
-        wait_dom(page, "document.getElementById('state').textContent === 'not authorized'")
-        assert dom(page, "#generation") == "–" and "worker-of-the-new-job" not in page.content()
-        assert "Not authorized" in dom(page, "#problem")
-    finally:
-        new.close()
-        page.close()

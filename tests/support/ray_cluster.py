@@ -25,6 +25,9 @@ def cluster():
     # of benchmarks/busy_loops.sh) an actor's start-up got a few percent of a core (a Ray Train run took minutes).
     # The tests' other processes run at 0; so do Ray's here.
     mp.setenv("RAY_worker_niceness", "0")
+    # Ray prestarts an idle worker process when the first driver connects; every process here is an actor (its own
+    # process, started for it), so that one only cost a start.
+    mp.setenv("RAY_prestart_worker_first_driver", "0")
     small = {"num_cpus": 1, "object_store_memory": 80 * 1024 ** 2, "include_dashboard": False}
     # ray.init installs its own SIGTERM handler in the driver (sys.exit(15)) and ray.shutdown leaves it: a later
     # test in this xdist worker that signals itself (test_preempt's in-process Trainer) then got SystemExit(15).
@@ -40,13 +43,3 @@ def cluster():
     for s, handler in handlers.items():
         signal.signal(s, handler)
 
-
-class Holder:
-    """Takes one CPU of the cluster (a Ray actor), so that only two workers fit until a node is added.
-
-    Here, not in a test module: Ray's workers import an actor's class by its module, and tests/ is on their path
-    while the test folders are not.
-    """
-
-    def ping(self) -> bool:
-        return True

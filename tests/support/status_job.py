@@ -27,17 +27,24 @@ BOUND_S = 120  # start-up of a few processes on a loaded 2-core machine, or a re
 class StatusJob:
     """``phalanx run [flags] --status PORT tests/workers/status_job.py --out DIR [args]``, in the background."""
 
-    def __init__(self, out, flags: Sequence[str], args: Sequence[str] = ()) -> None:
+    def __init__(self, out, flags: Sequence[str], args: Sequence[str] = (), *, forked: bool = False) -> None:
+        """``forked``: the launcher forked from this test process's preloaded server, its workers from that server
+        (:func:`support.forked_launch.start_cli`) instead of a fresh interpreter: for a test that neither kills the
+        launcher nor reads what a fresh interpreter prints; its stdout is kept in ``OUT/launcher.out`` then."""
         self.out, self.port, self.store_port = out, free_port(), free_port()
         self.env = {**os.environ, "PHALANX_SECRET": SECRET}
         self.token = token(SECRET)
         self.err_path = out / "launcher.err"
-        self._err = open(self.err_path, "w")
         master = ["--master-port", str(self.store_port)] if "--elastic" in flags else []
-        self.proc = subprocess.Popen([*CLI, "run", *flags, *master, "--status", str(self.port), WORKER,
-                                      "--out", str(out), *args], env=self.env, stdout=subprocess.DEVNULL,
-                                     stderr=self._err)
-        self.others: list[subprocess.Popen] = []
+        argv = ["run", *flags, *master, "--status", str(self.port), WORKER, "--out", str(out), *args]
+        self._err = None
+        if forked:
+            from support.forked_launch import start_cli
+            self.proc: Any = start_cli(argv, str(out), env={"PHALANX_SECRET": SECRET})  # writes OUT/launcher.err
+        else:
+            self._err = open(self.err_path, "w")
+            self.proc = subprocess.Popen([*CLI, *argv], env=self.env, stdout=subprocess.DEVNULL, stderr=self._err)
+        self.others: list[Any] = []
 
     @property
     def url(self) -> str:
@@ -94,4 +101,5 @@ class StatusJob:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        self._err.close()
+        if self._err is not None:
+            self._err.close()
