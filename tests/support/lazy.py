@@ -22,7 +22,8 @@ import pytest
 
 
 class _Deferred(ModuleType):
-    """Reads every public attribute from the real module, importing it the first time."""
+    """Reads every public attribute from the real module, importing it the first time (a name starting with ``_``,
+    ``__version__`` included, is not read through: pytest's collection probes module globals for such names)."""
 
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("_"):  # pytest's collection probes each module global for its markers: no import there
