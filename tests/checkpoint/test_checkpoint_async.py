@@ -11,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -54,17 +53,12 @@ def _full_disk_job(full: str, out) -> dict:
             "left": os.listdir(full)}
 
 
-# start_cli swaps multiprocessing's fork-server functions while it starts a launcher: one thread at a time
-_STARTING = threading.Lock()
-
-
 def _elastic_job(out, logs: str, *victim: str) -> dict:
     # The launcher forked from the tests' preloaded server, its workers from the same server (support.forked_launch):
     # what is tested is the saves a lost worker cuts, not how a launcher starts; a fresh launcher and its own fork
     # server cost about 4.5 CPU-s per job. (Each worker's writer is still a fresh interpreter, as in production.)
     argv = ["run", "-n", str(2 + len(victim)), "--elastic", "--min-workers", "1", SCRIPT, "elastic", str(out), *victim]
-    with _STARTING:
-        launcher = start_cli(argv, logs)
+    launcher = start_cli(argv, logs)  # one thread at a time inside (forked_launch.STARTING)
     try:
         launcher.wait(480)
     finally:

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -20,18 +19,13 @@ from phalanx.step.preempt import PREEMPTED_EXIT, latest_checkpoint
 from phalanx.step.preempt import PREEMPTION
 from support.preempt_job import oracle, weights
 from support.paths import REPO, TESTS
-from support.forked_launch import Launcher, start_cli
+from support.forked_launch import STARTING, Launcher, start_cli
 from support.procs import at_once, outcome, run_workers
 from support.wait import until
 
 WORKER = os.path.join(TESTS, "workers", "preempt.py")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"),
                                                      os.environ.get("PYTHONPATH", "")])}
-
-
-# start_cli swaps multiprocessing's fork-server functions while it starts a launcher: the module fixture's threads
-# start theirs one at a time (and the reference run's workers, which start through the same functions)
-_STARTING = threading.Lock()
 
 
 def phalanx(*args: str, logs: str) -> Launcher:
@@ -42,8 +36,7 @@ def phalanx(*args: str, logs: str) -> Launcher:
     ``python -u WORKER`` (each a fresh interpreter); a fresh launcher cost 1.4 CPU-s more.
     """
     os.makedirs(logs, exist_ok=True)
-    with _STARTING:
-        return start_cli(["run", *args], logs, {"PYTHONPATH": ENV["PYTHONPATH"]})
+    return start_cli(["run", *args], logs, {"PYTHONPATH": ENV["PYTHONPATH"]})  # one thread at a time inside
 
 
 def stderr_of(job: Launcher) -> str:
@@ -132,7 +125,7 @@ def _diloco_drifts(tmp) -> dict:
     job = phalanx("-n", "2", "--checkpoint-dir", ckpt, PERIODIC, out, "diloco", "--drift", logs=str(tmp / "run"))
     # the uninterrupted run, alongside: the same script's loop on two ranks forked from the tests' preloaded server
     # (what it checks is the weights, not a launch: a launcher and two fresh interpreters cost 6 CPU-s more)
-    with _STARTING:
+    with STARTING:  # its workers start through the functions start_cli swaps
         reference = run_workers("workers.preempt_periodic:reference", check=False, timeout=120, out=ref,
                                 strategy="diloco")
     err = sigterm_once(job, out + ".reached0", out + ".reached1")

@@ -25,6 +25,7 @@ import multiprocessing.process
 import os
 import signal
 import subprocess
+import threading
 import sys
 import tempfile
 import traceback
@@ -35,6 +36,9 @@ from support.elastic_job import WORKER
 
 # the fork server's module-level functions are bound methods of its one instance (multiprocessing.forkserver)
 _SERVER_FUNCTIONS = ("ensure_running", "get_inherited_fds", "connect_to_new_process", "set_forkserver_preload")
+#: held while :func:`start_cli` swaps multiprocessing's module-level fork-server functions for its server's: a test
+#: that starts processes from several threads through those functions too (``support.procs.run_workers``) holds it
+STARTING = threading.RLock()
 
 
 @functools.cache
@@ -129,14 +133,15 @@ def start_cli(argv: Sequence[str], out: str, env: dict[str, str] | None = None) 
     ctx = multiprocessing.get_context("forkserver")
     proc = ctx.Process(target=_launcher, args=(list(argv), paths, environ, server._forkserver_address), daemon=False)
     # multiprocessing starts a process through its module-level server: ours, for this one start
-    saved = {name: getattr(forkserver, name) for name in _SERVER_FUNCTIONS}
-    try:
-        for name in _SERVER_FUNCTIONS:
-            setattr(forkserver, name, getattr(server, name))
-        proc.start()
-    finally:
-        for name, function in saved.items():
-            setattr(forkserver, name, function)
+    with STARTING:
+        saved = {name: getattr(forkserver, name) for name in _SERVER_FUNCTIONS}
+        try:
+            for name in _SERVER_FUNCTIONS:
+                setattr(forkserver, name, getattr(server, name))
+            proc.start()
+        finally:
+            for name, function in saved.items():
+                setattr(forkserver, name, function)
     return Launcher(proc, ["phalanx", *argv], paths)
 
 
