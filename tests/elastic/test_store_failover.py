@@ -9,9 +9,10 @@ global batches (the world sizes at the steps the workers' ``state.history`` name
 comes back with ``phalanx join --rdzv-endpoint`` the standby, and is admitted. Needs root,
 `ip` and `tc`; without them it skips and says why.
 
-On one host (no root needed): only the launcher of ``phalanx run`` is killed. Its workers end, as
-a worker whose own launcher is gone must (they do not fail over), while the joiner of the
-standby's host fails over and finishes the training alone.
+On one host (no root needed): only the launcher of ``phalanx run --replace`` is killed. Its workers end, as
+a worker whose own launcher is gone must (they do not fail over), while the two joiners of the
+standby's host fail over; then one of them is killed, and the standby's launcher, which took over
+the job's ``--replace``, starts a replacement that the survivor admits; the two finish the training.
 """
 from __future__ import annotations
 
@@ -138,15 +139,17 @@ def test_losing_the_store_host_is_a_regroup_on_the_standby_and_the_host_comes_ba
           f"(the regroup itself {failover['seconds']:.2f} s)")
 
 
-def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over(tmp_path):
+def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over_and_are_replaced(tmp_path):
     env = {**os.environ, "PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "7a2" * 16}
-    # the first workers wait for the joiner (it enters at the commit of step 6); all 3 hold before step 11 until the
-    # test killed the launcher (--hold-at)
-    flags = [WORKER, "--out", str(tmp_path), "--epochs", "2", "--commit-every", "3", "--hold-at", str(HOLD_AT),
-             "--mark-world", "--wait-for-joiner"]
+    # the first workers wait for the 2 joiners (they enter at the commit of step 6); all 4 hold before step 11 until
+    # the test killed the launcher (--hold-at). On the standby (the failover is the group's 2nd change), joiner j*-1
+    # dies before step 14 (--kill-after), and the survivor waits for its replacement (--wait-for-replacement)
+    flags = [WORKER, "--out", str(tmp_path), "--epochs", "3", "--commit-every", "3", "--hold-at", str(HOLD_AT),
+             "--mark-world", "--wait-for-joiner", "--joiners", "2", "--kill-after", "j*-1@14@2",
+             "--wait-for-replacement", "2"]
     err_a = open(tmp_path / "a.err", "w")
-    a = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "3",
-                          "--heartbeat-timeout", str(HEARTBEAT_S), *flags], env=env,
+    a = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--replace", "--min-workers", "1", "--max-workers",
+                          "4", "--heartbeat-timeout", str(HEARTBEAT_S), *flags], env=env,
                          stdout=subprocess.DEVNULL, stderr=err_a)
     a.err_path = tmp_path / "a.err"
     until(lambda: "its store is at" in text(a), timeout=60, what="the job's store", procs=[a], detail=lambda: text(a))
@@ -154,13 +157,13 @@ def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over(tmp_pat
     # the joiner's launcher is forked (support.forked_launch), its worker from the one preloaded server: it is neither
     # killed nor read for what a fresh interpreter prints; its stderr (its worker's too) is b/launcher.err
     (tmp_path / "b").mkdir()
-    b = start_cli(["join", "--rdzv-endpoint", endpoint, "-n", "1", "--standby-store", "127.0.0.1:0", *flags],
+    b = start_cli(["join", "--rdzv-endpoint", endpoint, "-n", "2", "--standby-store", "127.0.0.1:0", *flags],
                   str(tmp_path / "b"), env={"PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "7a2" * 16})
     b.err_path = tmp_path / "b" / "launcher.err"
-    # 4 steps of the 3 together, held there: 3 are in a commit the joiner holds (commits every 3), never rolled back
-    until(lambda: len(held(tmp_path)) == 3, timeout=90, what="the 3 workers training together, held at step 11",
+    # 4 steps of the 4 together, held there: 3 are in a commit the joiners hold (commits every 3), never rolled back
+    until(lambda: len(held(tmp_path)) == 4, timeout=90, what="the 4 workers training together, held at step 11",
           procs=[a, b], detail=lambda: text(a) + text(b))
-    assert any(os.path.getsize(p) >= 4 for p in glob.glob(str(tmp_path / "worldj*-3")))
+    assert any(os.path.getsize(p) >= 4 for p in glob.glob(str(tmp_path / "worldj*-4")))
     first = {w: pid for w, pid in started(tmp_path).items() if not w.startswith("j")}
     a.kill()  # the launcher alone: its store goes with it, its workers are left running
     assert finish(a, 30) == -signal.SIGKILL
@@ -173,12 +176,18 @@ def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over(tmp_pat
               timeout=30, what=f"worker {wid}'s end")
         assert f"its launcher (pid {a.pid}) is gone" in text(a), text(a)
     assert "took over" not in text(a) and "takes over" in text(b), text(a) + text(b)
+    # the standby's launcher replaced the joiner killed after its take-over (the job was started with --replace)
+    assert re.search(r"started worker r\w+-1 \(pid \d+\) to replace it", text(b)), text(b)
     results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
-    assert len(results) == 1 and next(iter(results)).startswith("j"), set(results)
-    record = next(iter(results.values()))["record"]
-    assert [w for _, w, _ in record][-1] == 1 and 3 in [w for _, w, _ in record]
-    for epoch in range(2):
+    assert sorted(w[0] for w in results) == ["j", "r"], set(results)  # the surviving joiner and the replacement
+    record = results[min(results)]["record"]
+    assert all(r["record"] == record for r in results.values())
+    worlds = [w for _, w, _ in record]
+    assert 4 in worlds and worlds[-1] == 2 and 1 in worlds[worlds.index(4):], worlds  # lost, then replaced
+    for epoch in range(3):
         ids = [i for e, _, step in record for i in step if e == epoch]
         assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
-    for got, w in zip(next(iter(results.values()))["params"], oracle(record), strict=True):
-        torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
+    want = oracle(record)
+    for r in results.values():
+        for got, w in zip(r["params"], want, strict=True):
+            torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ running for as long as a test needs: every worker stops before its step 11, writ
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import signal
@@ -170,6 +171,9 @@ def main() -> None:
     p.add_argument("--kill-again", default="",
                    help="ID@STEP: after the first regroup, the worker started as rank ID dies before step STEP (a "
                         "second loss before the next commit: the survivors roll back to the same commit twice)")
+    p.add_argument("--kill-after", default="",
+                   help="GLOB@STEP@N: the worker whose id matches GLOB (a joiner's id is random: j*-1) dies before "
+                        "step STEP once the group changed N times (state.history), once")
     p.add_argument("--kill-in-commit", default="",
                    help="ID@STEP[,ID@STEP...]: the worker started as rank ID dies inside the commit of step STEP, "
                         "after its in-memory commit and before State(checkpoint=...) writes that step (the others "
@@ -186,6 +190,7 @@ def main() -> None:
         hold_in_admit(args.out, me)
     victim, _, at = args.kill.partition("@")
     again, _, again_at = args.kill_again.partition("@")
+    late, late_at, late_changes = (args.kill_after.split("@") + ["", ""])[:3] if args.kill_after else ("", "0", "0")
 
     if args.trainer:
         return trainer_main(args, me, victim, int(at or 0))
@@ -218,6 +223,9 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGSTOP if args.stop else signal.SIGKILL)
             time.sleep(60)  # sleep: a stopped worker never gets here before the launcher kills it
         if me == again and state.step + 1 == int(again_at) and len(state.history) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if late and fnmatch.fnmatch(me, late) and state.step + 1 == int(late_at) \
+                and len(state.history) == int(late_changes):
             os.kill(os.getpid(), signal.SIGKILL)
 
     waited: list[int] = []  # --wait-for-replacement: the steps where the survivors waited for the replacement

@@ -81,7 +81,8 @@ def run_elastic(cfg: "RunConfig", status: "JobStatus | None" = None) -> int:
     store.set(key("config"), json.dumps({"min_workers": el.min_workers, "max_workers": el.max_workers,
                                          "heartbeat_s": el.heartbeat_s, "workers": cfg.nproc, "spares": spares,
                                          "nonce": job_nonce, "check": secret.verifier(job_secret, job_nonce),
-                                         "status": status is not None}))  # joiners report to the page too
+                                         "status": status is not None,  # joiners report to the page too
+                                         "replace": el.replace}))  # a standby that takes over replaces as well
     how = f"--secret-file {secret_file} " if secret_file else ""
     print(f"phalanx: elastic job: its store is at {cfg.master_addr}:{port}; add workers with "
           f"`phalanx join {how}--rdzv-endpoint {cfg.master_addr}:{port} -n K {cfg.script}`"

@@ -14,7 +14,8 @@ Like the launcher, ``phalanx join`` watches the workers it started: one that exi
 reported to the job at once, and one whose heartbeat stops is killed.
 ``--standby-store ADDR[:PORT]`` makes this launcher host the job's standby store too
 (:mod:`phalanx.launch.standby`): if the job's store is lost with its host, the workers
-regroup there and this launcher watches the job to its end.
+regroup there and this launcher watches the job to its end (replacing the workers of this host
+it sees lost from then on, when the job was started with ``phalanx run --replace``).
 
 Example:
     >>> JoinConfig.from_argv(["--rdzv-endpoint", "10.0.0.1:29400", "-n", "2", __file__]).port
@@ -27,13 +28,15 @@ import contextlib
 import json
 import os
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, NoReturn, Sequence
+from typing import Callable, Iterator, NoReturn, Sequence
 
 import torch.distributed as dist
 
@@ -43,7 +46,8 @@ from ..elastic.membership import key
 from ..elastic.watch import Remote, Watched, describe, poll
 from ..elastic.worker import FAILOVER, read_standby
 from ..errors import ConfigError, PhalanxError, usage
-from .elastic import POLL_S, STORE_POLL_S, joiner_env, quiet_store_env
+from .elastic import MAX_FAILED_STARTS, POLL_S, STORE_POLL_S, joiner_env, quiet_store_env
+from .failures import Recorded, own_failure
 from .stacks import Watchdog
 from .standby import Standby, parse_standby
 
@@ -192,12 +196,26 @@ def main(argv: Sequence[str]) -> int:
                                                       wait_for_workers=False))
         print(f"phalanx: elastic: the job's standby store is at {standby.address}; if the store at {cfg.host}:"
               f"{cfg.port} is lost, the workers regroup there", file=sys.stderr, flush=True)
-    procs = [subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
-                              env={**base, **joiner_env(f"j{tag}-{i}")}) for i in range(cfg.nproc)]
+    # each worker's failure record (<id>.json): a replacement is started only for a loss, never for a worker whose
+    # script failed on its own (the same script would fail the same way)
+    errors = tempfile.mkdtemp(prefix="phalanx-errors-") if standby is not None and standby.replace else None
+
+    def start(wid: str, env: dict[str, str]) -> Watched:
+        record = {"TORCHELASTIC_ERROR_FILE": os.path.join(errors, f"{wid}.json")} if errors else {}
+        return Watched(wid, subprocess.Popen([sys.executable, "-u", cfg.script, *cfg.script_args],
+                                             env={**env, **joiner_env(wid), **record}))
+
+    def replacement(wid: str) -> Watched:  # once the standby took over: a joiner of the job's store, now this one
+        return start(wid, {**base, "MASTER_ADDR": standby.host, "MASTER_PORT": str(standby.port)})
+
+    workers = [start(f"j{tag}-{i}", base) for i in range(cfg.nproc)]
+    procs = [w.proc for w in workers]  # with the replacements once started (watch_joiners appends to `workers`)
     try:
-        codes = watch_joiners([Watched(f"j{tag}-{i}", p) for i, p in enumerate(procs)], cfg.host, cfg.port,
-                              secret=job, standby=standby)
+        codes = watch_joiners(workers, cfg.host, cfg.port, secret=job, standby=standby,
+                              replace=replacement if errors else None, errors=errors, tag=tag)
+        procs = [w.proc for w in workers]
     except KeyboardInterrupt:
+        procs = [w.proc for w in workers]
         for p in procs:
             p.terminate()
         deadline = time.monotonic() + STOP_GRACE_S  # waited for: a joiner whose launcher is gone ends at once
@@ -211,14 +229,18 @@ def main(argv: Sequence[str]) -> int:
     finally:
         if standby is not None:
             standby.close()
+        if errors is not None:
+            shutil.rmtree(errors, ignore_errors=True)
     failed = [c for c in codes if c]
     return 0 if not failed else (128 - failed[0] if failed[0] < 0 else failed[0])
 
 
 # -- the joiners' local watcher --------------------------------------------------------------
 def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | None = None,
-                  standby: "Standby | None" = None) -> list[int]:
-    """Watch this host's joiners as the launcher watches its own; returns their exit statuses.
+                  standby: "Standby | None" = None, replace: Callable[[str], Watched] | None = None,
+                  errors: str | None = None, tag: str = "") -> list[int]:
+    """Watch this host's joiners as the launcher watches its own; returns their exit statuses (not those of the
+    lost workers a replacement was started for: the replacement's stands for theirs).
 
     A joiner that exits is marked dead in the job's store with its exit note, and a hung
     one (no heartbeat for the job's ``--heartbeat-timeout``) is killed, so the others
@@ -233,6 +255,12 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
     store, it takes over (:meth:`Standby.take_over`) and watches the job there to its end,
     members of other hosts included; if the job's standby is another host's, it follows it
     there; with none, the joiners end by themselves, each saying so in one line; we only wait.
+
+    ``replace`` (the job asked for ``phalanx run --replace``): once this launcher took over, a
+    worker of this host lost after that (killed, or hung and killed; not one whose failure record
+    in ``errors`` says its script failed on its own) gets a replacement, ``replace("r<tag>-<n>")``,
+    appended to ``workers`` and admitted at the survivors' next commit, as the primary's launcher
+    does (no more after :data:`MAX_FAILED_STARTS` in a row died before a generation admitted them).
     """
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
@@ -245,6 +273,8 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
     dog = Watchdog(store, secret, float("inf"), expect=lambda: [w.id for w in workers if w.returncode is None]) \
         if store is not None and secret else None
     remotes, taken_over, next_read = Remote(), False, 0.0
+    replaced = failed_starts = 0
+    superseded: set[str] = set()  # the lost workers a replacement took over from: its exit status stands for theirs
 
     def before_kill(wid: str, why: str) -> None:
         if dog is not None:
@@ -263,6 +293,16 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
                 if code and not store.check([key("done")]):
                     print(f"phalanx: elastic: worker {w.id} (pid {w.proc.pid}) {describe(code)}; the others "
                           "regroup without it", file=sys.stderr, flush=True)
+                    if taken_over and replace is not None and standby is not None:
+                        failed_starts = 0 if _admitted(store, standby.generation, w.id) else failed_starts + 1
+                        own = own_failure(Recorded.read(os.path.join(errors, f"{w.id}.json") if errors else None,
+                                                        code))
+                        if not own and failed_starts < MAX_FAILED_STARTS:
+                            replaced += 1
+                            superseded.add(w.id)
+                            workers.append(replace(f"r{tag}-{replaced}"))
+                            print(f"phalanx: elastic: started worker {workers[-1].id} (pid {workers[-1].proc.pid}) "
+                                  "to replace it; it joins at the next commit", file=sys.stderr, flush=True)
             # What a take-over or a follow needs, read after the workers' finished marks: not once one of ours
             # finished training. The job is ending and node 0 closes its store then; a call after that fails, and
             # torch logs the failure with a C++ backtrace (seen in the SLURM job's output).
@@ -284,7 +324,14 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
             store, elsewhere = _follow(elsewhere, heartbeat_s), None  # another host's standby, if it took over
             dog = None
         time.sleep(POLL_S)
-    return [w.proc.wait() if w.returncode is None else w.returncode for w in workers]
+    return [w.proc.wait() if w.returncode is None else w.returncode for w in workers if w.id not in superseded]
+
+
+def _admitted(store, since: int, wid: str) -> bool:
+    """Did a generation of this store (from ``since``, the first it holds after a take-over) include ``wid``?"""
+    newest = int(store.get(key("gen"))) if store.check([key("gen")]) else since
+    return any(store.check([k := key("gen", g, "members")]) and wid in json.loads(store.get(k))
+               for g in range(since, newest + 1))
 
 
 def _follow(standby: tuple[str, int] | None, heartbeat_s: float):  # -> dist.TCPStore | None

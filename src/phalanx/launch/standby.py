@@ -17,7 +17,12 @@ as after any loss: the next generation, rolled back to the newest commit every s
 holds; nothing a worker holds is lost, since the standby needs none of it. From then on the
 standby launcher does the watcher's duties for the job (dead marks, hung workers killed,
 members of other hosts declared dead when their heartbeat stops), and the store stays up
-until the last member has finished. A lost host comes back with
+until the last member has finished. If the job was started with ``phalanx run --replace``
+(the config it copied says so), it also replaces the workers *of its own host* it sees lost
+after the take-over, as the primary's launcher did for its own: a new joiner on this host,
+admitted at the survivors' next commit (not one whose script failed on its own, and no more
+after 3 in a row that died before joining). The workers lost with the primary's host are not
+replaced: that host is gone, and the job goes on with fewer (``phalanx join`` adds workers). A lost host comes back with
 ``phalanx join --rdzv-endpoint ADDR:PORT`` (this store), with the job's secret.
 
 Why a standby launched beside the workers and not an election among the survivors: the
@@ -78,7 +83,9 @@ class Standby:
         self.address = f"{host}:{self.port}"
         self.generation, self.members, self.launched = 0, [], []
         self.done = False  # training finished: the primary closing its store then is the job's end, not a loss
-        self.store.set(key("config"), primary.get(key("config")))  # its nonce and check: the same secret admits
+        config = primary.get(key("config"))
+        self.store.set(key("config"), config)  # its nonce and check: the same secret admits
+        self.replace = bool(json.loads(config).get("replace"))  # `phalanx run --replace`: kept once it took over
         if primary.compare_set(STANDBY, "", self.address).decode() != self.address:
             taken = primary.get(STANDBY).decode()
             self.close()
