@@ -74,3 +74,28 @@ def test_a_malformed_standby_address_is_one_line(given):
     with pytest.raises(ConfigError, match="--standby-store") as err:
         parse_standby(given)
     assert "\n" not in str(err.value)
+
+
+def test_after_a_take_over_a_returning_host_becomes_the_next_standby_and_a_second_loss_is_taken_over_too(primary):
+    """Losing the standby after it took over need not end the job: a host that comes back with
+    ``phalanx join --rdzv-endpoint <the standby> --standby-store ...`` is the job's next standby."""
+    first = Standby("127.0.0.1", 0, primary)
+    try:
+        taken = first.take_over({"j1-0"}, "127.0.0.1:1")
+        taken.set(LAUNCHED, json.dumps(["j1-0"]))  # as watch_joiners writes it once it took over
+        taken.set(key("gen", 2, "members"), json.dumps(["j1-0", "j2-0"]))  # the returning host's worker, admitted
+        taken.set(key("gen"), "2")
+        client = dist.TCPStore("127.0.0.1", first.port, is_master=False, timeout=timedelta(seconds=5),
+                               wait_for_workers=False)
+        second = Standby("127.0.0.1", 0, client)  # the job's STANDBY key in the store that took over: empty
+        try:
+            assert read_standby(client) == ("127.0.0.1", second.port)  # where the workers read it (_beat)
+            assert check_secret("127.0.0.1", second.port, SECRET) == SECRET
+            assert second.generation == 2 and second.launched == ["j1-0"]
+            store = second.take_over({"j2-0"}, first.address)
+            assert store.check([FAILOVER]) and int(store.get(key("gen"))) == 2
+            assert store.check([key("dead", "j1-0")]) and not store.check([key("dead", "j2-0")])
+        finally:
+            second.close()
+    finally:
+        first.close()

@@ -130,7 +130,7 @@ class ElasticWorker(Admission):
         self._offered: dict[str, list[float]] = {}  # a joiner offered a place: [beats, when they last moved, since]
         self._asked = False  # a joiner: it asked to join (once; it waits in the joiners list until admitted)
         self.store = self._connect()
-        self.primary = f"{self.addr}:{self.port}"  # the store this worker started on, for its lines
+        self.primary = f"{self.addr}:{self.port}"  # the store it started on (after a failover: the one lost), for lines
         self.standby = read_standby(self.store)  # (host, port) of the job's standby store; read again by _beat
         self._failing_over = threading.Lock()  # the heartbeat thread and the main thread may both find the loss
         members = [] if self.joining else json.loads(self.store.get(key("gen", 0, "members")))
@@ -179,8 +179,8 @@ class ElasticWorker(Admission):
                 if (self.addr, self.port) != on:  # the main thread failed over: beat on the standby store now
                     store, on = self._connect(), (self.addr, self.port)
                 store.add(key("hb", self.me), 1)
-                if self.standby is None and on == self._started_on():
-                    self.standby = read_standby(store)  # a standby store may come after this worker started
+                if self.standby is None:  # a standby may come after this worker started, or after a failover (a
+                    self.standby = read_standby(store)  # returning host's `phalanx join --standby-store`)
                 misses = 0
             except Exception:  # noqa: BLE001 - any failure to reach the store counts as a miss
                 misses += 1
@@ -188,10 +188,6 @@ class ElasticWorker(Admission):
                     self.lost_host()
             if self._stop.wait(HEARTBEAT_EVERY_S):
                 return
-
-    def _started_on(self) -> tuple[str, int]:
-        host, _, port = self.primary.rpartition(":")
-        return host, int(port)
 
     def fail_over(self) -> bool:
         """The job's store is lost: move to its standby store, if it has one that took over; False if not.
@@ -204,13 +200,18 @@ class ElasticWorker(Admission):
         still reaches the primary: the loss is this worker's own), leaves the loss as it was: False. So does
         the end of this worker's own launcher: the worker ends then (:mod:`phalanx.group.orphan`), it never
         trains on unwatched on the standby.
+
+        Once moved, the store it moved to is the job's: this worker forgets the standby it used and reads the
+        job's next one there (a host that comes back with ``phalanx join --standby-store``), so a second loss
+        fails over again.
         """
         launcher = self.group.env.launcher_pid
         if launcher is not None and orphan.launcher_gone(launcher):
             return False  # our own launcher is gone with the store: this worker ends (group.orphan), never fails over
+        lost = (self.addr, self.port)
         with self._failing_over:
-            if (self.addr, self.port) != self._started_on():
-                return self.host_alive()  # failed over already (by the other thread); no second standby
+            if (self.addr, self.port) != lost:
+                return self.host_alive()  # failed over already, by the other thread
             if self.standby is None:
                 return False
             host, port = self.standby
@@ -228,7 +229,8 @@ class ElasticWorker(Admission):
             except Exception:  # noqa: BLE001 - the standby is gone too, or unreachable: nothing to fail over to
                 return False
             self.membership.adopt(store)
-            self.store, self.addr, self.port = store, host, port
+            self.primary = f"{lost[0]}:{lost[1]}"  # the store lost, for the lines that name it
+            self.store, self.addr, self.port, self.standby = store, host, port, None  # _beat reads the next standby
             print(f"phalanx: elastic: worker {self.me} lost the job's store at {self.primary}; its standby store at "
                   f"{host}:{port} took over; regrouping there", file=sys.stderr, flush=True)
             return True

@@ -49,7 +49,7 @@ from ..errors import ConfigError, PhalanxError, usage
 from .elastic import MAX_FAILED_STARTS, POLL_S, STORE_POLL_S, joiner_env, quiet_store_env
 from .failures import Recorded, own_failure
 from .stacks import Watchdog
-from .standby import Standby, parse_standby
+from .standby import LAUNCHED, Standby, parse_standby
 
 PROBE_TIMEOUT_S = 5.0
 STOP_GRACE_S = 3.0  # Ctrl-C: how long the joiners get to leave before they are killed (as the launcher's)
@@ -301,6 +301,7 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
                             replaced += 1
                             superseded.add(w.id)
                             workers.append(replace(f"r{tag}-{replaced}"))
+                            store.set(LAUNCHED, json.dumps([x.id for x in workers]))
                             print(f"phalanx: elastic: started worker {workers[-1].id} (pid {workers[-1].proc.pid}) "
                                   "to replace it; it joins at the next commit", file=sys.stderr, flush=True)
             # What a take-over or a follow needs, read after the workers' finished marks: not once one of ours
@@ -320,6 +321,9 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
             # not at the job's end: once training is done (or one of ours finished it) the store closes as planned
             if standby is not None and not taken_over and not standby.done and not leaving:
                 store, taken_over, dog = standby.take_over({w.id for w in workers}, f"{host}:{port}"), True, None
+                # who ends with this launcher, as the primary's launcher says it: a next standby (a host that comes
+                # back with `phalanx join --standby-store` this store) marks them dead if this host is lost too
+                store.set(LAUNCHED, json.dumps([w.id for w in workers]))
                 continue
             store, elsewhere = _follow(elsewhere, heartbeat_s), None  # another host's standby, if it took over
             dog = None
