@@ -191,3 +191,68 @@ def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over_and_are
     for r in results.values():
         for got, w in zip(r["params"], want, strict=True):
             torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_host_that_comes_back_with_a_standby_store_is_the_next_standby_and_the_workers_fail_over_twice(tmp_path):
+    """Launchers A (``phalanx run``), B (``join --standby-store``), D (``join``, no store): A is lost, B takes over
+    and D's worker fails over to it; C comes back with ``join --rdzv-endpoint B --standby-store``; then B is lost
+    too: C takes over, and D's worker, which read the job's new standby on B's store, fails over a second time."""
+    secret_env = {"PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "3c9" * 16}
+    # A's 2 workers wait for the 2 joiners (B's, D's); the 4 hold before step 11 (--hold-at) until A is killed;
+    # on B's store the survivors wait for C's worker (--wait-for-replacement 3), and once it is in (generation 3) the
+    # 3 hold again (--hold-again) until B is killed
+    flags = [WORKER, "--out", str(tmp_path), "--epochs", "4", "--commit-every", "3", "--hold-at", str(HOLD_AT),
+             "--mark-world", "--wait-for-joiner", "--joiners", "2", "--wait-for-replacement", "3", "--hold-again", "3"]
+    err_a = open(tmp_path / "a.err", "w")
+    a = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "4",
+                          "--heartbeat-timeout", str(HEARTBEAT_S), *flags], env={**os.environ, **secret_env},
+                         stdout=subprocess.DEVNULL, stderr=err_a)
+    a.err_path = tmp_path / "a.err"
+    until(lambda: "its store is at" in text(a), timeout=60, what="the job's store", procs=[a], detail=lambda: text(a))
+    endpoint = re.search(r"its store is at (\S+?);", text(a)).group(1)
+
+    def join(name: str, at: str, *extra: str):
+        (tmp_path / name).mkdir()
+        proc = start_cli(["join", "--rdzv-endpoint", at, "-n", "1", *extra, *flags], str(tmp_path / name),
+                         env=secret_env)
+        proc.err_path = tmp_path / name / "launcher.err"
+        return proc
+    b = join("b", endpoint, "--standby-store", "127.0.0.1:0")
+    until(lambda: "standby store is at" in text(b), timeout=60, what="B's standby store", procs=[a, b],
+          detail=lambda: text(b))
+    standby_b = re.search(r"standby store is at (\S+?);", text(b)).group(1)
+    d = join("d", endpoint)  # after B published its store: D's worker reads it at start
+    until(lambda: len(held(tmp_path)) == 4, timeout=90, what="the 4 workers training together, held at step 11",
+          procs=[a, b, d], detail=lambda: text(a) + text(b) + text(d))
+    a.kill()  # A's launcher: its store goes with it; its workers end (their launcher is gone)
+    assert finish(a, 30) == -signal.SIGKILL
+    err_a.close()
+    release(tmp_path)
+    until(lambda: "takes over" in text(b), timeout=60, what="B's take-over", procs=[b, d], detail=lambda: text(b))
+    c = join("c", standby_b, "--standby-store", "127.0.0.1:0")  # the host that comes back, as the next standby
+    again = lambda: sorted(p.name[5:] for p in tmp_path.glob("again*"))  # noqa: E731
+    until(lambda: len(again()) == 3, timeout=120, what="B's, C's and D's workers together, held again",
+          procs=[b, c, d], detail=lambda: text(b) + text(c) + text(d))
+    b.kill()  # B's launcher and its store: its worker ends; D's and C's fail over to C's store
+    finish(b, 30)
+    open(tmp_path / "release-again", "w").close()
+    code_c, code_d = finish(c), finish(d)
+    assert code_c == 0 and "takes over" in text(c), text(c)
+    assert code_d == 0, text(d)
+    assert text(d).count("took over; regrouping there") == 2, text(d)  # D's worker failed over twice
+    results = {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
+    assert len(results) == 2, set(results)  # C's worker and D's
+    record = results[min(results)]["record"]
+    assert all(r["record"] == record for r in results.values())
+    # D's worker went through every change: the joiners in, A lost, C's worker in, B lost (C's took no step at 3:
+    # they held before it, and the loss of B rolled back to the commit that admitted it)
+    assert max([h["world_size"] for h in r["history"]] for r in results.values()) == [4, 2, 3, 2], results
+    worlds = [w for _, w, _ in record]
+    assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [2, 4, 2], worlds
+    for epoch in range(4):
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    want = oracle(record)
+    for r in results.values():
+        for got, w in zip(r["params"], want, strict=True):
+            torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)

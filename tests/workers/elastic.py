@@ -143,6 +143,10 @@ def main() -> None:
                    help="STEP: the first time a worker is about to take step STEP it writes OUT/held<its id> and waits "
                         "until the test writes OUT/release (or kills it there): the job is surely still running "
                         "while the test kills, joins or looks. Trains nothing differently")
+    p.add_argument("--hold-again", type=int, default=0,
+                   help="G: once the group is generation G (state.history's newest entry: a joiner's history starts "
+                        "at its entry), every worker stops before its next step once more, writes OUT/again<its id> "
+                        "and waits for OUT/release-again; past generation G, --wait-for-replacement waits no more")
     p.add_argument("--hold-timeout", type=float, default=180.0,
                    help="--hold-at's wait ends in an error after this many seconds without OUT/release")
     p.add_argument("--trainer", action="store_true", help="train with px.Trainer.fit(elastic=...) instead")
@@ -209,6 +213,7 @@ def main() -> None:
     comm = px.Comm()
     first_after: list[float] = []
     held: list[int] = []  # --hold-at: the step this worker held before (once: not again when a rollback redoes it)
+    held_again: list[int] = []  # --hold-again: the same, for the second hold
     digests: list[list] = []  # (step, world size, digest of the weights and optimizer state) before each step
     changes: list[list] = []  # (time, world size, step) at the first step after each membership change
 
@@ -238,13 +243,18 @@ def main() -> None:
             if args.hold_at and state.step + 1 == args.hold_at and not held:
                 hold(args.out, me, args.hold_timeout)
                 held.append(state.step + 1)
+            if args.hold_again and state.history and state.history[-1]["generation"] == args.hold_again \
+                    and not held_again:
+                hold(args.out, me, args.hold_timeout, marker="again", release="release-again")
+                held_again.append(state.step + 1)
             if not args.kill_in_step:
                 die()
             digests.append([state.step, px.world_size(), digest(model_, opt)])
             if len(state.history) > len(changes):  # the first step after a membership change
                 changes.append([time.time(), px.world_size(), state.step])
                 open(os.path.join(args.out, "regrouped"), "a").close()  # --replacement-after-regroup
-            if args.wait_for_replacement and state.history and px.world_size() < args.wait_for_replacement:
+            if args.wait_for_replacement and state.history and px.world_size() < args.wait_for_replacement \
+                    and not (args.hold_again and state.history[-1]["generation"] > args.hold_again):  # held again
                 # however long the replacement takes to start: it asks, the next commit point offers it a place,
                 # it gets ready, and the commit point after that admits it
                 if not waited:
@@ -274,12 +284,12 @@ def main() -> None:
                  first_step_after_recovery=first_after[0] if first_after else None)
 
 
-def hold(out: str, me: str, timeout_s: float) -> None:
+def hold(out: str, me: str, timeout_s: float, marker: str = "held", release: str = "release") -> None:
     """``--hold-at``: write ``OUT/held<me>``, then wait until the test writes ``OUT/release``: what the test does
     meanwhile (a kill, a join, a look at the job's sockets) finds the job running, however slowly the machine goes.
     Bounded: past ``timeout_s`` this worker fails, saying what it waited for."""
-    open(os.path.join(out, f"held{me}"), "w").close()
-    release = os.path.join(out, "release")
+    open(os.path.join(out, f"{marker}{me}"), "w").close()
+    release = os.path.join(out, release)
     until(lambda: os.path.exists(release), timeout=timeout_s,
           what=f"worker {me}, held by --hold-at, waiting for the test's release file {release}")
 
