@@ -47,6 +47,7 @@ import argparse
 import json
 import os
 import random
+import time
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,7 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--digest", action="store_true",
                    help="the job writes a digest of its state after every commit, regroup and join (events); "
                         "benchmarks/chaos_trace.py then finds the first one that leaves the oracle")
+    p.add_argument("--oracle", default="now", choices=("now", "later"),
+                   help="replay the one-process oracle at the end (now), or leave it to --replay (later: the "
+                        "replay of a long soak runs half as long as the soak, and must not run beside another)")
+    p.add_argument("--replay", action="store_true",
+                   help="only the deferred oracle of the soak in --out: replay it, then write chaos.json again")
     a = p.parse_args(argv)
+    if a.replay:
+        return replay(a.out)
     if a.ray and (a.spares or a.shard):
         p.error("--ray runs the base job (3 workers, AllReduce or --diloco); --spares and --shard are not wired to it")
     if a.period <= 0 or a.kills < 0 or a.aim < 0:
@@ -160,12 +168,34 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(a.kills, a.aim, random.Random(a.seed), a.plan.split(",") if a.plan else None)
     soak = chaos.Soak(a.out, run_flags, job, plan, period_s=a.period, stall_s=a.stall, seed=a.seed,
                       commit_every=commit_every,
-                      save_every=0 if a.state_checkpoint else commit_every * a.ckpt_every, ray=a.ray)
+                      save_every=0 if a.state_checkpoint else commit_every * a.ckpt_every, ray=a.ray,
+                      replay=a.oracle == "now")
     report = soak.run()
-    report["targets"] = verdict(report, a.period)
+    report["period_s"] = a.period
     report["command"] = " ".join(["python", "benchmarks/chaos.py", *(argv if argv is not None else sys.argv[1:])])
     report["job"] = {"run": run_flags, "script": job, "plan": plan}
-    with open(os.path.join(a.out, "chaos.json"), "w") as f:
+    return write_report(a.out, report)
+
+
+def replay(out: str) -> int:
+    """The deferred oracle of the soak in ``out`` (``--oracle later``), then its report again."""
+    with open(os.path.join(out, "chaos.json")) as f:
+        report = json.load(f)
+    final = os.path.join(out, "final.pt")
+    if not report.get("oracle_deferred") or not os.path.exists(final):
+        print(f"{out}: no deferred oracle to replay (the soak ran with --oracle now, or wrote no final.pt)")
+        return 2
+    started = time.monotonic()
+    report["oracle_max_abs"] = chaos.replay_oracle(final)
+    report["oracle_deferred"] = False
+    report["oracle_replay_s"] = round(time.monotonic() - started, 1)
+    return write_report(out, report)
+
+
+def write_report(out: str, report: dict) -> int:
+    """Judge ``report`` against the targets, write ``out/chaos.json``, print it; 0 when every target is met."""
+    report["targets"] = verdict(report, report["period_s"])
+    with open(os.path.join(out, "chaos.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     print(chaos.table(report))
     for name, ok in report["targets"].items():
@@ -175,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in report["errors"]:
         late = " (after the harness stopped the job)" if e["after_the_harness_stopped_the_job"] else ""
         print(f"  worker {e['id']} raised {e['type']}{late}: {e['message'][:300]}")
-    print(f"wrote {os.path.join(a.out, 'chaos.json')}")
+    print(f"wrote {os.path.join(out, 'chaos.json')}")
     return 0 if all(ok is not False for ok in report["targets"].values()) else 1
 
 

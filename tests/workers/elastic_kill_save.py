@@ -7,7 +7,11 @@ the test SIGKILLs it (also written as ``OUT/holding<ID>.json``). WHERE is one of
 
 * ``enter``: before it enters the save (the others wait for every worker to enter);
 * ``write``: inside DCP's write of its data (the others are in DCP's collectives);
-* ``commit``: rank 0, after DCP wrote, before the directory is put in place (the others wait for its word).
+* ``commit``: rank 0, after DCP wrote, before the directory is put in place (the others wait for its word);
+* ``finish``: worker ID (not rank 0) writes its data and goes on into DCP's last exchange; rank 0, once every
+  worker's result reached it, stops in DCP's ``finish`` (the metadata write) after writing ``OUT/finishing.json``
+  and goes on when the test wrote ``OUT/killed`` (the victim is dead then): rank 0's answer to the others then
+  fails on the dead victim's connection while the others may already hold it, or wait for it.
 
 ``--hold ID@WHERE@STEP,...`` holds several workers in one run, each at the save of its own STEP (a save
 no regroup has redone): the test kills them one after another.
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phalanx as px  # noqa: E402
 from phalanx.checkpoint import handle, saver  # noqa: E402
+from support.wait import until  # noqa: E402
 from support.loop import elastic_id, elastic_parser, epoch_batches, group_ids, write_worker  # noqa: E402
 from workers.elastic import BATCH, setup  # noqa: E402
 from workers.elastic_commit import SCALE, optimizer  # noqa: E402
@@ -41,6 +46,32 @@ def hold(out: str, me: str) -> None:
             json.dump({"id": me, "pid": os.getpid()}, f)
         os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))
     threading.Event().wait()
+
+
+def mark(out: str, name: str, me: str) -> None:
+    """Write ``OUT/name`` (this worker's id and pid) whole, and go on."""
+    with open(os.path.join(out, f"{name}.tmp"), "w") as f:
+        json.dump({"id": me, "pid": os.getpid()}, f)
+    os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))
+
+
+def arm_rank0_finish(out: str, due) -> None:
+    """Rank 0 stops in DCP's finish of the save where ``due()``, until the test says the victim is dead."""
+    make = saver._writer
+
+    def finishing_writer(tmp: str):
+        writer = make(tmp)
+        finish = writer.finish
+
+        def held_finish(metadata, results):
+            if due():
+                mark(out, "finishing.json", "0")
+                until(lambda: os.path.exists(os.path.join(out, "killed")), timeout=300,
+                      what="the test's word that the victim is dead")
+            return finish(metadata, results)
+        writer.finish = held_finish
+        return writer
+    saver._writer = finishing_writer
 
 
 def arm(where: str, out: str, me: str, state_step, at: int = HOLD_AT_STEP) -> None:
@@ -78,8 +109,22 @@ def arm(where: str, out: str, me: str, state_step, at: int = HOLD_AT_STEP) -> No
                 hold(out, me)
             commit(tmp, path, world, step)
         handle._commit = held_commit
+    elif where == "finish":
+        make = saver._writer
+
+        def marking_writer(tmp: str):
+            writer = make(tmp)
+            write = writer.write_data
+
+            def write_data(plan, planner):
+                if due():
+                    mark(out, f"holding{me}.json", me)  # and goes on: the test kills it once rank 0 is finishing
+                return write(plan, planner)
+            writer.write_data = write_data
+            return writer
+        saver._writer = marking_writer
     else:
-        raise SystemExit(f"--hold ID@WHERE: WHERE is enter, write or commit, not {where!r}")
+        raise SystemExit(f"--hold ID@WHERE: WHERE is enter, write, commit or finish, not {where!r}")
 
 
 def main() -> None:
@@ -95,9 +140,14 @@ def main() -> None:
     px.init()
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
     model_, opt, loader, record, state = setup(3, optimizer, scaler=scaler, checkpoint=args.ckpt)
+    def stepped(at: int):  # the state's step, or -1 once a regroup went back to the save of ``at`` or past it
+        return lambda: state.step if all(h["step"] < at for h in state.history) else -1
     if me in holds:
         where, at = holds[me]
-        arm(where, args.out, me, lambda: state.step if all(h["step"] < at for h in state.history) else -1, at)
+        arm(where, args.out, me, stepped(at), at)
+    for where, at in holds.values():
+        if where == "finish" and me == "0":
+            arm_rank0_finish(args.out, lambda at=at: stepped(at)() == at)
 
     @px.elastic.run
     def train(state: px.elastic.State) -> None:

@@ -279,6 +279,8 @@ def _wait_for_write(key: str | None, store: dist.Store | None) -> None:
     outcome = store.get(f"{key}/written").decode()
     if outcome != "ok":
         kind, _, message = outcome.partition("\n")
+        if kind in (WorkerLostError.__name__, StoreLostError.__name__):  # a lost peer for rank 0 is one for all
+            raise WorkerLostError(f"rank {group.rank()}: rank 0 abandoned the checkpoint's write: {message}")
         raise (ConfigError if kind == "ConfigError" else CheckpointError)(
             f"rank 0 could not write the checkpoint: {message}")
 

@@ -9,6 +9,7 @@ thread), and rank 0 puts the directory in place (:mod:`~phalanx.checkpoint.handl
 from __future__ import annotations
 
 import os
+import traceback
 from typing import Any
 
 import torch
@@ -150,14 +151,25 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
             with _quiet():
                 _dcp().save(tensors, **kwargs)
         except (Exception, _dcp().api.CheckpointException) as err:  # noqa: BLE001 - raised on every rank
-            if me == 0:
-                _abandon(tmp, key, store=group.store())
             # A peer killed mid-write is a lost peer (elastic regroups on the type), not a bad checkpoint:
             # the save is abandoned and the previous checkpoint at `path` stays.
             lost = peer_lost(err, f"writing the checkpoint {path!r}")
+            failure = lost if lost is not None else _write_error(path, err)
+            if me == 0:
+                # Said to the others in every case: a peer lost after its part reached rank 0 fails only rank 0's
+                # last answer, and the others, whose DCP call returned, wait for rank 0's word on the rename.
+                try:
+                    _abandon(tmp, key, failure, store=group.store())
+                except dist.DistError:  # the store went with the peers: nobody waits there, the failure stands
+                    pass
             if lost is not None:
-                raise lost from err
-            raise _write_error(path, err) from err
+                # The others may still be blocked on this worker in DCP's last exchange on the checkpoint group,
+                # whose bound is torch's 30 minutes: gloo closes its sockets only when the group is freed, and the
+                # frames of the failed call (held by `err`'s traceback) hold it. The generation is broken anyway.
+                del pg, kwargs, handle
+                _let_go(err)
+                g.drop_process_groups()
+            raise failure from err
         _finish(handle, tmp, world, state.step, blocking=True)
         saving.value = handle  # done; kept for its process group
         return handle
@@ -174,6 +186,21 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     if not group.is_initialized():  # a plain process's group of one lasts one call: its writer lasts one save
         handle._future.add_done_callback(lambda fut: writers.stop())
     return handle
+
+
+def _let_go(err: BaseException) -> None:
+    """Clear the locals of the finished frames behind ``err`` (its traceback, causes, DCP's per-rank failures)."""
+    seen: set[int] = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # DCP's CheckpointException: {rank: (exc, tb)}
+            todo += [f for f in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(f, BaseException)]
 
 
 def _writer(tmp: str) -> Any:
