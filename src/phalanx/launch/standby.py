@@ -23,7 +23,11 @@ after the take-over, as the primary's launcher did for its own: a new joiner on 
 admitted at the survivors' next commit (not one whose script failed on its own, and no more
 after 3 in a row that died before joining). The workers lost with the primary's host are not
 replaced: that host is gone, and the job goes on with fewer (``phalanx join`` adds workers). A lost host comes back with
-``phalanx join --rdzv-endpoint ADDR:PORT`` (this store), with the job's secret.
+``phalanx join --rdzv-endpoint ADDR:PORT`` (this store), with the job's secret; with
+``--standby-store`` too, it is the job's next standby (this store, the job's now, has no
+``elastic/standby`` yet; the launcher that took over publishes ``elastic/launched`` here, and the
+workers read the standby again on the store they failed over to): losing this host as well is
+then one more failover, not the job's end.
 
 Why a standby launched beside the workers and not an election among the survivors: the
 workers of the standby's host are watched by the process that hosts it, so its dead marks
