@@ -304,6 +304,11 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
                             store.set(LAUNCHED, json.dumps([x.id for x in workers]))
                             print(f"phalanx: elastic: started worker {workers[-1].id} (pid {workers[-1].proc.pid}) "
                                   "to replace it; it joins at the next commit", file=sys.stderr, flush=True)
+                        elif failed_starts == MAX_FAILED_STARTS or own:
+                            why = "its script failed on its own (a replacement would fail the same way)" if own \
+                                else f"{failed_starts} replacements in a row died before joining"
+                            print(f"phalanx: elastic: no replacement for worker {w.id}: {why}", file=sys.stderr,
+                                  flush=True)
             # What a take-over or a follow needs, read after the workers' finished marks: not once one of ours
             # finished training. The job is ending and node 0 closes its store then; a call after that fails, and
             # torch logs the failure with a C++ backtrace (seen in the SLURM job's output).
