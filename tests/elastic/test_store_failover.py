@@ -139,6 +139,17 @@ def test_losing_the_store_host_is_a_regroup_on_the_standby_and_the_host_comes_ba
           f"(the regroup itself {failover['seconds']:.2f} s)")
 
 
+def check_once_and_oracle(record: list, results: dict, epochs: int) -> None:
+    """Every sample exactly once per epoch, and every survivor's model equal to the one-process replay."""
+    for epoch in range(epochs):
+        ids = [i for e, _, step in record for i in step if e == epoch]
+        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
+    want = oracle(record)
+    for r in results.values():
+        for got, w in zip(r["params"], want, strict=True):
+            torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
+
+
 def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over_and_are_replaced(tmp_path):
     env = {**os.environ, "PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "7a2" * 16}
     # the first workers wait for the 2 joiners (they enter at the commit of step 6); all 4 hold before step 11 until
@@ -184,13 +195,7 @@ def test_workers_whose_own_launcher_is_gone_end_and_the_others_fail_over_and_are
     assert all(r["record"] == record for r in results.values())
     worlds = [w for _, w, _ in record]
     assert 4 in worlds and worlds[-1] == 2 and 1 in worlds[worlds.index(4):], worlds  # lost, then replaced
-    for epoch in range(3):
-        ids = [i for e, _, step in record for i in step if e == epoch]
-        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
-    want = oracle(record)
-    for r in results.values():
-        for got, w in zip(r["params"], want, strict=True):
-            torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
+    check_once_and_oracle(record, results, epochs=3)
 
 
 def test_a_host_that_comes_back_with_a_standby_store_is_the_next_standby_and_the_workers_fail_over_twice(tmp_path):
@@ -249,10 +254,4 @@ def test_a_host_that_comes_back_with_a_standby_store_is_the_next_standby_and_the
     assert max([h["world_size"] for h in r["history"]] for r in results.values()) == [4, 2, 3, 2], results
     worlds = [w for _, w, _ in record]
     assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [2, 4, 2], worlds
-    for epoch in range(4):
-        ids = [i for e, _, step in record for i in step if e == epoch]
-        assert ids == torch.randperm(worker.N, generator=torch.Generator().manual_seed(epoch)).tolist()
-    want = oracle(record)
-    for r in results.values():
-        for got, w in zip(r["params"], want, strict=True):
-            torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
+    check_once_and_oracle(record, results, epochs=4)

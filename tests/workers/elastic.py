@@ -172,16 +172,15 @@ def main() -> None:
                    help="IDS: each member whose id starts with one of IDS (comma-separated) stops while it admits a "
                         "joiner, once the joiner claimed its place and before the members' answer (gen/<g>/go), "
                         "writes holding<its id>.json and waits there to be killed (test_joiner_left_alone.py)")
-    p.add_argument("--kill-again", default="",
-                   help="ID@STEP: after the first regroup, the worker started as rank ID dies before step STEP (a "
-                        "second loss before the next commit: the survivors roll back to the same commit twice)")
-    p.add_argument("--kill-after", default="",
-                   help="GLOB@STEP@N: the worker whose id matches GLOB (a joiner's id is random: j*-1) dies before "
-                        "step STEP once the group changed N times (state.history), once")
-    p.add_argument("--kill-in-commit", default="",
-                   help="ID@STEP[,ID@STEP...]: the worker started as rank ID dies inside the commit of step STEP, "
-                        "after its in-memory commit and before State(checkpoint=...) writes that step (the others "
-                        "hold the commit; the disk does not)")
+    for flag, text in {
+        "--kill-again": "ID@STEP: after the first regroup, the worker started as rank ID dies before step STEP (a "
+                        "second loss before the next commit: the survivors roll back to the same commit twice)",
+        "--kill-after": "GLOB@STEP@N: the worker whose id matches GLOB (a joiner's id is random: j*-1) dies before "
+                        "step STEP once the group changed N times (state.history), once",
+        "--kill-in-commit": "ID@STEP[,ID@STEP...]: the worker started as rank ID dies inside the commit of step STEP, "
+                            "after its in-memory commit and before State(checkpoint=...) writes that step (the others "
+                            "hold the commit; the disk does not)"}.items():
+        p.add_argument(flag, default="", help=text)
     p.add_argument("--wait-for-joiner", action="store_true",
                    help="the first workers wait before their 3rd step until a joiner asked to join, and before "
                         "their 5th until it is ready to enter (it enters at the commit of step 6)")

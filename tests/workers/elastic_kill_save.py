@@ -42,9 +42,7 @@ HOLD_AT_STEP = 6
 def hold(out: str, me: str) -> None:
     """Say where we are (the test's marker), then wait there until the test kills us."""
     for name in ("holding.json", f"holding{me}.json"):
-        with open(os.path.join(out, f"{name}.tmp"), "w") as f:
-            json.dump({"id": me, "pid": os.getpid()}, f)
-        os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))
+        mark(out, name, me)
     threading.Event().wait()
 
 
@@ -55,23 +53,30 @@ def mark(out: str, name: str, me: str) -> None:
     os.replace(os.path.join(out, f"{name}.tmp"), os.path.join(out, name))
 
 
-def arm_rank0_finish(out: str, due) -> None:
-    """Rank 0 stops in DCP's finish of the save where ``due()``, until the test says the victim is dead."""
+def wrap_writer(method: str, before) -> None:
+    """Make DCP's storage writer call ``before()`` at the start of its ``method`` (write_data, finish)."""
     make = saver._writer
 
-    def finishing_writer(tmp: str):
+    def wrapping_writer(tmp: str):
         writer = make(tmp)
-        finish = writer.finish
+        inner = getattr(writer, method)
 
-        def held_finish(metadata, results):
-            if due():
-                mark(out, "finishing.json", "0")
-                until(lambda: os.path.exists(os.path.join(out, "killed")), timeout=300,
-                      what="the test's word that the victim is dead")
-            return finish(metadata, results)
-        writer.finish = held_finish
+        def wrapped(*args, **kwargs):
+            before()
+            return inner(*args, **kwargs)
+        setattr(writer, method, wrapped)
         return writer
-    saver._writer = finishing_writer
+    saver._writer = wrapping_writer
+
+
+def arm_rank0_finish(out: str, due) -> None:
+    """Rank 0 stops in DCP's finish of the save where ``due()``, until the test says the victim is dead."""
+    def wait_for_the_kill() -> None:
+        if due():
+            mark(out, "finishing.json", "0")
+            until(lambda: os.path.exists(os.path.join(out, "killed")), timeout=300,
+                  what="the test's word that the victim is dead")
+    wrap_writer("finish", wait_for_the_kill)
 
 
 def arm(where: str, out: str, me: str, state_step, at: int = HOLD_AT_STEP) -> None:
@@ -88,19 +93,7 @@ def arm(where: str, out: str, me: str, state_step, at: int = HOLD_AT_STEP) -> No
             return enter(what)
         saver._all_enter = held_enter
     elif where == "write":
-        make = saver._writer
-
-        def held_writer(tmp: str):
-            writer = make(tmp)
-            write = writer.write_data
-
-            def write_data(plan, planner):
-                if due():
-                    hold(out, me)
-                return write(plan, planner)
-            writer.write_data = write_data
-            return writer
-        saver._writer = held_writer
+        wrap_writer("write_data", lambda: hold(out, me) if due() else None)
     elif where == "commit":
         commit = handle._commit
 
@@ -109,20 +102,8 @@ def arm(where: str, out: str, me: str, state_step, at: int = HOLD_AT_STEP) -> No
                 hold(out, me)
             commit(tmp, path, world, step)
         handle._commit = held_commit
-    elif where == "finish":
-        make = saver._writer
-
-        def marking_writer(tmp: str):
-            writer = make(tmp)
-            write = writer.write_data
-
-            def write_data(plan, planner):
-                if due():
-                    mark(out, f"holding{me}.json", me)  # and goes on: the test kills it once rank 0 is finishing
-                return write(plan, planner)
-            writer.write_data = write_data
-            return writer
-        saver._writer = marking_writer
+    elif where == "finish":  # marks and goes on: the test kills it once rank 0 is finishing
+        wrap_writer("write_data", lambda: mark(out, f"holding{me}.json", me) if due() else None)
     else:
         raise SystemExit(f"--hold ID@WHERE: WHERE is enter, write, commit or finish, not {where!r}")
 
