@@ -146,8 +146,9 @@ def _caught(state: Reentry, err: BaseException) -> bool:
         return True
     if not isinstance(err, Exception) or not state.elastic:
         return False
+    where = state.worker.address  # before asking: the heartbeat thread may fail over meanwhile
     if not state.worker.host_alive():
-        if not state.worker.fail_over():
+        if not state.worker.fail_over(where):
             state.worker.lost_host()
         # the job's store was lost and its standby took over: the survivors regroup there, whatever failed here
         state._pending = ("failure", f"the job's store at {state.worker.primary} was lost", time.time())
@@ -203,7 +204,8 @@ def _change(state: Reentry) -> None:
             raise SystemExit(1) from None
         except Exception as err:  # noqa: BLE001 - a lost peer is noted by _caught; anything else is raised
             if not _caught(state, err):
-                if not state.worker.host_alive() and not state.worker.fail_over():
+                where = state.worker.address
+                if not state.worker.host_alive() and not state.worker.fail_over(where):
                     state.worker.lost_host()
                 raise
 

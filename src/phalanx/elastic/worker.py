@@ -184,12 +184,12 @@ class ElasticWorker(Admission):
                 misses = 0
             except Exception:  # noqa: BLE001 - any failure to reach the store counts as a miss
                 misses += 1
-                if misses >= 3 and not self._stop.is_set() and not self.fail_over():
+                if misses >= 3 and not self._stop.is_set() and not self.fail_over(on):
                     self.lost_host()
             if self._stop.wait(HEARTBEAT_EVERY_S):
                 return
 
-    def fail_over(self) -> bool:
+    def fail_over(self, lost: tuple[str, int] | None = None) -> bool:
         """The job's store is lost: move to its standby store, if it has one that took over; False if not.
 
         Idempotent, from any thread: the first caller connects to the standby store (bounded by the
@@ -208,7 +208,10 @@ class ElasticWorker(Admission):
         launcher = self.group.env.launcher_pid
         if launcher is not None and orphan.launcher_gone(launcher):
             return False  # our own launcher is gone with the store: this worker ends (group.orphan), never fails over
-        lost = (self.addr, self.port)
+        # ``lost``: the address of the store the caller found gone (default: the one in use now). Taken before
+        # the caller asked, not here: the other thread may have failed over in between, and this store's
+        # standby is then None (read again on the new store), which would read as "nothing to fail over to".
+        lost = (self.addr, self.port) if lost is None else lost
         with self._failing_over:
             if (self.addr, self.port) != lost:
                 return self.host_alive()  # failed over already, by the other thread
@@ -263,6 +266,11 @@ class ElasticWorker(Admission):
         leaving.end_now(f"phalanx: elastic: worker {self.me} lost the rendezvous host {self.addr}:{self.port} "
                         f"(the `phalanx run --elastic` launcher), {how}; stopping. Commits were in memory only: "
                         "resume from your last disk checkpoint (px.save_checkpoint), if any.")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) of the job's store this worker uses now (its standby's, after a failover)."""
+        return self.addr, self.port
 
     def host_alive(self) -> bool:
         """Does the job's store (the one this worker uses now) answer?"""
