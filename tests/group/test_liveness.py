@@ -123,3 +123,18 @@ def test_killing_one_rank_blames_it_and_never_a_live_rank(kills, world_size, vic
         assert message is not None and blamed(message) == {victim}, message
         assert "heartbeat stopped" in message, message
         assert run.results[rank]["lost_ranks"] == [victim]  # the error carries them: no one parses the message
+
+
+@pytest.mark.multiproc
+def test_a_collective_waiting_on_a_live_peer_ends_once_that_peer_is_noted_gone():
+    """gloo fails a collective only when a socket closes: a peer that is noted gone (the elastic launcher's note for a
+    worker it saw killed) while its sockets stay open must end the wait at once, not at the group's timeout (the
+    60-minute chaos soak: one survivor waited 60 s in a gradient all-reduce)."""
+    timeout_s = 60
+    runs = [run_workers("workers.liveness:noted_while_a_peer_waits", world_size=2, timeout=150,
+                        env={"PHALANX_TIMEOUT": str(timeout_s)}, synchronous=sync) for sync in (False, True)]
+    for run in runs:
+        got = run.results[0]
+        assert got["message"] is not None and got["lost_ranks"] == [1], got
+        assert "rank 1 raised KilledBySIGKILL" in got["message"], got["message"]
+        assert got["after_s"] < 10, got  # a few watch periods; before: the whole timeout (60 s)

@@ -92,3 +92,28 @@ def freeze_one(victim: int, step: int = 3, steps: int = 10000) -> dict[str, Any]
         if px.rank() == 0:
             os.kill(int(group.store().get(f"test/pid/{victim}")), signal.SIGKILL)
     return _until_lost(victim, step, signal.SIGSTOP, steps, on_lost=reap)
+
+
+def noted_while_a_peer_waits(synchronous: bool = False) -> dict[str, Any]:
+    """Rank 1 stays out of the all-reduce, alive (its sockets open: gloo cannot fail the collective), and leaves a
+    failure note as the elastic launcher does for a worker it saw killed; rank 0 reports how its wait ended."""
+    from datetime import timedelta
+
+    from phalanx.group import group, liveness
+    px.init()
+    store = group.store()
+    if px.rank() == 1:
+        liveness.record_exit(group.current().probe, 1, "KilledBySIGKILL: by the test")
+        store.wait(["test/done"], timedelta(seconds=120))  # alive until rank 0 has its answer
+        return {}
+    t, started = torch.ones(4), time.monotonic()
+    try:
+        if synchronous:
+            px.Comm().all_reduce_([t])
+        else:
+            px.Comm().all_reduce_async(t).wait()
+        return {"message": None, "after_s": time.monotonic() - started}
+    except px.WorkerLostError as err:
+        return {"message": str(err), "after_s": time.monotonic() - started, "lost_ranks": err.lost_ranks}
+    finally:
+        store.set("test/done", "1")

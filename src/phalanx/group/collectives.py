@@ -16,6 +16,7 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -85,6 +86,71 @@ def guarded(what: str) -> Iterator[None]:
             "See that rank's own log for its error. If it was only slow, raise the bound with "
             "PHALANX_TIMEOUT or px.init(timeout=...).", lost_ranks=lost,
         ) from err
+
+
+#: How often a wait on a collective in flight asks who is known gone (exit notes: one store round trip per rank).
+#: gloo fails a collective when a peer's socket closes, but not always: the chaos soak's 60-minute run saw one
+#: survivor of a SIGKILLed peer wait out the group's whole timeout (60 s) in a gradient all-reduce, once in 240
+#: kills, while the other survivor had failed at once and left for the regroup.
+WATCH_EVERY_S = 0.5
+
+
+def wait_watched(work: Any, what: str) -> None:
+    """Wait for the collective ``work`` (``async_op=True``'s handle); end as soon as a peer is known gone.
+
+    Bounded by the collective's own timeout, as a plain ``work.wait()``, and every
+    :data:`WATCH_EVERY_S` it asks the group who left a failure note (a worker the elastic
+    launcher saw killed has one at once): then it raises :class:`WorkerLostError` without waiting
+    for gloo, which leaves the collective behind (the regroup destroys its group). A failure of
+    the collective itself is raised as :func:`guarded` raises it. A fast collective costs one
+    wait with a timeout, no store call.
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> wait_watched(None, "nothing in flight")   # a group of one: nothing to wait for
+    """
+    if work is None:
+        return
+    g = group.current()
+    every = timedelta(seconds=WATCH_EVERY_S)
+    with guarded(what):
+        while True:
+            try:
+                work.wait(every)
+                return
+            except RuntimeError:
+                if work.is_completed():  # the collective failed: guarded() says who was lost
+                    raise
+            if not g.lost_peers():  # only our own bound passed: go on unless a peer is known gone
+                continue
+            notes = {r: why for r, why in liveness.exit_records(g.probe, g.world_size).items() if r != g.rank}
+            seen = liveness.Liveness(alive=[r for r in range(g.world_size) if r not in notes], exited=notes)
+            g.losses = liveness.culprits(seen, g.rank)
+            raise WorkerLostError(f"rank {g.rank} lost contact with {liveness.describe(seen, g.rank)} during {what} "
+                                  "(it left a note; gloo had not failed the collective yet)", lost_ranks=g.losses)
+
+
+class InFlight:
+    """A collective started with ``async_op=True``: :meth:`wait` is :func:`wait_watched`, then its result.
+
+    Example:
+        >>> InFlight(None, torch.futures.Future(), "nothing").future.done()
+        False
+    """
+
+    def __init__(self, work: Any, future: torch.futures.Future, what: str) -> None:
+        self.work, self.future, self.what = work, future, what
+
+    def wait(self) -> Any:
+        wait_watched(self.work, self.what)
+        return self.future.wait()
+
+    def then(self, fn: Any) -> torch.futures.Future:
+        """The future's ``then``: ``fn`` runs when the collective completes (its waiter is not watched)."""
+        return self.future.then(fn)
+
+    def done(self) -> bool:
+        return self.future.done()
 
 
 # -- Python objects through collectives ------------------------------------------------------------------------------
@@ -265,8 +331,8 @@ class Comm:
         if self.world_size == 1:
             return
         for flat, ts in _coalesced(tensors):
-            with self._timed("all_reduce", flat.numel() * flat.element_size()):
-                dist.all_reduce(flat, group=self.process_group)  # gloo has no AVG, so sum then scale
+            with self._timed("all_reduce", flat.numel() * flat.element_size()):  # gloo has no AVG: sum, then scale
+                wait_watched(dist.all_reduce(flat, group=self.process_group, async_op=True), "an all-reduce")
             if op == "mean":
                 flat.div_(self.world_size)
             scatter_back(flat, ts)
@@ -296,15 +362,16 @@ class Comm:
         self.stats.seconds += float(seconds)
         self.stats.calls += 1
 
-    def all_reduce_async(self, tensor: torch.Tensor) -> torch.futures.Future:
-        """Start summing ``tensor`` across workers in place; returns the collective's future.
+    def all_reduce_async(self, tensor: torch.Tensor) -> InFlight:
+        """Start summing ``tensor`` across workers in place; returns the collective in flight (:class:`InFlight`:
+        its ``wait()`` ends as soon as a peer is known gone).
 
         The bytes are counted now; the time is not (it overlaps the caller's work, e.g. backward).
         """
         with span("phalanx/bucket"):  # the timeline: the send; the wait is in the exchange's span
-            future = dist.all_reduce(tensor, group=self.process_group, async_op=True).get_future()
+            work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
         self.record(tensor.numel() * tensor.element_size())
-        return future
+        return InFlight(work, work.get_future(), "an all-reduce in flight")
 
     def exchange_with(self, peer: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Send ``tensors`` to rank ``peer`` and receive its tensors of the same shapes (point to point).
@@ -327,7 +394,7 @@ class Comm:
                 pg = self.process_group
                 ops = [dist.P2POp(dist.isend, flat, to, pg), dist.P2POp(dist.irecv, theirs, to, pg)]
                 for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+                    wait_watched(work, f"an exchange with rank {peer}")
             outs = [torch.empty_like(t) for t in ts]
             scatter_back(theirs, outs)
             theirs_by_id.update(zip(map(id, ts), outs))
@@ -356,7 +423,7 @@ class Comm:
             works += [dist.irecv(b, group=self.process_group, group_src=r, tag=tag)
                       for (r, _), b in zip(recvs, into, strict=True)]
             for work in works:
-                work.wait()
+                wait_watched(work, "a point-to-point exchange")
         for (_, b), got in zip(recvs, into, strict=True):
             if got is not b:
                 b.copy_(got)

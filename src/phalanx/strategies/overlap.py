@@ -55,7 +55,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..group.collectives import Comm, guarded
+from ..group.collectives import Comm, InFlight, guarded
 from .quantize import Pending, Quantize
 from ..group.spans import span
 
@@ -80,7 +80,7 @@ class Bucket:
         self.reached = [0.0] * len(params)  # this pass's flags, written into had_grad in one op when sent
         self.ready = [False] * len(params)
         self.waiting = len(params)  # parameters whose gradient has not arrived in this pass
-        self.future: torch.futures.Future | Pending | None = None  # Pending: a quantised exchange
+        self.future: InFlight | Pending | None = None  # Pending: a quantised exchange
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)

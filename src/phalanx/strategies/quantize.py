@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .. import check
 from ..group import group
-from ..group.collectives import Comm, guarded, scatter_back
+from ..group.collectives import Comm, guarded, scatter_back, wait_watched
 from .compression import Context, Payload, _ErrorFeedback, _flatten
 from ..errors import ConfigError, usage
 
@@ -79,8 +79,7 @@ class Pending:
     def wait(self) -> torch.Tensor:
         start = time.perf_counter()
         with guarded("the quantised all-gather"):
-            if self.work is not None:
-                self.work.wait()
+            wait_watched(self.work, "the quantised all-gather")  # ends once a peer is known gone
         self.comm.stats.seconds += time.perf_counter() - start
         return self.quantize.sum_messages(self.gathered or [self.message], self.numel)
 
