@@ -141,8 +141,10 @@ class InFlight:
     def __init__(self, work: Any, future: torch.futures.Future, what: str) -> None:
         self.work, self.future, self.what = work, future, what
 
-    def wait(self) -> Any:
-        wait_watched(self.work, self.what)
+    def wait(self, what: str | None = None) -> Any:
+        """Wait as :func:`wait_watched` (a loss is named as during ``what``, default the collective's), then return
+        the future's value."""
+        wait_watched(self.work, what or self.what)
         return self.future.wait()
 
     def then(self, fn: Any) -> torch.futures.Future:

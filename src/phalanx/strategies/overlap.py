@@ -205,12 +205,13 @@ class OverlappedMean:
 
     def _wait_sums(self) -> None:
         start = time.perf_counter()
-        with guarded("the gradient all-reduce in backward"):
+        what = "the gradient all-reduce in backward"
+        with guarded(what):
             if self.error is not None:
                 raise self.error
             for bucket in self.buckets:
                 if bucket.future is not None:
-                    bucket.future.wait()
+                    bucket.future.wait(what)
         self.comm.stats.seconds += time.perf_counter() - start  # the communication backward did not hide
 
     def _wait_quantised(self) -> None:

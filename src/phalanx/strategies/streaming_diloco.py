@@ -416,7 +416,7 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
             if f.pending is not None:
                 start = time.perf_counter()
                 with guarded("the streaming outer all-reduce"):
-                    f.pending.wait()
+                    f.pending.wait("the streaming outer all-reduce")
                 self.comm.stats.seconds += time.perf_counter() - start  # what the overlap did not hide
             flat = f.buffer if f.buffer is not None else f.message
             # no rank held a sample since the send (weights 0 everywhere): nothing to average, not a NaN
