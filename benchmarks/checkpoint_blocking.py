@@ -15,9 +15,11 @@ and reports, as medians over the repeats:
 * **total cost to training**: the wall time the steps with the save took beyond the plain steps
   (the call, every step's slow-down while the files were written, and any wait at the end).
 
-The asynchronous save is timed both ways, side by side in each repeat: ``fork`` (the default: the
+The asynchronous save is timed three ways, side by side in each repeat: ``fork`` (the default: the
 call forks the worker, whose child copies the state, copy-on-write; training pays the page faults of
-its first writes, counted) and ``copy`` (the fallback: the call copies the state into shared memory).
+its first writes, counted), ``copy`` (the fallback: the call copies the state into shared memory), and
+``copy-readback``: the copy, written by DCP's own ``FileSystemWriter``, whose chunks are not hashed as
+written, so the seal reads every data file back to hash it (as before :mod:`phalanx.checkpoint.hashing`).
 
 Both are given as fractions of the synchronous save's cost, beside the **floor**: one ``memcpy``
 of the state (every tensor of the model and AdamW copied into memory allocated and touched before),
@@ -103,7 +105,15 @@ def main() -> None:
     n = args.steps or max(3, math.ceil(2 * first_sync / plain_step))
 
     import phalanx.checkpoint.writer as writer
-    modes = {"fork": True, "copy": False}  # the snapshot by fork (the default) and the copy in the call (fallback)
+    from phalanx.checkpoint import saver
+    import torch.distributed.checkpoint as dcp
+    hashing_writer = saver._writer
+
+    def reading_back(tmp: str):  # DCP's own writer: no digest taken as written, so the seal hashes every file back
+        return dcp.FileSystemWriter(tmp, sync_files=True)
+    # the snapshot by fork (the default) and the copy in the call (fallback), both hashing as they write; and the
+    # copy sealed as before chunks were hashed as written (the files read back to hash them), side by side
+    modes = {"fork": (True, hashing_writer), "copy": (False, hashing_writer), "copy-readback": (False, reading_back)}
     per_mode = ("call", "cost", "wait", "first", "faults")
     keys = ["plain", "plain_faults", "sync", "sync_cost"] + [f"{m}_{k}" for m in modes for k in per_mode]
     rows: dict[str, list[float]] = {k: [] for k in keys}
@@ -111,8 +121,9 @@ def main() -> None:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         rows["plain"].append(steps(n))
         rows["plain_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-        for mode, fork in modes.items():
+        for mode, (fork, make_writer) in modes.items():
             writer.FORK = fork
+            saver._writer = make_writer
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             started = time.perf_counter()
             handle = px.save_checkpoint(path, model, opt, step=2 * r + 1, blocking=False)
@@ -128,7 +139,7 @@ def main() -> None:
             rows[f"{mode}_call"].append(call)
             rows[f"{mode}_cost"].append(time.perf_counter() - started - rows["plain"][-1] * taken / n)
             rows[f"{mode}_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-        writer.FORK = True
+        writer.FORK, saver._writer = True, hashing_writer
         started = time.perf_counter()
         px.save_checkpoint(path, model, opt, step=2 * r + 2)
         rows["sync"].append(time.perf_counter() - started)
@@ -150,17 +161,17 @@ def main() -> None:
     print(f"floor (one memcpy of the state): {floor:.3f} s = {floor / med['sync']:.1%} of a synchronous save")
     print(f"synchronous:  save {med['sync']:.3f} s; total cost to training {med['sync_cost']:.3f} s")
     for mode in modes:
-        print(f"asynchronous, {mode:4}: blocking {med[mode + '_call']:.3f} s = {med[mode + '_call'] / med['sync']:.1%} "
+        print(f"asynchronous, {mode}: blocking {med[mode + '_call']:.3f} s = {med[mode + '_call'] / med['sync']:.1%} "
               f"of synchronous; total cost to training {med[mode + '_cost']:.3f} s = "
               f"{med[mode + '_cost'] / med['sync']:.1%} of a synchronous save (final wait {med[mode + '_wait']:.3f} s; "
               f"first step after the call {med[mode + '_first']:.3f} s vs plain {plain:.3f} s; "
               f"{med[mode + '_faults']:,.0f} minor page faults in the training process over the save and its steps)")
     print(f"first asynchronous save of the run (starts the writer, allocates the region): call {first_call:.3f} s, "
           f"written in {first_async:.3f} s")
-    print("per repeat (plain, sync cost, fork call, fork cost, copy call, copy cost): " + "; ".join(
+    print(f"per repeat (plain, sync cost, then call and cost of {', '.join(modes)}): " + "; ".join(
         " ".join(f"{v:.3f}" for v in vals) for vals in
-        zip(rows["plain"], rows["sync_cost"], rows["fork_call"], rows["fork_cost"], rows["copy_call"],
-            rows["copy_cost"], strict=True)))
+        zip(rows["plain"], rows["sync_cost"], *[rows[f"{m}_{k}"] for m in modes for k in ("call", "cost")],
+            strict=True)))
     if args.dir is None:
         shutil.rmtree(where, ignore_errors=True)
     px.shutdown()

@@ -353,7 +353,7 @@ def test_lost_peers_names_a_rank_that_failed_without_any_collective():
 # -- typed failures -------------------------------------------------------------------------------------------------
 
 def test_a_failure_inside_a_guarded_collective_is_a_worker_lost_error_with_lost_ranks():
-    from phalanx.group.collectives import guarded
+    from phalanx.group.guard import guarded
     with pytest.raises(px.WorkerLostError) as info:
         with guarded("a test collective"):
             raise RuntimeError("Connection reset by peer")

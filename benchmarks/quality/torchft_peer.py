@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.strategies.streaming_diloco import balanced_split
+from phalanx.strategies.fragments import balanced_split
 from phalanx.bench.worker import Accountant
 
 H, STREAM_H, STREAM_FRAGMENTS, STREAM_OVERLAP, STREAM_MIXING = 50, 48, 4, 5, 0.5

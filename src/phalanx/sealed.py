@@ -94,8 +94,15 @@ def digest_file(directory: str, name: str, chunks: Iterable[tuple[int, int]] | N
         os.close(fd)
 
 
-def digest_files(directory: str, wanted: dict[str, list[tuple[int, int]] | None]) -> dict[str, dict[str, Any]]:
-    """:func:`digest_file` for each name of ``wanted`` (``None``: the whole file); chunks hash in parallel threads."""
+def digest_files(directory: str, wanted: dict[str, list[tuple[int, int]] | None],
+                 known: dict[tuple[str, int, int], str] | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`digest_file` for each name of ``wanted`` (``None``: the whole file); chunks hash in parallel threads.
+
+    ``known``: digests of ``(name, offset, length)`` chunks taken as they were written
+    (:mod:`phalanx.checkpoint.hashing`): not read again, once each lies within its file.
+    """
+    known = known or {}
+
     def one(task: tuple[str, int, int]) -> str:
         name, offset, length = task
         fd = os.open(os.path.join(directory, name), os.O_RDONLY)
@@ -107,8 +114,11 @@ def digest_files(directory: str, wanted: dict[str, list[tuple[int, int]] | None]
     sizes = {name: os.path.getsize(os.path.join(directory, name)) for name in wanted}
     tasks = [(name, o, n) for name, chunks in wanted.items()
              for o, n in (sorted(set(chunks)) if chunks is not None else [(0, sizes[name])])]
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(tasks)))) as pool:
-        digests = dict(zip(tasks, pool.map(one, tasks)))
+    if any(o + n > sizes[name] for name, o, n in tasks if (name, o, n) in known):
+        raise EOFError  # a file shorter than what was written into it, as reading it back finds
+    todo = [task for task in tasks if task not in known]
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(todo)))) as pool:
+        digests = {**known, **dict(zip(todo, pool.map(one, todo)))}
     return {name: {"size": sizes[name], "sha256": digests[(name, 0, sizes[name])]} if chunks is None else
             {"size": sizes[name], "chunks": [[o, n, digests[(name, o, n)]] for o, n in sorted(set(chunks))]}
             for name, chunks in wanted.items()}

@@ -223,7 +223,7 @@ def streaming_oracle(record: list, group_size: int, lost: int, every: int = 2, f
     them. An exchange sent before a commit has landed at it (its average, shared by every replica group) and is
     applied at its own step in the new layout. Returns each replica group's weights at the end (no finish())."""
     from phalanx.data.sampler import split_sizes
-    from phalanx.strategies.streaming_diloco import balanced_split
+    from phalanx.strategies.fragments import balanced_split
 
     net, data = worker.model(), worker.dataset()
     params = list(net.parameters())

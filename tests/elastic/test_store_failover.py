@@ -255,3 +255,56 @@ def test_a_host_that_comes_back_with_a_standby_store_is_the_next_standby_and_the
     worlds = [w for _, w, _ in record]
     assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [2, 4, 2], worlds
     check_once_and_oracle(record, results, epochs=4)
+
+
+def test_the_standby_hosts_status_page_follows_the_job_to_the_standby(tmp_path):
+    """``phalanx join --standby-store ... --status``: the page shows the job from the primary's store, then, once the
+    standby took over, from the standby's (the survivors' new generation), to the job's end (issue 39, item 1)."""
+    import urllib.request
+
+    from phalanx.monitor import token
+    from support.procs import free_port
+    env = {**os.environ, "PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "6b3" * 16}
+    flags = [WORKER, "--out", str(tmp_path), "--epochs", "2", "--commit-every", "3", "--hold-at", str(HOLD_AT),
+             "--wait-for-joiner", "--joiners", "2"]
+    err_a = open(tmp_path / "a.err", "w")
+    a = subprocess.Popen([*CLI, "run", "-n", "2", "--elastic", "--min-workers", "1", "--max-workers", "4",
+                          "--heartbeat-timeout", str(HEARTBEAT_S), "--status", str(free_port()), *flags], env=env,
+                         stdout=subprocess.DEVNULL, stderr=err_a)
+    a.err_path = tmp_path / "a.err"
+    until(lambda: "its store is at" in text(a), timeout=60, what="the job's store", procs=[a], detail=lambda: text(a))
+    endpoint = re.search(r"its store is at (\S+?);", text(a)).group(1)
+    page = free_port()
+    (tmp_path / "b").mkdir()
+    b = start_cli(["join", "--rdzv-endpoint", endpoint, "-n", "2", "--standby-store", "127.0.0.1:0", "--status",
+                   f"127.0.0.1:{page}", *flags], str(tmp_path / "b"),
+                  env={"PHALANX_TIMEOUT": "60", "PHALANX_SECRET": "6b3" * 16})
+    b.err_path = tmp_path / "b" / "launcher.err"
+    seen: dict = {}
+
+    def status() -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{page}/status.json",
+                                         headers={"Authorization": f"Bearer {token('6b3' * 16)}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                seen["s"] = json.loads(r.read())
+        except OSError:
+            pass  # not serving yet, or gone
+        return seen.get("s") or {}
+
+    until(lambda: len(held(tmp_path)) == 4 and len(status().get("members", [])) == 4, timeout=90,
+          what="B's page showing the 4 workers held at step 11", procs=[a, b], detail=lambda: f"{seen}{text(b)}")
+    before = status()
+    assert sorted(m[0] for m in before["members"]) == ["0", "1", "j", "j"], before
+    a.kill()  # the primary's launcher and its store; its workers end with it
+    assert finish(a, 30) == -signal.SIGKILL
+    release(tmp_path)
+    until(lambda: status().get("ended") is not None, timeout=120, what="B's page saying the job ended",
+          procs=[b], detail=lambda: f"{seen}{text(b)}")
+    after = seen["s"]
+    assert finish(b) == 0, text(b)
+    err_a.close()
+    assert after["ended"]["code"] == 0, after["ended"]
+    assert [m[0] for m in after["members"]] == ["j", "j"] and after["generation"] > before["generation"], after
+    assert all(w["step"] is not None and w["step"] > HOLD_AT for w in after["workers"]), after["workers"]
+    assert "takes over" in text(b), text(b)

@@ -99,3 +99,41 @@ def test_after_a_take_over_a_returning_host_becomes_the_next_standby_and_a_secon
             second.close()
     finally:
         first.close()
+
+
+def test_join_status_to_a_job_started_without_status_is_one_line(primary, tmp_path, monkeypatch):
+    """``phalanx join --status``: the page shows what the workers publish, which they do only under ``--status``."""
+    from phalanx.launch import join
+    script = tmp_path / "train.py"
+    script.write_text("")
+    monkeypatch.setenv(secret.ENV, SECRET)
+    with pytest.raises(ConfigError, match="started without --status") as err:
+        join.main(["--rdzv-endpoint", f"127.0.0.1:{primary.port}", "--status", "0", str(script)])
+    assert len(str(err.value).splitlines()) == 1
+
+
+def test_the_page_follows_the_job_to_the_standby_keeping_what_it_showed(primary):
+    from phalanx.launch.elastic import generation_members
+    from phalanx.launch.status import JobStatus
+    page = JobStatus.bind("127.0.0.1", 0)
+    standby = Standby("127.0.0.1", 0, primary)
+    try:
+        page.attach(primary, members=generation_members, secret=SECRET, announce=False)
+        placeholder = lambda: ""  # noqa: E731 - the primary's stacks button, as it was
+        page.action("stacks", placeholder)
+        page.collector.poll()
+        before = page.collector.status()
+        assert before["generation"] == 1 and before["members"] == ["0", "1", "j1-0"]
+        store = standby.take_over({"j1-0"}, "127.0.0.1:1")
+        store.set(key("gen", 2, "members"), json.dumps(["j1-0"]))  # the survivor's regroup there
+        store.set(key("gen"), "2")
+        primary.set(key("gen"), "5")  # (the primary is read no more)
+        page.follow(store, standby.host, standby.port)
+        page.collector.poll()
+        after = page.collector.status()
+        assert after["generation"] == 2 and after["members"] == ["j1-0"]
+        assert after["started"] == before["started"]  # the same page: its history kept
+        assert page.server.actions["stacks"] is not placeholder  # it asks the standby's store now
+    finally:
+        page.end(0)
+        standby.close()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.strategies.streaming_diloco import balanced_split
+from phalanx.strategies.fragments import balanced_split
 from support.loop import lockstep
 from support.forked_launch import run_cli
 from support.procs import run_workers

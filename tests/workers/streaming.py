@@ -176,7 +176,7 @@ def elastic_oracle(record: list, history: list, mixing: float | str = 0.5) -> di
     every member takes the outer step with its own pseudo-gradient; when the average lands a member keeps its
     steps since the send on the new anchor, and a joiner, which holds no stand-in, takes the anchor.
     """
-    from phalanx.strategies.streaming_diloco import balanced_split
+    from phalanx.strategies.fragments import balanced_split
 
     data, first = elastic_data(), elastic_model()
     sizes = [p.numel() * p.element_size() for p in first.parameters()]

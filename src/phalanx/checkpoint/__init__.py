@@ -30,6 +30,7 @@ turns one into a plain ``state_dict``. One-file checkpoints of earlier versions 
 The package, one concept a module (each imports only those listed before it):
 
 * :mod:`.dcp`: what a checkpoint directory holds, written and read with DCP;
+* :mod:`.hashing`: DCP's file writer, each chunk hashed as it is written (the seal reads nothing back);
 * :mod:`.legacy`: the one-file checkpoint of earlier versions (loaded and exported);
 * :mod:`.agreement`: how the workers of one save agree on the group's store;
 * :mod:`.handle`: :class:`SaveHandle`, and the directory put in place whole or not at all;

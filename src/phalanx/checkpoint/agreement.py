@@ -40,7 +40,7 @@ from typing import Callable, Mapping
 import torch.distributed as dist
 
 from ..group import group, liveness
-from ..group.collectives import guarded, lost_ranks
+from ..group.guard import guarded, lost_ranks
 from ..errors import CheckpointError, ConfigError, StoreLostError, WorkerLostError, usage
 
 #: Seconds the first worker to enter ``save_checkpoint`` waits for the others before saying it is not collective;

@@ -54,6 +54,8 @@ def _dcp() -> Any:
 
 
 DCP_FORMAT = "phalanx-dcp-1"
+# the attribute a data chunk's storage entry in .metadata carries its SHA-256 in, taken as it was written (.hashing)
+DIGEST = "phalanx_sha256"
 
 
 @contextlib.contextmanager
@@ -178,9 +180,13 @@ def _seal(tmp: str, path: str, world: int, step: int) -> None:
     with open(os.path.join(tmp, ".metadata"), "rb") as f:
         storage = _MetadataUnpickler(f).load().storage_data
     chunks: dict[str, list[tuple[int, int]] | None] = {name: None for name in names}
+    known: dict[tuple[str, int, int], str] = {}  # hashed as written (.hashing): not read back
     for info in storage.values():
         chunks.setdefault(info.relative_path, []).append((info.offset, info.length))
-    write_marker(tmp, {"format": DCP_FORMAT, "world_size": world, "step": step}, digest_files(tmp, chunks))
+        digest = getattr(info, DIGEST, None)
+        if isinstance(digest, str) and len(digest) == 64:
+            known[(info.relative_path, info.offset, info.length)] = digest
+    write_marker(tmp, {"format": DCP_FORMAT, "world_size": world, "step": step}, digest_files(tmp, chunks, known))
 
 
 # -- reading --------------------------------------------------------------------------------------------------------

@@ -204,8 +204,9 @@ def _let_go(err: BaseException) -> None:
 
 
 def _writer(tmp: str) -> Any:
-    """DCP's writer for the temporary directory (a test replaces this to hold a write half-way)."""
-    return _dcp().FileSystemWriter(tmp, sync_files=True)
+    """DCP's writer for the temporary directory, hashing as it writes (a test replaces it to hold a write half-way)."""
+    from .hashing import HashingFileSystemWriter  # (imports DCP: at the first save, never with phalanx)
+    return HashingFileSystemWriter(tmp, sync_files=True)
 
 
 def _checkpoint_group(previous: SaveHandle | None, g: group.Group) -> Any:

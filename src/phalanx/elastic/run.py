@@ -116,7 +116,7 @@ def is_peer_failure(err: BaseException) -> bool:
     """A failure a rebuilt group can survive: a peer died or stopped answering. Told by type, never by message.
 
     Every collective and store wait raises :class:`~phalanx.WorkerLostError` through
-    :func:`phalanx.group.collectives.guarded`; torch's own distributed errors count too, for a collective
+    :func:`phalanx.group.guard.guarded`; torch's own distributed errors count too, for a collective
     a user's code ran outside phalanx.
     """
     return isinstance(err, (WorkerLostError, dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError))

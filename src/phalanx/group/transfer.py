@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from . import group
-from .collectives import _objects, _wire_device, guarded, local_shard
+from .collectives import _objects, _wire_device, local_shard
+from .guard import guarded
 
 CHUNK_BYTES = 16 << 20  # one broadcast moves at most this: the memory a chunk of small tensors costs in flight
 

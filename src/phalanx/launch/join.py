@@ -16,6 +16,8 @@ reported to the job at once, and one whose heartbeat stops is killed.
 (:mod:`phalanx.launch.standby`): if the job's store is lost with its host, the workers
 regroup there and this launcher watches the job to its end (replacing the workers of this host
 it sees lost from then on, when the job was started with ``phalanx run --replace``).
+``--status [HOST:]PORT`` serves the job's status page from this launcher too (a job started with
+``phalanx run --status``); it reads the job's store, and follows it to the standby after a take-over.
 
 Example:
     >>> JoinConfig.from_argv(["--rdzv-endpoint", "10.0.0.1:29400", "-n", "2", __file__]).port
@@ -46,10 +48,12 @@ from ..elastic.membership import key
 from ..elastic.watch import Remote, Watched, describe, poll
 from ..elastic.worker import FAILOVER, read_standby
 from ..errors import ConfigError, PhalanxError, usage
-from .elastic import MAX_FAILED_STARTS, POLL_S, STORE_POLL_S, joiner_env, quiet_store_env
+from .elastic import (MAX_FAILED_STARTS, POLL_S, STORE_POLL_S, generation_members, joiner_env, quiet_store_env,
+                      saved_checkpoint)
 from .failures import Recorded, own_failure
 from .stacks import Watchdog
 from .standby import LAUNCHED, Standby, parse_standby
+from .status import JobStatus, stacks_button, status_address
 
 PROBE_TIMEOUT_S = 5.0
 STOP_GRACE_S = 3.0  # Ctrl-C: how long the joiners get to leave before they are killed (as the launcher's)
@@ -71,6 +75,7 @@ class JoinConfig:
     threads: int = 1
     secret_file: str | None = None
     standby: tuple[str, int] | None = None  # --standby-store: host the job's standby store here
+    status: tuple[str, int] | None = None  # --status: serve the job's status page here too (it follows a failover)
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> "JoinConfig":
@@ -83,6 +88,9 @@ class JoinConfig:
         p.add_argument("--standby-store", default=None, metavar="ADDR[:PORT]",
                        help="host the job's standby store on this address of this host (every worker must reach "
                             "it): if the job's store is lost, the workers regroup there")
+        p.add_argument("--status", default=None, metavar="[HOST:]PORT",
+                       help="serve the job's status page here too (a job started with `phalanx run --status`); "
+                            "with --standby-store it goes on showing the job after the standby took over")
         p.add_argument("script")
         p.add_argument("args", nargs=argparse.REMAINDER)
         a = p.parse_args(list(argv))
@@ -97,7 +105,8 @@ class JoinConfig:
             raise ConfigError(usage(f"script {a.script!r} (not found, cwd {os.getcwd()})", "an existing Python file",
                                     "Run the same script as the job, e.g. `phalanx join ... train.py`."))
         standby = parse_standby(a.standby_store) if a.standby_store is not None else None
-        return cls(host, int(port), int(a.nproc), a.script, tuple(a.args), int(a.threads), a.secret_file, standby)
+        return cls(host, int(port), int(a.nproc), a.script, tuple(a.args), int(a.threads), a.secret_file, standby,
+                   status_address(a.status, "--status"))
 
 
 @contextlib.contextmanager
@@ -180,6 +189,36 @@ def main(argv: Sequence[str]) -> int:
         print(f"phalanx: the job at {cfg.host}:{cfg.port} has finished training; nothing to join", file=sys.stderr)
         return 0
     job = check_secret(cfg.host, cfg.port, secret.load(os.environ, cfg.secret_file))
+    page = _page(cfg, job)
+    if page is None:
+        return _join(cfg, job, None)
+    code = 1
+    try:
+        with page.watching_stderr():
+            code = _join(cfg, job, page)
+    finally:
+        page.end(code, "training finished" if code == 0 else None)
+    return code
+
+
+def _page(cfg: JoinConfig, job: str) -> JobStatus | None:
+    """``--status``: the job's page, served by this launcher from the job's store (None without the flag)."""
+    if cfg.status is None:
+        return None
+    if not _serves_status(cfg.host, cfg.port):
+        raise ConfigError(usage(f"`phalanx join --status {cfg.status[0]}:{cfg.status[1]}` to the job at {cfg.host}:"
+                                f"{cfg.port}, which was started without --status", "a job started with "
+                                "`phalanx run --status PORT` (its workers publish what the page shows)",
+                                "Start the job with --status, or join without --status."))
+    page = JobStatus.bind(*cfg.status)
+    page.attach(_store(cfg.host, cfg.port), members=generation_members, secret=job,
+                checkpoint=lambda s: saved_checkpoint(s, generation_members(s)[0]))
+    page.action("stacks", stacks_button(cfg.host, cfg.port, job))
+    return page
+
+
+def _join(cfg: JoinConfig, job: str, page: JobStatus | None) -> int:
+    """Start the joiners and watch them (``page``: ``--status``'s, which follows the job's store); their status."""
     tag = uuid.uuid4().hex[:6]
     quiet = quiet_store_env(os.environ.get("PHALANX_DEBUG", "") not in ("", "0"))
     base = {**os.environ, **quiet, **heap_env(os.environ), "MASTER_ADDR": cfg.host, "MASTER_PORT": str(cfg.port),
@@ -212,7 +251,7 @@ def main(argv: Sequence[str]) -> int:
     procs = [w.proc for w in workers]  # with the replacements once started (watch_joiners appends to `workers`)
     try:
         codes = watch_joiners(workers, cfg.host, cfg.port, secret=job, standby=standby,
-                              replace=replacement if errors else None, errors=errors, tag=tag)
+                              replace=replacement if errors else None, errors=errors, tag=tag, page=page)
         procs = [w.proc for w in workers]
     except KeyboardInterrupt:
         procs = [w.proc for w in workers]
@@ -227,6 +266,8 @@ def main(argv: Sequence[str]) -> int:
                 p.wait()
         return 130
     finally:
+        if page is not None:
+            page.settle()  # the workers' last reports, before the store this launcher may host closes
         if standby is not None:
             standby.close()
         if errors is not None:
@@ -238,7 +279,7 @@ def main(argv: Sequence[str]) -> int:
 # -- the joiners' local watcher --------------------------------------------------------------
 def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | None = None,
                   standby: "Standby | None" = None, replace: Callable[[str], Watched] | None = None,
-                  errors: str | None = None, tag: str = "") -> list[int]:
+                  errors: str | None = None, tag: str = "", page: JobStatus | None = None) -> list[int]:
     """Watch this host's joiners as the launcher watches its own; returns their exit statuses (not those of the
     lost workers a replacement was started for: the replacement's stands for theirs).
 
@@ -261,6 +302,9 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
     in ``errors`` says its script failed on its own) gets a replacement, ``replace("r<tag>-<n>")``,
     appended to ``workers`` and admitted at the survivors' next commit, as the primary's launcher
     does (no more after :data:`MAX_FAILED_STARTS` in a row died before a generation admitted them).
+
+    ``page`` (``phalanx join --status``): the job's status page this launcher serves; it follows the job's store to
+    this launcher's standby when it takes over, or to another host's standby when the joiners follow it there.
     """
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=PROBE_TIMEOUT_S),
@@ -329,8 +373,13 @@ def watch_joiners(workers: list[Watched], host: str, port: int, secret: str | No
                 # who ends with this launcher, as the primary's launcher says it: a next standby (a host that comes
                 # back with `phalanx join --standby-store` this store) marks them dead if this host is lost too
                 store.set(LAUNCHED, json.dumps([w.id for w in workers]))
+                if page is not None:
+                    page.follow(store, standby.host, standby.port)
                 continue
+            followed = elsewhere
             store, elsewhere = _follow(elsewhere, heartbeat_s), None  # another host's standby, if it took over
+            if store is not None and followed is not None and page is not None:
+                page.follow(store, *followed)
             dog = None
         time.sleep(POLL_S)
     return [w.proc.wait() if w.returncode is None else w.returncode for w in workers if w.id not in superseded]

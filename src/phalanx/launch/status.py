@@ -33,6 +33,7 @@ class JobStatus:
     def __init__(self, server: StatusServer) -> None:
         self.server = server
         self.collector: Collector | None = None
+        self.secret = ""  # the job's, once attached (the stacks button asks with it)
         self.last_line = ""  # the launcher's last `phalanx:` line: why the job ended
 
     @classmethod
@@ -62,12 +63,22 @@ class JobStatus:
         """Serve the job in ``store``: ``members(store)`` says who is in it; ``secret``: the job's (None: made now);
         ``announce``: print the link (the Ray driver prints it itself)."""
         secret = secret or os.environ.get(job_secret.ENV) or job_secret.make()
+        self.secret = secret
         self.collector = Collector(store, members, checkpoint, clone=True).start()
         self.server.serve(self.collector.status, token(secret))
         if announce:
             print(f"phalanx: status page at {self.server.url} (also /status.json and /metrics with the header "
                   "`Authorization: Bearer <token>`; the token comes from the job's secret: keep the link private)",
                   file=sys.stderr, flush=True)
+
+    def follow(self, store: Any, host: str, port: int) -> None:
+        """The job's store moved to ``host:port`` (a standby took over, :mod:`.standby`): the page reads it there,
+        its history kept, and its "stacks" button asks there."""
+        if self.collector is None:
+            return
+        self.collector.move(store)
+        if "stacks" in self.server.actions:
+            self.action("stacks", stacks_button(host, port, self.secret))
 
     def action(self, name: str, fn: Callable[[], str]) -> None:
         """Add a button ``name`` to the page: it runs ``fn()`` here and shows the text it returns (e.g. "stacks":

@@ -39,6 +39,7 @@ class Collector:
 
     def __init__(self, store: Any, members: Members, checkpoint: Callable[[Any], str | None] = lambda store: None, *,
                  every_s: float = EVERY_S, clone: bool = False) -> None:
+        self._clone = clone
         if clone:  # a connection of its own: the launcher's watch loop uses the store from its own thread
             store = store.clone()
             store.set_timeout(timedelta(seconds=5))
@@ -53,6 +54,21 @@ class Collector:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def move(self, store: Any) -> None:
+        """Read the job from ``store`` from now on (its store moved: a standby took over); what was seen stays.
+
+        Example:
+            >>> import torch.distributed as dist
+            >>> a = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            >>> b = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            >>> c = Collector(a, lambda store: (0, [])); c.move(b); c.store is b
+            True
+        """
+        if self._clone:
+            store = store.clone()
+            store.set_timeout(timedelta(seconds=5))
+        self.store = store  # (one assignment: the polling thread reads one store or the other)
 
     def poll(self) -> None:
         """Read the members and their summaries now (the thread does it every ``every_s``)."""

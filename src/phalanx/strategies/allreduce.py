@@ -41,7 +41,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..group import group
 from ..group.records import Record, Slot
-from ..group.collectives import Comm, guarded
+from ..group.collectives import Comm
+from ..group.guard import guarded
 from .compression import check_compressor
 from ..errors import ConfigError, usage
 from .. import check

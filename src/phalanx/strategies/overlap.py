@@ -55,7 +55,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..group.collectives import Comm, InFlight, guarded
+from ..group.collectives import Comm
+from ..group.guard import InFlight, guarded
 from .quantize import Pending, Quantize
 from ..group.spans import span
 

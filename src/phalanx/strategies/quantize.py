@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from .. import check
 from ..group import group
-from ..group.collectives import Comm, guarded, scatter_back, wait_watched
+from ..group.collectives import Comm, scatter_back
+from ..group.guard import guarded, wait_watched
 from .compression import Context, Payload, _ErrorFeedback, _flatten
 from ..errors import ConfigError, usage
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..group import group
-from ..group.collectives import guarded
+from ..group.guard import guarded
 from ..data.hooks import BeforeBatch
 from ..step.clock import set_batch_weight
 from ..errors import ConfigError, usage
