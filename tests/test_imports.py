@@ -242,7 +242,7 @@ def test_the_layer_check_sees_every_import():
 # store protocol (agreement) know nothing of each other; handle puts a save in place with them; snapshot is the fork
 # that copies an asynchronous save's state; writer is the process an asynchronous save writes from; saver and loader are
 # the entry points. Each module may import only those before it.
-CHECKPOINT_ORDER = ("training_state", "dcp", "legacy", "agreement", "handle", "snapshot", "writer", "saver",
+CHECKPOINT_ORDER = ("training_state", "dcp", "hashing", "legacy", "agreement", "handle", "snapshot", "writer", "saver",
                     "loader")
 
 
