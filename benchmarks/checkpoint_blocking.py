@@ -4,9 +4,9 @@ A model of about 100M parameters (a stack of square linear layers) trains with A
 process. Each repeat times, in this order, the same ``--steps`` training steps three ways:
 
 * plain: the steps alone (the baseline, measured in every repeat, next to the others);
-* asynchronous (``blocking=False``), by fork and by copy: the save's call, the steps (run while the writer process
-  writes; more, up to 4 times as many, until the write is done), and the handle's ``wait()`` at the
-  end (zero when the write finished during the steps), against as many plain steps;
+* asynchronous (``blocking=False``), by fork and by copy (the default): the save's call, the steps (run
+  while the writer process writes; more, up to 4 times as many, until the write is done), and the handle's
+  ``wait()`` at the end (zero when the write finished during the steps), against as many plain steps;
 * synchronous (``blocking=True``): the save, then the steps.
 
 and reports, as medians over the repeats:
@@ -107,7 +107,7 @@ def main() -> None:
     import phalanx.checkpoint.writer as writer
     from phalanx.checkpoint import saver
     import torch.distributed.checkpoint as dcp
-    hashing_writer = saver._writer
+    hashing_writer, default_fork = saver._writer, writer.FORK
 
     def reading_back(tmp: str):  # DCP's own writer: no digest taken as written, so the seal hashes every file back
         return dcp.FileSystemWriter(tmp, sync_files=True)
@@ -139,7 +139,7 @@ def main() -> None:
             rows[f"{mode}_call"].append(call)
             rows[f"{mode}_cost"].append(time.perf_counter() - started - rows["plain"][-1] * taken / n)
             rows[f"{mode}_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-        writer.FORK, saver._writer = True, hashing_writer
+        writer.FORK, saver._writer = default_fork, hashing_writer
         started = time.perf_counter()
         px.save_checkpoint(path, model, opt, step=2 * r + 2)
         rows["sync"].append(time.perf_counter() - started)

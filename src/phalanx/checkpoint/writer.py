@@ -1,11 +1,12 @@
 """The checkpoint writer: a process of the worker's own that writes an asynchronous save's files.
 
 ``px.save_checkpoint(..., blocking=False)`` blocks training only while it snapshots the state's
-tensors (:meth:`WriterProcess.stage`): it forks the worker (:class:`.snapshot.Snapshot`, copy-on-write: the
-call costs the page tables, training then the page faults of its first writes), and the child copies
-its frozen view into shared memory (a region kept and reused by the next save). Where a fork cannot
-freeze a tensor (a CUDA process; shared memory; strided views: :func:`.snapshot._forkable`) the call copies it.
-Everything else of the write runs beside training:
+tensors (:meth:`WriterProcess.stage`): the call copies them into shared memory (a region kept and reused
+by the next save), in slices spread over every core the worker may use (:meth:`WriterProcess._copy`).
+With :data:`FORK` set it forks the worker instead (:class:`.snapshot.Snapshot`, copy-on-write: the call
+costs the page tables, training then the page faults of its first writes) and the child copies its frozen
+view; where a fork cannot freeze a tensor (a CUDA process; shared memory; strided views:
+:func:`.snapshot._forkable`) the call copies it. Everything else of the write runs beside training:
 
 * DCP itself (its plans, its collectives among the workers, rank 0's ``.metadata``) runs in a
   thread of the worker, through :func:`torch.distributed.checkpoint.async_save`, as before; its
@@ -53,6 +54,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import torch
@@ -68,10 +70,14 @@ from .snapshot import Snapshot, WriterGone, _can_fork, _describe, _forkable
 # else) keeps busy was starved and deferred whole to the next save's or the exit's wait, longer than a synchronous
 # save (benchmarks/reports/checkpoint_blocking.md); at the worker's own it shares the cores and is done in the steps.
 NICE = 0
-# Whether an asynchronous save snapshots the state by fork where it can (:class:`Snapshot`); False: the call copies
-# everything into the shared region itself, as where a fork cannot (benchmarks/checkpoint_blocking.py compares both).
-FORK = True
+# Whether an asynchronous save snapshots the state by fork where it can (:class:`Snapshot`); False (the default): the
+# call copies everything into the shared region itself. Side by side (benchmarks/checkpoint_blocking.py, idle, a worker
+# training on one core) both block about as long, and the fork's page faults cost training 2-4x the copy's total:
+# every step writes every parameter and moment, so each page of the state is copied once more, one fault at a time.
+FORK = False
 _ALIGN = 64  # each staged tensor starts on a cache line
+_SLICE = 4 << 20  # elements a thread of the call's copy takes at a time (16 MiB of float32): the cores share the work
+_COPIERS = 8  # at most this many threads copy in the call
 _HEADER = struct.Struct("!Q")
 _CHILD = "import sys; from phalanx.checkpoint.writer import _serve; _serve(*map(int, sys.argv[1:4]))"
 
@@ -100,6 +106,7 @@ class WriterProcess:
         self._retiring = False
         self.snapshot: Snapshot | None = None  # the forked child copying the last save's state, until reaped
         self.forked = 0  # how many of the last save's tensors its child copied (the rest were copied in the call)
+        self._copiers: ThreadPoolExecutor | None = None  # the call's copy, over the cores (see _copy)
 
     @property
     def pid(self) -> int:
@@ -125,7 +132,7 @@ class WriterProcess:
             self.region = None  # the old mapping goes first: a state that changed shape needs no more than one
             self.region = _Region(layout)
         fork = FORK and _can_fork()
-        moves, later = [], []
+        moves, later, now = [], [], []
         with torch.no_grad():
             for k, t in local.items():
                 view = self.region.views[k]
@@ -133,16 +140,43 @@ class WriterProcess:
                     moves.append((view.data_ptr(), t.data_ptr(), t.numel() * t.element_size()))
                     later.append((view, t))
                 else:
-                    view.copy_(t)
+                    now.append((view, t))
             self.forked = len(moves)
             if moves:
                 try:
                     self.snapshot = Snapshot(moves)
                 except OSError:  # no fork now (strict overcommit, a process limit): the call copies them
                     self.forked = 0
-                    for view, t in later:
-                        view.copy_(t)
+                    now += later
+            self._copy(now)
         return self.region.entries
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``dst.copy_(src)`` for each pair, in slices spread over every core this worker may use.
+
+        Training waits for this copy whatever it is, and a phalanx worker computes with one thread: one thread's
+        copy leaves the other cores' share of the memory bandwidth unused (``copy_`` runs on torch's intra-op
+        threads, which a worker keeps at one). ``copy_`` releases the GIL, so Python threads copy in parallel.
+        """
+        slices: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dst, src in pairs:
+            if src.device.type == "cpu" and src.is_contiguous() and src.dtype == dst.dtype and src.numel() > _SLICE:
+                d, s = dst.view(-1), src.reshape(-1)
+                slices += [(d[i:i + _SLICE], s[i:i + _SLICE]) for i in range(0, s.numel(), _SLICE)]
+            else:
+                slices.append((dst, src))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if cores < 2 or len(slices) < 2:
+            for dst, src in slices:
+                dst.copy_(src)
+            return
+        list(self._pool(cores).map(lambda pair: pair[0].copy_(pair[1]), slices))
+
+    def _pool(self, cores: int) -> ThreadPoolExecutor:
+        """The threads of the call's copy: started at the first save, kept for the next ones."""
+        if self._copiers is None:
+            self._copiers = ThreadPoolExecutor(max_workers=min(cores, _COPIERS), thread_name_prefix="phalanx-stage")
+        return self._copiers
 
     def reap(self, what: str = "the next save") -> None:
         """Wait for the snapshot's child, if one is copying; raise :class:`WriterGone` if it did not finish."""
@@ -243,6 +277,8 @@ class WriterProcess:
     def _end(self) -> None:
         self._kill()
         self.sock.close()
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=False)
         snapshot, self.snapshot = self.snapshot, None
         if snapshot is not None:
             snapshot.kill()
