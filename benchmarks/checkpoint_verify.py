@@ -4,8 +4,9 @@ A model of ``--layers`` square linear layers of ``--width`` (default 16 x 4096: 
 float32 weights, no optimizer) is saved and loaded in one process, ``--repeat`` times each
 way, alternating:
 
-* with the check (what phalanx does): the save hashes every data chunk and file into the
-  marker (SHA-256), the load hashes every byte it reads and compares before anything is applied;
+* with the check (what phalanx does): the save hashes every data chunk as it writes it, and the
+  small files, into the marker (SHA-256), the load hashes every byte it reads and compares before
+  anything is applied;
 * without it: the same calls with the hashing replaced by nothing (the save records sizes
   only, the load compares nothing), so the difference is the check alone.
 
@@ -37,9 +38,10 @@ from phalanx.checkpoint import dcp
 @contextmanager
 def unchecked() -> Iterator[None]:
     """Saves record sizes only, loads compare nothing: the check taken out, everything else the same."""
-    digest_files, matches = dcp.digest_files, sealed._matches
+    from phalanx.checkpoint import saver
+    digest_files, matches, make_writer = dcp.digest_files, sealed._matches, saver._writer
 
-    def sizes_only(directory: str, wanted: dict) -> dict:
+    def sizes_only(directory: str, wanted: dict, known: dict | None = None) -> dict:
         def entry(name: str, chunks: list | None) -> dict:
             size = os.path.getsize(os.path.join(directory, name))
             if chunks is None:
@@ -47,10 +49,12 @@ def unchecked() -> Iterator[None]:
             return {"size": size, "chunks": [[o, n, "0" * 64] for o, n in sorted(set(chunks))]}
         return {name: entry(name, chunks) for name, chunks in wanted.items()}
     dcp.digest_files, sealed._matches = sizes_only, lambda data, digest: True
+    # DCP's own writer: no chunk hashed as it is written (phalanx.checkpoint.hashing)
+    saver._writer = lambda tmp: dcp._dcp().FileSystemWriter(tmp, sync_files=True)
     try:
         yield
     finally:
-        dcp.digest_files, sealed._matches = digest_files, matches
+        dcp.digest_files, sealed._matches, saver._writer = digest_files, matches, make_writer
 
 
 def main() -> None:
