@@ -305,6 +305,9 @@ def test_the_standby_hosts_status_page_follows_the_job_to_the_standby(tmp_path):
     assert finish(b) == 0, text(b)
     err_a.close()
     assert after["ended"]["code"] == 0, after["ended"]
+    # the survivors' generation exists only in the standby's store (the primary's went with its host): the page read
+    # it there. (Their step is not checked: a run that ends within a report's period may show the last one from
+    # before the failover.)
     assert [m[0] for m in after["members"]] == ["j", "j"] and after["generation"] > before["generation"], after
-    assert all(w["step"] is not None and w["step"] > HOLD_AT for w in after["workers"]), after["workers"]
+    assert [w["worker"] for w in after["workers"]] == after["members"], after["workers"]
     assert "takes over" in text(b), text(b)
