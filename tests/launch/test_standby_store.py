@@ -118,8 +118,8 @@ def test_the_page_follows_the_job_to_the_standby_keeping_what_it_showed(primary)
     page = JobStatus.bind("127.0.0.1", 0)
     standby = Standby("127.0.0.1", 0, primary)
     try:
-        # a client of the job's store, as `phalanx join` attaches its page (a clone of the master store itself
-        # would share its listening socket and close it when the page moves on)
+        # a client of the job's store, as `phalanx join` attaches its page (attached to the master store itself, the
+        # fixture's teardown once met its listening socket closed: EBADF, cause not found)
         client = dist.TCPStore("127.0.0.1", primary.port, is_master=False, timeout=timedelta(seconds=5),
                                wait_for_workers=False)
         page.attach(client, members=generation_members, secret=SECRET, announce=False)
