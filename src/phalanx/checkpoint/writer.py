@@ -72,7 +72,7 @@ from .snapshot import Snapshot, WriterGone, _can_fork, _describe, _forkable
 NICE = 0
 # Whether an asynchronous save snapshots the state by fork where it can (:class:`Snapshot`); False (the default): the
 # call copies everything into the shared region itself. Side by side (benchmarks/checkpoint_blocking.py, idle, a worker
-# training on one core) both block about as long, and the fork's page faults cost training 2-4x the copy's total:
+# training on one core) both block about as long, and the fork's page faults cost training 1.8-3.7x the copy's total:
 # every step writes every parameter and moment, so each page of the state is copied once more, one fault at a time.
 FORK = False
 _ALIGN = 64  # each staged tensor starts on a cache line
