@@ -5,7 +5,10 @@ What it copies and publishes, what it refuses, and what a take-over writes; the 
 """
 from __future__ import annotations
 
+import gc
 import json
+import os
+import socket
 from datetime import timedelta
 
 import pytest
@@ -25,7 +28,7 @@ SECRET = "ab" * 32
 @pytest.fixture
 def primary():
     """A job's store as `phalanx run --elastic` leaves it: config with the secret's check, generation 1, launched."""
-    store, sock = listening_store("127.0.0.1")
+    store = listening_store("127.0.0.1")
     nonce = secret.nonce()
     store.set(key("config"), json.dumps({"min_workers": 1, "max_workers": 4, "heartbeat_s": 5.0, "workers": 2,
                                          "spares": [], "nonce": nonce, "check": secret.verifier(SECRET, nonce)}))
@@ -34,7 +37,6 @@ def primary():
     store.set(key("gen"), "1")
     store.set(LAUNCHED, json.dumps(["0", "1"]))
     yield store
-    sock.close()
 
 
 def test_the_standby_publishes_its_address_and_the_same_secret_admits_there(primary):
@@ -48,6 +50,20 @@ def test_the_standby_publishes_its_address_and_the_same_secret_admits_there(prim
             Standby("127.0.0.1", 0, primary)  # one per job
     finally:
         standby.close()
+
+
+def test_closing_the_standby_closes_its_listening_socket_once(primary):
+    """torch's store closes the socket it was handed when it goes; a second close by us took whatever file then had
+    that number (a page's or a client's socket in the same process: EBADF at its own close, a clean-clone CI run)."""
+    standby = Standby("127.0.0.1", 0, primary)
+    port = standby.port
+    standby.close()
+    with open(os.devnull, "rb") as unrelated:  # the lowest free number: the socket's, if it was closed already
+        del standby
+        gc.collect()
+        os.fstat(unrelated.fileno())  # still this file's: nobody closed it behind its back
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass  # and the port is free again
 
 
 def test_a_take_over_marks_the_lost_launchers_workers_dead_and_the_survivors_regroup_there(primary):
@@ -118,8 +134,7 @@ def test_the_page_follows_the_job_to_the_standby_keeping_what_it_showed(primary)
     page = JobStatus.bind("127.0.0.1", 0)
     standby = Standby("127.0.0.1", 0, primary)
     try:
-        # a client of the job's store, as `phalanx join` attaches its page (attached to the master store itself, the
-        # fixture's teardown once met its listening socket closed: EBADF, cause not found)
+        # a client of the job's store, as `phalanx join` attaches its page
         client = dist.TCPStore("127.0.0.1", primary.port, is_master=False, timeout=timedelta(seconds=5),
                                wait_for_workers=False)
         page.attach(client, members=generation_members, secret=SECRET, announce=False)

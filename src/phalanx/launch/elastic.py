@@ -73,7 +73,7 @@ def run_elastic(cfg: "RunConfig", status: "JobStatus | None" = None) -> int:
     ``status``: ``--status``'s server, bound already; it serves this job once the store and secret exist.
     """
     el: ElasticConfig = cfg.elastic
-    store, listener = listening_store(cfg.master_addr, cfg.master_port or 0)
+    store = listening_store(cfg.master_addr, cfg.master_port or 0)
     port = store.port
     ids, spares = [str(r) for r in range(cfg.nproc)], [f"s{i}" for i in range(el.spares)]
     job_secret, secret_file = make_job_secret()
@@ -147,7 +147,6 @@ def run_elastic(cfg: "RunConfig", status: "JobStatus | None" = None) -> int:
         shutil.rmtree(errors, ignore_errors=True)
         if servers is not None:
             servers.stop()
-        listener.close()
         if secret_file:
             shutil.rmtree(os.path.dirname(secret_file), ignore_errors=True)
 
@@ -172,11 +171,18 @@ def make_job_secret() -> tuple[str, str | None]:
     return made, path
 
 
-def listening_store(host: str, port: int = 0, timeout_s: float = 30.0):  # -> (TCPStore, socket): keep both
-    """Host the job's store listening on ``host`` only (``--master-addr``; loopback by default).
+def listening_store(host: str, port: int = 0, timeout_s: float = 30.0, *, multi_tenant: bool = False):
+    """Host a job's store listening on ``host`` only (``--master-addr``; loopback by default).
 
     torch's TCPStore listens on every interface, IPv4 and IPv6, whatever address it is
-    given: we bind the socket ourselves and hand it over, as the non-elastic launcher does.
+    given: we bind the socket ourselves and hand it over. The store owns it from then on and
+    closes it when the store and its clones are gone: a second close of ours would close
+    whatever file had reused the number by then (another thread's socket).
+
+    Example:
+        >>> store = listening_store("127.0.0.1")
+        >>> store.set("k", "v"); store.get("k")
+        b'v'
     """
     import socket
 
@@ -192,9 +198,14 @@ def listening_store(host: str, port: int = 0, timeout_s: float = 30.0):  # -> (T
         raise PhalanxError(f"the elastic store cannot listen on {host}:{port} ({err.strerror}); pass an address "
                            "of this host as --master-addr and a free --master-port") from None
     sock.listen(512)
-    store = dist.TCPStore(host, sock.getsockname()[1], None, True, timedelta(seconds=timeout_s),
-                          wait_for_workers=False, master_listen_fd=sock.fileno())
-    return store, sock
+    try:
+        store = dist.TCPStore(host, sock.getsockname()[1], None, True, timedelta(seconds=timeout_s),
+                              wait_for_workers=False, multi_tenant=multi_tenant, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's now (see above)
+    return store
 
 
 def quiet_store_env(debug: bool = False) -> dict[str, str]:

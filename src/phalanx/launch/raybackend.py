@@ -146,7 +146,7 @@ class _Job:
         import ray
 
         self.host = cfg.host or ray.util.get_node_ip_address()
-        self.store, self.listener = listening_store(self.host, cfg.port)
+        self.store = listening_store(self.host, cfg.port)
         self.secret, nonce = cfg.secret or secret.make(), secret.nonce()
         self.heartbeat_s = float(cfg.heartbeat_s)
         self.ids = {r: str(r) for r in range(cfg.num_workers)}  # Ray Train's world rank (its slot) -> worker id
@@ -363,7 +363,6 @@ class _Job:
             except Exception:  # noqa: BLE001 - the store is closing with the job
                 done = False
             self.status.end(0 if done else 1, "training finished" if done else "Ray Train ended the worker group")
-        self.listener.close()
 
 
 class _Grown:

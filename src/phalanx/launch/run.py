@@ -44,7 +44,7 @@ from typing import Callable, Iterator, Sequence
 from . import join as launch_join
 from ..errors import ConfigError, usage
 from .config import DEFAULT_MASTER_ADDR, RunConfig, build_parser
-from .elastic import make_job_secret, run_elastic, saved_checkpoint
+from .elastic import listening_store, make_job_secret, run_elastic, saved_checkpoint
 from ..elastic import secret
 from ..group.env import DEFAULT_TIMEOUT_S
 from .stacks import WatchThread, register_job
@@ -79,20 +79,6 @@ def _quiet_torch_elastic() -> None:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
-def _loopback_store():  # -> (TCPStore, socket): keep both alive for the whole run
-    """Host the job's store on a free port of 127.0.0.1 only; torch binds every interface by default."""
-    import datetime
-
-    from torch.distributed import TCPStore
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((DEFAULT_MASTER_ADDR, 0))
-    sock.listen(512)
-    store = TCPStore(DEFAULT_MASTER_ADDR, sock.getsockname()[1], None, True, datetime.timedelta(seconds=900),
-                     wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
-    return store, sock
 
 
 def _dead_server(servers) -> str | None:
@@ -159,21 +145,22 @@ def _run(cfg: RunConfig, status: JobStatus | None) -> int:
     _quiet_torch_elastic()
     for line in cfg.warnings():
         print(line, file=sys.stderr, flush=True)
-    store = _loopback_store() if cfg.standalone else None
-    launch = cfg.launch_config(store[0].port if store else 0)
+    # the job's store on a free port of 127.0.0.1 only (torch's would listen on every interface), kept for the run
+    store = listening_store(DEFAULT_MASTER_ADDR, 0, 900, multi_tenant=True) if cfg.standalone else None
+    launch = cfg.launch_config(store.port if store else 0)
     env, servers, watching, children = cfg.worker_env(), None, None, _children()
     stalls, note = None, None
     if store is not None:  # one host: the workers answer `phalanx stacks` and the watchdog (launch/stacks.py)
         made, secret_file = make_job_secret()
         env[secret.ENV] = made
-        note = register_job(DEFAULT_MASTER_ADDR, store[0].port, secret_file, cfg.script)
+        note = register_job(DEFAULT_MASTER_ADDR, store.port, secret_file, cfg.script)
         # at most half the collective bound: the stacks come before a stuck collective ends the job
-        stalls = WatchThread(DEFAULT_MASTER_ADDR, store[0].port, made,
+        stalls = WatchThread(DEFAULT_MASTER_ADDR, store.port, made,
                              (cfg.timeout_s or DEFAULT_TIMEOUT_S) / 2).start()
         if status is not None:  # --status needs the store here (config.py refuses it elsewhere)
-            status.attach(store[0], members=lambda _: (0, [str(r) for r in range(cfg.nproc)]), secret=made,
+            status.attach(store, members=lambda _: (0, [str(r) for r in range(cfg.nproc)]), secret=made,
                           checkpoint=lambda s: saved_checkpoint(s, 0))
-            status.action("stacks", stacks_button(DEFAULT_MASTER_ADDR, store[0].port, made))
+            status.action("stacks", stacks_button(DEFAULT_MASTER_ADDR, store.port, made))
     before = _newest_checkpoint(cfg.checkpoint_dir)  # another one after the workers end was written by this run
     notes = tempfile.mkdtemp(prefix="phalanx-preempt-")  # a preempted worker leaves its step here
     env["PHALANX_PREEMPT_NOTES"] = notes
@@ -240,7 +227,7 @@ def _run(cfg: RunConfig, status: JobStatus | None) -> int:
         if store is not None:
             if status is not None:
                 status.settle()  # the workers' last reports, before the store closes
-            store[1].close()
+            store = None  # its socket closes with the last handle on it (the store owns it)
         _reap_children(children)
 
 

@@ -82,7 +82,7 @@ class Standby:
     """
 
     def __init__(self, host: str, port: int, primary) -> None:  # primary: the job's dist.Store
-        self.store, self._listener = listening_store(host, port)
+        self.store = listening_store(host, port)
         self.host, self.port = host, self.store.port
         self.address = f"{host}:{self.port}"
         self.generation, self.members, self.launched = 0, [], []
@@ -125,4 +125,5 @@ class Standby:
         return store
 
     def close(self) -> None:
-        self._listener.close()
+        """Let go of the store: it stops listening once every handle on it (a take-over's clients too) is gone."""
+        vars(self).pop("store", None)  # (twice: nothing more to let go of)
