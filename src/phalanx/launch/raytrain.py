@@ -36,6 +36,7 @@ from ..elastic.membership import key
 from ..errors import ConfigError, JobLostError, usage
 from ..sealed import verify_directory
 from .elastic import generation_members, saved_checkpoint
+from .ports import free_port
 from .raybackend import PhalanxConfig, data_parallel_trainer, lost_state_error, training_function
 from .status import JobStatus, status_address
 
@@ -97,13 +98,6 @@ class _Ledger:
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=5)
-
-
-def _free_port(host: str) -> int:
-    """A port free on ``host`` now, for the controller's store (the driver reads the store there too)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def one_line(err: BaseException) -> str:
@@ -227,7 +221,7 @@ def train(fn: Callable[..., Any], *args: Any, num_workers: int, min_workers: int
     # The store listens where the controller runs (Ray pins it to this node): on a port chosen here, so that
     # this driver follows the newest checkpoint in it and can name it if the controller is lost with the store.
     cfg.host = ray.util.get_node_ip_address()
-    cfg.port = _free_port(cfg.host)
+    cfg.port = free_port(cfg.host)
     ledger = _Ledger(cfg.host, cfg.port)
     # pg_cleaner=False: Ray Train's own cleaner asks the state API (absent without the dashboard); the placement
     # group of a lost controller is released here instead (_release)

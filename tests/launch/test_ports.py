@@ -1,16 +1,16 @@
-"""phalanx.bench.procs: the port it picks for a worker group's store."""
+"""phalanx.launch.ports: the port picked for a store or page started next."""
 from __future__ import annotations
 
 import socket
 
-from phalanx.bench import procs
+from phalanx.launch import ports
 
 
 def test_free_port_lies_below_the_range_outgoing_connections_take_theirs_from_and_binds():
-    low = procs._ephemeral_low()
+    low = ports._ephemeral_low()
     for _ in range(20):
-        port = procs.free_port()
-        assert procs.LOWEST_PORT <= port < low  # no client socket's local port: only a deliberate bind takes it
+        port = ports.free_port()
+        assert ports.LOWEST_PORT <= port < low  # no client socket's local port: only a deliberate bind takes it
         with socket.socket() as s:
             s.bind(("", port))
 
@@ -26,7 +26,7 @@ def test_a_port_someone_listens_on_is_drawn_again(monkeypatch):
             def randrange(self, start, stop):
                 return next(draws)
 
-        monkeypatch.setattr(procs.random, "SystemRandom", Draw)
-        monkeypatch.setattr(procs, "_ephemeral_low", lambda: 65536)
-        monkeypatch.setattr(procs, "LOWEST_PORT", 1024)
-        assert procs.free_port() == busy + 1
+        monkeypatch.setattr(ports.random, "SystemRandom", Draw)
+        monkeypatch.setattr(ports, "_ephemeral_low", lambda: 65536)
+        monkeypatch.setattr(ports, "LOWEST_PORT", 1024)
+        assert ports.free_port() == busy + 1
