@@ -96,7 +96,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ConfigError(usage(f"a DistributedDataParallel module around {type(model.module).__name__}",
                                 "the plain module: px.wrap makes it data-parallel itself",
                                 "Pass model.module (and an optimizer built from its parameters)."))
-    if _clock_of(unwrap(model)) is not None:
+    if clock_of(unwrap(model)) is not None:
         raise ConfigError(usage(f"a {type(model).__name__} that px.wrap already wrapped",
                                 "a model px.wrap has not taken yet",
                                 "Call px.wrap once per model; keep the model and optimizer it returned."))
@@ -161,7 +161,7 @@ def strategy_of(optimizer: torch.optim.Optimizer) -> Strategy | None:
     return getattr(optimizer, _STRATEGY, None)
 
 
-def _clock_of(model: nn.Module) -> StepClock | None:
+def clock_of(model: nn.Module) -> StepClock | None:
     """The step clock ``px.wrap`` gave ``model`` (the user's module), if any."""
     return getattr(model, "__dict__", {}).get(_CLOCK)
 
@@ -206,7 +206,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         >>> px.strategy_of(opt).steps
         1
     """
-    clock = _clock_of(unwrap(model))
+    clock = clock_of(unwrap(model))
     if clock is None:
         raise ConfigError(usage(f"px.no_sync on a {type(model).__name__} that px.wrap did not return",
                                 "the model px.wrap returned", "Wrap it first: model, opt = px.wrap(model, opt)."))

@@ -177,30 +177,3 @@ def test_tensors_in_shared_memory_are_copied_in_the_call_where_a_fork_would_not_
     assert forks == [len(before) - 2]  # every tensor but the shared weight and bias went through the fork
 
 
-def test_the_calls_copy_is_cut_into_slices_over_the_cores_and_writes_every_byte(tmp_path, monkeypatch):
-    """The default snapshot (no fork): the call copies in slices on a pool of threads, one per core; what is written
-    equals a synchronous save of the same state."""
-    monkeypatch.setattr(writer, "_SLICE", 1000)  # a small model's weights cut into many slices
-    monkeypatch.setattr(writer.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # two cores, whatever runs
-    mapped: list[int] = []
-
-    class Spy(writer.ThreadPoolExecutor):
-        def map(self, fn, *items, **kwargs):
-            items = tuple(list(i) for i in items)
-            mapped.append(len(items[0]))
-            return super().map(fn, *items, **kwargs)
-    pool = Spy(max_workers=2)
-    monkeypatch.setattr(writer.WriterProcess, "_pool", lambda self, cores: pool)
-    assert writer.FORK is False  # the default
-    model, opt = _trained(3)
-    px.save_checkpoint(str(tmp_path / "sync"), model, opt, step=1)
-    try:
-        px.save_checkpoint(str(tmp_path / "async"), model, opt, step=1, blocking=False).wait()
-    finally:
-        pool.shutdown()
-    sliced = sum(-(-t.numel() // 1000) for t in _state(model, opt).values() if t.numel() > 1000)
-    assert mapped and mapped[0] >= sliced > 4  # the large tensors went in slices, over the pool
-    sync, copied = _loaded(str(tmp_path / "sync")), _loaded(str(tmp_path / "async"))
-    assert sync.keys() == copied.keys()
-    for k, v in sync.items():
-        assert v.dtype == copied[k].dtype and torch.equal(v, copied[k]), k

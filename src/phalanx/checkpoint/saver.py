@@ -23,11 +23,12 @@ from ..sharding.layout import is_sharded
 from ..group.spans import span
 from ..step.protocols import replicas_agree
 from .training_state import TrainingState
-from ..wrap import unwrap
+from ..wrap import clock_of, unwrap
 from .agreement import _agree, _agree_on_temporary, _all_enter, peer_lost
 from .dcp import _dcp, _quiet, _snapshot
 from .handle import SaveHandle, _abandon, _finish, _write_error
-from .writer import WRITERS, Staging, storage_writer
+from .staging import step_fences
+from .writer import WRITERS, Staging, _local, storage_writer
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> None:
@@ -79,10 +80,12 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     Each worker writes its own part; the directory appears at ``path`` only once every
     worker is done (a previous checkpoint there is replaced then, never before). With
     ``blocking=True`` every worker returns once it is in place, or raises (a full disk
-    names the path). With ``blocking=False`` it returns a :class:`SaveHandle` as soon as
-    the state is snapshotted (a fork of the worker copies it into shared memory), and a writer
-    process of this worker's own writes, seals and renames the files while training continues
-    (:mod:`phalanx.checkpoint.writer`);
+    names the path). With ``blocking=False`` it returns a :class:`SaveHandle` at once: the
+    parameters and the optimizer's state are copied into shared memory beside training, and the
+    next ``optimizer.step()`` waits for that copy if it is not done (the rest is copied in the
+    call: :mod:`phalanx.checkpoint.staging`); a writer process of this worker's own writes, seals
+    and renames the files while training continues (:mod:`phalanx.checkpoint.writer`). A parameter
+    written by hand before that step fails this save (the previous checkpoint stays);
     the next save and ``px.shutdown()`` wait for it. Called on some workers only, it raises within
     the group's timeout (:data:`~phalanx.checkpoint.agreement.ENTRY_WAIT_S`) saying so.
 
@@ -131,7 +134,7 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
             # here): the part of an asynchronous save that blocks training. Here, before the agreement, so that a
             # worker that cannot (no memory) stops them all.
             staging = Staging(writers.process(g))
-            staging.copy(tensors)
+            staging.copy(tensors, *_written_by_the_step(state))
         failure = None
     except Exception as err:  # noqa: BLE001 - every worker must learn of it before the collective write starts
         failure = err
@@ -186,6 +189,22 @@ def save_state(path: str | os.PathLike, state: TrainingState, *, blocking: bool 
     if not group.is_initialized():  # a plain process's group of one lasts one call: its writer lasts one save
         handle._future.add_done_callback(lambda fut: writers.stop())
     return handle
+
+
+def _written_by_the_step(state: TrainingState) -> tuple[frozenset[int], Any]:
+    """What an asynchronous save may copy beside training, and its fences (:mod:`phalanx.checkpoint.staging`).
+
+    The parameters and the optimizer's state (their local shards' addresses), which only the optimizer's step
+    writes, under a torch optimizer; nothing without one (a Keras optimizer writes its variables elsewhere).
+    """
+    optimizer = state.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return frozenset(), None
+    local = [_local(p) for group_ in optimizer.param_groups for p in group_["params"]]
+    local += [_local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    clock = clock_of(unwrap(state.model))
+    return (frozenset(t.data_ptr() for t in local if t.device.type == "cpu"),
+            step_fences(state.model, (lambda: clock.pending) if clock is not None else (lambda: False)))
 
 
 def _let_go(err: BaseException) -> None:

@@ -1,8 +1,9 @@
 """The checkpoint writer: a process of the worker's own that writes an asynchronous save's files.
 
 ``px.save_checkpoint(..., blocking=False)`` blocks training only while it snapshots the state's
-tensors (:meth:`WriterProcess.stage`): the call copies them into shared memory (a region kept and reused
-by the next save), in slices spread over every core the worker may use (:meth:`WriterProcess._copy`).
+tensors (:meth:`WriterProcess.stage`) into shared memory (a region kept and reused by the next save):
+the parameters and the optimizer's state are copied beside training until its next step, the rest
+in the call (:mod:`phalanx.checkpoint.staging`).
 With :data:`FORK` set it forks the worker instead (:class:`.snapshot.Snapshot`, copy-on-write: the call
 costs the page tables, training then the page faults of its first writes) and the child copies its frozen
 view; where a fork cannot freeze a tensor (a CUDA process; shared memory; strided views:
@@ -54,7 +55,6 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import torch
@@ -65,6 +65,7 @@ from ..group.records import Record, Slot
 from .dcp import _dcp
 from .handle import _commit
 from .snapshot import Snapshot, WriterGone, _can_fork, _describe, _forkable
+from .staging import Fences, StateCopy
 
 # The writer's CPU priority (added to the worker's). 0: at 19, the lowest, a write on cores that training (or anyone
 # else) keeps busy was starved and deferred whole to the next save's or the exit's wait, longer than a synchronous
@@ -76,8 +77,6 @@ NICE = 0
 # every step writes every parameter and moment, so each page of the state is copied once more, one fault at a time.
 FORK = False
 _ALIGN = 64  # each staged tensor starts on a cache line
-_SLICE = 4 << 20  # elements a thread of the call's copy takes at a time (16 MiB of float32): the cores share the work
-_COPIERS = 8  # at most this many threads copy in the call
 _HEADER = struct.Struct("!Q")
 _CHILD = "import sys; from phalanx.checkpoint.writer import _serve; _serve(*map(int, sys.argv[1:4]))"
 
@@ -106,7 +105,7 @@ class WriterProcess:
         self._retiring = False
         self.snapshot: Snapshot | None = None  # the forked child copying the last save's state, until reaped
         self.forked = 0  # how many of the last save's tensors its child copied (the rest were copied in the call)
-        self._copiers: ThreadPoolExecutor | None = None  # the call's copy, over the cores (see _copy)
+        self.copy = StateCopy()  # the call's copy, and the part of it that runs beside training (.staging)
 
     @property
     def pid(self) -> int:
@@ -116,29 +115,36 @@ class WriterProcess:
         return self.proc.poll() is None and self.sock.fileno() >= 0
 
     # -- the caller's thread: the only part that blocks training -----------------------------------------------
-    def stage(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    def stage(self, tensors: dict[str, torch.Tensor], later: frozenset[int] = frozenset(),
+              fences: Fences | None = None) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
         """Snapshot ``tensors`` (a DTensor: its local shard) into the shared region; return where each one lies.
 
-        The tensors :func:`_forkable` says a fork freezes are copied by a forked child of this worker
-        (:class:`Snapshot`), after the call; the others (a CUDA process's, shared memory's) by ``copy_`` in it.
+        Those whose memory starts at an address of ``later`` (the parameters and the optimizer's state: only
+        the next step writes them) are copied beside training until a fence of ``fences``
+        (:mod:`phalanx.checkpoint.staging`), the others (buffers, a rule's state) in the call. With
+        :data:`FORK`, the tensors :func:`_forkable` says a fork freezes are copied by a forked child of this worker
+        (:class:`Snapshot`), after the call, instead.
         """
         try:
             self.reap()  # the previous save's child: its write waited for it, unless that save failed before
         except WriterGone:
             pass  # that save's outcome, not this one's (it ended before its write, e.g. at a regroup)
+        self.copy.fence()  # (likewise) the previous copy beside training, before its region may be replaced
         local = {k: _local(t) for k, t in tensors.items()}
         layout = [(k, t.dtype, tuple(t.shape)) for k, t in local.items()]
         if self.region is None or self.region.layout != layout:
             self.region = None  # the old mapping goes first: a state that changed shape needs no more than one
             self.region = _Region(layout)
         fork = FORK and _can_fork()
-        moves, later, now = [], [], []
+        moves, forked, beside, now = [], [], [], []
         with torch.no_grad():
             for k, t in local.items():
                 view = self.region.views[k]
                 if fork and _forkable(t):
                     moves.append((view.data_ptr(), t.data_ptr(), t.numel() * t.element_size()))
-                    later.append((view, t))
+                    forked.append((view, t))
+                elif not fork and t.device.type == "cpu" and t.data_ptr() in later and t.numel():
+                    beside.append((view, t))
                 else:
                     now.append((view, t))
             self.forked = len(moves)
@@ -147,36 +153,10 @@ class WriterProcess:
                     self.snapshot = Snapshot(moves)
                 except OSError:  # no fork now (strict overcommit, a process limit): the call copies them
                     self.forked = 0
-                    now += later
-            self._copy(now)
+                    now += forked
+        names = {id(t): k for k, t in local.items()}
+        self.copy.start(now, beside, names, fences)
         return self.region.entries
-
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``dst.copy_(src)`` for each pair, in slices spread over every core this worker may use.
-
-        Training waits for this copy whatever it is, and a phalanx worker computes with one thread: one thread's
-        copy leaves the other cores' share of the memory bandwidth unused (``copy_`` runs on torch's intra-op
-        threads, which a worker keeps at one). ``copy_`` releases the GIL, so Python threads copy in parallel.
-        """
-        slices: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for dst, src in pairs:
-            if src.device.type == "cpu" and src.is_contiguous() and src.dtype == dst.dtype and src.numel() > _SLICE:
-                d, s = dst.view(-1), src.reshape(-1)
-                slices += [(d[i:i + _SLICE], s[i:i + _SLICE]) for i in range(0, s.numel(), _SLICE)]
-            else:
-                slices.append((dst, src))
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if cores < 2 or len(slices) < 2:
-            for dst, src in slices:
-                dst.copy_(src)
-            return
-        list(self._pool(cores).map(lambda pair: pair[0].copy_(pair[1]), slices))
-
-    def _pool(self, cores: int) -> ThreadPoolExecutor:
-        """The threads of the call's copy: started at the first save, kept for the next ones."""
-        if self._copiers is None:
-            self._copiers = ThreadPoolExecutor(max_workers=min(cores, _COPIERS), thread_name_prefix="phalanx-stage")
-        return self._copiers
 
     def reap(self, what: str = "the next save") -> None:
         """Wait for the snapshot's child, if one is copying; raise :class:`WriterGone` if it did not finish."""
@@ -193,6 +173,9 @@ class WriterProcess:
         region = self.region
         assert region is not None, "stage() comes first"
         self.reap(what)  # the staged bytes are whole once the snapshot's child is done
+        self.copy.fence()  # and the copy beside training
+        if group.current().generation == generation:  # (else a regroup's restore may have written under it: refused)
+            self.copy.finish(what)  # TornCopy if a tensor changed under it
         if hasattr(inner, "per_thread_copy_ahead"):
             inner.per_thread_copy_ahead = 0  # the staged tensors are in memory already (as DCP's own staging does)
         fds = [] if self._sent == region.ident else [region.fd]
@@ -277,8 +260,7 @@ class WriterProcess:
     def _end(self) -> None:
         self._kill()
         self.sock.close()
-        if self._copiers is not None:
-            self._copiers.shutdown(wait=False)
+        self.copy.close()
         snapshot, self.snapshot = self.snapshot, None
         if snapshot is not None:
             snapshot.kill()
@@ -473,9 +455,10 @@ class Staging:
         self.writer = writer
         self.entries: list = []
 
-    def copy(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy ``tensors`` into the writer's shared region (see :meth:`WriterProcess.stage`)."""
-        self.entries = self.writer.stage(tensors)
+    def copy(self, tensors: dict[str, torch.Tensor], later: frozenset[int] = frozenset(),
+             fences: Fences | None = None) -> None:
+        """Copy ``tensors`` into the writer's shared region, ``later``'s beside training (see ``stage``)."""
+        self.entries = self.writer.stage(tensors, later, fences)
 
     @property
     def should_synchronize_after_execute(self) -> bool:
