@@ -109,3 +109,17 @@ def test_a_fence_with_nothing_copying_returns_and_the_hooks_go_with_the_next_sav
     assert len(optim_hooks._global_optimizer_pre_hooks) == len(hooks) + 1 and len(registered) == 2
     copy.close()  # on the thread that registered them: removed
     assert dict(optim_hooks._global_optimizer_pre_hooks) == hooks
+
+
+def test_the_fences_hooks_go_with_the_first_forward_after_the_copy_and_do_not_pile_up_over_saves(tmp_path):
+    """A plain process's writer lasts one save and ends from DCP's thread, which may not remove an optimizer's hook:
+    the next forward after the copy removes them, so a long run of saves leaves no hooks behind."""
+    model, opt = _trained(6)
+    hooks = dict(optim_hooks._global_optimizer_pre_hooks)
+    for i in range(3):
+        handle = px.save_checkpoint(str(tmp_path / "c"), model, opt, step=i, blocking=False)
+        _step(model, opt)  # its forward keeps them (the copy may still run), its step fences
+        handle.wait()
+    _step(model, opt)
+    assert set(optim_hooks._global_optimizer_pre_hooks) <= set(hooks)  # (another test's may have gone meanwhile)
+    assert not model._forward_pre_hooks

@@ -62,6 +62,7 @@ class StateCopy:
         self._versions: list[tuple[torch.Tensor, int]] = []
         self._hooks: list[Any] = []
         self._owner: int | None = None  # the thread that registered them (the training loop's)
+        self._spent = True
         self._torn: list[str] = []
         self._names: dict[int, str] = {}
         self.waited = 0.0  # seconds the fences of the last save held the thread that saved (the call's copy aside)
@@ -73,20 +74,21 @@ class StateCopy:
         ``fences`` registers the hooks that call :meth:`fence` and returns their handles (removed once it ran).
         """
         self.fence()
-        self._unhook()
+        self.unhook()
         self._torn, self._names, self.waited = [], dict(names or {}), 0.0
         cores = _cores()
         _copy_all(_slices(now), self._executor(cores) if cores > 1 else None, cores)
         if not later:
             return
+        self._spent = False
         # training goes on with its own threads: the copy takes what they leave (one core at least)
         copiers = max(1, min(COPIERS, cores - torch.get_num_threads()))
         slices = _slices(later)
         with self._lock:
             self._versions = [(src, src._version) for _, src in later]
             self._running = [self._executor(cores).submit(_copy_beside, slices[i::copiers]) for i in range(copiers)]
-        # left in place once they ran (no-ops then) and removed by the next save, on this thread: torch runs an
-        # optimizer's pre-hooks by iterating their dict, which a removal from inside one of them would change
+        # left in place once they ran (no-ops then) and removed by the next forward or save, on this thread: torch
+        # runs an optimizer's pre-hooks by iterating their dict, which a removal from inside one of them would change
         self._hooks, self._owner = (fences(self) if fences is not None else []), threading.get_ident()
 
     def fence(self) -> None:
@@ -109,6 +111,7 @@ class StateCopy:
                 # a version moved while the copy ran: written in place during it (the step waits here, so not by it)
                 self._torn += [self._names.get(id(src), f"a tensor of shape {tuple(src.shape)}")
                                for src, version in versions if src._version != version]
+                self._spent = True  # only now: another fencer may be waiting above while the list reads empty
         if threading.get_ident() == self._owner:  # training's wait (another fencer's, in DCP's thread, is not)
             self.waited += time.perf_counter() - started
 
@@ -127,12 +130,17 @@ class StateCopy:
         """Fence, then stop the threads (the writer's end)."""
         self.fence()
         if threading.get_ident() == self._owner:  # elsewhere: left as no-ops (see start)
-            self._unhook()
+            self.unhook()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
 
-    def _unhook(self) -> None:
+    def spent(self) -> bool:
+        """Whether no copy runs beside training: none started, or a fence saw it end (and checked it)."""
+        return self._spent
+
+    def unhook(self) -> None:
+        """Remove the fences' hooks (on the training thread, outside an optimizer's own hook loop)."""
         hooks, self._hooks = self._hooks, []
         for h in hooks:
             h.remove()
@@ -153,10 +161,17 @@ def step_fences(model: torch.nn.Module | None, pending: Callable[[], bool]) -> F
         >>> for h in hooks: h.remove()
     """
     def register(copy: StateCopy) -> list[Any]:
+        def before_forward(*_: Any) -> None:
+            if pending():
+                copy.fence()
+            elif copy.spent():
+                # every hook of this save goes here, a forward after its copy ended: torch calls a module's hooks
+                # from a tuple, so this one may go too, where the optimizer's (iterated live) may not remove itself
+                copy.unhook()
+
         hooks = [register_optimizer_step_pre_hook(lambda *_: copy.fence())]
         if model is not None:
-            hooks.append(model.register_forward_pre_hook(lambda *_: copy.fence() if pending() else None,
-                                                         prepend=True))
+            hooks.append(model.register_forward_pre_hook(before_forward, prepend=True))
         return hooks
     return register
 
