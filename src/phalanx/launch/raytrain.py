@@ -37,7 +37,8 @@ from ..errors import ConfigError, JobLostError, usage
 from ..sealed import verify_directory
 from .elastic import generation_members, saved_checkpoint
 from .ports import free_port
-from .raybackend import PhalanxConfig, data_parallel_trainer, lost_state_error, training_function
+from .raybackend import PhalanxConfig, data_parallel_trainer, training_function
+from .rayjob import lost_state_error
 from .status import JobStatus, status_address
 
 INSTALL = "pip install 'phalanx[ray]'"
