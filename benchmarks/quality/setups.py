@@ -196,6 +196,8 @@ def _levers() -> list[QSetup]:
         ("lever-base", _lever(), base),
         ("lever-h16", _lever(every=16), "as lever-base with every=16 (4x the bytes)"),
         ("lever-h32", _lever(every=32), "as lever-base with every=32 (2x the bytes)"),
+        ("lever-h128", _lever(every=128), "as lever-base with every=128 (half the bytes: ~960x fewer than DDP)"),
+        ("lever-h160", _lever(every=160), "as lever-base with every=160 (0.4x the bytes: ~1,200x fewer than DDP)"),
         # Adam's second moment averaged through the 4-bit exchange (lever-moments at H = 64, 16, 8, 4 until c820ec0,
         # when StreamingDiLoCo began refusing it: it diverged at H <= 16) runs only in float32 now:
         ("lever-h16-m1", _lever(every=16, moments="first"),

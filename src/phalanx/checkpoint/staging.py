@@ -1,4 +1,5 @@
-"""An asynchronous save's copy into the writer's shared region: part in the call, the rest beside training.
+"""An asynchronous save's copy into the writer's shared region (:class:`Region`): part in the call, the rest beside
+training.
 
 Training writes its parameters and the optimizer's moments only in ``optimizer.step()`` (phalanx's
 rules too: their exchanges that change parameters run in the step's hooks, or in the next forward for
@@ -29,9 +30,11 @@ Example:
 """
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -40,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import CheckpointError
 
+ALIGN = 64  # each staged tensor starts on a cache line
 SLICE = 4 << 20  # elements a thread copies at a time (16 MiB of float32): the cores share the work
 COPIERS = 8  # at most this many threads copy
 
@@ -149,6 +153,55 @@ class StateCopy:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=min(cores, COPIERS), thread_name_prefix="phalanx-stage")
         return self._pool
+
+
+class Region:
+    """A shared-memory region (memfd) holding one tensor of each ``layout`` entry, and the worker's views of it."""
+
+    def __init__(self, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        self.layout = layout
+        self.entries: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+        offset = 0
+        for key, dtype, shape in layout:
+            self.entries.append((key, dtype, shape, offset))
+            nbytes = numel(shape) * torch.empty((), dtype=dtype).element_size()
+            offset += -(-nbytes // ALIGN) * ALIGN
+        self.size = max(offset, ALIGN)
+        self.fd = os.memfd_create("phalanx-checkpoint-staging", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.size)
+        # populated now: the pages are faulted in once here, not at each save's copy
+        self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self.views = views(self.map, self.entries)
+        self.ident = uuid.uuid4().int >> 64  # names it to the writer, which maps each region once
+
+    def __del__(self) -> None:
+        self.views = {}
+        try:
+            self.map.close()
+        except (BufferError, AttributeError):
+            pass  # a staged tensor still refers to it: the mapping goes with the last one
+        try:
+            os.close(self.fd)
+        except (OSError, AttributeError):
+            pass
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """The number of elements of ``shape``."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def views(buffer: Any, entries: list) -> dict[str, torch.Tensor]:
+    """A tensor of each entry over ``buffer`` (each with a storage of its own size: DCP writes it without a copy)."""
+    views = {}
+    for key, dtype, shape, offset in entries:
+        n = numel(shape)
+        views[key] = torch.frombuffer(buffer, dtype=dtype, count=n, offset=offset).view(shape) if n else \
+            torch.empty(shape, dtype=dtype)
+    return views
 
 
 def step_fences(model: torch.nn.Module | None, pending: Callable[[], bool]) -> Fences:

@@ -54,7 +54,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from typing import Any, Sequence
 
 import torch
@@ -65,7 +64,7 @@ from ..group.records import Record, Slot
 from .dcp import _dcp
 from .handle import _commit
 from .snapshot import Snapshot, WriterGone, _can_fork, _describe, _forkable
-from .staging import Fences, StateCopy
+from .staging import Fences, Region, StateCopy, views
 
 # The writer's CPU priority (added to the worker's). 0: at 19, the lowest, a write on cores that training (or anyone
 # else) keeps busy was starved and deferred whole to the next save's or the exit's wait, longer than a synchronous
@@ -76,7 +75,6 @@ NICE = 0
 # training on one core) both block about as long, and the fork's page faults cost training 1.8-3.7x the copy's total:
 # every step writes every parameter and moment, so each page of the state is copied once more, one fault at a time.
 FORK = False
-_ALIGN = 64  # each staged tensor starts on a cache line
 _HEADER = struct.Struct("!Q")
 _CHILD = "import sys; from phalanx.checkpoint.writer import _serve; _serve(*map(int, sys.argv[1:4]))"
 
@@ -97,7 +95,7 @@ class WriterProcess:
                                      pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self.sock = mine
-        self.region: _Region | None = None
+        self.region: Region | None = None
         self._sent: int | None = None  # the id of the region the writer has mapped
         self._request = threading.Lock()  # one request at a time
         self._state = threading.Lock()
@@ -134,7 +132,7 @@ class WriterProcess:
         layout = [(k, t.dtype, tuple(t.shape)) for k, t in local.items()]
         if self.region is None or self.region.layout != layout:
             self.region = None  # the old mapping goes first: a state that changed shape needs no more than one
-            self.region = _Region(layout)
+            self.region = Region(layout)
         fork = FORK and _can_fork()
         moves, forked, beside, now = [], [], [], []
         with torch.no_grad():
@@ -311,54 +309,6 @@ WRITERS: Record[Writers] = Record("checkpoint writer process", Writers)
 
 # -- how the worker's and the writer's halves talk -------------------------------------------------------------
 
-class _Region:
-    """A shared-memory region (memfd) holding one tensor of each ``layout`` entry, and the worker's views of it."""
-
-    def __init__(self, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
-        self.layout = layout
-        self.entries: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
-        offset = 0
-        for key, dtype, shape in layout:
-            self.entries.append((key, dtype, shape, offset))
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-        self.size = max(offset, _ALIGN)
-        self.fd = os.memfd_create("phalanx-checkpoint-staging", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, self.size)
-        # populated now: the pages are faulted in once here, not at each save's copy
-        self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        self.views = _views(self.map, self.entries)
-        self.ident = uuid.uuid4().int >> 64  # names it to the writer, which maps each region once
-
-    def __del__(self) -> None:
-        self.views = {}
-        try:
-            self.map.close()
-        except (BufferError, AttributeError):
-            pass  # a staged tensor still refers to it: the mapping goes with the last one
-        try:
-            os.close(self.fd)
-        except (OSError, AttributeError):
-            pass
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _views(buffer: Any, entries: list) -> dict[str, torch.Tensor]:
-    """A tensor of each entry over ``buffer`` (each with a storage of its own size: DCP writes it without a copy)."""
-    views = {}
-    for key, dtype, shape, offset in entries:
-        n = _numel(shape)
-        views[key] = torch.frombuffer(buffer, dtype=dtype, count=n, offset=offset).view(shape) if n else \
-            torch.empty(shape, dtype=dtype)
-    return views
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor's self, a DTensor's local shard (what this worker writes of it)."""
     to_local = getattr(t, "to_local", None)
@@ -512,7 +462,7 @@ def _serve(fd: int, parent: int, nice: int) -> None:
                     os.close(fds[0])
                 if mapped is None or mapped[0] != body["region"][0]:
                     raise CheckpointError("the checkpoint writer was asked to write a staged state it was not given")
-                tensors = _views(mapped[1], body["entries"])
+                tensors = views(mapped[1], body["entries"])
                 done = body["writer"].write_data(body["plan"], _Resolver(tensors))
                 answer: tuple[str, Any] = ("ok", done.wait() if hasattr(done, "wait") else done.result())
                 del tensors, done
