@@ -13,6 +13,7 @@ from torch.optim import optimizer as optim_hooks
 
 import phalanx as px
 import phalanx.checkpoint.staging as staging
+from phalanx.wrap import clock_of
 from phalanx.errors import CheckpointError
 from test_checkpoint_snapshot import _loaded, _state, _trained
 
@@ -123,3 +124,32 @@ def test_the_fences_hooks_go_with_the_first_forward_after_the_copy_and_do_not_pi
     _step(model, opt)
     assert set(optim_hooks._global_optimizer_pre_hooks) <= set(hooks)  # (another test's may have gone meanwhile)
     assert not model._forward_pre_hooks
+
+
+
+
+def test_a_skipped_step_is_closed_by_the_next_forward_only_after_the_copy(tmp_path, held, monkeypatch):
+    """A step skipped (its ``optimizer.step()`` never ran, as GradScaler does on inf) is closed by the next forward,
+    which runs the rule's exchange: that forward fences the copy before the clock's own hook runs."""
+    torch.manual_seed(7)
+    net = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.Tanh(), torch.nn.Linear(96, 5))
+    model, opt = px.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), strategy=px.AllReduce())
+    held.set()
+    _step(model, opt)  # AdamW's moments exist
+    held.clear()
+    clock = clock_of(net)
+    main, fenced = threading.get_ident(), []  # training's fences while a step was pending
+    real = staging.StateCopy.fence
+
+    def spy(self):
+        if threading.get_ident() == main and clock.pending:  # (the save's write fences from DCP's thread too)
+            fenced.append(True)
+        real(self)
+    monkeypatch.setattr(staging.StateCopy, "fence", spy)
+    handle = px.save_checkpoint(str(tmp_path / "c"), model, opt, step=1, blocking=False)
+    model(torch.randn(8, 48)).square().mean().backward()  # its forward waits for nothing; the step is skipped
+    assert clock.pending and not fenced
+    held.set()
+    model(torch.randn(8, 48))  # this forward closes the skipped step, after fencing the copy
+    assert fenced == [True] and not clock.pending  # fenced while the step was still pending: before the clock's hook
+    handle.wait()
