@@ -75,7 +75,8 @@ class StateCopy:
               fences: Fences | None = None) -> None:
         """Copy ``now`` here, over every core; start ``later``'s copy beside training, fenced by ``fences(self)``.
 
-        ``fences`` registers the hooks that call :meth:`fence` and returns their handles (removed once it ran).
+        ``fences`` registers the hooks that call :meth:`fence` and returns their handles (removed by the first
+        forward after the copy, or by the next save).
         """
         self.fence()
         self.unhook()
