@@ -297,7 +297,7 @@ class RunConfig:
                 endpoint = endpoint or f"{self.master_addr}:{self.master_port or DEFAULT_MASTER_PORT}"
         # The agent turns these signals into stopping the workers with the same signal and waits for them
         # (shutdown_timeout: --grace) before SIGKILL. SIGTERM and SLURM's `--signal=USR1@N` (preemptions) are not
-        # in its list: run() handles them (launch/run.py _FirstSignal), so that a repeat does not end the grace.
+        # in its list: run() passes them on itself and keeps every worker's exit status (launch/stopping.py).
         return LaunchConfig(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=self.nproc,
                             run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
                             max_restarts=self.max_restarts, local_addr=local_addr,

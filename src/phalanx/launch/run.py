@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from . import join as launch_join
 from ..errors import ConfigError, usage
@@ -52,7 +52,8 @@ from .status import JobStatus, run_with_status, stacks_button
 from .failures import failure_line, root_cause as _root_cause, status as _status
 from .linked import run_linked
 from .slurm import requeue
-from ..step.preempt import PREEMPTED_EXIT, latest_checkpoint
+from .stopping import Stopping, leads_its_group
+from ..step.preempt import PREEMPTED_EXIT
 
 __all__ = ["RunConfig", "build_parser", "main", "run"]  # RunConfig and build_parser: from phalanx.launch.config
 
@@ -161,13 +162,13 @@ def _run(cfg: RunConfig, status: JobStatus | None) -> int:
             status.attach(store, members=lambda _: (0, [str(r) for r in range(cfg.nproc)]), secret=made,
                           checkpoint=lambda s: saved_checkpoint(s, 0))
             status.action("stacks", stacks_button(DEFAULT_MASTER_ADDR, store.port, made))
-    before = _newest_checkpoint(cfg.checkpoint_dir)  # another one after the workers end was written by this run
     notes = tempfile.mkdtemp(prefix="phalanx-preempt-")  # a preempted worker leaves its step here
     env["PHALANX_PREEMPT_NOTES"] = notes
     if threading.current_thread() is threading.main_thread():
-        # Ours, not torch's (config.py leaves these two out of its list): torch's raises on every signal, and a
-        # repeat during the grace ended its wait for the saving workers (issue 36)
-        preemption = _FirstSignal(lambda: bool(_children() - children))
+        # Ours, not torch's (config.py leaves these two out of its list): torch's raised out of its agent's loop on
+        # every signal, losing how each worker ended, and a repeat during the grace ended its wait (launch/stopping.py)
+        preemption = Stopping(lambda: sorted(p for p in _children() - children if leads_its_group(p)),
+                              nproc=cfg.nproc, grace_s=cfg.grace_s)
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, preemption)
     else:
@@ -180,10 +181,19 @@ def _run(cfg: RunConfig, status: JobStatus | None) -> int:
         with _environ(env):
             # sys.executable -u: the same interpreter as ours, unbuffered so workers' lines interleave promptly.
             elastic_launch(launch, sys.executable)("-u", cfg.script, *cfg.script_args)
+        if preemption is not None and preemption.first is not None:
+            # A worker that heard the signal late trains on until all have heard it: the script ended first
+            print(f"phalanx: received {preemption.first.name}, but the workers reached the end of the script before "
+                  "the step they would have stopped at: the job is complete", file=sys.stderr, flush=True)
         return 0
     except ChildFailedError as err:
+        signame = preemption.first.name if preemption is not None and preemption.first is not None else None
         if all(f.exitcode == PREEMPTED_EXIT for f in err.failures.values()):
-            return _preempted(cfg, notes, None)
+            return _preempted(cfg, notes, signame)
+        if preemption is not None and preemption.forwarded:
+            stopped = _stopped(cfg, err.failures, notes, preemption)
+            if stopped is not None:
+                return stopped
         rank, failure = _root_cause(err.failures)
         server = _dead_server(servers)
         line = server or failure_line(rank, failure, others=cfg.nproc * cfg.max_nodes > 1)
@@ -194,25 +204,16 @@ def _run(cfg: RunConfig, status: JobStatus | None) -> int:
               f"{str(err).splitlines()[0]}); check --master-addr/--master-port or --rdzv-endpoint, and that "
               "host 0 is up and reachable", file=sys.stderr, flush=True)
         return 1
-    except SignalException as err:
+    except SignalException as err:  # SIGINT, SIGHUP, SIGQUIT (torch's), or ours during the start-up
         server = _dead_server(servers)
         if server:
             print(server, file=sys.stderr, flush=True)
             return 1
-        if err.sigval in (signal.SIGTERM, signal.SIGUSR1) and os.listdir(notes):  # they stopped at a step
-            # torch's agent ended the workers without telling us how: with --checkpoint-dir, a complete
-            # checkpoint written by this run is the proof that they saved before the grace ran out
-            if cfg.checkpoint_dir is None or _newest_checkpoint(cfg.checkpoint_dir) not in (None, before):
-                return _preempted(cfg, notes, err.sigval.name)
-            steps = ", ".join(sorted({open(os.path.join(notes, n)).read().strip() for n in os.listdir(notes)}))
-            print(f"phalanx: received {err.sigval.name}; the workers stopped after step {steps} but wrote no "
-                  f"checkpoint in {cfg.checkpoint_dir} within --grace {cfg.grace_s} s (a worker failed or took "
-                  "longer); stopped all workers", file=sys.stderr, flush=True)
         print(f"phalanx: received {err.sigval.name}; stopped all workers", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
         if preemption is not None:
-            preemption.ended = True  # the workers are gone: a signal from now on has nothing to stop
+            preemption.ended()  # the workers are gone: a signal from now on has nothing to stop
         last = stalls.stop() if stalls is not None else None
         if last:
             print(last, file=sys.stderr, flush=True)
@@ -229,52 +230,6 @@ def _run(cfg: RunConfig, status: JobStatus | None) -> int:
                 status.settle()  # the workers' last reports, before the store closes
             store = None  # its socket closes with the last handle on it (the store owns it)
         _reap_children(children)
-
-
-class _FirstSignal:
-    """The launcher's SIGTERM/SIGUSR1 handler: the first one stops the job, every later one is absorbed.
-
-    The first raises torch's ``SignalException``, as torch's own handler does: its agent sends that signal to
-    every worker and waits ``--grace`` for them to stop at one step and save. Torch's handler raised again at
-    each later signal (SLURM signals the launcher and its workers, a scheduler resends, a user presses twice):
-    the first repeat cut the agent's wait short and started another, the next ended it, and the launcher
-    SIGKILLed the workers while they saved (exit 138 or 143, nothing saved, no requeue). The workers already
-    heard it, so a repeat has nothing to add: the grace runs to its end (SIGINT, SIGKILL and the scheduler's own
-    SIGKILL still end the job at once). A SIGUSR1 before any worker started is ignored, as before: SLURM's early
-    warning does not end a job that has not begun.
-
-    Example:
-        >>> h = _FirstSignal(lambda: True)
-        >>> try:
-        ...     h(signal.SIGUSR1, None)
-        ... except Exception as e:
-        ...     print(type(e).__name__, e.sigval.name)
-        SignalException SIGUSR1
-        >>> h(signal.SIGTERM, None), h(signal.SIGUSR1, None)   # repeats: nothing
-        (None, None)
-    """
-
-    def __init__(self, started: Callable[[], bool]) -> None:
-        self.started = started  # whether the workers have been started (a SIGUSR1 before that is ignored)
-        self.first: signal.Signals | None = None
-        self.ended = False  # set once the workers are gone (run()'s cleanup)
-
-    def __call__(self, signum: int, _frame: object) -> None:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
-        if self.first is not None or self.ended or (signum == signal.SIGUSR1 and not self.started()):
-            return
-        self.first = signal.Signals(signum)
-        raise SignalException(f"Process {os.getpid()} got signal: {self.first}", sigval=self.first)
-
-
-def _newest_checkpoint(directory: str | None) -> tuple[str, float] | None:
-    """The newest complete checkpoint in ``directory`` and its mtime (compared with itself only: no clock skew)."""
-    newest = latest_checkpoint(directory)
-    try:
-        return (newest, os.path.getmtime(newest)) if newest is not None else None
-    except OSError:
-        return None
 
 
 def _children() -> set[int]:
@@ -306,20 +261,44 @@ def _reap_children(before: set[int]) -> None:
             continue
 
 
+def _steps(notes: str) -> list[str]:
+    """The steps the workers stopped after, from the notes they left (one per worker that stopped at a step)."""
+    return sorted({open(os.path.join(notes, n)).read().strip() for n in os.listdir(notes)})
+
+
 def _preempted(cfg: RunConfig, notes: str, signame: str | None) -> int:
     """The one line (and the SLURM requeue) of a preempted job; returns :data:`PREEMPTED_EXIT`."""
-    steps = sorted({open(os.path.join(notes, n)).read().strip() for n in os.listdir(notes)})
+    steps = _steps(notes)
     how = f"received {signame}" if signame else "the workers were preempted"
     where = f" in {cfg.checkpoint_dir}" if cfg.checkpoint_dir else ""
-    after = f" after step {', '.join(steps)}" if steps else ""
-    print(f"phalanx: {how}; the workers stopped{after} to save a checkpoint{where}; resume with "
-          f"`phalanx run --resume-from auto ...` (exit status {PREEMPTED_EXIT}: preempted, resumable)",
-          file=sys.stderr, flush=True)
+    stopped = (f"the workers stopped after step {', '.join(steps)} to save a checkpoint{where}" if steps else
+               "the workers stopped before their first step (nothing to save)")
+    print(f"phalanx: {how}; {stopped}; resume with `phalanx run --resume-from auto ...` (exit status "
+          f"{PREEMPTED_EXIT}: preempted, resumable)", file=sys.stderr, flush=True)
     if cfg.requeue and cfg.slurm is not None and cfg.node_rank == 0:
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # the requeue stops this job step, this launcher included
             signal.signal(sig, signal.SIG_IGN)
         print(requeue(cfg.slurm.job_id), file=sys.stderr, flush=True)
     return PREEMPTED_EXIT
+
+
+def _stopped(cfg: RunConfig, failures: dict, notes: str, preemption: Stopping) -> int | None:
+    """The line of a job the launcher's signal stopped without every worker saving; None where a worker failed on
+    its own (the usual failure line names it)."""
+    sig = preemption.first
+    assert sig is not None
+    if preemption.killed:
+        steps, where = _steps(notes), f" in {cfg.checkpoint_dir}" if cfg.checkpoint_dir else ""
+        what = (f"stopped after step {', '.join(steps)} but wrote no checkpoint{where}" if steps else
+                "did not stop")
+        print(f"phalanx: received {sig.name}; the workers {what} within --grace {cfg.grace_s} s (a worker hung or "
+              "took longer); killed them", file=sys.stderr, flush=True)
+        return 128 + int(sig)
+    if all(f.exitcode in (PREEMPTED_EXIT, -int(sig)) for f in failures.values()):
+        # ended by the signal itself: it came before their handler was installed (start-up)
+        print(f"phalanx: received {sig.name}; stopped all workers", file=sys.stderr, flush=True)
+        return 128 + int(sig)
+    return None
 
 
 def _join_slurm_job(cfg: RunConfig) -> int:

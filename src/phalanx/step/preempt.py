@@ -128,6 +128,12 @@ class Preemption:
             raise Preempted()  # start-up (nothing trained, nothing to save) or after shutdown: leave now
         if self.signal is None:
             self.signal = signum
+            # Every later SIGTERM/SIGUSR1 only repeats this one: from now on the kernel drops them. A Python handler
+            # would not do: the interpreter's finalization puts back the default action, and a repeat then killed a
+            # worker that had stopped and saved (torch's agent SIGTERMs the other workers as soon as one ends, with
+            # 75 too). A worker that hangs instead of stopping still ends: the launcher kills it after --grace.
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
         self.heard.set()
 
     # -- the step boundary -------------------------------------------------------------------------------
