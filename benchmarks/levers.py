@@ -154,11 +154,12 @@ def project() -> str:
     """Markdown: per family and link, time to target over the compute-only bound (PROJECTION), median over the seeds
     measured, with how many reached the target: AllReduce/DDP, Streaming DiLoCo (auto's H = 64 setting), SparseLoCo
     (H = 16), and what ``decide`` picks there (its probe included: 3 AllReduce steps on a fast link; on a slow one 3
-    local steps, one parameter average and the link probe)."""
+    local steps, one average of the drift in 4 bits and the link probe)."""
     import math
 
-    from phalanx.strategies.auto import Auto
+    from phalanx.strategies.auto import PROBE_BITS, Auto
     from phalanx.strategies.decision import PROBE_BYTES, Measurement, candidates, decide
+    from phalanx.strategies.quantize import Quantize
 
     def ratio(steps: tuple, step_s: float, task: str, compute: float, extra: float = 0.0) -> tuple[float, int]:
         base = STEPS[task]["one-process"]
@@ -183,10 +184,11 @@ def project() -> str:
                 pick.kwargs.get("quantize") == "sparseloco" else "lever-base"
             steps = STEPS[task]["one-process"] if key == "allreduce" else STEPS[task][key]
             # the probe: on a slow link (a full all-reduce over Auto.slow_link compute steps) 3 local steps, one
-            # parameter average and the <= 1 MiB link probe; on a fast one 3 AllReduce steps (the link probe left out)
+            # average of the drift in 4 bits (an all-gather) and the <= 1 MiB link probe; on a fast one 3 AllReduce
+            # steps (the link probe left out)
             slow = m.ring_s(m.grad_bytes) > Auto.slow_link * compute
-            probe = 3 * compute + m.ring_s(m.grad_bytes) + m.ring_s(min(m.grad_bytes, PROBE_BYTES)) if slow \
-                else 3 * ar.step_s
+            average = m.gather_s(Quantize(bits=PROBE_BITS).message_bytes(params))
+            probe = 3 * compute + average + m.ring_s(min(m.grad_bytes, PROBE_BYTES)) if slow else 3 * ar.step_s
             auto = ratio(tuple(None if s is None else s - 3 for s in steps), pick.step_s, task, compute, extra=probe)
             seeds = {"allreduce": "one-process", "sd": "lever-base", "sp": "lever-ef"}
             fmt = {k: "not reached" if math.isinf(v) else f"{v:.2f}× ({n}/{len(STEPS[task][seeds[k]])})"

@@ -124,7 +124,8 @@ def main() -> int:
             print(f"trial {i}: {outcome}", flush=True)
             key = outcome.split(":")[0]
             counts[key] = counts.get(key, 0) + 1
-    print(f"{a.trials} trials, skew up to {a.skew_ms:g} ms: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    tally = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    print(f"{a.trials} trials, skew up to {a.skew_ms:g} ms: {tally}")
     return 1 if any(k.startswith("wrong") for k in counts) else 0
 
 

@@ -15,8 +15,12 @@ times the step). Then the probe takes one of two paths:
   sent per step): ``t_c`` is their mean step, and the overlap is taken as 0 (backward can hide at most
   ``t_c`` of ``T``, under a quarter, and AllReduce cannot win there with any overlap). The probe ends with
   one full average of the parameters (and of the optimizer state if AllReduce is chosen), so every rule
-  starts from identical replicas: the same commit-point rule Auto uses when it switches. The probe then
-  costs one parameter average and the 1 MiB link probe instead of ``probe_steps`` full all-reduces.
+  starts from identical replicas: the same commit-point rule Auto uses when it switches. What that average
+  sends is each replica's drift since attach (the replicas were identical there) in 4 bits, as Streaming
+  DiLoCo's outer exchange does: every rank adds the same mean to the same origin, so the replicas are again
+  identical to the bit, for about an eighth of the float32 parameters' bytes on two workers (the float32
+  average where it would send less: 15 workers or more). The probe then costs that average and the 1 MiB
+  link probe instead of ``probe_steps`` full all-reduces.
 
 :func:`phalanx.strategies.decision.decide` then picks the rule and its settings by projected time to target
 (step time × the planned steps × the rule's measured step penalty); ``phalanx bench``'s projection asks the
@@ -56,6 +60,10 @@ from .base import StepState, Strategy
 from .diloco import DiLoCo
 from .streaming_diloco import StreamingDiLoCo
 from .decision import PROBE_BYTES, Choice, Decision, Measurement, decide
+from .quantize import Quantize
+
+#: The bits the local probe's closing average sends each replica's drift in (blocks of 128: Streaming DiLoCo's own).
+PROBE_BITS = 4
 
 
 @runtime_checkable
@@ -114,6 +122,7 @@ class Auto(Accounting, StepState, Strategy):
         self.probing: str | None = None  # the probe's path: None (step 1, local), "local" or "allreduce"
         self._t0 = 0.0  # when attach ended: step 1's time is counted from there
         self._drifted = False  # the local probe's replicas were averaged, their optimizer states not yet
+        self._origin: list[torch.Tensor] | None = None  # the parameters at attach, while a local probe may need them
         self._regrouped = False
         self._decision: Decision | None = None  # the decision of the pending choice
 
@@ -128,6 +137,9 @@ class Auto(Accounting, StepState, Strategy):
         # the link first (one bounded all-reduce), so that a slow one is known before any gradient crosses it;
         # alone (an elastic group of one) nothing crosses a link: the rate is taken as infinite until peers join
         self.link_rate = self._agreed_rate() if self.comm.world_size > 1 else math.inf
+        if self.comm.world_size > 1 and all(type(p.data) is torch.Tensor and p.is_floating_point()
+                                            for p in self.params):  # (a sharded model's DTensors average whole)
+            self._origin = [p.detach().clone() for p in self.params]  # identical on every rank: wrap broadcast them
         self._t0 = time.perf_counter()
         return module
 
@@ -166,7 +178,7 @@ class Auto(Accounting, StepState, Strategy):
         if self.rule is not None:
             self.rule.finish()
         elif self.choice is None and self.probing == "local":  # ended inside the local probe: one model to keep
-            self._average_parameters(optimizer=False)
+            self._end_local_probe()
 
     # -- measuring and deciding --------------------------------------------------------------------------------
     def _take_path(self, step: int) -> None:
@@ -176,13 +188,30 @@ class Auto(Accounting, StepState, Strategy):
         if m.ring_s(m.grad_bytes) > self.slow_link * vals[0]:
             self.probing = "local"
             return
-        self.probing = "allreduce"
+        self.probing, self._origin = "allreduce", None
         self._average_parameters(optimizer=True)
         self._use(Choice("allreduce"), step)
 
     def _end_local_probe(self) -> None:
-        """The local probe's one full average: every replica the mean (the chosen rule's attach starts there)."""
-        self._average_parameters(optimizer=False)
+        """The local probe's one full average: every replica the mean (the chosen rule's attach starts there).
+
+        The drift since attach crosses the link in 4 bits (module docstring), unless the float32 average sends
+        less (many workers: an all-gather grows with them) or there is no origin to add it to (a resume or a
+        regroup inside the probe, a sharded model).
+        """
+        origin, self._origin = self._origin, None
+        n, workers, quantize = sum(p.numel() for p in self.params), self.comm.world_size, Quantize(bits=PROBE_BITS)
+        if origin is None or (workers - 1) * quantize.message_bytes(n) >= 2 * (workers - 1) / workers * 4 * n:
+            self._average_parameters(optimizer=False)
+        else:
+            with torch.no_grad():
+                drift = [p.data - o for p, o in zip(self.params, origin, strict=True)]
+                quantize.average_(drift, self.comm, key="auto probe")  # the same bits on every rank
+                for p, o, d in zip(self.params, origin, drift, strict=True):
+                    p.data.copy_(o.add_(d))
+                buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+                if buffers:
+                    self.comm.all_reduce_(buffers)
         self._drifted = True  # AllReduce, if chosen, needs one optimizer state too (_use)
 
     def _average_parameters(self, *, optimizer: bool) -> None:
@@ -337,6 +366,7 @@ class Auto(Accounting, StepState, Strategy):
         """The group was rebuilt: the rule forgets what was in flight, and Auto decides again at the next step."""
         if self.rule is not None and hasattr(self.rule, "regroup"):
             self.rule.regroup()
+        self._origin = None  # a joiner's origin is not the others': a probe still running averages in float32
         self._regrouped = self.measurement is not None  # a group of one from the start measured nothing: stays plain
 
     # -- state ------------------------------------------------------------------------------------------------
@@ -362,6 +392,7 @@ class Auto(Accounting, StepState, Strategy):
         self.measurement = None if state["measurement"] is None else Measurement(**state["measurement"])
         self.pending = None if state["pending"] is None else Choice.from_state(state["pending"])
         self._probe = []
+        self._origin = None  # the loaded parameters are not the origin: a probe still running averages in float32
         self.probing, self.link_rate = state.get("probing"), state.get("link_rate", self.link_rate)
         if choice is None and self.probing == "allreduce" and self.rule is None:  # saved inside the AllReduce probe
             self._use(Choice("allreduce"), start)
