@@ -337,9 +337,9 @@ def test_on_a_slow_link_the_probe_sends_no_gradient_and_matches_the_replay_of_it
         assert r["probing"] == "local" and r["schedule"] == [(3, "diloco")]
         assert r["rules"][:2] == ["NoneType"] * 2 and r["rules"][2:] == ["DiLoCo"] * 7
         assert r["sent"][0] < grad_bytes / 4 and r["sent"][1] == 0  # no full-gradient exchange per probe step
-        # the probe's one average, the drift in 4 bits (72 bytes here), and DiLoCo's attach (336): under 2x the
-        # float32 parameters; averaged in float32 (332) it was 708
-        assert px.Quantize(4).message_bytes(grad_bytes // 4) <= r["sent"][2] < 2 * grad_bytes
+        # the probe's one average, the drift in 4 bits (72 bytes here), and nothing of DiLoCo's attach (the replicas
+        # are one: its broadcast of the parameters, 336, is left out); averaged in float32 and sent again it was 708
+        assert px.Quantize(4).message_bytes(grad_bytes // 4) <= r["sent"][2] < grad_bytes / 2
         assert r["measured"]["overlap"] == 0.0 and r["measured"]["rate"] == pytest.approx(40.0)
     assert "probed with 3 local steps and one average" in r0["lines"][0]
     for r in (r0, r1):  # the checkpointed schedule: a resume takes the same rule from the same step

@@ -56,7 +56,7 @@ from ..group import group
 from ..step.protocols import replicas_agree, weighs_gradients
 from .accounting import Accounting
 from .allreduce import AllReduce, rebuilt
-from .base import StepState, Strategy
+from .base import Start, StepState, Strategy, from_rank_0, parameters_as_they_are
 from .diloco import DiLoCo
 from .streaming_diloco import StreamingDiLoCo
 from .decision import PROBE_BYTES, Choice, Decision, Measurement, decide
@@ -322,7 +322,7 @@ class Auto(Accounting, StepState, Strategy):
         self.schedule.append({"step": step, "choice": choice.state(), "line": line})
         self._say(line)
 
-    def _use(self, choice: Choice, start: int) -> None:
+    def _use(self, choice: Choice, start: int, *, replicas: Start = parameters_as_they_are) -> None:
         """Put ``choice``'s rule in charge from step ``start``: the old one's hooks come off, the new one attaches
         (collective: the same step on every rank) and shares this rule's comm and clock."""
         old = self.rule
@@ -339,7 +339,10 @@ class Auto(Accounting, StepState, Strategy):
                 self._average_optimizer_state()
             rule.attach(self.model, self.optimizer, wrapper=False)  # no DDP module: the user's module stays
         else:
-            rule.attach(self.model, self.optimizer)
+            # Taking over at a commit point (a full average: the replicas are one) the parameters need not travel
+            # again; a periodic rule's own syncs would reconcile them anyway. AllReduce keeps rank 0's broadcast: it
+            # never reconciles parameters, so a difference of one bit would stay. A resume (load_state_dict) too.
+            rule.attach(self.model, self.optimizer, start=replicas)
         if isinstance(rule, StreamingDiLoCo):
             for f in rule.fragments:
                 f.offset = (start + f.offset) % rule.every
@@ -386,7 +389,7 @@ class Auto(Accounting, StepState, Strategy):
         choice = None if state["choice"] is None else Choice.from_state(state["choice"])
         start = int(state["start"])
         if choice is not None and (_differs(choice, self.running) or start != self.start):
-            self._use(choice, start)
+            self._use(choice, start, replicas=from_rank_0)  # not taken over at a commit point: loaded
         self.choice, self.start, self.checked = choice, start, int(state["checked"])
         self.schedule = [dict(s) for s in state["schedule"]]
         self.measurement = None if state["measurement"] is None else Measurement(**state["measurement"])
@@ -395,7 +398,7 @@ class Auto(Accounting, StepState, Strategy):
         self._origin = None  # the loaded parameters are not the origin: a probe still running averages in float32
         self.probing, self.link_rate = state.get("probing"), state.get("link_rate", self.link_rate)
         if choice is None and self.probing == "allreduce" and self.rule is None:  # saved inside the AllReduce probe
-            self._use(Choice("allreduce"), start)
+            self._use(Choice("allreduce"), start, replicas=from_rank_0)
         if self.rule is not None:
             self.rule.load_state_dict(state["rule"])
 

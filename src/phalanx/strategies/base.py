@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -38,6 +38,23 @@ from ..errors import ConfigError, usage
 from ..step.clock import StepClock
 from .accounting import Accounting
 from .buffers import BufferMean
+
+
+def from_rank_0(comm: Comm, model: nn.Module) -> None:
+    """How ``px.wrap`` starts the replicas: every rank takes rank 0's parameters and buffers (one broadcast)."""
+    comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
+
+
+def parameters_as_they_are(comm: Comm, model: nn.Module) -> None:
+    """How a rule that takes over at a commit point starts (``px.Auto``): the parameters are one model already, and
+    sending them again cost a whole model's bytes (2.2 s of a GPT's on 10 Mbit/s); only the buffers, which no rule
+    keeps equal (BatchNorm's statistics), take rank 0's."""
+    params = {id(p) for p in model.parameters()}
+    comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values() if id(t) not in params])
+
+
+#: How :meth:`Strategy.attach` makes the replicas one model: :func:`from_rank_0` or :func:`parameters_as_they_are`.
+Start = Callable[[Comm, nn.Module], None]
 
 
 @runtime_checkable
@@ -130,13 +147,14 @@ class Strategy:
         self.comm = Comm()
         self.clock = StepClock()
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        """Called once by ``px.wrap``; returns the module the user trains."""
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, start: Start = from_rank_0) -> nn.Module:
+        """Called once by ``px.wrap``; returns the module the user trains. ``start``: how the replicas become one
+        model (rank 0's, unless a rule takes over from replicas that are one already)."""
         self.model, self.optimizer = model, optimizer
         # A sharded model's parameters (phalanx.sharding) are seen as this rank's shards: the rule exchanges those.
         self.params = [local_shard(p) for p in model.parameters() if p.requires_grad]
         check_same_model(model, self.comm)  # before the broadcast, which would fail obscurely otherwise
-        self.comm.broadcast_([t.data for t in model.state_dict(keep_vars=True).values()])
+        start(self.comm, model)
         self._attach_mark = (self.comm.stats.bytes_sent, self.steps)  # for bytes_per_step (strategies.accounting)
         return model
 
@@ -287,8 +305,8 @@ class Periodic(Accounting, StepState, Strategy):
         super().__init__()
         self.sync, self.exchange = sync, exchange
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        module = super().attach(model, optimizer)
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, start: Start = from_rank_0) -> nn.Module:
+        module = super().attach(model, optimizer, start=start)
         self.exchange.setup(self.params, self.comm)
         self.running_stats = BufferMean(model.buffers())  # BatchNorm's statistics drift with the replicas
         return module

@@ -62,7 +62,7 @@ from ..errors import ConfigError, usage
 from .quantize import Gathered, Quantize, check_floating
 from .sparseloco import outer_defaults
 from .accounting import Accounting
-from .base import (StepState, Strategy, compressor_replica_state, drifting_replica_state,
+from .base import (Start, StepState, Strategy, compressor_replica_state, from_rank_0, drifting_replica_state,
                    load_compressor_replica_state, load_drifting_replica_state, load_rows)
 from .buffers import BufferMean
 from .diloco import _outer_dtype, outer_direction
@@ -140,8 +140,8 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
         self._split: list[range] = []
 
     # -- the template ---------------------------------------------------------------------------------------------
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        module = super().attach(model, optimizer)
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, start: Start = from_rank_0) -> nn.Module:
+        module = super().attach(model, optimizer, start=start)
         if self.moments:
             self.moments.bind(optimizer)
         if self.num_fragments > len(self.params):
