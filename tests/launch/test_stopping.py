@@ -7,10 +7,12 @@ exited 138: SLURM marked the finished job FAILED.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from typing import Iterator
 
 import pytest
 
@@ -39,18 +41,26 @@ while True:
 """
 
 
-def _children(tmp_path, mode: str, n: int = 2) -> list[subprocess.Popen]:
+@contextlib.contextmanager
+def _stopping(tmp_path, mode: str, *, n: int = 2, nproc: int = 2, grace_s: float = 600) -> Iterator[tuple]:
+    """``n`` worker stand-ins (each leading its own process group, as torch's agent starts workers) and the handler
+    that stops them; every one of them ends with the test."""
     procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / f"w{i}"), mode], start_new_session=True)
              for i in range(n)]
-    for i, p in enumerate(procs):
-        until(lambda i=i: os.path.exists(tmp_path / f"w{i}.ready"), timeout=60, what=f"child {i}", procs=[p])
-    return procs
+    stop = Stopping(lambda: [p.pid for p in procs], nproc=nproc, grace_s=grace_s)
+    try:
+        for i, p in enumerate(procs):
+            until(lambda i=i: os.path.exists(tmp_path / f"w{i}.ready"), timeout=60, what=f"child {i}", procs=[p])
+        yield procs, stop
+    finally:
+        stop.ended()
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_the_first_signal_goes_to_every_worker_and_a_repeat_to_none(tmp_path):
-    procs = _children(tmp_path, "exit")
-    stop = Stopping(lambda: [p.pid for p in procs], nproc=2, grace_s=600)
-    try:
+    with _stopping(tmp_path, "exit") as (procs, stop):
         assert all(leads_its_group(p.pid) for p in procs)
         stop(signal.SIGUSR1, None)
         assert [p.wait(timeout=60) for p in procs] == [75, 75]  # each heard it and ended as a preempted worker
@@ -58,55 +68,30 @@ def test_the_first_signal_goes_to_every_worker_and_a_repeat_to_none(tmp_path):
         assert stop.first == signal.SIGUSR1 and stop.forwarded and not stop.killed
         stop(signal.SIGTERM, None)  # a repeat: nothing to add
         assert stop.first == signal.SIGUSR1
-    finally:
-        stop.ended()
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def test_workers_still_running_when_the_grace_runs_out_are_killed(tmp_path):
-    procs = _children(tmp_path, "ignore")
-    stop = Stopping(lambda: [p.pid for p in procs], nproc=2, grace_s=0.2)
-    try:
+    with _stopping(tmp_path, "ignore", grace_s=0.2) as (procs, stop):
         stop(signal.SIGTERM, None)
         assert [p.wait(timeout=60) for p in procs] == [-signal.SIGKILL] * 2  # heard it, did not end: killed
         assert stop.killed
-    finally:
-        stop.ended()
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def test_nothing_is_killed_once_the_workers_ended(tmp_path):
-    procs = _children(tmp_path, "ignore")
-    stop = Stopping(lambda: [p.pid for p in procs], nproc=2, grace_s=0.5)
-    try:
+    with _stopping(tmp_path, "ignore", grace_s=0.5) as (procs, stop):
         stop(signal.SIGTERM, None)
         stop.ended()  # the job ended inside its grace (the launcher's cleanup): the timer must not fire
         assert stop._timer is not None
         stop._timer.join(timeout=60)
         assert not stop.killed and all(p.poll() is None for p in procs)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def test_a_signal_while_the_workers_start_goes_to_torchs_agent(tmp_path):
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    procs = _children(tmp_path, "ignore", n=1)
-    stop = Stopping(lambda: [p.pid for p in procs], nproc=2, grace_s=600)  # one of two started
-    try:
+    with _stopping(tmp_path, "ignore", n=1) as (procs, stop):  # one of two started
         with pytest.raises(SignalException):
             stop(signal.SIGUSR1, None)
         assert not stop.forwarded and not os.path.exists(tmp_path / "w0")
-    finally:
-        stop.ended()
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 @pytest.mark.multiproc
