@@ -77,6 +77,20 @@ def test_workers_still_running_when_the_grace_runs_out_are_killed(tmp_path):
         assert stop.killed
 
 
+def test_the_grace_also_kills_a_worker_started_after_the_signal(tmp_path):
+    # --max-restarts: torch's agent may start the group again after a worker failed while stopping; the new worker
+    # never heard the signal, and would have trained on past the grace
+    with _stopping(tmp_path, "ignore", n=3, nproc=2) as (procs, stop):
+        started = procs[:2]
+        stop.workers = lambda: [p.pid for p in started]
+        stop(signal.SIGTERM, None)
+        started.append(procs[2])  # the restart, after the signal
+        assert stop._timer is not None
+        stop._timer.cancel()
+        stop._timer.function(*stop._timer.args)  # the grace runs out now
+        assert [p.wait(timeout=60) for p in procs] == [-signal.SIGKILL] * 3
+
+
 def test_nothing_is_killed_once_the_workers_ended(tmp_path):
     with _stopping(tmp_path, "ignore", grace_s=0.5) as (procs, stop):
         stop(signal.SIGTERM, None)

@@ -71,11 +71,12 @@ class Stopping:
         self._timer.daemon = True
         self._timer.start()
 
-    def _kill(self, workers: Sequence[int]) -> None:
+    def _kill(self, signalled: Sequence[int]) -> None:
         if self._ended.is_set():
             return
         self.killed = True
-        _signal_groups(workers, signal.SIGKILL)
+        # and any worker torch's agent started since (--max-restarts after a failure): it never heard the signal
+        _signal_groups(sorted({*signalled, *self.workers()}), signal.SIGKILL)
 
     def ended(self) -> None:
         """The workers are gone (the launcher's cleanup): a signal from now on has nothing to stop."""
