@@ -238,12 +238,13 @@ def test_the_layer_check_sees_every_import():
                                 "phalanx.launch.raytrain": {"phalanx.launch.elastic"}}) == []
 
 
-# phalanx.checkpoint, one concept a module: the directory's format (dcp), the one-file format (legacy) and the workers'
+# phalanx.checkpoint, one concept a module: the directory's format (dcp; its files read back checked by dcp_reader),
+# the one-file format (legacy) and the workers'
 # store protocol (agreement) know nothing of each other; handle puts a save in place with them; snapshot is the fork
 # that copies an asynchronous save's state, staging the copy in the call and beside training; writer is the process
 # an asynchronous save writes from; saver and loader are the entry points. Each module may import only those before it.
-CHECKPOINT_ORDER = ("training_state", "dcp", "hashing", "legacy", "agreement", "handle", "snapshot", "staging",
-                    "writer", "saver", "loader")
+CHECKPOINT_ORDER = ("training_state", "dcp_reader", "dcp", "hashing", "legacy", "agreement", "handle", "snapshot",
+                    "staging", "writer", "saver", "loader")
 
 
 def test_the_checkpoint_package_imports_one_way():

@@ -16,7 +16,8 @@ import torch
 import phalanx as px
 import phalanx.sealed as sealed
 from phalanx.checkpoint import saver
-from phalanx.checkpoint.dcp import DIGEST, _MetadataUnpickler
+from phalanx.checkpoint.dcp import DIGEST
+from phalanx.checkpoint.dcp_reader import _MetadataUnpickler
 
 
 def _state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
