@@ -13,11 +13,11 @@ them. Ours (:func:`_safe_reader`) keeps DCP's load plan and changes its two read
 How the checkpoint is laid out and loaded is :mod:`phalanx.checkpoint.dcp`'s.
 
 Example:
-    >>> import io, pickle
-    >>> _MetadataUnpickler(io.BytesIO(pickle.dumps(print))).load()
+    >>> import collections, io, pickle
+    >>> _MetadataUnpickler(io.BytesIO(pickle.dumps(collections.Counter()))).load()
     Traceback (most recent call last):
     ...
-    _pickle.UnpicklingError: builtins.print is not part of DCP's metadata
+    _pickle.UnpicklingError: collections.Counter is not part of DCP's metadata
 """
 from __future__ import annotations
 
