@@ -168,19 +168,47 @@ class _CountingAverager(PeriodicModelAverager):
 
 
 def _lever(every: int = AUTO_SLOW_EVERY, fragments: int = 2, overlap: int = 1, quantize: Any = 4, *,
-           moments: bool | str = False, **options: Any):
+           moments: bool | str = False, lr_scale: float = 1.0, **options: Any):
     """Auto's slow-link pick (``StreamingDiLoCo(every=64, fragments=2, overlap=1, quantize=4)`` with plain averaging
     for a 200-step run) with one lever moved; ``moments``: Adam's two moments (SGD's momentum buffer) averaged too."""
     def build(model, opt, lr):
         import phalanx as px
 
         px.init()
+        for g in opt.param_groups:  # a lever on the inner lr (the user's optimizer): lr_scale x the task's
+            g["lr"] *= lr_scale
         adam = isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
         names = ("momentum",) if moments == "first" else ("momentum", "exp_avg_sq") if moments and adam \
             else ("momentum",) if moments else ()
         outer = {"outer_lr": 1.0, "outer_momentum": 0.0, **options}
         strategy = px.StreamingDiLoCo(every=every, fragments=fragments, overlap=overlap,
                                       quantize=quantize() if callable(quantize) else quantize, moments=names, **outer)
+        module, opt2 = px.wrap(model, opt, strategy=strategy)
+        return module, opt2, StrategyAccountant(strategy)
+    return build
+
+
+def _lever_allreduce(lr_scale: float):
+    """AllReduce (exact gradient averaging) with the task's lr scaled: the reference a lever on the lr is held to."""
+    def build(model, opt, lr):
+        import phalanx as px
+
+        px.init()
+        for g in opt.param_groups:
+            g["lr"] *= lr_scale
+        strategy = px.AllReduce()
+        module, opt2 = px.wrap(model, opt, strategy=strategy)
+        return module, opt2, StrategyAccountant(strategy)
+    return build
+
+
+def _lever_diloco(every: int, **options: Any):
+    """DiLoCo's blocking exchange in float32 with plain averaging: local Adam/SGD with parameters averaged every k."""
+    def build(model, opt, lr):
+        import phalanx as px
+
+        px.init()
+        strategy = px.DiLoCo(every=every, **{"outer_lr": 1.0, "outer_momentum": 0.0, **options})
         module, opt2 = px.wrap(model, opt, strategy=strategy)
         return module, opt2, StrategyAccountant(strategy)
     return build
@@ -196,6 +224,20 @@ def _levers() -> list[QSetup]:
         ("lever-base", _lever(), base),
         ("lever-h16", _lever(every=16), "as lever-base with every=16 (4x the bytes)"),
         ("lever-h32", _lever(every=32), "as lever-base with every=32 (2x the bytes)"),
+        ("lever-h8", _lever(every=8), "as lever-base with every=8 (8x the bytes)"),
+        ("lever-fp32", _lever(quantize=None), "as lever-base sent in float32 (8x the bytes)"),
+        ("lever-ef4", _lever(quantize=lambda: px.Quantize(4, error_feedback=True)),
+         "as lever-base with 4-bit error feedback: what rounding left out is added to the next exchange"),
+        ("lever-lr1.4", _lever(lr_scale=2 ** 0.5), "as lever-base with the inner lr x sqrt(2)"),
+        ("lever-lr2", _lever(lr_scale=2.0), "as lever-base with the inner lr x 2"),
+        ("lever-ar-lr1.4", _lever_allreduce(2 ** 0.5), "AllReduce (DDP's arithmetic) with the lr x sqrt(2)"),
+        ("lever-ar-lr2", _lever_allreduce(2.0), "AllReduce (DDP's arithmetic) with the lr x 2"),
+        *((f"lever-h{h}-olr1.4", _lever(every=h, outer_lr=2 ** 0.5),
+           f"as lever-base with every={h} and outer lr sqrt(2): Adam's step from a half batch carries 1/sqrt(2) of "
+           "the full batch's signal") for h in (4, 8, 16, 64)),
+        *((f"lever-avg{h}", _lever_diloco(h), f"DiLoCo(every={h}), plain averaging, float32: local steps, the "
+           "parameters averaged every {h} steps") for h in (1, 4, 16)),
+        ("lever-h4", _lever(every=4), "as lever-base with every=4 (16x the bytes: 30x fewer than DDP)"),
         ("lever-h128", _lever(every=128), "as lever-base with every=128 (half the bytes: ~960x fewer than DDP)"),
         ("lever-h160", _lever(every=160), "as lever-base with every=160 (0.4x the bytes: ~1,200x fewer than DDP)"),
         # Adam's second moment averaged through the 4-bit exchange (lever-moments at H = 64, 16, 8, 4 until c820ec0,

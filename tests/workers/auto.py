@@ -18,6 +18,7 @@ from phalanx.strategies.decision import Choice, Decision, Measurement, decide
 
 DILOCO = Choice("diloco", (("every", 3), ("outer_lr", 0.7), ("outer_momentum", 0.9)))
 ALLREDUCE = Choice("allreduce")
+ALLREDUCE_4BIT = Choice("allreduce", (("quantize", 4),))
 STREAMING = Choice("streaming-diloco", (("every", 4), ("fragments", 2), ("overlap", 1), ("quantize", 4),
                                         ("outer_lr", 1.0), ("outer_momentum", 0.0)))
 
@@ -134,6 +135,19 @@ def scripted(tmp: str) -> dict[str, Any]:
     out["slowing"] = slowing()
     out["leaving_streaming"] = leaving_streaming()
     out["slow_probe"] = slow_probe()
+    out["compressed"] = compressed()
+    return out
+
+
+def compressed() -> dict[str, Any]:
+    """The 4-bit all-reduce chosen after a 2-step AllReduce probe: steps 3-8 average 4-bit gradients with error
+    feedback; what each rank kept of the rounding (the residual) is read at the end."""
+    auto = px.Auto(planned_steps=100, probe_steps=2, decider=Scripted(ALLREDUCE_4BIT))
+    model, opt = wrapped(auto)
+    steps(model, opt, 1, 8)
+    out = {"schedule": [(s["step"], s["choice"]["rule"], s["choice"]["settings"]) for s in auto.schedule],
+           "rule": repr(auto.rule), "params": params(model), "line": auto.schedule[0]["line"]}
+    auto.finish()
     return out
 
 

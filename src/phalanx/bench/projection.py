@@ -102,8 +102,10 @@ def auto_pick(compute_s: float, grad_bytes: float, gbit: float, planned_steps: i
     measured compute step and gradient bytes, the link's nominal rate and no overlap (this projection's assumption).
 
     Example:
-        >>> auto_pick(0.06, 4e6, 1.0, 200).split(":")[0]
+        >>> auto_pick(0.06, 4e6, 10.0, 200).split(":")[0]
         'AllReduce()'
+        >>> auto_pick(0.06, 4e6, 1.0, 200).split(":")[0]  # nothing overlapped: the 4-bit gradient pays at 1 Gbit/s
+        'AllReduce(compression=Quantize(4, block=256, error_feedback=True))'
     """
     if grad_bytes <= 0:
         return "none: the gradient's size was not measured"

@@ -1,7 +1,7 @@
 """Which rule a measured step and link call for: the decision of ``px.Auto``, and of ``phalanx bench``'s projection.
 
-:func:`decide` projects, for AllReduce, DiLoCo and Streaming DiLoCo over a grid of periods,
-fragments and quantisation, the **time to target** = step time × expected steps, where the expected
+:func:`decide` projects, for AllReduce (float32, or the gradients in 4 bits with error feedback), DiLoCo and
+Streaming DiLoCo over a grid of periods, fragments and quantisation, the **time to target** = step time × expected steps, where the expected
 steps are the run's planned length times the rule's measured step penalty (:data:`PENALTIES`, each
 figure with its source). The fastest wins; within 1% the simpler one does. It is a pure function of a
 :class:`Measurement`: :mod:`phalanx.strategies.auto` measures and switches, :mod:`phalanx.bench.projection`
@@ -45,6 +45,11 @@ class Penalty:
 PENALTIES: Mapping[str, Penalty] = MappingProxyType({
     "allreduce": Penalty(1.0, "exact gradient averaging: N workers with batch b compute one process's step with "
                               "batch N·b (tests/strategies: the oracle tests), so it needs the one-process steps"),
+    "allreduce-4bit": Penalty(1.06, "benchmarks/levers.py, 2 workers, AllReduce(compression=Quantize(4, block=256, "
+                                    "error_feedback=True)) at the user's lr, steps to target over the one-process "
+                                    "run's: 112, 104, 108 on the GPT (1.00x, 1.00x, 1.08x), 136, 140, 132 on the "
+                                    "LSTM (1.06x, 1.00x, 1.10x), 104, 144, 116 on ResNet-20 against DDP's 108, 144, "
+                                    "128 (seeds 0-2, 2026-11-29): the worst family's median"),
     "diloco": Penalty(1.92, "DiLoCo(every=50), 2 workers, steps to target over the one-process run's: 1.43x, 1.35x, "
                             "1.36x on the GPT (160, 140, 136 against 112, 104, 100; benchmarks/reports/sparseloco.md), "
                             "1.16x on issue 41's recurrent LM (186 against 160); on ResNet-20 no DiLoCo-family rule "
@@ -79,6 +84,9 @@ SPARSE = "sparseloco"  # quantize= in a Choice's settings: px.SparseLoCo() (2-bi
 #: Assumed when neither ``planned_steps`` nor ``Trainer.fit`` gives the run's length (said in the line).
 DEFAULT_PLANNED_STEPS = 10_000
 PROBE_BYTES = 2**20  # the link probe: at most 1 MiB (0.8 s at 10 Mbit/s), once per measurement
+#: The compressed all-reduce Auto weighs: gradients in 4 bits, blocks of 256, what rounding left out carried to the
+#: next step (error feedback), all-gathered as backward fills each bucket (docs/strategies.md "Quantised gradients").
+GRAD_BITS, GRAD_BLOCK = 4, 256
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class Measurement:
         overlap: the share (0-1) of a full gradient all-reduce that backward hid.
         workers: the group's size.
         tensors: trainable parameter tensors (a fragment holds whole tensors).
+        quantize_s: one worker's time to quantise the gradient to :data:`GRAD_BITS` bits and back (the compute the
+            compressed all-reduce adds to each step; 0: not measured, taken as free).
     """
 
     compute_s: float
@@ -100,6 +110,7 @@ class Measurement:
     overlap: float
     workers: int
     tensors: int = 1 << 30
+    quantize_s: float = 0.0
 
     def ring_s(self, nbytes: float) -> float:
         """A ring all-reduce of ``nbytes`` on this link: 2(N-1)/N · S/B."""
@@ -136,7 +147,9 @@ class Choice:
         if self.rule == "plain":
             return None
         if self.rule == "allreduce":
-            return AllReduce()
+            bits = kw.get("quantize")
+            return AllReduce() if bits is None else \
+                AllReduce(compression=Quantize(int(bits), block=GRAD_BLOCK, error_feedback=True))
         if self.rule == "diloco":
             every = kw.pop("every")
             return DiLoCo(every=EveryFrom(every, start), **kw)
@@ -152,6 +165,8 @@ class Choice:
                  "streaming-diloco": "StreamingDiLoCo"}
         if self.rule == "plain":
             return names["plain"]
+        if self.rule == "allreduce" and self.settings:
+            return f"AllReduce(compression=Quantize({self.kwargs['quantize']}, block={GRAD_BLOCK}, error_feedback=True))"
         args = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.settings)
         return f"{names[self.rule]}({args})"
 
@@ -200,7 +215,7 @@ class Decision:
         planned = f"{self.planned_steps} planned steps" if self.planned_known else \
             f"{self.planned_steps} steps assumed (pass px.Auto(planned_steps=N))"
         c = self.choice
-        rest = "; ".join(f"{o.describe().split('(')[0]} {o.time_s:.1f} s" for o in self.others)
+        rest = "; ".join(f"{_short(o)} {o.time_s:.1f} s" for o in self.others)
         return (f"phalanx auto: {c.describe()} from step {step}: link {rate_words(m.rate)}, compute "
                 f"{m.compute_s * 1e3:.3g} ms/step, {100 * m.overlap:.0f}% of the all-reduce hidden behind backward, "
                 f"{m.workers} workers, {planned}: projected {c.time_s:.1f} s to target ({c.step_s * 1e3:.3g} ms/step "
@@ -228,6 +243,14 @@ def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
     out = [Choice("allreduce", (), m.compute_s + (1 - m.overlap) * m.ring_s(m.grad_bytes), planned_steps,
                   "allreduce", m.grad_bytes)]
     n = m.grad_bytes / 4  # parameters
+    # The gradients in 4 bits: each worker all-gathers the others' messages while backward runs (what backward hid
+    # of the float32 all-reduce it hides of this one), and quantises its own and adds theirs on the CPU it trains on.
+    message = Quantize(GRAD_BITS, block=GRAD_BLOCK).message_bytes(math.ceil(n))
+    gather = m.gather_s(message)
+    exposed = max(0.0, gather - m.overlap * m.ring_s(m.grad_bytes))
+    step = max(m.compute_s + m.quantize_s * max(m.workers, 2) / 2 + exposed, gather)
+    out.append(Choice("allreduce", (("quantize", GRAD_BITS),), step,
+                      planned_steps * PENALTIES["allreduce-4bit"].steps, "allreduce-4bit", message))
     for every in PERIODS:
         rounds = planned_steps / every
         if rounds < MIN_ROUNDS:
@@ -261,6 +284,15 @@ def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
 _SIMPLER = {"allreduce": 0, "diloco": 1, "streaming-diloco": 2}
 
 
+def _short(c: Choice) -> str:
+    return "AllReduce 4-bit" if _family(c) == "allreduce-4bit" else c.describe().split("(")[0]
+
+
+def _family(c: Choice) -> str:
+    """The rule, with the compressed all-reduce told apart (the line names the best of each)."""
+    return "allreduce-4bit" if c.rule == "allreduce" and c.settings else c.rule
+
+
 def decide(m: Measurement, planned_steps: int | None = None) -> Decision:
     """The rule and settings with the shortest projected time to target (step time × expected steps).
 
@@ -270,10 +302,12 @@ def decide(m: Measurement, planned_steps: int | None = None) -> Decision:
     the fewest fragments. A group of one: a plain loop.
 
     Example:
-        >>> m = Measurement(compute_s=0.06, grad_bytes=4e6, rate=1.25e7, overlap=0.0, workers=2)
-        >>> decide(m, 200).choice.describe()
-        'StreamingDiLoCo(every=64, fragments=2, overlap=1, quantize=4, outer_lr=1, outer_momentum=0)'
         >>> import dataclasses
+        >>> m = Measurement(compute_s=0.06, grad_bytes=4e6, rate=1.25e7, overlap=0.0, workers=2)  # 100 Mbit/s
+        >>> decide(m, 200).choice.describe()
+        'AllReduce(compression=Quantize(4, block=256, error_feedback=True))'
+        >>> decide(dataclasses.replace(m, rate=1.25e6), 200).choice.describe()  # 10 Mbit/s
+        'StreamingDiLoCo(every=64, fragments=8, overlap=1, quantize=4, outer_lr=1, outer_momentum=0)'
         >>> decide(dataclasses.replace(m, workers=1), 200).choice.rule
         'plain'
     """
@@ -284,10 +318,12 @@ def decide(m: Measurement, planned_steps: int | None = None) -> Decision:
     ranked = sorted(candidates(m, planned), key=lambda c: c.time_s)
     best = ranked[0].time_s
     close = [c for c in ranked if c.time_s <= best * 1.01]
-    choice = min(close, key=lambda c: (_SIMPLER[c.rule], round(c.bytes_per_step), c.kwargs.get("fragments", 0)))
+    # exact before compressed: a float32 all-reduce within 1% of the 4-bit one keeps the one-process arithmetic
+    choice = min(close, key=lambda c: (_SIMPLER[c.rule], c.rule == "allreduce" and bool(c.settings),
+                                       round(c.bytes_per_step), c.kwargs.get("fragments", 0)))
     others = []
-    for rule in ("allreduce", "diloco", "streaming-diloco"):
-        top = next((c for c in ranked if c.rule == rule and c.rule != choice.rule), None)
+    for key in ("allreduce", "allreduce-4bit", "diloco", "streaming-diloco"):
+        top = next((c for c in ranked if _family(c) == key and _family(c) != _family(choice)), None)
         if top is not None:
             others.append(top)
     return Decision(choice, tuple(others), m, planned, known)
