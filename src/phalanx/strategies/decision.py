@@ -1,9 +1,9 @@
 """Which rule a measured step and link call for: the decision of ``px.Auto``, and of ``phalanx bench``'s projection.
 
 :func:`decide` projects, for AllReduce (float32, or the gradients in 4 bits with error feedback), DiLoCo and
-Streaming DiLoCo over a grid of periods, fragments and quantisation, the **time to target** = step time × expected steps, where the expected
-steps are the run's planned length times the rule's measured step penalty (:data:`PENALTIES`, each
-figure with its source). The fastest wins; within 1% the simpler one does. It is a pure function of a
+Streaming DiLoCo over a grid of periods, fragments and quantisation, the **time to target** = step time ×
+expected steps, where the expected steps are the run's planned length times the rule's measured step penalty
+(:data:`PENALTIES`, each figure with its source). The fastest wins; within 1% the simpler one does. It is a pure function of a
 :class:`Measurement`: :mod:`phalanx.strategies.auto` measures and switches, :mod:`phalanx.bench.projection`
 asks it for each link it projects.
 
@@ -166,7 +166,8 @@ class Choice:
         if self.rule == "plain":
             return names["plain"]
         if self.rule == "allreduce" and self.settings:
-            return f"AllReduce(compression=Quantize({self.kwargs['quantize']}, block={GRAD_BLOCK}, error_feedback=True))"
+            bits = self.kwargs["quantize"]
+            return f"AllReduce(compression=Quantize({bits}, block={GRAD_BLOCK}, error_feedback=True))"
         args = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.settings)
         return f"{names[self.rule]}({args})"
 
