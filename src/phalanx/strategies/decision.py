@@ -3,9 +3,9 @@
 :func:`decide` projects, for AllReduce (float32, or the gradients in 4 bits with error feedback), DiLoCo and
 Streaming DiLoCo over a grid of periods, fragments and quantisation, the **time to target** = step time ×
 expected steps, where the expected steps are the run's planned length times the rule's measured step penalty
-(:data:`PENALTIES`, each figure with its source). The fastest wins; within 1% the simpler one does. It is a pure function of a
-:class:`Measurement`: :mod:`phalanx.strategies.auto` measures and switches, :mod:`phalanx.bench.projection`
-asks it for each link it projects.
+(:data:`PENALTIES`, each figure with its source). The fastest wins; within 1% the simpler one does. It is a pure
+function of a :class:`Measurement`: :mod:`phalanx.strategies.auto` measures and switches,
+:mod:`phalanx.bench.projection` asks it for each link it projects.
 
 Example (the decision on synthetic measurements):
     >>> fast = Measurement(compute_s=0.06, grad_bytes=4e6, rate=1.25e9, overlap=0.5, workers=2)
