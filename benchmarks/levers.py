@@ -139,15 +139,28 @@ def table(path: str) -> str:
 #: ResNet-20 67.5 (benchmarks/reports/quality.md, 2026-11-27: 9.5 s / 180 and 13.5 s / 200 steps), the LSTM 140
 #: (one process, global batch 32 in 0.28 s at load 3, halved; 2026-11-28). Parameters as counted by torch.
 FAMILIES = {"gpt": (0.053, 636_032), "resnet20": (0.0675, 272_474), "lstm": (0.140, 1_052_416)}
+#: One worker's time to quantise the gradient to 4 bits (blocks of 256) and back, as px.Auto times it (s; one
+#: thread, 2026-11-29, idle): the compressed all-reduce's compute.
+QUANTIZE_S = {"gpt": 0.0061, "resnet20": 0.0024, "lstm": 0.0122}
 #: The rates the shaped links achieve (bytes/s): 9.36 Mbit/s measured by px.Auto on the 10 Mbit/s link
 #: (docs/strategies.md), 93 Mbit/s of 100 (docs GUIDE: 90-94), 1 Gbit/s assumed at 94% like the others.
 LINKS = {"1gbit": 0.94e9 / 8, "100mbit": 93e6 / 8, "10mbit": 9.36e6 / 8}
 #: Steps to target per seed measured above (None: missed within the budget), by rule setting.
 STEPS = {
-    "gpt": {"one-process": (112, 104, 100), "lever-base": (140, 116, 124), "lever-ef": (128,)},
-    "resnet20": {"one-process": (104,), "lever-base": (200,), "lever-ef": (196,)},
-    "lstm": {"one-process": (128, 140, 120), "lever-base": (160, 168, 148), "lever-ef": (None,)},
+    "gpt": {"one-process": (112, 104, 100), "lever-base": (140, 116, 124), "lever-ef": (128,),
+            "allreduce-4bit": (112, 104, 108), "lever-h4": (132, 120, 120), "lever-h8": (132, 120, 116),
+            "lever-h16": (136, 124, 120)},
+    "resnet20": {"one-process": (108, 144, 128), "lever-base": (200,), "lever-ef": (196,),
+                 "allreduce-4bit": (104, 144, 116), "lever-h4": (144, 160, 112), "lever-h8": (152, 152, 152),
+                 "lever-h16": (164,)},
+    "lstm": {"one-process": (128, 140, 120), "lever-base": (160, 168, 148), "lever-ef": (None,),
+             "allreduce-4bit": (136, 140, 132), "lever-h4": (144, 160, 160), "lever-h8": (156, 168, 148),
+             "lever-h16": (152, 164, 148)},
 }
+#: The steps above each penalty of the decision stands for.
+MEASURED_AS = {"allreduce": "one-process", "allreduce-4bit": "allreduce-4bit", "streaming-diloco": "lever-base",
+               "streaming-diloco-h4": "lever-h4", "streaming-diloco-h8": "lever-h8",
+               "streaming-diloco-h16": "lever-h16", "streaming-diloco-sparseloco": "lever-ef"}
 
 
 def project() -> str:
@@ -162,7 +175,7 @@ def project() -> str:
     from phalanx.strategies.quantize import Quantize
 
     def ratio(steps: tuple, step_s: float, task: str, compute: float, extra: float = 0.0) -> tuple[float, int]:
-        base = STEPS[task]["one-process"]
+        base = STEPS[task]["one-process"]  # ResNet-20: DDP's on loopback, the one-process run's arithmetic
         r = [(s * step_s + extra) / (b * compute) for s, b in zip(steps, base) if s is not None]
         return (sorted(r)[len(r) // 2] if r else math.inf), len(r)
 
@@ -170,7 +183,7 @@ def project() -> str:
            "auto | auto's bytes/step (x fewer than DDP) |", "|---|---|---|---|---|---|---|---|"]
     for task, (compute, params) in FAMILIES.items():
         for link, rate in LINKS.items():
-            m = Measurement(compute, 4 * params, rate, 0.0, 2, 20)
+            m = Measurement(compute, 4 * params, rate, 0.0, 2, 20, QUANTIZE_S[task])
             cands = candidates(m, 200)
             ar = next(c for c in cands if c.rule == "allreduce")
             sd = next(c for c in cands if c.rule == "streaming-diloco" and c.kwargs["every"] == 64 and
@@ -180,9 +193,7 @@ def project() -> str:
                      "sd": ratio(STEPS[task]["lever-base"], sd.step_s, task, compute),
                      "sp": ratio(STEPS[task]["lever-ef"], sp.step_s, task, compute)}
             pick = decide(m, 200).choice
-            key = "allreduce" if pick.rule == "allreduce" else "lever-ef" if \
-                pick.kwargs.get("quantize") == "sparseloco" else "lever-base"
-            steps = STEPS[task]["one-process"] if key == "allreduce" else STEPS[task][key]
+            steps = STEPS[task][MEASURED_AS[pick.penalty]]
             # the probe: on a slow link (a full all-reduce over Auto.slow_link compute steps) 3 local steps, one
             # average of the drift in 4 bits (an all-gather) and the <= 1 MiB link probe; on a fast one 3 AllReduce
             # steps (the link probe left out)
