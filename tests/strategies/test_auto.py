@@ -326,6 +326,15 @@ def test_the_4bit_allreduce_auto_picks_matches_an_oracle_with_error_feedback(scr
             torch.testing.assert_close(g, w.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_the_allreduce_probe_measures_the_compute_step_not_its_own_work_at_step_1(scripted):
+    """Red until 2026-11-29: the average and the attach Auto runs inside step 1's after_step were counted as the
+    window's waiting, so compute = step - waiting came out below zero and was clamped to 1 µs on every fast link
+    (the decision then took every exchange as free)."""
+    for r in (r["fast_probe"] for r in scripted.results):
+        assert r["probing"] == "allreduce"
+        assert r["compute_s"] >= 0.25 * r["alone_s"], r  # the same step with hooks and a loopback all-reduce
+
+
 def test_the_bench_advisor_asks_the_same_decision():
     from phalanx.bench.projection import auto_pick
     for gbit in (0.01, 0.1, 1.0, 10.0):

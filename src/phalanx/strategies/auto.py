@@ -159,9 +159,14 @@ class Auto(Accounting, StepState, Strategy):
         if self.rule is not None:
             self.rule.after_step(step, taken)
         if self.choice is None:  # measuring
+            work = 0.0
             if self.probing is None:
+                start = time.perf_counter()
                 self._take_path(step)
-            self._probe.append((time.perf_counter(), self.clock.waited))
+                # the clock counts this whole call as waiting once it returns, after the sample below: the path's
+                # own work (an average, AllReduce's attach) is neither the window's compute nor its waiting
+                work = time.perf_counter() - start
+            self._probe.append((time.perf_counter(), self.clock.waited + work))
             if len(self._probe) >= self.probe_steps:
                 self.measurement = self._measure()
                 if self.probing == "local":
