@@ -103,6 +103,11 @@ PROBE_BYTES = 2**20  # the link probe: at most 1 MiB (0.8 s at 10 Mbit/s), once 
 GRAD_BITS, GRAD_BLOCK = 4, 256
 
 
+def grad_compressor(bits: int = GRAD_BITS) -> Quantize:
+    """The compressed all-reduce's compressor: ``bits``-bit blocks of :data:`GRAD_BLOCK`, with error feedback."""
+    return Quantize(bits, block=GRAD_BLOCK, error_feedback=True)
+
+
 @dataclass(frozen=True)
 class Measurement:
     """What the first steps measured (identical on every rank), the inputs of :func:`decide`.
@@ -162,8 +167,7 @@ class Choice:
             return None
         if self.rule == "allreduce":
             bits = kw.get("quantize")
-            return AllReduce() if bits is None else \
-                AllReduce(compression=Quantize(int(bits), block=GRAD_BLOCK, error_feedback=True))
+            return AllReduce() if bits is None else AllReduce(compression=grad_compressor(int(bits)))
         if self.rule == "diloco":
             every = kw.pop("every")
             return DiLoCo(every=EveryFrom(every, start), **kw)
@@ -262,7 +266,7 @@ def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
     n = m.grad_bytes / 4  # parameters
     # The gradients in 4 bits: each worker all-gathers the others' messages while backward runs (what backward hid
     # of the float32 all-reduce it hides of this one), and quantises its own and adds theirs on the CPU it trains on.
-    message = Quantize(GRAD_BITS, block=GRAD_BLOCK).message_bytes(math.ceil(n))
+    message = grad_compressor().message_bytes(math.ceil(n))
     gather = m.gather_s(message)
     exposed = max(0.0, gather - m.overlap * m.ring_s(m.grad_bytes))
     step = max(m.compute_s + m.quantize_s * max(m.workers, 2) / 2 + exposed, gather)
@@ -354,4 +358,5 @@ def decide(m: Measurement, planned_steps: int | None = None) -> Decision:
     return Decision(choice, tuple(others), m, planned, known)
 
 
-__all__ = ["Choice", "Decision", "EveryFrom", "Measurement", "PENALTIES", "Penalty", "candidates", "decide"]
+__all__ = ["Choice", "Decision", "EveryFrom", "Measurement", "PENALTIES", "Penalty", "candidates", "decide",
+           "grad_compressor"]
