@@ -25,14 +25,16 @@ STREAMING = Choice("streaming-diloco", (("every", 4), ("fragments", 2), ("overla
 
 
 class SlowingAuto(px.Auto):
-    """Auto whose link probe (still a real all-reduce) reports 1 ms times ``slow``, set by the loop: a link whose
-    rate stays put, then falls 10x, whatever the load on the test machine does to a probe of a few hundred bytes."""
+    """Auto whose link probe (still a real all-reduce) reports a 1 TB/s link slowed ``slow`` times, set by the loop:
+    a link whose rate stays put, then falls 10x, whatever the load on the test machine does to a probe of a few
+    hundred bytes. Far faster than any step, so the probe's path is AllReduce on every machine (a fixed 1 ms was
+    slower than 4x a fast machine's step 1, and that machine's probe would have taken the local path)."""
 
     slow = 1.0
 
     def _probe_link(self) -> tuple[int, float]:
         nbytes, _ = super()._probe_link()
-        return nbytes, 1e-3 * self.slow
+        return nbytes, nbytes / 1e12 * self.slow
 
 
 class SlowLinkAuto(px.Auto):
@@ -48,14 +50,16 @@ class SlowLinkAuto(px.Auto):
 
 
 class FastLinkAuto(px.Auto):
-    """Auto whose link probe reports a link far faster than its step, so the probe takes the AllReduce path."""
+    """Auto whose link probe reports a link far faster than its step, so the probe takes the AllReduce path on every
+    machine. The real probe's path depends on timing: loopback's all-reduce of a few hundred bytes beside this tiny
+    net's step is "slow" on a fast machine, and a test whose oracle replays the AllReduce probe then failed in CI."""
 
     def _probe_link(self) -> tuple[int, float]:
         nbytes, _ = super()._probe_link()
         return nbytes, nbytes / 1e12
 
 
-class RecordingAuto(px.Auto):
+class RecordingAuto(FastLinkAuto):
     """Auto that keeps each rank's weights as they stand when the next rule takes over (before its attach, which
     broadcasts rank 0's): the full average at the commit point must already have made them one model."""
 
@@ -110,7 +114,7 @@ def scripted(tmp: str) -> dict[str, Any]:
     waits for DiLoCo's next round (step 9); a checkpoint at step 7 (mid-round) is resumed by fresh objects."""
     px.init()
     decider = Scripted(DILOCO, ALLREDUCE)
-    auto = px.Auto(planned_steps=12, probe_steps=3, decider=decider)
+    auto = FastLinkAuto(planned_steps=12, probe_steps=3, decider=decider)
     model, opt = wrapped(auto)
     seen: dict[str, Any] = {}
 
@@ -129,7 +133,7 @@ def scripted(tmp: str) -> dict[str, Any]:
 
     # resume: fresh objects, a decider that must not be asked; the run up to step 12 as before, minus the regroup
     decider2 = Scripted(None)
-    auto2 = px.Auto(planned_steps=12, probe_steps=3, decider=decider2)
+    auto2 = FastLinkAuto(planned_steps=12, probe_steps=3, decider=decider2)
     model2, opt2 = wrapped(auto2)
     px.load_checkpoint(os.path.join(tmp, "ckpt"), model2, opt2)
     out["resumed_choice"] = auto2.state_dict()["choice"]["rule"]
@@ -172,7 +176,7 @@ def fast_probe() -> dict[str, Any]:
 def compressed() -> dict[str, Any]:
     """The 4-bit all-reduce chosen after a 2-step AllReduce probe: steps 3-8 average 4-bit gradients with error
     feedback; what each rank kept of the rounding (the residual) is read at the end."""
-    auto = px.Auto(planned_steps=100, probe_steps=2, decider=Scripted(ALLREDUCE_4BIT))
+    auto = FastLinkAuto(planned_steps=100, probe_steps=2, decider=Scripted(ALLREDUCE_4BIT))
     model, opt = wrapped(auto)
     steps(model, opt, 1, 8)
     out = {"schedule": [(s["step"], s["choice"]["rule"], s["choice"]["settings"]) for s in auto.schedule],
