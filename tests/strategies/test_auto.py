@@ -40,7 +40,7 @@ def _diloco_outer_step(models: list, anchor: list, outer: list) -> None:
 def measured(rate: float, *, overlap: float = 0.0, compute: float = 0.06, grad: float = 4 * MB, workers: int = 2,
              tensors: int = 10) -> Measurement:
     return Measurement(compute_s=compute, grad_bytes=grad, rate=rate, overlap=overlap, workers=workers,
-                       tensors=tensors)
+                       sizes=(round(grad / 4 / tensors),) * tensors)
 
 
 # -- the decision ---------------------------------------------------------------------------------------------------
@@ -142,6 +142,33 @@ def test_every_penalty_says_where_it_was_measured():
     assert PENALTIES["allreduce"].steps == 1.0
     for name, p in PENALTIES.items():
         assert p.steps >= 1.0 and len(p.source) > 40, name
+
+
+#: benchmarks/quality's ByteLSTM, its trainable tensors in parameter order: the recurrent weights are 76% of it
+LSTM_SIZES = (16384, 114688, 802816, 1792, 1792, 114688, 256)
+
+
+def test_a_dominant_tensor_makes_its_fragment_the_send_that_shows():
+    """Red until 2026-11-29: fragments were taken as equal (1/4 of the LSTM each), so StreamingDiLoCo(every=8,
+    fragments=4, 4-bit) was projected at 108 ms a step on the benchmark's 10 Mbit/s measurement and Auto picked it;
+    `phalanx run -n 2 --link 10mbit` measured 136-147 ms. A fragment holds whole tensors: the recurrent weights'
+    fragment (>= 802,816 values) takes 0.39 s to cross, 0.30 s of it beyond the one step of overlap, once a period."""
+    compute = 0.0889
+    m = Measurement(compute_s=compute, grad_bytes=4 * sum(LSTM_SIZES), rate=8.82e6 / 8, overlap=0.0, workers=2,
+                    sizes=LSTM_SIZES)
+    parts = m.fragments(4)
+    assert sum(parts) == sum(LSTM_SIZES) and max(parts) >= 802816
+    c = next(c for c in candidates(m, 200) if c.rule == "streaming-diloco" and c.kwargs["every"] == 8
+             and c.kwargs["fragments"] == 4 and c.kwargs["quantize"] == 4)
+    # the paper's 4-bit message, written here: packed values of whole blocks of 128, a float32 scale per block and
+    # the weight; an all-gather on 2 workers sends one message each way
+    biggest = max(parts)
+    blocks = -(-biggest // 128)
+    send = (blocks * 128 // 2 + 4 * blocks + 4) / m.rate
+    assert c.step_s >= compute + (send - compute) / 8 > 0.120
+    # equal fragments where the sizes are not known: the old projection, 1/4 of the model each
+    flat = dataclasses.replace(m, sizes=())
+    assert flat.fragments(4) == [math.ceil(sum(LSTM_SIZES) / 4)] * 4
 
 
 def test_fragments_never_exceed_the_models_tensors():

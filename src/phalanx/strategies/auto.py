@@ -4,16 +4,21 @@ It measures the link first, with one timed all-reduce of up to 1 MiB at attach (
 the ring model ``T = 2(N−1)/N · S/B``). Step 1 is a local step (no exchange; it is the warm-up, and it
 times the step). Then the probe takes one of two paths:
 
-* **a fast link** (a full gradient's all-reduce ``T(4 bytes a parameter)`` within ``slow_link`` (4) times
+* **a fast link** (a full gradient's all-reduce ``T(4 bytes a parameter)`` within ``slow_link`` (1) times
   step 1): the replicas take one full average (parameters and optimizer state: a commit point) and the
   remaining probe steps average gradients (``px.AllReduce``, overlapped with backward); Auto measures what
   :mod:`phalanx.step.clock` counts: the step's wall time and the part spent waiting on the exchange
   (``clock.waited``), so the compute step ``t_c`` = step − waiting and the overlap = the share of ``T``
   that backward hid;
 * **a slow link** (``T`` more than ``slow_link`` times step 1): an all-reduce step would cost more than
-  4 compute steps, so the remaining probe steps stay local, as the first steps of a periodic rule (nothing
+  a compute step, so the remaining probe steps stay local, as the first steps of a periodic rule (nothing
   sent per step): ``t_c`` is their mean step, and the overlap is taken as 0 (backward can hide at most
-  ``t_c`` of ``T``, under a quarter, and AllReduce cannot win there with any overlap). The probe ends with
+  ``t_c`` of ``T``, so an AllReduce step takes ``T`` or more, beyond the 1.18x margin of the streamed
+  rule's penalty). The fast path's own cost is why the line is at 1: its first average moves the parameters
+  and the optimizer state (3 copies of the model for Adam, then AllReduce's attach), and its steps a full
+  all-reduce each; the GPT of ``benchmarks/quality`` on 100 Mbit/s (``T`` 3-4 times its step) spent 1.5 s
+  in its 3 probe steps against 0.16 s of compute (``phalanx run -n 2 --link 100mbit``), 12% of a 200-step
+  run, when the threshold was 4. The probe ends with
   one full average of the parameters (and of the optimizer state if AllReduce is chosen), so every rule
   starts from identical replicas: the same commit-point rule Auto uses when it switches. What that average
   sends is each replica's drift since attach (the replicas were identical there) in 4 bits, as Streaming
@@ -95,7 +100,7 @@ class Auto(Accounting, StepState, Strategy):
     name = "auto"
     #: A link is slow when a full gradient's all-reduce takes more than this many times step 1 (a local step):
     #: the probe then takes its steps locally and ends with one parameter average (module docstring).
-    slow_link = 4.0
+    slow_link = 1.0
 
     def __init__(self, planned_steps: int | None = None, *, probe_steps: int = 3, recheck_every: int = 200,
                  decider: Callable[[Measurement, int | None], Decision] = decide, out: TextIO | None = None) -> None:
@@ -236,7 +241,14 @@ class Auto(Accounting, StepState, Strategy):
 
     def _measurement(self, *, compute_s: float, rate: float, overlap: float = 0.0) -> Measurement:
         return Measurement(compute_s=max(compute_s, 1e-6), grad_bytes=4.0 * sum(p.numel() for p in self.params),
-                           rate=rate, overlap=overlap, workers=self.comm.world_size, tensors=len(self.params))
+                           rate=rate, overlap=overlap, workers=self.comm.world_size,
+                           sizes=tuple(p.numel() for p in self.params))
+
+    def _saved_measurement(self, saved: dict[str, Any]) -> Measurement:
+        """A checkpoint's measurement; one written before ``sizes`` (it kept a count of tensors) takes the model's."""
+        fields = {k: v for k, v in saved.items() if k != "tensors"}
+        fields["sizes"] = tuple(int(x) for x in fields.get("sizes", (p.numel() for p in self.params)))
+        return Measurement(**fields)
 
     def _measure(self) -> Measurement:
         """The probe window's step and waiting (agreed on every rank), at the rate the first link probe measured.
@@ -410,7 +422,7 @@ class Auto(Accounting, StepState, Strategy):
             self._use(choice, start, replicas=from_rank_0)  # not taken over at a commit point: loaded
         self.choice, self.start, self.checked = choice, start, int(state["checked"])
         self.schedule = [dict(s) for s in state["schedule"]]
-        self.measurement = None if state["measurement"] is None else Measurement(**state["measurement"])
+        self.measurement = None if state["measurement"] is None else self._saved_measurement(state["measurement"])
         self.pending = None if state["pending"] is None else Choice.from_state(state["pending"])
         self._probe = []
         self._origin = None  # the loaded parameters are not the origin: a probe still running averages in float32
