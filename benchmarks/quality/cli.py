@@ -100,14 +100,22 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
             "sweep": tuple(_floats(args.sweep, "sweep")) if args.sweep else ()}
 
 
+#: A run trains for this many times its task's budget: issue 41 counts a seed as reaching the target "within 1.25x
+#: the budget". The budget's step is one worker's, measured alone (:func:`compute_seconds`), and two workers side by
+#: side on this machine's 2 cores step 20-35% slower, so runs held to 1.0x got 20-35% fewer steps than the task's
+#: budget and some rules ran out of time just short of the target (benchmarks/reports/quality.md, 2026-11-29).
+REACHED_WITHIN = 1.25
+
+
 def budgets(tasks: list[str], compute: dict[str, float], given: dict[str, float]) -> dict[str, float]:
-    """Training seconds per run: ``--budget`` where given, else the task's ``budget_steps`` of compute as measured
-    today, so that a target stays reachable (and equally far) on a day the machine runs slower or faster.
+    """Training seconds per run: ``--budget`` where given, else :data:`REACHED_WITHIN` times the task's
+    ``budget_steps`` of compute as measured today, so that a target stays reachable (and equally far) on a day the
+    machine runs slower or faster.
 
         >>> budgets(["gpt"], {"gpt": 0.15}, {})
-        {'gpt': 27.0}
+        {'gpt': 33.8}
     """
-    return {t: given.get(t) or round(get(t).budget_steps * compute[t], 1) for t in tasks}
+    return {t: given.get(t) or round(REACHED_WITHIN * get(t).budget_steps * compute[t], 1) for t in tasks}
 
 
 def compute_seconds(task: str, steps: int = 4, warmup: int = 2) -> float:
