@@ -170,7 +170,9 @@ def fast_probe() -> dict[str, Any]:
     model, opt = wrapped(auto)
     steps(model, opt, 1, 4)
     auto.finish()
-    return {"probing": auto.probing, "compute_s": auto.measurement.compute_s, "alone_s": sorted(times)[len(times) // 2]}
+    m = auto.measurement
+    return {"probing": auto.probing, "compute_s": m.compute_s, "alone_s": sorted(times)[len(times) // 2],
+            "local_s": auto._local_s, "backward_cost_s": m.backward_cost_s}
 
 
 def compressed() -> dict[str, Any]:

@@ -5,11 +5,14 @@ the ring model ``T = 2(N−1)/N · S/B``). Step 1 is a local step (no exchange; 
 times the step). Then the probe takes one of two paths:
 
 * **a fast link** (a full gradient's all-reduce ``T(4 bytes a parameter)`` within ``slow_link`` (1) times
-  step 1): the replicas take one full average (parameters and optimizer state: a commit point) and the
-  remaining probe steps average gradients (``px.AllReduce``, overlapped with backward); Auto measures what
+  step 1): step 2 is local too, and timed: the compute step ``t_c`` (with ``probe_steps`` >= 3). Then the
+  replicas take one full average (parameters and optimizer state: a commit point) and the remaining probe
+  steps average gradients (``px.AllReduce``, overlapped with backward); Auto measures what
   :mod:`phalanx.step.clock` counts: the step's wall time and the part spent waiting on the exchange
-  (``clock.waited``), so the compute step ``t_c`` = step − waiting and the overlap = the share of ``T``
-  that backward hid;
+  (``clock.waited``); the overlap is the share of ``T`` that backward hid, and AllReduce's step beyond ``t_c``
+  and the waiting is what the overlapped all-reduce costs backward on the cores that train
+  (``Measurement.backward_cost_s``), which only the all-reduces pay (``probe_steps=2``: ``t_c`` = AllReduce's
+  step − waiting, as there is no local step to time);
 * **a slow link** (``T`` more than ``slow_link`` times step 1): an all-reduce step would cost more than
   a compute step, so the remaining probe steps stay local, as the first steps of a periodic rule (nothing
   sent per step): ``t_c`` is their mean step, and the overlap is taken as 0 (backward can hide at most
@@ -124,7 +127,9 @@ class Auto(Accounting, StepState, Strategy):
         self.checked = 0  # the step the rate was last measured at
         self._probe: list[tuple[float, float]] = []
         self.link_rate: float | None = None  # the rate the first link probe measured (attach), agreed everywhere
-        self.probing: str | None = None  # the probe's path: None (step 1, local), "local" or "allreduce"
+        # the probe's path: None (step 1, local), "local", "timing" (a fast link's step 2, local) or "allreduce"
+        self.probing: str | None = None
+        self._local_s: float | None = None  # a fast link's step 2, timed with nothing sent (agreed)
         self._t0 = 0.0  # when attach ended: step 1's time is counted from there
         self._drifted = False  # the local probe's replicas were averaged, their optimizer states not yet
         self._origin: list[torch.Tensor] | None = None  # the parameters at attach, while a local probe may need them
@@ -165,7 +170,7 @@ class Auto(Accounting, StepState, Strategy):
             self.rule.after_step(step, taken)
         if self.choice is None:  # measuring
             work = 0.0
-            if self.probing is None:
+            if self.probing in (None, "timing"):
                 start = time.perf_counter()
                 self._take_path(step)
                 # the clock counts this whole call as waiting once it returns, after the sample below: the path's
@@ -187,17 +192,26 @@ class Auto(Accounting, StepState, Strategy):
         super().finish()
         if self.rule is not None:
             self.rule.finish()
-        elif self.choice is None and self.probing == "local":  # ended inside the local probe: one model to keep
+        elif self.choice is None and self.probing in ("local", "timing"):  # ended inside local probe steps: one model
             self._end_local_probe()
 
     # -- measuring and deciding --------------------------------------------------------------------------------
     def _take_path(self, step: int) -> None:
-        """After step 1 (local): on a slow link stay local; on a fast one average (a commit point), then AllReduce."""
-        vals = self._agreed([time.perf_counter() - self._t0])
-        m = self._measurement(compute_s=vals[0], rate=self.link_rate or math.inf)
-        if m.ring_s(m.grad_bytes) > self.slow_link * vals[0]:
-            self.probing = "local"
-            return
+        """After step 1 (local): on a slow link stay local; on a fast one time step 2 locally too (``probe_steps``
+        >= 3), then average (a commit point) and take AllReduce for the rest of the probe."""
+        now = time.perf_counter()
+        if self.probing == "timing":  # step 2, local and warm: the compute step, with no exchange beside it
+            # (loaded inside the probe, or a joiner: no step 1 here; from attach, and every rank takes this branch)
+            (self._local_s,) = self._agreed([now - (self._probe[-1][0] if self._probe else self._t0)])
+        else:
+            vals = self._agreed([now - self._t0])
+            m = self._measurement(compute_s=vals[0], rate=self.link_rate or math.inf)
+            if m.ring_s(m.grad_bytes) > self.slow_link * vals[0]:
+                self.probing = "local"
+                return
+            if self.probe_steps >= 3:
+                self.probing = "timing"
+                return
         self.probing, self._origin = "allreduce", None
         self._average_parameters(optimizer=True)
         self._use(Choice("allreduce"), step)
@@ -255,15 +269,22 @@ class Auto(Accounting, StepState, Strategy):
 
         Local steps wait on nothing: their step is the compute step, and the overlap is taken as 0 (it hides at
         most ``t_c`` of a full all-reduce that takes more than ``slow_link`` times it)."""
-        (t0, w0), (t1, w1) = self._probe[0], self._probe[-1]
-        k = len(self._probe) - 1
-        self._probe = []
         local = self.probing == "local"  # nothing was sent: the whole step is compute (the clock's waiting then
         # counts the gap from a gradient hook of the step before, not an exchange)
+        timed = self._local_s is not None and not local  # step 2 was local: the AllReduce window starts after it
+        window = self._probe[1:] if timed and len(self._probe) > 2 else self._probe
+        (t0, w0), (t1, w1) = window[0], window[-1]
+        k = len(window) - 1
+        self._probe = []
         step_s, waited, quantize_s = self._agreed([(t1 - t0) / k, 0.0 if local else (w1 - w0) / k,
                                                    self._time_quantize()])
         rate = self.link_rate if self.link_rate is not None else math.inf
-        m = dataclasses.replace(self._measurement(compute_s=step_s - waited, rate=rate), quantize_s=quantize_s)
+        # AllReduce's step less its waiting is the compute step plus what the all-reduce overlapped with backward
+        # costs it (hooks, copies, gloo's threads on the cores that train): the compute step of every other rule is
+        # the local step 2 where it was timed
+        compute_s = step_s - waited if self._local_s is None or local else min(self._local_s, step_s - waited)
+        m = dataclasses.replace(self._measurement(compute_s=compute_s, rate=rate), quantize_s=quantize_s,
+                                backward_cost_s=0.0 if local else step_s - waited - compute_s)
         if local:
             return m
         full = m.ring_s(m.grad_bytes)

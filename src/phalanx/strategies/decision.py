@@ -124,6 +124,10 @@ class Measurement:
             one fragment far larger than ``1 / fragments`` of it. ``()``: not known, fragments taken as equal.
         quantize_s: one worker's time to quantise the gradient to :data:`GRAD_BITS` bits and back (the compute the
             compressed all-reduce adds to each step; 0: not measured, taken as free).
+        backward_cost_s: what the all-reduce, overlapped with backward, added to the step beyond ``compute_s`` and the
+            waiting (hooks, copies, gloo's threads on the cores that train), as the probe measured it where it timed
+            a local step too (0: not measured). AllReduce pays it, and so does the compressed all-reduce, which runs
+            in the same hooks.
     """
 
     compute_s: float
@@ -133,6 +137,7 @@ class Measurement:
     workers: int
     sizes: tuple[int, ...] = ()
     quantize_s: float = 0.0
+    backward_cost_s: float = 0.0
 
     @property
     def tensors(self) -> float:
@@ -282,15 +287,15 @@ def _outer(rounds: float, every: int = 0) -> tuple[tuple[str, Any], ...]:
 
 def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
     """Every setting :func:`decide` weighs, each with its projected step time and expected steps."""
-    out = [Choice("allreduce", (), m.compute_s + (1 - m.overlap) * m.ring_s(m.grad_bytes), planned_steps,
-                  "allreduce", m.grad_bytes)]
+    out = [Choice("allreduce", (), m.compute_s + m.backward_cost_s + (1 - m.overlap) * m.ring_s(m.grad_bytes),
+                  planned_steps, "allreduce", m.grad_bytes)]
     n = m.grad_bytes / 4  # parameters
     # The gradients in 4 bits: each worker all-gathers the others' messages while backward runs (what backward hid
     # of the float32 all-reduce it hides of this one), and quantises its own and adds theirs on the CPU it trains on.
     message = grad_compressor().message_bytes(math.ceil(n))
     gather = m.gather_s(message)
     exposed = max(0.0, gather - m.overlap * m.ring_s(m.grad_bytes))
-    step = max(m.compute_s + m.quantize_s * max(m.workers, 2) / 2 + exposed, gather)
+    step = max(m.compute_s + m.backward_cost_s + m.quantize_s * max(m.workers, 2) / 2 + exposed, gather)
     out.append(Choice("allreduce", (("quantize", GRAD_BITS),), step,
                       planned_steps * PENALTIES["allreduce-4bit"].steps, "allreduce-4bit", message))
     for every in PERIODS:
