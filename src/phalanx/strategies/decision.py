@@ -102,6 +102,9 @@ PROBE_BYTES = 2**20  # the link probe: at most 1 MiB (0.8 s at 10 Mbit/s), once 
 #: The compressed all-reduce Auto weighs: gradients in 4 bits, blocks of 256, what rounding left out carried to the
 #: next step (error feedback), all-gathered as backward fills each bucket (docs/strategies.md "Quantised gradients").
 GRAD_BITS, GRAD_BLOCK = 4, 256
+#: The compressed all-reduce's CPU a step, per worker in the group, in units of the quantising Auto times once
+#: (``Measurement.quantize_s``): measured 1.7-2.7x on 2 workers (:func:`candidates`), taken as 2 in all.
+QUANTIZE_CPU = 1.0
 
 
 def grad_compressor(bits: int = GRAD_BITS) -> Quantize:
@@ -122,8 +125,8 @@ class Measurement:
         sizes: each trainable tensor's values, in parameter order: Streaming DiLoCo's fragments hold whole tensors,
             so a model with one dominant tensor (an LSTM's recurrent weights, a language model's embedding) sends
             one fragment far larger than ``1 / fragments`` of it. ``()``: not known, fragments taken as equal.
-        quantize_s: one worker's time to quantise the gradient to :data:`GRAD_BITS` bits and back (the compute the
-            compressed all-reduce adds to each step; 0: not measured, taken as free).
+        quantize_s: one worker's time to quantise the gradient to :data:`GRAD_BITS` bits and back, timed once (the
+            compressed all-reduce's step adds :data:`QUANTIZE_CPU` x N times it; 0: not measured, taken as free).
         backward_cost_s: what the all-reduce, overlapped with backward, added to the step beyond ``compute_s`` and the
             waiting (hooks, copies, gloo's threads on the cores that train), as the probe measured it where it timed
             a local step too (0: not measured). AllReduce pays it, and so does the compressed all-reduce, which runs
@@ -292,10 +295,13 @@ def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
     n = m.grad_bytes / 4  # parameters
     # The gradients in 4 bits: each worker all-gathers the others' messages while backward runs (what backward hid
     # of the float32 all-reduce it hides of this one), and quantises its own and adds theirs on the CPU it trains on.
+    # That CPU is QUANTIZE_CPU x N times one timed quantising: benchmarks/step_split.py measured the 4-bit all-reduce's
+    # step at 1 Gbit/s 16 ms (the GPT) and 21 ms (the LSTM) above the step with nothing sent and the gather's link
+    # time, 2.7x and 1.7x the quantising Auto timed (2026-11-29); the model took N/2 = 1x, and picked it where it lost.
     message = grad_compressor().message_bytes(math.ceil(n))
     gather = m.gather_s(message)
     exposed = max(0.0, gather - m.overlap * m.ring_s(m.grad_bytes))
-    step = max(m.compute_s + m.backward_cost_s + m.quantize_s * max(m.workers, 2) / 2 + exposed, gather)
+    step = max(m.compute_s + m.backward_cost_s + QUANTIZE_CPU * m.quantize_s * max(m.workers, 2) + exposed, gather)
     out.append(Choice("allreduce", (("quantize", GRAD_BITS),), step,
                       planned_steps * PENALTIES["allreduce-4bit"].steps, "allreduce-4bit", message))
     for every in PERIODS:
