@@ -282,7 +282,7 @@ class Auto(Accounting, StepState, Strategy):
         # AllReduce's step less its waiting is the compute step plus what the all-reduce overlapped with backward
         # costs it (hooks, copies, gloo's threads on the cores that train): the compute step of every other rule is
         # the local step 2 where it was timed
-        compute_s = step_s - waited if self._local_s is None or local else min(self._local_s, step_s - waited)
+        compute_s = min(self._local_s, step_s - waited) if timed else step_s - waited
         m = dataclasses.replace(self._measurement(compute_s=compute_s, rate=rate), quantize_s=quantize_s,
                                 backward_cost_s=0.0 if local else step_s - waited - compute_s)
         if local:

@@ -103,7 +103,7 @@ PROBE_BYTES = 2**20  # the link probe: at most 1 MiB (0.8 s at 10 Mbit/s), once 
 #: next step (error feedback), all-gathered as backward fills each bucket (docs/strategies.md "Quantised gradients").
 GRAD_BITS, GRAD_BLOCK = 4, 256
 #: The compressed all-reduce's CPU a step, per worker in the group, in units of the quantising Auto times once
-#: (``Measurement.quantize_s``): measured 1.7-2.7x on 2 workers (:func:`candidates`), taken as 2 in all.
+#: (``Measurement.quantize_s``): 1 a worker, so 2x on 2 workers, where 1.7-2.7x was measured (:func:`candidates`).
 QUANTIZE_CPU = 1.0
 
 
