@@ -38,6 +38,7 @@ import torch
 
 from .. import check
 from ..errors import ConfigError, PhalanxError, usage
+from ..step.latch import Latch
 from .config import DEFAULT_TIMEOUT_S, is_loopback
 from .reducer import Reducer
 from .shards import Policy, RejectError, ShardStore, Tensors
@@ -168,11 +169,12 @@ class Server:
 
     def serve_forever(self) -> None:
         """Block until SIGTERM or SIGINT, then stop (saving the checkpoint)."""
-        done = threading.Event()
+        # A Latch: an Event's set() in the handler could wait on the lock its own thread holds in done.wait()
+        done = Latch()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: done.set())
-        while not done.wait(0.1):
-            pass
+        done.wait()
+        done.close()
         self.stop()
 
     # -- one request --------------------------------------------------------------------------

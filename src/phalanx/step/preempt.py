@@ -54,6 +54,7 @@ from ..group import group
 from ..group.records import Record, Slot
 from ..framing import MARKER, read_verified
 from ..sealed import verify_directory
+from .latch import Latch
 from .protocols import ReplicasAgree
 
 if TYPE_CHECKING:
@@ -85,7 +86,9 @@ class Preemption:
         self.group = g
         self.clocks: weakref.WeakSet[Any] = weakref.WeakSet()  # the step clocks of this group's wrapped models
         self.signal: int | None = None  # written by the signal handler only
-        self.heard = threading.Event()  # set with it, for tests and tools that wait for the signal
+        # Set with it, for tests and tools that wait for the signal; a Latch, not a threading.Event, because the
+        # handler may interrupt the main thread inside heard.wait() while it holds the Event's lock (latch.py)
+        self.heard = Latch()
         self.armed = False  # a step boundary has passed: from now on a signal waits for the next one
         self.posted_at: int | None = None  # the boundary where this worker told the others
         self.stop_at: int | None = None  # the step every worker stops after
