@@ -7,6 +7,12 @@ Budgets (digits CNN, 2 workers × batch 32, SGD lr 0.05 momentum 0.9 on the work
 Downpour with server-side Adagrad (Dean et al. 2012) on 2 server processes, and
 asynchronous EASGD (τ = 4) on colocated servers, each get 8 epochs and must reach a
 test accuracy of at least 0.93.
+
+Asynchronous results depend on how the pushes interleave, so each bar holds over the interleavings, not one run:
+benchmarks/async_collapse.py replays them in one process (report: benchmarks/reports/ps_async.md). Adagrad's first
+update moves every weight by its lr whatever the gradient's size; at lr 0.02 a few stale pushes from the same start
+kill the CNN's ReLUs in a few seeds out of a hundred (a model at chance for good, as CI saw twice). At 0.01 none of
+the simulated seeds fell below either bar.
 """
 from __future__ import annotations
 
@@ -24,8 +30,9 @@ pytestmark = pytest.mark.multiproc
 
 EPOCHS = 8
 # The kill and the late join share one job (downpour_job) and need a trained model, not a quality figure (the
-# no-kill test holds Downpour to 0.93): 3 epochs, ~45 pushes from each survivor, past the late worker's 40
-KILL_EPOCHS = 3
+# no-kill test holds Downpour to 0.93): 5 epochs, ~75 pushes from each survivor, well past the late worker's 40
+KILL_EPOCHS = 5
+ADAGRAD = {"adagrad_lr": 0.01}  # 0.02 collapsed to chance in ~2% of interleavings (module docstring)
 COLOCATED = {"PHALANX_PS_ADDRS": ""}  # whatever the shell exported: each worker hosts a shard server
 
 
@@ -48,7 +55,7 @@ def colocated() -> dict[str, list]:
     return {name: [r[name] for r in results] for name in results[0]}
 
 
-@pytest.mark.parametrize("strategy, opts, servers", [("downpour", {"adagrad_lr": 0.02}, 2),
+@pytest.mark.parametrize("strategy, opts, servers", [("downpour", ADAGRAD, 2),
                                                      ("easgd-async", EASGD, "colocated")])
 def test_asynchronous_strategies_reach_093_on_digits_with_2_workers(strategy, opts, servers, request):
     if servers == "colocated":  # one shard server in each worker process
@@ -88,7 +95,7 @@ def downpour_job():
             try:
                 job["run"] = run_workers("workers.ps:train", world_size=3,
                                          env={**servers.env(), "PHALANX_PS_TIMEOUT": "5"}, check=False,
-                                         strategy="downpour", opts={"adagrad_lr": 0.02}, epochs=KILL_EPOCHS, lr=0.05,
+                                         strategy="downpour", opts=ADAGRAD, epochs=KILL_EPOCHS, lr=0.05,
                                          momentum=0.9, kill={"rank": 1, "step": 5})
             except BaseException as err:  # noqa: BLE001 - the tests say which scenario it broke
                 job["error"] = err
@@ -119,9 +126,9 @@ def test_killing_one_of_3_downpour_workers_leaves_the_others_to_finish_a_valid_m
     assert run.results[1] is None  # killed at step 5
     for rank in (0, 2):
         result = run.results[rank]
-        # Asynchronous SGD's result depends on how the pushes interleave: 6 runs on this machine (idle and loaded)
-        # ended between 0.80 and 0.98 (chance is 0.10), so the bar is "trained", not a quality figure; the
-        # no-kill test above holds Downpour to 0.93.
+        # Asynchronous SGD's result depends on how the pushes interleave (chance is 0.10): the bar is "trained",
+        # not a quality figure; simulated over 50 interleavings with staleness up to 5 it never fell below 0.83
+        # (module docstring). The no-kill test above holds Downpour to 0.93.
         assert result["finite"] and result["acc"] >= 0.7, result["acc"]
     assert downpour_job["alive"] == [True]  # the server never noticed
 
