@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -29,12 +30,15 @@ def _module_at(rev: str):
     text = subprocess.run(["git", "show", f"{rev}:src/phalanx/strategies/quantize.py"], cwd=ROOT, check=True,
                           capture_output=True, text=True).stdout
     # its relative imports name today's package: only this module's own code differs
-    text = text.replace("from ..", "from phalanx.").replace("from .", "from phalanx.strategies.")
+    text = re.sub(r"^from \.\. import", "from phalanx import", text, flags=re.M)
+    text = re.sub(r"^from \.\.(\w)", r"from phalanx.\1", text, flags=re.M)
+    text = re.sub(r"^from \.(\w)", r"from phalanx.strategies.\1", text, flags=re.M)
     path = os.path.join(tempfile.mkdtemp(), "quantize_at_rev.py")
     with open(path, "w") as f:
         f.write(text)
     spec = importlib.util.spec_from_file_location("quantize_at_rev", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass looks its module up while it is built
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
 

@@ -186,6 +186,22 @@ def test_choices_round_trip_through_their_state():
     assert Choice.from_state(c.state()) == dataclasses.replace(c, penalty="", bytes_per_step=0.0)
 
 
+def test_a_checkpoint_written_before_sizes_loads_with_the_models_own_sizes():
+    """Checkpoints before the fragments were projected from real sizes kept a count of tensors; they still load."""
+    a = net()
+    _, opt = px.wrap(a, torch.optim.SGD(a.parameters(), lr=0.1), strategy=px.Auto(out=io.StringIO()))
+    auto = px.strategy_of(opt)
+    state = auto.state_dict()
+    old = dataclasses.asdict(measured(SLOW))
+    del old["sizes"]
+    old["tensors"] = 2
+    state["measurement"] = old
+    auto.load_state_dict(state)
+    assert auto.measurement.sizes == tuple(p.numel() for p in a.parameters())
+    assert dataclasses.replace(auto.measurement, sizes=measured(SLOW).sizes) == measured(SLOW)  # the rest as saved
+    auto.finish()
+
+
 # -- bad input, a group of one ------------------------------------------------------------------------------------
 def test_auto_in_a_group_of_one_trains_as_a_plain_loop_and_says_so_once():
     out = io.StringIO()
