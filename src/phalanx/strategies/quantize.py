@@ -222,11 +222,8 @@ class Quantize(Gathered):
         nblocks = self._blocks(numel)
         head = message[:4 * nblocks + 4].view(torch.float32)
         scales, weight, values = head[:nblocks], float(head[nblocks]), message[4 * nblocks + 4:]
-        if self.bits == 8:
-            q = values.view(torch.int8).to(torch.float32)
-        else:
-            q = torch.stack([values & 15, values >> 4], dim=1).reshape(-1).to(torch.float32) - 8
-        return (q.view(nblocks, self.block) * scales[:, None]).reshape(-1)[:numel], weight
+        q = self._levels(values, nblocks).to(torch.float32)
+        return (q * scales[:, None]).reshape(-1)[:numel], weight
 
     def compress(self, tensor: torch.Tensor, key: str = "t") -> tuple[Payload, Context]:
         """Payload: the packed message (uint8); context: the tensor's shape and dtype."""
