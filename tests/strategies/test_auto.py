@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.errors import ConfigError
 from phalanx.strategies.auto import Auto
-from phalanx.strategies.decision import (LONG_RUN_ROUNDS, MIN_ROUNDS, PENALTIES, QUANTIZE_CPU, SPARSE_PERIODS,
-                                         STREAMING_PERIODS, Choice, Measurement, candidates, decide)
+from phalanx.strategies.decision import (LONG_RUN_ROUNDS, MIN_ROUNDS, PENALTIES, SPARSE_PERIODS, STREAMING_PERIODS,
+                                         Choice, Measurement, candidates, decide)
 from support.procs import run_workers
 from workers.auto import batch, net
 
@@ -105,17 +105,6 @@ def test_a_100_mbit_link_takes_the_gradient_in_4_bits_with_its_quantising_counte
     assert "AllReduce 4-bit" in decide(dear, 200).line(3)
     # a fast link: the exact all-reduce, never its 4-bit copy within 1% (same rule, the one-process arithmetic)
     assert decide(measured(10 * FAST), 200).choice.settings == ()
-
-
-def test_a_quantised_stream_pays_its_quantising_once_a_period_and_a_float32_one_none():
-    """Streaming DiLoCo in 4 or 8 bits encodes, sums and steps the whole model once a period on the training cores:
-    QUANTIZE_CPU x N x the timed quantising / every on a link that hides every send (1 TB/s here)."""
-    m = dataclasses.replace(measured(1e12), quantize_s=0.008)
-    streamed = [c for c in candidates(m, 5000) if c.rule == "streaming-diloco" and c.kwargs["quantize"] != "sparseloco"]
-    assert {c.kwargs["quantize"] for c in streamed} == {None, 8, 4}
-    for c in streamed:
-        cpu = 0.0 if c.kwargs["quantize"] is None else QUANTIZE_CPU * 0.008 * 2 / c.kwargs["every"]
-        assert c.step_s == pytest.approx(0.06 + cpu, rel=1e-3), c.settings
 
 
 def test_a_run_too_short_for_any_period_keeps_allreduce_and_a_group_of_one_is_a_plain_loop():

@@ -102,9 +102,8 @@ PROBE_BYTES = 2**20  # the link probe: at most 1 MiB (0.8 s at 10 Mbit/s), once 
 #: The compressed all-reduce Auto weighs: gradients in 4 bits, blocks of 256, what rounding left out carried to the
 #: next step (error feedback), all-gathered as backward fills each bucket (docs/strategies.md "Quantised gradients").
 GRAD_BITS, GRAD_BLOCK = 4, 256
-#: A quantised exchange's CPU, per worker in the group, in units of the quantising Auto times once
-#: (``Measurement.quantize_s``): 1 a worker, so 2x on 2 workers, where 1.7-2.7x was measured (:func:`candidates`);
-#: the 4-bit all-reduce pays it every step, a quantised Streaming DiLoCo once a period.
+#: The compressed all-reduce's CPU a step, per worker in the group, in units of the quantising Auto times once
+#: (``Measurement.quantize_s``): 1 a worker, so 2x on 2 workers, where 1.7-2.7x was measured (:func:`candidates`).
 QUANTIZE_CPU = 1.0
 
 
@@ -127,8 +126,7 @@ class Measurement:
             so a model with one dominant tensor (an LSTM's recurrent weights, a language model's embedding) sends
             one fragment far larger than ``1 / fragments`` of it. ``()``: not known, fragments taken as equal.
         quantize_s: one worker's time to quantise the gradient to :data:`GRAD_BITS` bits and back, timed once (the
-            compressed all-reduce's step adds :data:`QUANTIZE_CPU` x N times it, a quantised Streaming DiLoCo's
-            that over its period; 0: not measured, taken as free).
+            compressed all-reduce's step adds :data:`QUANTIZE_CPU` x N times it; 0: not measured, taken as free).
         backward_cost_s: what the all-reduce, overlapped with backward, added to the step beyond ``compute_s`` and the
             waiting (hooks, copies, gloo's threads on the cores that train), as the probe measured it where it timed
             a local step too (0: not measured). AllReduce pays it, and so does the compressed all-reduce, which runs
@@ -328,11 +326,7 @@ def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
                 # 10 Mbit/s, one fragment 76% of the model: 147 ms a step where equal fragments projected 108);
                 # the link cannot carry more than it carries: the step is at least its share of the link's time
                 exposed = sum(max(0.0, send - m.compute_s) for send in sends)
-                # a quantised exchange encodes, sums the workers' messages and steps on the cores that train: the
-                # whole model once a period, at the 4-bit all-reduce's rate (benchmarks/step_split.py measured the
-                # GPT's streamed step at H = 4 on 1 Gbit/s waiting 4-14 ms with 1.3 ms of it on the wire)
-                cpu = QUANTIZE_CPU * m.quantize_s * max(m.workers, 2) / every if bits in (4, 8) else 0.0
-                step = max(m.compute_s + cpu + exposed / every, sum(sends) / every)
+                step = max(m.compute_s + exposed / every, sum(sends) / every)
                 message = sum(messages) / parts
                 # SparseLoCo's error feedback takes the outer momentum's place: its outer step is plain averaging
                 settings = (("every", every), ("fragments", parts), ("overlap", 1), ("quantize", bits),
