@@ -36,7 +36,7 @@ class Latch:
         self._set = True
         try:
             os.write(self._write, b"\0")
-        except (BlockingIOError, OSError):  # already written, or closed: the flag alone answers from now on
+        except OSError:  # the pipe is full (already written) or closed: the flag alone answers from now on
             pass
 
     def is_set(self) -> bool:

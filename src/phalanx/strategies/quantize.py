@@ -209,7 +209,7 @@ class Quantize(Gathered):
             values = q.to(torch.int8).view(torch.uint8).reshape(-1)
         else:  # two to a byte, low nibble first, each level + 8 (1..15): 16·high + low, exact in float32, then
             pairs = q.view(-1, 2)  # one conversion of half the values (a float-to-byte cast is this path's cost)
-            values = torch.addcmul(pairs[:, 0], pairs[:, 1], torch.tensor(16.0)).add_(136.0).to(torch.uint8)
+            values = torch.add(pairs[:, 0], pairs[:, 1], alpha=16.0).add_(136.0).to(torch.uint8)
         w = torch.tensor([float(weight)], dtype=torch.float32, device=flat.device)
         # the float32 parts first: a view as float32 needs a 4-byte aligned offset
         return torch.cat([scales.view(torch.uint8), w.view(torch.uint8), values])
