@@ -244,7 +244,7 @@ def test_the_layer_check_sees_every_import():
 # that copies an asynchronous save's state, staging the copy in the call and beside training; writer is the process
 # an asynchronous save writes from; saver and loader are the entry points. Each module may import only those before it.
 CHECKPOINT_ORDER = ("training_state", "dcp_reader", "dcp", "hashing", "legacy", "agreement", "handle", "snapshot",
-                    "staging", "writer", "saver", "loader")
+                    "staging", "writer_child", "writer", "saver", "loader")
 
 
 def test_the_checkpoint_package_imports_one_way():

@@ -21,6 +21,8 @@ seal reads back and hashes every byte. The writer runs with one torch thread at 
 CPU priority (:data:`NICE`; at the lowest, 19, a write on busy cores was starved until the next
 wait). It never touches a GPU (``CUDA_VISIBLE_DEVICES`` is empty).
 
+The process's own loop, and the messages both halves exchange, are in :mod:`.writer_child`.
+
 Its lifetime is its worker's:
 
 * one is started at the worker's first asynchronous save and serves every later one;
@@ -43,28 +45,23 @@ Example:
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 import pickle
-import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
-import time
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
 from ..group import group
 from ..group.records import Record, Slot
 from .dcp import _dcp
-from .handle import _commit
 from .snapshot import Snapshot, WriterGone, _can_fork, _describe, _forkable
-from .staging import Fences, Region, StateCopy, views
+from .staging import Fences, Region, StateCopy
+from .writer_child import receive, send
 
 # The writer's CPU priority (added to the worker's). 0: at 19, the lowest, a write on cores that training (or anyone
 # else) keeps busy was starved and deferred whole to the next save's or the exit's wait, longer than a synchronous
@@ -75,8 +72,7 @@ NICE = 0
 # training on one core) both block about as long, and the fork's page faults cost training 1.8-3.7x the copy's total:
 # every step writes every parameter and moment, so each page of the state is copied once more, one fault at a time.
 FORK = False
-_HEADER = struct.Struct("!Q")
-_CHILD = "import sys; from phalanx.checkpoint.writer import _serve; _serve(*map(int, sys.argv[1:4]))"
+_CHILD = "import sys; from phalanx.checkpoint.writer_child import serve; serve(*map(int, sys.argv[1:4]))"
 
 
 class WriterProcess:
@@ -197,8 +193,8 @@ class WriterProcess:
                 self._busy = kind
             try:
                 try:
-                    _send(self.sock, (kind, body), fds)
-                    answer = _recv(self.sock)
+                    send(self.sock, (kind, body), fds)
+                    answer = receive(self.sock)
                 except OSError:
                     answer = None
                 if answer is None:
@@ -307,44 +303,12 @@ class Writers(Slot[WriterProcess]):
 WRITERS: Record[Writers] = Record("checkpoint writer process", Writers)
 
 
-# -- how the worker's and the writer's halves talk -------------------------------------------------------------
+# -- DCP's side of an asynchronous save ----------------------------------------------------------------------
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor's self, a DTensor's local shard (what this worker writes of it)."""
     to_local = getattr(t, "to_local", None)
     return t if to_local is None else to_local()
-
-
-def _send(sock: socket.socket, obj: Any, fds: Sequence[int] = ()) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    header = _HEADER.pack(len(data))
-    if fds:
-        socket.send_fds(sock, [header], list(fds))
-    else:
-        sock.sendall(header)
-    sock.sendall(data)
-
-
-def _recv(sock: socket.socket) -> tuple[bytes, list[int]] | None:
-    """The next message (pickled) and the descriptors sent with it; None once the other end closed."""
-    head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 4)
-    if not head:
-        return None
-    head += _read(sock, _HEADER.size - len(head))
-    (n,) = _HEADER.unpack(head)
-    body = _read(sock, n)
-    return (body, fds) if len(body) == n else None
-
-
-def _read(sock: socket.socket, n: int) -> bytes:
-    parts, got = [], 0
-    while got < n:
-        part = sock.recv(min(n - got, 1 << 20))
-        if not part:
-            break
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
 
 
 @functools.cache
@@ -428,92 +392,6 @@ def storage_writer(staging: Staging, inner: Any, path: str, generation: int) -> 
     """DCP's storage writer for an asynchronous save of ``generation``: ``inner``'s, its data written from
     ``staging`` by its writer process."""
     return _proxy_class()(staging.writer, inner, staging.entries, path, generation)
-
-
-# -- the writer process ----------------------------------------------------------------------------------------
-
-def _serve(fd: int, parent: int, nice: int) -> None:
-    """The writer process's loop: answer each request on the socket ``fd`` until the worker ``parent`` is gone."""
-    if os.getppid() != parent:
-        os._exit(1)  # the worker ended before we started
-    threading.Thread(target=_end_with, args=(parent,), name="phalanx-writer-watch", daemon=True).start()
-    torch.set_num_threads(1)
-    _dcp()  # (its import is most of the start)
-    # Niced (if at all) once started, not before: a start at the lowest priority on a busy machine takes minutes (CFS
-    # gives a nice-19 process 1.5% of a nice-0 one's share), and the first save would wait for it.
-    if nice:
-        os.nice(nice)
-    sock = socket.socket(fileno=fd)
-    mapped: tuple[int, Any] | None = None
-    while True:
-        try:
-            got = _recv(sock)
-        except OSError:
-            got = None
-        if got is None:
-            os._exit(0)  # the worker closed its end (it stopped us, or it is gone)
-        data, fds = got
-        try:
-            kind, body = pickle.loads(data)  # a writer class that does not import here fails this request only
-            if kind == "write":
-                if fds:
-                    mapped = None
-                    mapped = (body["region"][0], mmap.mmap(fds[0], body["region"][1], flags=mmap.MAP_SHARED))
-                    os.close(fds[0])
-                if mapped is None or mapped[0] != body["region"][0]:
-                    raise CheckpointError("the checkpoint writer was asked to write a staged state it was not given")
-                tensors = views(mapped[1], body["entries"])
-                done = body["writer"].write_data(body["plan"], _Resolver(tensors))
-                answer: tuple[str, Any] = ("ok", done.wait() if hasattr(done, "wait") else done.result())
-                del tensors, done
-            elif kind == "commit":
-                _commit(*body)
-                answer = ("ok", None)
-            else:
-                answer = ("error", CheckpointError(f"the checkpoint writer got an unknown request {kind!r}"))
-        except BaseException as err:  # noqa: BLE001 - every failure goes back to the worker, typed
-            answer = ("error", _portable(err))
-        try:
-            _send(sock, answer)
-        except OSError:
-            os._exit(0)
-
-
-class _Resolver:
-    """The planner DCP's ``write_data`` asks for each item's tensor: here, the staged one."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def resolve_data(self, item: Any) -> torch.Tensor:
-        tensor = self.tensors.get(item.index.fqn)
-        if tensor is None:
-            raise CheckpointError(f"the checkpoint writer has no staged tensor {item.index.fqn!r}")
-        return tensor
-
-
-def _portable(err: BaseException) -> BaseException:
-    """``err`` as it can cross to the worker: itself if it pickles, else a CheckpointError saying what it was."""
-    try:
-        pickle.loads(pickle.dumps(err))
-        return err
-    except Exception:  # noqa: BLE001 - an exception that does not pickle: its type and first line
-        first = next(iter(str(err).strip().splitlines()), "")
-        return CheckpointError(f"{type(err).__name__}: {first[:300]}")
-
-
-def _end_with(parent: int) -> None:
-    """End the writer as soon as its worker is gone, whatever it is doing (a pidfd: no polling)."""
-    try:
-        fd = os.pidfd_open(parent)
-    except ProcessLookupError:
-        os._exit(1)
-    except (AttributeError, OSError):  # no pidfd on this system: reparenting tells
-        while os.getppid() == parent:
-            time.sleep(0.5)  # nothing to wait on without a pidfd
-        os._exit(1)
-    select.select([fd], [], [])
-    os._exit(1)
 
 
 __all__ = ["FORK", "NICE", "WRITERS", "Staging", "WriterProcess", "Writers", "storage_writer"]
