@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.strategies.fragments import balanced_split
+from phalanx.strategies.fragments import balanced_split, value_split
 from support.loop import lockstep
 from support.forked_launch import run_cli
 from support.procs import run_workers
@@ -42,6 +42,8 @@ STEPS = 8
     (lambda: px.StreamingDiLoCo(moments=("exp_avg", "exp_avg")), "moments=('exp_avg', 'exp_avg')"),
     (lambda: px.StreamingDiLoCo(quantize=4, moments=("momentum", "exp_avg_sq")), "only with quantize=None"),
     (lambda: px.StreamingDiLoCo(quantize=px.SparseLoCo(), moments=("exp_avg_sq",)), "only with quantize=None"),
+    (lambda: px.StreamingDiLoCo(cut="layers"), "expected 'tensors' or 'values'"),
+    (lambda: px.StreamingDiLoCo(cut="values", moments=("momentum",)), "moments= only with cut='tensors'"),
     (lambda: px.Quantize(bits=2), "4 or 8"),
     (lambda: px.Quantize(block=63), "even block"),
     (lambda: px.Quantize(rounding="up"), "'nearest' or 'stochastic'"),
@@ -88,6 +90,48 @@ def test_fragments_are_consecutive_nonempty_and_balanced_by_bytes():
     parts = balanced_split(sizes, 3)
     assert [list(r) for r in parts] == [[0], [1, 2, 3, 4], [5, 6]]
     assert [len(r) for r in balanced_split([5] * 4, 4)] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("sizes, parts", [([100, 1, 1, 50, 50, 1, 97], 3), ([760, 120, 120, 4], 8), ([7], 7),
+                                          ([3, 3, 3], 2), ([1000, 1], 4)])
+def test_a_cut_by_values_is_consecutive_and_equal_to_one_value(sizes, parts):
+    split = value_split(sizes, parts)
+    flat = [(p.tensor, v) for f in split for p in f for v in range(p.start, p.stop)]
+    assert flat == [(i, v) for i, n in enumerate(sizes) for v in range(n)]  # every value once, in order
+    per = [sum(p.stop - p.start for p in f) for f in split]
+    assert max(per) - min(per) <= 1 and min(per) > 0
+
+
+def test_a_cut_never_splits_a_tensor_that_cannot_be_viewed_flat():
+    split = value_split([10, 30, 20], 2, whole={1})  # the middle (30) falls inside tensor 1: moved to its end (40)
+    assert [[(p.tensor, p.start, p.stop) for p in f] for f in split] == [[(0, 0, 10), (1, 0, 30)], [(2, 0, 20)]]
+    net = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    assert not net.weight.is_contiguous()
+    with pytest.raises(px.ConfigError, match="not contiguous"):  # 3 parts of 112 values: the weight (108) is whole
+        px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                strategy=px.StreamingDiLoCo(every=3, fragments=3, cut="values"))
+
+
+def test_a_cut_inside_a_tensor_writes_the_parameter_through_a_view_and_finish_leaves_the_anchor():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 100), torch.nn.Linear(100, 1))  # 400 + 100 + 100 + 1 values
+    s = px.StreamingDiLoCo(every=4, fragments=4, cut="values")
+    model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=s)
+    assert [f.numel for f in s.fragments] == [150, 151, 150, 150]  # 601 values: the first weight is cut in three
+    x = torch.randn(8, 4)
+    for _ in range(6):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    s.finish()
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    assert torch.equal(flat, torch.cat([a.reshape(-1) for f in s.fragments for a in f.anchor]))
+    assert "cut='values'" in repr(s)
+
+
+def test_a_sharded_model_refuses_fragments_cut_by_values():
+    assert px.StreamingDiLoCo(every=4).on_shards()
+    assert not px.StreamingDiLoCo(every=4, cut="values").on_shards()
 
 
 # -- the quantiser --------------------------------------------------------------------------------------------------
@@ -187,14 +231,16 @@ def results(tmp_path_factory):
 
 
 def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: float | str,
-                 inner_momentum: float = 0.0, moments: bool = False) -> dict:
+                 inner_momentum: float = 0.0, moments: bool = False, cut: str = "tensors") -> dict:
     """Algorithm 1 of arXiv 2501.18512 for 2 workers, in ONE process: plain SGD inner steps, Nesterov outer.
 
     ``alpha="eager"``: arXiv 2502.12996's eager update instead of the mix. At the send each worker takes the
     outer step with its own pseudo-gradient (on a copy of the momentum); when the average lands the worker
     keeps what it did since, on the new anchor. ``inner_momentum``: SGD with momentum inside; ``moments``:
     each fragment's momentum buffers averaged with it (``moments=("momentum",)``): at the landing, ``overlap``
-    steps after the send, each worker's buffer gains ``momentum**overlap * (mean sent - its own sent)``."""
+    steps after the send, each worker's buffer gains ``momentum**overlap * (mean sent - its own sent)``.
+    ``cut="values"``: the two fragments are the first and second half of the concatenated values, whatever tensor
+    the middle falls in."""
     from phalanx.bench.models import digits_cnn, load_digits_split
     from workers.streaming import BATCH
 
@@ -204,12 +250,21 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
     replicas[1].load_state_dict(replicas[0].state_dict())
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=inner_momentum) for m in replicas]
     loaders = [px.shard(train_set, batch_size=BATCH, seed=0, rank=r, world_size=2) for r in range(2)]
-    # fragments: consecutive parameters, one cut where the bytes before it come closest to half
+    assert fragments == 2
     sizes = [p.numel() for p in replicas[0].parameters()]
-    cut = min(range(1, len(sizes)), key=lambda c: abs(sum(sizes[:c]) - sum(sizes) / 2))
-    frags = [list(range(cut)), list(range(cut, len(sizes)))]
+    if cut == "tensors":  # consecutive parameters, one cut where the bytes before it come closest to half
+        at = min(range(1, len(sizes)), key=lambda c: abs(sum(sizes[:c]) - sum(sizes) / 2))
+        cuts = [0, sum(sizes[:at]), sum(sizes)]
+    else:  # the middle value, rounded half up
+        cuts = [0, (sum(sizes) + 1) // 2, sum(sizes)]
+    # every update below is elementwise: each "parameter" of the rule is one flat run of values of one tensor
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    runs = [(i, max(lo, starts[i]) - starts[i], min(hi, starts[i + 1]) - starts[i])
+            for lo, hi in zip(cuts, cuts[1:]) for i in range(len(sizes)) if max(lo, starts[i]) < min(hi, starts[i + 1])]
+    frags = [[k for k, (i, a, b) in enumerate(runs) if cuts[f] <= starts[i] + a < cuts[f + 1]] for f in range(2)]
     offsets = [p * every // fragments for p in range(fragments)]
-    params = [list(m.parameters()) for m in replicas]
+    whole = [list(m.parameters()) for m in replicas]
+    params = [[w[i] if (a, b) == (0, sizes[i]) else w[i].detach().view(-1)[a:b] for i, a, b in runs] for w in whole]
     anchor = [p.detach().clone() for p in params[0]]
     momentum = [torch.zeros_like(a) for a in anchor]
     in_flight: dict[int, tuple[int, list[torch.Tensor]]] = {}
@@ -221,8 +276,9 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
                 if t % every == offsets[p]:  # the outer gradient, averaged over the workers, starts travelling
                     in_flight[p] = (t, [sum(anchor[i] - w[i] for w in params) / 2 for i in idx])
                     if moments:
-                        buffers_sent[p] = [[o.state[w[i]]["momentum_buffer"].clone() for i in idx]
-                                           for o, w in zip(opts, params, strict=True)]
+                        assert cut == "tensors"  # whole tensors: one run each, optimizer state per tensor
+                        buffers_sent[p] = [[o.state[w[runs[i][0]]]["momentum_buffer"].clone() for i in idx]
+                                           for o, w in zip(opts, whole, strict=True)]
                     if alpha == "eager":
                         for r, w in enumerate(params):
                             for i in idx:
@@ -234,8 +290,9 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
                     sent = buffers_sent.pop(p, None)
                     for j, i in enumerate(idx if sent is not None else ()):
                         mean = (sent[0][j] + sent[1][j]) / 2
-                        for r, (o, w) in enumerate(zip(opts, params, strict=True)):
-                            o.state[w[i]]["momentum_buffer"] += inner_momentum ** overlap * (mean - sent[r][j])
+                        for r, (o, w) in enumerate(zip(opts, whole, strict=True)):
+                            o.state[w[runs[i][0]]]["momentum_buffer"] += (inner_momentum ** overlap
+                                                                           * (mean - sent[r][j]))
                     for i, d in zip(idx, in_flight.pop(p)[1], strict=True):
                         momentum[i] = 0.9 * momentum[i] + d
                         anchor[i] -= 0.7 * (d + 0.9 * momentum[i])
@@ -246,8 +303,8 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
                                 w[i].copy_(alpha * w[i] + (1 - alpha) * anchor[i])
         if t == steps:
             break
-    return {"replicas": [[p.detach().clone() for p in ps] for ps in params], "anchor": anchor,
-            "layout": [len(f) for f in frags]}
+    return {"replicas": [[p.detach().clone() for p in ps] for ps in whole], "anchor": anchor,
+            "layout": [len(f) for f in frags], "cuts": cuts}
 
 
 @pytest.mark.multiproc
@@ -278,6 +335,21 @@ def test_two_fragments_overlapped_by_one_step_follow_the_papers_algorithm(result
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         for a, b in zip(got["paper_anchor"], oracle["anchor"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_fragments_cut_by_values_follow_the_papers_algorithm_on_the_halves_of_the_values(results):
+    oracle = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5, cut="values")
+    by_tensors = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5)
+    assert oracle["cuts"] != by_tensors["cuts"]  # the middle falls inside a tensor: a fragment holds part of it
+    for rank, got in enumerate(results):
+        assert got["values_sizes"] == [oracle["cuts"][1], oracle["cuts"][2] - oracle["cuts"][1]]
+        for a, b in zip(got["values"]["before_finish"], oracle["replicas"][rank], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        for a, b in zip(got["values_anchor"], oracle["anchor"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # the cut matters: the replicas are not those of the whole-tensor fragments
+    assert max(float((a - b).abs().max()) for a, b in zip(oracle["replicas"][0], by_tensors["replicas"][0])) > 1e-4
 
 
 @pytest.mark.multiproc

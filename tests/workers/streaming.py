@@ -73,7 +73,8 @@ def exchanges(ckpt_dir: str, steps: int = 10) -> dict[str, Any]:
         "float": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2),
         "4bit": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, quantize=4),
         "eager": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, mixing="eager"),
-        "moments": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, quantize=4, moments=("momentum",))
+        "moments": lambda: px.StreamingDiLoCo(every=4, fragments=2, overlap=2, quantize=4, moments=("momentum",)),
+        "values": lambda: px.StreamingDiLoCo(every=4, fragments=3, overlap=2, quantize=4, cut="values"),
     }.items()}
     out["diloco"] = train(px.DiLoCo(every=3), adamw, steps)
     out["streaming1"] = train(px.StreamingDiLoCo(every=3, fragments=1, overlap=0), adamw, steps)
@@ -81,6 +82,10 @@ def exchanges(ckpt_dir: str, steps: int = 10) -> dict[str, Any]:
     out["paper"] = train(paper, sgd, steps, finish=False)
     out["paper_anchor"] = [a.clone() for f in paper.fragments for a in f.anchor]
     out["paper_layout"] = [len(f.params) for f in paper.fragments]
+    values = px.StreamingDiLoCo(every=4, fragments=2, overlap=1, mixing=0.5, cut="values")
+    out["values"] = train(values, sgd, steps, finish=False)
+    out["values_anchor"] = [a.clone() for f in values.fragments for a in f.anchor]
+    out["values_sizes"] = [f.numel for f in values.fragments]
     eager = px.StreamingDiLoCo(every=4, fragments=2, overlap=1, mixing="eager")
     out["eager"] = train(eager, sgd, steps, finish=False)
     out["eager_anchor"] = [a.clone() for f in eager.fragments for a in f.anchor]

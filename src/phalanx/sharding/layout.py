@@ -130,7 +130,8 @@ class FullyShard:
             raise ConfigError(usage(f"shard=FullyShard(...) with {strategy!r}",
                                     "px.AllReduce() without compression (HSDP), or a periodic rule that exchanges "
                                     "parameters (LocalSGD without warm-up, DiLoCo with or without a compressor, "
-                                    "EASGD, StreamingDiLoCo without quantize= or SparseLoCo)",
+                                    "EASGD, StreamingDiLoCo with whole-tensor fragments and without quantize= or "
+                                    "SparseLoCo)",
                                     "Use one of those, or drop shard=."))
 
     # -- sharding ------------------------------------------------------------------------------------------------

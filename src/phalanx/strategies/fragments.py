@@ -1,17 +1,23 @@
-"""Streaming DiLoCo's fragments: the parameters cut into consecutive parts balanced by bytes, and each part's state.
+"""Streaming DiLoCo's fragments: the parameters cut into consecutive parts, and each part's state.
 
-:class:`Fragment` holds what one fragment carries between its outer steps (anchor, outer momentum, schedule
-offset, the exchange in flight); :func:`balanced_split` cuts the parameters into fragments
-(:mod:`.streaming_diloco` uses both).
+Two cuts (``StreamingDiLoCo(cut=...)``): :func:`balanced_split` keeps whole tensors, balanced by bytes as the cuts
+between tensors allow (the paper's fragments are whole layers); :func:`value_split` cuts the concatenated values into
+equal parts, a tensor split between fragments where a cut falls inside it, so a model with one dominant tensor (an
+LSTM's recurrent weights, a language model's embedding) still sends equal parts. :class:`Piece` names one tensor's
+values a fragment holds; :class:`Fragment` holds what one fragment carries between its outer steps (anchor, outer
+momentum, schedule offset, the exchange in flight). :mod:`.streaming_diloco` uses all of them.
 
 Example:
     >>> balanced_split([32, 8, 16, 2], 2)
     [range(0, 1), range(1, 4)]
+    >>> [[(p.tensor, p.start, p.stop) for p in f] for f in value_split([32, 8, 16, 2], 2)]
+    [[(0, 0, 29)], [(0, 29, 32), (1, 0, 8), (2, 0, 16), (3, 0, 2)]]
 """
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Collection
 
 import torch
 from torch import nn
@@ -36,10 +42,64 @@ def balanced_split(sizes: list[int], parts: int) -> list[range]:
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
-def buffers_by_fragment(model: nn.Module, split: list[range]) -> list[list[torch.Tensor]]:
-    """Each module's buffers go with the fragment of its first trainable parameter (none: the first fragment)."""
+@dataclass(frozen=True)
+class Piece:
+    """The values ``start:stop`` (in its flat order) of trainable tensor number ``tensor`` that a fragment holds."""
+
+    tensor: int
+    start: int
+    stop: int
+
+
+def whole_pieces(sizes: list[int], split: list[range]) -> list[list[Piece]]:
+    """:func:`balanced_split`'s ranges of whole tensors as pieces (``sizes``: each tensor's values)."""
+    return [[Piece(j, 0, sizes[j]) for j in idx] for idx in split]
+
+
+def value_split(sizes: list[int], parts: int, whole: Collection[int] = ()) -> list[list[Piece]]:
+    """``parts`` consecutive pieces of the concatenated values, of equal size to one value; a cut that falls inside a
+    tensor listed in ``whole`` (one that cannot be viewed flat: not contiguous) moves to that tensor's nearer end.
+    A fragment left empty by such moves is empty in the result (the caller refuses it).
+
+    Example:
+        >>> [[(p.tensor, p.start, p.stop) for p in f] for f in value_split([10, 2], 3)]
+        [[(0, 0, 4)], [(0, 4, 8)], [(0, 8, 10), (1, 0, 2)]]
+        >>> [[(p.tensor, p.start, p.stop) for p in f] for f in value_split([10, 2], 3, whole={0})]
+        [[], [(0, 0, 10)], [(1, 0, 2)]]
+    """
+    starts = [0, *itertools.accumulate(sizes)]
+    total = starts[-1]
+    cuts = [0]
+    for k in range(1, parts):
+        c = (total * k + parts // 2) // parts
+        i = next((i for i in range(len(sizes)) if starts[i] < c < starts[i + 1]), None)
+        if i is not None and i in whole:
+            c = starts[i] if c - starts[i] <= starts[i + 1] - c else starts[i + 1]
+        cuts.append(max(c, cuts[-1]))
+    cuts.append(total)
+    out: list[list[Piece]] = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        out.append([Piece(i, max(lo, starts[i]) - starts[i], min(hi, starts[i + 1]) - starts[i])
+                    for i in range(len(sizes)) if max(lo, starts[i]) < min(hi, starts[i + 1])])
+    return out
+
+
+def piece_view(p: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The tensor itself where the piece is all of it, else a flat view of its values ``start:stop``: writing the
+    view writes the parameter (the outer step and the mix copy into it)."""
+    if piece.start == 0 and piece.stop == p.numel():
+        return p
+    return p.detach().view(-1)[piece.start:piece.stop]
+
+
+def buffers_by_fragment(model: nn.Module, split: list[list[Piece]]) -> list[list[torch.Tensor]]:
+    """Each module's buffers go with the fragment of its first trainable parameter's first values (none: the first
+    fragment)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    owner = {id(trainable[j]): i for i, idx in enumerate(split) for j in idx}
+    owner: dict[int, int] = {}
+    for i, pieces in enumerate(split):
+        for piece in pieces:
+            owner.setdefault(id(trainable[piece.tensor]), i)
     out: list[list[torch.Tensor]] = [[] for _ in split]
     seen: set[int] = set()
     for module in model.modules():
@@ -76,4 +136,4 @@ class Fragment:
         return sum(a.numel() for a in self.anchor)
 
 
-__all__ = ["Fragment", "balanced_split", "buffers_by_fragment"]
+__all__ = ["Fragment", "Piece", "balanced_split", "buffers_by_fragment", "piece_view", "value_split", "whole_pieces"]

@@ -4,7 +4,8 @@ Douillard et al. 2025 ("Streaming DiLoCo with overlapping communication: Towards
 Distributed Free Lunch", arXiv 2501.18512, Algorithm 1):
 
 * the parameters are cut into ``P`` fragments (here: consecutive in parameter order,
-  balanced by bytes); fragment ``p`` takes its outer step every ``H`` inner steps, at the
+  whole tensors balanced by bytes; or ``cut="values"``: equal parts of the concatenated values,
+  a tensor split where a cut falls inside it); fragment ``p`` takes its outer step every ``H`` inner steps, at the
   steps ``t`` with ``t % H == p * H // P``, so only about ``1/P`` of the model travels at once
   (the peak bandwidth falls ``P``-fold);
 * at its step the fragment's pseudo-gradient ``anchor - weights`` is sent without waiting
@@ -66,9 +67,13 @@ from .base import (Start, StepState, Strategy, compressor_replica_state, from_ra
                    load_compressor_replica_state, load_drifting_replica_state, load_rows)
 from .buffers import BufferMean
 from .diloco import _outer_dtype, outer_direction
-from .fragments import Fragment, buffers_by_fragment, balanced_split
+from .fragments import Fragment, Piece, balanced_split, buffers_by_fragment, piece_view, value_split, whole_pieces
 from .gradients import share_total
 from .moments import Moments
+
+
+#: How the parameters are cut into fragments (``StreamingDiLoCo(cut=...)``).
+CUTS = ("tensors", "values")
 
 
 class StreamingDiLoCo(Accounting, StepState, Strategy):
@@ -93,15 +98,29 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
         moments: names of the inner optimizer's per-parameter states averaged with each fragment
             (``("momentum",)``: Adam's ``exp_avg`` or SGD's ``momentum_buffer``; default none, as the
             paper): one more copy of the fragment's size in each message per name.
+        cut: ``"tensors"`` (the paper's: whole tensors, balanced by bytes as far as the cuts between tensors allow)
+            or ``"values"`` (equal parts of the concatenated values: a tensor may be split between fragments, so a
+            model with one dominant tensor, an LSTM's recurrent weights or a language model's embedding, still
+            sends ``1 / fragments`` of itself at each send). Not with ``moments=`` or ``shard=``.
     """
 
     name = "streaming-diloco"
 
     def __init__(self, every: int = 100, fragments: int = 4, overlap: int = 1, quantize: Any = None, *,
                  mixing: float | None = None, outer_lr: float | None = None, outer_momentum: float | None = None,
-                 nesterov: bool = True, moments: Sequence[str] = ()) -> None:
+                 nesterov: bool = True, moments: Sequence[str] = (), cut: str = "tensors") -> None:
         super().__init__()
         self.moments = Moments(moments)
+        if cut not in CUTS:
+            raise ConfigError(usage(f"StreamingDiLoCo(cut={cut!r})", " or ".join(repr(c) for c in CUTS),
+                                    "Pass cut=\"tensors\" (whole tensors, the paper's) or cut=\"values\" (equal "
+                                    "parts, a tensor may be split)."))
+        if cut == "values" and self.moments:
+            # the optimizer's states are per parameter: a fragment holding part of one has no states of its own
+            raise ConfigError(usage(f"StreamingDiLoCo(cut='values', moments={self.moments.keys!r})",
+                                    "moments= only with cut='tensors'",
+                                    "Drop moments=, or cut whole tensors (cut='tensors')."))
+        self.cut = cut
         self.every = check.positive_int("StreamingDiLoCo(every", every, "Pass the inner steps between a "
                                         "fragment's outer steps, e.g. every=100.", close=")")
         self.num_fragments = check.positive_int("StreamingDiLoCo(fragments", fragments, "Pass the number of "
@@ -137,30 +156,48 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
                                     "Average only the first moment (moments=('momentum',)) when quantising, or "
                                     "send float32 (quantize=None)."))
         self.fragments: list[Fragment] = []
-        self._split: list[range] = []
+        self._split: list[range] = []  # cut="tensors": each fragment's parameter indices (a reshard rebuilds from it)
 
     # -- the template ---------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, start: Start = from_rank_0) -> nn.Module:
         module = super().attach(model, optimizer, start=start)
         if self.moments:
             self.moments.bind(optimizer)
-        if self.num_fragments > len(self.params):
+        if self.cut == "tensors" and self.num_fragments > len(self.params):
             raise ConfigError(usage(f"StreamingDiLoCo(fragments={self.num_fragments}) for a model with "
                                     f"{len(self.params)} trainable parameter tensors",
                                     f"fragments <= {len(self.params)} (a fragment holds whole tensors)",
-                                    f"Pass fragments={len(self.params)} or fewer."))
+                                    f"Pass fragments={len(self.params)} or fewer, or cut=\"values\"."))
         if self.compression is not None:
             for p in self.params:
                 check_floating(p, f"StreamingDiLoCo(quantize={self.compression!r})")
         P, H = self.num_fragments, self.every
-        # Whole tensors' sizes (a sharded model's DTensors count their global rows): every rank cuts the same
-        # fragments, so the same parameters travel together as on unsharded replicas, whichever shard it holds.
-        sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
-        split = self._split = balanced_split(sizes, P)
-        self.fragments = [Fragment(i, [self.params[j] for j in idx], i * H // P) for i, idx in enumerate(split)]
-        for f, stats in zip(self.fragments, buffers_by_fragment(model, split), strict=True):
+        if self.cut == "tensors":
+            # Whole tensors' sizes (a sharded model's DTensors count their global rows): every rank cuts the same
+            # fragments, so the same parameters travel together as on unsharded replicas, whichever shard it holds.
+            sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+            self._split = balanced_split(sizes, P)
+            pieces = whole_pieces([p.numel() for p in self.params], self._split)
+        else:
+            pieces = self._value_pieces()
+        self.fragments = [Fragment(i, [piece_view(self.params[x.tensor], x) for x in own], i * H // P)
+                          for i, own in enumerate(pieces)]
+        for f, stats in zip(self.fragments, buffers_by_fragment(model, pieces), strict=True):
             f.running_stats = BufferMean(stats)
         return module
+
+    def _value_pieces(self) -> list[list[Piece]]:
+        """cut="values": equal parts; a tensor that cannot be viewed flat (not contiguous) is kept whole."""
+        sizes = [p.numel() for p in self.params]
+        whole = {i for i, p in enumerate(self.params) if not p.is_contiguous()}
+        pieces = value_split(sizes, self.num_fragments, whole)
+        if any(not own for own in pieces):
+            raise ConfigError(usage(f"StreamingDiLoCo(fragments={self.num_fragments}, cut='values') for a model of "
+                                    f"{sum(sizes)} values, {len(whole)} of its tensors not contiguous (kept whole)",
+                                    "a non-empty part per fragment",
+                                    "Pass fewer fragments, or make the parameters contiguous "
+                                    "(model.to(memory_format=torch.contiguous_format))."))
+        return pieces
 
     def after_step(self, step: int, taken: bool) -> None:
         self._resend()
@@ -181,8 +218,8 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
         the same shard of the other replica groups, over the mesh's "replicate" group (as :class:`~.DiLoCo`).
 
         Not with an all-gathered compressor (``quantize=4``, ``px.SparseLoCo()``): their messages are not laid
-        out by rows, so ``shard=`` refuses them."""
-        return not isinstance(self.compression, Gathered)
+        out by rows; nor with ``cut="values"``, whose pieces are flat values, not rows: ``shard=`` refuses them."""
+        return not isinstance(self.compression, Gathered) and self.cut == "tensors"
 
     def _sharded(self) -> bool:
         return getattr(self, "sharded_by", None) is not None  # set by px.FullyShard.apply
@@ -226,7 +263,8 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
             f.anchor, f.momentum = [state["anchor"][j] for j in idx], [state["momentum"][j] for j in idx]
             f.result = [state["result"][j] for j in idx] if f.sent_at >= 0 else None
             f.message, f.buffer, f.pending, f.resend, f.eager = None, None, None, False, None
-        for f, stats in zip(self.fragments, buffers_by_fragment(self.model, self._split), strict=True):
+        pieces = whole_pieces([p.numel() for p in self.params], self._split)
+        for f, stats in zip(self.fragments, buffers_by_fragment(self.model, pieces), strict=True):
             f.running_stats = BufferMean(stats)
 
     def replicas_agree(self, step: int) -> bool:
@@ -436,7 +474,8 @@ class StreamingDiLoCo(Accounting, StepState, Strategy):
         mixing = repr(self.mixing) if isinstance(self.mixing, str) else format(self.mixing, "g")
         return (f"StreamingDiLoCo(every={self.every}, fragments={self.num_fragments}, overlap={self.overlap}, "
                 f"mixing={mixing}, outer_lr={self.outer_lr:g}, outer_momentum={self.outer_momentum:g}, "
-                f"quantize={self.compression!r}" + (f", moments={self.moments!r})" if self.moments else ")"))
+                f"quantize={self.compression!r}" + (f", moments={self.moments!r}" if self.moments else "")
+                + (f", cut={self.cut!r})" if self.cut != "tensors" else ")"))
 
 
 __all__ = ["Fragment", "StreamingDiLoCo", "balanced_split"]
