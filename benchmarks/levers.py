@@ -146,7 +146,7 @@ QUANTIZE_S = {"gpt": 0.0061, "resnet20": 0.0024, "lstm": 0.0122}
 #: (docs/strategies.md), 93 Mbit/s of 100 (docs GUIDE: 90-94), 1 Gbit/s assumed at 94% like the others.
 LINKS = {"1gbit": 0.94e9 / 8, "100mbit": 93e6 / 8, "10mbit": 9.36e6 / 8}
 def _sizes(task: str) -> tuple[int, ...]:
-    """The task's trainable tensors' values (Streaming DiLoCo's fragments hold whole tensors; the LSTM's recurrent
+    """The task's trainable tensors' values (Streaming DiLoCo's fragments of whole tensors; the LSTM's recurrent
     weights are 76% of it, so its largest fragment is, whatever the fragment count)."""
     from benchmarks.quality.tasks import get
 
@@ -157,12 +157,15 @@ def _sizes(task: str) -> tuple[int, ...]:
 STEPS = {
     "gpt": {"one-process": (112, 104, 100), "lever-base": (140, 116, 124), "lever-ef": (128,),
             "allreduce-4bit": (112, 104, 108), "lever-h4": (132, 120, 120), "lever-h8": (132, 120, 116),
+            "lever-h8-f8v": (136, 120, 120),
             "lever-h16": (136, 124, 120)},
     "resnet20": {"one-process": (108, 144, 128), "lever-base": (200,), "lever-ef": (196,),
                  "allreduce-4bit": (104, 144, 116), "lever-h4": (144, 160, 112), "lever-h8": (152, 152, 152),
+                 "lever-h8-f8v": (152, 164, 140),
                  "lever-h16": (164,)},
     "lstm": {"one-process": (128, 140, 120), "lever-base": (160, 168, 148), "lever-ef": (None,),
              "allreduce-4bit": (136, 140, 132), "lever-h4": (144, 160, 160), "lever-h8": (156, 168, 148),
+             "lever-h8-f8v": (152, 160, 156),
              "lever-h16": (152, 164, 148)},
 }
 #: The steps above each penalty of the decision stands for.

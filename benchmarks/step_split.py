@@ -27,9 +27,10 @@ import phalanx as px  # noqa: E402
 from benchmarks.quality.tasks import get  # noqa: E402
 
 
-def _streaming(every: int, parts: int) -> Any:
+def _streaming(every: int, parts: int, cut: str = "tensors") -> Any:
     """Auto's streamed rule: one step of overlap, 4-bit, plain averaging."""
-    return px.StreamingDiLoCo(every=every, fragments=parts, overlap=1, quantize=4, outer_lr=1.0, outer_momentum=0.0)
+    return px.StreamingDiLoCo(every=every, fragments=parts, overlap=1, quantize=4, outer_lr=1.0, outer_momentum=0.0,
+                              cut=cut)
 
 
 #: The rules by short name: ``local`` sends nothing (DiLoCo whose first outer step is past any run).
@@ -37,6 +38,7 @@ RULES: dict[str, Callable[[], Any]] = {
     "local": lambda: px.DiLoCo(every=10**6),
     "s4f2": lambda: _streaming(4, 2), "s4f4": lambda: _streaming(4, 4), "s8f4": lambda: _streaming(8, 4),
     "s16f2": lambda: _streaming(16, 2), "s64f2": lambda: _streaming(64, 2),
+    "s8f4v": lambda: _streaming(8, 4, "values"), "s8f8v": lambda: _streaming(8, 8, "values"),
     "ar": lambda: px.AllReduce(),
     "ar4": lambda: px.AllReduce(compression=px.Quantize(4, block=256, error_feedback=True)),
     "auto": lambda: px.Auto(planned_steps=200),

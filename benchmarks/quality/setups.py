@@ -225,6 +225,9 @@ def _levers() -> list[QSetup]:
         ("lever-h16", _lever(every=16), "as lever-base with every=16 (4x the bytes)"),
         ("lever-h32", _lever(every=32), "as lever-base with every=32 (2x the bytes)"),
         ("lever-h8", _lever(every=8), "as lever-base with every=8 (8x the bytes)"),
+        ("lever-h8-f8v", _lever(every=8, fragments=8, cut="values"),
+         "as lever-h8 with 8 fragments of equal values (cut='values': a tensor split between fragments), auto's "
+         "pick for the LSTM at 10 Mbit/s: the same bytes, sent an eighth at a time"),
         ("lever-fp32", _lever(quantize=None), "as lever-base sent in float32 (8x the bytes)"),
         ("lever-ef4", _lever(quantize=lambda: px.Quantize(4, error_feedback=True)),
          "as lever-base with 4-bit error feedback: what rounding left out is added to the next exchange"),

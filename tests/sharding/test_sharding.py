@@ -86,7 +86,8 @@ def _group(world: int = 1, elastic: bool = False) -> Group:
     (lambda: px.Downpour(), "parameter server"),
     (lambda: px.LocalSGD(every=4, warmup_steps=10), "LocalSGD without warm-up"),
     (lambda: px.AllReduce(compression=px.FP16()), "without compression"),
-    (lambda: px.StreamingDiLoCo(every=4, fragments=1, quantize=4), "StreamingDiLoCo without quantize"),
+    (lambda: px.StreamingDiLoCo(every=4, fragments=1, quantize=4), "without quantize= or SparseLoCo"),
+    (lambda: px.StreamingDiLoCo(every=4, fragments=2, cut="values"), "StreamingDiLoCo with whole-tensor fragments"),
 ])
 def test_strategies_that_cannot_run_on_shards_are_refused(strategy, why):
     with pytest.raises(ConfigError, match=why):
