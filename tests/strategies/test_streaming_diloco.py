@@ -307,6 +307,21 @@ def paper_oracle(steps: int, every: int, fragments: int, overlap: int, alpha: fl
             "layout": [len(f) for f in frags], "cuts": cuts}
 
 
+def assert_follows(results: list[dict], name: str, oracle: dict) -> None:
+    """Every rank's replica before finish() (``results[rank][name]``) and the anchors (``name + "_anchor"``) equal
+    the one-process oracle's to 1e-6."""
+    for rank, got in enumerate(results):
+        for a, b in zip(got[name]["before_finish"], oracle["replicas"][rank], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        for a, b in zip(got[f"{name}_anchor"], oracle["anchor"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def gap(one: dict, other: dict) -> float:
+    """How far two oracles' rank-0 replicas end apart: a rule that matters moves them."""
+    return max(float((a - b).abs().max()) for a, b in zip(one["replicas"][0], other["replicas"][0], strict=True))
+
+
 @pytest.mark.multiproc
 def test_one_fragment_without_overlap_is_diloco_bit_for_bit(results):
     for rank in results:
@@ -329,12 +344,8 @@ def test_finish_leaves_every_rank_on_the_mean_of_the_replicas(results):
 @pytest.mark.multiproc
 def test_two_fragments_overlapped_by_one_step_follow_the_papers_algorithm(results):
     oracle = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5)
-    for rank, got in enumerate(results):
-        assert got["paper_layout"] == oracle["layout"]
-        for a, b in zip(got["paper"]["before_finish"], oracle["replicas"][rank], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-        for a, b in zip(got["paper_anchor"], oracle["anchor"], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert all(got["paper_layout"] == oracle["layout"] for got in results)
+    assert_follows(results, "paper", oracle)
 
 
 @pytest.mark.multiproc
@@ -342,40 +353,25 @@ def test_fragments_cut_by_values_follow_the_papers_algorithm_on_the_halves_of_th
     oracle = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5, cut="values")
     by_tensors = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5)
     assert oracle["cuts"] != by_tensors["cuts"]  # the middle falls inside a tensor: a fragment holds part of it
-    for rank, got in enumerate(results):
-        assert got["values_sizes"] == [oracle["cuts"][1], oracle["cuts"][2] - oracle["cuts"][1]]
-        for a, b in zip(got["values"]["before_finish"], oracle["replicas"][rank], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-        for a, b in zip(got["values_anchor"], oracle["anchor"], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    # the cut matters: the replicas are not those of the whole-tensor fragments
-    assert max(float((a - b).abs().max()) for a, b in zip(oracle["replicas"][0], by_tensors["replicas"][0])) > 1e-4
+    assert all(got["values_sizes"] == [oracle["cuts"][1], oracle["cuts"][2] - oracle["cuts"][1]] for got in results)
+    assert_follows(results, "values", oracle)
+    assert gap(oracle, by_tensors) > 1e-4  # the cut matters: the replicas are not those of whole-tensor fragments
 
 
 @pytest.mark.multiproc
 def test_eager_updates_follow_the_eager_papers_rule_computed_in_one_process(results):
     oracle = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha="eager")
     mixed = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5)
-    for rank, got in enumerate(results):
-        for a, b in zip(got["eager"]["before_finish"], oracle["replicas"][rank], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-        for a, b in zip(got["eager_anchor"], oracle["anchor"], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    # the rule matters: the replicas are not the mixing rule's
-    assert max(float((a - b).abs().max()) for a, b in zip(oracle["replicas"][0], mixed["replicas"][0])) > 1e-3
+    assert_follows(results, "eager", oracle)
+    assert gap(oracle, mixed) > 1e-3  # the rule matters: the replicas are not the mixing rule's
 
 
 @pytest.mark.multiproc
 def test_momentum_averaged_with_each_fragment_follows_the_rule_computed_in_one_process(results):
     oracle = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5, inner_momentum=0.9, moments=True)
-    for rank, got in enumerate(results):
-        for a, b in zip(got["moments"]["before_finish"], oracle["replicas"][rank], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-        for a, b in zip(got["moments_anchor"], oracle["anchor"], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert_follows(results, "moments", oracle)
     # the averaged buffers matter: with each worker keeping its own momentum the replicas end elsewhere
-    own = paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5, inner_momentum=0.9)
-    assert max(float((a - b).abs().max()) for a, b in zip(oracle["replicas"][0], own["replicas"][0])) > 1e-4
+    assert gap(oracle, paper_oracle(STEPS, every=4, fragments=2, overlap=1, alpha=0.5, inner_momentum=0.9)) > 1e-4
 
 
 @pytest.mark.multiproc
