@@ -507,6 +507,18 @@ def slow_probe_oracle() -> list[list[torch.Tensor]]:
     return [[p.detach() for p in m.parameters()] for m in models]
 
 
+def test_allreduce_chosen_after_a_local_probe_steps_every_replica_alike(scripted):
+    """Red until 2026-11-29: the local probe's replicas drift apart, momentum included; the average that ends the
+    probe made the parameters one, but AllReduce took over with each rank's own momentum (a flag meant to ask for
+    its average was cleared before it was read), so the replicas parted again: 0.1 apart after 6 steps."""
+    r0, r1 = (r["allreduce_after_local_probe"] for r in scripted.results)
+    assert r0["probing"] == "local" and r0["schedule"] == [(3, "allreduce")]
+    for a, b in zip(r0["momentum"], r1["momentum"], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(r0["params"], r1["params"], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_on_a_slow_link_the_probe_sends_no_gradient_and_matches_the_replay_of_its_schedule(scripted):
     """A slow link injected as the link probe's measured rate (the gradient's all-reduce 8.3 s): the probe steps
     are local (step 1 sends only the agreement of its time; step 2 nothing), one parameter average ends the probe

@@ -148,6 +148,7 @@ def scripted(tmp: str) -> dict[str, Any]:
     out["slowing"] = slowing()
     out["leaving_streaming"] = leaving_streaming()
     out["slow_probe"] = slow_probe()
+    out["allreduce_after_local_probe"] = allreduce_after_local_probe()
     out["compressed"] = compressed()
     out["fast_probe"] = fast_probe()
     return out
@@ -214,6 +215,19 @@ def slow_probe() -> dict[str, Any]:
                       "schedule": [(s["step"], s["choice"]["rule"]) for s in fresh.schedule],
                       "link_rate": fresh.link_rate}
     fresh.finish()
+    return out
+
+
+def allreduce_after_local_probe() -> dict[str, Any]:
+    """On a slow link the probe's local steps drift apart, momentum buffers too; AllReduce chosen at step 3 then
+    steps every replica alike from there. Each rank's parameters and momentum after 6 AllReduce steps."""
+    auto = SlowLinkAuto(planned_steps=100, probe_steps=3, decider=Scripted(ALLREDUCE))
+    model, opt = wrapped(auto)
+    steps(model, opt, 1, 9)
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in px.unwrap(model).parameters()]
+    out = {"probing": auto.probing, "schedule": [(s["step"], s["choice"]["rule"]) for s in auto.schedule],
+           "params": params(model), "momentum": momentum}
+    auto.finish()
     return out
 
 

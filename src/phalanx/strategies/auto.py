@@ -381,12 +381,14 @@ class Auto(Accounting, StepState, Strategy):
         if overlap is not None:
             overlap.remove()
         rule = choice.build(start)
-        self.rule, self.start, self.running, self._drifted = rule, start, choice, False
+        # read before it is cleared: the local probe's replicas hold their own optimizer states until averaged
+        drifted, self._drifted = self._drifted, False
+        self.rule, self.start, self.running = rule, start, choice
         if rule is None:
             return
         rule.comm, rule.clock = self.comm, self.clock  # one byte count, one step count
         if isinstance(rule, AllReduce):
-            if self._drifted or (old is not None and not isinstance(old, AllReduce)):
+            if drifted or (old is not None and not isinstance(old, AllReduce)):
                 self._average_optimizer_state()
             rule.attach(self.model, self.optimizer, wrapper=False)  # no DDP module: the user's module stays
         else:
