@@ -475,16 +475,16 @@ def _dequantised(levels: torch.Tensor, scale: torch.Tensor, weight: float) -> to
     return (levels * (scale * weight)[:, None]).reshape(-1)
 
 
-def slow_probe_oracle() -> list[list[torch.Tensor]]:
+def slow_probe_oracle(average_at_3: bool = False) -> list[list[torch.Tensor]]:
     """Both replicas in one process, the schedule the slow-link probe takes: local steps 1-3 (each replica its own
-    momentum), the replicas' mean at step 3 of their drift from the start, each sent in 4 bits (the momenta stay
-    each replica's), then
-    DiLoCo(every=3, Nesterov 0.7/0.9) from that anchor with outer steps at 6 and 9."""
+    momentum), then DiLoCo(every=3, Nesterov 0.7/0.9) with its anchor at the start (the probe's steps are its first
+    inner steps) and outer steps at 6 and 9. ``average_at_3``: the schedule before, the replicas' mean at step 3
+    of their drift from the start, each sent in 4 bits, and DiLoCo's anchor there."""
     models = [net(), net()]
     origin = [p.detach().clone() for p in models[0].parameters()]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-    anchor: list[torch.Tensor] = []
-    outer: list[torch.Tensor] = []
+    anchor = [o.clone() for o in origin]
+    outer = [torch.zeros_like(a) for a in anchor]
     for t in range(1, 10):
         for r, (m, o) in enumerate(zip(models, opts)):
             o.zero_grad()
@@ -492,7 +492,7 @@ def slow_probe_oracle() -> list[list[torch.Tensor]]:
             F.cross_entropy(m(x), y).backward()
             o.step()
         with torch.no_grad():
-            if t == 3:  # each replica's drift since the start, sent in 4 bits; the mean added to the start
+            if t == 3 and average_at_3:  # each replica's drift since the start, sent in 4 bits; the mean added
                 flat = [torch.cat([(p - o).reshape(-1) for p, o in zip(m.parameters(), origin)]) for m in models]
                 mean = _dequantised(*_four_bits(flat[0]), 0.5) + _dequantised(*_four_bits(flat[1]), 0.5)
                 at = 0
@@ -501,7 +501,6 @@ def slow_probe_oracle() -> list[list[torch.Tensor]]:
                         p.copy_(o + mean[at:at + o.numel()].view_as(o))
                     at += o.numel()
                 anchor = [p.detach().clone() for p in models[0].parameters()]
-                outer = [torch.zeros_like(a) for a in anchor]
             if t in (6, 9):
                 _diloco_outer_step(models, anchor, outer)
     return [[p.detach() for p in m.parameters()] for m in models]
@@ -519,22 +518,35 @@ def test_allreduce_chosen_after_a_local_probe_steps_every_replica_alike(scripted
         assert torch.equal(a, b)
 
 
+def test_streaming_diloco_after_a_local_probe_anchors_at_the_start_and_ends_on_one_model(scripted):
+    r0, r1 = (r["streaming_after_local_probe"] for r in scripted.results)
+    assert r0["schedule"] == [(3, "streaming-diloco")]
+    for r in (r0, r1):  # the probe's local steps are the rule's first inner steps: its anchors are the start
+        for a, o in zip(r["anchors"], r["origin"], strict=True):
+            assert torch.equal(a, o)
+    # no average at step 3: the replicas went on from their own local steps
+    assert max(float((a - b).abs().max()) for a, b in zip(r0["replica"], r1["replica"], strict=True)) > 1e-4
+    for a, b in zip(r0["params"], r1["params"], strict=True):  # finish(): every rank on the same weights
+        assert torch.equal(a, b)
+
+
 def test_on_a_slow_link_the_probe_sends_no_gradient_and_matches_the_replay_of_its_schedule(scripted):
     """A slow link injected as the link probe's measured rate (the gradient's all-reduce 8.3 s): the probe steps
-    are local (step 1 sends only the agreement of its time; step 2 nothing), one parameter average ends the probe
-    at step 3 (there the bytes are the model's, once), and the final model is the one-process replay of the schedule
-    taken: local steps, the average, DiLoCo."""
+    are local (step 1 sends only the agreement of its time; step 2 nothing), DiLoCo takes over at step 3 with its
+    anchor at the start, so nothing of the model crosses there, and the final model is the one-process replay of
+    the schedule taken: local steps, DiLoCo from the start. Until 2026-11-29 an average ended the probe (the drift
+    in 4 bits, 72 bytes here; 0.75 s of the LSTM's step 3 at 10 Mbit/s); the replay with it differs."""
     r0, r1 = (r["slow_probe"] for r in scripted.results)
     grad_bytes = 4 * sum(p.numel() for p in net().parameters())
     for r in (r0, r1):
         assert r["probing"] == "local" and r["schedule"] == [(3, "diloco")]
         assert r["rules"][:2] == ["NoneType"] * 2 and r["rules"][2:] == ["DiLoCo"] * 7
         assert r["sent"][0] < grad_bytes / 4 and r["sent"][1] == 0  # no full-gradient exchange per probe step
-        # the probe's one average, the drift in 4 bits (72 bytes here), and nothing of DiLoCo's attach (the replicas
-        # are one: its broadcast of the parameters, 336, is left out); averaged in float32 and sent again it was 708
-        assert px.Quantize(4).message_bytes(grad_bytes // 4) <= r["sent"][2] < grad_bytes / 2
+        # step 3: the agreement of the probe's times only; no average (its 4-bit drift was 72 bytes here) and nothing
+        # of DiLoCo's attach (its broadcast of the parameters, 336, is left out)
+        assert r["sent"][2] < px.Quantize(4).message_bytes(grad_bytes // 4)
         assert r["measured"]["overlap"] == 0.0 and r["measured"]["rate"] == pytest.approx(40.0)
-    assert "probed with 3 local steps and one average" in r0["lines"][0]
+    assert "probed with 3 local steps (its first inner steps)" in r0["lines"][0]
     for r in (r0, r1):  # the checkpointed schedule: a resume takes the same rule from the same step
         assert r["resumed"] == {"probing": "local", "start": 3, "rule": "DiLoCo", "schedule": [(3, "diloco")],
                                 "link_rate": pytest.approx(40.0)}
@@ -543,3 +555,5 @@ def test_on_a_slow_link_the_probe_sends_no_gradient_and_matches_the_replay_of_it
     for got in (r0["params"], r1["params"]):
         for g, w in zip(got, want[0], strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    before = slow_probe_oracle(average_at_3=True)[0]  # the oracle tells the two schedules apart
+    assert max(float((a - b).abs().max()) for a, b in zip(before, want[0], strict=True)) > 1e-4

@@ -149,6 +149,7 @@ def scripted(tmp: str) -> dict[str, Any]:
     out["leaving_streaming"] = leaving_streaming()
     out["slow_probe"] = slow_probe()
     out["allreduce_after_local_probe"] = allreduce_after_local_probe()
+    out["streaming_after_local_probe"] = streaming_after_local_probe()
     out["compressed"] = compressed()
     out["fast_probe"] = fast_probe()
     return out
@@ -229,6 +230,26 @@ def allreduce_after_local_probe() -> dict[str, Any]:
            "params": params(model), "momentum": momentum}
     auto.finish()
     return out
+
+
+def streaming_after_local_probe() -> dict[str, Any]:
+    """Streaming DiLoCo (every=4, 2 fragments, 4-bit) chosen at the end of a local probe: its anchors right after it
+    takes over at step 3, the parameters at attach, each rank's replica then, and every rank's weights after
+    finish() at step 9 (a fragment in flight, the others local since their last sync)."""
+    auto = SlowLinkAuto(planned_steps=100, probe_steps=3, decider=Scripted(STREAMING))
+    model, opt = wrapped(auto)
+    origin = params(model)
+    seen: dict[str, Any] = {}
+
+    def after(t: int) -> None:
+        if t == 3:
+            seen["anchors"] = [a.clone() for f in auto.rule.fragments for a in f.anchor]
+            seen["replica"] = params(model)
+
+    steps(model, opt, 1, 9, after)
+    auto.finish()
+    return {"origin": origin, **seen, "params": params(model),
+            "schedule": [(s["step"], s["choice"]["rule"]) for s in auto.schedule]}
 
 
 def slowing() -> dict[str, Any]:

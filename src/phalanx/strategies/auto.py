@@ -21,9 +21,10 @@ times the step). Then the probe takes one of two paths:
   and the optimizer state (3 copies of the model for Adam, then AllReduce's attach), and its steps a full
   all-reduce each; the GPT of ``benchmarks/quality`` on 100 Mbit/s (``T`` 3-4 times its step) spent 1.5 s
   in its 3 probe steps against 0.16 s of compute (``phalanx run -n 2 --link 100mbit``), 12% of a 200-step
-  run, when the threshold was 4. The probe ends with
-  one full average of the parameters (and of the optimizer state if AllReduce is chosen), so every rule
-  starts from identical replicas: the same commit-point rule Auto uses when it switches. What that average
+  run, when the threshold was 4. A periodic rule chosen there (DiLoCo, Streaming DiLoCo) takes the probe's local
+  steps as its own first inner steps, its anchors the parameters at attach (identical on every rank): no average
+  ends the probe. For AllReduce it ends with one full average of the parameters and of the optimizer state, so
+  every rank steps one model: the same commit-point rule Auto uses when it switches. What that average
   sends is each replica's drift since attach (the replicas were identical there) in 4 bits, as Streaming
   DiLoCo's outer exchange does: every rank adds the same mean to the same origin, so the replicas are again
   identical to the bit, for about an eighth of the float32 parameters' bytes on two workers (the float32
@@ -72,6 +73,8 @@ from .quantize import Quantize
 
 #: The bits the local probe's closing average sends each replica's drift in (blocks of 128: Streaming DiLoCo's own).
 PROBE_BITS = 4
+#: The rules that take a local probe's steps as their own first inner steps, with no average (_end_local_probe).
+PERIODIC = ("diloco", "streaming-diloco")
 
 
 @runtime_checkable
@@ -135,6 +138,7 @@ class Auto(Accounting, StepState, Strategy):
         self._origin: list[torch.Tensor] | None = None  # the parameters at attach, while a local probe may need them
         self._regrouped = False
         self._decision: Decision | None = None  # the decision of the pending choice
+        self._from_origin: list[torch.Tensor] | None = None  # a periodic rule's anchors after a local probe (_use)
 
     # -- the template ------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -179,8 +183,6 @@ class Auto(Accounting, StepState, Strategy):
             self._probe.append((time.perf_counter(), self.clock.waited + work))
             if len(self._probe) >= self.probe_steps:
                 self.measurement = self._measure()
-                if self.probing == "local":
-                    self._end_local_probe()
                 self._decide(step, initial=True)
             return
         if self.measurement is not None and (self._regrouped or step - self.checked >= self.recheck_every):
@@ -216,13 +218,21 @@ class Auto(Accounting, StepState, Strategy):
         self._average_parameters(optimizer=True)
         self._use(Choice("allreduce"), step)
 
-    def _end_local_probe(self) -> None:
+    def _end_local_probe(self, choice: Choice | None = None) -> None:
         """The local probe's one full average: every replica the mean (the chosen rule's attach starts there).
 
         The drift since attach crosses the link in 4 bits (module docstring), unless the float32 average sends
         less (many workers: an all-gather grows with them) or there is no origin to add it to (a resume or a
         regroup inside the probe, a sharded model).
+
+        A periodic rule (``choice`` DiLoCo or Streaming DiLoCo) with the origin known needs no average: it takes
+        the probe's local steps as its own first inner steps, its anchors the origin (identical on every rank), and
+        its first outer step sends what the average would have (:meth:`_use`). On 10 Mbit/s the average was the
+        probe's dearest part: 0.75 s of the LSTM's step 3 (``benchmarks/step_split.py lstm auto``).
         """
+        if choice is not None and choice.rule in PERIODIC and self._origin is not None:
+            self._from_origin, self._origin = self._origin, None
+            return
         origin, self._origin = self._origin, None
         n, workers, quantize = sum(p.numel() for p in self.params), self.comm.world_size, Quantize(bits=PROBE_BITS)
         if origin is None or (workers - 1) * quantize.message_bytes(n) >= 2 * (workers - 1) / workers * 4 * n:
@@ -324,8 +334,10 @@ class Auto(Accounting, StepState, Strategy):
         if initial:
             line = decision.line(step)
             if self.probing == "local":  # the line says why the probe sent no gradient
+                self._end_local_probe(decision.choice)
                 m = self.measurement
-                line += (f"; probed with {self.probe_steps} local steps and one average (a full all-reduce "
+                ended = " (its first inner steps)" if self._from_origin is not None else " and one average"
+                line += (f"; probed with {self.probe_steps} local steps{ended} (a full all-reduce "
                          f"{m.ring_s(m.grad_bytes):.3g} s against {m.compute_s * 1e3:.3g} ms of compute)")
             self._switch(decision.choice, step, line)
         elif _differs(decision.choice, self.running):
@@ -383,6 +395,7 @@ class Auto(Accounting, StepState, Strategy):
         rule = choice.build(start)
         # read before it is cleared: the local probe's replicas hold their own optimizer states until averaged
         drifted, self._drifted = self._drifted, False
+        origin, self._from_origin = self._from_origin, None
         self.rule, self.start, self.running = rule, start, choice
         if rule is None:
             return
@@ -391,6 +404,16 @@ class Auto(Accounting, StepState, Strategy):
             if drifted or (old is not None and not isinstance(old, AllReduce)):
                 self._average_optimizer_state()
             rule.attach(self.model, self.optimizer, wrapper=False)  # no DDP module: the user's module stays
+        elif origin is not None:
+            # After a local probe: the anchors are the origin (every rank's parameters at attach), the replicas go on
+            # from where their local steps took them, as if the rule had been in charge since attach
+            with torch.no_grad():
+                drifted_params = [p.detach().clone() for p in self.params]
+                for p, o in zip(self.params, origin, strict=True):
+                    p.copy_(o)
+                rule.attach(self.model, self.optimizer, start=parameters_as_they_are)
+                for p, d in zip(self.params, drifted_params, strict=True):
+                    p.copy_(d)
         else:
             # Taking over at a commit point (a full average: the replicas are one) the parameters need not travel
             # again; a periodic rule's own syncs would reconcile them anyway. AllReduce keeps rank 0's broadcast: it
@@ -399,7 +422,7 @@ class Auto(Accounting, StepState, Strategy):
         if isinstance(rule, StreamingDiLoCo):
             for f in rule.fragments:
                 f.offset = (start + f.offset) % rule.every
-                f.synced_at = start
+                f.synced_at = 0 if origin is not None else start  # the replicas last held the anchors at attach
 
     def _average_optimizer_state(self) -> None:
         """Leaving a rule whose replicas drift for AllReduce: the inner optimizers' states (momentum, Adam's
