@@ -188,15 +188,16 @@ def _lever(every: int = AUTO_SLOW_EVERY, fragments: int = 2, overlap: int = 1, q
     return build
 
 
-def _lever_allreduce(lr_scale: float):
-    """AllReduce (exact gradient averaging) with the task's lr scaled: the reference a lever on the lr is held to."""
+def _lever_allreduce(lr_scale: float = 1.0, compression: Any = None):
+    """AllReduce (exact gradient averaging) with the task's lr scaled: the reference a lever on the lr is held to;
+    ``compression``: a factory of the gradients' compressor (a sparsified all-reduce, DGC-style)."""
     def build(model, opt, lr):
         import phalanx as px
 
         px.init()
         for g in opt.param_groups:
             g["lr"] *= lr_scale
-        strategy = px.AllReduce()
+        strategy = px.AllReduce(compression=compression() if compression is not None else None)
         module, opt2 = px.wrap(model, opt, strategy=strategy)
         return module, opt2, StrategyAccountant(strategy)
     return build
@@ -235,6 +236,9 @@ def _levers() -> list[QSetup]:
         ("lever-lr2", _lever(lr_scale=2.0), "as lever-base with the inner lr x 2"),
         ("lever-ar-lr1.4", _lever_allreduce(2 ** 0.5), "AllReduce (DDP's arithmetic) with the lr x sqrt(2)"),
         ("lever-ar-lr2", _lever_allreduce(2.0), "AllReduce (DDP's arithmetic) with the lr x 2"),
+        *((f"lever-ar-topk{r:g}", _lever_allreduce(compression=lambda r=r: px.TopK(r)),
+           f"AllReduce of the gradients' top {r:g} share by magnitude, error feedback (what is not sent waits for "
+           "the next step): the per-step exchange a slow link carries") for r in (0.01, 0.03)),
         *((f"lever-h{h}-olr1.4", _lever(every=h, outer_lr=2 ** 0.5),
            f"as lever-base with every={h} and outer lr sqrt(2): Adam's step from a half batch carries 1/sqrt(2) of "
            "the full batch's signal") for h in (4, 8, 16, 64)),
