@@ -412,14 +412,14 @@ def launch(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     return proc, {json.load(open(p))["id"]: json.load(open(p)) for p in glob.glob(str(tmp_path / "worker*.json"))}
 
 
-def check_against_oracle(got: dict, mixing: float | str = 0.5) -> None:
+def check_against_oracle(got: dict, mixing: float | str = 0.5, cut: str = "tensors") -> None:
     """Every worker's replica and anchors are the one-process replay's; finish() leaves them all equal."""
     some = got["0"]  # a member from the start: its history has every change (a joiner's begins at its join)
     full = [(h["joined"], h["step"]) for h in some["history"]]
     for r in got.values():
         mine = [(h["joined"], h["step"]) for h in r["history"]]
         assert r["record"] == some["record"] and mine == full[len(full) - len(mine):]
-    oracle = streaming.elastic_oracle(some["record"], some["history"], mixing)
+    oracle = streaming.elastic_oracle(some["record"], some["history"], mixing, cut)
     assert sorted(oracle["members"]) == sorted(got)
     for wid, r in got.items():
         assert r["rank"] == oracle["members"].index(wid)
@@ -431,16 +431,16 @@ def check_against_oracle(got: dict, mixing: float | str = 0.5) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mixing", [0.5, "eager"])
-def test_a_kill_mid_overlap_drops_the_lost_workers_part_and_the_survivors_go_on(tmp_path, mixing):
-    _, got = launch(tmp_path, "--", "--kill", "2@4", "--commit-every", "3", "--mixing", str(mixing))
+@pytest.mark.parametrize("mixing, cut", [(0.5, "tensors"), ("eager", "tensors"), (0.5, "values")])
+def test_a_kill_mid_overlap_drops_the_lost_workers_part_and_the_survivors_go_on(tmp_path, mixing, cut):
+    _, got = launch(tmp_path, "--", "--kill", "2@4", "--commit-every", "3", "--mixing", str(mixing), "--cut", cut)
     assert sorted(got) == ["0", "1"]
     for r in got.values():
         assert r["world_size"] == 2 and [h["left"] for h in r["history"]] == [["2"]]
     # Worker 2 dies before step 4: the survivors roll back to the commit of step 3, which held fragment 1's
     # exchange (sent at step 2) in flight; the two send their parts of it again, worker 2's is dropped.
     assert got["0"]["history"][0]["step"] == 3 and got["0"]["in_flight"]["3"] == [1]
-    check_against_oracle(got, mixing)  # eager: each survivor's stand-in came back with its commit
+    check_against_oracle(got, mixing, cut)  # eager: each survivor's stand-in came back with its commit
 
 
 @pytest.mark.multiproc

@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--commit-every", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--mixing", default="0.5", help='α, or "eager" (arXiv 2502.12996)')
+    p.add_argument("--cut", default="tensors", help='"tensors" or "values" (fragments of equal values)')
     p.add_argument("--slow-while-below", type=int, default=0,
                    help="steps take 1 s while the group is smaller than this (a replacement is starting), 60 s at most")
     args = p.parse_args()
@@ -133,7 +134,7 @@ def main() -> None:
     # With overlap 2 one exchange is always in flight, so every commit holds one, and a kill leaves the
     # survivors' next exchange without its worker.
     mixing = args.mixing if args.mixing == "eager" else float(args.mixing)
-    strategy = px.StreamingDiLoCo(every=EVERY, fragments=FRAGMENTS, overlap=OVERLAP, mixing=mixing)
+    strategy = px.StreamingDiLoCo(every=EVERY, fragments=FRAGMENTS, overlap=OVERLAP, mixing=mixing, cut=args.cut)
     model, opt = px.wrap(net, torch.optim.SGD(net.parameters(), lr=LR), strategy=strategy)
     loader = px.shard(data, batch_size=EBATCH, seed=0)
     record = Record()
@@ -171,7 +172,7 @@ def main() -> None:
                    "in_flight": {str(k): v for k, v in in_flight.items()}}, f)
 
 
-def elastic_oracle(record: list, history: list, mixing: float | str = 0.5) -> dict[str, Any]:
+def elastic_oracle(record: list, history: list, mixing: float | str = 0.5, cut: str = "tensors") -> dict[str, Any]:
     """The elastic run in ONE process: each member's replica, Algorithm 1 over the members' weighted mean.
 
     ``record``: per step, each rank's sample ids; ``history``: the membership changes, each taking effect
@@ -180,17 +181,34 @@ def elastic_oracle(record: list, history: list, mixing: float | str = 0.5) -> di
     its samples from the join; everyone keeps the anchors and outer momentum. ``mixing="eager"``: at a send
     every member takes the outer step with its own pseudo-gradient; when the average lands a member keeps its
     steps since the send on the new anchor, and a joiner, which holds no stand-in, takes the anchor.
+    ``cut="values"``: fragment k holds the values ``[total·k/P, total·(k+1)/P)`` (rounded half up) of the
+    concatenated parameters, a tensor split where a cut falls inside it; every update here is elementwise, so each
+    fragment is a list of runs of one tensor's flat values.
     """
     from phalanx.strategies.fragments import balanced_split
 
     data, first = elastic_data(), elastic_model()
-    sizes = [p.numel() * p.element_size() for p in first.parameters()]
-    frags = balanced_split(sizes, FRAGMENTS)
+    numels = [p.numel() for p in first.parameters()]
+    starts = [sum(numels[:i]) for i in range(len(numels) + 1)]
+    if cut == "tensors":
+        ranges = balanced_split([p.numel() * p.element_size() for p in first.parameters()], FRAGMENTS)
+        cuts = [starts[r.start] for r in ranges] + [starts[-1]]
+    else:
+        cuts = [(starts[-1] * k + FRAGMENTS // 2) // FRAGMENTS for k in range(FRAGMENTS + 1)]
+    runs = [(i, max(lo, starts[i]) - starts[i], min(hi, starts[i + 1]) - starts[i]) for lo, hi in zip(cuts, cuts[1:])
+            for i in range(len(numels)) if max(lo, starts[i]) < min(hi, starts[i + 1])]
+    frags = [[k for k, (i, a, _) in enumerate(runs) if cuts[f] <= starts[i] + a < cuts[f + 1]]
+             for f in range(FRAGMENTS)]
+
+    def view(ps: list[torch.Tensor], k: int) -> torch.Tensor:  # run k of these parameters, written through
+        i, a, b = runs[k]
+        return ps[i] if (a, b) == (0, numels[i]) else ps[i].detach().view(-1)[a:b]
+
     members = [str(r) for r in range(record[0][1])]
     nets = {m: copy.deepcopy(first) for m in members}
     opts = {m: torch.optim.SGD(nets[m].parameters(), lr=LR) for m in members}
     shares = {m: [0.0] * FRAGMENTS for m in members}
-    anchor = [p.detach().clone() for p in first.parameters()]
+    anchor = [view(list(first.parameters()), k).detach().clone() for k in range(len(runs))]
     momentum = [torch.zeros_like(a) for a in anchor]
     in_flight: dict[int, tuple[int, dict[str, tuple[float, list[torch.Tensor]]]]] = {}
     stand_in: dict[tuple[str, int], torch.Tensor] = {}  # (member, parameter) -> its weights after the eager step
@@ -217,7 +235,7 @@ def elastic_oracle(record: list, history: list, mixing: float | str = 0.5) -> di
                 opts[m].step()
             shares[m] = [s + len(ids) * world / total for s in shares[m]]
         with torch.no_grad():
-            weights = {m: list(nets[m].parameters()) for m in members}
+            weights = {m: [view(list(nets[m].parameters()), k) for k in range(len(runs))] for m in members}
             for p, idx in enumerate(frags):
                 if t % EVERY == p * EVERY // FRAGMENTS:
                     in_flight[p] = (t, {m: (shares[m][p], [anchor[i] - weights[m][i] for i in idx]) for m in members})
