@@ -13,14 +13,17 @@ colocated servers (one shard per worker). See ``docs/parameter-server.md``.
 """
 from __future__ import annotations
 
+from .async_easgd import AsyncEASGD
 from .client import Client, ParamTable, PSError, ServerUnreachable
+from .downpour import Downpour
 from .launcher import ServerGroup, ServerStartError, start_servers
 from .optim import SGD, Adagrad
 from .placement import GreedyBytes, RoundRobin, imbalance, server_bytes
 from .report import LoadReport, load_report, save_shards
 from .server import Server
 from .shards import Policy, RejectError
-from .strategies import AsyncEASGD, Downpour, ParameterServer, PSStrategy, SyncParameterServer
+from .strategy import PSStrategy
+from .sync_server import ParameterServer, SyncParameterServer
 from .wire import Header, WireError
 
 __all__ = [
