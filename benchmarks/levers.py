@@ -181,7 +181,8 @@ def project() -> str:
     local steps, one average of the drift in 4 bits and the link probe)."""
     import math
 
-    from phalanx.strategies.auto import PROBE_BITS, Auto
+    from phalanx.strategies.auto import Auto
+    from phalanx.strategies.probe import PROBE_BITS
     from phalanx.strategies.decision import PROBE_BYTES, Measurement, candidates, decide
     from phalanx.strategies.quantize import Quantize
 

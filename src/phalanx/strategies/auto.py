@@ -68,11 +68,9 @@ from .allreduce import AllReduce, rebuilt
 from .base import Start, StepState, Strategy, from_rank_0, parameters_as_they_are
 from .diloco import DiLoCo
 from .streaming_diloco import StreamingDiLoCo
-from .decision import GRAD_BITS, GRAD_BLOCK, PROBE_BYTES, Choice, Decision, Measurement, decide
-from .quantize import Quantize
+from . import probe
+from .decision import Choice, Decision, Measurement, decide
 
-#: The bits the local probe's closing average sends each replica's drift in (blocks of 128: Streaming DiLoCo's own).
-PROBE_BITS = 4
 #: The rules that take a local probe's steps as their own first inner steps, with no average (_end_local_probe).
 PERIODIC = ("diloco", "streaming-diloco")
 
@@ -204,10 +202,11 @@ class Auto(Accounting, StepState, Strategy):
         now = time.perf_counter()
         if self.probing == "timing":  # step 2, local and warm: the compute step, with no exchange beside it
             # (loaded inside the probe, or a joiner: no step 1 here; from attach, and every rank takes this branch)
-            (self._local_s,) = self._agreed([now - (self._probe[-1][0] if self._probe else self._t0)])
+            (self._local_s,) = probe.agreed(self.comm, [now - (self._probe[-1][0] if self._probe else self._t0)])
         else:
-            vals = self._agreed([now - self._t0])
-            m = self._measurement(compute_s=vals[0], rate=self.link_rate or math.inf)
+            vals = probe.agreed(self.comm, [now - self._t0])
+            m = probe.measurement(self.params, self.comm.world_size, compute_s=vals[0],
+                                  rate=self.link_rate or math.inf)
             if m.ring_s(m.grad_bytes) > self.slow_link * vals[0]:
                 self.probing = "local"
                 return
@@ -215,7 +214,8 @@ class Auto(Accounting, StepState, Strategy):
                 self.probing = "timing"
                 return
         self.probing, self._origin = "allreduce", None
-        self._average_parameters(optimizer=True)
+        probe.average_parameters(self.comm, self.params, self.model)
+        self._average_optimizer_state()
         self._use(Choice("allreduce"), step)
 
     def _end_local_probe(self, choice: Choice | None = None) -> None:
@@ -234,99 +234,23 @@ class Auto(Accounting, StepState, Strategy):
             self._from_origin, self._origin = self._origin, None
             return
         origin, self._origin = self._origin, None
-        n, workers, quantize = sum(p.numel() for p in self.params), self.comm.world_size, Quantize(bits=PROBE_BITS)
-        if origin is None or (workers - 1) * quantize.message_bytes(n) >= 2 * (workers - 1) / workers * 4 * n:
-            self._average_parameters(optimizer=False)
-        else:
-            with torch.no_grad():
-                drift = [p.data - o for p, o in zip(self.params, origin, strict=True)]
-                quantize.average_(drift, self.comm, key="auto probe")  # the same bits on every rank
-                for p, o, d in zip(self.params, origin, drift, strict=True):
-                    p.data.copy_(o.add_(d))
-                buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-                if buffers:
-                    self.comm.all_reduce_(buffers)
+        probe.average_drift(self.comm, self.params, self.model, origin)
         self._drifted = True  # AllReduce, if chosen, needs one optimizer state too (_use)
 
-    def _average_parameters(self, *, optimizer: bool) -> None:
-        """The replicas' mean of the parameters and buffers (and of the optimizer state: the step to one model)."""
-        with torch.no_grad():
-            ts = [p.data for p in self.params] + [b for b in self.model.buffers() if b.is_floating_point()]
-            self.comm.all_reduce_(ts)
-        if optimizer:
-            self._average_optimizer_state()
-
-    def _agreed(self, values: list[float]) -> list[float]:
-        """The ranks' mean of ``values``, bit for bit the same everywhere (every rank then decides alike)."""
-        vals = torch.tensor(values, dtype=torch.float64)
-        self.comm.all_reduce_([vals])
-        self.comm.broadcast_([vals])
-        return vals.tolist()
-
-    def _measurement(self, *, compute_s: float, rate: float, overlap: float = 0.0) -> Measurement:
-        return Measurement(compute_s=max(compute_s, 1e-6), grad_bytes=4.0 * sum(p.numel() for p in self.params),
-                           rate=rate, overlap=overlap, workers=self.comm.world_size,
-                           sizes=tuple(p.numel() for p in self.params))
-
-    def _saved_measurement(self, saved: dict[str, Any]) -> Measurement:
-        """A checkpoint's measurement; one written before ``sizes`` (it kept a count of tensors) takes the model's."""
-        fields = {k: v for k, v in saved.items() if k != "tensors"}
-        fields["sizes"] = tuple(int(x) for x in fields.get("sizes", (p.numel() for p in self.params)))
-        return Measurement(**fields)
-
     def _measure(self) -> Measurement:
-        """The probe window's step and waiting (agreed on every rank), at the rate the first link probe measured.
-
-        Local steps wait on nothing: their step is the compute step, and the overlap is taken as 0 (it hides at
-        most ``t_c`` of a full all-reduce that takes more than ``slow_link`` times it)."""
-        local = self.probing == "local"  # nothing was sent: the whole step is compute (the clock's waiting then
-        # counts the gap from a gradient hook of the step before, not an exchange)
-        timed = self._local_s is not None and not local  # step 2 was local: the AllReduce window starts after it
-        window = self._probe[1:] if timed and len(self._probe) > 2 else self._probe
-        (t0, w0), (t1, w1) = window[0], window[-1]
-        k = len(window) - 1
-        self._probe = []
-        step_s, waited, quantize_s = self._agreed([(t1 - t0) / k, 0.0 if local else (w1 - w0) / k,
-                                                   self._time_quantize()])
-        rate = self.link_rate if self.link_rate is not None else math.inf
-        # AllReduce's step less its waiting is the compute step plus what the all-reduce overlapped with backward
-        # costs it (hooks, copies, gloo's threads on the cores that train): the compute step of every other rule is
-        # the local step 2 where it was timed
-        compute_s = min(self._local_s, step_s - waited) if timed else step_s - waited
-        m = dataclasses.replace(self._measurement(compute_s=compute_s, rate=rate), quantize_s=quantize_s,
-                                backward_cost_s=0.0 if local else step_s - waited - compute_s)
-        if local:
-            return m
-        full = m.ring_s(m.grad_bytes)
-        overlap = min(1.0, max(0.0, 1 - waited / full)) if full > 0 else 1.0
-        return dataclasses.replace(m, overlap=overlap)
-
-    def _time_quantize(self) -> float:
-        """This worker's time to quantise its gradient to 4 bits and back, once: what the compressed all-reduce adds
-        to a step on the cores that train. Timed on at most 4M values (linear beyond), sent nowhere."""
-        n = sum(p.numel() for p in self.params)
-        chunk = max(1, min(n, 1 << 22))
-        x = torch.linspace(-1.0, 1.0, chunk, device=self.params[0].device)
-        q = Quantize(bits=GRAD_BITS, block=GRAD_BLOCK)
-        q.decompress(*q.compress(x[:GRAD_BLOCK]))  # the first call's one-off costs are not a step's
-        start = time.perf_counter()
-        q.decompress(*q.compress(x))
-        return (time.perf_counter() - start) * n / chunk
+        """The probe window's measurement (:func:`.probe.window_measurement`), at the rate the link probe measured."""
+        window, self._probe = self._probe, []
+        return probe.window_measurement(self.comm, self.params, window, local=self.probing == "local",
+                                        local_s=self._local_s,
+                                        rate=self.link_rate if self.link_rate is not None else math.inf)
 
     def _agreed_rate(self) -> float:
         """One probe of the link, its time agreed on every rank: the rate in the ring model."""
-        probe_bytes, probe_s = self._probe_link()
-        (probe_s,) = self._agreed([probe_s])
-        return self._measurement(compute_s=1.0, rate=1.0).ring_s(probe_bytes) / max(probe_s, 1e-9)
+        return probe.ring_rate(self.comm, *self._probe_link())
 
     def _probe_link(self) -> tuple[int, float]:
-        """One timed all-reduce of up to 1 MiB (the gradient's size if smaller): the link's rate, in the ring model."""
-        n = max(1, min(int(4 * sum(p.numel() for p in self.params)), PROBE_BYTES) // 4)
-        buf = torch.ones(n, dtype=torch.float32, device=self.params[0].device)
-        self.comm.all_reduce_([buf[:1]])  # both ranks at the probe: the timing starts together
-        start = time.perf_counter()
-        self.comm.all_reduce_([buf])
-        return 4 * n, time.perf_counter() - start
+        """One timed all-reduce of up to 1 MiB (:func:`.probe.probe_link`); tests inject a link's rate here."""
+        return probe.probe_link(self.comm, self.params)
 
     def _decide(self, step: int, *, initial: bool = False) -> None:
         assert self.measurement is not None
@@ -468,7 +392,8 @@ class Auto(Accounting, StepState, Strategy):
             self._use(choice, start, replicas=from_rank_0)  # not taken over at a commit point: loaded
         self.choice, self.start, self.checked = choice, start, int(state["checked"])
         self.schedule = [dict(s) for s in state["schedule"]]
-        self.measurement = None if state["measurement"] is None else self._saved_measurement(state["measurement"])
+        self.measurement = None if state["measurement"] is None else probe.saved_measurement(self.params,
+                                                                                              state["measurement"])
         self.pending = None if state["pending"] is None else Choice.from_state(state["pending"])
         self._probe = []
         self._origin = None  # the loaded parameters are not the origin: a probe still running averages in float32
