@@ -57,6 +57,28 @@ def test_inside_an_allocation_no_host_flags_are_needed(monkeypatch):
     assert not cfg.standalone and cfg.launch_config().rdzv_endpoint == "127.0.0.1:15077"
 
 
+def test_a_later_node_joins_once_the_first_node_published_the_job_not_when_its_port_opens(monkeypatch, capfd):
+    """Red until 2026-11-30: the second node joined as soon as the first node's store port answered; that launcher
+    writes the job's config after opening the port, so a join in between was told "not elastic" and the job
+    failed (CI: test_an_elastic_job_spans_the_allocation_and_survives_losing_a_node_as_the_oracle)."""
+    import torch.distributed as dist
+
+    from phalanx.elastic.membership import key
+    from phalanx.launch import run as launch_run
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the port open, no job yet
+    for k, v in ALLOC.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PHALANX_SECRET", "s" * 32)
+    cfg = RunConfig.from_argv(["--elastic", "--master-port", str(store.port), WORKER])
+    joined: list[str] = []
+    monkeypatch.setattr(launch_run.launch_join, "main", lambda argv: joined.append(argv[1]) or 0)
+    assert launch_run._join_slurm_job(cfg, within=1.0) == 1 and joined == []
+    assert "published no elastic job within 1 s" in capfd.readouterr().err
+    store.set(key("config"), "{}")
+    assert launch_run._join_slurm_job(cfg, within=30.0) == 0 and joined == [f"127.0.0.1:{store.port}"]
+
+
 @pytest.mark.parametrize("change, argv, given", [
     ({}, ["--nnodes", "3"], "--nnodes 3 inside SLURM job 77; expected --nnodes 2 (from SLURM_NNODES)"),
     ({}, ["--node-rank", "0"], "--node-rank 0 inside SLURM job 77; expected --node-rank 1 (from SLURM_NODEID)"),

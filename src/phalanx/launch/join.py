@@ -163,6 +163,20 @@ def probe(host: str, port: int) -> str:
     return "done" if done else "running"
 
 
+def wait_for_job(host: str, port: int, seconds: float) -> bool:
+    """Wait up to ``seconds`` for the store at ``host:port`` to publish an elastic job; True once it has.
+
+    A launcher opens its store's port before it writes the job's config: a node that saw the port open and asked
+    at once was told "not elastic" (a two-node SLURM job's second node, in CI)."""
+    try:
+        store = _store(host, port)
+        with _quiet_store_log():
+            store.wait([key("config")], timedelta(seconds=max(seconds, 0.001)))
+        return True
+    except Exception:  # noqa: BLE001 - timed out, refused, hung up: the caller says which job did not come up
+        return False
+
+
 def check_secret(host: str, port: int, given: str | None) -> str:
     """The secret we present, checked against the one the job at ``host:port`` published; one line if not."""
     if given is None:

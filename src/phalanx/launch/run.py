@@ -301,9 +301,10 @@ def _stopped(cfg: RunConfig, failures: dict, notes: str, preemption: Stopping) -
     return None
 
 
-def _join_slurm_job(cfg: RunConfig) -> int:
-    """A node other than the first of an elastic SLURM job: ``phalanx join`` node 0's store once it is up."""
-    deadline = time.monotonic() + 120  # node 0's launcher imports torch and opens its store first
+def _join_slurm_job(cfg: RunConfig, within: float = 120.0) -> int:
+    """A node other than the first of an elastic SLURM job: ``phalanx join`` node 0's store once it is up and has
+    published the job (its port opens first)."""
+    deadline = time.monotonic() + within  # node 0's launcher imports torch and opens its store first
     while True:
         try:
             with socket.create_connection((cfg.master_addr, int(cfg.master_port or 0)), timeout=5):
@@ -314,6 +315,10 @@ def _join_slurm_job(cfg: RunConfig) -> int:
                       "come up within 120 s", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.5)  # polling a port that is not open yet; nothing to wait on instead
+    if not launch_join.wait_for_job(cfg.master_addr, int(cfg.master_port or 0), deadline - time.monotonic()):
+        print(f"phalanx: the first node's store at {cfg.master_addr}:{cfg.master_port} published no elastic job "
+              f"within {within:.0f} s", file=sys.stderr, flush=True)
+        return 1
     return launch_join.main(["--rdzv-endpoint", f"{cfg.master_addr}:{cfg.master_port}", "-n", str(cfg.nproc),
                       "--threads", str(cfg.threads), cfg.script, *cfg.script_args])
 
