@@ -29,7 +29,7 @@ from .diloco import DiLoCo
 from .fragments import balanced_split, value_split
 from .quantize import Quantize
 from .sparseloco import SparseLoCo
-from .streaming_diloco import StreamingDiLoCo
+from .streaming_diloco import CUTS, StreamingDiLoCo
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,6 @@ PERIODS = (4, 8, 16, 32, 64, 128, 256, 512)
 #: period above the last takes "streaming-diloco"'s (64; 128 and 160 measured no better on any family).
 STREAMING_PERIODS = (4, 8, 16)
 FRAGMENTS = (2, 4, 8)
-#: Streaming DiLoCo's cuts weighed: whole tensors (the paper's), and equal values where the tensors' cut is uneven
-#: (one dominant tensor: its fragment's send is what shows on a slow link).
-CUT_CHOICES = ("tensors", "values")
 BITS: tuple[int | None, ...] = (None, 8, 4)  # the paper found 4-bit outer gradients lose nothing measurable
 SPARSE = "sparseloco"  # quantize= in a Choice's settings: px.SparseLoCo() (2-bit top 64 of 4096, error feedback)
 #: Assumed when neither ``planned_steps`` nor ``Trainer.fit`` gives the run's length (said in the line).
@@ -321,7 +318,9 @@ def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
         outer = _outer(rounds, every)
         out.append(Choice("diloco", (("every", every), *outer), m.compute_s + m.ring_s(m.grad_bytes) / every,
                           planned_steps * PENALTIES["diloco"].steps, "diloco", m.grad_bytes / every))
-        for parts, cut in ((p, c) for p in FRAGMENTS for c in CUT_CHOICES):
+        # every cut (streaming_diloco.CUTS); equal values only where the tensors' cut is uneven (one dominant tensor:
+        # its fragment's send is what shows on a slow link)
+        for parts, cut in ((p, c) for p in FRAGMENTS for c in CUTS):
             if parts > every or (cut == "tensors" and parts > m.tensors):
                 continue
             sizes = m.fragments(parts, cut)
