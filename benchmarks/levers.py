@@ -158,20 +158,24 @@ STEPS = {
     "gpt": {"one-process": (112, 104, 100), "lever-base": (140, 116, 124), "lever-ef": (128,),
             "allreduce-4bit": (112, 104, 108), "lever-h4": (132, 120, 120), "lever-h8": (132, 120, 116),
             "lever-h8-f8v": (136, 120, 120),
-            "lever-h16": (136, 124, 120)},
+            "lever-h16": (136, 124, 120), "lever-h32": (140, 128, 120)},
     "resnet20": {"one-process": (108, 144, 128), "lever-base": (200,), "lever-ef": (196,),
                  "allreduce-4bit": (104, 144, 116), "lever-h4": (144, 160, 112), "lever-h8": (152, 152, 152),
                  "lever-h8-f8v": (152, 164, 140),
-                 "lever-h16": (164,)},
+                 "lever-h16": (164, 192, 152), "lever-h32": (192, None, 200)},
     "lstm": {"one-process": (128, 140, 120), "lever-base": (160, 168, 148), "lever-ef": (None,),
              "allreduce-4bit": (136, 140, 132), "lever-h4": (144, 160, 160), "lever-h8": (156, 168, 148),
              "lever-h8-f8v": (152, 160, 156),
-             "lever-h16": (152, 164, 148)},
+             "lever-h16": (152, 164, 148), "lever-h32": (160, 164, 148)},
 }
 #: The steps above each penalty of the decision stands for.
 MEASURED_AS = {"allreduce": "one-process", "allreduce-4bit": "allreduce-4bit", "streaming-diloco": "lever-base",
                "streaming-diloco-h4": "lever-h4", "streaming-diloco-h8": "lever-h8",
-               "streaming-diloco-h16": "lever-h16", "streaming-diloco-sparseloco": "lever-ef"}
+               "streaming-diloco-h16": "lever-h16", "streaming-diloco-h32": "lever-h32",
+               "streaming-diloco-h64": "lever-base",
+               "streaming-diloco-sparseloco": "lever-ef"}
+#: Each family's inner optimizer, as px.Auto reads it (the penalties of its kind).
+INNER = {"gpt": "adaptive", "lstm": "adaptive", "resnet20": "sgd"}
 
 
 def project() -> str:
@@ -195,7 +199,7 @@ def project() -> str:
            "auto | auto's bytes/step (x fewer than DDP) |", "|---|---|---|---|---|---|---|---|"]
     for task, (compute, params) in FAMILIES.items():
         for link, rate in LINKS.items():
-            m = Measurement(compute, 4 * params, rate, 0.0, 2, _sizes(task), QUANTIZE_S[task])
+            m = Measurement(compute, 4 * params, rate, 0.0, 2, _sizes(task), QUANTIZE_S[task], inner=INNER[task])
             cands = candidates(m, 200)
             ar = next(c for c in cands if c.rule == "allreduce")
             sd = next(c for c in cands if c.rule == "streaming-diloco" and c.kwargs["every"] == 64 and

@@ -242,7 +242,8 @@ class Auto(Accounting, StepState, Strategy):
         window, self._probe = self._probe, []
         return probe.window_measurement(self.comm, self.params, window, local=self.probing == "local",
                                         local_s=self._local_s,
-                                        rate=self.link_rate if self.link_rate is not None else math.inf)
+                                        rate=self.link_rate if self.link_rate is not None else math.inf,
+                                        inner=probe.inner_kind(self.optimizer))
 
     def _agreed_rate(self) -> float:
         """One probe of the link, its time agreed on every rank: the rate in the ring model."""

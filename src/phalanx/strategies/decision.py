@@ -42,7 +42,8 @@ class Penalty:
 
 #: Measured step penalties per rule (steps to target / the one-process run's). Auto's projections rest on these.
 #: Auto cannot tell a model family from its measurements, and a choice must hold on every family, so each penalty
-#: is the worst family's median where several were measured (benchmarks/reports/quality.md, "Levers").
+#: is the worst family's median where several were measured (benchmarks/reports/quality.md, "Levers"). Where the
+#: inner optimizer's kind is known (:attr:`Measurement.inner`), :data:`PENALTIES_BY_INNER` holds its own families'.
 PENALTIES: Mapping[str, Penalty] = MappingProxyType({
     "allreduce": Penalty(1.0, "exact gradient averaging: N workers with batch b compute one process's step with "
                               "batch N·b (tests/strategies: the oracle tests), so it needs the one-process steps"),
@@ -56,30 +57,88 @@ PENALTIES: Mapping[str, Penalty] = MappingProxyType({
                             "1.16x on issue 41's recurrent LM (186 against 160); on ResNet-20 no DiLoCo-family rule "
                             "reached the target in its 200 steps (docs/performance.md section 7), DDP at 104: at "
                             "least 1.92x, the worst family"),
-    "streaming-diloco": Penalty(1.92, "benchmarks/levers.py, 2 workers, steps to target over the one-process run's: "
-                                      "StreamingDiLoCo(every=64, fragments=2, overlap=1, quantize=4, outer_lr=1, "
-                                      "outer_momentum=0), Auto's pick for a 200-step run, needed 1.25x, 1.12x, 1.24x "
-                                      "on the GPT, 1.25x, 1.20x, 1.23x on the LSTM (seeds 0-2) and 1.92x on "
-                                      "ResNet-20 (SGD inner; seed 0): the worst family's"),
+    "streaming-diloco": Penalty(1.92, "periods above 64, taken as 64's: lever-h128 and lever-h160 (benchmarks/"
+                                      "levers.py) measured no better than every=64 on any family"),
+    "streaming-diloco-h64": Penalty(1.92, "benchmarks/levers.py, 2 workers, steps to target over the one-process "
+                                          "run's: StreamingDiLoCo(every=64, fragments=2, overlap=1, quantize=4, "
+                                          "outer_lr=1, outer_momentum=0) needed 1.25x, 1.12x, 1.24x on the GPT, "
+                                          "1.25x, 1.20x, 1.23x on the LSTM (seeds 0-2) and 1.92x on ResNet-20 (SGD "
+                                          "inner; seed 0): the worst family's"),
     # A shorter period, the same rule (2 fragments, tau = 1, 4-bit, plain averaging), seeds 0-2, 2026-11-29; the
     # worst family's median at each (a period between two measured ones takes the longer one's):
-    "streaming-diloco-h4": Penalty(1.18, "benchmarks/levers.py, as streaming-diloco with every=4: the GPT 132, 120, "
+    "streaming-diloco-h4": Penalty(1.19, "benchmarks/levers.py, as streaming-diloco with every=4: the GPT 132, 120, "
                                          "120 (1.18x, 1.15x, 1.20x), the LSTM 144, 160, 160 (1.13x, 1.14x, 1.33x), "
-                                         "ResNet-20 144, 160, 112 against DDP's 108, 144, 128 (1.33x, 1.11x, 0.88x)"),
+                                         "ResNet-20 144, 160, 112 against DDP's 108, 144, 128 (1.33x, 1.11x, 0.88x); "
+                                         "with seeds 3-4 (2026-11-30) the LSTM's median 1.19x"),
     "streaming-diloco-h8": Penalty(1.22, "benchmarks/levers.py, as streaming-diloco with every=8: the GPT 132, 120, "
                                          "116 (1.18x, 1.15x, 1.16x), the LSTM 156, 168, 148 (1.22x, 1.20x, 1.23x), "
                                          "ResNet-20 152, 152, 152 against DDP's 108, 144, 128 (1.41x, 1.06x, 1.19x); "
                                          "with 8 fragments cut by values (lever-h8-f8v) the LSTM 152, 160, 156, "
                                          "the GPT 136, 120, 120, ResNet-20 152, 164, 140 (medians 1.19x, 1.20x, "
                                          "1.14x): the cut takes the period's penalty"),
-    "streaming-diloco-h16": Penalty(1.52, "benchmarks/levers.py, as streaming-diloco with every=16: the GPT 136, 124, "
+    "streaming-diloco-h16": Penalty(1.33, "benchmarks/levers.py, as streaming-diloco with every=16: the GPT 136, 124, "
                                           "120 (1.21x, 1.19x, 1.20x), the LSTM 152, 164, 148 (1.19x, 1.17x, 1.23x), "
-                                          "ResNet-20 164 against DDP's 108 (1.52x, seed 0)"),
+                                          "ResNet-20 164, 192, 152 against DDP's 108, 144, 128 (1.52x, 1.33x, 1.19x; "
+                                          "seeds 1-2 on 2026-11-30)"),
+    "streaming-diloco-h32": Penalty(1.78, "benchmarks/levers.py, as streaming-diloco with every=32 (2026-11-30): "
+                                          "the GPT 140, 128, 120, the LSTM 160, 164, 148 (medians 1.23x, 1.23x), "
+                                          "ResNet-20 192, none, 200 against DDP's 108, 144, 128 (1.78x, missed in "
+                                          "200 steps: counted as 2x, 1.56x)"),
     "streaming-diloco-sparseloco": Penalty(2.0, "benchmarks/levers.py, as streaming-diloco: every=16 with "
                                                 "quantize=px.SparseLoCo() needed 1.14x on the GPT and 1.88x on "
                                                 "ResNet-20, and missed the LSTM's target in its 200-step budget (seed "
                                                 "0); a family missed counts as 2x"),
 })
+#: The inner optimizer's kinds the penalties tell apart (:attr:`Measurement.inner`): one that scales each coordinate
+#: by a running mean of its squared gradient (Adam, AdamW, RMSprop, ...: the GPT's and the LSTM's AdamW), and SGD
+#: with or without momentum (ResNet-20's). Local steps cost them differently: over periods of 4 to 64 the adaptive
+#: families lose about the same steps at every period, SGD loses more the longer the period. ``""``: not known.
+ADAPTIVE, SGD = "adaptive", "sgd"
+INNERS = (ADAPTIVE, SGD)
+
+#: The penalties of one kind of inner optimizer: the worst of its own families' medians (a key not here takes
+#: :data:`PENALTIES`', the worst of every family). Seeds 0-4 on the GPT and the LSTM, 0-2 on ResNet-20.
+PENALTIES_BY_INNER: Mapping[str, Mapping[str, Penalty]] = MappingProxyType({
+    # AdamW on the GPT and the LSTM, seeds 0-4 (benchmarks/levers.py, 2026-11-29 and -30; seeds 3-4 over DDP's
+    # steps on loopback, the GPT 104, 88 and the LSTM 136, 128, as seeds 0-2 over the one-process run's): every
+    # period from 4 to 64 within 1.16-1.24x, the seeds' spread (1.08-1.33x) wider than the periods'
+    ADAPTIVE: MappingProxyType({
+        "diloco": Penalty(1.36, "DiLoCo(every=50) on the GPT 1.43x, 1.35x, 1.36x (seeds 0-2; benchmarks/reports/"
+                                "sparseloco.md), on issue 41's recurrent LM 1.16x (186 against 160): the GPT's median"),
+        "streaming-diloco-h4": Penalty(1.19, "every=4: the GPT 132, 120, 120, 112, 108 (median 1.18x), the LSTM 144, "
+                                             "160, 160, 164, 152 (1.19x)"),
+        "streaming-diloco-h8": Penalty(1.22, "every=8: the GPT 132, 120, 116, 112, 108 (median 1.16x), the LSTM 156, "
+                                             "168, 148, 164, 160 (1.22x)"),
+        "streaming-diloco-h16": Penalty(1.21, "every=16: the GPT 136, 124, 120, 112, 104 (median 1.19x), the LSTM "
+                                              "152, 164, 148, 164, 160 (1.21x)"),
+        "streaming-diloco-h32": Penalty(1.23, "every=32: the GPT 140, 128, 120, 124, 108 (median 1.23x), the LSTM "
+                                              "160, 164, 148, 164, 152 (1.21x)"),
+        "streaming-diloco-h64": Penalty(1.24, "every=64: the GPT 140, 116, 124, 120, 104 (median 1.18x), the LSTM 160, "
+                                          "168, 148, 168, 160 (1.24x)"),
+    }),
+    # SGD with momentum on ResNet-20, seeds 0-2, over DDP's steps on loopback (108, 144, 128): the longer the period,
+    # the more steps
+    SGD: MappingProxyType({
+        "allreduce-4bit": Penalty(1.0, "AllReduce(compression=Quantize(4, block=256, error_feedback=True)): 104, 144, "
+                                       "116 (0.96x, 1.00x, 0.91x); below 1 is the seeds' noise (it cannot beat the "
+                                       "exact average it approximates), taken as 1"),
+        "streaming-diloco-h4": Penalty(1.11, "every=4: 144, 160, 112 (1.33x, 1.11x, 0.88x)"),
+        "streaming-diloco-h8": Penalty(1.19, "every=8: 152, 152, 152 (1.41x, 1.06x, 1.19x)"),
+    }),
+})
+
+
+def penalty(key: str, inner: str = "") -> Penalty:
+    """The step penalty of ``key`` for this kind of inner optimizer: its own families' where measured, else the
+    worst family's.
+
+    Example:
+        >>> penalty("streaming-diloco-h16", "adaptive").steps < penalty("streaming-diloco-h16").steps
+        True
+    """
+    return PENALTIES_BY_INNER.get(inner, {}).get(key) or PENALTIES[key]
+
+
 #: The periods the 2-bit exchange (``quantize=px.SparseLoCo()``) is weighed at: the ones its penalty was measured at
 #: (on runs of 180-200 steps, so only below LONG_RUN_ROUNDS outer rounds).
 SPARSE_PERIODS = (16,)
@@ -94,8 +153,11 @@ LONG_RUN_ROUNDS = 20
 MIN_ROUNDS = 3
 PERIODS = (4, 8, 16, 32, 64, 128, 256, 512)
 #: Streaming DiLoCo's periods with a penalty of their own (above); a period between two takes the longer one's, a
-#: period above the last takes "streaming-diloco"'s (64; 128 and 160 measured no better on any family).
-STREAMING_PERIODS = (4, 8, 16)
+#: period above the last takes "streaming-diloco"'s, which no kind of inner optimizer lowers (not measured there).
+STREAMING_PERIODS = (4, 8, 16, 32, 64)
+#: Up to this period the outer step is plain averaging on any run: the Nesterov step at every=16 needed 1.54x the
+#: steps against plain averaging's 1.21x on the GPT (longer periods on long runs take the paper's step).
+PLAIN_UP_TO = 16
 FRAGMENTS = (2, 4, 8)
 BITS: tuple[int | None, ...] = (None, 8, 4)  # the paper found 4-bit outer gradients lose nothing measurable
 SPARSE = "sparseloco"  # quantize= in a Choice's settings: px.SparseLoCo() (2-bit top 64 of 4096, error feedback)
@@ -105,9 +167,14 @@ PROBE_BYTES = 2**20  # the link probe: at most 1 MiB (0.8 s at 10 Mbit/s), once 
 #: The compressed all-reduce Auto weighs: gradients in 4 bits, blocks of 256, what rounding left out carried to the
 #: next step (error feedback), all-gathered as backward fills each bucket (docs/strategies.md "Quantised gradients").
 GRAD_BITS, GRAD_BLOCK = 4, 256
-#: The compressed all-reduce's CPU a step, per worker in the group, in units of the quantising Auto times once
-#: (``Measurement.quantize_s``): 1 a worker, so 2x on 2 workers, where 1.7-2.7x was measured (:func:`candidates`).
-QUANTIZE_CPU = 1.0
+#: An exchange's CPU on the cores that train, per worker in the group and per model's worth of values exchanged, in
+#: units of the quantising Auto times once (``Measurement.quantize_s``): quantising, adding the others' messages,
+#: the outer step. The same for the 4-bit all-reduce (every value every step) and for Streaming DiLoCo (every value
+#: once a period), in any bits: ``benchmarks/step_split.py`` measured 2.6-3.5 on the GPT's and 1.8-2.2 on the
+#: LSTM's 4-bit all-reduce, 3.0-3.9 on the GPT's streams at 1 Gbit/s (float32 3.0) and 2.6 and 3.2 on the LSTM's
+#: at 100 and 10 Mbit/s, all on 2 workers (2026-11-29); 1.5 a worker is 3 on 2. Charging the streams alone, or the
+#: all-reduce alone, tipped near-ties to the rule left uncharged (docs/strategies.md).
+EXCHANGE_CPU = 1.5
 
 
 def grad_compressor(bits: int = GRAD_BITS) -> Quantize:
@@ -129,11 +196,13 @@ class Measurement:
             so a model with one dominant tensor (an LSTM's recurrent weights, a language model's embedding) sends
             one fragment far larger than ``1 / fragments`` of it. ``()``: not known, fragments taken as equal.
         quantize_s: one worker's time to quantise the gradient to :data:`GRAD_BITS` bits and back, timed once (the
-            compressed all-reduce's step adds :data:`QUANTIZE_CPU` x N times it; 0: not measured, taken as free).
+            exchange of every value adds :data:`EXCHANGE_CPU` x N times it; 0: not measured, taken as free).
         backward_cost_s: what the all-reduce, overlapped with backward, added to the step beyond ``compute_s`` and the
             waiting (hooks, copies, gloo's threads on the cores that train), as the probe measured it where it timed
             a local step too (0: not measured). AllReduce pays it, and so does the compressed all-reduce, which runs
             in the same hooks.
+        inner: the inner optimizer's kind, :data:`ADAPTIVE` or :data:`SGD` (:data:`PENALTIES_BY_INNER`); ``""``:
+            not one of them, so each rule takes the worst family's penalty.
     """
 
     compute_s: float
@@ -144,6 +213,7 @@ class Measurement:
     sizes: tuple[int, ...] = ()
     quantize_s: float = 0.0
     backward_cost_s: float = 0.0
+    inner: str = ""
 
     @property
     def tensors(self) -> float:
@@ -273,8 +343,14 @@ class Decision:
         rest = "; ".join(f"{_short(o)} {o.time_s:.1f} s" for o in self.others)
         return (f"phalanx auto: {c.describe()} from step {step}: link {rate_words(m.rate)}, compute "
                 f"{m.compute_s * 1e3:.3g} ms/step, {100 * m.overlap:.0f}% of the all-reduce hidden behind backward, "
-                f"{m.workers} workers, {planned}: projected {c.time_s:.1f} s to target ({c.step_s * 1e3:.3g} ms/step "
-                f"x {c.steps:.0f} expected steps)" + (f"; {rest}" if rest else ""))
+                f"{m.workers} workers, {_inner_words(m.inner)}, {planned}: projected {c.time_s:.1f} s to target "
+                f"({c.step_s * 1e3:.3g} ms/step x {c.steps:.0f} expected steps)" + (f"; {rest}" if rest else ""))
+
+
+def _inner_words(inner: str) -> str:
+    """Whose penalties the projection took, as the line says it."""
+    return {ADAPTIVE: "an adaptive inner optimizer's penalties", SGD: "SGD's penalties"}.get(
+        inner, "the worst family's penalties (the inner optimizer is neither adaptive nor SGD)")
 
 
 def rate_words(rate: float) -> str:
@@ -291,7 +367,7 @@ def rate_words(rate: float) -> str:
 def _outer(rounds: float, every: int = 0) -> tuple[tuple[str, Any], ...]:
     """Plain averaging on a short run, or at a period whose penalty was measured with it (Nesterov 0.7/0.9 at
     every=16 needed 1.54x the steps against plain averaging's 1.21x on the GPT); the paper's step otherwise."""
-    plain = rounds < LONG_RUN_ROUNDS or every <= STREAMING_PERIODS[-1]
+    plain = rounds < LONG_RUN_ROUNDS or every <= PLAIN_UP_TO
     return (("outer_lr", 1.0), ("outer_momentum", 0.0)) if plain else (("outer_lr", 0.7), ("outer_momentum", 0.9))
 
 
@@ -302,22 +378,21 @@ def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
     n = m.grad_bytes / 4  # parameters
     # The gradients in 4 bits: each worker all-gathers the others' messages while backward runs (what backward hid
     # of the float32 all-reduce it hides of this one), and quantises its own and adds theirs on the CPU it trains on.
-    # That CPU is QUANTIZE_CPU x N times one timed quantising: benchmarks/step_split.py measured the 4-bit all-reduce's
-    # step at 1 Gbit/s 16 ms (the GPT) and 21 ms (the LSTM) above the step with nothing sent and the gather's link
-    # time, 2.7x and 1.7x the quantising Auto timed (2026-11-29); the model took N/2 = 1x, and picked it where it lost.
+    # That CPU is EXCHANGE_CPU x N times one timed quantising, every step.
     message = grad_compressor().message_bytes(math.ceil(n))
     gather = m.gather_s(message)
     exposed = max(0.0, gather - m.overlap * m.ring_s(m.grad_bytes))
-    step = max(m.compute_s + m.backward_cost_s + QUANTIZE_CPU * m.quantize_s * max(m.workers, 2) + exposed, gather)
+    cpu = EXCHANGE_CPU * m.quantize_s * max(m.workers, 2)  # a model's worth of values exchanged
+    step = max(m.compute_s + m.backward_cost_s + cpu + exposed, gather)
     out.append(Choice("allreduce", (("quantize", GRAD_BITS),), step,
-                      planned_steps * PENALTIES["allreduce-4bit"].steps, "allreduce-4bit", message))
+                      planned_steps * penalty("allreduce-4bit", m.inner).steps, "allreduce-4bit", message))
     for every in PERIODS:
         rounds = planned_steps / every
         if rounds < MIN_ROUNDS:
             continue
         outer = _outer(rounds, every)
-        out.append(Choice("diloco", (("every", every), *outer), m.compute_s + m.ring_s(m.grad_bytes) / every,
-                          planned_steps * PENALTIES["diloco"].steps, "diloco", m.grad_bytes / every))
+        out.append(Choice("diloco", (("every", every), *outer), m.compute_s + (m.ring_s(m.grad_bytes) + cpu) / every,
+                          planned_steps * penalty("diloco", m.inner).steps, "diloco", m.grad_bytes / every))
         # every cut (streaming_diloco.CUTS); equal values only where the tensors' cut is uneven (one dominant tensor:
         # its fragment's send is what shows on a slow link)
         for parts, cut in ((p, c) for p in FRAGMENTS for c in CUTS):
@@ -337,13 +412,14 @@ def candidates(m: Measurement, planned_steps: int) -> list[Choice]:
                 # behind compute; the largest fragment's send decides what shows (measured on the LSTM at
                 # 10 Mbit/s, one fragment 76% of the model: 147 ms a step where equal fragments projected 108);
                 # the link cannot carry more than it carries: the step is at least its share of the link's time
+                # and every value's exchange costs the CPU the all-reduce's does, once a period
                 exposed = sum(max(0.0, send - m.compute_s) for send in sends)
-                step = max(m.compute_s + exposed / every, sum(sends) / every)
+                step = max(m.compute_s + (exposed + cpu) / every, sum(sends) / every)
                 message = sum(messages) / parts
                 # SparseLoCo's error feedback takes the outer momentum's place: its outer step is plain averaging
                 settings = (("every", every), ("fragments", parts), ("overlap", 1), ("quantize", bits),
                             *(_outer(0) if bits == SPARSE else outer), *((("cut", cut),) if cut != "tensors" else ()))
-                out.append(Choice("streaming-diloco", settings, step, planned_steps * PENALTIES[key].steps, key,
+                out.append(Choice("streaming-diloco", settings, step, planned_steps * penalty(key, m.inner).steps, key,
                                   message * parts / every))
     return out
 
@@ -406,5 +482,5 @@ def decide(m: Measurement, planned_steps: int | None = None) -> Decision:
     return Decision(choice, tuple(others), m, planned, known)
 
 
-__all__ = ["Choice", "Decision", "EveryFrom", "Measurement", "PENALTIES", "Penalty", "candidates", "decide",
-           "grad_compressor"]
+__all__ = ["ADAPTIVE", "Choice", "Decision", "EveryFrom", "INNERS", "Measurement", "PENALTIES", "PENALTIES_BY_INNER",
+           "Penalty", "SGD", "candidates", "decide", "grad_compressor", "penalty"]

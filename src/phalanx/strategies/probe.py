@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..group.collectives import Comm
-from .decision import GRAD_BITS, GRAD_BLOCK, PROBE_BYTES, Measurement
+from .decision import ADAPTIVE, GRAD_BITS, GRAD_BLOCK, PROBE_BYTES, SGD, Measurement
 from .quantize import Quantize
 
 #: The bits the local probe's closing average sends each replica's drift in (blocks of 128: Streaming DiLoCo's own).
@@ -40,11 +40,36 @@ def agreed(comm: Comm, values: list[float]) -> list[float]:
     return vals.tolist()
 
 
+#: Torch's optimizers that scale each coordinate by a running mean of its squared gradient (or its sum): the
+#: penalties of :data:`~phalanx.strategies.decision.ADAPTIVE`. A subclass counts as its base.
+ADAPTIVE_OPTIMIZERS: tuple[type, ...] = tuple(getattr(torch.optim, name) for name in (
+    "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "SparseAdam", "Adafactor")
+    if hasattr(torch.optim, name))
+
+
+def inner_kind(optimizer: torch.optim.Optimizer | None) -> str:
+    """The inner optimizer's kind as the penalties tell it apart: ``"adaptive"``, ``"sgd"``, or ``""`` (neither,
+    or not known: the worst family's penalties). By its class, so reading it sends nothing and costs nothing.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 1)
+        >>> inner_kind(torch.optim.AdamW(net.parameters())), inner_kind(torch.optim.SGD(net.parameters(), lr=0.1))
+        ('adaptive', 'sgd')
+        >>> inner_kind(torch.optim.LBFGS(net.parameters()))
+        ''
+    """
+    if isinstance(optimizer, ADAPTIVE_OPTIMIZERS):
+        return ADAPTIVE
+    return SGD if isinstance(optimizer, torch.optim.SGD) else ""
+
+
 def measurement(params: Sequence[torch.Tensor], workers: int, *, compute_s: float, rate: float,
-                overlap: float = 0.0) -> Measurement:
-    """A measurement of these parameters (their bytes and sizes) in a group of ``workers``."""
+                overlap: float = 0.0, inner: str = "") -> Measurement:
+    """A measurement of these parameters (their bytes and sizes) in a group of ``workers``, trained by an inner
+    optimizer of kind ``inner`` (:func:`inner_kind`)."""
     return Measurement(compute_s=max(compute_s, 1e-6), grad_bytes=4.0 * sum(p.numel() for p in params),
-                       rate=rate, overlap=overlap, workers=workers, sizes=tuple(p.numel() for p in params))
+                       rate=rate, overlap=overlap, workers=workers, sizes=tuple(p.numel() for p in params),
+                       inner=inner)
 
 
 def saved_measurement(params: Sequence[torch.Tensor], saved: dict[str, Any]) -> Measurement:
@@ -55,13 +80,14 @@ def saved_measurement(params: Sequence[torch.Tensor], saved: dict[str, Any]) -> 
 
 
 def window_measurement(comm: Comm, params: Sequence[torch.Tensor], window: list[tuple[float, float]], *,
-                       local: bool, local_s: float | None, rate: float) -> Measurement:
+                       local: bool, local_s: float | None, rate: float, inner: str = "") -> Measurement:
     """The probe window's step and waiting (agreed on every rank), at the rate the first link probe measured.
 
     ``window``: (time, the clock's waiting so far) after each probe step. ``local``: nothing was sent, so the whole
     step is compute (the clock's waiting then counts the gap from a gradient hook of the step before, not an
     exchange), and the overlap is taken as 0 (it hides at most ``t_c`` of a full all-reduce that takes longer).
-    ``local_s``: a fast link's step 2, timed with nothing sent: the AllReduce window starts after it."""
+    ``local_s``: a fast link's step 2, timed with nothing sent: the AllReduce window starts after it. ``inner``:
+    the inner optimizer's kind (:func:`inner_kind`, the same class on every rank)."""
     timed = local_s is not None and not local
     window = window[1:] if timed and len(window) > 2 else window
     (t0, w0), (t1, w1) = window[0], window[-1]
@@ -72,7 +98,7 @@ def window_measurement(comm: Comm, params: Sequence[torch.Tensor], window: list[
     # costs it (hooks, copies, gloo's threads on the cores that train): the compute step of every other rule is
     # the local step 2 where it was timed
     compute_s = min(local_s, step_s - waited) if timed and local_s is not None else step_s - waited
-    m = dataclasses.replace(measurement(params, comm.world_size, compute_s=compute_s, rate=rate),
+    m = dataclasses.replace(measurement(params, comm.world_size, compute_s=compute_s, rate=rate, inner=inner),
                             quantize_s=quantize_s, backward_cost_s=0.0 if local else step_s - waited - compute_s)
     if local:
         return m
@@ -137,5 +163,5 @@ def average_drift(comm: Comm, params: Sequence[torch.Tensor], model: nn.Module,
             comm.all_reduce_(buffers)
 
 
-__all__ = ["PROBE_BITS", "agreed", "average_drift", "average_parameters", "measurement", "probe_link", "ring_rate",
-           "saved_measurement", "time_quantize", "window_measurement"]
+__all__ = ["ADAPTIVE_OPTIMIZERS", "PROBE_BITS", "agreed", "average_drift", "average_parameters", "inner_kind",
+           "measurement", "probe_link", "ring_rate", "saved_measurement", "time_quantize", "window_measurement"]
