@@ -350,7 +350,7 @@ class Decision:
 def _inner_words(inner: str) -> str:
     """Whose penalties the projection took, as the line says it."""
     return {ADAPTIVE: "an adaptive inner optimizer's penalties", SGD: "SGD's penalties"}.get(
-        inner, "the worst family's penalties (the inner optimizer is neither adaptive nor SGD)")
+        inner, "the worst family's penalties (none measured for this inner optimizer, or it is not known)")
 
 
 def rate_words(rate: float) -> str:
