@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..group.collectives import Comm
-from .decision import ADAPTIVE, GRAD_BITS, GRAD_BLOCK, PROBE_BYTES, SGD, Measurement
+from .decision import GRAD_BITS, GRAD_BLOCK, PROBE_BYTES, Measurement
+from .penalties import ADAPTIVE, SGD
 from .quantize import Quantize
 
 #: The bits the local probe's closing average sends each replica's drift in (blocks of 128: Streaming DiLoCo's own).
